@@ -1,0 +1,312 @@
+"""Constraint predicates for the op-support tables.
+
+Each factory returns a ``Constraint``: a callable ``(OpInfo) -> str | None``
+that returns ``None`` when the op fits and otherwise the reason it does not,
+worded for the user (``kernel 9x9 > 7``).  ``describe`` says the limit in
+words for docs and dumps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from qcompiler.backends.bpu.op_info import OpInfo
+
+Check = Callable[["OpInfo"], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    describe: str
+    check: Check
+
+    def __call__(self, info: "OpInfo") -> Optional[str]:
+        return self.check(info)
+
+
+def _shape(s) -> str:
+    return "(" + ",".join(map(str, s)) + ")"
+
+
+def _drop_trailing_ones(s: tuple[int, ...]) -> tuple[int, ...]:
+    """(N, C, 1, 1) -> (N, C): the shape as NCHW memory sees it."""
+    s = tuple(s)
+    while len(s) > 2 and s[-1] == 1:
+        s = s[:-1]
+    return s
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+# ---- march-wide limits ------------------------------------------------------
+
+
+def ranks(allowed: tuple[int, ...], label: str) -> Constraint:
+    def check(info):
+        for s in info.tensor_shapes:
+            if len(s) not in allowed:
+                return f"{label}; tensor {_shape(s)} is {len(s)}-D"
+        return None
+
+    return Constraint(label, check)
+
+
+def max_batch(limit: int) -> Constraint:
+    def check(info):
+        for s in info.tensor_shapes:
+            if s and s[0] > limit:
+                return f"batch {s[0]} > {limit}"
+        return None
+
+    return Constraint(f"batch <= {limit}", check)
+
+
+def max_dims(limit: int, names: str = "H, W, C") -> Constraint:
+    def check(info):
+        for s in info.tensor_shapes:
+            for d in s[1:]:
+                if d > limit:
+                    return f"dimension {d} of {_shape(s)} > {limit}"
+        return None
+
+    return Constraint(f"{names} <= {limit}", check)
+
+
+# ---- convolution -------------------------------------------------------------
+
+
+def kernel_range(lo: int, hi: int) -> Constraint:
+    def check(info):
+        kh, kw = info.attrs.get("kernel", (1, 1))
+        if max(kh, kw) > hi:
+            return f"kernel {kh}x{kw} > {hi}"
+        if min(kh, kw) < lo:
+            return f"kernel {kh}x{kw} < {lo}"
+        return None
+
+    return Constraint(f"kernel {lo}..{hi}", check)
+
+
+def max_channels(limit: int) -> Constraint:
+    def check(info):
+        for key in ("in_channels", "out_channels"):
+            c = info.attrs.get(key)
+            if c is not None and c > limit:
+                return f"{key.replace('_', ' ')} {c} > {limit}"
+        return None
+
+    return Constraint(f"channels <= {limit}", check)
+
+
+def max_feature_channels(limit: int) -> Constraint:
+    """Channel (dim 1) limit on feature maps, for element-wise ops and concat."""
+
+    def check(info):
+        for s in info.tensor_shapes:
+            if len(s) >= 2 and s[1] > limit:
+                return f"channels {s[1]} of {_shape(s)} > {limit}"
+        return None
+
+    return Constraint(f"channels <= {limit}", check)
+
+
+def dilation_pow2() -> Constraint:
+    def check(info):
+        for d in info.attrs.get("dilation", (1, 1)):
+            if not _is_pow2(d):
+                return f"dilation {d} is not a power of 2"
+        return None
+
+    return Constraint("dilation a power of 2", check)
+
+
+def max_dilation(limit: int) -> Constraint:
+    def check(info):
+        d = max(info.attrs.get("dilation", (1, 1)))
+        return f"dilation {d} > {limit}" if d > limit else None
+
+    return Constraint(f"dilation <= {limit}", check)
+
+
+def dilation_one() -> Constraint:
+    def check(info):
+        d = max(info.attrs.get("dilation", (1, 1)))
+        return f"dilation {d} != 1" if d != 1 else None
+
+    return Constraint("dilation 1", check)
+
+
+def max_kernel_volume(limit: int) -> Constraint:
+    """kh * kw * (input channels per group) <= limit."""
+
+    def check(info):
+        kh, kw = info.attrs.get("kernel", (1, 1))
+        c = info.attrs.get("in_channels", 1) // max(1, info.attrs.get("groups", 1))
+        v = kh * kw * c
+        return f"kernel h*w*c = {kh}*{kw}*{c} = {v} > {limit}" if v > limit else None
+
+    return Constraint(f"kernel h*w*c <= {limit}", check)
+
+
+def max_stride(limit: int) -> Constraint:
+    def check(info):
+        s = max(info.attrs.get("stride", (1, 1)))
+        return f"stride {s} > {limit}" if s > limit else None
+
+    return Constraint(f"stride <= {limit}", check)
+
+
+def stride_in(allowed: tuple[int, ...]) -> Constraint:
+    def check(info):
+        for s in info.attrs.get("stride", (1, 1)):
+            if s not in allowed:
+                return f"stride {s} not in {{{', '.join(map(str, allowed))}}}"
+        return None
+
+    return Constraint(f"stride in {allowed}", check)
+
+
+def stride_not_all_one() -> Constraint:
+    def check(info):
+        return "stride 1x1 (a transposed conv must upsample)" if tuple(info.attrs.get("stride", (1, 1))) == (1, 1) else None
+
+    return Constraint("stride not both 1", check)
+
+
+# ---- pooling -------------------------------------------------------------------
+
+
+def pool_limits(kernel: int, stride: Optional[int] = None, pad: Optional[int] = None) -> Constraint:
+    def check(info):
+        kh, kw = info.attrs.get("kernel", (1, 1))
+        if max(kh, kw) > kernel:
+            return f"pool kernel {kh}x{kw} > {kernel}"
+        if stride is not None and max(info.attrs.get("stride", (1, 1))) > stride:
+            return f"pool stride {max(info.attrs['stride'])} > {stride}"
+        if pad is not None and max(info.attrs.get("padding", (0, 0))) > pad:
+            return f"pool padding {max(info.attrs['padding'])} > {pad}"
+        return None
+
+    return Constraint(f"pool kernel <= {kernel}", check)
+
+
+def global_pool(max_hw: Optional[int] = None) -> Constraint:
+    """adaptive_avg_pool2d to 1x1 (or mean over H, W) with H*W within the limit."""
+
+    def check(info):
+        size = info.attrs.get("output_size")
+        if info.op == "adaptive_avg_pool2d" and size not in (None, (1, 1)):
+            return f"adaptive_avg_pool2d to {size[0]}x{size[1]} is not a global pool"
+        if info.op == "mean":
+            dim = info.attrs.get("dim")
+            dims = tuple(sorted(d % 4 for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))) if dim is not None else None
+            if dims != (2, 3):
+                return f"mean over dims {dim} (only the global mean over H, W runs on the BPU)"
+        s = info.in_shapes[0] if info.in_shapes else None
+        if max_hw is not None and s is not None and len(s) == 4 and s[2] * s[3] > max_hw:
+            return f"H*W = {s[2]}*{s[3]} = {s[2] * s[3]} > {max_hw}"
+        return None
+
+    return Constraint("global average pool" + (f", H*W <= {max_hw}" if max_hw else ""), check)
+
+
+# ---- resize, element-wise, concat, layout ----------------------------------------------
+
+
+def resize_hw(nearest_pow2: bool = True) -> Constraint:
+    def check(info):
+        mode = info.attrs.get("mode", "nearest")
+        if mode not in ("nearest", "bilinear"):
+            return f"resize mode '{mode}'"
+        s_in, s_out = info.in_shapes[0], info.out_shapes[0] if info.out_shapes else None
+        if s_in is None or s_out is None or len(s_in) != 4:
+            return "resize of a non-4-D tensor"
+        if s_in[:2] != s_out[:2]:
+            return "resize changes N or C"
+        if nearest_pow2 and mode == "nearest":
+            for a, b in zip(s_in[2:], s_out[2:]):
+                if b % a or not _is_pow2(b // a):
+                    return f"nearest resize factor {b / a:g} is not a power of 2"
+        return None
+
+    return Constraint("resize over H, W" + ("; nearest by power-of-2 factors" if nearest_pow2 else ""), check)
+
+
+def max_lut_volume(limit: int) -> Constraint:
+    def check(info):
+        s = info.in_shapes[0] if info.in_shapes else None
+        if s is not None:
+            v = math.prod(s[1:])
+            if v > limit:
+                return f"c*h*w = {v} > {limit} for a lookup-table op"
+        return None
+
+    return Constraint(f"c*h*w <= {limit}", check)
+
+
+def nchw_or_nc11_broadcast() -> Constraint:
+    def check(info):
+        shapes = [s for s in info.in_shapes if s is not None]
+        if len(shapes) == 2 and shapes[0] != shapes[1]:
+            a, b = shapes
+            small = b if math.prod(b) <= math.prod(a) else a
+            big = a if small is b else b
+            ok = len(small) == 4 and len(big) == 4 and small[:2] == big[:2] and small[2:] == (1, 1)
+            if not ok:
+                return f"operands {_shape(a)} and {_shape(b)}: only NCHW with NCHW or NC11 broadcast"
+        return None
+
+    return Constraint("operands NCHW with NCHW or NC11", check)
+
+
+def feature_map_operands(minimum: int) -> Constraint:
+    def check(info):
+        n = sum(1 for s in info.in_shapes if s is not None)
+        return f"{n} feature-map operand(s); needs {minimum}" if n < minimum else None
+
+    return Constraint(f"{minimum} feature-map operands", check)
+
+
+def max_constant_operands(limit: int) -> Constraint:
+    def check(info):
+        n = info.attrs.get("constant_operands", 0)
+        return f"{n} constant operands > {limit}" if n > limit else None
+
+    return Constraint(f"at most {limit} constant operand", check)
+
+
+def rank_between(lo: int, hi: int) -> Constraint:
+    def check(info):
+        for s in info.tensor_shapes:
+            if not lo <= len(s) <= hi:
+                return f"tensor {_shape(s)} is {len(s)}-D, not {lo}..{hi}-D"
+        return None
+
+    return Constraint(f"{lo}..{hi}-D", check)
+
+
+def not_along_batch() -> Constraint:
+    def check(info):
+        dim = info.attrs.get("dim", 0)
+        return "concat along N (dim 0)" if dim == 0 else None
+
+    return Constraint("not along N", check)
+
+
+def folds_away() -> Constraint:
+    """A layout op that moves no data in NCHW: adds or drops trailing 1-sized dims only."""
+
+    def check(info):
+        s_in = info.in_shapes[0] if info.in_shapes else None
+        s_out = info.out_shapes[0] if info.out_shapes else None
+        if s_in is None or s_out is None:
+            return "layout op with unknown shapes"
+        if info.op in ("permute", "transpose") or _drop_trailing_ones(s_in) != _drop_trailing_ones(s_out):
+            return f"{info.op} {_shape(s_in)} -> {_shape(s_out)} moves data (bernoulli2 runs layout ops on CPU unless they fold away)"
+        return None
+
+    return Constraint("folds away (only trailing 1-sized dims change)", check)

@@ -1,0 +1,149 @@
+"""The facts op-support constraints look at, extracted once per node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.ir.meta import META_TENSOR, TensorInfo
+
+
+@dataclass
+class OpInfo:
+    """A node as op-support rules see it: canonical op, tensor shapes, op attributes."""
+
+    node: fx.Node
+    op: str
+    module: Optional[nn.Module]
+    in_shapes: list[Optional[tuple[int, ...]]]  # per positional tensor-or-constant operand
+    out_shapes: list[tuple[int, ...]]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tensor_shapes(self) -> list[tuple[int, ...]]:
+        """Every input and output tensor shape (the march-wide limits apply to all)."""
+        return [s for s in self.in_shapes if s is not None] + self.out_shapes
+
+
+def _pair(v) -> tuple[int, int]:
+    if isinstance(v, (tuple, list)):
+        return (int(v[0]), int(v[-1]))
+    return (int(v), int(v))
+
+
+def _flat_infos(info) -> list[TensorInfo]:
+    if isinstance(info, TensorInfo):
+        return [info]
+    if isinstance(info, (tuple, list)):
+        return [t for i in info for t in _flat_infos(i)]
+    return []
+
+
+def _base_module(module: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The conv/linear inside a fused module (``.op``), or the module itself."""
+    inner = getattr(module, "op", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
+def _normalized(node: fx.Node, gm: fx.GraphModule) -> dict[str, Any]:
+    try:
+        pair = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    except Exception:  # signatures torch cannot normalize: fall back to what we have
+        pair = None
+    return dict(pair.kwargs) if pair is not None else dict(node.kwargs)
+
+
+def _conv_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule, transposed: bool) -> dict:
+    conv = _base_module(module)
+    if isinstance(conv, (nn.Conv2d, nn.ConvTranspose2d)):
+        return {
+            "in_channels": conv.in_channels,
+            "out_channels": conv.out_channels,
+            "kernel": _pair(conv.kernel_size),
+            "stride": _pair(conv.stride),
+            "padding": _pair(conv.padding) if not isinstance(conv.padding, str) else (0, 0),
+            "dilation": _pair(conv.dilation),
+            "groups": conv.groups,
+        }
+    kw = _normalized(node, gm)
+    weight = kw.get("weight")
+    wshape = weight.meta[META_TENSOR].shape if isinstance(weight, fx.Node) and isinstance(
+        weight.meta.get(META_TENSOR), TensorInfo
+    ) else None
+    groups = int(kw.get("groups", 1) or 1)
+    attrs = {
+        "stride": _pair(kw.get("stride", 1)),
+        "padding": _pair(kw.get("padding", 0)) if not isinstance(kw.get("padding", 0), str) else (0, 0),
+        "dilation": _pair(kw.get("dilation", 1)),
+        "groups": groups,
+    }
+    if wshape is not None:
+        if transposed:
+            attrs.update(in_channels=wshape[0], out_channels=wshape[1] * groups)
+        else:
+            attrs.update(out_channels=wshape[0], in_channels=wshape[1] * groups)
+        attrs["kernel"] = (wshape[2], wshape[3])
+    return attrs
+
+
+def _pool_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
+    if module is not None and hasattr(module, "kernel_size"):
+        kernel, stride, padding = module.kernel_size, module.stride, module.padding
+    else:
+        kw = _normalized(node, gm)
+        kernel, stride, padding = kw.get("kernel_size"), kw.get("stride"), kw.get("padding", 0)
+    kernel = _pair(kernel)
+    stride = _pair(stride) if stride not in (None, [], ()) else kernel
+    return {"kernel": kernel, "stride": stride, "padding": _pair(padding)}
+
+
+def _interp_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
+    mode = getattr(module, "mode", None) if module is not None else _normalized(node, gm).get("mode", "nearest")
+    return {"mode": mode or "nearest"}
+
+
+def _dim_attr(node: fx.Node, gm: fx.GraphModule) -> dict:
+    kw = _normalized(node, gm)
+    if "dim" in kw:
+        return {"dim": kw["dim"]}
+    if node.op == "call_method" and len(node.args) > 1:
+        return {"dim": node.args[1]}
+    return {}
+
+
+def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
+    size = module.output_size if module is not None else _normalized(node, gm).get("output_size")
+    return {"output_size": _pair(size) if size is not None else None}
+
+
+def op_info(node: fx.Node, op: str, gm: fx.GraphModule, modules: dict[str, nn.Module]) -> OpInfo:
+    """Build the OpInfo of a call node whose canonical op is ``op``."""
+    module = modules.get(node.target) if node.op == "call_module" else None
+    in_shapes: list[Optional[tuple[int, ...]]] = []
+    for a in node.args:
+        if isinstance(a, fx.Node):
+            info = a.meta.get(META_TENSOR)
+            in_shapes.append(info.shape if isinstance(info, TensorInfo) else None)
+        elif isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
+            in_shapes.extend(x.meta[META_TENSOR].shape if isinstance(x.meta.get(META_TENSOR), TensorInfo) else None for x in a)
+        else:
+            in_shapes.append(None)
+    out_shapes = [t.shape for t in _flat_infos(node.meta.get(META_TENSOR))]
+    attrs: dict[str, Any] = {}
+    if op in ("conv2d", "conv_transpose2d"):
+        attrs = _conv_attrs(module, node, gm, transposed=(op == "conv_transpose2d"))
+    elif op in ("max_pool2d", "avg_pool2d"):
+        attrs = _pool_attrs(module, node, gm)
+    elif op == "interpolate":
+        attrs = _interp_attrs(module, node, gm)
+    elif op in ("cat", "mean", "softmax"):
+        attrs = _dim_attr(node, gm)
+    elif op == "adaptive_avg_pool2d":
+        attrs = _adaptive_attrs(module, node, gm)
+    attrs["constant_operands"] = sum(
+        1 for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)
+    )
+    return OpInfo(node, op, module, in_shapes, out_shapes, attrs)

@@ -1,0 +1,53 @@
+"""Op-support tables: which ops a march runs on the BPU, under which constraints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from qcompiler.backends.bpu.constraints import Constraint
+from qcompiler.backends.bpu.op_info import OpInfo
+from qcompiler.march import March
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One row: an op the BPU runs, the constraints it must meet, whether int16 is allowed."""
+
+    op: str
+    constraints: tuple[Constraint, ...] = ()
+    int16: bool = False
+    # march-wide limits that do not apply to this op (e.g. ranks for 2..5-D element-wise ops)
+    skip_general: bool = False
+
+
+@dataclass(frozen=True)
+class OpTable:
+    march: March
+    general: tuple[Constraint, ...]
+    rules: dict[str, OpRule] = field(default_factory=dict)
+
+    def check(self, info: OpInfo) -> tuple[bool, str]:
+        """``(True, why)`` if the op runs on the BPU, else ``(False, reason it does not)``."""
+        rule = self.rules.get(info.op)
+        if rule is None:
+            return False, f"{info.op} is not supported on {self.march.value}"
+        for c in (() if rule.skip_general else self.general) + rule.constraints:
+            reason = c(info)
+            if reason is not None:
+                return False, f"{info.op}: {reason} on {self.march.value}"
+        return True, f"{info.op} supported on {self.march.value}"
+
+    def supports(self, op: str) -> bool:
+        return op in self.rules
+
+    def rule(self, op: str) -> Optional[OpRule]:
+        return self.rules.get(op)
+
+
+def rules(*rows: OpRule) -> dict[str, OpRule]:
+    table: dict[str, OpRule] = {}
+    for row in rows:
+        assert row.op not in table, f"duplicate op-table row {row.op}"
+        table[row.op] = row
+    return table

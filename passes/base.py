@@ -1,0 +1,115 @@
+"""Pass infrastructure: a pass is ``(gm, ctx) -> PassResult``; ``PassManager`` runs a named list.
+
+The manager adds what every pass would otherwise repeat: timing, wrapping a
+failure with the pass name and the passes that ran before it, linting and
+verifying the graph after each pass, and dumping the graph after each pass
+into a folder (``NN_<pass>.txt``) for review.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch.fx as fx
+
+from qcompiler.errors import PassError, QCompilerError
+from qcompiler.march import March
+
+
+@dataclass
+class PassResult:
+    """What a pass returns: the (possibly new) GraphModule and whether it changed anything."""
+
+    gm: fx.GraphModule
+    modified: bool
+
+
+@dataclass
+class CompileContext:
+    """What passes may read: target, user configs, example inputs. Passes never mutate it."""
+
+    march: March
+    example_inputs: tuple = ()
+    hybrid_dict: Any = None  # qcompiler.passes.hybrid.HybridConfig or None
+    qconfig_dict: Optional[dict] = None
+    prepare_custom_config_dict: Optional[dict] = None
+    options: dict = field(default_factory=dict)
+
+
+PassFn = Callable[[fx.GraphModule, CompileContext], PassResult]
+Verifier = Callable[[fx.GraphModule, CompileContext], None]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A named pass with an optional verifier of the invariants it establishes."""
+
+    name: str
+    run: PassFn
+    verify: Optional[Verifier] = None
+
+    def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+        return self.run(gm, ctx)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    modified: bool
+    seconds: float
+
+
+class PassManager:
+    """Run passes in order; lint/verify and dump after each one if asked."""
+
+    def __init__(
+        self,
+        passes: Sequence[Union[Pass, PassFn]],
+        *,
+        verify: bool = True,
+        dump_dir: Optional[Union[str, Path]] = None,
+    ) -> None:
+        self.passes = [p if isinstance(p, Pass) else Pass(getattr(p, "__name__", "pass"), p) for p in passes]
+        self.verify = verify
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.records: list[PassRecord] = []
+
+    def run(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+        modified_any = False
+        done: list[str] = []
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+        for index, p in enumerate(self.passes):
+            start = time.perf_counter()
+            try:
+                result = p(gm, ctx)
+                if not isinstance(result, PassResult):
+                    raise TypeError(f"returned {type(result).__name__}, expected PassResult")
+                if self.verify:
+                    result.gm.graph.lint()
+                    if p.verify is not None:
+                        p.verify(result.gm, ctx)
+            except QCompilerError as exc:
+                # A user-facing error keeps its type (callers catch ConfigError etc.); we add where.
+                exc.pass_name, exc.passes_before = p.name, tuple(done)
+                exc.add_note(_where(p.name, done))
+                raise
+            except Exception as exc:
+                raise PassError(f"pass '{p.name}' failed: {type(exc).__name__}: {exc}. {_where(p.name, done)}") from exc
+            self.records.append(PassRecord(p.name, result.modified, time.perf_counter() - start))
+            gm = result.gm
+            modified_any |= result.modified
+            done.append(p.name)
+            if self.dump_dir is not None:
+                from qcompiler.ir.printing import annotated_code
+
+                (self.dump_dir / f"{index:02d}_{p.name}.txt").write_text(annotated_code(gm))
+        return PassResult(gm, modified_any)
+
+
+def _where(name: str, done: list[str]) -> str:
+    before = ", ".join(done) if done else "none"
+    return f"(in pass '{name}'; passes run before it: {before})"

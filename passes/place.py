@@ -1,0 +1,128 @@
+"""Place every node on the BPU or the CPU, with the reason, from the march table and hybrid_dict.
+
+Order of decisions for a call node:
+
+1. ``hybrid_dict`` forces it to the CPU (the user's word wins over support);
+2. stubs, identities, container ``getitem`` and size queries compute nothing:
+   they follow their producer (a QuantStub or a follower of a graph input
+   follows its consumers instead, decided in a backward sweep);
+3. layout ops (reshape, permute, ...) follow a CPU producer; after a BPU
+   producer the march table decides;
+4. anything else is looked up in the march's op-support table, whose
+   constraint predicates give the reason when an op does not fit.
+
+Placeholders and the output node are not placed: graph inputs and outputs are
+float, like CPU values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.backends.bpu import op_table
+from qcompiler.backends.bpu.op_info import op_info
+from qcompiler.hybrid import HybridConfig
+from qcompiler.ir.meta import (
+    BPU,
+    CPU,
+    META_OP,
+    META_PLACEMENT,
+    META_REASON,
+    META_TENSOR,
+    TensorInfo,
+    placement,
+    set_placement,
+)
+from qcompiler.ir.ops import LAYOUT_OPS, META_OPS, PASSTHROUGH_OPS, node_op
+from qcompiler.passes.base import CompileContext, Pass, PassResult
+
+
+def _producer(node: fx.Node) -> Optional[fx.Node]:
+    """The node whose value a follower passes on: its first node input."""
+    inputs = node.all_input_nodes
+    return inputs[0] if inputs else None
+
+
+def _is_follower(node: fx.Node, op: Optional[str]) -> bool:
+    if op in PASSTHROUGH_OPS or op in META_OPS or op == "dequant":
+        return True
+    if op == "getitem":
+        src = _producer(node)
+        # indexing a container (LSTM's (out, (h, c))) moves nothing; slicing a tensor is compute
+        return src is not None and not isinstance(src.meta.get(META_TENSOR), TensorInfo)
+    return False
+
+
+def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tuple[str, str]:
+    if op is None:
+        if node.op == "call_module":
+            mod = modules[node.target]
+            return CPU, f"module '{node.target}' ({type(mod).__name__}) has no BPU implementation"
+        return CPU, f"{node.op} {getattr(node.target, '__name__', node.target)} has no BPU implementation"
+    ok, reason = table.check(op_info(node, op, gm, modules))
+    return (BPU if ok else CPU), reason
+
+
+def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    table = op_table(ctx.march)
+    hybrid: HybridConfig = ctx.hybrid_dict or HybridConfig()
+    modules: dict[str, nn.Module] = dict(gm.named_modules())
+    pending: list[fx.Node] = []
+    changed = False
+
+    def assign(n: fx.Node, where: str, reason: str) -> None:
+        nonlocal changed
+        changed |= n.meta.get(META_PLACEMENT) != where or n.meta.get(META_REASON) != reason
+        set_placement(n, where, reason)
+
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        op = node_op(node, modules)
+        node.meta[META_OP] = op
+        forced = hybrid.match(node) if node.op != "get_attr" else None
+        if forced is not None:
+            assign(node, CPU, forced)
+        elif node.op == "get_attr" or op == "quant":
+            pending.append(node)
+        elif _is_follower(node, op):
+            src = _producer(node)
+            where = placement(src) if src is not None else None
+            if where is None:
+                pending.append(node)
+            elif op == "dequant":
+                assign(node, where, "dequantizes the BPU output" if where == BPU else f"DeQuantStub after CPU op '{src.name}' is a no-op")
+            else:
+                assign(node, where, f"follows its producer '{src.name}'")
+        elif op in LAYOUT_OPS and placement(_producer(node)) == CPU:
+            assign(node, CPU, f"{op} follows its CPU producer '{_producer(node).name}'")
+        else:
+            assign(node, *_decide_compute(node, op, table, gm, modules))
+
+    # Backward sweep: constants, QuantStubs and followers of graph inputs take their users' side.
+    for node in reversed(pending):
+        users = [u for u in node.users if u.op != "output"]
+        sides = {placement(u) for u in users}
+        if node.meta[META_OP] == "quant":
+            if BPU in sides:
+                assign(node, BPU, "quantizes the input of the BPU")
+            else:
+                assign(node, CPU, "QuantStub before CPU ops only is a no-op")
+        elif users and sides == {BPU}:
+            assign(node, BPU, f"follows its consumer '{users[0].name}'")
+        else:
+            assign(node, CPU, f"follows its consumer '{users[0].name}'" if users else "feeds the model output")
+    return PassResult(gm, changed)
+
+
+def verify_placed(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            assert placement(node) in (BPU, CPU), f"node {node.name} not placed"
+            assert node.meta.get(META_REASON), f"node {node.name} placed without a reason"
+
+
+PLACE = Pass("place", place, verify_placed)

@@ -1,0 +1,108 @@
+"""Names of the facts passes attach to FX nodes, and small typed accessors.
+
+Every fact a pass adds to a node lives in ``node.meta`` under one of these
+constants, never in ad-hoc attributes, so a dump or a later pass can find it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.fx as fx
+
+# module scope: tuple[ScopeEntry, ...], outermost (the root, path "") first
+META_SCOPE = "qc_scope"
+# tensor facts from shape propagation: TensorInfo, a (nested) tuple/list of
+# them for containers, or None for a non-tensor value (an int from .size())
+META_TENSOR = "qc_tensor"
+# canonical op name ("conv2d", "add", ...) or None for graph plumbing
+META_OP = "qc_op"
+# placement: "bpu" | "cpu"; and the human-readable reason for it
+META_PLACEMENT = "qc_placement"
+META_REASON = "qc_reason"
+# partition name ("bpu0", "cpu1", ...)
+META_PARTITION = "qc_partition"
+# names of the original nodes a fused node replaced, in pattern order
+META_FUSED_FROM = "qc_fused_from"
+# what a node inserted by the stub pass is: "input_dequant" | "activation_post_process"
+META_STUB = "qc_stub"
+
+BPU = "bpu"
+CPU = "cpu"
+PLACEMENTS = (BPU, CPU)
+
+
+@dataclass(frozen=True)
+class ScopeEntry:
+    """One enclosing module of a node: its dotted path and its class."""
+
+    path: str
+    module_type: type
+
+    @property
+    def type_name(self) -> str:
+        return self.module_type.__qualname__
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one tensor value seen during shape propagation."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+def scope(node: fx.Node) -> tuple[ScopeEntry, ...]:
+    return node.meta.get(META_SCOPE, ())
+
+
+def tensor_info(node: fx.Node) -> Optional[TensorInfo]:
+    """The TensorInfo of a node with one tensor output, else None."""
+    info = node.meta.get(META_TENSOR)
+    return info if isinstance(info, TensorInfo) else None
+
+
+def shape(node: Any) -> Optional[tuple[int, ...]]:
+    """Shape of a node's single tensor output, or None (not a node / not a tensor)."""
+    if not isinstance(node, fx.Node):
+        return None
+    info = tensor_info(node)
+    return info.shape if info is not None else None
+
+
+def carries_tensor(node: fx.Node) -> bool:
+    """True if the node's value is (or contains) a tensor."""
+    return _has_tensor(node.meta.get(META_TENSOR))
+
+
+def _has_tensor(info: Any) -> bool:
+    if isinstance(info, TensorInfo):
+        return True
+    if isinstance(info, (tuple, list)):
+        return any(_has_tensor(i) for i in info)
+    return False
+
+
+def placement(node: fx.Node) -> Optional[str]:
+    return node.meta.get(META_PLACEMENT)
+
+
+def set_placement(node: fx.Node, where: str, reason: str) -> None:
+    assert where in PLACEMENTS, where
+    node.meta[META_PLACEMENT] = where
+    node.meta[META_REASON] = reason
+
+
+def format_tensor_info(info: Any) -> str:
+    """Short text of a META_TENSOR value for dumps: ``f32[1,3,224,224]``."""
+    if info is None:
+        return "-"
+    if isinstance(info, TensorInfo):
+        return str(info)
+    if isinstance(info, (tuple, list)):
+        return "(" + ", ".join(format_tensor_info(i) for i in info) + ")"
+    return type(info).__name__

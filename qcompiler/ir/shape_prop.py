@@ -1,0 +1,115 @@
+"""Shape propagation: run the graph once on example inputs and record tensor facts."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import META_TENSOR, TensorInfo, format_tensor_info
+
+_DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def describe_value(value: Any) -> Any:
+    """TensorInfo for a tensor, the same structure for tuples/lists, None otherwise."""
+    if isinstance(value, torch.Tensor):
+        return TensorInfo(tuple(value.shape), dtype_name(value.dtype))
+    if isinstance(value, (tuple, list)):
+        return type(value)(describe_value(v) for v in value) if isinstance(value, list) else tuple(
+            describe_value(v) for v in value
+        )
+    return None
+
+
+def normalize_inputs(example_inputs: Any) -> tuple:
+    """Example inputs as a tuple of positional arguments (a lone tensor becomes a 1-tuple)."""
+    if example_inputs is None:
+        raise ConfigError("example_inputs is required: pass a tensor or a tuple of the model's positional inputs")
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    raise ConfigError(
+        f"example_inputs must be a tensor or a tuple of inputs, got {type(example_inputs).__name__}"
+    )
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Temporarily put every submodule in eval mode (no BN statistics updates), then restore."""
+    saved = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in saved:
+            m.training = training
+
+
+class _Recorder(fx.Interpreter):
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            value = super().run_node(n)
+        except Exception as exc:
+            raise _input_error(self.module, n, exc) from None
+        n.meta[META_TENSOR] = describe_value(value)
+        return value
+
+
+def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:
+    if n.op == "call_module":
+        what = f"module '{n.target}' ({type(gm.get_submodule(n.target)).__name__})"
+    else:
+        what = f"{n.op} {getattr(n.target, '__name__', n.target)}"
+    seen = [format_tensor_info(a.meta.get(META_TENSOR)) for a in n.all_input_nodes]
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConfigError(
+        f"example_inputs do not fit the model: node '{n.name}' ({what}) failed on inputs "
+        f"({', '.join(seen)}): {msg}. Check the shapes and dtypes of example_inputs."
+    )
+
+
+def check_arity(gm: fx.GraphModule, inputs: tuple) -> None:
+    """ConfigError if the number of inputs does not fit the traced forward's signature."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    required = [n for n in placeholders if not n.args]  # args hold a default value, if any
+    if not len(required) <= len(inputs) <= len(placeholders):
+        names = ", ".join(n.target for n in placeholders)
+        raise ConfigError(
+            f"example_inputs do not fit the model: forward({names}) takes "
+            f"{len(required)}{'' if len(required) == len(placeholders) else f'..{len(placeholders)}'} "
+            f"inputs, got {len(inputs)}. Pass a tuple with one entry per forward argument."
+        )
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Any) -> Any:
+    """Run ``gm`` on ``example_inputs`` without grad and in eval mode; record META_TENSOR per node.
+
+    Returns the outputs. Raises ConfigError naming the first node that fails.
+    """
+    inputs = normalize_inputs(example_inputs)
+    check_arity(gm, inputs)
+    with torch.no_grad(), eval_mode(gm):
+        return _Recorder(gm).run(*inputs)

@@ -1,0 +1,177 @@
+"""Tracing a float model into an FX graph with module scopes.
+
+Our tracer differs from ``torch.fx.Tracer`` in four ways:
+
+* every node records the modules it was created inside (``META_SCOPE``), so a
+  functional op inside ``conv1`` inherits ``conv1``'s qconfig and placement;
+* QuantStub / DeQuantStub (torch's and ours), qcompiler's own modules and
+  user-named modules are leaves (called as a whole, never traced into);
+* ``FloatFunctional`` calls (``self.ff.add(a, b)``) become plain ``torch.add``
+  nodes scoped to the FloatFunctional module, without its identity observer;
+* a failure names the module and source line and says how to mark it a leaf,
+  instead of surfacing torch's traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sysconfig
+import traceback
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.ao.quantization as taq
+import torch.fx as fx
+import torch.nn as nn
+from torch.ao.nn.quantized import FloatFunctional
+
+from qcompiler.errors import TraceError
+from qcompiler.ir.meta import META_SCOPE, ScopeEntry
+from qcompiler.ir.names import check_module_names, resolve_type
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_QCOMPILER_DIR = os.path.dirname(os.path.dirname(__file__))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+
+# FloatFunctional methods and the torch function each one stands for.
+_FLOAT_FUNCTIONAL_OPS = {
+    "add": torch.add,
+    "mul": torch.mul,
+    "cat": torch.cat,
+    "matmul": torch.matmul,
+    "add_scalar": torch.add,
+    "mul_scalar": torch.mul,
+}
+
+
+def is_stub(module: nn.Module) -> bool:
+    """QuantStub/DeQuantStub of torch.ao or of qcompiler (which mark themselves ``qc_op``)."""
+    return isinstance(module, (taq.QuantStub, taq.DeQuantStub)) or getattr(
+        type(module), "qc_op", None
+    ) in ("quant", "dequant")
+
+
+class QTracer(fx.Tracer):
+    """torch.fx tracer that records module scope and knows qcompiler's leaves."""
+
+    def __init__(
+        self,
+        leaf_module_names: Iterable[str] = (),
+        leaf_module_types: Iterable[type] = (),
+    ) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.leaf_module_names = frozenset(leaf_module_names)
+        self.leaf_module_types = tuple(leaf_module_types)
+        self._root_type: type = nn.Module
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if is_stub(m) or getattr(type(m), "qc_leaf", False):
+            return True
+        if module_qualified_name in self.leaf_module_names:
+            return True
+        if self.leaf_module_types and isinstance(m, self.leaf_module_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        node.meta[META_SCOPE] = (ScopeEntry("", self._root_type),) + tuple(
+            ScopeEntry(path, typ) for path, typ in self.module_stack.values()
+        )
+        return node
+
+    def trace(self, root, concrete_args=None):
+        self._root_type = type(root)
+        with self._float_functional_as_functions():
+            return super().trace(root, concrete_args)
+
+    @contextlib.contextmanager
+    def _float_functional_as_functions(self):
+        """Route FloatFunctional methods to torch functions scoped to the FloatFunctional."""
+        tracer = self
+        saved = {name: FloatFunctional.__dict__[name] for name in _FLOAT_FUNCTIONAL_OPS if name in FloatFunctional.__dict__}
+
+        def make(name, fn):
+            def method(ff, *args, **kwargs):
+                path = tracer.path_of_module(ff)
+                key = f"{path}@ff{len(tracer.module_stack)}"
+                tracer.module_stack[key] = (path, type(ff))
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    tracer.module_stack.pop(key, None)
+
+            return method
+
+        try:
+            for name in saved:
+                fn = _FLOAT_FUNCTIONAL_OPS[name]
+                setattr(FloatFunctional, name, make(name, fn))
+            yield
+        finally:
+            for name, method in saved.items():
+                setattr(FloatFunctional, name, method)
+
+
+def _user_frame(tb) -> Optional[traceback.FrameSummary]:
+    """The innermost traceback frame in user code (not torch, qcompiler or the stdlib)."""
+    user = None
+    for frame in traceback.extract_tb(tb):
+        path = os.path.abspath(frame.filename)
+        if path.startswith((_TORCH_DIR, _QCOMPILER_DIR, _STDLIB_DIR)):
+            continue
+        if frame.filename.startswith("<"):
+            continue
+        user = frame
+    return user
+
+
+def trace(
+    model: nn.Module,
+    *,
+    leaf_module_names: Sequence[str] = (),
+    leaf_module_types: Sequence[Any] = (),
+    concrete_args: Optional[dict[str, Any]] = None,
+) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule named after the model's class.
+
+    The GraphModule shares submodules with ``model``: copy the model first if
+    the graph will be rewritten.  Raises TraceError naming the module and
+    source line where tracing failed.
+    """
+    check_module_names(model, leaf_module_names, "non_traceable_module_name")
+    types = tuple(resolve_type(t, "non_traceable_module_class") for t in leaf_module_types)
+    tracer = QTracer(leaf_module_names, types)
+    try:
+        graph = tracer.trace(model, concrete_args)
+    except Exception as exc:  # torch raises many types here; we report them all the same way
+        raise _trace_error(model, tracer, exc) from None
+    return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+
+
+def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception) -> TraceError:
+    stack = list(tracer.module_stack.values())
+    path, typ = stack[-1] if stack else ("", type(model))
+    where = f"module '{path}' ({typ.__name__})" if path else f"the top-level module ({typ.__name__})"
+    frame = _user_frame(exc.__traceback__)
+    line = ""
+    if frame is not None:
+        code = (frame.line or "").strip()
+        line = f" at {frame.filename}:{frame.lineno}" + (f" `{code}`" if code else "")
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if path:
+        fix = (
+            f"Mark it a leaf so it is called as a whole (it then runs on CPU): "
+            f"prepare_custom_config_dict={{'non_traceable_module_name': ['{path}']}} "
+            f"(CLI: --leaf-module {path})."
+        )
+    else:
+        fix = (
+            "Move the data-dependent code into a submodule and mark that submodule a leaf "
+            "with prepare_custom_config_dict={'non_traceable_module_name': [...]} (it then runs on CPU)."
+        )
+    err = TraceError(f"cannot trace {where}{line}: {reason}. {fix}")
+    err.module_path = path
+    return err

@@ -1,0 +1,59 @@
+"""BPU generations ("marches") and the process-wide default march.
+
+Every entry point takes ``march=`` which overrides the global set here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from typing import Optional, Union
+
+from qcompiler.errors import ConfigError
+
+
+class March(str, enum.Enum):
+    """A BPU generation. The value is the name users type on the command line."""
+
+    BERNOULLI2 = "bernoulli2"  # RDK X3
+    BAYES = "bayes"  # J5 / RDK Ultra
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_DEFAULT_MARCH = March.BAYES
+_current: March = _DEFAULT_MARCH
+
+MarchLike = Union[March, str]
+
+
+def to_march(value: MarchLike) -> March:
+    """Parse a March or its name (case-insensitive); ConfigError lists the choices."""
+    if isinstance(value, March):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for m in March:
+            if key in (m.value, m.name.lower()):
+                return m
+    allowed = ", ".join(m.value for m in March)
+    close = difflib.get_close_matches(str(value).lower(), [m.value for m in March], n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"unknown march {value!r}; allowed: {allowed}.{hint}")
+
+
+def set_march(march: MarchLike) -> None:
+    """Set the process-wide default march used when an entry point gets ``march=None``."""
+    global _current
+    _current = to_march(march)
+
+
+def get_march() -> March:
+    """The process-wide default march (``March.BAYES`` until ``set_march`` is called)."""
+    return _current
+
+
+def resolve_march(march: Optional[MarchLike]) -> March:
+    """The march an entry point should use: its own argument, else the global one."""
+    return get_march() if march is None else to_march(march)

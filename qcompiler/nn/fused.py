@@ -1,0 +1,201 @@
+"""Fused modules made by the fuse pass: a conv / conv-transpose / linear with any
+BatchNorm folded into its weights, then an optional residual add and ReLU/ReLU6.
+
+One module per fused pattern lets later passes quantize and place the pattern as
+one op (the BPU computes conv+bn+add+relu in one instruction), so no observer
+sits on the intermediate values.  The tracer keeps these modules whole
+(``qc_leaf``) and ``qcompiler.ir.ops.module_op`` reads their op from ``qc_op``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "FusedModule",
+    "FusedConv2d",
+    "FusedConvTranspose2d",
+    "FusedLinear",
+    "fold_bn",
+    "build_fused",
+]
+
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d)
+_BaseModule = Union[nn.Conv2d, nn.ConvTranspose2d, nn.Linear]
+
+
+class FusedModule(nn.Module):
+    """``act(op(x) [+ other])``: the shared body of the fused modules.
+
+    ``op`` is the base layer (BN already folded into it), ``act`` is None,
+    ``nn.ReLU()`` or ``nn.ReLU6()``, ``with_add`` says whether forward takes the
+    residual operand, and ``fused_from`` names the original ops in pattern order.
+    """
+
+    qc_leaf = True
+    qc_op: str = ""
+    op_type: type = nn.Module
+
+    def __init__(
+        self,
+        op: nn.Module,
+        act: Optional[nn.Module] = None,
+        with_add: bool = False,
+        fused_from: Optional[Sequence[str]] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(op, self.op_type):
+            raise TypeError(f"{type(self).__name__} needs an {self.op_type.__name__}, got {type(op).__name__}")
+        if act is not None and not isinstance(act, (nn.ReLU, nn.ReLU6)):
+            raise TypeError(f"act must be None, nn.ReLU or nn.ReLU6, got {type(act).__name__}")
+        self.op = op
+        self.act = act
+        self.with_add = bool(with_add)
+        if fused_from is None:
+            fused_from = (self.qc_op,) + (("add",) if with_add else ()) + ((_act_op(act),) if act is not None else ())
+        self.fused_from = tuple(fused_from)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.op.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.op.bias
+
+    def forward(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = self.op(x)
+        if self.with_add:
+            if other is None:
+                raise TypeError(f"{type(self).__name__}({self.extra_repr()}) needs the add's second operand")
+            y = y + other
+        elif other is not None:
+            raise TypeError(f"{type(self).__name__}({self.extra_repr()}) has no add; got a second input")
+        if self.act is not None:
+            y = self.act(y)
+        return y
+
+    def extra_repr(self) -> str:
+        return "+".join(self.fused_from)
+
+
+class FusedConv2d(FusedModule):
+    """nn.Conv2d (+BN folded) (+add) (+relu|relu6)."""
+
+    qc_op = "conv2d"
+    op_type = nn.Conv2d
+
+
+class FusedConvTranspose2d(FusedModule):
+    """nn.ConvTranspose2d (+BN folded) (+relu)."""
+
+    qc_op = "conv_transpose2d"
+    op_type = nn.ConvTranspose2d
+
+
+class FusedLinear(FusedModule):
+    """nn.Linear (+BatchNorm1d folded) (+relu)."""
+
+    qc_op = "linear"
+    op_type = nn.Linear
+
+
+_FUSED_FOR = ((nn.ConvTranspose2d, FusedConvTranspose2d), (nn.Conv2d, FusedConv2d), (nn.Linear, FusedLinear))
+
+
+def _act_op(act: nn.Module) -> str:
+    return "relu6" if isinstance(act, nn.ReLU6) else "relu"
+
+
+def _bn_op(bn: nn.Module) -> str:
+    return "batch_norm1d" if isinstance(bn, nn.BatchNorm1d) else "batch_norm"
+
+
+def _shallow_param_copy(module: nn.Module) -> nn.Module:
+    """A new module object of the same class and settings, sharing its parameters
+    (no weight copy; tied weights stay tied)."""
+    memo = {id(p): p for p in module.parameters(recurse=False)}
+    return copy.deepcopy(module, memo)
+
+
+def fold_bn(base: _BaseModule, bn: nn.Module) -> _BaseModule:
+    """A new ``base`` layer computing ``bn(base(x))`` with the BN's running statistics.
+
+    BN is folded with eval semantics whatever its training flag, because the
+    deployed model runs BN in eval mode.  ``base`` and ``bn`` are not modified;
+    the result always has a bias.  Scaling is per output channel: dim 0 of a
+    conv / linear weight, dim 1 (per group) of a conv-transpose weight, whose
+    layout is ``(in, out/groups, kh, kw)``.
+    """
+    if not isinstance(bn, _BN_TYPES):
+        raise TypeError(f"fold_bn: expected nn.BatchNorm1d/2d, got {type(bn).__name__}")
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError("fold_bn: the BatchNorm has no running statistics (track_running_stats=False)")
+    weight = base.weight
+    if isinstance(base, nn.ConvTranspose2d):
+        out_features = weight.shape[1] * base.groups
+    elif isinstance(base, (nn.Conv2d, nn.Linear)):
+        out_features = weight.shape[0]
+    else:
+        raise TypeError(f"fold_bn: expected nn.Conv2d, nn.ConvTranspose2d or nn.Linear, got {type(base).__name__}")
+    if bn.num_features != out_features:
+        raise ValueError(f"fold_bn: BatchNorm has {bn.num_features} features, the layer has {out_features} outputs")
+
+    with torch.no_grad():
+        # fold in float64 so the folded layer is as close as float32 allows to bn(base(x))
+        f64 = torch.float64
+        mean, var = bn.running_mean.to(f64), bn.running_var.to(f64)
+        gamma = bn.weight.to(f64) if bn.weight is not None else torch.ones_like(mean)
+        beta = bn.bias.to(f64) if bn.bias is not None else torch.zeros_like(mean)
+        scale = gamma / torch.sqrt(var + bn.eps)
+        bias = base.bias.to(f64) if base.bias is not None else torch.zeros_like(mean)
+        new_bias = (bias - mean) * scale + beta
+        w = weight.to(f64)
+        if isinstance(base, nn.ConvTranspose2d):
+            g = base.groups
+            grouped = w.reshape(g, w.shape[0] // g, w.shape[1], *w.shape[2:])
+            new_w = (grouped * scale.reshape(g, 1, w.shape[1], *([1] * (w.dim() - 2)))).reshape(w.shape)
+        else:
+            new_w = w * scale.reshape(-1, *([1] * (w.dim() - 1)))
+
+    fused = _shallow_param_copy(base)
+    fused.weight = nn.Parameter(new_w.to(weight.dtype), requires_grad=weight.requires_grad)
+    bias_grad = base.bias.requires_grad if base.bias is not None else weight.requires_grad
+    fused.bias = nn.Parameter(new_bias.to(weight.dtype), requires_grad=bias_grad)
+    return fused
+
+
+def build_fused(
+    base: _BaseModule,
+    *,
+    bn: Optional[nn.Module] = None,
+    act: Optional[str] = None,
+    with_add: bool = False,
+) -> FusedModule:
+    """The fused module for ``base`` (+``bn``) (+add) (+``act`` = "relu" | "relu6").
+
+    ``base`` and ``bn`` are left untouched; without a BN the fused module's layer
+    shares ``base``'s parameters.
+    """
+    for base_type, fused_type in _FUSED_FOR:
+        if isinstance(base, base_type):
+            break
+    else:
+        raise TypeError(f"build_fused: no fused module for {type(base).__name__}")
+    op = fold_bn(base, bn) if bn is not None else _shallow_param_copy(base)
+    if act is None:
+        act_module = None
+    elif act == "relu":
+        act_module = nn.ReLU()
+    elif act == "relu6":
+        act_module = nn.ReLU6()
+    else:
+        raise ValueError(f"build_fused: act must be None, 'relu' or 'relu6', got {act!r}")
+    names = (fused_type.qc_op,) + ((_bn_op(bn),) if bn is not None else ())
+    names += ("add",) if with_add else ()
+    names += (act,) if act is not None else ()
+    return fused_type(op, act_module, with_add, names)
