@@ -9,11 +9,13 @@ from qcompiler.errors import (
     TraceError,
     UnsupportedOpError,
 )
+from qcompiler.frontend import partition
 from qcompiler.march import March, get_march, set_march
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "partition",
     "March",
     "set_march",
     "get_march",

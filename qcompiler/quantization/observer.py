@@ -14,6 +14,8 @@ class MinMaxObserver(nn.Module):
     """
 
     qc_leaf = True
+    # at a float -> BPU boundary the observer marks where values get quantized
+    qc_op = "quant"
 
     def __init__(self, quant_min: int = -128, quant_max: int = 127) -> None:
         super().__init__()

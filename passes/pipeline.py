@@ -1,0 +1,25 @@
+"""The compiler's phases as plain lists of passes, added together in order.
+
+Placement runs before fusion (a deviation from the first design, see
+docs/design.md): fusion then never merges nodes that the march or the user's
+``hybrid_dict`` put on different sides, e.g. a ReLU forced to the CPU after a
+BPU conv.  Partitions are formed after stub insertion so that each stub
+belongs to the BPU partition whose boundary it marks.
+"""
+
+from __future__ import annotations
+
+from qcompiler.passes.fuse import FUSE
+from qcompiler.passes.insert_stubs import INSERT_STUBS
+from qcompiler.passes.partition import PARTITION
+from qcompiler.passes.place import PLACE
+from qcompiler.passes.shape_prop import SHAPE_PROP
+
+ANALYZE = [SHAPE_PROP, PLACE]
+OPTIMIZE = [FUSE]
+SPLIT = [INSERT_STUBS, PARTITION]
+
+# trace -> shapes -> placement -> fusion -> boundary stubs -> partitions
+PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
+
+__all__ = ["ANALYZE", "OPTIMIZE", "SPLIT", "PARTITION_PIPELINE"]

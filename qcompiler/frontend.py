@@ -1,0 +1,111 @@
+"""From a user's float model to a placed, partitioned GraphModule: the shared front end.
+
+Validates every user input before touching anything, copies the model once
+(unless ``inplace=True``), traces it and runs the partition pipeline.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.errors import ConfigError
+from qcompiler.hybrid import parse_hybrid_dict
+from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.ir.tracer import trace
+from qcompiler.march import MarchLike, resolve_march
+from qcompiler.passes.base import CompileContext, Pass, PassManager
+
+PREPARE_CUSTOM_KEYS = ("preserved_attributes", "non_traceable_module_name", "non_traceable_module_class")
+
+
+def parse_prepare_custom_config(config: Optional[dict]) -> dict:
+    """Validate ``prepare_custom_config_dict``; ConfigError names an unknown key."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"prepare_custom_config_dict must be a dict, got {type(config).__name__}")
+    for key, value in config.items():
+        if key not in PREPARE_CUSTOM_KEYS:
+            raise ConfigError(
+                f"prepare_custom_config_dict: unknown key {key!r}; allowed keys: {', '.join(PREPARE_CUSTOM_KEYS)}"
+            )
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"prepare_custom_config_dict[{key!r}] must be a list, got {type(value).__name__}")
+    return dict(config)
+
+
+def build_graph(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    march: Optional[MarchLike] = None,
+    hybrid_dict: Optional[dict] = None,
+    prepare_custom_config_dict: Optional[dict] = None,
+    passes: Sequence[Pass],
+    options: Optional[dict] = None,
+    dump_dir: Optional[Union[str, Path]] = None,
+    verify: bool = True,
+    inplace: bool = False,
+) -> fx.GraphModule:
+    """Validate inputs, copy and trace ``model``, and run ``passes``. Returns the GraphModule."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    ctx = CompileContext(
+        march=resolve_march(march),
+        example_inputs=normalize_inputs(example_inputs),
+        hybrid_dict=parse_hybrid_dict(hybrid_dict, model),
+        prepare_custom_config_dict=parse_prepare_custom_config(prepare_custom_config_dict),
+        options=dict(options or {}),
+    )
+    custom = ctx.prepare_custom_config_dict
+    preserved = list(custom.get("preserved_attributes", []))
+    for attr in preserved:
+        if not hasattr(model, attr):
+            raise ConfigError(f"prepare_custom_config_dict['preserved_attributes']: model has no attribute {attr!r}")
+    work = model if inplace else copy.deepcopy(model)
+    gm = trace(
+        work,
+        leaf_module_names=custom.get("non_traceable_module_name", ()),
+        leaf_module_types=custom.get("non_traceable_module_class", ()),
+    )
+    for attr in preserved:
+        setattr(gm, attr, getattr(work, attr))
+    gm.meta["qc_march"] = ctx.march
+    gm = PassManager(passes, verify=verify, dump_dir=dump_dir).run(gm, ctx).gm
+    gm.recompile()
+    return gm
+
+
+def partition(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    march: Optional[MarchLike] = None,
+    hybrid_dict: Optional[dict] = None,
+    prepare_custom_config_dict: Optional[dict] = None,
+    dump_dir: Optional[Union[str, Path]] = None,
+    verify: bool = True,
+) -> fx.GraphModule:
+    """Trace, place, fuse, insert boundary stubs and partition ``model`` for ``march``.
+
+    The returned GraphModule computes the same float outputs as ``model``
+    (up to BN folding) and carries placement, reasons and partitions in its
+    node meta and ``gm.meta``. ``model`` itself is never modified.
+    """
+    from qcompiler.passes.pipeline import PARTITION_PIPELINE
+
+    return build_graph(
+        model,
+        example_inputs,
+        march=march,
+        hybrid_dict=hybrid_dict,
+        prepare_custom_config_dict=prepare_custom_config_dict,
+        passes=PARTITION_PIPELINE,
+        dump_dir=dump_dir,
+        verify=verify,
+    )

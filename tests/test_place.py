@@ -1,0 +1,219 @@
+"""The place pass alone: per-march op support with reasons, hybrid_dict, followers."""
+
+import pytest
+import torch
+import torch.ao.quantization as taq
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qcompiler.errors import QCompilerWarning
+from qcompiler.hybrid import parse_hybrid_dict
+from qcompiler.ir import propagate_shapes, trace
+from qcompiler.ir.meta import META_PLACEMENT, META_REASON
+from qcompiler.march import March
+from qcompiler.passes.base import CompileContext
+from qcompiler.passes.place import place
+
+
+def placed(model, x, march, hybrid=None, leaves=()):
+    gm = trace(model, leaf_module_names=leaves)
+    propagate_shapes(gm, x)
+    ctx = CompileContext(march=March(march), example_inputs=(x,), hybrid_dict=parse_hybrid_dict(hybrid, model))
+    result = place(gm, ctx)
+    assert result.modified
+    return {n.name: (n.meta[META_PLACEMENT], n.meta[META_REASON]) for n in gm.graph.nodes if META_PLACEMENT in n.meta}
+
+
+class Seq(nn.Module):
+    def __init__(self, *mods):
+        super().__init__()
+        self.body = nn.Sequential(*mods)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+X = torch.rand(1, 8, 16, 16)
+
+
+def test_prelu_is_cpu_on_bayes_and_bpu_on_bernoulli2():
+    m = Seq(nn.Conv2d(8, 8, 1), nn.PReLU())
+    assert placed(m, X, "bayes")["body_1"] == ("cpu", "prelu is not supported on bayes")
+    assert placed(m, X, "bernoulli2")["body_1"] == ("bpu", "prelu supported on bernoulli2")
+
+
+def test_9x9_conv_is_cpu_on_bernoulli2_naming_the_kernel_limit():
+    m = Seq(nn.Conv2d(8, 8, 9, padding=4))
+    assert placed(m, X, "bernoulli2")["body_0"] == ("cpu", "conv2d: kernel 9x9 > 7 on bernoulli2")
+    assert placed(m, X, "bayes")["body_0"] == ("bpu", "conv2d supported on bayes")
+
+
+@pytest.mark.parametrize(
+    "module, x, march, reason",
+    [
+        (nn.Conv2d(8, 4096, 1), X, "bernoulli2", "conv2d: out channels 4096 > 2048 on bernoulli2"),
+        (nn.Conv2d(8, 8, 3, dilation=3, padding=3), X, "bernoulli2", "conv2d: dilation 3 is not a power of 2 on bernoulli2"),
+        (nn.Conv2d(8, 8, 3, dilation=32, padding=32), X, "bayes", "conv2d: dilation 32 > 16 on bayes"),
+        (nn.ConvTranspose2d(8, 8, 3, stride=3), X, "bernoulli2", "conv_transpose2d: stride 3 not in {2, 4} on bernoulli2"),
+        (nn.ConvTranspose2d(8, 8, 3, stride=1), X, "bayes", "conv_transpose2d: stride 1x1 (a transposed conv must upsample) on bayes"),
+        (nn.Upsample(scale_factor=3, mode="nearest"), X, "bayes", "interpolate: nearest resize factor 3 is not a power of 2 on bayes"),
+        (nn.AvgPool2d(9, stride=1), X, "bernoulli2", "avg_pool2d: pool kernel 9x9 > 7 on bernoulli2"),
+        (nn.AdaptiveAvgPool2d(2), X, "bayes", "adaptive_avg_pool2d: adaptive_avg_pool2d to 2x2 is not a global pool on bayes"),
+        (nn.Sigmoid(), torch.rand(1, 64, 16, 16), "bernoulli2", "sigmoid: c*h*w = 16384 > 8192 for a lookup-table op on bernoulli2"),
+        (nn.Linear(64, 8), torch.rand(1, 16, 64), "bernoulli2", "linear: bernoulli2 runs 4-D (NCHW) tensors only; tensor (1,16,64) is 3-D on bernoulli2"),
+        (nn.ReLU(), torch.rand(200, 8, 4, 4), "bernoulli2", "relu: batch 200 > 128 on bernoulli2"),
+        (nn.LayerNorm(16), X, "bayes", "layer_norm is not supported on bayes"),
+        (nn.Softmax(dim=1), X, "bayes", "softmax is not supported on bayes"),
+    ],
+)
+def test_constraint_failures_give_the_reason(module, x, march, reason):
+    assert placed(Seq(module), x, march)["body_0"] == ("cpu", reason)
+
+
+@pytest.mark.parametrize(
+    "module, x, march",
+    [
+        (nn.Upsample(scale_factor=2, mode="nearest"), X, "bernoulli2"),
+        (nn.Upsample(scale_factor=3, mode="bilinear"), X, "bayes"),
+        (nn.Sigmoid(), torch.rand(1, 8, 16, 16), "bernoulli2"),
+        (nn.Linear(64, 8), torch.rand(1, 16, 64), "bayes"),
+        (nn.ConvTranspose2d(8, 8, 4, stride=2), X, "bernoulli2"),
+        (nn.MaxPool2d(3, 2, 1), X, "bernoulli2"),
+    ],
+)
+def test_supported_configurations_stay_on_bpu(module, x, march):
+    assert placed(Seq(module), x, march)["body_0"][0] == "bpu"
+
+
+class Binary(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        return self.op(x, x.mean(dim=1, keepdim=True))
+
+
+def test_sub_is_cpu_on_bernoulli2_only():
+    m = Binary(torch.sub)
+    assert placed(m, X, "bernoulli2")["sub"] == ("cpu", "sub is not supported on bernoulli2")
+    assert placed(m, X, "bayes")["sub"][0] == "bpu"
+
+
+def test_bernoulli2_broadcast_is_nchw_or_nc11_only():
+    # x (1,8,16,16) * mean over C (1,1,16,16): not an NC11 operand
+    got = placed(Binary(torch.mul), X, "bernoulli2")["mul"]
+    assert got == ("cpu", "mul: operands (1,8,16,16) and (1,1,16,16): only NCHW with NCHW or NC11 broadcast on bernoulli2")
+
+
+class Layout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a = y.reshape(1, -1)  # moves data in NCHW
+        b = torch.flatten(self.pool(y), 1)  # (1,8,1,1) -> (1,8): folds away
+        return a, b
+
+
+def test_layout_ops_on_bernoulli2_run_on_bpu_only_when_they_fold_away():
+    got = placed(Layout(), X, "bernoulli2")
+    assert got["reshape"] == ("cpu", "reshape: reshape (1,8,16,16) -> (1,2048) moves data (bernoulli2 runs layout ops on CPU unless they fold away) on bernoulli2")
+    assert got["flatten"] == ("bpu", "flatten supported on bernoulli2")
+    assert placed(Layout(), X, "bayes")["reshape"] == ("bpu", "reshape supported on bayes")
+
+
+class Followers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant = taq.QuantStub()
+        self.q2 = taq.QuantStub()
+        self.conv = nn.Conv2d(8, 8, 1)
+        self.id = nn.Identity()
+        self.drop = nn.Dropout()
+        self.dequant = taq.DeQuantStub()
+
+    def forward(self, x):
+        a = self.drop(self.id(self.conv(self.quant(x))))
+        b = self.id(F.selu(self.q2(x)))  # a QuantStub feeding only CPU ops is a no-op
+        return self.dequant(a), self.dequant(b)
+
+
+def test_followers_take_their_producers_side():
+    got = placed(Followers(), X, "bayes")
+    assert got["quant"] == ("bpu", "quantizes the input of the BPU")
+    assert got["id_1"] == ("bpu", "follows its producer 'conv'")
+    assert got["drop"] == ("bpu", "follows its producer 'id_1'")
+    assert got["dequant"] == ("bpu", "dequantizes the BPU output")
+    assert got["q2"] == ("cpu", "QuantStub before CPU ops only is a no-op")
+    assert got["id_2"] == ("cpu", "follows its producer 'selu'")
+    assert got["dequant_1"] == ("cpu", "DeQuantStub after CPU op 'id_2' is a no-op")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x))
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_hybrid_module_type_covers_functionals_inside_and_module_name_wins():
+    got = placed(TwoBlocks(), X, "bayes", {"module_type": [Block], "module_name": ["b"]})
+    assert got["a_conv"] == ("cpu", "hybrid_dict module_type Block")
+    assert got["relu"] == ("cpu", "hybrid_dict module_type Block")  # functional inside a Block
+    assert got["b_conv"] == ("cpu", 'hybrid_dict module_name "b"')
+    assert got["relu_1"] == ("cpu", 'hybrid_dict module_name "b"')
+
+
+def test_hybrid_module_name_of_a_leaf_only_forces_that_module():
+    got = placed(TwoBlocks(), X, "bayes", {"module_name": ["a.conv"]})
+    assert got["a_conv"] == ("cpu", 'hybrid_dict module_name "a.conv"')
+    assert got["relu"] == ("bpu", "relu supported on bayes")  # a sibling in the same block is not forced
+
+
+def test_hybrid_module_type_matching_nothing_warns():
+    with pytest.warns(QCompilerWarning, match="no module of type LSTM"):
+        placed(TwoBlocks(), X, "bayes", {"module_type": [nn.LSTM]})
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.conv(x))
+
+
+def test_non_traceable_leaf_runs_on_cpu():
+    got = placed(Gated(), X, "bayes", leaves=["gate"])
+    assert got["gate"] == ("cpu", "module 'gate' (Gate) has no BPU implementation")
+
+
+def test_second_run_reports_unmodified():
+    gm = trace(Seq(nn.Conv2d(8, 8, 1)))
+    propagate_shapes(gm, X)
+    ctx = CompileContext(march=March.BAYES)
+    assert place(gm, ctx).modified
+    assert not place(gm, ctx).modified

@@ -1,0 +1,150 @@
+"""Tracer: module scope, leaves, FloatFunctional, shapes, and errors for untraceable code."""
+
+import pytest
+import torch
+import torch.ao.quantization as taq
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.ao.nn.quantized import FloatFunctional
+
+import qcompiler.quantization as qq
+from qcompiler.errors import ConfigError, TraceError
+from qcompiler.ir import propagate_shapes, trace
+from qcompiler.ir.meta import META_SCOPE, META_TENSOR, TensorInfo
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x))
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = taq.QuantStub()
+        self.block = Inner()
+        self.ff = FloatFunctional()
+        self.dq = qq.DeQuantStub()
+
+    def forward(self, x):
+        x = self.q(x)
+        y = self.block(x)
+        return self.dq(self.ff.add(x, y))
+
+
+def scopes(gm):
+    return {n.name: [(e.path, e.type_name) for e in n.meta[META_SCOPE]] for n in gm.graph.nodes}
+
+
+def test_scope_of_modules_and_functionals():
+    gm = trace(Outer())
+    s = scopes(gm)
+    assert s["block_conv"] == [("", "Outer"), ("block", "Inner"), ("block.conv", "Conv2d")]
+    assert s["relu"] == [("", "Outer"), ("block", "Inner")]  # functional inherits its module
+    assert s["x"] == [("", "Outer")]
+
+
+def test_stubs_are_leaves_torch_and_ours():
+    gm = trace(Outer())
+    calls = [(n.op, n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    assert ("call_module", "q") in calls and ("call_module", "dq") in calls
+
+
+def test_float_functional_becomes_scoped_torch_add_and_is_restored():
+    original = FloatFunctional.add
+    gm = trace(Outer())
+    add = [n for n in gm.graph.nodes if n.target is torch.add]
+    assert len(add) == 1
+    assert [(e.path, e.type_name) for e in add[0].meta[META_SCOPE]][-1] == ("ff", "FloatFunctional")
+    # no identity observer node from FloatFunctional, and the class is restored
+    assert not any(str(n.target).startswith("ff.") for n in gm.graph.nodes)
+    assert FloatFunctional.add is original
+    x = torch.rand(1, 3, 4, 4)
+    m = Outer()
+    assert torch.equal(trace(m)(x), m(x))
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return x * 2
+        return x
+
+
+class WithGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.conv(x))
+
+
+def test_control_flow_names_module_line_and_fix():
+    with pytest.raises(TraceError) as info:
+        trace(WithGate())
+    msg = str(info.value)
+    assert "module 'gate' (Gate)" in msg
+    assert "test_tracer.py" in msg and "if x.sum() > 0:" in msg
+    assert "non_traceable_module_name" in msg and "['gate']" in msg
+    assert info.value.__cause__ is None  # no chained torch traceback
+
+
+def test_control_flow_at_top_level_says_move_it_into_a_submodule():
+    with pytest.raises(TraceError) as info:
+        trace(Gate())
+    assert "top-level module (Gate)" in str(info.value)
+    assert "submodule" in str(info.value)
+
+
+def test_leaf_by_name_and_type_traces():
+    gm = trace(WithGate(), leaf_module_names=["gate"])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv", "gate"]
+    gm = trace(WithGate(), leaf_module_types=[Gate])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv", "gate"]
+
+
+def test_leaf_name_not_in_model_suggests_close_names():
+    with pytest.raises(ConfigError, match="'gatee' is not in the model.*'gate'"):
+        trace(WithGate(), leaf_module_names=["gatee"])
+
+
+def test_shapes_recorded_including_nested_outputs():
+    class Pair(nn.Module):
+        def forward(self, x, hidden):
+            h, c = hidden
+            return x + 1, (h * 2, c.size(0))
+
+    gm = trace(Pair())
+    propagate_shapes(gm, (torch.zeros(2, 3), (torch.zeros(1, 3), torch.zeros(4))))
+    out = [n for n in gm.graph.nodes if n.op == "output"][0]
+    assert out.meta[META_TENSOR] == (TensorInfo((2, 3), "f32"), (TensorInfo((1, 3), "f32"), None))
+
+
+def test_example_inputs_that_do_not_fit_name_the_node():
+    gm = trace(WithGate(), leaf_module_names=["gate"])
+    with pytest.raises(ConfigError, match=r"node 'conv' \(module 'conv' \(Conv2d\)\) failed on inputs \(f32\[1,4,8,8\]\)"):
+        propagate_shapes(gm, torch.zeros(1, 4, 8, 8))
+    with pytest.raises(ConfigError, match=r"forward\(x\) takes 1 inputs, got 2"):
+        propagate_shapes(gm, (torch.zeros(1, 3, 8, 8), torch.zeros(1)))
+
+
+def test_shape_propagation_does_not_update_batchnorm_statistics():
+    class BN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return self.bn(x)
+
+    m = BN().train()
+    gm = trace(m)
+    propagate_shapes(gm, torch.rand(2, 3, 4, 4) + 5)
+    assert torch.equal(m.bn.running_mean, torch.zeros(3))
+    assert m.bn.training  # mode restored
