@@ -102,7 +102,6 @@ class _Matcher:
     """Finds patterns in one graph; call ``moved`` after re-positioning a node."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
         self.modules = dict(gm.named_modules())
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         # how many nodes call or read each module path or something under it, and the

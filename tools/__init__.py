@@ -1,1 +1,7 @@
-"""."""
+"""User-facing tools on top of the compiler: review dumps (:mod:`.graph_dump`) and the
+``qcompiler`` command line (:mod:`.cli`, not imported here so ``python -m
+qcompiler.tools.cli`` runs cleanly)."""
+
+from qcompiler.tools.graph_dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
+
+__all__ = ["DumpResult", "dump_partitioned", "partition_table", "to_dot", "to_json"]

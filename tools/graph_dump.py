@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -257,8 +257,12 @@ def _render_svg(dot_source: str) -> bytes:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file next to ``path`` and rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write ``data`` to a temp file next to ``path`` and rename it over ``path``.
+
+    The temp file is created with mode 0o666 minus the umask, like a plain ``open``.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -316,4 +320,4 @@ def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = 
         path = out / filename
         _write_atomic(path, data)
         files.append(path)
-    return DumpResult(files=files, summary=summary.splitlines()[0], notes=notes)
+    return DumpResult(files=files, summary=summary_line(gm), notes=notes)

@@ -1,0 +1,303 @@
+"""The ``qcompiler`` command line.
+
+One subcommand per compiler phase (``partition`` today; ``compile`` and
+``report`` plug into the same sub-parser later).  User mistakes -- a bad
+flag value, an unknown march or module name, a model that cannot be
+imported -- print ``error: <message>`` to stderr and exit with status 2,
+never a traceback; the message comes from qcompiler's own errors, which
+already name the culprit and the allowed values.
+
+Examples::
+
+    qcompiler partition zoo:hybrid --march bayes --hybrid-module-name conv3 --out dump/
+    qcompiler partition zoo:resnet18 --input-shape 1,3,64,64 --march bernoulli2 --out dump/
+    qcompiler partition my_models.py:build --input-shape 1,3,224,224 --out dump/
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.errors import ConfigError, QCompilerError
+
+EXIT_OK = 0
+EXIT_IO = 1
+EXIT_USAGE = 2
+
+INPUT_DTYPES = {"float32": torch.float32, "int64": torch.int64}
+INT_INPUT_HIGH = 10
+"""Random int64 inputs are drawn from ``[0, INT_INPUT_HIGH)`` (valid indices for most embeddings)."""
+INPUT_SEED = 0
+ZOO_PREFIX = "zoo:"
+
+
+class UsageError(Exception):
+    """A command-line mistake found by argparse or by our own argument checks."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser that raises instead of printing usage and calling ``sys.exit(2)``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# ----------------------------------------------------------------------------- argument types
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"1,3,224,224"`` -> ``(1, 3, 224, 224)``; positive integers only."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or not all(re.fullmatch(r"\d+", p) for p in parts) or any(int(p) < 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"malformed input shape {text!r}: expected comma-separated positive integers, e.g. 1,3,224,224"
+        )
+    return tuple(int(p) for p in parts)
+
+
+# ----------------------------------------------------------------------------- model loading
+
+
+def _import_file(path: Path):
+    """Import a ``.py`` file as a module; registered under its stem when that name is free,
+    so ``--hybrid-module-type stem.Class`` can refer to classes defined in it."""
+    if not path.is_file():
+        raise ConfigError(f"model file {str(path)!r} does not exist")
+    stem = path.stem if path.stem.isidentifier() else "qc_user_model"
+    name = stem
+    if name in sys.modules:
+        existing = getattr(sys.modules[name], "__file__", None)
+        if existing and Path(existing).resolve() == path.resolve():
+            return sys.modules[name]
+        name = f"_qcompiler_user_{stem}_{abs(hash(str(path.resolve()))):x}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"cannot import model file {str(path)!r}: not a Python source file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _import_module(name: str):
+    """Import a dotted module name, with the current directory importable (as with ``python -m``)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise ConfigError(f"cannot import model module {name!r}: {exc}") from None
+        raise
+    finally:
+        if added:
+            try:
+                sys.path.remove(cwd)
+            except ValueError:
+                pass
+
+
+def load_factory_model(spec: str) -> nn.Module:
+    """Build the model of ``module:factory`` or ``path/to/file.py:factory`` by calling ``factory()``."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ConfigError(
+            f"model {spec!r} must be 'zoo:NAME', 'package.module:factory' or 'path/to/file.py:factory'"
+        )
+    looks_like_file = target.endswith(".py") or "/" in target or os.sep in target
+    module = _import_file(Path(target)) if looks_like_file else _import_module(target)
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise ConfigError(
+                f"{target!r} has no attribute {attr!r}; callables defined there: {', '.join(public) or 'none'}"
+            ) from None
+    if not callable(obj):
+        raise ConfigError(f"{spec!r} is not callable: got {type(obj).__name__}")
+    try:
+        inspect.signature(obj).bind()
+    except TypeError as exc:
+        raise ConfigError(f"{spec!r} must be callable without arguments: {exc}") from None
+    except ValueError:  # no signature available (some builtins): just try the call
+        pass
+    model = obj()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{spec!r}() must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def random_inputs(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> tuple:
+    """Seeded random inputs: float32 uniform ``[0, 1)``, int64 in ``[0, INT_INPUT_HIGH)``."""
+    g = torch.Generator().manual_seed(INPUT_SEED)
+    out = []
+    for i, shape in enumerate(shapes):
+        dtype = INPUT_DTYPES[dtypes[i] if i < len(dtypes) else "float32"]
+        if dtype.is_floating_point:
+            out.append(torch.rand(shape, generator=g, dtype=dtype))
+        else:
+            out.append(torch.randint(0, INT_INPUT_HIGH, shape, generator=g, dtype=dtype))
+    return tuple(out)
+
+
+def load_model(spec: str, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str]) -> tuple[nn.Module, tuple, str]:
+    """``(model, example_inputs, dump name)`` for a ``zoo:NAME`` or ``module:factory`` spec."""
+    if dtypes and not shapes:
+        raise UsageError("--input-dtype needs --input-shape (dtypes pair with shapes by position)")
+    if len(dtypes) > len(shapes):
+        raise UsageError(
+            f"{len(dtypes)} --input-dtype values for {len(shapes)} --input-shape values; "
+            "give at most one dtype per input, in the same order"
+        )
+    if spec.startswith(ZOO_PREFIX):
+        from qcompiler import zoo
+
+        name = spec[len(ZOO_PREFIX):]
+        model = zoo.get(name)
+        inputs = random_inputs(shapes, dtypes) if shapes else zoo.example_inputs(name)
+        return model, inputs, name
+    if not shapes:
+        raise UsageError(f"--input-shape is required for {spec!r} (only zoo models have default inputs)")
+    model = load_factory_model(spec)
+    return model, random_inputs(shapes, dtypes), type(model).__name__
+
+
+# ----------------------------------------------------------------------------- subcommands
+
+
+def _names(names: Sequence[str], limit: int = 3) -> str:
+    if not names:
+        return "-"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... (+{len(names) - limit})"
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    """Trace, place and partition a model, print the partitions and write the review dump."""
+    from tabulate import tabulate
+
+    from qcompiler.ir.partitions import partitions, summary_line
+    from qcompiler.tools.graph_dump import dump_partitioned
+
+    model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
+    hybrid_dict = None
+    if args.hybrid_module_name or args.hybrid_module_type:
+        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
+    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    out = Path(args.out)
+    dump_dir = out / "passes" if args.dump_passes else None
+
+    gm = qcompiler.partition(
+        model,
+        inputs,
+        march=args.march,
+        hybrid_dict=hybrid_dict,
+        prepare_custom_config_dict=custom,
+        dump_dir=dump_dir,
+    )
+    result = dump_partitioned(gm, out, name=name)
+
+    print(summary_line(gm))
+    rows = [[p.name, p.placement, len(p.nodes), _names(p.inputs), _names(p.outputs)] for p in partitions(gm)]
+    print(tabulate(rows, headers=["partition", "placement", "#nodes", "inputs", "outputs"], tablefmt="simple"))
+    print(f"wrote {len(result.files)} files to {out}:")
+    for path in result.files:
+        print(f"  {path}")
+    if dump_dir is not None:
+        print(f"per-pass graphs in {dump_dir}")
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: global options and one sub-parser per command."""
+    parser = _Parser(
+        prog="qcompiler",
+        description="Quantization compiler for BPU + CPU targets.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {qcompiler.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser(
+        "partition",
+        help="place a model's ops on BPU/CPU, partition it and dump the result for review",
+        description="Trace MODEL, place every op on the BPU or the CPU for --march, insert the "
+        "boundary stubs, partition the graph and write a review dump (annotated code, table, "
+        "JSON, DOT/SVG, summary) into --out.",
+    )
+    p.add_argument("model", metavar="MODEL",
+                   help="zoo:NAME (see qcompiler.zoo.names()), package.module:factory or path/to/file.py:factory; "
+                        "factory() must return an nn.Module")
+    p.add_argument("--input-shape", metavar="N,C,H,W", type=parse_shape, action="append",
+                   help="shape of one positional input; repeat for multi-input models. Random seeded data is used. "
+                        "Required unless MODEL is a zoo model (which has default inputs)")
+    p.add_argument("--input-dtype", choices=sorted(INPUT_DTYPES), action="append",
+                   help="dtype of the input at the same position as its --input-shape (default float32; "
+                        f"int64 inputs are random in [0, {INT_INPUT_HIGH}))")
+    p.add_argument("--march", default=None,
+                   help="target BPU generation, e.g. bayes or bernoulli2 (default: qcompiler's current default)")
+    p.add_argument("--hybrid-module-name", metavar="NAME", action="append", default=[],
+                   help="run this submodule (dotted path as in model.named_modules()) on the CPU; repeatable")
+    p.add_argument("--hybrid-module-type", metavar="DOTTED.TYPE", action="append", default=[],
+                   help="run every module of this class (e.g. torch.nn.PReLU) on the CPU; repeatable")
+    p.add_argument("--leaf-module", metavar="NAME", action="append", default=[],
+                   help="do not trace into this submodule (prepare_custom_config_dict "
+                        "non_traceable_module_name); repeatable")
+    p.add_argument("--dump-passes", action="store_true",
+                   help="also write the annotated graph after every pass into OUT/passes")
+    p.add_argument("--out", metavar="DIR", required=True, help="directory for the dump files (created if needed)")
+    p.set_defaults(func=cmd_partition)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``qcompiler`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            raise UsageError("a command is required")
+        return args.func(args)
+    except SystemExit as exc:  # --help / --version
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except QCompilerError as exc:
+        _error(str(exc))
+        for note in getattr(exc, "__notes__", ()):
+            print(f"  {note}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # e.g. --out not writable
+        _error(str(exc))
+        return EXIT_IO
+
+
+if __name__ == "__main__":
+    sys.exit(main())
