@@ -17,6 +17,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -130,9 +131,9 @@ def load_factory_model(spec: str) -> nn.Module:
             obj = getattr(obj, part)
         except AttributeError:
             public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-            raise ConfigError(
-                f"{target!r} has no attribute {attr!r}; callables defined there: {', '.join(public) or 'none'}"
-            ) from None
+            close = difflib.get_close_matches(attr, public, n=3, cutoff=0.6)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ConfigError(f"{target!r} has no attribute {attr!r}.{hint}") from None
     if not callable(obj):
         raise ConfigError(f"{spec!r} is not callable: got {type(obj).__name__}")
     try:
