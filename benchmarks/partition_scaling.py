@@ -111,11 +111,16 @@ def run_peer(gm: fx.GraphModule, fuse: bool) -> dict:
 
 
 def best_of(repeat: int, make: Callable[[], fx.GraphModule], run: Callable[[fx.GraphModule], dict], key="total") -> dict:
+    """Best of ``repeat`` runs, each on a fresh graph; the GC is off while timing (as in timeit)."""
     best = None
     for _ in range(repeat):
         gm = make()
         gc.collect()
-        res = run(gm)
+        gc.disable()
+        try:
+            res = run(gm)
+        finally:
+            gc.enable()
         if best is None or res[key] < best[key]:
             best = res
         del gm
@@ -147,9 +152,7 @@ def main(argv=None) -> None:
     ap.add_argument("--peer-mem-cap-gb", type=float, default=4.0, help="skip the peer above this estimated memory")
     ap.add_argument("--fuse-cap", type=float, default=20.0, help="time fuse_partitions only below this estimate (s)")
     ap.add_argument("--profile", action="store_true", help="cProfile our passes at the largest size")
-    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
     sizes = sorted(int(s) for s in args.sizes.split(","))
     ctx = CompileContext(march=March.BAYES)
 
@@ -157,17 +160,20 @@ def main(argv=None) -> None:
         gm = build_graph(n)
         return place(gm, ctx).gm
 
-    rows, notes = [], []
+    # two extra small sizes first give the peer's growth slope before the first requested size
+    calibration = [c for c in (sizes[0] // 4, sizes[0] // 2) if c >= 50 and c not in sizes]
+    rows = []
     ours_pts: list[tuple[int, float]] = []
     peer_pts: list[tuple[int, float]] = []
     mem_pts: list[tuple[int, float]] = []
     fuse_pts: list[tuple[int, float]] = []
-    for n in sizes:
+    for n in calibration + sizes:
         ours = best_of(args.repeat, lambda: build_graph(n), lambda gm: run_ours(gm, ctx))
         parts = partitions(ours.pop("gm"))
         nb = sum(p.placement == BPU for p in parts)
         nc = sum(p.placement == CPU for p in parts)
-        ours_pts.append((n, ours["total"]))
+        if n not in calibration:
+            ours_pts.append((n, ours["total"]))
 
         est_t, est_m = estimate(peer_pts, n), estimate(mem_pts, n)
         note = ""
@@ -187,6 +193,8 @@ def main(argv=None) -> None:
                 fuse_pts.append((n, peer["fuse"]))
             elif est_f is not None:
                 note = f"fuse_partitions not timed: est. {est_f:.0f} s"
+        if n in calibration:
+            note = (note + "; " if note else "") + "extra size: calibrates the peer's slope"
         rows.append([
             n,
             f"{ours['total']:.3f}",
@@ -207,14 +215,18 @@ def main(argv=None) -> None:
         "torch.fx CapabilityBasedPartitioner (s)\n(__init__ + propose_partitions)", "peer fuse_partitions (s)",
         "ratio peer/ours", "our #partitions (bpu/cpu)", "peer #partitions (bpu)", "peer dep. sets (MiB)", "note",
     ]
-    print(f"march bayes, best of {args.repeat}, torch {torch.__version__}, {torch.get_num_threads()} torch thread(s)")
+    print(f"march bayes, best of {args.repeat} (GC off while timing), torch {torch.__version__}, "
+          f"peer caps: {args.peer_cap:g} s, {args.peer_mem_cap_gb:g} GB")
     print(tabulate(rows, headers=headers, tablefmt="github"))
     if len(ours_pts) > 1:
         print(f"ours: growth exponent (log-log slope {ours_pts[0][0]} -> {ours_pts[-1][0]} nodes): {slope(ours_pts):.2f}")
     if len(peer_pts) > 1:
         print(f"peer: growth exponent ({peer_pts[0][0]} -> {peer_pts[-1][0]} nodes): {slope(peer_pts):.2f}")
     print("ours counts the inserted stub nodes too (observers/dequants are BPU nodes); the peer partitions "
-          "only the BPU nodes of the placed graph (no stubs).")
+          "only the BPU nodes of the placed graph (no stubs), so its counts are of BPU partitions only.")
+    if any(r[3] == "skipped" for r in rows):
+        print(f"peer capped: sizes marked 'skipped' were estimated (log-log extrapolation of the measured sizes) "
+              f"to exceed {args.peer_cap:g} s or {args.peer_mem_cap_gb:g} GB, and were not run.")
 
     if args.profile:
         gm = build_graph(sizes[-1])

@@ -33,7 +33,7 @@ class CompileContext:
 
     march: March
     example_inputs: tuple = ()
-    hybrid_dict: Any = None  # qcompiler.passes.hybrid.HybridConfig or None
+    hybrid_dict: Any = None  # qcompiler.hybrid.HybridConfig or None
     qconfig_dict: Optional[dict] = None
     prepare_custom_config_dict: Optional[dict] = None
     options: dict = field(default_factory=dict)

@@ -62,7 +62,10 @@ def _bpu_bound(user: fx.Node) -> bool:
 
 
 def _root_scope(gm: fx.GraphModule, name: str, module: nn.Module) -> tuple[ScopeEntry, ...]:
-    return (ScopeEntry("", type(gm)), ScopeEntry(name, type(module)))
+    """Scope of an inserted stub: the model's root (as the tracer recorded it), then the stub."""
+    first = next(iter(gm.graph.nodes), None)
+    root = first.meta[META_SCOPE][0] if first is not None and first.meta.get(META_SCOPE) else ScopeEntry("", type(gm))
+    return (root, ScopeEntry(name, type(module)))
 
 
 def _insert_dequants(gm: fx.GraphModule) -> bool:
@@ -120,7 +123,8 @@ def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
             META_OP: "quant",
             META_STUB: ACTIVATION_POST_PROCESS,
         })
-        set_placement(obs, BPU, f"quantizes float output of '{source.name}' for the BPU")
+        what = "model input" if source.op == "placeholder" else "float output of"
+        set_placement(obs, BPU, f"quantizes {what} '{source.name}' for the BPU")
         for user in bound:
             user.replace_input_with(source, obs)
             _follow_onto_bpu(user, obs)

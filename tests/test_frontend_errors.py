@@ -96,3 +96,9 @@ def test_training_model_is_untouched_and_bn_statistics_unchanged():
     snap = snapshot(m)
     qcompiler.partition(m, X + 3)
     assert_untouched(m, snap)
+
+
+def test_shape_error_message_has_no_torch_traceback(hybrid_model):
+    with pytest.raises(ConfigError) as info:
+        qcompiler.partition(hybrid_model, torch.rand(1, 4, 16, 16))
+    assert "While executing" not in str(info.value) and "Original traceback" not in str(info.value)

@@ -282,8 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
-            parser.print_help(sys.stderr)
-            raise UsageError("a command is required")
+            raise UsageError("a command is required: partition (see 'qcompiler --help')")
         return args.func(args)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
@@ -295,6 +294,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for note in getattr(exc, "__notes__", ()):
             print(f"  {note}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # stdout closed early, e.g. `qcompiler partition ... | head`
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_IO
     except OSError as exc:  # e.g. --out not writable
         _error(str(exc))
         return EXIT_IO

@@ -69,6 +69,10 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
 
 
 class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.extra_traceback = False  # our ConfigError names the node; no torch stack dump
+
     def run_node(self, n: fx.Node) -> Any:
         try:
             value = super().run_node(n)

@@ -1,0 +1,651 @@
+"""BPU fixed-point numerics: the one place that defines the integer math.
+
+Used by ``convert`` (fake quant -> fixed point parameters) and by the integer
+BPU simulator.  It implements DESIGN.md, "BPU numerics (the simulator's
+contract)":
+
+* Quantization is symmetric with zero point 0.  ``quantize`` rounds
+  **half to even** (``torch.round``) after a float32 division, exactly like
+  the fake-quant model.
+* A real factor (``s_in * s_w / s_out``, ``s_a / s_out``, ...) becomes an
+  integer multiplier ``M`` and a right shift ``n``: ``real ~= M / 2**n``
+  (:func:`requant_params`).
+* Requantization is ``y = clamp((acc * M + 2**(n-1)) >> n)`` computed in
+  int64 with an arithmetic (flooring) shift: the rounding mode is
+  **round half up** (ties toward +inf), so ``2.5 -> 3`` and ``-2.5 -> -2``.
+* Integer conv/linear/matmul return the exact int64 accumulator.
+  Overflow is detected and reported (:class:`AccumulatorOverflow`), never
+  silent.
+* Non-linearities are lookup tables built in float64 and rounded half to
+  even (:func:`build_lut`).
+
+Integer tensors are carried in the narrowest torch dtype of their quantized
+type (``qint8 -> torch.int8``, ``qint16 -> torch.int16``,
+``qint32 -> torch.int32``); accumulators are ``torch.int64``.  Every function
+widens its inputs to int64 before doing arithmetic, so callers may pass any
+integer dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from qcompiler.errors import ConfigError, QCompilerError
+
+Scale = Union[float, torch.Tensor]
+IntPair = Union[int, Sequence[int]]
+
+__all__ = [
+    "AccumulatorOverflow",
+    "qrange",
+    "storage_dtype",
+    "quantize",
+    "dequantize",
+    "symmetric_scale",
+    "requant_params",
+    "requantize",
+    "check_accumulator",
+    "int_conv2d",
+    "int_linear",
+    "int_matmul",
+    "add_params",
+    "int_add",
+    "int_sub",
+    "int_mul",
+    "int_cat",
+    "int_avg_pool2d",
+    "int_global_avg_pool",
+    "int_max_pool2d",
+    "build_lut",
+    "apply_lut",
+    "relu",
+    "relu6",
+    "leaky_relu",
+]
+
+# float64 holds every integer of magnitude < 2**53 exactly.
+_F64_EXACT = 1 << 53
+# |acc * M| must stay below this so that adding the rounding term cannot
+# overflow int64 either.
+_MUL_LIMIT = 1 << 62
+_I64_LIMIT = 1 << 63
+
+
+class AccumulatorOverflow(QCompilerError, OverflowError):
+    """An integer accumulator (or ``acc * M`` product) left its legal range."""
+
+    def __init__(self, op: str, seen: int, limit: int, what: str = "accumulator",
+                 fix: str | None = None) -> None:
+        self.op, self.seen, self.limit, self.what = op, int(seen), int(limit), what
+        fix = fix or ("lower the input or weight scales' dynamic range, use an int8 "
+                      "operand instead of int16, or split the reduction")
+        super().__init__(
+            f"{op}: {what} overflow: max |value| seen is {self.seen} but the limit is "
+            f"{self.limit} (must be < limit); fix: {fix}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# dtypes and ranges
+
+_RANGES = {
+    "qint8": (-128, 127, torch.int8),
+    "qint16": (-32768, 32767, torch.int16),
+    "qint32": (-(1 << 31), (1 << 31) - 1, torch.int32),
+}
+_ALIASES = {
+    torch.int8: "qint8", torch.qint8: "qint8", "int8": "qint8",
+    torch.int16: "qint16", "int16": "qint16",
+    torch.int32: "qint32", torch.qint32: "qint32", "int32": "qint32",
+}
+
+
+def _norm_dtype(dtype) -> str:
+    if isinstance(dtype, str) and dtype in _RANGES:
+        return dtype
+    try:
+        name = _ALIASES.get(dtype)
+    except TypeError:  # unhashable
+        name = None
+    if name is None:
+        raise ConfigError(
+            f"unknown quantized dtype {dtype!r}; use one of 'qint8', 'qint16', 'qint32'"
+        )
+    return name
+
+
+def qrange(dtype) -> tuple[int, int]:
+    """``(qmin, qmax)`` of a symmetric BPU integer type ("qint8"/"qint16"/"qint32").
+
+    The full two's complement range is used (``[-128, 127]`` for qint8); an
+    unknown dtype raises :class:`ConfigError`.
+    """
+    lo, hi, _ = _RANGES[_norm_dtype(dtype)]
+    return lo, hi
+
+
+def storage_dtype(dtype) -> torch.dtype:
+    """The torch integer dtype that stores values of ``dtype`` (qint8 -> torch.int8)."""
+    return _RANGES[_norm_dtype(dtype)][2]
+
+
+def _clamp_to(x: torch.Tensor, dtype) -> torch.Tensor:
+    lo, hi = qrange(dtype)
+    return x.clamp(lo, hi).to(storage_dtype(dtype))
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _as_int64(t) -> torch.Tensor:
+    t = torch.as_tensor(t)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ConfigError(f"expected an integer tensor, got dtype {t.dtype}")
+    return t.to(torch.int64)
+
+
+def _extreme(t: torch.Tensor) -> int:
+    """max |t| as an exact Python int (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    return max(abs(int(t.max())), abs(int(t.min())))
+
+
+def _along_axis(param: torch.Tensor, like: torch.Tensor, axis: int | None, name: str) -> torch.Tensor:
+    """Shape a per-tensor (1 value) or per-channel parameter to broadcast against ``like``."""
+    if param.numel() == 1:
+        return param.reshape(())
+    if axis is None:
+        raise ConfigError(
+            f"{name} has {param.numel()} values (per-channel) but no axis was given; "
+            f"pass axis=<channel dimension>"
+        )
+    ax = axis if axis >= 0 else axis + like.dim()
+    if not 0 <= ax < like.dim() or like.shape[ax] != param.numel():
+        raise ConfigError(
+            f"{name} has {param.numel()} values but the tensor of shape "
+            f"{tuple(like.shape)} has {like.shape[ax] if 0 <= ax < like.dim() else 'no'} "
+            f"channels along axis {axis}"
+        )
+    shape = [1] * like.dim()
+    shape[ax] = param.numel()
+    return param.reshape(shape)
+
+
+def _scale_tensor(scale: Scale, name: str = "scale") -> torch.Tensor:
+    s = torch.as_tensor(scale, dtype=torch.float32) if not torch.is_tensor(scale) else scale.float()
+    if s.numel() == 0 or not bool(torch.all(torch.isfinite(s) & (s > 0))):
+        raise ConfigError(f"{name} must be finite and > 0, got {scale!r}")
+    return s
+
+
+def _pair(v: IntPair) -> tuple[int, int]:
+    if isinstance(v, int):
+        return v, v
+    v = tuple(int(i) for i in v)
+    if len(v) != 2:
+        raise ConfigError(f"expected an int or a pair of ints, got {v!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize / scales
+
+
+def quantize(x: torch.Tensor, scale: Scale, dtype="qint8", axis: int | None = None) -> torch.Tensor:
+    """Float -> integer on entering the BPU: ``clamp(round_half_even(x / scale))``.
+
+    Symmetric, zero point 0.  The division is done in float32 and rounded with
+    ``torch.round`` (**round half to even**) so that the result matches the
+    fake-quant model bit for bit.  ``scale`` is a float or a tensor; a
+    per-channel tensor broadcasts along ``axis``.  Returns the storage dtype
+    of ``dtype`` (e.g. torch.int8).
+    """
+    x = torch.as_tensor(x).float()
+    if bool(torch.isnan(x).any()):
+        raise ConfigError("quantize: the input contains NaN; it has no integer value")
+    s = _along_axis(_scale_tensor(scale), x, axis, "scale")
+    return _clamp_to(torch.round(x / s), dtype)
+
+
+def dequantize(q: torch.Tensor, scale: Scale, axis: int | None = None) -> torch.Tensor:
+    """Integer -> float32: ``q * scale`` (leaving the BPU).
+
+    The product is formed in float64 and rounded once to float32, which equals
+    the float32 product for int8/int16 values and stays correctly rounded
+    for int32 accumulators (high-precision output).
+    """
+    q = _as_int64(q)
+    s = _along_axis(_scale_tensor(scale).double(), q, axis, "scale")
+    return (q.double() * s).float()
+
+
+def symmetric_scale(amax, dtype="qint8") -> torch.Tensor:
+    """Symmetric scale ``amax / qmax`` (float32), floored at float32 eps.
+
+    The floor keeps an all-zero tensor from producing a zero scale (which
+    would divide by zero in :func:`quantize` and break requant factors).
+    Works per tensor or per channel (``amax`` a vector).
+    """
+    _, qmax = qrange(dtype)
+    a = torch.as_tensor(amax, dtype=torch.float32).abs()
+    return torch.clamp(a / qmax, min=torch.finfo(torch.float32).eps)
+
+
+# ---------------------------------------------------------------------------
+# requantization
+
+
+def requant_params(real_multiplier, *, mult_bits: int = 15, max_shift: int = 31
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer multiplier and shift ``(M, n)`` with ``real ~= M / 2**n``.
+
+    ``|M| < 2**mult_bits`` (15 bits for int8 outputs; up to 31) and
+    ``0 <= n <= max_shift``.  Precision is maximised: ``|real|`` is normalised
+    into ``[0.5, 1)`` like ``frexp`` (``real = mant * 2**e``), then
+    ``M = round_half_even(mant * 2**mult_bits)`` and ``n = mult_bits - e``.
+    If ``M`` rounds up to ``2**mult_bits`` it is renormalised to
+    ``2**(mult_bits-1)`` with ``n - 1``.  ``real == 0`` gives ``(0, 0)``.
+    A factor too large to represent (``n`` would be negative, i.e.
+    ``|real| >~ 2**mult_bits``) raises :class:`ConfigError`; a factor too small
+    for ``max_shift`` is rounded at ``n = max_shift`` (``M`` may become 0, then
+    ``n = 0``).  Negative factors give a negative ``M``.  Vectorised: a tensor
+    of per-channel factors gives per-channel ``M`` and ``n`` (int64 tensors of
+    the same shape).
+    """
+    if not (isinstance(mult_bits, int) and 1 <= mult_bits <= 52):
+        raise ConfigError(f"mult_bits must be an int in [1, 52], got {mult_bits!r}")
+    if not (isinstance(max_shift, int) and 0 <= max_shift <= 62):
+        raise ConfigError(f"max_shift must be an int in [0, 62], got {max_shift!r}")
+    r = (real_multiplier.detach().to(torch.float64) if torch.is_tensor(real_multiplier)
+         else torch.as_tensor(real_multiplier, dtype=torch.float64))
+    if not bool(torch.isfinite(r).all()):
+        raise ConfigError(f"requant_params: real multiplier must be finite, got {real_multiplier!r}")
+    sign = torch.sign(r)
+    a = r.abs()
+    mant, e = torch.frexp(a)  # a = mant * 2**e, mant in [0.5, 1) (0 for a == 0)
+    M = torch.round(mant * float(1 << mult_bits))  # exact in float64 (mult_bits <= 52)
+    n = mult_bits - e.to(torch.int64)
+    full = M == float(1 << mult_bits)
+    M = torch.where(full, torch.full_like(M, float(1 << (mult_bits - 1))), M)
+    n = torch.where(full, n - 1, n)
+    bad = (n < 0) & (M != 0)
+    if bool(bad.any()):
+        raise ConfigError(
+            f"requant_params: real multiplier {float(r[bad].flatten()[0])!r} is too large for "
+            f"a {mult_bits}-bit multiplier (needs |real| < {2 ** mult_bits - 0.5}); "
+            f"raise mult_bits or the output scale"
+        )
+    small = n > max_shift
+    M = torch.where(small, torch.round(a * float(2 ** max_shift)), M)
+    n = torch.where(small, torch.full_like(n, max_shift), n)
+    zero = M == 0
+    n = torch.where(zero, torch.zeros_like(n), n)
+    return (M * sign).to(torch.int64), n.to(torch.int64)
+
+
+def _check_product(acc: torch.Tensor, M: torch.Tensor, op: str) -> None:
+    """Raise unless ``|acc * M| < 2**62`` for every element (no int64 overflow)."""
+    if _extreme(acc) * _extreme(M) < _MUL_LIMIT:
+        return
+    # the cheap bound failed (per-channel M): check element by element, without overflowing
+    a, m = torch.broadcast_tensors(acc.abs(), M.abs())
+    over = a > torch.div(_MUL_LIMIT - 1, m.clamp(min=1), rounding_mode="floor")
+    if bool(over.any()):
+        seen = max(int(x) * int(y) for x, y in zip(a[over][:1000].tolist(), m[over][:1000].tolist()))
+        raise AccumulatorOverflow(op, seen, _MUL_LIMIT, what="acc * M product",
+                                  fix="use a smaller mult_bits or keep the accumulator in int32")
+
+
+def _round_shift(v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``(v + 2**(n-1)) >> n``: arithmetic shift, round half up; no term for n == 0."""
+    return (v + ((torch.ones_like(n) << n) >> 1)) >> n
+
+
+def requantize(acc: torch.Tensor, M, n, out_dtype="qint8", axis: int | None = None,
+               *, op: str = "requantize") -> torch.Tensor:
+    """Accumulator -> output integers: ``clamp((acc * M + 2**(n-1)) >> n)``.
+
+    Computed in int64; ``>>`` is an arithmetic (flooring) shift, so the
+    rounding mode is **round half up** (ties toward +inf: ``2.5 -> 3``,
+    ``-2.5 -> -2``).  For ``n == 0`` there is no rounding term.  Per-channel
+    ``M``/``n`` broadcast along ``axis``.  Raises :class:`AccumulatorOverflow`
+    (naming ``op``) if ``|acc * M|`` would reach ``2**62``.
+    """
+    acc = _as_int64(acc)
+    M = _along_axis(_as_int64(M), acc, axis, "M")
+    n = _along_axis(_as_int64(n), acc, axis, "n")
+    if bool((n < 0).any()) or bool((n > 62).any()):
+        raise ConfigError(f"{op}: shift n must be in [0, 62], got {n.flatten().tolist()[:8]}")
+    _check_product(acc, M, op)
+    return _clamp_to(_round_shift(acc * M, n), out_dtype)
+
+
+def check_accumulator(acc: torch.Tensor, bits: int = 32, op: str = "accumulator") -> torch.Tensor:
+    """Raise :class:`AccumulatorOverflow` if ``acc`` leaves the signed ``bits`` range.
+
+    The BPU accumulates in int32 (``bits=32``); the exact int64 results of
+    :func:`int_conv2d` & co. are checked here so overflow is reported, never
+    wrapped silently.  Returns ``acc`` unchanged.
+    """
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if acc.numel():
+        mn, mx = int(acc.min()), int(acc.max())
+        if mn < lo or mx > hi:
+            worst = mn if -mn > mx else mx
+            raise AccumulatorOverflow(
+                op, abs(worst), 1 << (bits - 1),
+                what=f"int{bits} accumulator (extreme value {worst}, range [{lo}, {hi}])")
+    return acc
+
+
+# ---------------------------------------------------------------------------
+# exact integer conv / linear / matmul
+#
+# Strategy: a float64 kernel is exact when every product and every partial
+# sum is an integer of magnitude < 2**53, whatever the summation order (no
+# Winograd/FFT on the CPU float64 path, only multiply-adds).  We bound every
+# partial sum by k * max|a| * max|b| (k = reduction length) and take the fast
+# float64 kernel when that bound is < 2**53 -- always the case for int8/int16
+# operands in practice.  Otherwise the reduction runs in native int64.
+
+
+def _reduction_bound(k: int, a: torch.Tensor, b: torch.Tensor) -> int:
+    return k * _extreme(a) * _extreme(b)
+
+
+def _im2col_conv2d_int64(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation,
+                         groups: int) -> torch.Tensor:
+    """Exact int64 conv2d via explicit im2col + int64 matmul (fallback path)."""
+    sh, sw = _pair(stride)
+    ph, pw = _pair(padding)
+    dh, dw = _pair(dilation)
+    N, C, H, W = x.shape
+    O, Cg, kh, kw = w.shape
+    xp = F.pad(x, (pw, pw, ph, ph))
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    cols = []
+    for i in range(kh):
+        for j in range(kw):
+            cols.append(xp[:, :, i * dh: i * dh + sh * (Ho - 1) + 1: sh,
+                           j * dw: j * dw + sw * (Wo - 1) + 1: sw])
+    col = torch.stack(cols, dim=2)  # N, C, kh*kw, Ho, Wo
+    col = col.reshape(N, groups, Cg * kh * kw, Ho * Wo)
+    wg = w.reshape(groups, O // groups, Cg * kh * kw)
+    out = torch.matmul(wg.unsqueeze(0), col)  # N, G, O/G, Ho*Wo
+    return out.reshape(N, O, Ho, Wo)
+
+
+def int_conv2d(q_in: torch.Tensor, q_weight: torch.Tensor, bias: torch.Tensor | None = None,
+               stride: IntPair = 1, padding: IntPair = 0, dilation: IntPair = 1,
+               groups: int = 1, *, op: str = "conv2d") -> torch.Tensor:
+    """Exact integer conv2d: returns the int64 accumulator ``sum(q_in * q_w) + bias``.
+
+    No rounding happens here.  Uses a float64 convolution when it is provably
+    exact (``k * max|q_in| * max|q_w| + max|bias| < 2**53`` with
+    ``k = Cin/groups * kh * kw``), otherwise a native int64 convolution
+    (with an explicit im2col fallback).  Checking the int32 range is the
+    caller's choice (:func:`check_accumulator`).
+    """
+    x, w = _as_int64(q_in), _as_int64(q_weight)
+    b = _as_int64(bias) if bias is not None else None
+    if x.dim() != 4 or w.dim() != 4:
+        raise ConfigError(f"{op}: expected 4-D input and weight, got {tuple(x.shape)} and {tuple(w.shape)}")
+    k = w.shape[1] * w.shape[2] * w.shape[3]
+    bound = _reduction_bound(k, x, w) + (_extreme(b) if b is not None else 0)
+    if bound < _F64_EXACT:
+        out = F.conv2d(x.double(), w.double(), None, stride, padding, dilation, groups).to(torch.int64)
+    elif bound < _I64_LIMIT:
+        try:
+            out = F.conv2d(x, w, None, stride, padding, dilation, groups)
+        except (RuntimeError, NotImplementedError):  # pragma: no cover - torch without int64 conv
+            out = _im2col_conv2d_int64(x, w, stride, padding, dilation, groups)
+    else:
+        raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound")
+    if b is not None:
+        out = out + b.reshape(1, -1, 1, 1)
+    return out
+
+
+def int_linear(q_in: torch.Tensor, q_weight: torch.Tensor, bias: torch.Tensor | None = None,
+               *, op: str = "linear") -> torch.Tensor:
+    """Exact integer linear: int64 accumulator ``q_in @ q_weight.T + bias``.
+
+    Same exactness rule as :func:`int_conv2d` with ``k = in_features``.
+    """
+    x, w = _as_int64(q_in), _as_int64(q_weight)
+    b = _as_int64(bias) if bias is not None else None
+    bound = _reduction_bound(w.shape[-1], x, w) + (_extreme(b) if b is not None else 0)
+    if bound < _F64_EXACT:
+        out = F.linear(x.double(), w.double()).to(torch.int64)
+    elif bound < _I64_LIMIT:
+        out = torch.matmul(x, w.t())
+    else:
+        raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound")
+    return out + b if b is not None else out
+
+
+def int_matmul(qa: torch.Tensor, qb: torch.Tensor, *, op: str = "matmul") -> torch.Tensor:
+    """Exact integer matmul of two feature maps (``torch.matmul`` semantics), int64 result.
+
+    Same exactness rule as :func:`int_conv2d` with ``k = qa.shape[-1]``.
+    """
+    a, b = _as_int64(qa), _as_int64(qb)
+    bound = _reduction_bound(a.shape[-1], a, b)
+    if bound < _F64_EXACT:
+        return torch.matmul(a.double(), b.double()).to(torch.int64)
+    if bound < _I64_LIMIT:
+        return torch.matmul(a, b)
+    raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound")
+
+
+# ---------------------------------------------------------------------------
+# element-wise binary ops, concat
+
+
+def _scalar_param(v, name: str) -> int:
+    t = _as_int64(v)
+    if t.numel() != 1:
+        raise ConfigError(f"{name} must be a single (per-tensor) value, got {t.numel()} values")
+    return int(t.reshape(()))
+
+
+def _f64(scale: Scale, name: str) -> float:
+    s = _scale_tensor(scale, name)
+    if s.numel() != 1:
+        raise ConfigError(f"{name} must be a per-tensor scale, got {s.numel()} values")
+    return float(s.reshape(()).double())
+
+
+def add_params(scale_a: Scale, scale_b: Scale, scale_out: Scale, mult_bits: int = 15,
+               max_shift: int = 31) -> tuple[int, int, int, int]:
+    """``(Ma, na, Mb, nb)`` for :func:`int_add`/:func:`int_sub` from the factors
+    ``scale_a / scale_out`` and ``scale_b / scale_out`` (ratios taken in float64)."""
+    sa, sb, so = _f64(scale_a, "scale_a"), _f64(scale_b, "scale_b"), _f64(scale_out, "scale_out")
+    Ma, na = requant_params(sa / so, mult_bits=mult_bits, max_shift=max_shift)
+    Mb, nb = requant_params(sb / so, mult_bits=mult_bits, max_shift=max_shift)
+    return int(Ma), int(na), int(Mb), int(nb)
+
+
+def _int_addsub(qa, Ma, na, qb, Mb, nb, out_dtype, sign: int, op: str) -> torch.Tensor:
+    a, b = _as_int64(qa), _as_int64(qb)
+    Ma, na = _scalar_param(Ma, "Ma"), _scalar_param(na, "na")
+    Mb, nb = _scalar_param(Mb, "Mb"), _scalar_param(nb, "nb")
+    if min(na, nb) < 0 or max(na, nb) > 62:
+        raise ConfigError(f"{op}: shifts must be in [0, 62], got na={na}, nb={nb}")
+    s = max(na, nb)
+    fa, fb = Ma << (s - na), Mb << (s - nb)  # common scale 2**-s
+    bound = _extreme(a) * abs(fa) + _extreme(b) * abs(fb)
+    if bound >= _MUL_LIMIT:
+        raise AccumulatorOverflow(op, bound, _MUL_LIMIT, what="aligned operand sum",
+                                  fix="the two input scales differ too much; lower mult_bits")
+    total = a * fa + sign * (b * fb)
+    rnd = (1 << (s - 1)) if s > 0 else 0
+    return _clamp_to((total + rnd) >> s, out_dtype)
+
+
+def int_add(qa, Ma, na, qb, Mb, nb, out_dtype="qint8", *, op: str = "add") -> torch.Tensor:
+    """Integer add of two feature maps with their own multipliers.
+
+    Each operand is brought to the common scale ``2**-s`` (``s = max(na, nb)``)
+    exactly: ``sum = qa*Ma*2**(s-na) + qb*Mb*2**(s-nb)`` in int64, then one
+    rounding shift ``clamp((sum + 2**(s-1)) >> s)`` -- **round half up**,
+    so there is a single rounding for the whole op.  Get the parameters from
+    :func:`add_params`.  Operands broadcast like ``torch.add``.
+    """
+    return _int_addsub(qa, Ma, na, qb, Mb, nb, out_dtype, 1, op)
+
+
+def int_sub(qa, Ma, na, qb, Mb, nb, out_dtype="qint8", *, op: str = "sub") -> torch.Tensor:
+    """Integer ``a - b``; same scheme and rounding (half up) as :func:`int_add`."""
+    return _int_addsub(qa, Ma, na, qb, Mb, nb, out_dtype, -1, op)
+
+
+def int_mul(qa, qb, M, n, out_dtype="qint8", *, op: str = "mul") -> torch.Tensor:
+    """Integer element-wise product: ``requantize(qa * qb, M, n)``.
+
+    ``(M, n)`` come from ``requant_params(s_a * s_b / s_out)``; the product is
+    exact in int64 and rounded once, half up.
+    """
+    return requantize(_as_int64(qa) * _as_int64(qb), M, n, out_dtype, op=op)
+
+
+def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: Scale,
+            out_dtype="qint8", dim: int = 0, *, mult_bits: int = 15, op: str = "cat") -> torch.Tensor:
+    """Concatenate after requantizing each input to the output scale.
+
+    Input ``i`` uses ``requant_params(s_i / s_out)`` (half-up rounding); an
+    input already at the output scale passes through unchanged (M/2**n == 1
+    is exact).
+    """
+    if len(qs) != len(in_scales) or not qs:
+        raise ConfigError(f"{op}: need one scale per input, got {len(qs)} inputs and "
+                          f"{len(in_scales)} scales")
+    so = _f64(out_scale, "out_scale")
+    parts = []
+    for i, (q, s) in enumerate(zip(qs, in_scales)):
+        M, n = requant_params(_f64(s, f"in_scales[{i}]") / so, mult_bits=mult_bits)
+        parts.append(requantize(q, M, n, out_dtype, op=f"{op}[{i}]"))
+    return torch.cat(parts, dim=dim)
+
+
+# ---------------------------------------------------------------------------
+# pooling
+
+
+def int_avg_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None = None,
+                   padding: IntPair = 0, *, in_scale: Scale, out_scale: Scale,
+                   out_dtype="qint8", mult_bits: int = 15, op: str = "avg_pool2d") -> torch.Tensor:
+    """Average pool: exact integer window sum, then requantize by ``s_in / (kh*kw*s_out)``.
+
+    ``count_include_pad=True`` semantics (the divisor is always ``kh*kw``);
+    ``ceil_mode`` is not supported.  Rounding: half up (:func:`requantize`).
+    """
+    kh, kw = _pair(kernel_size)
+    x = _as_int64(q)
+    # float64 window sums of at most kh*kw ints < 2**31 each are exact
+    if _extreme(x) * kh * kw >= _F64_EXACT:
+        raise AccumulatorOverflow(op, _extreme(x) * kh * kw, _F64_EXACT, what="window sum")
+    s = F.avg_pool2d(x.double(), (kh, kw), stride if stride is not None else (kh, kw), padding,
+                     ceil_mode=False, count_include_pad=True, divisor_override=1).to(torch.int64)
+    M, n = requant_params(_f64(in_scale, "in_scale") / (kh * kw * _f64(out_scale, "out_scale")),
+                          mult_bits=mult_bits)
+    return requantize(s, M, n, out_dtype, op=op)
+
+
+def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_dtype="qint8",
+                        *, mult_bits: int = 15, op: str = "global_avg_pool") -> torch.Tensor:
+    """Global average pool over the last two dims (keepdim, like adaptive_avg_pool2d(1)).
+
+    Exact int64 sum over ``H*W``, then requantize by ``s_in / (H*W*s_out)``
+    (half up).
+    """
+    x = _as_int64(q)
+    hw = x.shape[-2] * x.shape[-1]
+    if hw == 0:
+        raise ConfigError(f"{op}: empty spatial size {tuple(x.shape)}")
+    s = x.sum(dim=(-2, -1), keepdim=True)
+    M, n = requant_params(_f64(in_scale, "in_scale") / (hw * _f64(out_scale, "out_scale")),
+                          mult_bits=mult_bits)
+    return requantize(s, M, n, out_dtype, op=op)
+
+
+def int_max_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None = None,
+                   padding: IntPair = 0, dilation: IntPair = 1, ceil_mode: bool = False) -> torch.Tensor:
+    """Max pool on integers: exact, no rescaling (input and output share the scale)."""
+    return F.max_pool2d(q, kernel_size, stride if stride is not None else kernel_size, padding,
+                        dilation, ceil_mode)
+
+
+# ---------------------------------------------------------------------------
+# lookup tables and activations
+
+
+def build_lut(fn: Callable[[torch.Tensor], torch.Tensor], in_scale: Scale, out_scale: Scale,
+              in_dtype="qint8", out_dtype="qint8") -> torch.Tensor:
+    """Lookup table of an element-wise function, built at convert time.
+
+    ``T[q - qmin] = clamp(round_half_even(fn(q * s_in) / s_out))`` for every
+    ``q`` of ``in_dtype``; ``fn`` is evaluated in float64 on a float64 tensor
+    (e.g. ``torch.sigmoid``).  256 entries for qint8 input, 65536 for qint16.
+    Returned in the storage dtype of ``out_dtype``.
+    """
+    lo, hi = qrange(in_dtype)
+    if _norm_dtype(in_dtype) == "qint32":
+        raise ConfigError("build_lut: a qint32 input would need a 2**32-entry table; use qint8/qint16")
+    si, so = _f64(in_scale, "in_scale"), _f64(out_scale, "out_scale")
+    x = torch.arange(lo, hi + 1, dtype=torch.float64) * si
+    y = torch.as_tensor(fn(x)).to(torch.float64)
+    if y.shape != x.shape:
+        raise ConfigError(f"build_lut: fn must be element-wise, got shape {tuple(y.shape)} "
+                          f"for input shape {tuple(x.shape)}")
+    if bool(torch.isnan(y).any()):
+        raise ConfigError("build_lut: fn returned NaN on the input range")
+    return _clamp_to(torch.round(y / so), out_dtype)
+
+
+def apply_lut(q: torch.Tensor, table: torch.Tensor, in_dtype="qint8") -> torch.Tensor:
+    """Apply a :func:`build_lut` table: ``table[q - qmin]`` (exact, no arithmetic)."""
+    lo, hi = qrange(in_dtype)
+    if table.dim() != 1 or table.numel() != hi - lo + 1:
+        raise ConfigError(f"apply_lut: table has shape {tuple(table.shape)}, expected "
+                          f"({hi - lo + 1},) for {_norm_dtype(in_dtype)} input")
+    x = _as_int64(q)
+    if x.numel() and (int(x.min()) < lo or int(x.max()) > hi):
+        raise ConfigError(f"apply_lut: input values outside the {_norm_dtype(in_dtype)} range")
+    return table[x - lo]
+
+
+def relu(q: torch.Tensor) -> torch.Tensor:
+    """ReLU on integers: ``max(q, 0)`` (exact; zero point is 0, scale unchanged)."""
+    return q.clamp(min=0)
+
+
+def relu6(q: torch.Tensor, scale: Scale, dtype="qint8") -> torch.Tensor:
+    """ReLU6 on integers: ``clamp(q, 0, round_half_even(6 / scale))`` (float32 division,
+    the same rounding as :func:`quantize`), the upper bound capped at qmax."""
+    _, qmax = qrange(dtype)
+    s = _scale_tensor(scale)
+    if s.numel() != 1:
+        raise ConfigError("relu6: expects a per-tensor scale")
+    top = min(int(torch.round(torch.tensor(6.0, dtype=torch.float32) / s.reshape(()))), qmax)
+    return q.clamp(0, top)
+
+
+def leaky_relu(q: torch.Tensor, M_slope, n_slope, out_dtype="qint8") -> torch.Tensor:
+    """Leaky ReLU on integers, input and output at the same scale.
+
+    ``y = q`` where ``q >= 0`` else ``requantize(q, M_slope, n_slope)``, with
+    ``(M_slope, n_slope) = requant_params(negative_slope)``.  The negative
+    branch rounds **half up** (ties toward +inf, e.g. ``-5 * 0.5 = -2.5 -> -2``),
+    which can differ by 1 LSB from the fake-quant model's half-to-even.
+    """
+    x = _as_int64(q)
+    neg = requantize(x, M_slope, n_slope, "qint32", op="leaky_relu").to(torch.int64)
+    return _clamp_to(torch.where(x >= 0, x, neg), out_dtype)

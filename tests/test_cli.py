@@ -1,0 +1,168 @@
+"""Tests of the ``qcompiler`` command line (qcompiler.tools.cli), mostly in-process via ``main``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from qcompiler.tools.cli import main
+
+SUMMARY = "partitions: 3 bpu, 3 cpu; BPU<->CPU boundary edges: 5"
+HYBRID_FLAGS = [
+    "--march", "bayes",
+    "--hybrid-module-name", "conv1.conv",
+    "--hybrid-module-name", "conv3",
+    "--hybrid-module-type", "qcompiler.zoo.hybrid._SeluModule",
+]
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_usage_error(code, out, err):
+    assert code == 2
+    assert err.startswith("error: ")
+    assert "Traceback" not in err and "Traceback" not in out
+
+
+def test_partition_zoo_hybrid(capsys, tmp_path):
+    out_dir = tmp_path / "dump"
+    code, out, err = _run(capsys, "partition", "zoo:hybrid", *HYBRID_FLAGS, "--dump-passes", "--out", str(out_dir))
+    assert code == 0, err
+    assert SUMMARY in out.splitlines()
+    for name in ("bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2"):
+        assert name in out
+    for f in ("hybrid.code.txt", "hybrid.table.txt", "hybrid.json", "hybrid.dot", "summary.txt"):
+        assert (out_dir / f).is_file(), f
+        assert str(out_dir / f) in out
+    assert (out_dir / "summary.txt").read_text().splitlines()[0] == SUMMARY
+    data = json.loads((out_dir / "hybrid.json").read_text())
+    assert [p["name"] for p in data["partitions"]] == ["bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2"]
+    conv3 = next(n for n in data["nodes"] if n["node"] == "conv3")
+    assert conv3["placement"] == "cpu"
+    assert sorted(p.name for p in (out_dir / "passes").iterdir())[0].startswith("00_")
+
+
+def test_partition_zoo_with_input_shape(capsys, tmp_path):
+    code, out, err = _run(capsys, "partition", "zoo:resnet18", "--input-shape", "1,3,64,64",
+                          "--march", "bernoulli2", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "partitions: 1 bpu, 0 cpu" in out
+    data = json.loads((tmp_path / "resnet18.json").read_text())
+    assert data["march"] == "bernoulli2"
+    assert data["nodes"][0]["shape"] == "f32[1,3,64,64]"
+
+
+def test_partition_module_factory_file(capsys, tmp_path):
+    src = tmp_path / "my_model.py"
+    src.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class TwoInputs(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = nn.Conv2d(3, 4, 1)
+                self.act = nn.PReLU()
+                self.emb = nn.Embedding(10, 4)
+
+            def forward(self, x, idx):
+                return self.act(self.conv(x)).mean() + self.emb(idx).sum()
+
+        def build():
+            torch.manual_seed(0)
+            return TwoInputs().eval()
+    """))
+    out_dir = tmp_path / "out"
+    code, out, err = _run(capsys, "partition", f"{src}:build", "--input-shape", "1,3,8,8",
+                          "--input-shape", "2,5", "--input-dtype", "float32", "--input-dtype", "int64",
+                          "--hybrid-module-type", "torch.nn.Embedding", "--out", str(out_dir))
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("partitions: ")
+    data = json.loads((out_dir / "TwoInputs.json").read_text())
+    assert data["model"] == "TwoInputs"
+    inputs = [n for n in data["nodes"] if n["op"] == "placeholder"]
+    assert [n["shape"] for n in inputs] == ["f32[1,3,8,8]", "i64[2,5]"]
+    emb = next(n for n in data["nodes"] if n["node"] == "emb")
+    assert (emb["placement"], emb["reason"]) == ("cpu", "hybrid_dict module_type Embedding")
+
+
+def test_module_factory_needs_input_shape(capsys, tmp_path):
+    code, out, err = _run(capsys, "partition", "torch.nn:Identity", "--out", str(tmp_path))
+    _assert_usage_error(code, out, err)
+    assert "--input-shape is required" in err
+
+
+def test_unknown_march(capsys, tmp_path):
+    code, out, err = _run(capsys, "partition", "zoo:hybrid", "--march", "bays", "--out", str(tmp_path))
+    _assert_usage_error(code, out, err)
+    assert "bayes" in err and "bernoulli2" in err
+
+
+def test_unknown_hybrid_module_name(capsys, tmp_path):
+    code, out, err = _run(capsys, "partition", "zoo:hybrid", "--hybrid-module-name", "conv9", "--out", str(tmp_path))
+    _assert_usage_error(code, out, err)
+    assert "'conv9'" in err and "'conv4'" in err
+
+
+def test_unknown_zoo_model(capsys, tmp_path):
+    code, out, err = _run(capsys, "partition", "zoo:resnet19", "--out", str(tmp_path))
+    _assert_usage_error(code, out, err)
+    assert "resnet18" in err
+
+
+@pytest.mark.parametrize("shape", ["1,x", "", "1,,3", "1,0,3", "-1,3"])
+def test_malformed_input_shape(capsys, tmp_path, shape):
+    code, out, err = _run(capsys, "partition", "zoo:hybrid", f"--input-shape={shape}", "--out", str(tmp_path))
+    _assert_usage_error(code, out, err)
+    assert "--input-shape" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["partition", "zoo:hybrid", "--input-dtype", "float16", "--out", "OUT"], "invalid choice"),
+    (["partition", "zoo:hybrid", "--input-dtype", "int64", "--out", "OUT"], "--input-dtype needs --input-shape"),
+    (["partition", "zoo:hybrid", "--input-shape", "1,3,8,8", "--input-dtype", "int64", "--input-dtype", "int64",
+      "--out", "OUT"], "at most one dtype per input"),
+    (["partition", "zoo:hybrid"], "--out"),
+    (["partition", "no_such_module_xyz:build", "--input-shape", "1,3", "--out", "OUT"], "no_such_module_xyz"),
+    (["partition", "torch.nn:Linear", "--input-shape", "1,3", "--out", "OUT"], "without arguments"),
+    (["partition", "torch.nn:Linaer", "--input-shape", "1,3", "--out", "OUT"], "'Linear'"),
+    (["partition", "zoo:hybrid", "--input-shape", "1,3,8", "--out", "OUT"], "example_inputs do not fit"),
+    ([], "command is required"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_other_usage_errors(capsys, tmp_path, argv, needle):
+    argv = [str(tmp_path) if a == "OUT" else a for a in argv]
+    code, out, err = _run(capsys, *argv)
+    _assert_usage_error(code, out, err)
+    assert needle in err
+
+
+def test_help_and_version(capsys):
+    assert main(["--help"]) == 0
+    assert "partition" in capsys.readouterr().out
+    assert main(["partition", "--help"]) == 0
+    assert "--hybrid-module-name" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert "qcompiler" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_python_m_end_to_end(tmp_path):
+    out_dir = tmp_path / "dump"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qcompiler.tools.cli", "partition", "zoo:hybrid", "--out", str(out_dir)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("partitions: ")
+    assert (out_dir / "hybrid.json").is_file()
+    assert (out_dir / "summary.txt").read_text().splitlines()[0] == proc.stdout.splitlines()[0]
