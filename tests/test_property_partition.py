@@ -40,7 +40,7 @@ C, H, W = 4, 8, 8
 MARCHES = ("bayes", "bernoulli2")
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=30,
     deadline=None,
     derandomize=True,  # reproducible in CI: the same examples every run
     database=None,
@@ -403,3 +403,19 @@ def test_tuple_outputs_exact(march):
     gm = run_and_check(model, inputs, march)
     out = gm(*inputs)
     assert isinstance(out, tuple) and len(out) == 4 and out[3] is inputs[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core bug: Partition.inputs/outputs are documented 'in graph order' (qcompiler/ir/partitions.py) but "
+    "passes/partition.py appends them in order of first consuming node: bpu0.outputs == "
+    "['selu_input_dequant_0', 'a'] and bpu1.inputs == ['selu', 'a'] although 'a' comes first in the graph",
+)
+def test_partition_inputs_outputs_in_graph_order():
+    torch.manual_seed(0)
+    model, inputs = SkipAroundCpu().eval(), (torch.randn(1, C, H, W),)
+    gm = qcompiler.partition(model, inputs, march="bayes")
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for p in partitions(gm):
+        assert p.inputs == sorted(p.inputs, key=order.__getitem__), (p.name, "inputs", p.inputs)
+        assert p.outputs == sorted(p.outputs, key=order.__getitem__), (p.name, "outputs", p.outputs)
