@@ -6,7 +6,6 @@ so the fast kernels are checked bit for bit.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -280,9 +279,57 @@ def test_int_conv2d_matches_int64_loops(cfg, in_dtype):
     out = fp.int_conv2d(xt, wt, torch.from_numpy(b).int(), *args)
     assert out.dtype == torch.int64
     assert np.array_equal(out.numpy(), ref)
-    # the explicit im2col int64 fallback too
-    out2 = fp._im2col_conv2d_int64(torch.from_numpy(x), torch.from_numpy(w), *args)
-    assert np.array_equal(out2.numpy(), ref_conv2d(x, w, None, *args))
+    assert np.array_equal(out.numpy(), F.conv2d(torch.from_numpy(x), torch.from_numpy(w),
+                                                torch.from_numpy(b), *args).numpy())
+
+
+@pytest.mark.parametrize("mode", ["f32", "f64", "i64"])
+def test_every_kernel_is_exact(mode, monkeypatch):
+    # small int8 problems are exact under every kernel: force each one
+    monkeypatch.setattr(fp, "_FORCE_MODE", mode)
+    g = rng(14)
+    x = rint(g, -128, 127, (2, 4, 7, 6))
+    for w_shape, args in [((6, 2, 3, 2), ((2, 1), (1, 2), (1, 1), 2)),
+                          ((4, 1, 3, 3), ((1, 1), (2, 2), (2, 2), 4)),
+                          ((3, 4, 1, 1), ((1, 1), (0, 0), (1, 1), 1))]:
+        w = rint(g, -128, 127, w_shape)
+        out = fp.int_conv2d(torch.from_numpy(x), torch.from_numpy(w), None, *args)
+        assert np.array_equal(out.numpy(), ref_conv2d(x, w, None, *args))
+    a, b = rint(g, -128, 127, (3, 5, 9)), rint(g, -128, 127, (9, 4))
+    assert np.array_equal(fp.int_matmul(torch.from_numpy(a), torch.from_numpy(b)).numpy(), a @ b)
+    bt, at = torch.from_numpy(b.T.copy()), torch.from_numpy(a[0].T.copy())
+    assert np.array_equal(fp.int_matmul(bt, at).numpy(), b.T @ a[0].T)
+    w = rint(g, -128, 127, (6, 9))
+    assert np.array_equal(fp.int_linear(torch.from_numpy(a), torch.from_numpy(w)).numpy(),
+                          np.einsum("abk,ok->abo", a, w))
+
+
+def test_kernel_choice():
+    # (k, max|a|, max|b|) -> the fastest provably exact kernel
+    assert fp._plan(576, 128, 128, "c") == "f32"            # 3x3x64 int8: 9.4e6 < 2**24
+    assert fp._plan(1152, 128, 127, "c") == "f64"           # 3x3x128 int8: 1.87e7 >= 2**24
+    assert fp._plan(576, 32768, 128, "c") == "f64"          # int16 activations
+    assert fp._plan(9, 2 ** 31, 2 ** 22, "c") == "i64"      # >= 2**53
+    with pytest.raises(AccumulatorOverflow, match="bigop"):
+        fp._plan(9, 2 ** 40, 2 ** 30, "bigop")
+    # float32 GEMM in reduced precision is not exact: never used then
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        assert fp._plan(576, 128, 128, "c") == "f64"
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert fp._plan(576, 128, 128, "c") == "f32"
+
+
+def test_conv_shape_errors():
+    x = torch.zeros(1, 4, 5, 5, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="groups"):
+        fp.int_conv2d(x, torch.zeros(3, 2, 3, 3, dtype=torch.int8), groups=2)
+    with pytest.raises(ConfigError, match="fit"):
+        fp.int_conv2d(x, torch.zeros(2, 4, 7, 7, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="integer"):
+        fp.int_conv2d(x.float(), torch.zeros(2, 4, 3, 3))
 
 
 def test_int_conv2d_adversarial_exact_where_float32_is_not():
@@ -357,6 +404,13 @@ def test_int_linear_and_matmul():
                               .double().numpy(), ref)
     out = fp.int_matmul(torch.from_numpy(x), torch.from_numpy(w.T.copy()))
     assert np.array_equal(out.numpy(), ref)
+    # vector operands follow torch.matmul semantics
+    v = rint(g, -128, 127, (6,))
+    m = rint(g, -128, 127, (2, 6, 3))
+    assert np.array_equal(fp.int_matmul(torch.from_numpy(v), torch.from_numpy(m)).numpy(), v @ m)
+    assert np.array_equal(fp.int_matmul(torch.from_numpy(m.transpose(0, 2, 1).copy()),
+                                        torch.from_numpy(v)).numpy(), m.transpose(0, 2, 1) @ v)
+    assert int(fp.int_matmul(torch.from_numpy(v), torch.from_numpy(v))) == int(v @ v)
     # int64 path
     a = rint(g, -(2 ** 30), 2 ** 30, (3, 8))
     c = rint(g, -(2 ** 24), 2 ** 24, (8, 2))

@@ -22,13 +22,13 @@ contract)":
 Integer tensors are carried in the narrowest torch dtype of their quantized
 type (``qint8 -> torch.int8``, ``qint16 -> torch.int16``,
 ``qint32 -> torch.int32``); accumulators are ``torch.int64``.  Every function
-widens its inputs to int64 before doing arithmetic, so callers may pass any
-integer dtype.
+widens its inputs before doing arithmetic (to int64, or to float32/float64
+only where the result is provably exact), so callers may pass any integer
+dtype.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence, Union
 
 import torch
@@ -81,8 +81,8 @@ class AccumulatorOverflow(QCompilerError, OverflowError):
     def __init__(self, op: str, seen: int, limit: int, what: str = "accumulator",
                  fix: str | None = None) -> None:
         self.op, self.seen, self.limit, self.what = op, int(seen), int(limit), what
-        fix = fix or ("lower the input or weight scales' dynamic range, use an int8 "
-                      "operand instead of int16, or split the reduction")
+        fix = fix or ("narrow the operands' integer range (e.g. int8 instead of int16 "
+                      "activations) or split the reduction into smaller ones")
         super().__init__(
             f"{op}: {what} overflow: max |value| seen is {self.seen} but the limit is "
             f"{self.limit} (must be < limit); fix: {fix}"
@@ -142,11 +142,16 @@ def _clamp_to(x: torch.Tensor, dtype) -> torch.Tensor:
 # helpers
 
 
-def _as_int64(t) -> torch.Tensor:
+def _as_int(t) -> torch.Tensor:
+    """``t`` as a tensor of an integer dtype (unchanged); float/bool -> ConfigError."""
     t = torch.as_tensor(t)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ConfigError(f"expected an integer tensor, got dtype {t.dtype}")
-    return t.to(torch.int64)
+    return t
+
+
+def _as_int64(t) -> torch.Tensor:
+    return _as_int(t).to(torch.int64)
 
 
 def _extreme(t: torch.Tensor) -> int:
@@ -347,69 +352,148 @@ def check_accumulator(acc: torch.Tensor, bits: int = 32, op: str = "accumulator"
 # ---------------------------------------------------------------------------
 # exact integer conv / linear / matmul
 #
-# Strategy: a float64 kernel is exact when every product and every partial
-# sum is an integer of magnitude < 2**53, whatever the summation order (no
-# Winograd/FFT on the CPU float64 path, only multiply-adds).  We bound every
-# partial sum by k * max|a| * max|b| (k = reduction length) and take the fast
-# float64 kernel when that bound is < 2**53 -- always the case for int8/int16
-# operands in practice.  Otherwise the reduction runs in native int64.
+# Every one of them is a sum of k integer products.  A floating-point GEMM
+# whose operands are integers is *exact* when every product and every partial
+# sum is an integer below the format's 2**p (p = 24 for float32, 53 for
+# float64): each multiply-add is then exact, whatever the summation order,
+# blocking or FMA use.  All partial sums are bounded by k * max|a| * max|b|,
+# so the kernel is picked per call from that bound:
+#
+#   "f32"   bound < 2**24 (int8 x int8 up to k = 1032, e.g. 3x3x64 convs):
+#           one float32 GEMM -- only when float32 matmul runs at IEEE
+#           precision (see _f32_gemm_is_ieee).
+#   "f64"   bound < 2**53 (everything else with int8/int16 operands): one
+#           float64 GEMM, about 2x slower than float32.
+#   "i64"   bound < 2**63: int64 GEMM (exact integer arithmetic).
+#   else    AccumulatorOverflow.
+#
+# Convolution is lowered to GEMM by an explicit im2col built from strided
+# slices (never a Winograd/FFT algorithm, which would not be exact), so the
+# same rule covers it.  (Splitting an operand into two float32-exact digits
+# was measured no faster than float64 on CPU, so it is not done.)
+
+_F32_EXACT = 1 << 24
+# test hook: force a kernel ("f32", "f64", "i64")
+_FORCE_MODE: str | None = None
 
 
-def _reduction_bound(k: int, a: torch.Tensor, b: torch.Tensor) -> int:
-    return k * _extreme(a) * _extreme(b)
+def _f32_gemm_is_ieee() -> bool:
+    """True when torch's float32 matmul keeps full IEEE float32 precision.
+
+    ``torch.set_float32_matmul_precision("medium"/"high")`` or a oneDNN
+    bf16/tf32 math mode would make the float32 path inexact; we then use
+    float64 instead.
+    """
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    for holder in (torch.backends, getattr(torch.backends, "mkldnn", None),
+                   getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)):
+        if str(getattr(holder, "fp32_precision", "none")) not in ("none", "ieee"):
+            return False
+    return True
 
 
-def _im2col_conv2d_int64(x: torch.Tensor, w: torch.Tensor, stride, padding, dilation,
-                         groups: int) -> torch.Tensor:
-    """Exact int64 conv2d via explicit im2col + int64 matmul (fallback path)."""
+def _plan(k: int, amax: int, bmax: int, op: str) -> str:
+    """Choose the fastest provably exact kernel for a reduction of length ``k``."""
+    if _FORCE_MODE is not None:
+        return _FORCE_MODE
+    bound = k * amax * bmax
+    if bound < _F32_EXACT and _f32_gemm_is_ieee():
+        return "f32"
+    if bound < _F64_EXACT:
+        return "f64"
+    if bound < _I64_LIMIT:
+        return "i64"
+    raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound (k*max|a|*max|b|)")
+
+
+def _exact_bilinear(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
+                    b: torch.Tensor, k: int, op: str) -> torch.Tensor:
+    """Exact int64 result of the bilinear integer reduction ``fn(a, b)`` of length ``k``."""
+    mode = _plan(k, _extreme(a), _extreme(b), op)
+    if mode == "f32":
+        return fn(a.float(), b.float()).to(torch.int64)
+    if mode == "f64":
+        return fn(a.double(), b.double()).to(torch.int64)
+    if mode == "i64":
+        return fn(a.to(torch.int64), b.to(torch.int64))
+    raise ConfigError(f"unknown kernel mode {mode!r}")  # pragma: no cover
+
+
+def _conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, op):
     sh, sw = _pair(stride)
     ph, pw = _pair(padding)
     dh, dw = _pair(dilation)
-    N, C, H, W = x.shape
-    O, Cg, kh, kw = w.shape
-    xp = F.pad(x, (pw, pw, ph, ph))
+    N, C, H, W = x_shape
+    O, Cg, kh, kw = w_shape
+    if min(sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+        raise ConfigError(f"{op}: stride/dilation must be >= 1 and padding >= 0")
+    if groups < 1 or C != Cg * groups or O % groups:
+        raise ConfigError(f"{op}: input has {C} channels and weight {tuple(w_shape)} with "
+                          f"groups={groups}; need C == weight.shape[1]*groups and O % groups == 0")
     Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    cols = []
-    for i in range(kh):
-        for j in range(kw):
-            cols.append(xp[:, :, i * dh: i * dh + sh * (Ho - 1) + 1: sh,
-                           j * dw: j * dw + sw * (Wo - 1) + 1: sw])
-    col = torch.stack(cols, dim=2)  # N, C, kh*kw, Ho, Wo
-    col = col.reshape(N, groups, Cg * kh * kw, Ho * Wo)
-    wg = w.reshape(groups, O // groups, Cg * kh * kw)
-    out = torch.matmul(wg.unsqueeze(0), col)  # N, G, O/G, Ho*Wo
-    return out.reshape(N, O, Ho, Wo)
+    if Ho < 1 or Wo < 1:
+        raise ConfigError(f"{op}: kernel {kh}x{kw} does not fit the padded {H}x{W} input")
+    return (sh, sw), (ph, pw), (dh, dw), Ho, Wo
+
+
+def _taps(x: torch.Tensor, kh: int, kw: int, st, pad, dil, Ho: int, Wo: int) -> list[torch.Tensor]:
+    """The kh*kw strided views of the zero-padded input, one per kernel tap (row-major)."""
+    (sh, sw), (ph, pw), (dh, dw) = st, pad, dil
+    xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    return [xp[:, :, i * dh: i * dh + sh * (Ho - 1) + 1: sh, j * dw: j * dw + sw * (Wo - 1) + 1: sw]
+            for i in range(kh) for j in range(kw)]
+
+
+def _im2col(x: torch.Tensor, kh: int, kw: int, st, pad, dil, Ho: int, Wo: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C, kh*kw, Ho*Wo) from strided slices (any dtype)."""
+    B, C = x.shape[:2]
+    if kh == kw == 1 and st == (1, 1) and pad == (0, 0):
+        return x.reshape(B, C, 1, Ho * Wo)
+    return torch.stack(_taps(x, kh, kw, st, pad, dil, Ho, Wo), dim=2).reshape(B, C, kh * kw, Ho * Wo)
+
+
+def _conv_fn(stride, padding, dilation, groups, Ho, Wo):
+    """conv2d as im2col + (batched) GEMM, for any dtype."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        O, Cg, kh, kw = w.shape
+        N = x.shape[0]
+        G, K = groups, Cg * kh * kw
+        if Cg == 1 and O == G:  # depthwise: multiply-add the kh*kw shifted slices
+            out = None
+            for t, sl in enumerate(_taps(x, kh, kw, stride, padding, dilation, Ho, Wo)):
+                term = sl * w[:, 0].reshape(O, K)[:, t].reshape(1, O, 1, 1)
+                out = term if out is None else out.add_(term)
+            return out
+        col = _im2col(x, kh, kw, stride, padding, dilation, Ho, Wo).reshape(N, G, K, Ho * Wo)
+        out = torch.matmul(w.reshape(G, O // G, K), col)  # (N, G, O/G, Ho*Wo)
+        return out.reshape(N, O, Ho, Wo)
+
+    return fn
 
 
 def int_conv2d(q_in: torch.Tensor, q_weight: torch.Tensor, bias: torch.Tensor | None = None,
                stride: IntPair = 1, padding: IntPair = 0, dilation: IntPair = 1,
                groups: int = 1, *, op: str = "conv2d") -> torch.Tensor:
-    """Exact integer conv2d: returns the int64 accumulator ``sum(q_in * q_w) + bias``.
+    """Exact integer conv2d: the int64 accumulator ``sum(q_in * q_w) + bias``.
 
-    No rounding happens here.  Uses a float64 convolution when it is provably
-    exact (``k * max|q_in| * max|q_w| + max|bias| < 2**53`` with
-    ``k = Cin/groups * kh * kw``), otherwise a native int64 convolution
-    (with an explicit im2col fallback).  Checking the int32 range is the
+    No rounding happens here.  The convolution is an im2col + GEMM run in the
+    fastest provably exact arithmetic (float32, float64 or int64) chosen from
+    the bound ``k * max|q_in| * max|q_w|`` on every partial sum,
+    ``k = Cin/groups * kh * kw`` (see the comment above).  Zero padding
+    only.  The bias is added in int64.  Checking the int32 range is the
     caller's choice (:func:`check_accumulator`).
     """
-    x, w = _as_int64(q_in), _as_int64(q_weight)
-    b = _as_int64(bias) if bias is not None else None
+    x, w = _as_int(q_in), _as_int(q_weight)
     if x.dim() != 4 or w.dim() != 4:
         raise ConfigError(f"{op}: expected 4-D input and weight, got {tuple(x.shape)} and {tuple(w.shape)}")
+    st, pad, dil, Ho, Wo = _conv_geometry(x.shape, w.shape, stride, padding, dilation, groups, op)
     k = w.shape[1] * w.shape[2] * w.shape[3]
-    bound = _reduction_bound(k, x, w) + (_extreme(b) if b is not None else 0)
-    if bound < _F64_EXACT:
-        out = F.conv2d(x.double(), w.double(), None, stride, padding, dilation, groups).to(torch.int64)
-    elif bound < _I64_LIMIT:
-        try:
-            out = F.conv2d(x, w, None, stride, padding, dilation, groups)
-        except (RuntimeError, NotImplementedError):  # pragma: no cover - torch without int64 conv
-            out = _im2col_conv2d_int64(x, w, stride, padding, dilation, groups)
-    else:
-        raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound")
-    if b is not None:
-        out = out + b.reshape(1, -1, 1, 1)
+    out = _exact_bilinear(_conv_fn(st, pad, dil, groups, Ho, Wo), x, w, k, op)
+    if bias is not None:
+        out = out + _as_int64(bias).reshape(1, -1, 1, 1)
     return out
 
 
@@ -417,32 +501,26 @@ def int_linear(q_in: torch.Tensor, q_weight: torch.Tensor, bias: torch.Tensor | 
                *, op: str = "linear") -> torch.Tensor:
     """Exact integer linear: int64 accumulator ``q_in @ q_weight.T + bias``.
 
-    Same exactness rule as :func:`int_conv2d` with ``k = in_features``.
+    Same kernel choice as :func:`int_conv2d` with ``k = in_features``.
     """
-    x, w = _as_int64(q_in), _as_int64(q_weight)
-    b = _as_int64(bias) if bias is not None else None
-    bound = _reduction_bound(w.shape[-1], x, w) + (_extreme(b) if b is not None else 0)
-    if bound < _F64_EXACT:
-        out = F.linear(x.double(), w.double()).to(torch.int64)
-    elif bound < _I64_LIMIT:
-        out = torch.matmul(x, w.t())
-    else:
-        raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound")
-    return out + b if b is not None else out
+    x, w = _as_int(q_in), _as_int(q_weight)
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise ConfigError(f"{op}: input {tuple(x.shape)} does not match weight {tuple(w.shape)}")
+    out = _exact_bilinear(lambda p, q: torch.matmul(p, q.t()), x.reshape(-1, w.shape[1]), w,
+                          w.shape[1], op)
+    out = out.reshape(*x.shape[:-1], w.shape[0])
+    return out + _as_int64(bias) if bias is not None else out
 
 
 def int_matmul(qa: torch.Tensor, qb: torch.Tensor, *, op: str = "matmul") -> torch.Tensor:
     """Exact integer matmul of two feature maps (``torch.matmul`` semantics), int64 result.
 
-    Same exactness rule as :func:`int_conv2d` with ``k = qa.shape[-1]``.
+    Same kernel choice as :func:`int_conv2d` with ``k = qa.shape[-1]``.
     """
-    a, b = _as_int64(qa), _as_int64(qb)
-    bound = _reduction_bound(a.shape[-1], a, b)
-    if bound < _F64_EXACT:
-        return torch.matmul(a.double(), b.double()).to(torch.int64)
-    if bound < _I64_LIMIT:
-        return torch.matmul(a, b)
-    raise AccumulatorOverflow(op, bound, _I64_LIMIT, what="int64 accumulator bound")
+    a, b = _as_int(qa), _as_int(qb)
+    if a.dim() < 1 or b.dim() < 1 or a.shape[-1] != b.shape[-2 if b.dim() > 1 else 0]:
+        raise ConfigError(f"{op}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
+    return _exact_bilinear(torch.matmul, a, b, a.shape[-1], op)
 
 
 # ---------------------------------------------------------------------------
