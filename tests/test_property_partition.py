@@ -419,10 +419,10 @@ def test_hybrid_identity_between_cpu_and_bpu_is_looked_through():
     model, inputs = build(Spec((("elu", (0,)), ("identity", (1,)), ("conv1", (2,))), (3,), "", False))
     gm = run_and_check(model, inputs, "bayes", {"module_name": ["ops.1"]})
     assert _parts(gm) == [
-        ("cpu0", ["ops_0"]),
-        ("bpu0", ["ops_0_activation_post_process", "ops_1", "ops_2", "output_input_dequant_0"]),
+        ("cpu0", ["elu"]),
+        ("bpu0", ["elu_activation_post_process", "ops_1", "ops_2", "output_input_dequant_0"]),
     ]
-    assert [n.args[0].name for n in gm.graph.nodes if n.name == "ops_1"] == ["ops_0_activation_post_process"]
+    assert [n.args[0].name for n in gm.graph.nodes if n.name == "ops_1"] == ["elu_activation_post_process"]
 
 
 @pytest.mark.parametrize("march", MARCHES)

@@ -1,6 +1,37 @@
-"""Quantization: stubs, observers, the QTensor (and, later, qconfigs, fake quant, convert)."""
+"""Quantization: stubs, observers, fake quant, qconfigs, the QTensor and fixed-point math."""
 
-from qcompiler.quantization.observer import MinMaxObserver
+from qcompiler.quantization.fake_quantize import (
+    CalibFakeQuantize,
+    FakeQuantize,
+    FakeQuantizeBase,
+    assign_qc_names,
+    disable_fake_quant,
+    disable_observer,
+    enable_fake_quant,
+    enable_observer,
+    fake_quantize,
+    set_state,
+)
+from qcompiler.quantization.observer import (
+    OBSERVERS,
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    ObserverBase,
+    PercentileObserver,
+    PerChannelMinMaxObserver,
+    make_observer,
+)
+from qcompiler.quantization.qconfig import (
+    QConfig,
+    QConfigResolver,
+    get_default_calib_out_qconfig,
+    get_default_calib_qconfig,
+    get_default_qat_out_qconfig,
+    get_default_qat_qconfig,
+    parse_qconfig_dict,
+)
 from qcompiler.quantization.qtensor import (
     QDType,
     QTensor,
@@ -16,7 +47,32 @@ from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 __all__ = [
     "QuantStub",
     "DeQuantStub",
+    "ObserverBase",
     "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "HistogramObserver",
+    "PercentileObserver",
+    "OBSERVERS",
+    "make_observer",
+    "FakeQuantizeBase",
+    "FakeQuantize",
+    "CalibFakeQuantize",
+    "fake_quantize",
+    "enable_observer",
+    "disable_observer",
+    "enable_fake_quant",
+    "disable_fake_quant",
+    "set_state",
+    "assign_qc_names",
+    "QConfig",
+    "QConfigResolver",
+    "parse_qconfig_dict",
+    "get_default_calib_qconfig",
+    "get_default_calib_out_qconfig",
+    "get_default_qat_qconfig",
+    "get_default_qat_out_qconfig",
     "QDType",
     "QTensor",
     "qint8",

@@ -1,13 +1,182 @@
-"""Activation observers: record the range of a tensor, pass it through unchanged."""
+"""Observers: record the range of the tensors they see and pass them through unchanged.
+
+Every observer is an ``nn.Module`` that returns its input object unchanged, so
+an observed model computes exactly the float model's outputs.  From what it
+saw it derives symmetric quantization parameters (DESIGN.md, "BPU numerics"):
+
+* zero point always 0; ``scale = amax / qmax`` floored at float32 eps
+  (:func:`qcompiler.quantization.fixed_point.symmetric_scale`);
+* activations per tensor (``ch_axis == -1``), weights per output channel
+  (``ch_axis`` 0, or 1 for a transposed conv);
+* dtypes ``"qint8"`` ``[-128, 127]`` and ``"qint16"`` ``[-32768, 32767]``.
+
+Common interface: ``calculate_qparams() -> (scale, zero_point)`` (float32 and
+int64 tensors of shape ``[1]`` or ``[C]``), ``calculate_amax()`` (the clipping
+threshold behind the scale), the attributes ``dtype``, ``quant_min``,
+``quant_max``, ``ch_axis``, ``qscheme``, ``has_observed`` and a settable
+``qc_name`` used in error messages.  An observer that sees NaN/Inf raises
+:class:`CalibrationError` naming ``qc_name``; asking an observer that never
+saw data for its qparams raises :class:`CalibrationError` too.
+
+``HistogramObserver`` keeps a fixed-size histogram of ``|x|`` in one pass and
+picks its clipping threshold by percentile, by minimum expected squared error
+(``histogram-mse``) or by TensorRT-style KL divergence (``kl``); see its
+docstring.  ``OBSERVERS`` maps the user-facing names to factories.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import Callable
+
+import numpy as np
 import torch
 import torch.nn as nn
 
+from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.quantization.fixed_point import qrange, symmetric_scale
 
-class MinMaxObserver(nn.Module):
-    """Running min/max of every tensor seen; symmetric int8 scale on demand.
+__all__ = [
+    "DTYPES",
+    "check_dtype",
+    "ObserverBase",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "HistogramObserver",
+    "PercentileObserver",
+    "OBSERVERS",
+    "make_observer",
+]
+
+# the activation/weight dtypes a qconfig may ask for
+DTYPES = ("qint8", "qint16")
+_DTYPE_ALIASES = {torch.qint8: "qint8", torch.int8: "qint8", "int8": "qint8",
+                  torch.int16: "qint16", "int16": "qint16"}
+
+
+def check_dtype(dtype, what: str = "dtype") -> str:
+    """``dtype`` as one of :data:`DTYPES` (torch.qint8/int8/int16 accepted); else ConfigError."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
+    try:
+        name = _DTYPE_ALIASES.get(dtype)
+    except TypeError:  # unhashable
+        name = None
+    if name is None:
+        raise ConfigError(f"{what}: unknown quantized dtype {dtype!r}; allowed: "
+                          + ", ".join(repr(d) for d in DTYPES))
+    return name
+
+
+def _fmt_float(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _fmt_vec(t: torch.Tensor, edge: int = 3) -> str:
+    """Short text of a small float vector: ``[-0.25, 0.5, 0.1]`` / ``[a, b, c, ..., x, y, z] (C=64)``."""
+    vals = t.detach().flatten().tolist()
+    if len(vals) <= 2 * edge + 2:
+        return "[" + ", ".join(_fmt_float(v) for v in vals) + "]"
+    head = ", ".join(_fmt_float(v) for v in vals[:edge])
+    tail = ", ".join(_fmt_float(v) for v in vals[-edge:])
+    return f"[{head}, ..., {tail}] (C={len(vals)})"
+
+
+class ObserverBase(nn.Module):
+    """Shared plumbing of all observers: dtype/range attributes, NaN checks, qparams.
+
+    Subclasses implement ``_observe(x)`` (``x`` detached, finite, non-empty,
+    floating point) and ``calculate_amax()`` (float32 ``[1]`` or ``[C]``).
+    """
+
+    # the tracer keeps observers as leaves; at a float -> BPU boundary an
+    # observer marks where values get quantized
+    qc_leaf = True
+    qc_op = "quant"
+    # buffers whose shape depends on the data (resized on load_state_dict)
+    _resizable_buffers: tuple[str, ...] = ()
+
+    def __init__(self, dtype="qint8", ch_axis: int = -1) -> None:
+        super().__init__()
+        self.dtype = check_dtype(dtype)
+        self.quant_min, self.quant_max = qrange(self.dtype)
+        self._ch_axis = ch_axis
+        self.qc_name = ""
+
+    # -- attributes -------------------------------------------------------
+    @property
+    def ch_axis(self) -> int:
+        return self._ch_axis
+
+    @property
+    def qscheme(self) -> torch.qscheme:
+        return torch.per_tensor_symmetric if self.ch_axis < 0 else torch.per_channel_symmetric
+
+    @property
+    def has_observed(self) -> bool:
+        """Did this observer see any (non-empty) data?"""
+        raise NotImplementedError
+
+    def _display_name(self) -> str:
+        return self.qc_name or type(self).__name__
+
+    # -- observing --------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel():
+            d = x.detach()
+            if not d.is_floating_point():
+                d = d.float()
+            if not bool(torch.isfinite(d).all()):
+                raise CalibrationError(
+                    f"observer {self._display_name()!r} saw NaN/Inf in its input; "
+                    f"check the data or the preceding layer"
+                )
+            self._observe(d)
+        return x
+
+    def _observe(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # -- results ----------------------------------------------------------
+    def _require_data(self) -> None:
+        if not self.has_observed:
+            raise CalibrationError(
+                f"observer {self._display_name()!r} has not seen any data; run calibration "
+                f"batches through the model before asking for its scale"
+            )
+
+    def calculate_amax(self) -> torch.Tensor:
+        """The clipping threshold (max |x| kept): float32 ``[1]`` or ``[C]``."""
+        raise NotImplementedError
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, zero_point)``: ``amax / qmax`` (float32, floored at eps) and int64 zeros."""
+        scale = symmetric_scale(self.calculate_amax(), self.dtype).reshape(-1)
+        return scale, torch.zeros(scale.shape, dtype=torch.int64)
+
+    def _dtype_repr(self) -> str:
+        return "" if self.dtype == "qint8" else f", dtype={self.dtype}"
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        # per-channel statistics start empty: take the saved shape
+        for name in self._resizable_buffers:
+            key = prefix + name
+            if key in state_dict and getattr(self, name).shape != state_dict[key].shape:
+                getattr(self, name).resize_(state_dict[key].shape)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+
+# ---------------------------------------------------------------------------
+# min/max family
+
+
+class MinMaxObserver(ObserverBase):
+    """Running min/max of every tensor seen; symmetric scale on demand.
 
     It returns its input unchanged, so an observed model computes exactly the
     float model's outputs.
@@ -17,22 +186,403 @@ class MinMaxObserver(nn.Module):
     # at a float -> BPU boundary the observer marks where values get quantized
     qc_op = "quant"
 
-    def __init__(self, quant_min: int = -128, quant_max: int = 127) -> None:
-        super().__init__()
-        self.quant_min, self.quant_max = quant_min, quant_max
+    def __init__(self, dtype="qint8") -> None:
+        super().__init__(dtype, ch_axis=-1)
         self.register_buffer("min_val", torch.tensor(float("inf")))
         self.register_buffer("max_val", torch.tensor(float("-inf")))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel():
-            d = x.detach()
-            self.min_val = torch.minimum(self.min_val, d.min().float())
-            self.max_val = torch.maximum(self.max_val, d.max().float())
-        return x
+    @property
+    def has_observed(self) -> bool:
+        return bool(self.min_val <= self.max_val)
+
+    def _observe(self, x: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(x)
+        self.min_val = torch.minimum(self.min_val, lo.float())
+        self.max_val = torch.maximum(self.max_val, hi.float())
+
+    def calculate_amax(self) -> torch.Tensor:
+        self._require_data()
+        return torch.maximum(self.min_val.abs(), self.max_val.abs()).reshape(1)
 
     def calculate_scale(self) -> torch.Tensor:
+        """0-dim symmetric scale (no data check: ``inf`` before any data)."""
         amax = torch.maximum(self.min_val.abs(), self.max_val.abs())
-        return torch.clamp(amax / self.quant_max, min=torch.finfo(torch.float32).eps)
+        return symmetric_scale(amax, self.dtype)
+
+    def _seed_amax(self, amax: torch.Tensor) -> None:
+        """Start from a known symmetric range (hand-over from calibration)."""
+        a = amax.detach().float().abs().max().reshape(())
+        self.min_val = -a
+        self.max_val = a.clone()
 
     def extra_repr(self) -> str:
-        return f"min_val={self.min_val.item():.4g}, max_val={self.max_val.item():.4g}"
+        return (f"min_val={_fmt_float(self.min_val.item())}, "
+                f"max_val={_fmt_float(self.max_val.item())}{self._dtype_repr()}")
+
+
+class MovingAverageMinMaxObserver(MinMaxObserver):
+    """Exponential moving average of each batch's min and max (QAT activations).
+
+    The first batch initialises the range; later batches update
+    ``v <- v + averaging_constant * (batch_v - v)``.
+    """
+
+    def __init__(self, averaging_constant: float = 0.01, dtype="qint8") -> None:
+        if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
+            raise ConfigError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}")
+        super().__init__(dtype)
+        self.averaging_constant = float(averaging_constant)
+
+    def _observe(self, x: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(x)
+        lo, hi = lo.float(), hi.float()
+        if not self.has_observed:
+            self.min_val, self.max_val = lo.clone(), hi.clone()
+        else:
+            c = self.averaging_constant
+            self.min_val = self.min_val + c * (lo - self.min_val)
+            self.max_val = self.max_val + c * (hi - self.max_val)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", averaging_constant={self.averaging_constant:g}"
+                                       if self.averaging_constant != 0.01 else "")
+
+
+class PerChannelMinMaxObserver(ObserverBase):
+    """Running min/max per channel along ``ch_axis`` (weights: output channels).
+
+    ``ch_axis`` is 0 for conv/linear weights and 1 for transposed convs.
+    Changing ``ch_axis`` clears the statistics.
+    """
+
+    _resizable_buffers = ("min_val", "max_val")
+
+    def __init__(self, ch_axis: int = 0, dtype="qint8") -> None:
+        if not isinstance(ch_axis, int) or isinstance(ch_axis, bool) or ch_axis < 0:
+            raise ConfigError(f"per-channel observers need a channel axis >= 0, got ch_axis={ch_axis!r}")
+        super().__init__(dtype, ch_axis=ch_axis)
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+
+    @property
+    def ch_axis(self) -> int:
+        return self._ch_axis
+
+    @ch_axis.setter
+    def ch_axis(self, axis: int) -> None:
+        if not isinstance(axis, int) or isinstance(axis, bool) or axis < 0:
+            raise ConfigError(f"per-channel observers need a channel axis >= 0, got ch_axis={axis!r}")
+        if axis != self._ch_axis:
+            self._ch_axis = axis
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget everything seen."""
+        self.min_val = torch.empty(0)
+        self.max_val = torch.empty(0)
+
+    @property
+    def has_observed(self) -> bool:
+        return self.min_val.numel() > 0
+
+    def _batch_minmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ax = self.ch_axis
+        if x.dim() <= ax:
+            raise ConfigError(
+                f"observer {self._display_name()!r}: per-channel axis {ax} does not exist in an "
+                f"input of shape {tuple(x.shape)}; set ch_axis to the channel dimension"
+            )
+        y = x.movedim(ax, 0).reshape(x.shape[ax], -1)
+        if y.shape[1] == 0:
+            return None
+        if self.has_observed and self.min_val.numel() != y.shape[0]:
+            raise CalibrationError(
+                f"observer {self._display_name()!r} saw {y.shape[0]} channels along axis {ax} "
+                f"but {self.min_val.numel()} before; one per-channel observer per tensor"
+            )
+        lo, hi = torch.aminmax(y, dim=1)
+        return lo.float(), hi.float()
+
+    def _observe(self, x: torch.Tensor) -> None:
+        mm = self._batch_minmax(x)
+        if mm is None:
+            return
+        lo, hi = mm
+        if not self.has_observed:
+            self.min_val, self.max_val = lo.clone(), hi.clone()
+        else:
+            self.min_val = torch.minimum(self.min_val, lo)
+            self.max_val = torch.maximum(self.max_val, hi)
+
+    def calculate_amax(self) -> torch.Tensor:
+        self._require_data()
+        return torch.maximum(self.min_val.abs(), self.max_val.abs())
+
+    def _seed_amax(self, amax: torch.Tensor) -> None:
+        a = amax.detach().float().abs().reshape(-1)
+        self.min_val = -a
+        self.max_val = a.clone()
+
+    def extra_repr(self) -> str:
+        if not self.has_observed:
+            return f"ch_axis={self.ch_axis}, min_val=[], max_val=[]{self._dtype_repr()}"
+        return (f"ch_axis={self.ch_axis}, min_val={_fmt_vec(self.min_val)}, "
+                f"max_val={_fmt_vec(self.max_val)}{self._dtype_repr()}")
+
+
+class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
+    """Per-channel exponential moving average of min/max (QAT weights); first batch initialises."""
+
+    def __init__(self, averaging_constant: float = 0.01, ch_axis: int = 0, dtype="qint8") -> None:
+        if not (isinstance(averaging_constant, (int, float)) and 0 < averaging_constant <= 1):
+            raise ConfigError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}")
+        super().__init__(ch_axis, dtype)
+        self.averaging_constant = float(averaging_constant)
+
+    def _observe(self, x: torch.Tensor) -> None:
+        mm = self._batch_minmax(x)
+        if mm is None:
+            return
+        lo, hi = mm
+        if not self.has_observed:
+            self.min_val, self.max_val = lo.clone(), hi.clone()
+        else:
+            c = self.averaging_constant
+            self.min_val = self.min_val + c * (lo - self.min_val)
+            self.max_val = self.max_val + c * (hi - self.max_val)
+
+
+# ---------------------------------------------------------------------------
+# histogram family
+
+
+class HistogramObserver(ObserverBase):
+    """One-pass, fixed-memory histogram of ``|x|``; the clipping threshold is searched.
+
+    Memory: ``histogram`` is ``bins`` float64 counts over ``[0, hist_max]``
+    (bin ``i`` covers ``[i*w, (i+1)*w)``, ``w = hist_max / bins``, the last
+    bin also holds ``hist_max`` itself).  The first non-zero batch sets
+    ``hist_max`` to its ``max |x|``.  When a later batch exceeds the range,
+    the range grows by the smallest power of two ``f = 2**k`` that covers it,
+    and old bin ``i`` is merged into new bin ``i // f`` (old bins nest exactly
+    in new ones, so counts and the total are preserved; ``f >= bins`` puts
+    everything into bin 0).  The buffers never change size.
+
+    ``calculate_amax()`` (recomputed on each call) picks the threshold ``T``:
+
+    * ``percentile``: the ``percentile``-th percentile of ``|x|``,
+      interpolated linearly inside its bin;
+    * ``mse``: for each candidate ``T`` = a bin's upper edge, with
+      ``delta = T / qmax``, the expected squared error is the clipping error
+      ``sum_{c_j > T} n_j (c_j - T)**2`` (bin centres ``c_j``) plus the
+      rounding error of the kept values: ``c_j**2`` for bins that round to
+      zero (``c_j < delta/2``, exact for e.g. ReLU zeros), ``delta**2/12``
+      per element otherwise; the minimiser wins (computed with prefix sums,
+      O(bins));
+    * ``kl``: TensorRT's entropy calibration adapted to symmetric ``|x|``:
+      for each candidate ``i`` from ``levels`` to ``bins`` (``levels = qmax+1``:
+      128 for qint8, 32768 for qint16), the reference ``P`` is the first ``i``
+      bins with the outliers added to the last one, ``Q`` merges those ``i``
+      bins into ``levels`` groups and spreads each group's mass evenly over
+      its non-empty bins; both are smoothed and the ``i`` minimising
+      ``KL(P || Q)`` gives ``T = i * w``.  With ``bins <= levels`` (qint16
+      with the default 2048 bins) the histogram is coarser than the integer
+      grid, nothing can be gained by clipping and ``T = max |x|``.
+
+    The threshold never exceeds the largest ``|x|`` seen.
+    """
+
+    METHODS = ("mse", "kl", "percentile")
+
+    def __init__(self, method: str = "mse", bins: int = 2048, percentile: float = 99.99,
+                 dtype="qint8") -> None:
+        if method not in self.METHODS:
+            raise ConfigError(f"HistogramObserver: unknown method {method!r}; allowed: "
+                              + ", ".join(repr(m) for m in self.METHODS))
+        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 2:
+            raise ConfigError(f"HistogramObserver: bins must be an int >= 2, got {bins!r}")
+        if not (isinstance(percentile, (int, float)) and 0 < percentile <= 100):
+            raise ConfigError(f"HistogramObserver: percentile must be in (0, 100], got {percentile!r}")
+        super().__init__(dtype, ch_axis=-1)
+        self.method = method
+        self.bins = bins
+        self.percentile = float(percentile)
+        self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
+        # upper edge of the histogram's range; 0 until a non-zero value is seen
+        self.register_buffer("hist_max", torch.tensor(0.0, dtype=torch.float64))
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    @property
+    def has_observed(self) -> bool:
+        return bool(self.min_val <= self.max_val)
+
+    @property
+    def max_abs(self) -> float:
+        """Largest ``|x|`` seen (0.0 before any data)."""
+        if not self.has_observed:
+            return 0.0
+        return max(abs(float(self.min_val)), abs(float(self.max_val)))
+
+    # -- observing --------------------------------------------------------
+    def _rebin(self, factor: int) -> None:
+        """Merge ``factor`` (a power of two) adjacent bins into one, in place."""
+        h = self.histogram
+        if factor >= self.bins:
+            total = h.sum()
+            h.zero_()
+            h[0] = total
+            return
+        merged = torch.zeros_like(h).index_add_(
+            0, torch.arange(self.bins, device=h.device) // factor, h)
+        h.copy_(merged)
+
+    def _observe(self, x: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(x)
+        self.min_val = torch.minimum(self.min_val, lo.float())
+        self.max_val = torch.maximum(self.max_val, hi.float())
+        a = x.abs().flatten().double()
+        amax = float(a.max())
+        r = float(self.hist_max)
+        if r == 0.0:
+            r = amax  # stays 0 while only zeros were seen: they all sit in bin 0
+        elif amax > r:
+            k = max(1, math.ceil(math.log2(amax / r)))
+            while r * 2.0 ** k < amax:
+                k += 1
+            self._rebin(2 ** k)
+            r = r * 2.0 ** k
+        self.hist_max.fill_(r)
+        if r == 0.0:
+            self.histogram[0] += a.numel()
+            return
+        idx = torch.floor(a * (self.bins / r)).long().clamp_(0, self.bins - 1)
+        self.histogram += torch.bincount(idx, minlength=self.bins).double()
+
+    # -- thresholds -------------------------------------------------------
+    def calculate_amax(self) -> torch.Tensor:
+        self._require_data()
+        top = self.max_abs
+        r = float(self.hist_max)
+        if top == 0.0 or r == 0.0:
+            return torch.zeros(1)
+        h = self.histogram.detach().cpu().numpy().astype(np.float64)
+        w = r / self.bins
+        if self.method == "percentile":
+            t = self._percentile_threshold(h, w)
+        elif self.method == "mse":
+            t = self._mse_threshold(h, w)
+        else:
+            t = self._kl_threshold(h, w)
+        t = min(t, top)
+        if not t > 0.0:
+            t = top
+        return torch.tensor([t], dtype=torch.float32)
+
+    def _percentile_threshold(self, h: np.ndarray, w: float) -> float:
+        cum = np.cumsum(h)
+        target = self.percentile / 100.0 * cum[-1]
+        i = int(min(np.searchsorted(cum, target, side="left"), len(h) - 1))
+        before = cum[i - 1] if i > 0 else 0.0
+        frac = (target - before) / h[i] if h[i] > 0 else 1.0
+        return (i + min(max(frac, 0.0), 1.0)) * w
+
+    def _mse_threshold(self, h: np.ndarray, w: float) -> float:
+        n = len(h)
+        centres = (np.arange(n) + 0.5) * w
+        t = (np.arange(n) + 1.0) * w  # candidate thresholds: upper bin edges
+        cum0 = np.cumsum(h)
+        cum1 = np.cumsum(h * centres)
+        cum2 = np.cumsum(h * centres ** 2)
+        # clipping error of the bins above candidate i: sum_{j>i} n_j (c_j - T_i)^2
+        s0, s1, s2 = cum0[-1] - cum0, cum1[-1] - cum1, cum2[-1] - cum2
+        clip = np.maximum(s2 - 2.0 * t * s1 + t * t * s0, 0.0)
+        # rounding error of the kept bins j <= i
+        delta = t / self.quant_max
+        m = np.searchsorted(centres, delta / 2.0, side="left")  # bins with c_j < delta/2 round to 0
+        m = np.minimum(m, np.arange(n) + 1)
+        pad0, pad2 = np.concatenate(([0.0], cum0)), np.concatenate(([0.0], cum2))
+        zero_err = pad2[m]
+        rounded = cum0 - pad0[m]
+        err = clip + zero_err + rounded * delta * delta / 12.0
+        return float(t[int(np.argmin(err))])
+
+    def _kl_threshold(self, h: np.ndarray, w: float) -> float:
+        levels = self.quant_max + 1
+        n = len(h)
+        if n <= levels:
+            return n * w
+        best_i, best_kl = n, math.inf
+        tail = np.concatenate((np.cumsum(h[::-1])[::-1], [0.0]))  # tail[i] = sum h[i:]
+        for i in range(levels, n + 1):
+            sliced = h[:i]
+            p = sliced.copy()
+            p[i - 1] += tail[i]
+            nonzero = p != 0
+            starts = (np.arange(levels) * i) // levels
+            group_sum = np.add.reduceat(sliced, starts)
+            group_nz = np.add.reduceat(nonzero.astype(np.float64), starts)
+            group_of = np.repeat(np.arange(levels), np.diff(np.append(starts, i)))
+            q = np.where(nonzero, (group_sum / np.maximum(group_nz, 1.0))[group_of], 0.0)
+            kl = _kl_divergence(p, q)
+            if kl < best_kl:
+                best_i, best_kl = i, kl
+        return best_i * w
+
+    def extra_repr(self) -> str:
+        parts = [f"method={self.method}", f"bins={self.bins}"]
+        if self.method == "percentile":
+            parts.append(f"percentile={self.percentile:g}")
+        if self.has_observed:
+            parts.append(f"min_val={_fmt_float(self.min_val.item())}, "
+                         f"max_val={_fmt_float(self.max_val.item())}")
+        else:
+            parts.append("empty")
+        return ", ".join(parts) + self._dtype_repr()
+
+
+def _smooth(p: np.ndarray, eps: float = 1e-4) -> np.ndarray | None:
+    """Give empty bins a little mass taken evenly from the others (TensorRT/MXNet style)."""
+    zero = p == 0
+    n_zero = int(zero.sum())
+    n_nonzero = p.size - n_zero
+    if n_nonzero == 0:
+        return None
+    eps1 = eps * n_zero / n_nonzero
+    return p + eps * zero - eps1 * ~zero
+
+
+def _kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    ps, qs = _smooth(p), _smooth(q)
+    if ps is None or qs is None:
+        return math.inf
+    ps, qs = ps / ps.sum(), qs / qs.sum()
+    if (ps <= 0).any() or (qs <= 0).any():
+        return math.inf
+    return float(np.sum(ps * np.log(ps / qs)))
+
+
+class PercentileObserver(HistogramObserver):
+    """:class:`HistogramObserver` that clips at a percentile of ``|x|`` (default 99.99)."""
+
+    def __init__(self, percentile: float = 99.99, bins: int = 2048, dtype="qint8") -> None:
+        super().__init__(method="percentile", bins=bins, percentile=percentile, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
+# the user-facing names
+
+OBSERVERS: dict[str, Callable[..., ObserverBase]] = {
+    "minmax": MinMaxObserver,
+    "percentile": PercentileObserver,
+    "histogram-mse": functools.partial(HistogramObserver, method="mse"),
+    "kl": functools.partial(HistogramObserver, method="kl"),
+}
+
+
+def make_observer(name: str, dtype="qint8") -> ObserverBase:
+    """A fresh activation observer by name (``minmax``, ``percentile``, ``histogram-mse``, ``kl``)."""
+    factory = OBSERVERS.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ConfigError(f"unknown observer {name!r}; allowed: " + ", ".join(repr(k) for k in OBSERVERS))
+    return factory(dtype=dtype)
