@@ -184,6 +184,10 @@ def partition(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
                 by_name[theirs].outputs.append(src.name)
             if mine is not None and src.name not in by_name[mine].inputs:
                 by_name[mine].inputs.append(src.name)
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for p in result:  # documented as graph order, not order of first use
+        p.inputs.sort(key=order.__getitem__)
+        p.outputs.sort(key=order.__getitem__)
     gm.meta[GM_PARTITIONS] = result
     return PassResult(gm, changed)
 

@@ -10,6 +10,7 @@ belongs to the BPU partition whose boundary it marks.
 from __future__ import annotations
 
 from qcompiler.passes.fuse import FUSE
+from qcompiler.passes.insert_observers import INSERT_OBSERVERS
 from qcompiler.passes.insert_stubs import INSERT_STUBS
 from qcompiler.passes.partition import PARTITION
 from qcompiler.passes.place import PLACE
@@ -21,5 +22,9 @@ SPLIT = [INSERT_STUBS, PARTITION]
 
 # trace -> shapes -> placement -> fusion -> boundary stubs -> partitions
 PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
+# ... and observers / fake quants on the BPU ops, before grouping
+PREPARE_PIPELINE = ANALYZE + OPTIMIZE + [INSERT_STUBS, INSERT_OBSERVERS, PARTITION]
+# a prepared model given new qconfigs (calibration -> QAT)
+REQUANTIZE_PIPELINE = [INSERT_OBSERVERS, PARTITION]
 
-__all__ = ["ANALYZE", "OPTIMIZE", "SPLIT", "PARTITION_PIPELINE"]
+__all__ = ["ANALYZE", "OPTIMIZE", "SPLIT", "PARTITION_PIPELINE", "PREPARE_PIPELINE", "REQUANTIZE_PIPELINE"]

@@ -44,10 +44,11 @@ def _within(entry: ScopeEntry, name: str) -> bool:
     return entry.path == name or entry.path.startswith(name + ".")
 
 
-def parse_hybrid_dict(hybrid_dict: Any, model: nn.Module) -> HybridConfig:
+def parse_hybrid_dict(hybrid_dict: Any, model: Optional[nn.Module]) -> HybridConfig:
     """Validate ``hybrid_dict`` against ``model``; ConfigError naming the bad key or name.
 
     A ``module_type`` that matches no module of the model is legal but warned about.
+    With ``model=None`` only the form is checked (for comparing configs).
     """
     if hybrid_dict is None:
         return HybridConfig()
@@ -65,8 +66,10 @@ def parse_hybrid_dict(hybrid_dict: Any, model: nn.Module) -> HybridConfig:
     for key, value in (("module_name", names), ("module_type", types)):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"hybrid_dict['{key}'] must be a list, got {type(value).__name__}")
-    check_module_names(model, names, "hybrid_dict['module_name']")
     resolved = tuple(resolve_type(t, "hybrid_dict['module_type']") for t in types)
+    if model is None:
+        return HybridConfig(tuple(names), resolved)
+    check_module_names(model, names, "hybrid_dict['module_name']")
     for typ in resolved:
         if not any(isinstance(m, typ) for _, m in model.named_modules()):
             warnings.warn(

@@ -23,6 +23,7 @@ from qcompiler.quantization.observer import (
     PerChannelMinMaxObserver,
     make_observer,
 )
+from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qconfig import (
     QConfig,
     QConfigResolver,
@@ -45,6 +46,8 @@ from qcompiler.quantization.qtensor import (
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
 __all__ = [
+    "prepare_calibration_fx",
+    "prepare_qat_fx",
     "QuantStub",
     "DeQuantStub",
     "ObserverBase",

@@ -6,18 +6,26 @@ dequantize.  torch.ao's stubs are accepted everywhere ours are.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 
 
 class QuantStub(nn.Module):
-    """Float -> quantized boundary. Identity until the model is converted."""
+    """Float -> quantized boundary. Identity until prepared; then its
+    ``activation_post_process`` observes (calibration) or fake-quantizes (QAT) the input."""
 
     qc_op = "quant"
     qc_leaf = True
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.activation_post_process: Optional[nn.Module] = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        apq = self.activation_post_process
+        return apq(x) if apq is not None else x
 
 
 class DeQuantStub(nn.Module):

@@ -1,0 +1,192 @@
+"""Attach observers (calibration) or fake quants (QAT) to the BPU ops, by qconfig.
+
+Where a quantization point goes:
+
+* a BPU conv / conv-transpose / linear / fused layer is swapped for its
+  observed class (``qcompiler.nn.qat``) holding ``weight_fake_quant`` and
+  ``activation_post_process`` (None for a high-precision output qconfig);
+* a BPU QuantStub holds ``activation_post_process`` (torch.ao's stub is
+  swapped for ours);
+* the boundary observers of ``insert_stubs`` (``<cpu>_activation_post_process``)
+  get the activation quantizer of the qconfig at the CPU node's scope (a CPU
+  op that feeds the BPU "must have a qconfig", as in the hybrid flow);
+* any other BPU op that makes new values (add, cat, matmul, lookup-table ops,
+  pooling averages, resize...) gets a graph node ``<node>_activation_post_process``;
+* ops that keep the input's scale (relu, max pool, layout ops, identities) get none.
+
+The qconfig of a node comes from ``ctx.options["qconfig_resolver"]``
+(priority global < module_type < module_name < module.qconfig; functional ops
+inherit their module's). CPU ops keep no qconfig. With
+``ctx.options["optimize_graph"]`` every BPU ``cat`` shares one quantizer
+between its inputs and its output.
+
+Running the pass again (calibration -> QAT hand-over) replaces every
+quantizer it placed before.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import (
+    BPU,
+    META_OP,
+    META_PARTITION,
+    META_SCOPE,
+    META_STUB,
+    META_TENSOR,
+    ScopeEntry,
+    placement,
+    scope,
+    set_placement,
+)
+from qcompiler.nn.qat import has_weight_layer, observe_layer
+from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
+from qcompiler.quantization.qconfig import QConfig
+from qcompiler.quantization.stubs import QuantStub
+
+OUTPUT_OBSERVER = "output_observer"  # META_STUB of the graph-node observers this pass adds
+
+# Ops whose output keeps the input's quantization grid: no observer after them.
+SCALE_PRESERVING_OPS = frozenset({
+    "relu", "relu6", "max_pool2d", "identity", "dropout", "reshape", "flatten",
+    "permute", "transpose", "getitem", "size", "dequant",
+})
+
+
+def _set_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, module)
+
+
+def _require(qconfig: Optional[QConfig], node: fx.Node, boundary: bool = False) -> QConfig:
+    """The node's qconfig, or a ConfigError saying where one is missing and how to set it."""
+    if qconfig is not None and (qconfig.activation is not None or (qconfig.out_high_precision and not boundary)):
+        return qconfig
+    if boundary:
+        who = f"model input '{node.name}'" if node.op == "placeholder" else f"CPU op '{node.name}'"
+        what = f"{who} feeds the BPU but has no activation qconfig"
+    else:
+        what = f"BPU op '{node.name}' ({node.meta.get(META_OP)}) has no qconfig"
+    raise ConfigError(
+        f"{what}: set a global qconfig, e.g. qconfig_dict={{'': get_default_qat_qconfig()}}, "
+        f"or run the op on the CPU with hybrid_dict={{'module_name': [...]}}"
+    )
+
+
+def _drop_previous_output_observers(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.meta.get(META_STUB) == OUTPUT_OBSERVER:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            if hasattr(gm, node.target):
+                delattr(gm, node.target)
+
+
+def _add_output_observer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> fx.Node:
+    name = f"{node.name}_{ACTIVATION_POST_PROCESS}"
+    k = 1
+    while hasattr(gm, name):
+        name, k = f"{node.name}_{ACTIVATION_POST_PROCESS}_{k}", k + 1
+    gm.add_submodule(name, module)
+    users = list(node.users)
+    with gm.graph.inserting_after(node):
+        obs = gm.graph.create_node("call_module", name, (node,), {}, name=name)
+    for user in users:
+        user.replace_input_with(node, obs)
+    obs.meta.update({
+        META_SCOPE: scope(node)[:1] + (ScopeEntry(name, type(module)),),
+        META_TENSOR: node.meta.get(META_TENSOR),
+        META_OP: "quant",
+        META_STUB: OUTPUT_OBSERVER,
+    })
+    if META_PARTITION in node.meta:
+        obs.meta[META_PARTITION] = node.meta[META_PARTITION]
+    set_placement(obs, BPU, f"quantizes the output of BPU op '{node.name}'")
+    return obs
+
+
+def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    resolver = ctx.options["qconfig_resolver"]
+    _drop_previous_output_observers(gm)
+    modules = dict(gm.named_modules())
+    for node in list(gm.graph.nodes):
+        if not node.op.startswith("call_"):
+            continue
+        module = modules.get(node.target) if node.op == "call_module" else None
+        if node.meta.get(META_STUB) == ACTIVATION_POST_PROCESS:
+            src = node.args[0]
+            qc = _require(resolver.for_scope(scope(src)), src, boundary=True)
+            _set_module(gm, node.target, qc.activation())
+            continue
+        if placement(node) != BPU or node.meta.get(META_STUB):
+            continue
+        op = node.meta.get(META_OP)
+        if op in SCALE_PRESERVING_OPS:
+            continue
+        qc = _require(resolver.for_scope(scope(node), module), node)
+        if op == "quant":
+            stub = module if type(module) is QuantStub else QuantStub()
+            stub.activation_post_process = qc.activation()
+            _set_module(gm, node.target, stub)
+        elif module is not None and has_weight_layer(module):
+            wfq = qc.weight() if qc.weight is not None else None
+            if wfq is not None and op == "conv_transpose2d":
+                wfq.ch_axis = 1  # weight layout (in, out/groups, kh, kw)
+            apq = None if qc.out_high_precision else qc.activation()
+            _set_module(gm, node.target, observe_layer(module, wfq, apq))
+        elif not qc.out_high_precision:
+            _add_output_observer(gm, node, qc.activation())
+    if ctx.options.get("optimize_graph"):
+        _share_cat_quantizers(gm)
+    gm.recompile()
+    return PassResult(gm, True)
+
+
+def _quantizer_of(gm: fx.GraphModule, node: fx.Node):
+    """(owner, attribute) holding the quantizer that gives ``node`` its output grid, or None."""
+    while node.meta.get(META_OP) in SCALE_PRESERVING_OPS and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    if node.op != "call_module":
+        return None
+    module = gm.get_submodule(node.target)
+    if node.meta.get(META_STUB) in (OUTPUT_OBSERVER, ACTIVATION_POST_PROCESS):
+        parent, _, name = node.target.rpartition(".")
+        return (gm.get_submodule(parent) if parent else gm), name
+    if getattr(module, "activation_post_process", None) is not None:
+        return module, "activation_post_process"
+    return None
+
+
+def _share_cat_quantizers(gm: fx.GraphModule) -> None:
+    """optimize_graph: the inputs and the output of every BPU cat use one quantizer (one scale)."""
+    for node in gm.graph.nodes:
+        if node.meta.get(META_OP) != "cat" or placement(node) != BPU:
+            continue
+        out = next((u for u in node.users if u.meta.get(META_STUB) == OUTPUT_OBSERVER), None)
+        if out is None:
+            continue
+        shared = gm.get_submodule(out.target)
+        tensors = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else []
+        for src in tensors:
+            if isinstance(src, fx.Node) and placement(src) == BPU:
+                holder = _quantizer_of(gm, src)
+                if holder is not None:
+                    setattr(holder[0], holder[1], shared)
+
+
+def verify_observed(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gm.graph.nodes:
+        if placement(node) != BPU and node.op == "call_module" and not node.meta.get(META_STUB):
+            module = gm.get_submodule(node.target)
+            assert getattr(module, "activation_post_process", None) is None or node.meta.get(META_OP) == "quant", (
+                f"CPU module {node.target} carries a quantizer"
+            )
+
+
+INSERT_OBSERVERS = Pass("insert_observers", insert_observers, verify_observed)

@@ -1,0 +1,178 @@
+"""The staged API of the hybrid (BPU + CPU) flow: prepare for calibration or QAT.
+
+``prepare_calibration_fx`` and ``prepare_qat_fx`` take the signature of the
+hybrid-QAT guide plus ``example_inputs`` (for tracing and shapes) and
+``march``. Both run the front end (trace, place, fuse, boundary stubs) and
+attach observers (calibration) or fake quants (QAT) by qconfig. Given a
+calibration model, ``prepare_qat_fx`` reuses its graph and starts every fake
+quant from the calibrated range. The user's model is never modified unless
+``inplace=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.errors import ConfigError, QCompilerWarning
+from qcompiler.frontend import build_graph
+from qcompiler.hybrid import parse_hybrid_dict
+from qcompiler.ir.meta import CPU, META_OP, META_REASON, placement
+from qcompiler.march import resolve_march
+from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
+from qcompiler.quantization.qconfig import (
+    QConfig,
+    get_default_calib_qconfig,
+    get_default_qat_qconfig,
+    parse_qconfig_dict,
+)
+
+GM_KIND = "qc_kind"  # gm.meta: "calibration" | "qat"
+GM_HYBRID = "qc_hybrid"  # gm.meta: the HybridConfig the model was placed with
+_NOOP_OPS = ("quant", "dequant", "identity", "dropout")
+
+
+def _resolver(qconfig_dict: Optional[dict], model: nn.Module, kind: str):
+    if qconfig_dict is None:
+        qconfig_dict = {"": get_default_calib_qconfig() if kind == "calibration" else get_default_qat_qconfig()}
+    return parse_qconfig_dict(qconfig_dict, model)
+
+
+def _check_hybrid_flag(hybrid: bool, hybrid_dict: Optional[dict]) -> None:
+    if not isinstance(hybrid, bool):
+        raise ConfigError(f"hybrid must be True or False, got {hybrid!r}")
+    if hybrid_dict and not hybrid:
+        raise ConfigError("hybrid_dict forces ops to the CPU, which needs hybrid=True")
+
+
+def _warn_cpu_ops_without_hybrid(gm: fx.GraphModule, hybrid: bool) -> None:
+    if hybrid:
+        return
+    cpu = [n for n in gm.graph.nodes if placement(n) == CPU and n.meta.get(META_OP) not in _NOOP_OPS]
+    if cpu:
+        listed = "; ".join(f"{n.name}: {n.meta.get(META_REASON)}" for n in cpu[:5])
+        more = f" and {len(cpu) - 5} more" if len(cpu) > 5 else ""
+        warnings.warn(
+            f"the model has ops that run on the CPU ({listed}{more}); they are prepared as a hybrid "
+            f"model. Pass hybrid=True to say so and silence this warning.",
+            QCompilerWarning,
+            stacklevel=3,
+        )
+
+
+def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_graph, hybrid, hybrid_dict,
+             example_inputs, march, inplace) -> fx.GraphModule:
+    from qcompiler.passes.pipeline import PREPARE_PIPELINE
+
+    _check_hybrid_flag(hybrid, hybrid_dict)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_inputs is None:
+        raise ConfigError(
+            "example_inputs is required to trace the model and propagate shapes: "
+            "pass example_inputs=(tensor, ...) with the shapes the model is called with"
+        )
+    gm = build_graph(
+        model,
+        example_inputs,
+        march=march,
+        hybrid_dict=hybrid_dict,
+        prepare_custom_config_dict=prepare_custom_config_dict,
+        passes=PREPARE_PIPELINE,
+        options={"qconfig_resolver": _resolver(qconfig_dict, model, kind), "optimize_graph": optimize_graph},
+        inplace=inplace,
+    )
+    gm.meta[GM_KIND] = kind
+    gm.meta[GM_HYBRID] = parse_hybrid_dict(hybrid_dict, model)
+    _warn_cpu_ops_without_hybrid(gm, hybrid)
+    return gm
+
+
+def prepare_calibration_fx(
+    model: nn.Module,
+    qconfig_dict: Optional[dict] = None,
+    prepare_custom_config_dict: Optional[dict] = None,
+    optimize_graph: bool = False,
+    hybrid: bool = False,
+    hybrid_dict: Optional[dict] = None,
+    *,
+    example_inputs: Any = None,
+    march=None,
+    inplace: bool = False,
+) -> fx.GraphModule:
+    """A calibration model: observers record ranges; outputs equal the float model's exactly.
+
+    Run it in eval mode over calibration data, then ``prepare_qat_fx`` or ``convert_fx``.
+    ``qconfig_dict`` defaults to ``{"": get_default_calib_qconfig()}``.
+    """
+    return _prepare("calibration", model, qconfig_dict, prepare_custom_config_dict, optimize_graph,
+                    hybrid, hybrid_dict, example_inputs, march, inplace)
+
+
+def prepare_qat_fx(
+    model: nn.Module,
+    qconfig_dict: Optional[dict] = None,
+    prepare_custom_config_dict: Optional[dict] = None,
+    optimize_graph: bool = False,
+    hybrid: bool = False,
+    hybrid_dict: Optional[dict] = None,
+    *,
+    example_inputs: Any = None,
+    march=None,
+    inplace: bool = False,
+) -> fx.GraphModule:
+    """A QAT model: fake quants with straight-through gradients, ready for training.
+
+    ``model`` is a float model (``example_inputs`` required) or a model from
+    ``prepare_calibration_fx``, whose graph is reused and whose calibrated
+    ranges start every fake quant at the same place. ``qconfig_dict``
+    defaults to ``{"": get_default_qat_qconfig()}``.
+    """
+    if isinstance(model, fx.GraphModule) and model.meta.get(GM_KIND) == "calibration":
+        return _from_calibration(model, qconfig_dict, optimize_graph, hybrid, hybrid_dict, march, inplace)
+    return _prepare("qat", model, qconfig_dict, prepare_custom_config_dict, optimize_graph,
+                    hybrid, hybrid_dict, example_inputs, march, inplace)
+
+
+def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybrid, hybrid_dict, march, inplace):
+    from qcompiler.passes.pipeline import REQUANTIZE_PIPELINE
+
+    _check_hybrid_flag(hybrid, hybrid_dict)
+    placed_with = calib.meta.get(GM_HYBRID)
+    if parse_hybrid_dict(hybrid_dict, None) != placed_with:
+        raise ConfigError(
+            "hybrid_dict differs from the one the calibration model was prepared with; pass the same "
+            "hybrid_dict, or prepare the float model again"
+        )
+    calib_march = calib.meta.get("qc_march")
+    if march is not None and resolve_march(march) != calib_march:
+        raise ConfigError(
+            f"march {resolve_march(march).value!r} differs from the calibration model's {calib_march.value!r}"
+        )
+    calibrated = {
+        path: m.calculate_qparams()[0]
+        for path, m in calib.named_modules()
+        if isinstance(m, CalibFakeQuantize) and m.has_observed
+    }
+    gm = calib if inplace else copy.deepcopy(calib)
+    type(gm).__name__ = type(calib).__name__  # deepcopy renames the per-instance class
+    ctx = CompileContext(
+        march=calib_march,
+        hybrid_dict=placed_with,
+        options={"qconfig_resolver": _resolver(qconfig_dict, gm, "qat"), "optimize_graph": optimize_graph},
+    )
+    gm = PassManager(REQUANTIZE_PIPELINE).run(gm, ctx).gm
+    for path, m in gm.named_modules():
+        if isinstance(m, FakeQuantize) and path in calibrated:
+            m.set_qparams(calibrated[path])
+            m.enable_observer()
+    gm.meta[GM_KIND] = "qat"
+    return gm
+
+
+__all__ = ["prepare_calibration_fx", "prepare_qat_fx", "QConfig"]

@@ -1,0 +1,203 @@
+"""prepare_calibration_fx / prepare_qat_fx: the guide's flow, qconfig priority, hand-over, errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qcompiler.errors import ConfigError, QCompilerWarning
+from qcompiler.ir.printing import forward_sequence
+from qcompiler.quantization import (
+    CalibFakeQuantize,
+    FakeQuantize,
+    QConfig,
+    get_default_calib_qconfig,
+    get_default_qat_out_qconfig,
+    get_default_qat_qconfig,
+)
+from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+
+from conftest import assert_untouched, snapshot
+from test_golden_hybrid import GOLDEN
+
+X = torch.rand(1, 3, 16, 16)
+
+
+def calibrate(model, batches):
+    model.eval()
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    return model
+
+
+def test_guide_flow_calibration_then_qat(hybrid_model, guide_hybrid_dict):
+    snap = snapshot(hybrid_model)
+    torch.manual_seed(1)
+    data = [torch.rand(1, 3, 16, 16) for _ in range(5)]
+    cal = prepare_calibration_fx(hybrid_model, {"": get_default_calib_qconfig()}, hybrid=True,
+                                 hybrid_dict=guide_hybrid_dict, example_inputs=X, march="bayes")
+    assert ", ".join(forward_sequence(cal)) == GOLDEN
+    calibrate(cal, data)
+    # a calibration model returns exactly the float outputs
+    assert torch.equal(cal(X), hybrid_model(X))
+    qat = prepare_qat_fx(
+        cal,
+        {"": get_default_qat_qconfig(), "module_name": [("conv4", get_default_qat_out_qconfig())]},
+        hybrid=True,
+        hybrid_dict=guide_hybrid_dict,
+    )
+    assert ", ".join(forward_sequence(qat)) == GOLDEN
+    assert type(qat).__name__ == "HybridModel"
+    # conv4 emits a high-precision output: no output fake quant, but its weight is fake-quantized
+    assert qat.conv4.activation_post_process is None
+    assert isinstance(qat.conv4.weight_fake_quant, FakeQuantize)
+    # every fake quant present in both starts from the calibrated scale
+    for path in ("quant.activation_post_process", "conv0.activation_post_process", "conv2.activation_post_process",
+                 "selu_1_activation_post_process", "conv3_activation_post_process"):
+        calibrated = cal.get_submodule(path).calculate_qparams()[0]
+        fq = qat.get_submodule(path)
+        assert isinstance(fq, FakeQuantize)
+        assert torch.equal(fq.scale, calibrated), path
+        assert fq.observer_enabled[0] == 1 and fq.fake_quant_enabled[0] == 1
+    # CPU modules keep no quantizer
+    assert not hasattr(qat.conv3, "weight_fake_quant") and not hasattr(qat.prelu, "activation_post_process")
+    # the calibration model is not changed by prepare_qat_fx
+    assert isinstance(cal.conv0.activation_post_process, CalibFakeQuantize)
+    # a training step: finite loss and gradients
+    qat.train()
+    opt = torch.optim.SGD(qat.parameters(), lr=0.01)
+    loss = qat(X).pow(2).mean()
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in qat.parameters() if p.grad is not None)
+    assert qat.conv0.weight.grad is not None and qat.conv0.weight.grad.abs().sum() > 0
+    opt.step()
+    assert_untouched(hybrid_model, snap)
+
+
+def test_print_shows_quantizers_under_bpu_modules(hybrid_model, guide_hybrid_dict):
+    cal = prepare_calibration_fx(hybrid_model, hybrid=True, hybrid_dict=guide_hybrid_dict, example_inputs=X)
+    text = str(cal)
+    conv0 = text[text.index("(conv0): Conv2d("):text.index("(identity)")]
+    assert "(weight_fake_quant): CalibFakeQuantize(" in conv0 and "(activation_post_process): CalibFakeQuantize(" in conv0
+    assert "(conv3): Conv2d(3, 3, kernel_size=(1, 1), stride=(1, 1))\n" in text  # CPU: no quantizer
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.conv(x)) + x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+        self.head = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def dtype_of(gm, path):
+    return gm.get_submodule(path).dtype
+
+
+def test_qconfig_priority_global_type_name_attribute():
+    m = Net()
+    q16 = get_default_qat_qconfig(dtype="qint16")
+    x = torch.rand(1, 4, 8, 8)
+    gm = prepare_qat_fx(m, {"": get_default_qat_qconfig(), "module_type": [(Block, q16)]}, example_inputs=x)
+    # functional ops inside a Block inherit the Block's qconfig; the head keeps the global one
+    assert dtype_of(gm, "sigmoid_activation_post_process") == "qint16"
+    assert dtype_of(gm, "a.conv.activation_post_process") == "qint16"
+    assert dtype_of(gm, "head.activation_post_process") == "qint8"
+    gm = prepare_qat_fx(m, {"": get_default_qat_qconfig(), "module_type": [(Block, q16)],
+                            "module_name": [("b", get_default_qat_qconfig())]}, example_inputs=x)
+    assert dtype_of(gm, "sigmoid_1_activation_post_process") == "qint8"  # module_name beats module_type
+    assert dtype_of(gm, "sigmoid_activation_post_process") == "qint16"
+    m.b.conv.qconfig = q16
+    gm = prepare_qat_fx(m, {"": get_default_qat_qconfig(), "module_name": [("b", get_default_qat_qconfig())]},
+                        example_inputs=x)
+    assert dtype_of(gm, "b.conv.activation_post_process") == "qint16"  # module.qconfig beats module_name
+
+
+def test_bpu_op_without_qconfig_is_an_error_naming_it():
+    x = torch.rand(1, 4, 8, 8)
+    with pytest.raises(ConfigError, match=r"model input 'x' feeds the BPU but has no activation qconfig"):
+        prepare_qat_fx(Net(), {"": None}, example_inputs=x)
+    with pytest.raises(ConfigError, match=r"BPU op 'a_conv' \(conv2d\) has no qconfig: set a global qconfig"):
+        prepare_qat_fx(Net(), {"": get_default_qat_qconfig(), "module_type": [(Block, None)]}, example_inputs=x)
+
+
+def test_bad_qconfig_dict_and_model_untouched():
+    m = Net()
+    snap = snapshot(m)
+    with pytest.raises(ConfigError, match="module_names"):
+        prepare_qat_fx(m, {"module_names": []}, example_inputs=torch.rand(1, 4, 8, 8))
+    with pytest.raises(ConfigError, match="'hed' is not in the model"):
+        prepare_qat_fx(m, {"": get_default_qat_qconfig(), "module_name": [("hed", None)]},
+                       example_inputs=torch.rand(1, 4, 8, 8))
+    with pytest.raises(ConfigError, match="example_inputs is required"):
+        prepare_qat_fx(m)
+    with pytest.raises(ConfigError, match="hybrid_dict forces ops to the CPU, which needs hybrid=True"):
+        prepare_qat_fx(m, hybrid_dict={"module_name": ["head"]}, example_inputs=torch.rand(1, 4, 8, 8))
+    assert_untouched(m, snap)
+
+
+def test_cpu_ops_without_hybrid_flag_warn(hybrid_model):
+    with pytest.warns(QCompilerWarning, match="prelu: prelu is not supported on bayes"):
+        prepare_calibration_fx(hybrid_model, example_inputs=X, march="bayes")
+
+
+class Cat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(4, 4, 1)
+        self.b = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return torch.cat([F.relu(self.a(x)), self.b(x)], 1)
+
+
+def test_optimize_graph_shares_one_quantizer_for_cat():
+    x = torch.rand(1, 4, 8, 8)
+    gm = prepare_qat_fx(Cat(), example_inputs=x, optimize_graph=True)
+    out = gm.get_submodule("cat_activation_post_process")
+    assert gm.a.activation_post_process is out and gm.b.activation_post_process is out
+    gm = prepare_qat_fx(Cat(), example_inputs=x)
+    assert gm.a.activation_post_process is not gm.cat_activation_post_process
+
+
+def test_models_without_stubs_are_quantized_at_inputs_and_dequantized_at_outputs():
+    gm = prepare_calibration_fx(Cat(), example_inputs=torch.rand(1, 4, 8, 8))
+    seq = forward_sequence(gm)
+    assert seq[0] == "x_activation_post_process" and seq[-1] == "output_input_dequant_0"
+    assert isinstance(gm.x_activation_post_process, CalibFakeQuantize)
+
+
+def test_a_few_qat_steps_lower_the_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    x = torch.randn(64, 3, 8, 8)
+    y = (x[:, 0].mean(dim=(1, 2)) > 0).long()
+    cal = calibrate(prepare_calibration_fx(model, example_inputs=x[:2]), [x[i:i + 16] for i in range(0, 64, 16)])
+    # the logits layer emits a high-precision output, as the guide advises for a model output
+    qat = prepare_qat_fx(cal, {"": get_default_qat_qconfig(), "module_name": [("7", get_default_qat_out_qconfig())]})
+    qat.train()
+    opt = torch.optim.Adam(qat.parameters(), lr=0.01)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = F.cross_entropy(qat(x), y)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in qat.parameters() if p.grad is not None)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
