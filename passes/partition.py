@@ -95,7 +95,8 @@ def _merge_groups(uf: _UnionFind, preds, side, level) -> list[list[int]]:
         for s in g_succ[g]:
             bits |= (1 << s) | reach[s]
         reach[g] = bits
-    members = {g: [g] for g in range(len(roots))}  # group -> original groups merged into it
+    gbits = [1 << g for g in range(len(roots))]  # per representative: bitset of its original groups
+    rsucc = [set(x) for x in g_succ]  # per representative: successors (original ids) of its members
     alias = list(range(len(roots)))
 
     def find(g: int) -> int:
@@ -109,30 +110,32 @@ def _merge_groups(uf: _UnionFind, preds, side, level) -> list[list[int]]:
             ra, rb = find(a), find(b)
             if ra == rb or g_side[ra] != g_side[rb]:
                 continue
-            b_bits = 0
-            for m in members[rb]:
-                b_bits |= 1 << m
-            a_bits = 0
-            for m in members[ra]:
-                a_bits |= 1 << m
-            # another path ra -> ... -> rb leaves ra through a successor outside rb
+            a_bits, b_bits = gbits[ra], gbits[rb]
+            both = a_bits | b_bits
+            # another path ra -> ... -> rb leaves ra through a successor outside both groups
             other = 0
-            for m in members[ra]:
-                for s in g_succ[m]:
-                    if not (b_bits >> s) & 1 and not (a_bits >> s) & 1:
-                        other |= (1 << s) | reach[s]
+            for s in rsucc[ra]:
+                if not (both >> s) & 1:
+                    other |= (1 << s) | reach[s]
             if other & b_bits:
                 continue
             alias[rb] = ra
-            members[ra].extend(members.pop(rb))
-            merged_reach = (reach[ra] | reach[rb]) & ~(a_bits | b_bits)
-            both = a_bits | b_bits
-            for m in members[ra]:
-                reach[m] = merged_reach
-            for g in range(len(roots)):
-                if reach[g] & both and find(g) != ra:
-                    reach[g] |= merged_reach | both
-            g_succ[ra] |= g_succ[rb]
+            gbits[ra] = both
+            rsucc[ra] = {x for x in rsucc[ra] | rsucc[rb] if not (both >> x) & 1}
+            merged_reach = (reach[ra] | reach[rb]) & ~both
+            # ancestors of ra already reach rb and all it reaches (ra -> rb); only groups that
+            # reach rb but not ra gain something: ra and what ra reaches
+            gained = (a_bits | reach[ra]) & ~(b_bits | reach[rb])
+            m = both
+            while m:
+                low = m & -m
+                reach[low.bit_length() - 1] = merged_reach
+                m ^= low
+            if gained:
+                for g in range(len(roots)):
+                    r = reach[g]
+                    if r & b_bits and not r & a_bits and not (both >> g) & 1:
+                        reach[g] = r | gained | a_bits
     out: dict[int, list[int]] = {}
     for i in range(n):
         out.setdefault(find(gid[uf.find(i)]), []).append(i)

@@ -1,0 +1,274 @@
+"""Convert a prepared (calibrated or QAT) graph to fixed point.
+
+Each BPU node becomes a module of ``qcompiler.nn.quantized`` working on
+QTensors with the scales its observers / fake quants settled on; the
+graph-node output observers fold into the op before them; CPU nodes stay
+float. QuantStubs and boundary observers quantize, DeQuantStubs dequantize.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qcompiler.errors import CalibrationError, UnsupportedOpError
+from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
+from qcompiler.nn import fused
+from qcompiler.nn import quantized as qnn
+from qcompiler.nn.qat import FLOAT_CLASS, has_weight_layer
+from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.insert_observers import OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
+from qcompiler.quantization import fixed_point as fp
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.observer import ObserverBase
+
+# element-wise functions evaluated through a table; float64 versions for table building
+LUT_FUNCTIONS = {
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "silu": F.silu,
+    "hardsigmoid": F.hardsigmoid,
+    "hardswish": F.hardswish,
+    "gelu": F.gelu,
+    "elu": F.elu,
+    "selu": F.selu,
+}
+
+
+class _QParams:
+    """Scale and dtype of the integers a node produces (per-tensor)."""
+
+    def __init__(self, scale: float, dtype: str) -> None:
+        self.scale, self.dtype = float(scale), dtype
+
+
+def _qparams_of(quantizer: nn.Module, where: str) -> _QParams:
+    if isinstance(quantizer, FakeQuantize):
+        if not getattr(quantizer, "_has_qparams", True):
+            raise CalibrationError(f"{where}: fake quant has no scale (never ran); calibrate or train first")
+        scale = quantizer.scale
+    elif isinstance(quantizer, (CalibFakeQuantize, ObserverBase)):
+        scale = quantizer.calculate_qparams()[0]
+    else:
+        raise UnsupportedOpError(f"{where}: cannot read a scale from {type(quantizer).__name__}")
+    return _QParams(float(scale.reshape(-1)[0]), quantizer.dtype)
+
+
+def check_observed(gm: fx.GraphModule) -> None:
+    """CalibrationError naming every observer that never saw data (convert needs all of them)."""
+    missing = []
+    for path, m in gm.named_modules():
+        if isinstance(m, FakeQuantize):
+            if not m.has_observed and not getattr(m, "_has_qparams", False):
+                missing.append(path)
+        elif isinstance(m, (CalibFakeQuantize, ObserverBase)) and not m.has_observed:
+            if not any(path.startswith(p + ".") for p in missing):
+                missing.append(path)
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise CalibrationError(
+            f"these observers never saw data: {shown}. Run the prepared model on calibration data "
+            f"(or train it) before convert_fx; a module never called in forward cannot be converted"
+        )
+
+
+def _set_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(gm.get_submodule(parent) if parent else gm, name, module)
+
+
+def _install(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
+    """Make ``node`` a call of ``module`` under a fresh root name (shared float modules stay intact)."""
+    base = node.name
+    name, k = base, 1
+    while hasattr(gm, name):
+        name, k = f"{base}_q{k}", k + 1
+    gm.add_submodule(name, module)
+    node.op, node.target = "call_module", name
+
+
+def _weight_module(module: nn.Module):
+    """(base layer with weight_fake_quant, activation name, with_add) of an observed weight layer."""
+    if isinstance(module, fused.FusedModule):
+        act = None if module.act is None else ("relu6" if isinstance(module.act, nn.ReLU6) else "relu")
+        return module.op, act, module.with_add
+    return module, None, False
+
+
+def _weight_params(base: nn.Module, where: str):
+    wfq = getattr(base, "weight_fake_quant", None)
+    axis = 1 if isinstance(base, nn.ConvTranspose2d) else 0
+    w = base.weight.detach()
+    if wfq is None:
+        raise CalibrationError(f"{where}: weight has no fake quant; prepare the model first")
+    if isinstance(wfq, FakeQuantize):
+        scale = wfq.scale.detach().clone()
+    else:
+        scale = wfq.calculate_qparams()[0]
+    dtype = wfq.dtype
+    q = fp.quantize(w, scale, dtype, axis=axis if scale.numel() > 1 else None)
+    return q, scale.reshape(-1), axis
+
+
+def _geometry(base: nn.Module) -> dict:
+    if isinstance(base, nn.Linear):
+        return {}
+    g = {"stride": base.stride, "padding": base.padding, "dilation": base.dilation, "groups": base.groups}
+    if isinstance(base, nn.ConvTranspose2d):
+        g["output_padding"] = base.output_padding
+    return g
+
+
+def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    check_observed(gm)
+    modules = dict(gm.named_modules())
+    qp: dict[fx.Node, _QParams] = {}
+    converted_paths: set[str] = set()
+
+    def in_q(node: fx.Node, i: int = 0) -> _QParams:
+        src = node.args[i]
+        if isinstance(src, fx.Node) and src in qp:
+            return qp[src]
+        raise UnsupportedOpError(f"node '{node.name}': input {i} is not a quantized BPU value")
+
+    for node in list(gm.graph.nodes):
+        if not node.op.startswith("call_") or placement(node) != BPU:
+            continue
+        op = node.meta.get(META_OP)
+        stub = node.meta.get(META_STUB)
+        module = modules.get(node.target) if node.op == "call_module" else None
+        where = f"node '{node.name}'"
+        if stub == OUTPUT_OBSERVER:
+            continue  # folded into its producer below
+        if op == "quant":
+            quantizer = getattr(module, "activation_post_process", None) if not stub else module
+            if quantizer is None:
+                quantizer = module
+            qp[node] = _qparams_of(quantizer, where)
+            _install(gm, node, qnn.Quantize(qp[node].scale, qp[node].dtype))
+            continue
+        if op == "dequant":
+            _install(gm, node, qnn.DeQuantize())
+            continue
+        if op in SCALE_PRESERVING_OPS:
+            qp[node] = in_q(node)
+            _install(gm, node, qnn.QuantizedSameScale(op, _float_fn(node, module), dtype=qp[node].dtype))
+            continue
+        out_obs = next((u for u in node.users if u.meta.get(META_STUB) == OUTPUT_OBSERVER), None)
+        out = _qparams_of(modules[out_obs.target], f"node '{out_obs.name}'") if out_obs is not None else None
+        if module is not None and has_weight_layer(module):
+            new = _convert_weight_layer(node, module, in_q(node), qp, where)
+            if new.out_scale is not None:
+                qp[node] = _QParams(new.out_scale, new.out_dtype)
+            if node.target in converted_paths:
+                _install(gm, node, new)
+            else:
+                _set_module(gm, node.target, new)
+                converted_paths.add(node.target)
+            continue
+        if out is None:
+            raise UnsupportedOpError(f"{where} ({op}) has no output quantizer; a high-precision output "
+                                     f"is only supported on conv/linear layers")
+        _install(gm, node, _convert_op(node, op, module, qp, out, where))
+        qp[node] = out
+        out_obs.replace_all_uses_with(node)
+        gm.graph.erase_node(out_obs)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return PassResult(gm, True)
+
+
+def _float_fn(node: fx.Node, module: Optional[nn.Module]):
+    """The float op a same-scale node applies, callable on integer tensors."""
+    if node.op == "call_function":
+        return node.target
+    if node.op == "call_method":
+        name = node.target
+        return lambda x, *a, **k: getattr(x, name)(*a, **k)
+    op = node.meta.get(META_OP)
+    if op == "max_pool2d":
+        m = module
+        return lambda x: fp.int_max_pool2d(x, m.kernel_size, m.stride, m.padding)
+    if op == "flatten":
+        m = module
+        return lambda x: torch.flatten(x, m.start_dim, m.end_dim)
+    return lambda x, *a, **k: x  # identity, dropout (eval), relu handled by the module
+
+
+def _convert_weight_layer(node, module, qin: _QParams, qp, where) -> qnn.QuantizedWeightLayer:
+    base, act, with_add = _weight_module(module)
+    base_float = FLOAT_CLASS.get(type(base), type(base))
+    kind = {nn.Conv2d: "conv2d", nn.ConvTranspose2d: "conv_transpose2d", nn.Linear: "linear"}[base_float]
+    q_w, w_scale, _ = _weight_params(base, where)
+    apq = getattr(module, "activation_post_process", None)
+    out = None if apq is None else _qparams_of(apq, f"{where} output")
+    other_scale = None
+    if with_add:
+        other = node.args[1]
+        if not (isinstance(other, fx.Node) and other in qp):
+            raise UnsupportedOpError(f"{where}: the add operand is not a quantized BPU value")
+        other_scale = qp[other].scale
+    bias = base.bias.detach() if base.bias is not None else None
+    return qnn.QuantizedWeightLayer(
+        kind, q_w, w_scale, bias, qin.scale, None if out is None else out.scale,
+        "qint8" if out is None else out.dtype, _geometry(base), act, other_scale, name=node.name,
+    )
+
+
+def _convert_op(node, op, module, qp, out: _QParams, where) -> nn.Module:
+    def scale_of(arg) -> Optional[float]:
+        return qp[arg].scale if isinstance(arg, fx.Node) and arg in qp else None
+
+    args = node.args
+    if op in ("add", "sub"):
+        sa, sb = scale_of(args[0]), scale_of(args[1])
+        if sa is None or sb is None:
+            raise UnsupportedOpError(f"{where}: {op} with a constant operand is not supported yet")
+        return qnn.QuantizedAdd(sa, sb, out.scale, out.dtype, sub=(op == "sub"))
+    if op == "mul":
+        sa, sb = scale_of(args[0]), scale_of(args[1])
+        if sa is not None and sb is not None:
+            return qnn.QuantizedMul(sa, sb, out.scale, out.dtype)
+        const = args[1] if sa is not None else args[0]
+        if not isinstance(const, (int, float)):
+            raise UnsupportedOpError(f"{where}: mul by {type(const).__name__} is not supported")
+        return qnn.QuantizedMul(sa if sa is not None else sb, None, out.scale, out.dtype, constant=float(const))
+    if op == "cat":
+        tensors = args[0]
+        scales = [scale_of(t) for t in tensors]
+        if any(s is None for s in scales):
+            raise UnsupportedOpError(f"{where}: cat of a non-quantized input")
+        return qnn.QuantizedCat(scales, out.scale, out.dtype)
+    if op == "matmul":
+        return qnn.QuantizedMatmul(scale_of(args[0]), scale_of(args[1]), out.scale, out.dtype)
+    if op in LUT_FUNCTIONS:
+        src = qp[args[0]]
+        return qnn.QuantizedLookup(op, LUT_FUNCTIONS[op], src.scale, src.dtype, out.scale, out.dtype)
+    if op in ("adaptive_avg_pool2d", "mean"):
+        keepdim = True
+        if op == "mean":
+            keepdim = bool(node.kwargs.get("keepdim", args[2] if len(args) > 2 else False))
+        return qnn.QuantizedAvgPool(qp[args[0]].scale, out.scale, out.dtype, keepdim=keepdim)
+    if op == "avg_pool2d":
+        if module is not None:
+            k, s, p = module.kernel_size, module.stride, module.padding
+        else:
+            kw = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+            k, s, p = kw["kernel_size"], kw.get("stride"), kw.get("padding", 0)
+        return qnn.QuantizedAvgPool(qp[args[0]].scale, out.scale, out.dtype, kernel=k, stride=s or k, padding=p)
+    if op == "interpolate":
+        mode = getattr(module, "mode", None) if module is not None else node.kwargs.get("mode", "nearest")
+        align = getattr(module, "align_corners", None) if module is not None else node.kwargs.get("align_corners")
+        return qnn.QuantizedResize(mode or "nearest", qp[args[0]].scale, out.scale, out.dtype,
+                                   shape(node)[2:], align)
+    raise UnsupportedOpError(f"{where}: no fixed-point lowering for BPU op '{op}' yet")
+
+
+CONVERT = Pass("convert", convert)

@@ -1,0 +1,304 @@
+"""Fixed-point modules of a converted model: BPU ops on integers, values as QTensors.
+
+Every module takes and returns :class:`~qcompiler.quantization.qtensor.QTensor`
+(symmetric, zero point 0) and computes with ``qcompiler.quantization.fixed_point``,
+the one module of BPU integer math that the simulator shares. Scales are
+fixed at convert time; rounding is the fixed-point module's (requantization
+rounds half up, quantization half to even).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qcompiler.quantization import fixed_point as fp
+from qcompiler.quantization.qtensor import QTensor
+
+
+def _q(values: torch.Tensor, scale: float) -> QTensor:
+    return QTensor(values, float(scale), 0)
+
+
+def _ints(x: Any) -> Any:
+    """The integers of a QTensor (recursively in lists/tuples); other values unchanged."""
+    if isinstance(x, QTensor):
+        return x.int_repr()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_ints(v) for v in x)
+    return x
+
+
+class QuantizedModule(nn.Module):
+    """Base: a leaf for the tracer, with the op name for dumps."""
+
+    qc_leaf = True
+    qc_op = ""
+
+
+class Quantize(QuantizedModule):
+    """Float -> QTensor at the BPU entry: ``clamp(round_half_even(x / s))``."""
+
+    qc_op = "quant"
+
+    def __init__(self, scale: float, dtype: str = "qint8") -> None:
+        super().__init__()
+        self.scale, self.dtype = float(scale), dtype
+
+    def forward(self, x: torch.Tensor) -> QTensor:
+        return _q(fp.quantize(x, self.scale, self.dtype), self.scale)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:.6g}, dtype={self.dtype}"
+
+
+class DeQuantize(QuantizedModule):
+    """QTensor -> float at the BPU exit (a float passes through)."""
+
+    qc_op = "dequant"
+
+    def forward(self, x: Any) -> Any:
+        return x.dequantize() if isinstance(x, QTensor) else x
+
+
+class QuantizedWeightLayer(QuantizedModule):
+    """conv2d / conv_transpose2d / linear (+add) (+relu|relu6) with int8 weights and int32 bias.
+
+    acc = sum(q_in * q_w) + bias (exact, int64, checked against int32); then
+    either the high-precision output (acc itself, per-channel scale s_in*s_w)
+    or ``requantize(acc)`` [+ the add operand at its own multiplier] and the
+    activation as an integer clamp.
+    """
+
+    def __init__(self, kind: str, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                 in_scale: float, out_scale: Optional[float], out_dtype: str, geometry: dict,
+                 act: Optional[str] = None, other_scale: Optional[float] = None, name: str = "") -> None:
+        super().__init__()
+        self.kind, self.qc_op, self.name = kind, kind, name
+        self.geometry = dict(geometry)
+        self.in_scale, self.out_scale, self.out_dtype, self.act = float(in_scale), out_scale, out_dtype, act
+        self.register_buffer("q_weight", q_weight)
+        self.register_buffer("w_scale", w_scale.double())
+        acc_scale = self.in_scale * self.w_scale
+        self.register_buffer("acc_scale", acc_scale)
+        self.register_buffer("bias", None if bias is None else torch.clamp(
+            torch.round(bias.double() / acc_scale), -(2 ** 31), 2 ** 31 - 1).to(torch.int32))
+        self.with_add = other_scale is not None
+        if out_scale is not None:
+            M, n = fp.requant_params(acc_scale / out_scale)
+            self.register_buffer("M", M)
+            self.register_buffer("n", n)
+            if self.with_add:
+                Mb, nb = fp.requant_params(float(other_scale) / out_scale)
+                self.register_buffer("Mb", Mb)
+                self.register_buffer("nb", nb)
+
+    @property
+    def channel_axis(self) -> int:
+        return 1 if self.kind != "linear" else -1
+
+    def _accumulate(self, q: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        if self.kind == "conv2d":
+            return fp.int_conv2d(q, self.q_weight, self.bias, g["stride"], g["padding"], g["dilation"],
+                                 g["groups"], op=self.name)
+        if self.kind == "linear":
+            return fp.int_linear(q, self.q_weight, self.bias, op=self.name)
+        return _int_conv_transpose2d(q, self.q_weight, self.bias, g, self.name)
+
+    def forward(self, x: QTensor, other: Optional[QTensor] = None) -> QTensor:
+        acc = fp.check_accumulator(self._accumulate(x.int_repr()), 32, op=self.name)
+        if self.out_scale is None:  # high-precision output: the int32 accumulator with its scale
+            scales = self.acc_scale.float()
+            return QTensor(acc.to(torch.int32), scales, torch.zeros_like(scales, dtype=torch.int64),
+                           axis=self.channel_axis % acc.dim())
+        if self.with_add:
+            y = _add_per_channel(acc, self.M, self.n, other.int_repr(), self.Mb, self.nb, self.out_dtype,
+                                 self.channel_axis, self.name)
+        else:
+            y = fp.requantize(acc, self.M, self.n, self.out_dtype, axis=self.channel_axis, op=self.name)
+        if self.act == "relu":
+            y = fp.relu(y)
+        elif self.act == "relu6":
+            y = fp.relu6(y, self.out_scale, self.out_dtype)
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        out = "int32 (high precision)" if self.out_scale is None else f"out_scale={self.out_scale:.6g}"
+        extra = "".join(f", {k}" for k in (["add"] if self.with_add else []) + ([self.act] if self.act else []))
+        return f"{self.kind}{extra}, weight={tuple(self.q_weight.shape)} int8, in_scale={self.in_scale:.6g}, {out}"
+
+
+def _add_per_channel(acc, M, n, qb, Mb, nb, out_dtype, axis, op):
+    """round_half_up(acc * M[c] / 2**n[c] + qb * Mb / 2**nb): one rounding at the common shift."""
+    acc = acc.to(torch.int64)
+    shape = [1] * acc.dim()
+    shape[axis] = -1
+    M, n = M.reshape(shape).to(torch.int64), n.reshape(shape).to(torch.int64)
+    s = int(max(int(n.max()), int(nb)))
+    amax = int(acc.abs().max()) if acc.numel() else 0
+    bound = amax * int(M.abs().max()) * 2 ** (s - int(n.min())) + 2 ** 15 * int(abs(Mb)) * 2 ** (s - int(nb))
+    if bound >= 2 ** 62:  # checked before multiplying: int64 must not wrap
+        raise fp.AccumulatorOverflow(op, bound, 2 ** 62, what="add accumulator")
+    total = acc * M * (2 ** (s - n)) + qb.to(torch.int64) * int(Mb) * (2 ** (s - int(nb)))
+    rounded = (total + (1 << (s - 1))) >> s if s > 0 else total
+    lo, hi = fp.qrange(out_dtype)
+    return rounded.clamp(lo, hi).to(fp.storage_dtype(out_dtype))
+
+
+def _int_conv_transpose2d(q, w, bias, g, op):
+    """Exact transposed conv: float64 is exact while every partial sum stays below 2**53."""
+    k = w.shape[0] // g["groups"] * w.shape[2] * w.shape[3]
+    bound = k * max(1, int(q.abs().max()) if q.numel() else 1) * max(1, int(w.abs().max()))
+    if bound >= 2 ** 53:
+        raise fp.AccumulatorOverflow(op, bound, 2 ** 53, what="transposed-conv partial sum")
+    out = F.conv_transpose2d(q.double(), w.double(), None, g["stride"], g["padding"], g["output_padding"],
+                             g["groups"], g["dilation"]).to(torch.int64)
+    return out + bias.to(torch.int64).reshape(1, -1, 1, 1) if bias is not None else out
+
+
+class QuantizedAdd(QuantizedModule):
+    """a + b (or a - b) of two feature maps brought to the output scale with their own multipliers."""
+
+    def __init__(self, sa: float, sb: float, out_scale: float, out_dtype: str, sub: bool = False) -> None:
+        super().__init__()
+        self.qc_op = "sub" if sub else "add"
+        self.sub, self.out_scale, self.out_dtype = sub, float(out_scale), out_dtype
+        self.params = fp.add_params(sa, sb, out_scale)
+
+    def forward(self, a: QTensor, b: QTensor, *rest) -> QTensor:
+        fn = fp.int_sub if self.sub else fp.int_add
+        return _q(fn(a.int_repr(), *self.params[:2], b.int_repr(), *self.params[2:], self.out_dtype, op=self.qc_op),
+                  self.out_scale)
+
+
+class QuantizedMul(QuantizedModule):
+    """a * b of two feature maps, or a * constant: one requantization of the exact product."""
+
+    qc_op = "mul"
+
+    def __init__(self, sa: float, sb: Optional[float], out_scale: float, out_dtype: str,
+                 constant: Optional[float] = None) -> None:
+        super().__init__()
+        self.out_scale, self.out_dtype, self.constant = float(out_scale), out_dtype, constant
+        factor = sa * (sb if sb is not None else 1.0) / out_scale
+        if constant is not None:
+            factor *= abs(constant)
+        self.M, self.n = fp.requant_params(factor)
+        self.sign = -1 if constant is not None and constant < 0 else 1
+
+    def forward(self, a: Any, b: Any) -> QTensor:
+        if isinstance(a, QTensor) and isinstance(b, QTensor):
+            return _q(fp.int_mul(a.int_repr(), b.int_repr(), self.M, self.n, self.out_dtype), self.out_scale)
+        q = a if isinstance(a, QTensor) else b
+        y = fp.requantize(self.sign * q.int_repr().to(torch.int64), self.M, self.n, self.out_dtype, op="mul")
+        return _q(y, self.out_scale)
+
+
+class QuantizedCat(QuantizedModule):
+    qc_op = "cat"
+
+    def __init__(self, in_scales: Sequence[float], out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.in_scales, self.out_scale, self.out_dtype = [float(s) for s in in_scales], float(out_scale), out_dtype
+
+    def forward(self, tensors: Sequence[QTensor], dim: int = 0) -> QTensor:
+        ints = [t.int_repr() for t in tensors]
+        return _q(fp.int_cat(ints, self.in_scales, self.out_scale, self.out_dtype, dim=dim), self.out_scale)
+
+
+class QuantizedMatmul(QuantizedModule):
+    qc_op = "matmul"
+
+    def __init__(self, sa: float, sb: float, out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.out_scale, self.out_dtype = float(out_scale), out_dtype
+        self.M, self.n = fp.requant_params(sa * sb / out_scale)
+
+    def forward(self, a: QTensor, b: QTensor) -> QTensor:
+        acc = fp.check_accumulator(fp.int_matmul(a.int_repr(), b.int_repr()), 32, op="matmul")
+        return _q(fp.requantize(acc, self.M, self.n, self.out_dtype, op="matmul"), self.out_scale)
+
+
+class QuantizedLookup(QuantizedModule):
+    """Element-wise non-linearity as a table built at convert time."""
+
+    def __init__(self, op: str, fn: Callable, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str):
+        super().__init__()
+        self.qc_op, self.in_dtype, self.out_scale = op, in_dtype, float(out_scale)
+        self.register_buffer("table", fp.build_lut(fn, in_scale, out_scale, in_dtype, out_dtype))
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        return _q(fp.apply_lut(x.int_repr(), self.table, self.in_dtype), self.out_scale)
+
+
+class QuantizedAvgPool(QuantizedModule):
+    """Average pooling: exact integer window sum, requantized by s_in / (k*s_out). Global when kernel is None."""
+
+    def __init__(self, in_scale: float, out_scale: float, out_dtype: str, kernel=None, stride=None, padding=0,
+                 keepdim: bool = True) -> None:
+        super().__init__()
+        self.qc_op = "avg_pool2d" if kernel is not None else "global_avg_pool"
+        self.in_scale, self.out_scale, self.out_dtype = float(in_scale), float(out_scale), out_dtype
+        self.kernel, self.stride, self.padding, self.keepdim = kernel, stride, padding, keepdim
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        q = x.int_repr()
+        if self.kernel is None:
+            y = fp.int_global_avg_pool(q, self.in_scale, self.out_scale, self.out_dtype)
+            if not self.keepdim:
+                y = y.flatten(-2)
+        else:
+            y = fp.int_avg_pool2d(q, self.kernel, self.stride, self.padding, in_scale=self.in_scale,
+                                  out_scale=self.out_scale, out_dtype=self.out_dtype)
+        return _q(y, self.out_scale)
+
+
+class QuantizedResize(QuantizedModule):
+    """interpolate: nearest copies integers (scale kept); bilinear is evaluated in float64 on
+    the integers and rounded half to even at the output scale (deterministic, not yet a
+    fixed-point kernel)."""
+
+    qc_op = "interpolate"
+
+    def __init__(self, mode: str, in_scale: float, out_scale: float, out_dtype: str, size, align_corners) -> None:
+        super().__init__()
+        self.mode, self.in_scale, self.out_scale, self.out_dtype = mode, float(in_scale), float(out_scale), out_dtype
+        self.size, self.align_corners = tuple(size), align_corners
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        q = x.int_repr().double()
+        if self.mode == "nearest":
+            y = F.interpolate(q, size=self.size, mode="nearest")
+            v = y * (self.in_scale / self.out_scale)
+        else:
+            y = F.interpolate(q, size=self.size, mode="bilinear", align_corners=bool(self.align_corners))
+            v = y * (self.in_scale / self.out_scale)
+        lo, hi = fp.qrange(self.out_dtype)
+        return _q(torch.round(v).clamp(lo, hi).to(fp.storage_dtype(self.out_dtype)), self.out_scale)
+
+
+class QuantizedSameScale(QuantizedModule):
+    """Ops that keep the input's grid: relu, relu6, max pool, layout ops, identities.
+
+    ``fn`` is applied to the integers with the node's other arguments.
+    """
+
+    def __init__(self, op: str, fn: Callable, scale_arg: Optional[float] = None, dtype: str = "qint8") -> None:
+        super().__init__()
+        self.qc_op, self.fn, self.scale_arg, self.dtype = op, fn, scale_arg, dtype
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        if self.qc_op == "relu":
+            y = fp.relu(x.int_repr())
+        elif self.qc_op == "relu6":
+            y = fp.relu6(x.int_repr(), x.q_scale(), self.dtype)
+        else:
+            y = self.fn(x.int_repr(), *_ints(args), **_ints(kwargs))
+        return QTensor(y, x.q_scale(), 0)
+
+    def extra_repr(self) -> str:
+        return self.qc_op
