@@ -268,6 +268,15 @@ def _convert_op(node, op, module, qp, out: _QParams, where) -> nn.Module:
         align = getattr(module, "align_corners", None) if module is not None else node.kwargs.get("align_corners")
         return qnn.QuantizedResize(mode or "nearest", qp[args[0]].scale, out.scale, out.dtype,
                                    shape(node)[2:], align)
+    if op in ("prelu", "leaky_relu"):
+        if module is not None:
+            slope = module.weight if op == "prelu" else torch.tensor([module.negative_slope])
+        else:
+            kw = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+            slope = torch.tensor([kw.get("negative_slope", 0.01)]) if op == "leaky_relu" else None
+            if slope is None:
+                raise UnsupportedOpError(f"{where}: functional prelu with a tensor weight is not supported yet")
+        return qnn.QuantizedPReLU(op, slope, qp[args[0]].scale, out.scale, out.dtype)
     raise UnsupportedOpError(f"{where}: no fixed-point lowering for BPU op '{op}' yet")
 
 

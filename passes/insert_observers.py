@@ -21,7 +21,7 @@ inherit their module's). CPU ops keep no qconfig. With
 between its inputs and its output.
 
 Running the pass again (calibration -> QAT hand-over) replaces every
-quantizer it placed before.
+quantizer it placed before, keeping node and module names.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from qcompiler.ir.meta import (
     scope,
     set_placement,
 )
-from qcompiler.nn.qat import has_weight_layer, observe_layer
+from qcompiler.nn.qat import DTYPE_FOLLOWING, follow_input_dtype, has_weight_layer, observe_layer, set_input_quantizer
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.qconfig import QConfig
-from qcompiler.quantization.stubs import QuantStub
+from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
 OUTPUT_OBSERVER = "output_observer"  # META_STUB of the graph-node observers this pass adds
 
@@ -79,13 +79,16 @@ def _require(qconfig: Optional[QConfig], node: fx.Node, boundary: bool = False) 
     )
 
 
-def _drop_previous_output_observers(gm: fx.GraphModule) -> None:
-    for node in list(gm.graph.nodes):
-        if node.meta.get(META_STUB) == OUTPUT_OBSERVER:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            if hasattr(gm, node.target):
-                delattr(gm, node.target)
+def _previous_output_observers(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
+    """Output-observer nodes of an earlier run, by the node they observe (reused, keeping names)."""
+    return {n.args[0]: n for n in gm.graph.nodes if n.meta.get(META_STUB) == OUTPUT_OBSERVER}
+
+
+def _drop_output_observer(gm: fx.GraphModule, obs: fx.Node) -> None:
+    obs.replace_all_uses_with(obs.args[0])
+    gm.graph.erase_node(obs)
+    if hasattr(gm, obs.target):
+        delattr(gm, obs.target)
 
 
 def _add_output_observer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> fx.Node:
@@ -113,10 +116,12 @@ def _add_output_observer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -
 
 def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     resolver = ctx.options["qconfig_resolver"]
-    _drop_previous_output_observers(gm)
+    previous = _previous_output_observers(gm)
     modules = dict(gm.named_modules())
     for node in list(gm.graph.nodes):
         if not node.op.startswith("call_"):
+            continue
+        if node.meta.get(META_STUB) == OUTPUT_OBSERVER:
             continue
         module = modules.get(node.target) if node.op == "call_module" else None
         if node.meta.get(META_STUB) == ACTIVATION_POST_PROCESS:
@@ -127,9 +132,14 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if placement(node) != BPU or node.meta.get(META_STUB):
             continue
         op = node.meta.get(META_OP)
+        if op == "dequant" and module is not None and type(module) is not DeQuantStub:
+            _set_module(gm, node.target, DeQuantStub())  # ours returns float32 at the BPU exit
         if op in SCALE_PRESERVING_OPS:
             continue
         qc = _require(resolver.for_scope(scope(node), module), node)
+        if module is not None and type(module) in DTYPE_FOLLOWING:
+            module = follow_input_dtype(module)
+            _set_module(gm, node.target, module)
         if op == "quant":
             stub = module if type(module) is QuantStub else QuantStub()
             stub.activation_post_process = qc.activation()
@@ -141,9 +151,15 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             apq = None if qc.out_high_precision else qc.activation()
             _set_module(gm, node.target, observe_layer(module, wfq, apq))
         elif not qc.out_high_precision:
-            _add_output_observer(gm, node, qc.activation())
+            if node in previous:
+                _set_module(gm, previous.pop(node).target, qc.activation())
+            else:
+                _add_output_observer(gm, node, qc.activation())
+    for obs in previous.values():  # observers a new qconfig no longer asks for
+        _drop_output_observer(gm, obs)
     if ctx.options.get("optimize_graph"):
         _share_cat_quantizers(gm)
+    _link_input_quantizers(gm)
     gm.recompile()
     return PassResult(gm, True)
 
@@ -161,6 +177,18 @@ def _quantizer_of(gm: fx.GraphModule, node: fx.Node):
     if getattr(module, "activation_post_process", None) is not None:
         return module, "activation_post_process"
     return None
+
+
+def _link_input_quantizers(gm: fx.GraphModule) -> None:
+    """Give each BPU weight layer the quantizer of its input: its bias is quantized at s_in * s_w."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or placement(node) != BPU or not node.args:
+            continue
+        module = gm.get_submodule(node.target)
+        if not has_weight_layer(module) or not isinstance(node.args[0], fx.Node):
+            continue
+        holder = _quantizer_of(gm, node.args[0])
+        set_input_quantizer(module, getattr(holder[0], holder[1]) if holder is not None else None)
 
 
 def _share_cat_quantizers(gm: fx.GraphModule) -> None:

@@ -28,12 +28,19 @@ def rint(g, lo, hi, shape):
 # ---------------------------------------------------------------- references
 
 
+def round_half_even_div(v: int, k: int) -> int:
+    """v / 2**k rounded half to even, on Python ints (unbounded)."""
+    if k == 0:
+        return v
+    q, r = divmod(v, 1 << k)  # floor division, r in [0, 2**k)
+    half = 1 << (k - 1)
+    return q + (1 if r > half or (r == half and q % 2 == 1) else 0)
+
+
 def ref_requant(acc, M, n, lo, hi):
-    """floor((acc*M + 2**(n-1)) / 2**n), clamped; Python ints (unbounded)."""
+    """round_half_even(acc*M / 2**n), clamped; Python ints (unbounded)."""
     acc, M, n = (np.asarray(v, dtype=object) for v in (acc, M, n))
-    rnd = np.vectorize(lambda k: (1 << (k - 1)) if k > 0 else 0, otypes=[object])(n)
-    den = np.vectorize(lambda k: 1 << k, otypes=[object])(n)
-    y = (acc * M + rnd) // den  # Python floor division
+    y = np.vectorize(round_half_even_div, otypes=[object])(acc * M, n)
     return np.clip(y, lo, hi).astype(np.int64)
 
 
@@ -172,12 +179,13 @@ def test_requant_params_31_bits_vector_and_errors():
 # ---------------------------------------------------------------- requantize
 
 
-def test_requantize_rounds_half_up():
+def test_requantize_rounds_half_to_even():
     # M/2**n = 1/2: acc * 0.5 is an exact tie for odd acc
     acc = torch.tensor([5, 3, 1, -1, -3, -5, 4, -4])
     y = fp.requantize(acc, 1, 1, "qint8")
-    #   2.5->3 1.5->2 .5->1 -.5->0 -1.5->-1 -2.5->-2 (ties toward +inf)
-    assert y.tolist() == [3, 2, 1, 0, -1, -2, 2, -2]
+    #   2.5->2 1.5->2 .5->0 -.5->0 -1.5->-2 -2.5->-2 (ties to even, like torch.round)
+    assert y.tolist() == [2, 2, 0, 0, -2, -2, 2, -2]
+    assert y.tolist() == torch.round(acc * 0.5).long().tolist()
     # same with a realistic multiplier: 0.5 -> (16384, 15)
     M, n = fp.requant_params(0.5)
     assert fp.requantize(acc, M, n).tolist() == y.tolist()
@@ -425,8 +433,8 @@ def test_int_linear_and_matmul():
 def ref_addsub(qa, Ma, na, qb, Mb, nb, sign, lo, hi):
     s = max(na, nb)
     tot = qa.astype(object) * (Ma << (s - na)) + sign * qb.astype(object) * (Mb << (s - nb))
-    rnd = (1 << (s - 1)) if s else 0
-    return np.clip((tot + rnd) // (1 << s), lo, hi).astype(np.int64)
+    y = np.vectorize(round_half_even_div, otypes=[object])(np.asarray(tot, dtype=object), s)
+    return np.clip(y, lo, hi).astype(np.int64)
 
 
 @pytest.mark.parametrize("sa, sb, so", [(0.02, 0.05, 0.06), (0.1, 0.1, 0.1), (0.003, 0.9, 0.5),
@@ -452,10 +460,27 @@ def test_int_add_sub(sa, sb, so):
 
 
 def test_int_add_ties_and_overflow():
-    # both factors 1/2: (1 + 2)/2 = 1.5 -> 2 ; (-1 - 2)/2 = -1.5 -> -1
-    assert fp.int_add(torch.tensor([1, -1]), 1, 1, torch.tensor([2, -2]), 1, 1).tolist() == [2, -1]
+    # both factors 1/2: (1 + 2)/2 = 1.5 -> 2 ; (-1 - 2)/2 = -1.5 -> -2 (half to even)
+    assert fp.int_add(torch.tensor([1, -1]), 1, 1, torch.tensor([2, -2]), 1, 1).tolist() == [2, -2]
     with pytest.raises(AccumulatorOverflow, match="res_add"):
-        fp.int_add(torch.tensor([2 ** 40]), 2 ** 20, 0, torch.tensor([1]), 1, 40, op="res_add")
+        fp.int_add(torch.tensor([2 ** 40]), 2 ** 30, 0, torch.tensor([1]), 1, 40, op="res_add")
+    # very different shifts are exact (no common-scale product is ever formed)
+    assert fp.int_add(torch.tensor([2 ** 40]), 2 ** 20, 0, torch.tensor([1]), 1, 40, "qint32").tolist() == [2 ** 31 - 1]
+    assert fp.int_add(torch.tensor([100]), 2 ** 30, 60, torch.tensor([3]), 1, 0).tolist() == [3]
+
+
+def test_round_scaled_sum_matches_python_ints():
+    g = rng(31)
+    ta = rint(g, -(2 ** 55), 2 ** 55, (2000,))
+    tb = rint(g, -(2 ** 45), 2 ** 45, (2000,))
+    na = rint(g, 0, 61, (2000,))
+    nb = rint(g, 0, 61, (2000,))
+    got = fp.round_scaled_sum(*(torch.from_numpy(v) for v in (ta, na, tb, nb))).tolist()
+    from fractions import Fraction
+
+    for i in range(2000):
+        v = Fraction(int(ta[i]), 2 ** int(na[i])) + Fraction(int(tb[i]), 2 ** int(nb[i]))
+        assert got[i] == round(v), (i, v)  # Python's round() on Fractions is half to even
     with pytest.raises(ConfigError):
         fp.int_add(torch.tensor([1]), torch.tensor([1, 2]), 0, torch.tensor([1]), 1, 0)
 
@@ -584,7 +609,7 @@ def test_relu_relu6_leaky_relu():
     assert fp.relu6(q, 0.01).tolist() == [0, 0, 0, 0, 3, 127]  # round(600) capped at qmax
     M, n = fp.requant_params(0.5)
     y = fp.leaky_relu(q, M, n)
-    # negatives times 0.5, ties toward +inf: -5*0.5=-2.5 -> -2, -1*0.5 -> 0
+    # negatives times 0.5, ties to even: -5*0.5=-2.5 -> -2, -1*0.5 -> 0
     assert y.tolist() == [-64, -2, 0, 0, 3, 127] and y.dtype == torch.int8
     M, n = fp.requant_params(0.1)
     qq = torch.arange(-128, 128)

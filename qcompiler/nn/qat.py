@@ -17,6 +17,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qcompiler.nn import fused
+from qcompiler.quantization.fake_quantize import FakeQuantize
+
+
+def _fake_quantizing(fq) -> bool:
+    """True for a FakeQuantize that currently fake-quantizes with a known scale."""
+    return isinstance(fq, FakeQuantize) and bool(fq.fake_quant_enabled[0]) and getattr(fq, "_has_qparams", False)
 
 
 class _Observed:
@@ -42,9 +48,31 @@ class _Observed:
         new.activation_post_process = activation_post_process
         return new
 
-    def _qweight(self) -> torch.Tensor:
+    def _qweight(self, like: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        return self.weight_fake_quant(w) if self.weight_fake_quant is not None else w
+        w = self.weight_fake_quant(w) if self.weight_fake_quant is not None else w
+        return w.to(like.dtype)  # float64 while an evaluated fake-quant model carries exact values
+
+    def _qbias(self) -> Optional[torch.Tensor]:
+        """The bias on the int32 grid ``s_in * s_w`` the BPU adds it on, when both scales are known.
+
+        ``s_in`` comes from the quantizer of the layer's input (``_qc_input_quantizer``, set by
+        the insert_observers pass); without fake quant (calibration) the bias stays float.
+        """
+        b, wfq = self.bias, self.weight_fake_quant
+        src = self.__dict__.get("_qc_input_quantizer")
+        if b is None or not _fake_quantizing(wfq) or not _fake_quantizing(src):
+            return b
+        if not self.training:  # exact: the grid s_in * s_w as convert computes it (float64)
+            scale = src.scale.double() * wfq.scale.double()
+            return torch.round(b.double() / scale).clamp(-(2 ** 31), 2 ** 31 - 1) * scale
+        scale = src.scale * wfq.scale
+        on_grid = torch.round(b / scale).clamp(-(2 ** 31), 2 ** 31 - 1) * scale
+        return b + (on_grid - b).detach()  # straight-through gradient
+
+    def _qbias_like(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        b = self._qbias()
+        return None if b is None else b.to(like.dtype)
 
     def _qout(self, y: torch.Tensor) -> torch.Tensor:
         return self.activation_post_process(y) if self.activation_post_process is not None else y
@@ -52,7 +80,7 @@ class _Observed:
 
 class Conv2d(_Observed, nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._qout(self._conv_forward(x, self._qweight(), self.bias))
+        return self._qout(self._conv_forward(x, self._qweight(x), self._qbias_like(x)))
 
 
 class ConvTranspose2d(_Observed, nn.ConvTranspose2d):
@@ -61,14 +89,15 @@ class ConvTranspose2d(_Observed, nn.ConvTranspose2d):
             x, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation
         )
         y = F.conv_transpose2d(
-            x, self._qweight(), self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation
+            x, self._qweight(x), self._qbias_like(x), self.stride, self.padding, output_padding, self.groups,
+            self.dilation
         )
         return self._qout(y)
 
 
 class Linear(_Observed, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._qout(F.linear(x, self._qweight(), self.bias))
+        return self._qout(F.linear(x, self._qweight(x), self._qbias_like(x)))
 
 
 class _ObservedFused(_Observed):
@@ -77,7 +106,7 @@ class _ObservedFused(_Observed):
     def forward(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self._qout(super().forward(x, other))
 
-    def _qweight(self) -> torch.Tensor:  # the inner op does it
+    def _qweight(self, like: torch.Tensor) -> torch.Tensor:  # the inner op does it
         raise NotImplementedError
 
 
@@ -91,6 +120,38 @@ class FusedConvTranspose2d(_ObservedFused, fused.FusedConvTranspose2d):
 
 class FusedLinear(_ObservedFused, fused.FusedLinear):
     pass
+
+
+class PReLU(nn.PReLU):
+    """nn.PReLU whose slope follows the input's dtype (float64 in an evaluated fake-quant model)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.prelu(x, self.weight.to(x.dtype))
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    """nn.BatchNorm2d (unfused, on the BPU) following the input's dtype; eval statistics."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training or x.dtype == self.weight.dtype:
+            return super().forward(x)
+        cast = [None if t is None else t.to(x.dtype) for t in (self.running_mean, self.running_var, self.weight, self.bias)]
+        return F.batch_norm(x, cast[0], cast[1], cast[2], cast[3], False, 0.0, self.eps)
+
+
+# BPU layers with parameters but no quantizers of their own: swapped so they follow the input dtype
+DTYPE_FOLLOWING: dict[type, type] = {nn.PReLU: PReLU, nn.BatchNorm2d: BatchNorm2d}
+
+
+def follow_input_dtype(module: nn.Module) -> nn.Module:
+    """The same layer (shared parameters) computing in its input's dtype."""
+    cls = DTYPE_FOLLOWING.get(type(module))
+    if cls is None:
+        return module
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new._parameters, new._buffers, new._modules = dict(module._parameters), dict(module._buffers), dict(module._modules)
+    return new
 
 
 # float class -> observed class; the fused ones also swap their inner op
@@ -119,6 +180,15 @@ def observe_layer(
         new.op = inner
         return new
     return cls.from_float(module, weight_fake_quant, activation_post_process)
+
+
+def set_input_quantizer(layer: nn.Module, quantizer: Optional[nn.Module]) -> None:
+    """Tell an observed layer which quantizer gives its input its scale (for the bias grid).
+
+    Kept out of ``_modules`` on purpose: it is a reference, not a child.
+    """
+    base = layer.op if isinstance(layer, fused.FusedModule) else layer
+    object.__setattr__(base, "_qc_input_quantizer", quantizer)
 
 
 def has_weight_layer(module: nn.Module) -> bool:

@@ -3,8 +3,8 @@
 Every module takes and returns :class:`~qcompiler.quantization.qtensor.QTensor`
 (symmetric, zero point 0) and computes with ``qcompiler.quantization.fixed_point``,
 the one module of BPU integer math that the simulator shares. Scales are
-fixed at convert time; rounding is the fixed-point module's (requantization
-rounds half up, quantization half to even).
+fixed at convert time; rounding is the fixed-point module's (half to even,
+like the fake-quant model).
 """
 
 from __future__ import annotations
@@ -17,6 +17,17 @@ import torch.nn.functional as F
 
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
+
+
+# Requantization multipliers of 31 bits: M/2**n is within 2**-32 of the real factor, far
+# below the float64 error of the fake-quant model's evaluation, so the two round the same
+# way except on values within ~1e-8 LSB of a tie; an int32 accumulator times M < 2**62.
+MULT_BITS = 31
+MAX_SHIFT = 61
+
+
+def _params(real) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp.requant_params(real, mult_bits=MULT_BITS, max_shift=MAX_SHIFT)
 
 
 def _q(values: torch.Tensor, scale: float) -> QTensor:
@@ -81,18 +92,20 @@ class QuantizedWeightLayer(QuantizedModule):
         self.geometry = dict(geometry)
         self.in_scale, self.out_scale, self.out_dtype, self.act = float(in_scale), out_scale, out_dtype, act
         self.register_buffer("q_weight", q_weight)
-        self.register_buffer("w_scale", w_scale.double())
-        acc_scale = self.in_scale * self.w_scale
+        self.register_buffer("w_scale", w_scale.float())
+        # the accumulator's scale s_in * s_w: the exact product of two float32 values (float64),
+        # as the fake-quant model evaluates it; the bias is rounded onto that grid
+        acc_scale = self.in_scale * self.w_scale.double()
         self.register_buffer("acc_scale", acc_scale)
         self.register_buffer("bias", None if bias is None else torch.clamp(
             torch.round(bias.double() / acc_scale), -(2 ** 31), 2 ** 31 - 1).to(torch.int32))
         self.with_add = other_scale is not None
         if out_scale is not None:
-            M, n = fp.requant_params(acc_scale / out_scale)
+            M, n = _params(acc_scale / out_scale)
             self.register_buffer("M", M)
             self.register_buffer("n", n)
             if self.with_add:
-                Mb, nb = fp.requant_params(float(other_scale) / out_scale)
+                Mb, nb = _params(float(other_scale) / out_scale)
                 self.register_buffer("Mb", Mb)
                 self.register_buffer("nb", nb)
 
@@ -133,20 +146,14 @@ class QuantizedWeightLayer(QuantizedModule):
 
 
 def _add_per_channel(acc, M, n, qb, Mb, nb, out_dtype, axis, op):
-    """round_half_up(acc * M[c] / 2**n[c] + qb * Mb / 2**nb): one rounding at the common shift."""
+    """round_half_even(acc * M[c] / 2**n[c] + qb * Mb / 2**nb), exactly: one rounding."""
     acc = acc.to(torch.int64)
     shape = [1] * acc.dim()
     shape[axis] = -1
     M, n = M.reshape(shape).to(torch.int64), n.reshape(shape).to(torch.int64)
-    s = int(max(int(n.max()), int(nb)))
-    amax = int(acc.abs().max()) if acc.numel() else 0
-    bound = amax * int(M.abs().max()) * 2 ** (s - int(n.min())) + 2 ** 15 * int(abs(Mb)) * 2 ** (s - int(nb))
-    if bound >= 2 ** 62:  # checked before multiplying: int64 must not wrap
-        raise fp.AccumulatorOverflow(op, bound, 2 ** 62, what="add accumulator")
-    total = acc * M * (2 ** (s - n)) + qb.to(torch.int64) * int(Mb) * (2 ** (s - int(nb)))
-    rounded = (total + (1 << (s - 1))) >> s if s > 0 else total
+    y = fp.round_scaled_sum(acc * M, n, qb.to(torch.int64) * int(Mb), int(nb))
     lo, hi = fp.qrange(out_dtype)
-    return rounded.clamp(lo, hi).to(fp.storage_dtype(out_dtype))
+    return y.clamp(lo, hi).to(fp.storage_dtype(out_dtype))
 
 
 def _int_conv_transpose2d(q, w, bias, g, op):
@@ -167,7 +174,7 @@ class QuantizedAdd(QuantizedModule):
         super().__init__()
         self.qc_op = "sub" if sub else "add"
         self.sub, self.out_scale, self.out_dtype = sub, float(out_scale), out_dtype
-        self.params = fp.add_params(sa, sb, out_scale)
+        self.params = fp.add_params(sa, sb, out_scale, mult_bits=MULT_BITS, max_shift=MAX_SHIFT)
 
     def forward(self, a: QTensor, b: QTensor, *rest) -> QTensor:
         fn = fp.int_sub if self.sub else fp.int_add
@@ -187,7 +194,7 @@ class QuantizedMul(QuantizedModule):
         factor = sa * (sb if sb is not None else 1.0) / out_scale
         if constant is not None:
             factor *= abs(constant)
-        self.M, self.n = fp.requant_params(factor)
+        self.M, self.n = _params(factor)
         self.sign = -1 if constant is not None and constant < 0 else 1
 
     def forward(self, a: Any, b: Any) -> QTensor:
@@ -207,7 +214,8 @@ class QuantizedCat(QuantizedModule):
 
     def forward(self, tensors: Sequence[QTensor], dim: int = 0) -> QTensor:
         ints = [t.int_repr() for t in tensors]
-        return _q(fp.int_cat(ints, self.in_scales, self.out_scale, self.out_dtype, dim=dim), self.out_scale)
+        return _q(fp.int_cat(ints, self.in_scales, self.out_scale, self.out_dtype, dim=dim, mult_bits=MULT_BITS),
+                  self.out_scale)
 
 
 class QuantizedMatmul(QuantizedModule):
@@ -216,7 +224,7 @@ class QuantizedMatmul(QuantizedModule):
     def __init__(self, sa: float, sb: float, out_scale: float, out_dtype: str) -> None:
         super().__init__()
         self.out_scale, self.out_dtype = float(out_scale), out_dtype
-        self.M, self.n = fp.requant_params(sa * sb / out_scale)
+        self.M, self.n = _params(sa * sb / out_scale)
 
     def forward(self, a: QTensor, b: QTensor) -> QTensor:
         acc = fp.check_accumulator(fp.int_matmul(a.int_repr(), b.int_repr()), 32, op="matmul")
@@ -248,12 +256,12 @@ class QuantizedAvgPool(QuantizedModule):
     def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
         q = x.int_repr()
         if self.kernel is None:
-            y = fp.int_global_avg_pool(q, self.in_scale, self.out_scale, self.out_dtype)
+            y = fp.int_global_avg_pool(q, self.in_scale, self.out_scale, self.out_dtype, mult_bits=MULT_BITS)
             if not self.keepdim:
                 y = y.flatten(-2)
         else:
             y = fp.int_avg_pool2d(q, self.kernel, self.stride, self.padding, in_scale=self.in_scale,
-                                  out_scale=self.out_scale, out_dtype=self.out_dtype)
+                                  out_scale=self.out_scale, out_dtype=self.out_dtype, mult_bits=MULT_BITS)
         return _q(y, self.out_scale)
 
 
@@ -279,6 +287,28 @@ class QuantizedResize(QuantizedModule):
             v = y * (self.in_scale / self.out_scale)
         lo, hi = fp.qrange(self.out_dtype)
         return _q(torch.round(v).clamp(lo, hi).to(fp.storage_dtype(self.out_dtype)), self.out_scale)
+
+
+class QuantizedPReLU(QuantizedModule):
+    """prelu / leaky_relu: ``q >= 0`` requantized by s_in/s_out, negatives by slope*s_in/s_out.
+
+    The slope is per channel (dim 1) for a PReLU with several parameters, else one value.
+    """
+
+    def __init__(self, op: str, slope: torch.Tensor, in_scale: float, out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.qc_op, self.out_scale, self.out_dtype = op, float(out_scale), out_dtype
+        slope = slope.detach().double().reshape(-1)
+        self.Mp, self.np_ = _params(in_scale / out_scale)
+        self.register_buffer("Mn", _params(slope * in_scale / out_scale)[0])
+        self.register_buffer("nn_", _params(slope * in_scale / out_scale)[1])
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        q = x.int_repr()
+        axis = 1 if self.Mn.numel() > 1 else None
+        pos = fp.requantize(q, self.Mp, self.np_, self.out_dtype, op=self.qc_op)
+        neg = fp.requantize(q, self.Mn, self.nn_, self.out_dtype, axis=axis, op=self.qc_op)
+        return _q(torch.where(q >= 0, pos, neg), self.out_scale)
 
 
 class QuantizedSameScale(QuantizedModule):

@@ -23,6 +23,7 @@ from qcompiler.quantization.observer import (
     PerChannelMinMaxObserver,
     make_observer,
 )
+from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qconfig import (
     QConfig,
@@ -48,6 +49,7 @@ from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 __all__ = [
     "prepare_calibration_fx",
     "prepare_qat_fx",
+    "convert_fx",
     "QuantStub",
     "DeQuantStub",
     "ObserverBase",

@@ -62,6 +62,20 @@ class _FakeQuantSTE(torch.autograd.Function):
         return grad * inside.to(grad.dtype), None, None, None
 
 
+def _exact_fake_quant(x: torch.Tensor, s: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Evaluation-mode fake quant that carries the grid value ``q * s`` exactly (float64).
+
+    A float32 input is divided in float32, exactly as the BPU entry quantizes
+    (``fixed_point.quantize``); a float64 input (already on the BPU side) in
+    float64. The result ``q * s`` is exact in float64, so the evaluated model
+    rounds like the integer model except within ~1e-8 LSB of a tie. Layers
+    downstream compute in float64 while their input is float64;
+    ``DeQuantStub`` returns to float32 at the BPU exit.
+    """
+    q = torch.round(x / s.double()) if x.dtype == torch.float64 else torch.round(x.float() / s)
+    return torch.clamp(q, qmin, qmax).double() * s.double() + 0.0  # + 0.0: no -0.0
+
+
 def _broadcast_scale(scale: torch.Tensor, x: torch.Tensor, ch_axis: int, who: str) -> torch.Tensor:
     s = scale.detach().float().to(x.device)
     if ch_axis < 0:
@@ -242,6 +256,8 @@ class FakeQuantize(FakeQuantizeBase):
                 f"not called; calibrate (observer on) before validating"
             )
         s = _broadcast_scale(self.scale, x, self.ch_axis, self._who())
+        if not self.training:
+            return _exact_fake_quant(x, s, self.quant_min, self.quant_max)
         return _FakeQuantSTE.apply(x, s, self.quant_min, self.quant_max)
 
     def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:

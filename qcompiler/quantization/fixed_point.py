@@ -10,9 +10,11 @@ contract)":
 * A real factor (``s_in * s_w / s_out``, ``s_a / s_out``, ...) becomes an
   integer multiplier ``M`` and a right shift ``n``: ``real ~= M / 2**n``
   (:func:`requant_params`).
-* Requantization is ``y = clamp((acc * M + 2**(n-1)) >> n)`` computed in
-  int64 with an arithmetic (flooring) shift: the rounding mode is
-  **round half up** (ties toward +inf), so ``2.5 -> 3`` and ``-2.5 -> -2``.
+* Requantization is ``y = clamp(round(acc * M / 2**n))`` computed exactly in
+  int64; the rounding mode is **round half to even** (convergent rounding:
+  ``2.5 -> 2``, ``3.5 -> 4``, ``-2.5 -> -2``), the same tie rule as
+  ``torch.round`` in the fake-quant model, so exact ties (common when a
+  factor is a power of two, e.g. a leaky slope of 0.25) agree bit for bit.
 * Integer conv/linear/matmul return the exact int64 accumulator.
   Overflow is detected and reported (:class:`AccumulatorOverflow`), never
   silent.
@@ -307,18 +309,26 @@ def _check_product(acc: torch.Tensor, M: torch.Tensor, op: str) -> None:
                                   fix="use a smaller mult_bits or keep the accumulator in int32")
 
 
-def _round_shift(v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """``(v + 2**(n-1)) >> n``: arithmetic shift, round half up; no term for n == 0."""
-    return (v + ((torch.ones_like(n) << n) >> 1)) >> n
+def rounding_shift(v: torch.Tensor, n) -> torch.Tensor:
+    """``v / 2**n`` rounded half to even, exact on int64 (``n >= 0``; ``n == 0`` is exact)."""
+    n = torch.as_tensor(n, dtype=torch.int64)
+    q = v >> n  # floor
+    r = v - (q << n)  # remainder in [0, 2**n)
+    half = (torch.ones_like(n) << n) >> 1
+    up = (r > half) | ((r == half) & (half > 0) & ((q & 1) == 1))
+    return q + up.to(q.dtype)
+
+
+_round_shift = rounding_shift
 
 
 def requantize(acc: torch.Tensor, M, n, out_dtype="qint8", axis: int | None = None,
                *, op: str = "requantize") -> torch.Tensor:
     """Accumulator -> output integers: ``clamp((acc * M + 2**(n-1)) >> n)``.
 
-    Computed in int64; ``>>`` is an arithmetic (flooring) shift, so the
-    rounding mode is **round half up** (ties toward +inf: ``2.5 -> 3``,
-    ``-2.5 -> -2``).  For ``n == 0`` there is no rounding term.  Per-channel
+    Computed exactly in int64; the rounding mode is **round half to even**
+    (``2.5 -> 2``, ``3.5 -> 4``, ``-2.5 -> -2``), like ``torch.round``.
+    For ``n == 0`` there is no rounding.  Per-channel
     ``M``/``n`` broadcast along ``axis``.  Raises :class:`AccumulatorOverflow`
     (naming ``op``) if ``|acc * M|`` would reach ``2**62``.
     """
@@ -551,37 +561,54 @@ def add_params(scale_a: Scale, scale_b: Scale, scale_out: Scale, mult_bits: int 
     return int(Ma), int(na), int(Mb), int(nb)
 
 
+def round_scaled_sum(ta: torch.Tensor, na, tb: torch.Tensor, nb) -> torch.Tensor:
+    """``round_half_even(ta / 2**na + tb / 2**nb)`` exactly, in int64, for any shifts in [0, 61].
+
+    Each term is split into its floor and its remainder; the remainders are
+    brought to the common denominator ``2**max(na, nb)`` (always < 2**61, so
+    no product or sum can overflow), added with the carry, and the total is
+    rounded once. ``na``/``nb`` may be tensors broadcasting against the terms.
+    """
+    na = torch.as_tensor(na, dtype=torch.int64)
+    nb = torch.as_tensor(nb, dtype=torch.int64)
+    s = torch.maximum(na, nb)
+    qa, qb = ta >> na, tb >> nb
+    ra = (ta - (qa << na)) << (s - na)  # remainders over 2**s, each in [0, 2**s)
+    rb = (tb - (qb << nb)) << (s - nb)
+    r = ra + rb  # < 2**(s+1) <= 2**62
+    one = torch.ones_like(s)
+    carry = r >> s
+    q = qa + qb + carry
+    r = r - (carry << s)
+    half = (one << s) >> 1
+    up = (r > half) | ((r == half) & (half > 0) & ((q & 1) == 1))
+    return q + up.to(q.dtype)
+
+
 def _int_addsub(qa, Ma, na, qb, Mb, nb, out_dtype, sign: int, op: str) -> torch.Tensor:
     a, b = _as_int64(qa), _as_int64(qb)
     Ma, na = _scalar_param(Ma, "Ma"), _scalar_param(na, "na")
     Mb, nb = _scalar_param(Mb, "Mb"), _scalar_param(nb, "nb")
-    if min(na, nb) < 0 or max(na, nb) > 62:
-        raise ConfigError(f"{op}: shifts must be in [0, 62], got na={na}, nb={nb}")
-    s = max(na, nb)
-    fa, fb = Ma << (s - na), Mb << (s - nb)  # common scale 2**-s
-    bound = _extreme(a) * abs(fa) + _extreme(b) * abs(fb)
+    if min(na, nb) < 0 or max(na, nb) > 61:
+        raise ConfigError(f"{op}: shifts must be in [0, 61], got na={na}, nb={nb}")
+    bound = max(_extreme(a) * abs(Ma), _extreme(b) * abs(Mb))
     if bound >= _MUL_LIMIT:
-        raise AccumulatorOverflow(op, bound, _MUL_LIMIT, what="aligned operand sum",
-                                  fix="the two input scales differ too much; lower mult_bits")
-    total = a * fa + sign * (b * fb)
-    rnd = (1 << (s - 1)) if s > 0 else 0
-    return _clamp_to((total + rnd) >> s, out_dtype)
+        raise AccumulatorOverflow(op, bound, _MUL_LIMIT, what="operand * multiplier")
+    return _clamp_to(round_scaled_sum(a * Ma, na, sign * (b * Mb), nb), out_dtype)
 
 
 def int_add(qa, Ma, na, qb, Mb, nb, out_dtype="qint8", *, op: str = "add") -> torch.Tensor:
     """Integer add of two feature maps with their own multipliers.
 
-    Each operand is brought to the common scale ``2**-s`` (``s = max(na, nb)``)
-    exactly: ``sum = qa*Ma*2**(s-na) + qb*Mb*2**(s-nb)`` in int64, then one
-    rounding shift ``clamp((sum + 2**(s-1)) >> s)`` -- **round half up**,
-    so there is a single rounding for the whole op.  Get the parameters from
+    ``clamp(round_half_even(qa*Ma/2**na + qb*Mb/2**nb))`` computed exactly
+    (:func:`round_scaled_sum`): a single rounding for the whole op.  Get the parameters from
     :func:`add_params`.  Operands broadcast like ``torch.add``.
     """
     return _int_addsub(qa, Ma, na, qb, Mb, nb, out_dtype, 1, op)
 
 
 def int_sub(qa, Ma, na, qb, Mb, nb, out_dtype="qint8", *, op: str = "sub") -> torch.Tensor:
-    """Integer ``a - b``; same scheme and rounding (half up) as :func:`int_add`."""
+    """Integer ``a - b``; same scheme and rounding (half to even) as :func:`int_add`."""
     return _int_addsub(qa, Ma, na, qb, Mb, nb, out_dtype, -1, op)
 
 
@@ -589,7 +616,7 @@ def int_mul(qa, qb, M, n, out_dtype="qint8", *, op: str = "mul") -> torch.Tensor
     """Integer element-wise product: ``requantize(qa * qb, M, n)``.
 
     ``(M, n)`` come from ``requant_params(s_a * s_b / s_out)``; the product is
-    exact in int64 and rounded once, half up.
+    exact in int64 and rounded once, half to even.
     """
     return requantize(_as_int64(qa) * _as_int64(qb), M, n, out_dtype, op=op)
 
@@ -598,7 +625,7 @@ def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: S
             out_dtype="qint8", dim: int = 0, *, mult_bits: int = 15, op: str = "cat") -> torch.Tensor:
     """Concatenate after requantizing each input to the output scale.
 
-    Input ``i`` uses ``requant_params(s_i / s_out)`` (half-up rounding); an
+    Input ``i`` uses ``requant_params(s_i / s_out)`` (half-to-even rounding); an
     input already at the output scale passes through unchanged (M/2**n == 1
     is exact).
     """
@@ -623,7 +650,7 @@ def int_avg_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None
     """Average pool: exact integer window sum, then requantize by ``s_in / (kh*kw*s_out)``.
 
     ``count_include_pad=True`` semantics (the divisor is always ``kh*kw``);
-    ``ceil_mode`` is not supported.  Rounding: half up (:func:`requantize`).
+    ``ceil_mode`` is not supported.  Rounding: half to even (:func:`requantize`).
     """
     kh, kw = _pair(kernel_size)
     x = _as_int64(q)
@@ -642,7 +669,7 @@ def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_
     """Global average pool over the last two dims (keepdim, like adaptive_avg_pool2d(1)).
 
     Exact int64 sum over ``H*W``, then requantize by ``s_in / (H*W*s_out)``
-    (half up).
+    (half to even).
     """
     x = _as_int64(q)
     hw = x.shape[-2] * x.shape[-1]
@@ -721,8 +748,8 @@ def leaky_relu(q: torch.Tensor, M_slope, n_slope, out_dtype="qint8") -> torch.Te
 
     ``y = q`` where ``q >= 0`` else ``requantize(q, M_slope, n_slope)``, with
     ``(M_slope, n_slope) = requant_params(negative_slope)``.  The negative
-    branch rounds **half up** (ties toward +inf, e.g. ``-5 * 0.5 = -2.5 -> -2``),
-    which can differ by 1 LSB from the fake-quant model's half-to-even.
+    branch rounds half to even (e.g. ``-5 * 0.5 = -2.5 -> -2``, ``-3 * 0.5 -> -2``),
+    like the fake-quant model.
     """
     x = _as_int64(q)
     neg = requantize(x, M_slope, n_slope, "qint32", op="leaky_relu").to(torch.int64)

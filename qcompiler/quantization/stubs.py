@@ -29,10 +29,11 @@ class QuantStub(nn.Module):
 
 
 class DeQuantStub(nn.Module):
-    """Quantized -> float boundary. Identity until the model is converted."""
+    """Quantized -> float boundary. Until the model is converted it returns its input, in
+    float32: an evaluated fake-quant model carries BPU values exactly in float64."""
 
     qc_op = "dequant"
     qc_leaf = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.float64 else x

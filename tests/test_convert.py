@@ -1,0 +1,134 @@
+"""convert_fx: fixed-point model vs the fake-quant model it came from, and its errors."""
+
+import pytest
+import torch
+
+import qcompiler.zoo as zoo
+from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.nn.quantized import QuantizedWeightLayer
+from qcompiler.quantization import (
+    FakeQuantize,
+    QTensor,
+    get_default_calib_qconfig,
+    get_default_qat_out_qconfig,
+    get_default_qat_qconfig,
+    prepare_calibration_fx,
+    prepare_qat_fx,
+    set_state,
+)
+from qcompiler.quantization.convert import convert_fx
+
+SMALL = {"resnet18": dict(image_size=32), "resnet50": dict(image_size=32), "mobilenet_v2": dict(image_size=32)}
+
+
+def flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for v in x for t in flat(v)]
+
+
+def calibrated(name, march, qconfig=None, batches=3):
+    kw = SMALL.get(name, {})
+    cal = prepare_calibration_fx(zoo.get(name), qconfig, example_inputs=zoo.example_inputs(name, **kw),
+                                 hybrid=True, march=march)
+    cal.eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for b in range(batches):
+            inputs = zoo.example_inputs(name, batch=2, **kw)
+            if name in ("hybrid", "unet") or name in SMALL:
+                inputs = (inputs[0] + 0.1 * b,)
+            cal(*inputs)
+    return cal, zoo.example_inputs(name, **kw)
+
+
+def fake_quant_and_converted(name, march):
+    cal, x = calibrated(name, march)
+    qat = prepare_qat_fx(cal, hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    return qat, convert_fx(qat), x
+
+
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "unet", "transformer_block", "lstm_seq", "hybrid"])
+def test_converted_matches_fake_quant(name, march):
+    qat, q, x = fake_quant_and_converted(name, march)
+    with torch.no_grad():
+        outs_f, outs_q = flat(qat(*x)), flat(q(*x))
+    assert len(outs_f) == len(outs_q)
+    for f, o in zip(outs_f, outs_q):
+        same = (f == o).float().mean().item()
+        assert same >= 0.999, f"{name}/{march}: only {same:.4%} of output elements identical"
+
+
+def test_converted_model_computes_on_integers():
+    qat, q, x = fake_quant_and_converted("resnet18", "bayes")
+    conv = q.get_submodule("conv1")
+    assert isinstance(conv, QuantizedWeightLayer)
+    assert conv.q_weight.dtype == torch.int8 and conv.bias.dtype == torch.int32
+    assert conv.q_weight.abs().max() <= 127
+    # the prepared model is not modified by convert_fx
+    assert isinstance(qat.conv1.op.weight_fake_quant, FakeQuantize)  # conv1 is fused with bn1 + relu
+
+
+def test_guide_flow_with_high_precision_output(hybrid_model, guide_hybrid_dict):
+    x = torch.rand(1, 3, 16, 16)
+    cal = prepare_calibration_fx(hybrid_model, {"": get_default_calib_qconfig()}, hybrid=True,
+                                 hybrid_dict=guide_hybrid_dict, example_inputs=x, march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for _ in range(5):
+            cal(torch.rand(1, 3, 16, 16))
+    qat = prepare_qat_fx(cal, {"": get_default_qat_qconfig(), "module_name": [("conv4", get_default_qat_out_qconfig())]},
+                         hybrid=True, hybrid_dict=guide_hybrid_dict)
+    qat.train()
+    opt = torch.optim.SGD(qat.parameters(), lr=0.01)
+    qat(x).pow(2).mean().backward()
+    opt.step()
+    set_state(qat, "validation")
+    qat.eval()
+    q = convert_fx(qat)
+    # conv4 emits its int32 accumulator (scale s_in * s_w per channel) to the CPU selu
+    captured = {}
+    dequant = next(n for n in q.graph.nodes if n.name == "selu_2_input_dequant_0")
+    q.get_submodule(dequant.target).register_forward_hook(lambda m, i, o: captured.update(acc=i[0]))
+    with torch.no_grad():
+        out_q, out_f = q(x), qat(x)
+    acc = captured["acc"]
+    assert isinstance(acc, QTensor) and acc.dtype == "qint32" and acc.q_per_channel_axis() == 1
+    torch.testing.assert_close(out_q, out_f, rtol=0, atol=1e-5)
+
+
+def test_int16_activations_convert_and_match():
+    cal, x = calibrated("hybrid", "bayes", {"": get_default_calib_qconfig(dtype="qint16")})
+    qat = prepare_qat_fx(cal, {"": get_default_qat_qconfig(dtype="qint16")}, hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    q = convert_fx(qat)
+    assert q.get_submodule("conv0").out_dtype == "qint16"
+    with torch.no_grad():
+        assert (q(*x) == qat(*x)).float().mean() >= 0.999
+
+
+def test_ptq_straight_from_calibration_is_close_to_float():
+    cal, x = calibrated("resnet18", "bayes", batches=4)
+    q = convert_fx(cal)
+    with torch.no_grad():
+        f, o = zoo.get("resnet18")(*x), q(*x)
+    sqnr = 20 * torch.log10(f.norm() / (f - o).norm())
+    assert sqnr > 15, f"output SQNR {sqnr:.1f} dB"
+
+
+def test_observers_that_never_ran_are_named():
+    cal = prepare_calibration_fx(zoo.get("hybrid"), example_inputs=zoo.example_inputs("hybrid"), hybrid=True)
+    with pytest.raises(CalibrationError, match=r"never saw data: quant.activation_post_process, conv0"):
+        convert_fx(cal)
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="takes the model returned by prepare_calibration_fx"):
+        convert_fx(zoo.get("hybrid"))
+    cal, _ = calibrated("hybrid", "bayes", batches=1)
+    with pytest.raises(ConfigError, match="unknown key 'remove_qconfig'"):
+        convert_fx(cal, {"remove_qconfig": True})
