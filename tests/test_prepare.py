@@ -201,3 +201,17 @@ def test_a_few_qat_steps_lower_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_nan_reaching_an_observer_names_it(hybrid_model):
+    from qcompiler.errors import CalibrationError
+
+    cal = prepare_calibration_fx(hybrid_model, hybrid=True, example_inputs=X)
+    bad = X.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(CalibrationError, match=r"observer 'quant.activation_post_process' saw NaN/Inf"):
+        cal(bad)
+    hybrid_model.conv0.weight.data[0, 0, 0, 0] = float("inf")
+    cal = prepare_calibration_fx(hybrid_model, hybrid=True, example_inputs=X)
+    with pytest.raises(CalibrationError, match=r"'conv0.weight_fake_quant"):
+        cal(X)

@@ -24,7 +24,7 @@ from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir.meta import CPU, META_OP, META_REASON, placement
 from qcompiler.march import resolve_march
 from qcompiler.passes.base import CompileContext, PassManager
-from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, assign_qc_names
 from qcompiler.quantization.qconfig import (
     QConfig,
     get_default_calib_qconfig,
@@ -89,6 +89,7 @@ def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_gra
     )
     gm.meta[GM_KIND] = kind
     gm.meta[GM_HYBRID] = parse_hybrid_dict(hybrid_dict, model)
+    assign_qc_names(gm, overwrite=True)  # errors name the observer by its path
     _warn_cpu_ops_without_hybrid(gm, hybrid)
     return gm
 
@@ -172,6 +173,7 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
             m.set_qparams(calibrated[path])
             m.enable_observer()
     gm.meta[GM_KIND] = "qat"
+    assign_qc_names(gm, overwrite=True)
     return gm
 
 
