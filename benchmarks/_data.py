@@ -1,4 +1,4 @@
-"""Shared data helpers for the examples and benchmarks: deterministic smooth-noise images.
+"""Shared data helpers for the benchmarks: deterministic smooth-noise images, BN re-estimation, SQNR.
 
 Random weights plus i.i.d. Gaussian inputs make a poor stand-in for natural
 images (no spatial correlation, no low-frequency energy).  ``SmoothNoise``
@@ -7,7 +7,8 @@ bilinearly to the full size and blurred with a small Gaussian kernel, then
 normalised per image to zero mean and unit standard deviation per channel
 (roughly what an ImageNet-normalised photo looks like to the first conv).
 
-Also: ``reestimate_bn`` (re-estimate BatchNorm running statistics of a
+The images are the same as ``examples/ptq_fx.py``'s ``SmoothNoiseImages`` (that example
+stays self-contained).  Also: ``reestimate_bn`` (re-estimate BatchNorm running statistics of a
 random-weight model on such images) and ``sqnr_db``.
 """
 

@@ -389,3 +389,14 @@ def test_repr_matches_the_guide():
     many = PerChannelMinMaxObserver()
     many(torch.arange(64.0).reshape(64, 1))
     assert len(repr(many)) < 200 and "(C=64)" in repr(many)
+
+
+def test_kl_is_not_pulled_down_by_the_zeros_after_relu():
+    from qcompiler.quantization import make_observer
+
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(100000))
+    ob = make_observer("kl", "qint8")
+    ob(x)
+    # without discounting bin 0 the search picked ~2.0 (half the range of a ReLU'd normal)
+    assert 3.0 < ob.calculate_amax().item() < x.max().item()

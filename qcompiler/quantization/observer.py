@@ -512,6 +512,11 @@ class HistogramObserver(ObserverBase):
         n = len(h)
         if n <= levels:
             return n * w
+        if n > 1:
+            # the spike of exact zeros (after ReLU) in bin 0 would dominate the divergence and
+            # pull the threshold to about half the range: weigh it like its neighbour
+            h = h.copy()
+            h[0] = h[1]
         best_i, best_kl = n, math.inf
         tail = np.concatenate((np.cumsum(h[::-1])[::-1], [0.0]))  # tail[i] = sum h[i:]
         for i in range(levels, n + 1):
