@@ -8,8 +8,7 @@ float. QuantStubs and boundary observers quantize, DeQuantStubs dequantize.
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -18,13 +17,14 @@ import torch.nn.functional as F
 
 from qcompiler.errors import CalibrationError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
+from qcompiler.ir.modules import free_name, set_module
 from qcompiler.nn import fused
 from qcompiler.nn import quantized as qnn
 from qcompiler.nn.qat import FLOAT_CLASS, has_weight_layer
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.passes.insert_observers import OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
 from qcompiler.quantization import fixed_point as fp
-from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
 from qcompiler.quantization.observer import ObserverBase
 
 # element-wise functions evaluated through a table; float64 versions for table building
@@ -78,17 +78,9 @@ def check_observed(gm: fx.GraphModule) -> None:
         )
 
 
-def _set_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(gm.get_submodule(parent) if parent else gm, name, module)
-
-
 def _install(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> None:
     """Make ``node`` a call of ``module`` under a fresh root name (shared float modules stay intact)."""
-    base = node.name
-    name, k = base, 1
-    while hasattr(gm, name):
-        name, k = f"{base}_q{k}", k + 1
+    name = free_name(gm, node.name, sep="_q")
     gm.add_submodule(name, module)
     node.op, node.target = "call_module", name
 
@@ -169,7 +161,7 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             if node.target in converted_paths:
                 _install(gm, node, new)
             else:
-                _set_module(gm, node.target, new)
+                set_module(gm, node.target, new)
                 converted_paths.add(node.target)
             continue
         if out is None:

@@ -44,6 +44,7 @@ from qcompiler.ir.meta import (
     scope,
     set_placement,
 )
+from qcompiler.ir.modules import free_name, set_module
 from qcompiler.nn.qat import DTYPE_FOLLOWING, follow_input_dtype, has_weight_layer, observe_layer, set_input_quantizer
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
@@ -57,11 +58,6 @@ SCALE_PRESERVING_OPS = frozenset({
     "relu", "relu6", "max_pool2d", "identity", "dropout", "reshape", "flatten",
     "permute", "transpose", "getitem", "size", "dequant",
 })
-
-
-def _set_module(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(gm.get_submodule(parent) if parent else gm, name, module)
 
 
 def _require(qconfig: Optional[QConfig], node: fx.Node, boundary: bool = False) -> QConfig:
@@ -92,10 +88,7 @@ def _drop_output_observer(gm: fx.GraphModule, obs: fx.Node) -> None:
 
 
 def _add_output_observer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -> fx.Node:
-    name = f"{node.name}_{ACTIVATION_POST_PROCESS}"
-    k = 1
-    while hasattr(gm, name):
-        name, k = f"{node.name}_{ACTIVATION_POST_PROCESS}_{k}", k + 1
+    name = free_name(gm, f"{node.name}_{ACTIVATION_POST_PROCESS}")
     gm.add_submodule(name, module)
     users = list(node.users)
     with gm.graph.inserting_after(node):
@@ -127,32 +120,32 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if node.meta.get(META_STUB) == ACTIVATION_POST_PROCESS:
             src = node.args[0]
             qc = _require(resolver.for_scope(scope(src)), src, boundary=True)
-            _set_module(gm, node.target, qc.activation())
+            set_module(gm, node.target, qc.activation())
             continue
         if placement(node) != BPU or node.meta.get(META_STUB):
             continue
         op = node.meta.get(META_OP)
         if op == "dequant" and module is not None and type(module) is not DeQuantStub:
-            _set_module(gm, node.target, DeQuantStub())  # ours returns float32 at the BPU exit
+            set_module(gm, node.target, DeQuantStub())  # ours returns float32 at the BPU exit
         if op in SCALE_PRESERVING_OPS:
             continue
         qc = _require(resolver.for_scope(scope(node), module), node)
         if module is not None and type(module) in DTYPE_FOLLOWING:
             module = follow_input_dtype(module)
-            _set_module(gm, node.target, module)
+            set_module(gm, node.target, module)
         if op == "quant":
             stub = module if type(module) is QuantStub else QuantStub()
             stub.activation_post_process = qc.activation()
-            _set_module(gm, node.target, stub)
+            set_module(gm, node.target, stub)
         elif module is not None and has_weight_layer(module):
             wfq = qc.weight() if qc.weight is not None else None
             if wfq is not None and op == "conv_transpose2d":
                 wfq.ch_axis = 1  # weight layout (in, out/groups, kh, kw)
             apq = None if qc.out_high_precision else qc.activation()
-            _set_module(gm, node.target, observe_layer(module, wfq, apq))
+            set_module(gm, node.target, observe_layer(module, wfq, apq))
         elif not qc.out_high_precision:
             if node in previous:
-                _set_module(gm, previous.pop(node).target, qc.activation())
+                set_module(gm, previous.pop(node).target, qc.activation())
             else:
                 _add_output_observer(gm, node, qc.activation())
     for obs in previous.values():  # observers a new qconfig no longer asks for

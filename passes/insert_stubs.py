@@ -31,6 +31,7 @@ from qcompiler.ir.meta import (
     placement,
     set_placement,
 )
+from qcompiler.ir.modules import free_name
 from qcompiler.ir.ops import PASSTHROUGH_OPS
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.quantization.observer import MinMaxObserver
@@ -38,14 +39,6 @@ from qcompiler.quantization.stubs import DeQuantStub
 
 INPUT_DEQUANT = "input_dequant"
 ACTIVATION_POST_PROCESS = "activation_post_process"
-
-
-def _free_name(gm: fx.GraphModule, base: str) -> str:
-    """A module attribute name not yet used on ``gm``."""
-    name, k = base, 1
-    while hasattr(gm, name):
-        name, k = f"{base}_{k}", k + 1
-    return name
 
 
 def _is_float_source(node: fx.Node) -> bool:
@@ -83,7 +76,7 @@ def _insert_dequants(gm: fx.GraphModule) -> bool:
         if not producers:
             continue
         module = DeQuantStub()
-        mod_name = _free_name(gm, f"{prefix}_{INPUT_DEQUANT}")
+        mod_name = free_name(gm, f"{prefix}_{INPUT_DEQUANT}")
         gm.add_submodule(mod_name, module)
         for k, producer in enumerate(producers):
             with gm.graph.inserting_before(consumer):
@@ -111,7 +104,7 @@ def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
         if not bound:
             continue
         module = factory()
-        mod_name = _free_name(gm, f"{source.name}_{ACTIVATION_POST_PROCESS}")
+        mod_name = free_name(gm, f"{source.name}_{ACTIVATION_POST_PROCESS}")
         gm.add_submodule(mod_name, module)
         # placeholders must stay first: an observer of an input goes after the last one
         anchor = _last_placeholder(gm) if source.op == "placeholder" else source

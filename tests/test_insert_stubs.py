@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qcompiler.ir import propagate_shapes, trace
-from qcompiler.ir.meta import BPU, CPU, META_STUB, placement, set_placement
+from qcompiler.ir.meta import CPU, META_STUB, placement, set_placement
 from qcompiler.ir.printing import forward_sequence
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext

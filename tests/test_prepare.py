@@ -10,7 +10,6 @@ from qcompiler.ir.printing import forward_sequence
 from qcompiler.quantization import (
     CalibFakeQuantize,
     FakeQuantize,
-    QConfig,
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
     get_default_qat_qconfig,
