@@ -9,6 +9,7 @@ from qcompiler.errors import (
     TraceError,
     UnsupportedOpError,
 )
+from qcompiler.compiled import CompiledModel, compile, load
 from qcompiler.frontend import partition
 from qcompiler.march import March, get_march, set_march
 from qcompiler.quantization.qtensor import (
@@ -25,6 +26,9 @@ from qcompiler.quantization.qtensor import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "compile",
+    "load",
+    "CompiledModel",
     "partition",
     "March",
     "QTensor",

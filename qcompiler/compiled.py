@@ -1,0 +1,187 @@
+"""``qcompiler.compile``: the whole pipeline, and the ``CompiledModel`` it returns.
+
+compile = prepare for calibration -> calibrate -> convert to fixed point ->
+lower BPU partitions to programs and CPU partitions to ONNX islands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from tabulate import tabulate
+from tqdm import tqdm
+
+from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import BPU
+from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.runtime import Runtime, Step, output_structure, plan_steps
+
+MODES = ("ptq", "qat")
+
+
+class CompiledModel:
+    """A compiled model: call it to run BPU programs in the simulator and CPU islands in onnxruntime.
+
+    Built by :func:`compile` (then it also keeps the converted graph for dumps and
+    export) or by :func:`load` (runtime only).
+    """
+
+    def __init__(self, runtime: Runtime, *, name: str, march: str, converted: Optional[fx.GraphModule] = None,
+                 example_inputs: tuple = ()) -> None:
+        self.runtime, self.name, self.march = runtime, name, march
+        self.converted, self.example_inputs = converted, example_inputs
+
+    def __call__(self, *args: Any) -> Any:
+        with torch.no_grad():
+            return self.runtime(*args)
+
+    @property
+    def partitions(self) -> list[dict]:
+        """One row per partition: name, placement, number of ops, inputs and outputs crossing it."""
+        rows = []
+        for step in self.runtime.steps:
+            rows.append({"name": step.name, "placement": step.kind, "ops": len(step.nodes),
+                         "inputs": list(step.inputs), "outputs": list(step.outputs)})
+        return rows
+
+    def boundary_edges(self) -> int:
+        """Number of values crossing between a BPU and a CPU partition."""
+        kind = {s.name: s.kind for s in self.runtime.steps}
+        produced_by = {o: s.name for s in self.runtime.steps for o in s.outputs}
+        return sum(1 for s in self.runtime.steps for i in s.inputs
+                   if i in produced_by and kind[produced_by[i]] != s.kind)
+
+    def summary(self) -> str:
+        table = tabulate(
+            [(p["name"], p["placement"], p["ops"], len(p["inputs"]), len(p["outputs"])) for p in self.partitions],
+            headers=["partition", "placement", "ops", "inputs", "outputs"],
+        )
+        nb = sum(p["placement"] == BPU for p in self.partitions)
+        return (f"{self.name} ({self.march}): {nb} bpu, {len(self.partitions) - nb} cpu partitions; "
+                f"BPU<->CPU boundary edges: {self.boundary_edges()}\n{table}")
+
+    def _need_graph(self, what: str) -> fx.GraphModule:
+        if self.converted is None:
+            raise ConfigError(f"{what} needs the compiled graph; a model loaded from an artifact has only its runtime")
+        return self.converted
+
+    def dump(self, out_dir: Union[str, Path]) -> list[Path]:
+        """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing."""
+        from qcompiler.tools.graph_dump import dump_partitioned
+
+        out = Path(out_dir)
+        result = dump_partitioned(self._need_graph("dump"), out, name=self.name)
+        files = list(result.files)
+        for step in self.runtime.steps:
+            if step.kind == BPU:
+                p = out / f"{step.name}.program.txt"
+                p.write_text(self.runtime.programs[step.name].summary())
+            else:
+                p = out / f"{step.name}.onnx"
+                p.write_bytes(self.runtime.islands[step.name])
+            files.append(p)
+        return files
+
+    def export_onnx(self, path: Union[str, Path]) -> dict:
+        """The whole model as one ONNX opset-11 file plus its ``.quant.json`` sidecar; returns the sidecar."""
+        from qcompiler.onnx import export_to_onnx
+
+        return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, str(path))
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the runtime (tensors, JSON, ONNX; no pickled code) to one file; :func:`load` reads it."""
+        from qcompiler.artifact import save_artifact
+
+        manifest = {
+            "model": self.name,
+            "march": self.march,
+            "inputs": self.runtime.input_names,
+            "outputs": self.runtime.outputs,
+            "steps": [s.to_json() for s in self.runtime.steps],
+        }
+        return save_artifact(path, manifest, self.runtime.programs, self.runtime.islands)
+
+
+def load(path: Union[str, Path], *, ort_threads: int = 1) -> CompiledModel:
+    """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed)."""
+    from qcompiler.artifact import load_artifact
+
+    manifest, programs, islands = load_artifact(path)
+    steps = [Step.from_json(s) for s in manifest["steps"]]
+    runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands, ort_threads=ort_threads)
+    return CompiledModel(runtime, name=manifest["model"], march=manifest["march"])
+
+
+def lower(converted: fx.GraphModule, *, ort_threads: int = 1) -> Runtime:
+    """Runtime of a converted model: BPU partitions -> programs, CPU partitions -> ONNX islands."""
+    from qcompiler.backends.bpu.lower import lower_bpu_partitions
+    from qcompiler.backends.onnx.emitter import emit_subgraph
+
+    steps = plan_steps(converted)
+    programs = lower_bpu_partitions(converted)
+    islands = {}
+    for step in steps:
+        if step.kind != BPU:
+            model = emit_subgraph(converted, step.nodes, step.inputs, step.outputs, dynamic_batch=True)
+            islands[step.name] = model.SerializeToString()
+    inputs = [n.name for n in converted.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in converted.graph.nodes if n.op == "output")
+    return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads)
+
+
+def _as_args(batch: Any) -> tuple:
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def compile(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    march=None,
+    qconfig_dict: Optional[dict] = None,
+    hybrid_dict: Optional[dict] = None,
+    calib_data: Optional[Iterable[Any]] = None,
+    mode: str = "ptq",
+    prepare_custom_config_dict: Optional[dict] = None,
+    ort_threads: int = 1,
+    progress: bool = True,
+) -> CompiledModel:
+    """Quantize and lower ``model`` for ``march``; returns a runnable :class:`CompiledModel`.
+
+    ``mode="ptq"``: ``model`` is a float model; it is calibrated on ``calib_data``
+    (an iterable of inputs: a tensor, or a tuple for multi-input models; by
+    default the example inputs) and converted. ``mode="qat"``: ``model`` is a
+    trained ``prepare_qat_fx`` model; it is converted as it is.
+    """
+    from qcompiler.quantization import convert_fx, prepare_calibration_fx, set_state
+
+    if mode not in MODES:
+        raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    inputs = normalize_inputs(example_inputs)
+    if mode == "qat":
+        if not (isinstance(model, fx.GraphModule) and model.meta.get("qc_kind") == "qat"):
+            raise ConfigError("compile(mode='qat') takes a model from prepare_qat_fx (after training)")
+        prepared = model
+        set_state(prepared, "validation")
+        prepared.eval()
+        name = type(model).__name__
+    else:
+        prepared = prepare_calibration_fx(model, qconfig_dict, prepare_custom_config_dict, hybrid=True,
+                                          hybrid_dict=hybrid_dict, example_inputs=inputs, march=march)
+        prepared.eval()
+        batches = list(calib_data) if calib_data is not None else [inputs]
+        if not batches:
+            raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
+        with torch.no_grad():
+            for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
+                prepared(*_as_args(batch))
+        name = type(model).__name__
+    converted = convert_fx(prepared)
+    runtime = lower(converted, ort_threads=ort_threads)
+    march_value = converted.meta.get("qc_march")
+    return CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),
+                         converted=converted, example_inputs=inputs)

@@ -1,0 +1,126 @@
+"""The runtime of a compiled model: BPU programs in the simulator, CPU islands in onnxruntime.
+
+A ``Runtime`` is pure data plus sessions: an ordered list of steps (one per
+partition, in a topological order), the model's inputs, and the structure of
+its outputs (nested tuples of value names). Values flow between steps by FX
+value name: QTensors between BPU partitions, float tensors everywhere else.
+It never needs the model's Python class, so an artifact can rebuild it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
+
+
+@dataclass
+class Step:
+    """One partition: ``kind`` "bpu" (a BPU program) or "cpu" (an ONNX island)."""
+
+    kind: str
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    nodes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "inputs": self.inputs, "outputs": self.outputs,
+                "nodes": self.nodes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Step":
+        return cls(d["kind"], d["name"], list(d["inputs"]), list(d["outputs"]), list(d.get("nodes", [])))
+
+
+def output_structure(arg: Any) -> Any:
+    """The output node's argument as JSON: value names in (nested) lists, constants as such."""
+    if isinstance(arg, fx.Node):
+        return {"value": arg.name}
+    if isinstance(arg, (tuple, list)):
+        return {"tuple" if isinstance(arg, tuple) else "list": [output_structure(a) for a in arg]}
+    if arg is None or isinstance(arg, (bool, int, float, str)):
+        return {"const": arg}
+    raise ConfigError(f"model output contains a {type(arg).__name__}; outputs must be tensors or tuples of them")
+
+
+def _build_output(spec: Any, env: dict[str, Any]) -> Any:
+    if "value" in spec:
+        v = env[spec["value"]]
+        return v.dequantize() if hasattr(v, "dequantize") and not isinstance(v, torch.Tensor) else v
+    if "tuple" in spec:
+        return tuple(_build_output(s, env) for s in spec["tuple"])
+    if "list" in spec:
+        return [_build_output(s, env) for s in spec["list"]]
+    return spec["const"]
+
+
+def plan_steps(gm: fx.GraphModule) -> list[Step]:
+    """One step per partition of a converted graph, ordered topologically (ties: first node)."""
+    members: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        part = node.meta.get(META_PARTITION)
+        if node.op in ("placeholder", "output") or part is None:
+            continue
+        members.setdefault(part, []).append(node)
+    owner = {n: p for p, nodes in members.items() for n in nodes}
+    first = {}
+    for i, node in enumerate(gm.graph.nodes):
+        if node in owner:
+            first.setdefault(owner[node], i)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(members)
+    steps = {}
+    for part, nodes in members.items():
+        inside = set(nodes)
+        inputs: list[str] = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a.name not in inputs:
+                    inputs.append(a.name)
+                    if a in owner:
+                        dag.add_edge(owner[a], part)
+        outputs = [n.name for n in nodes if any(u not in inside for u in n.users)]
+        kinds = {placement(n) for n in nodes}
+        if len(kinds) != 1 or kinds.pop() not in (BPU, CPU):
+            raise ConfigError(f"partition {part} mixes placements; the model was not partitioned")
+        steps[part] = Step(placement(nodes[0]), part, inputs, outputs, [n.name for n in nodes])
+    if not nx.is_directed_acyclic_graph(dag):
+        raise ConfigError("the partitions of this model form a cycle; partition it again")
+    order = nx.lexicographical_topological_sort(dag, key=lambda p: first[p])
+    return [steps[p] for p in order]
+
+
+class Runtime:
+    """Executes steps in order; BPU steps via ``BpuSimulator``, CPU steps via ``OrtIsland``."""
+
+    def __init__(self, steps: Sequence[Step], input_names: Sequence[str], outputs: Any,
+                 programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1) -> None:
+        from qcompiler.backends.bpu.simulator import BpuSimulator
+        from qcompiler.backends.ort import OrtIsland
+
+        self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
+        self.programs, self.islands = dict(programs), dict(islands)
+        self._run = {}
+        for step in self.steps:
+            if step.kind == BPU:
+                self._run[step.name] = BpuSimulator(self.programs[step.name]).run
+            else:
+                self._run[step.name] = OrtIsland(step.name, self.islands[step.name], step.inputs, step.outputs,
+                                                 threads=ort_threads).run
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) != len(self.input_names):
+            raise ConfigError(f"the model takes {len(self.input_names)} inputs "
+                              f"({', '.join(self.input_names)}), got {len(args)}")
+        env: dict[str, Any] = dict(zip(self.input_names, args))
+        for step in self.steps:
+            feeds = {name: env[name] for name in step.inputs}
+            env.update(self._run[step.name](feeds))
+        return _build_output(self.outputs, env)
