@@ -69,12 +69,12 @@ class CompiledModel:
             raise ConfigError(f"{what} needs the compiled graph; a model loaded from an artifact has only its runtime")
         return self.converted
 
-    def dump(self, out_dir: Union[str, Path]) -> list[Path]:
+    def dump(self, out_dir: Union[str, Path], name: Optional[str] = None) -> list[Path]:
         """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing."""
         from qcompiler.tools.graph_dump import dump_partitioned
 
         out = Path(out_dir)
-        result = dump_partitioned(self._need_graph("dump"), out, name=self.name)
+        result = dump_partitioned(self._need_graph("dump"), out, name=name or self.name)
         files = list(result.files)
         for step in self.runtime.steps:
             if step.kind == BPU:

@@ -21,6 +21,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import re
 import sys
@@ -231,22 +232,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser: global options and one sub-parser per command."""
-    parser = _Parser(
-        prog="qcompiler",
-        description="Quantization compiler for BPU + CPU targets.",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {qcompiler.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    p = sub.add_parser(
-        "partition",
-        help="place a model's ops on BPU/CPU, partition it and dump the result for review",
-        description="Trace MODEL, place every op on the BPU or the CPU for --march, insert the "
-        "boundary stubs, partition the graph and write a review dump (annotated code, table, "
-        "JSON, DOT/SVG, summary) into --out.",
-    )
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every command that loads a model shares."""
     p.add_argument("model", metavar="MODEL",
                    help="zoo:NAME (see qcompiler.zoo.names()), package.module:factory or path/to/file.py:factory; "
                         "factory() must return an nn.Module")
@@ -265,10 +252,134 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leaf-module", metavar="NAME", action="append", default=[],
                    help="do not trace into this submodule (prepare_custom_config_dict "
                         "non_traceable_module_name); repeatable")
+
+
+def calibration_batches(args: argparse.Namespace, inputs: tuple) -> list[tuple]:
+    """Calibration batches from --calib-data (an .npz) or --calib-random N (seeded, like the inputs)."""
+    import numpy as np
+
+    if args.calib_data:
+        path = Path(args.calib_data)
+        try:
+            with np.load(path) as data:
+                arrays = [torch.from_numpy(data[k]) for k in data.files]
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--calib-data {path}: cannot read it as an .npz file ({exc})") from None
+        if len(arrays) != len(inputs):
+            raise UsageError(f"--calib-data {path}: {len(arrays)} arrays for a model with {len(inputs)} inputs")
+        n = arrays[0].shape[0]
+        if n == 0 or any(a.shape[0] != n for a in arrays):
+            raise UsageError(f"--calib-data {path}: arrays must share a non-zero number of samples (first axis)")
+        if args.calib_batch_size < 1:
+            raise UsageError("--calib-batch-size must be at least 1")
+        step = args.calib_batch_size
+        return [tuple(a[i:i + step] for a in arrays) for i in range(0, n, step)]
+    count = 8 if args.calib_random is None else args.calib_random
+    if count < 1:
+        raise UsageError("--calib-random must be at least 1")
+    g = torch.Generator().manual_seed(INPUT_SEED + 1)
+    batches = []
+    for _ in range(count):
+        batch = []
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                batch.append(x)
+            elif x.is_floating_point():
+                batch.append(torch.rand(x.shape, generator=g, dtype=x.dtype))
+            else:
+                batch.append(torch.randint(0, INT_INPUT_HIGH, x.shape, generator=g, dtype=x.dtype))
+        batches.append(tuple(batch))
+    return batches
+
+
+def _flat_tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _flat_tensors(v)]
+    return []
+
+
+def output_sqnr(model: nn.Module, compiled, batches: Sequence[tuple]) -> float:
+    """Output SQNR (dB) of the compiled model against the float model over the batches."""
+    sig = err = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            for f, q in zip(_flat_tensors(model(*batch)), _flat_tensors(compiled(*batch))):
+                f, q = f.double(), q.double()
+                sig += float((f * f).sum())
+                err += float(((f - q) ** 2).sum())
+    return float("inf") if err == 0 else 10 * math.log10(sig / err)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Compile a model end to end and write everything a user reviews or deploys."""
+    model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
+    hybrid_dict = None
+    if args.hybrid_module_name or args.hybrid_module_type:
+        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
+    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    batches = calibration_batches(args, inputs)
+    model.eval()
+    compiled = qcompiler.compile(model, inputs, march=args.march, hybrid_dict=hybrid_dict, calib_data=batches,
+                                 prepare_custom_config_dict=custom)
+    out = Path(args.out)
+    files = compiled.dump(out, name=name)
+    onnx_path = out / f"{name}.onnx"
+    compiled.export_onnx(onnx_path)
+    files += [onnx_path, Path(f"{onnx_path}.quant.json")]
+    files.append(compiled.save(out / f"{name}.qc"))
+    print(compiled.summary())
+    ops = {}
+    for part in compiled.partitions:
+        ops[part["placement"]] = ops.get(part["placement"], 0) + part["ops"]
+    print(f"ops per placement: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+    print(f"output SQNR vs float on the calibration inputs: {output_sqnr(model, compiled, batches):.2f} dB")
+    print(f"wrote {len(files)} files to {out}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: global options and one sub-parser per command."""
+    parser = _Parser(
+        prog="qcompiler",
+        description="Quantization compiler for BPU + CPU targets.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {qcompiler.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser(
+        "partition",
+        help="place a model's ops on BPU/CPU, partition it and dump the result for review",
+        description="Trace MODEL, place every op on the BPU or the CPU for --march, insert the "
+        "boundary stubs, partition the graph and write a review dump (annotated code, table, "
+        "JSON, DOT/SVG, summary) into --out.",
+    )
+    _add_model_args(p)
     p.add_argument("--dump-passes", action="store_true",
                    help="also write the annotated graph after every pass into OUT/passes")
     p.add_argument("--out", metavar="DIR", required=True, help="directory for the dump files (created if needed)")
     p.set_defaults(func=cmd_partition)
+
+    p = sub.add_parser(
+        "compile",
+        help="quantize (PTQ), lower and package a model; write dumps, ONNX, sidecar and artifact",
+        description="Calibrate MODEL (on --calib-data or --calib-random batches), convert it to fixed "
+        "point, lower BPU partitions to programs and CPU partitions to ONNX islands, and write into "
+        "--out: the review dump, MODEL.onnx with MODEL.onnx.quant.json, and MODEL.qc (load it with "
+        "qcompiler.load).",
+    )
+    _add_model_args(p)
+    calib = p.add_mutually_exclusive_group()
+    calib.add_argument("--calib-data", metavar="FILE.npz",
+                       help="calibration inputs: one array per positional input (np.savez order), "
+                            "samples along the first axis")
+    calib.add_argument("--calib-random", metavar="N", type=int, default=None,
+                       help="calibrate on N seeded random batches shaped like the example inputs (default 8)")
+    p.add_argument("--calib-batch-size", metavar="B", type=int, default=8,
+                   help="samples per calibration batch for --calib-data (default 8)")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory (created if needed)")
+    p.set_defaults(func=cmd_compile)
     return parser
 
 
