@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Union
 
@@ -96,6 +97,8 @@ def load_artifact(path: PathLike):
                     islands[step["name"]] = zf.read(member)
     except ArtifactError:
         raise
+    except zlib.error as exc:
+        raise ArtifactError(f"{path}: corrupted (bad compressed data: {exc})") from None
     except (zipfile.BadZipFile, EOFError) as exc:
         raise ArtifactError(f"{path}: not a qcompiler artifact or truncated ({exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, ValueError, OSError) as exc:

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from qcompiler.tools.cli import main
 
@@ -166,3 +167,31 @@ def test_python_m_end_to_end(tmp_path):
     assert proc.stdout.splitlines()[0].startswith("partitions: ")
     assert (out_dir / "hybrid.json").is_file()
     assert (out_dir / "summary.txt").read_text().splitlines()[0] == proc.stdout.splitlines()[0]
+
+
+def test_compile_command_end_to_end(tmp_path, capsys):
+    out = tmp_path / "c"
+    code = main(["compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--march", "bayes",
+                 "--hybrid-module-name", "conv3", "--calib-random", "2", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "BPU<->CPU boundary edges:" in text and "output SQNR vs float on the calibration inputs:" in text
+    for f in ("hybrid.onnx", "hybrid.onnx.quant.json", "hybrid.qc", "hybrid.json", "bpu0.program.txt"):
+        assert (out / f).exists(), f
+    import qcompiler
+
+    m = qcompiler.load(out / "hybrid.qc")
+    assert m(torch.rand(1, 3, 16, 16)).shape == (1, 3, 16, 16)
+
+
+def test_compile_command_calib_npz(tmp_path, capsys):
+    import numpy as np
+
+    npz = tmp_path / "calib.npz"
+    np.savez(npz, np.random.default_rng(0).random((6, 3, 16, 16), dtype=np.float32))
+    assert main(["compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-data", str(npz),
+                 "--calib-batch-size", "4", "--out", str(tmp_path / "o")]) == 0
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"nope")
+    assert main(["compile", "zoo:hybrid", "--calib-data", str(bad), "--out", str(tmp_path / "o2")]) == 2
+    assert "cannot read it as an .npz" in capsys.readouterr().err
