@@ -146,7 +146,6 @@ def fold_bn(base: _BaseModule, bn: nn.Module) -> _BaseModule:
         raise ValueError(f"fold_bn: BatchNorm has {bn.num_features} features, the layer has {out_features} outputs")
 
     with torch.no_grad():
-        # fold in float64 so the folded layer is as close as float32 allows to bn(base(x))
         f64 = torch.float64
         mean, var = bn.running_mean.to(f64), bn.running_var.to(f64)
         gamma = bn.weight.to(f64) if bn.weight is not None else torch.ones_like(mean)
@@ -154,7 +153,10 @@ def fold_bn(base: _BaseModule, bn: nn.Module) -> _BaseModule:
         scale = gamma / torch.sqrt(var + bn.eps)
         bias = base.bias.to(f64) if base.bias is not None else torch.zeros_like(mean)
         new_bias = (bias - mean) * scale + beta
-        w = weight.to(f64)
+        # the per-channel vectors are exact in float64; the weight (large) is scaled in its own
+        # dtype: one rounding per element, and no float64 copy of the whole weight
+        scale = scale.to(weight.dtype)
+        w = weight
         if isinstance(base, nn.ConvTranspose2d):
             g = base.groups
             grouped = w.reshape(g, w.shape[0] // g, w.shape[1], *w.shape[2:])
