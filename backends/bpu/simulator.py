@@ -1,0 +1,1021 @@
+"""Integer-exact BPU simulator: runs a :class:`~qcompiler.backends.bpu.program.BpuProgram`.
+
+Values are plain integer tensors with the static quantization recorded in
+the program; QTensors appear only at the program boundary.  Every op computes
+exactly what the converted model's module (``qcompiler.nn.quantized``)
+computes, bit for bit.  Two kernel sets are available:
+
+``kernels="fixed_point"``
+    Each op calls the ``qcompiler.quantization.fixed_point`` functions the
+    converted modules call, with the same arguments (identical by
+    construction).
+
+``kernels="fast"`` (default)
+    conv2d / linear / max_pool2d use faster kernels that are *provably*
+    exact (and are tested bit-exact against ``fixed_point`` and a
+    pure-integer reference):
+
+    * int8 x int8 -> int32 GEMMs (``torch._int_mm``, oneDNN) when
+      :func:`int8_gemm_available` verified once that they do not saturate on
+      this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
+      true value fits int32 is exact whatever the order), and only for layers
+      whose int32 range is proven: ``128 * max_o sum_i |w[o, i]| < 2**31``.
+    * otherwise (or ``int8_gemm=False``) float32 GEMMs with the reduction
+      split into input-channel chunks whose every partial sum stays below
+      2**24: the bound ``max|x| * max_o sum_{i in chunk} |w[o, i]|`` (an L1
+      bound per output channel, much tighter than fixed_point's
+      ``k * max|x| * max|w|``), ``max|x| = 128`` for int8 activations; the
+      chunks are summed in float64 (exact below 2**53).
+    * convolutions are explicit im2col (never Winograd/FFT), gathered per
+      tile of output positions in the integer type, so a tile's GEMM
+      operands and epilogue temporaries stay in cache; 1x1 convs read the
+      input directly; depthwise convs multiply-add shifted windows per
+      channel block in float32 (partial sums < 2**24 by the same bound).
+    * activations leave a conv in channel-major memory (``C,N,H,W`` under
+      an ``N,C,H,W`` view), which the next conv reads without a copy.
+    * the int32 range of the accumulator is proven from the L1 bound (plus
+      ``max|bias|``) when possible, else checked on the data.
+    * requantization ``round_half_even(acc * M / 2**n)`` is evaluated in
+      float64 as ``(acc + bias) * (M * 2**-n)`` (the factor is exact).
+      Rounding that product once cannot change the result when
+      ``|t| < 2**(53-n)``; values that matter (``|t| < 2**b``, ``2**b >= qmax+1``)
+      qualify when ``n <= 53 - b`` (an exact tie ``m + 1/2`` is representable,
+      so it stays a tie and ``torch.round`` breaks it to even).  When that
+      static condition fails, or a fused add makes a second rounding, every
+      element whose float64 value lies within ``eps`` (a bound on the float
+      error) of a rounding boundary is recomputed exactly in int64 with
+      ``fixed_point.rounding_shift`` / ``round_scaled_sum``.
+    * max pool is the running maximum of the strided windows of a
+      qmin-padded copy (equal to ``F.max_pool2d``).
+
+    Everything else (add, cat, avg pools, LUTs, matmul, ...) uses the
+    fixed_point functions in both modes.
+
+Accumulator overflow is never silent: every accumulating op either proves its
+int32 range statically or checks it on the data, raising
+:class:`~qcompiler.quantization.fixed_point.AccumulatorOverflow` naming the op
+(``<program>/<value>``).
+
+:func:`run_partitioned` runs a whole converted model: BPU partitions in the
+simulator, every other node in torch (an ``fx.Interpreter``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
+from qcompiler.errors import ConfigError, UnsupportedOpError
+from qcompiler.ir.meta import BPU, META_PARTITION, placement
+from qcompiler.nn import quantized as qnn
+from qcompiler.quantization import fixed_point as fp
+from qcompiler.quantization.qtensor import QTensor
+
+__all__ = ["BpuSimulator", "run_partitioned", "PartitionedRunner", "KERNELS", "int8_gemm_available"]
+
+KERNELS = ("fast", "fixed_point")
+
+_F32_EXACT = 1 << 24
+_F64_EXACT = 1 << 53
+_I32 = 1 << 31
+_STORAGE = {"qint8": torch.int8, "qint16": torch.int16, "qint32": torch.int32}
+# largest |value| of each integer type (for static bounds)
+_AMAX = {"qint8": 128, "qint16": 1 << 15, "qint32": 1 << 31}
+# 2**b >= qmax + 1: the magnitude below which requantized values are not clamped
+_OUT_BITS = {"qint8": 7, "qint16": 15, "qint32": 31}
+
+
+# ---------------------------------------------------------------------------- workspace
+
+
+class _Workspace:
+    """Reusable scratch buffers (one per key and dtype), so large temporaries are not
+    re-allocated (and page-faulted) on every call.  Never returned to the caller."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._bufs.get((key, dtype))
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype)
+            self._bufs[(key, dtype)] = buf
+        return buf[:n].view(tuple(shape))
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+# ---------------------------------------------------------------------------- simulator
+
+
+class BpuSimulator:
+    """Executes a BPU program on integers.
+
+    ``run(inputs)`` takes a dict keyed by the program's input names: a
+    ``QTensor`` with the input's dtype and scale for a quantized input, a
+    float tensor for an ``f32`` input (a ``quantize`` op reads it).  It
+    returns a dict keyed by the output names: QTensors for quantized outputs
+    (per-channel for high-precision int32), float32 tensors for dequantized
+    ones.  Weights are prepared once at construction.  One simulator must
+    not run in two threads at once (it reuses scratch buffers).
+    """
+
+    def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None) -> None:
+        if kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        program.validate()
+        self.program, self.kernels = program, kernels
+        if int8_gemm is None:
+            int8_gemm = kernels == "fast" and int8_gemm_available()
+        elif int8_gemm and not int8_gemm_available():
+            raise ConfigError("int8_gemm=True but torch._int_mm is not exact (or missing) on this machine")
+        self.int8_gemm = bool(int8_gemm)
+        self.specs = program.value_specs()
+        self._ws = _Workspace()
+        self._steps: list[tuple[Callable, tuple[str, ...], str, tuple[str, ...]]] = []
+        last_use: dict[str, int] = {}
+        for i, op in enumerate(program.ops):
+            for name in op.inputs:
+                last_use[name] = i
+        keep = {v.name for v in program.outputs}
+        for i, op in enumerate(program.ops):
+            fn = _compile(op, self.specs, f"{program.name}/{op.output}", kernels, self._ws, self.int8_gemm)
+            free = tuple(n for n in dict.fromkeys(op.inputs) if last_use.get(n) == i and n not in keep)
+            self._steps.append((fn, tuple(op.inputs), op.output, free))
+        self._in_checks = [(v, _input_check(v, program.name)) for v in program.inputs]
+        self._out_wrap = [(v.name, _output_wrap(v)) for v in program.outputs]
+
+    def run(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(inputs, dict):
+            raise ConfigError(f"BpuSimulator.run takes a dict of the program's inputs "
+                              f"({', '.join(v.name for v in self.program.inputs)}), got {type(inputs).__name__}")
+        env: dict[str, torch.Tensor] = {}
+        for spec, check in self._in_checks:
+            if spec.name not in inputs:
+                raise ConfigError(f"program {self.program.name}: missing input '{spec.name}'")
+            env[spec.name] = check(inputs[spec.name])
+        with torch.no_grad():
+            for fn, ins, out, free in self._steps:
+                env[out] = fn(*[env[i] for i in ins])
+                for name in free:
+                    del env[name]
+        return {name: wrap(env[name]) for name, wrap in self._out_wrap}
+
+    __call__ = run
+
+
+def _input_check(spec: ValueSpec, prog: str) -> Callable[[Any], torch.Tensor]:
+    where = f"program {prog}: input '{spec.name}'"
+    if spec.is_float:
+        def check_float(v):
+            if isinstance(v, QTensor) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise ConfigError(f"{where} must be a float tensor, got {type(v).__name__}"
+                                  + (f" {v.dtype}" if isinstance(v, torch.Tensor) else ""))
+            return v
+        return check_float
+
+    def check_q(v):
+        if not isinstance(v, QTensor):
+            raise ConfigError(f"{where} must be a QTensor ({spec.dtype}), got {type(v).__name__}")
+        if str(v.dtype) != spec.dtype:
+            raise ConfigError(f"{where} must be {spec.dtype}, got {v.dtype}")
+        if spec.per_channel:
+            ok = v.qscheme().startswith("per_channel") and v.q_per_channel_axis() == spec.axis % v.dim() and \
+                v.q_per_channel_scales().tolist() == spec.scale
+        else:
+            ok = not v.qscheme().startswith("per_channel") and v.q_scale() == spec.scale and v.q_zero_point() == 0
+        if not ok:
+            raise ConfigError(f"{where}: quantization parameters differ from the program's "
+                              f"({spec.describe()})")
+        return v.int_repr()
+    return check_q
+
+
+def _output_wrap(spec: ValueSpec) -> Callable[[torch.Tensor], Any]:
+    if spec.is_float:
+        return lambda t: t.contiguous()
+    if spec.per_channel:
+        scales = torch.tensor(spec.scale, dtype=torch.float64)
+        zeros = torch.zeros(len(spec.scale), dtype=torch.int64)
+        return lambda t: QTensor(t.contiguous(), scales, zeros, axis=spec.axis % t.dim())
+    return lambda t: QTensor(t.contiguous(), spec.scale, 0)
+
+
+# ---------------------------------------------------------------------------- op compilation
+
+
+def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws: _Workspace,
+             int8_gemm: bool = False) -> Callable:
+    k = op.kind
+    a = op.attrs
+    in_specs = [specs[i] for i in op.inputs]
+    if k in ("conv2d", "conv_transpose2d", "linear"):
+        if kernels == "fast" and k == "conv2d":
+            return _FastConv(op, in_specs, name, ws, int8_gemm)
+        if kernels == "fast" and k == "linear":
+            return _FastLinear(op, in_specs, name, ws, int8_gemm)
+        return _fixed_point_weight_layer(op, name)
+    if k == "quantize":
+        scale, dtype = a["out_scale"], a["out_dtype"]
+        return lambda x: fp.quantize(x, scale, dtype)
+    if k == "dequantize":
+        return _dequantize(in_specs[0])
+    out_dtype = a.get("out_dtype")
+    T = op.tensors
+    if k == "matmul":
+        M, n = T["M"], T["n"]
+
+        def matmul(x, y):
+            acc = fp.check_accumulator(fp.int_matmul(x, y, op=name), 32, op=name)
+            return fp.requantize(acc, M, n, out_dtype, op=name)
+        return matmul
+    if k in ("add", "sub"):
+        Ma, na, Mb, nb = (int(T[t]) for t in ("Ma", "na", "Mb", "nb"))
+        fn = fp.int_add if k == "add" else fp.int_sub
+        return lambda x, y: fn(x, Ma, na, y, Mb, nb, out_dtype, op=name)
+    if k == "mul":
+        M, n = T["M"], T["n"]
+        if len(op.inputs) == 2:
+            return lambda x, y: fp.int_mul(x, y, M, n, out_dtype, op=name)
+        sign = int(a["sign"])
+        return lambda x: fp.requantize(sign * x.to(torch.int64), M, n, out_dtype, op=name)
+    if k == "cat":
+        Ms, ns, dim = T["M"].tolist(), T["n"].tolist(), int(a["dim"])
+        params = [(torch.tensor(M, dtype=torch.int64), torch.tensor(n, dtype=torch.int64)) for M, n in zip(Ms, ns)]
+
+        def cat(*xs):
+            return torch.cat([fp.requantize(x, M, n, out_dtype, op=f"{name}[{i}]")
+                              for i, (x, (M, n)) in enumerate(zip(xs, params))], dim=dim)
+        return cat
+    if k == "relu":
+        return fp.relu
+    if k == "relu6":
+        top = int(a["max"])
+        return lambda x: x.clamp(0, top)
+    if k in ("prelu", "leaky_relu"):
+        Mp, np_, Mn, nn_ = T["Mp"], T["np"], T["Mn"], T["nn"]
+        axis = a.get("axis")
+
+        def prelu(x):
+            pos = fp.requantize(x, Mp, np_, out_dtype, op=name)
+            neg = fp.requantize(x, Mn, nn_, out_dtype, axis=axis, op=name)
+            return torch.where(x >= 0, pos, neg)
+        return prelu
+    if k == "max_pool2d":
+        ks, st, pad, dil, ceil = a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
+        if kernels == "fast":
+            return _FastMaxPool(ks, st, pad, dil, ceil, ws)
+        return lambda x: fp.int_max_pool2d(x, ks, st, pad, dil, ceil)
+    if k == "avg_pool2d":
+        ks, st, pad = tuple(a["kernel_size"]), tuple(a["stride"]), tuple(a["padding"])
+        M, n = T["M"], T["n"]
+        kk = ks[0] * ks[1]
+
+        def avg_pool(x):
+            # fixed_point.int_avg_pool2d with its multipliers precomputed (same checks, same sums)
+            if fp._extreme(x) * kk >= _F64_EXACT:
+                raise fp.AccumulatorOverflow(name, fp._extreme(x) * kk, _F64_EXACT, what="window sum")
+            s = F.avg_pool2d(x.to(torch.int64).double(), ks, st, pad, ceil_mode=False, count_include_pad=True,
+                             divisor_override=1).to(torch.int64)
+            return fp.requantize(s, M, n, out_dtype, op=name)
+        return avg_pool
+    if k == "global_avg_pool":
+        s_in, s_out, keep = a["in_scale"], a["out_scale"], a["keepdim"]
+
+        def gap(x):
+            y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS, op=name)
+            return y if keep else y.flatten(-2)
+        return gap
+    if k in ("resize_nearest", "resize_bilinear"):
+        size, ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
+        lo, hi = fp.qrange(out_dtype)
+        st = fp.storage_dtype(out_dtype)
+        if k == "resize_nearest":
+            def resize(x):  # as qcompiler.nn.quantized.QuantizedResize
+                y = F.interpolate(x.double(), size=size, mode="nearest")
+                return torch.round(y * ratio).clamp(lo, hi).to(st)
+        else:
+            align = bool(a["align_corners"])
+
+            def resize(x):
+                y = F.interpolate(x.double(), size=size, mode="bilinear", align_corners=align)
+                return torch.round(y * ratio).clamp(lo, hi).to(st)
+        return resize
+    if k == "lut":
+        table, in_dtype = T["table"], a["in_dtype"]
+        return lambda x: fp.apply_lut(x, table, in_dtype)
+    if k == "identity":
+        return lambda x: x
+    if k == "reshape":
+        shp = tuple(a["shape"])
+        return lambda x: x.reshape(shp)
+    if k == "flatten":
+        s, e = int(a["start_dim"]), int(a["end_dim"])
+        return lambda x: torch.flatten(x, s, e)
+    if k == "squeeze":
+        d = a["dim"]
+        return (lambda x: x.squeeze()) if d is None else (lambda x: x.squeeze(int(d)))
+    if k == "unsqueeze":
+        d = int(a["dim"])
+        return lambda x: x.unsqueeze(d)
+    if k == "permute":
+        dims = tuple(a["dims"])
+        return lambda x: x.permute(dims)
+    if k == "transpose":
+        d0, d1 = int(a["dim0"]), int(a["dim1"])
+        return lambda x: x.transpose(d0, d1)
+    if k == "getitem":
+        idx = decode_index(a["index"])
+        return lambda x: x[idx]
+    raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {k!r}")
+
+
+def _dequantize(spec: ValueSpec) -> Callable:
+    """float32(q) * float32(scale), as QTensor.dequantize."""
+    if spec.per_channel:
+        scales = torch.tensor(spec.scale, dtype=torch.float64).to(torch.float32)
+
+        def deq_pc(q):
+            shape = [1] * q.dim()
+            shape[spec.axis % q.dim()] = -1
+            return q.to(torch.float32) * scales.view(shape)
+        return deq_pc
+    s = torch.tensor(spec.scale, dtype=torch.float32)
+    return lambda q: q.to(torch.float32) * s
+
+
+def _relu6_or_relu(y: torch.Tensor, act: Optional[str], top: Optional[int]) -> torch.Tensor:
+    if act == "relu":
+        return fp.relu(y)
+    if act == "relu6":
+        return y.clamp(0, top)
+    return y
+
+
+def _fixed_point_weight_layer(op: BpuOp, name: str) -> Callable:
+    """conv2d / conv_transpose2d / linear exactly as QuantizedWeightLayer.forward."""
+    a, T = op.attrs, op.tensors
+    w, bias = T["weight"], T.get("bias")
+    kind = op.kind
+    axis = -1 if kind == "linear" else 1
+    hp, act, top = a["high_precision"], a["act"], a.get("act_max")
+    out_dtype = a["out_dtype"]
+    if kind == "conv2d":
+        st, pad, dil, g = tuple(a["stride"]), tuple(a["padding"]), tuple(a["dilation"]), int(a["groups"])
+
+        def accumulate(q):
+            return fp.int_conv2d(q, w, bias, st, pad, dil, g, op=name)
+    elif kind == "linear":
+        def accumulate(q):
+            return fp.int_linear(q, w, bias, op=name)
+    else:
+        geom = {"stride": tuple(a["stride"]), "padding": tuple(a["padding"]), "dilation": tuple(a["dilation"]),
+                "groups": int(a["groups"]), "output_padding": tuple(a["output_padding"])}
+
+        def accumulate(q):
+            return qnn._int_conv_transpose2d(q, w, bias, geom, name)
+    if hp:
+        return lambda q: fp.check_accumulator(accumulate(q), 32, op=name).to(torch.int32)
+    M, n = T["M"], T["n"]
+    if a["with_add"]:
+        Mb, nb = T["Mb"], T["nb"]
+
+        def layer_add(q, other):
+            acc = fp.check_accumulator(accumulate(q), 32, op=name)
+            y = qnn._add_per_channel(acc, M, n, other, Mb, nb, out_dtype, axis, name)
+            return _relu6_or_relu(y, act, top)
+        return layer_add
+
+    def layer(q):
+        acc = fp.check_accumulator(accumulate(q), 32, op=name)
+        return _relu6_or_relu(fp.requantize(acc, M, n, out_dtype, axis=axis, op=name), act, top)
+    return layer
+
+
+# ---------------------------------------------------------------------------- fast kernels
+
+# elements of one output tile: the GEMM result (float32) and the epilogue temporaries
+# (float64, 2 MiB) of a tile stay in cache between the passes over it
+_TILE = 1 << 18
+
+
+_INT8_GEMM: Optional[bool] = None
+
+
+def int8_gemm_available() -> bool:
+    """True when ``torch._int_mm`` computes int8 x int8 -> int32 GEMMs exactly on this machine.
+
+    Checked once per process on saturation-prone operands (products of
+    127/-128 in every sign pattern: a kernel built on ``vpmaddubsw``, whose
+    int16 pair sums saturate, fails it) over several shapes, against exact
+    int64 products.  With non-saturating int32 arithmetic (VNNI, AMX) the
+    result is exact whenever the true sum fits int32 (two's complement
+    wrap-around cannot change an in-range result), which the fast kernels
+    prove from the weights before using it.
+    """
+    global _INT8_GEMM
+    if _INT8_GEMM is None:
+        _INT8_GEMM = _int8_self_test()
+    return _INT8_GEMM
+
+
+def _int8_self_test() -> bool:
+    fn = getattr(torch, "_int_mm", None)
+    if fn is None:
+        return False
+    g = torch.Generator().manual_seed(20240605)
+    try:
+        for M, K, N in ((1, 7, 3), (5, 64, 17), (64, 576, 300), (130, 1152, 49), (33, 2304, 64)):
+            for va, vb in ((127, -128), (-128, 127), (-128, -128), (127, 127), (None, None)):
+                if va is None:
+                    a = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+                    b = torch.randint(-128, 128, (K, N), dtype=torch.int8, generator=g)
+                else:
+                    a = torch.full((M, K), va, dtype=torch.int8)
+                    b = torch.full((K, N), vb, dtype=torch.int8)
+                    a[:, 1::3] = -va if va != -128 else 127
+                want = a.to(torch.int64) @ b.to(torch.int64)
+                for got in (fn(a, b), fn(a, torch.empty(N, K, dtype=torch.int8).t().copy_(b)),
+                            fn(a, b, out=torch.empty(M, N, dtype=torch.int32))):
+                    if got.dtype != torch.int32 or not torch.equal(got.to(torch.int64), want):
+                        return False
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _gemm_mode() -> str:
+    """float32 GEMMs are exact below 2**24 only at IEEE float32 precision (see fixed_point)."""
+    return "f32" if fp._f32_gemm_is_ieee() else "f64"
+
+
+def _chunks(l1: np.ndarray, amax: int, limit: int) -> Optional[list[tuple[int, int]]]:
+    """Contiguous input-channel ranges whose partial sums stay below ``limit``.
+
+    ``l1[o, c]`` is ``sum |w[o, c, ...]|``; a chunk ``[c0, c1)`` is safe when
+    ``amax * max_o sum_{c0 <= c < c1} l1[o, c] < limit`` (every partial sum of
+    the chunk's products, in any order, is bounded by that).  None if a single
+    channel is already too large.
+    """
+    C = l1.shape[1]
+    out, c0, acc = [], 0, np.zeros(l1.shape[0], dtype=np.int64)
+    for c in range(C):
+        nxt = acc + l1[:, c]
+        if int(nxt.max(initial=0)) * amax < limit:
+            acc = nxt
+            continue
+        if c == c0:
+            return None
+        out.append((c0, c))
+        c0, acc = c, l1[:, c].copy()
+        if int(acc.max(initial=0)) * amax >= limit:
+            return None
+    out.append((c0, C))
+    return out
+
+
+class _Epilogue:
+    """bias, int32 check, requantize (+ fused add) (+ relu/relu6) of one tile of an exact accumulator.
+
+    A tile is ``(channels, columns)`` (``rows=True``, conv: output channels
+    ``c0:c1`` on dim 0) or ``(rows, O)`` (``rows=False``, linear: channels on
+    the last dim).  The accumulator holds exact integers in float32/float64;
+    the result is written (as integers) into ``out``.  See the module
+    docstring for why the float64 evaluation is exact.
+    """
+
+    def __init__(self, op: BpuOp, name: str, rows: bool, other_spec: Optional[ValueSpec], ws: _Workspace) -> None:
+        a, T = op.attrs, op.tensors
+        self.name, self.ws, self.rows = name, ws, rows
+        O = T["weight"].shape[0]
+        shape = (O, 1) if rows else (1, O)
+        bias = T.get("bias")
+        self.bias_i64 = None if bias is None else bias.to(torch.int64)
+        self.bias = None if bias is None else bias.to(torch.float64).view(shape)
+        self.max_bias = 0 if bias is None else int(bias.to(torch.int64).abs().max())
+        self.hp = bool(a["high_precision"])
+        if self.hp:
+            return
+        self.out_dtype = a["out_dtype"]
+        lo, hi = fp.qrange(self.out_dtype)
+        act = a["act"]
+        if act == "relu":
+            lo = 0
+        elif act == "relu6":
+            lo, hi = 0, int(a["act_max"])
+        self.lo, self.hi = lo, hi
+        self.M, self.n = T["M"].to(torch.int64), T["n"].to(torch.int64)
+        self.f = torch.ldexp(self.M.double(), -self.n).view(shape)  # M * 2**-n, exact in float64
+        self.with_add = bool(a["with_add"])
+        b = _OUT_BITS[self.out_dtype]
+        t2max = 0.0
+        if self.with_add:
+            self.Mb, self.nb = int(T["Mb"]), int(T["nb"])
+            self.f2 = math.ldexp(float(self.Mb), -self.nb)  # exact
+            t2max = _AMAX[other_spec.dtype] * abs(self.f2)
+        # one rounding of (acc+bias)*f is harmless when n <= 53 - b; otherwise (or with a fused
+        # add, which rounds a second time) flag elements within eps of a rounding boundary
+        self.detect = self.with_add or int(self.n.max()) > 53 - b
+        self.threshold = 0.5 - math.ldexp(2.0 ** b + 2.0 + t2max, -50)
+
+    def _param(self, p: torch.Tensor, c0: int, c1: int, ndim: int) -> torch.Tensor:
+        if not self.rows:
+            return p
+        p = p[c0:c1]
+        return p if ndim == 2 else p.view((c1 - c0,) + (1,) * (ndim - 1))
+
+    def tile(self, acc: torch.Tensor, out: torch.Tensor, c0: int, c1: int,
+             other: Optional[torch.Tensor] = None, check: bool = False) -> None:
+        ws = self.ws
+        t = ws.get("epi", acc.shape, torch.float64)
+        t.copy_(acc)
+        if self.bias is not None:
+            t.add_(self._param(self.bias, c0, c1, t.dim()))
+        if check:  # the int32 range is not proven for this input: check the data
+            fp.check_accumulator(t, 32, op=self.name)
+        if self.hp:
+            out.copy_(t)
+            return
+        t.mul_(self._param(self.f, c0, c1, t.dim()))
+        if self.with_add:
+            o = ws.get("epi_other", acc.shape, torch.float64)
+            o.copy_(other)
+            t.add_(o, alpha=self.f2)  # q_b * f2 is exact; one rounding of the sum
+        if not self.detect:
+            t.round_().clamp_(self.lo, self.hi)
+            out.copy_(t)
+            return
+        y = ws.get("epi2", acc.shape, torch.float64)
+        torch.round(t, out=y)
+        flag = t.sub_(y).abs_() >= self.threshold
+        if bool(flag.any()):
+            self._exact(y, flag, acc, other, c0)
+        y.clamp_(self.lo, self.hi)
+        out.copy_(y)
+
+    def _exact(self, y, flag, acc, other, c0) -> None:
+        """Recompute the flagged elements in int64 with fixed_point's rounding (half to even)."""
+        idx = flag.nonzero(as_tuple=True)
+        c = idx[0] + c0 if self.rows else idx[-1]
+        v = acc[idx].to(torch.int64)
+        if self.bias_i64 is not None:
+            v = v + self.bias_i64[c]
+        prod = v * self.M[c]  # |acc| < 2**31 and |M| < 2**31: no int64 overflow
+        if self.with_add:
+            r = fp.round_scaled_sum(prod, self.n[c], other[idx].to(torch.int64) * self.Mb, self.nb)
+        else:
+            r = fp.rounding_shift(prod, self.n[c])
+        y[idx] = r.to(torch.float64)
+
+
+class _FastConv:
+    """conv2d: exact integer/float GEMMs on im2col tiles that stay in cache, then the float64 epilogue.
+
+    The input is staged once as integers (zero-padded, channel-major).  Each
+    tile of output positions (a block of images, or of rows of one image)
+    gathers its im2col columns in the integer type (rows ordered (c, i, j)
+    like the weight), multiplies them by the weight -- one int8 x int8 ->
+    int32 GEMM when verified exact (see :func:`int8_gemm_available`), else
+    float32 GEMMs over input-channel chunks whose partial sums stay below
+    2**24 (float64 when no chunking works) -- and runs the epilogue on the
+    tile.  1x1 convs without padding read the input directly.  Depthwise
+    convs multiply-add the shifted windows per channel block (float32).
+    Grouped (non-depthwise) convs use the fixed_point kernels.
+    """
+
+    def __init__(self, op: BpuOp, in_specs: list[ValueSpec], name: str, ws: _Workspace, int8_gemm: bool) -> None:
+        a, T = op.attrs, op.tensors
+        self.name, self.ws = name, ws
+        w = T["weight"]
+        self.w_i8 = w
+        O, Cg, kh, kw = w.shape
+        self.O, self.Cg, self.kh, self.kw = O, Cg, kh, kw
+        self.stride, self.padding = tuple(a["stride"]), tuple(a["padding"])
+        self.dilation, self.groups = tuple(a["dilation"]), int(a["groups"])
+        self.in_dtype = in_specs[0].dtype
+        self.static_amax = _AMAX[self.in_dtype] if self.in_dtype == "qint8" else None
+        self.l1 = w.to(torch.int64).abs().sum(dim=(2, 3)).numpy()  # (O, Cg)
+        self.l1_row = int(self.l1.sum(axis=1).max(initial=0))  # max_o sum |w_o|
+        self.depthwise = Cg == 1 and self.groups == O
+        self.grouped = self.groups > 1 and not self.depthwise
+        self.taps = [(i, j) for i in range(kh) for j in range(kw)]
+        # int8 x int8 -> int32 GEMM: exact when the true sums fit int32 (wrap-around arithmetic
+        # then gives the exact result); proven statically from the L1 bound
+        self.int8 = (int8_gemm and not self.depthwise and not self.grouped and self.in_dtype == "qint8"
+                     and _AMAX["qint8"] * self.l1_row < _I32)
+        self.w_mat = w.reshape(O, -1).contiguous()  # (O, Cg*kh*kw), K ordered (c, i, j)
+        self._plans: dict = {}
+        self._fw: dict = {}
+        self.with_add = bool(a["with_add"])
+        self.hp = bool(a["high_precision"])
+        self.out_storage = torch.int32 if self.hp else _STORAGE[a["out_dtype"]]
+        self.epi = _Epilogue(op, name, True, in_specs[1] if self.with_add else None, ws)
+        self.fallback = _fixed_point_weight_layer(op, name)
+
+    def _amax(self, x: torch.Tensor) -> int:
+        if self.static_amax is not None:
+            return self.static_amax
+        return 1 << max(fp._extreme(x), 1).bit_length()  # a power of two above max|x|: few plans
+
+    def _plan(self, amax: int):
+        """(dtype, chunks) of the float GEMMs for inputs with |x| <= amax, or None (fixed_point)."""
+        mode = _gemm_mode()
+        key = (amax, mode)
+        if key not in self._plans:
+            plan = None
+            if mode == "f32":
+                if self.depthwise:
+                    plan = (torch.float32, ((0, 1),)) if amax * self.l1_row < _F32_EXACT else None
+                else:
+                    ch = _chunks(self.l1, amax, _F32_EXACT)
+                    plan = (torch.float32, tuple(ch)) if ch is not None else None
+            if plan is None and amax * self.l1_row < _F64_EXACT:
+                plan = (torch.float64, ((0, self.Cg),))
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def _float_weights(self, dtype, chunks):
+        key = (dtype, chunks)
+        if key not in self._fw:
+            kk = self.kh * self.kw
+            wf = self.w_mat.to(dtype)
+            if self.depthwise:
+                self._fw[key] = [wf[:, t:t + 1].contiguous() for t in range(kk)]  # per tap (C, 1)
+            else:
+                self._fw[key] = [(wf[:, c0 * kk:c1 * kk].contiguous(), c0 * kk, c1 * kk) for c0, c1 in chunks]
+        return self._fw[key]
+
+    def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.grouped or x.dim() != 4:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        amax = self._amax(x)
+        plan = None if self.int8 else self._plan(amax)
+        if plan is None and not self.int8:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        N, C, H, W = x.shape
+        st, pad, dil, Ho, Wo = fp._conv_geometry(
+            x.shape, self.w_i8.shape, self.stride, self.padding, self.dilation, self.groups, self.name)
+        check = amax * self.l1_row + self.epi.max_bias >= _I32
+        out = torch.empty(self.O, N, Ho, Wo, dtype=self.out_storage)
+        ot = None if other is None else other.transpose(0, 1)  # (O, N, Ho, Wo) view
+        if self.depthwise:
+            self._depthwise(x, plan[0], out, ot, check, st, pad, dil, Ho, Wo)
+        else:
+            self._gemm_conv(x, plan, out, ot, check, st, pad, dil, Ho, Wo)
+        return out.permute(1, 0, 2, 3)
+
+    def _padded(self, x: torch.Tensor, pad) -> torch.Tensor:
+        """x as integers (C, N, H+2ph, W+2pw) with a zero border (a workspace view)."""
+        N, C, H, W = x.shape
+        ph, pw = pad
+        if ph == pw == 0:
+            return x.transpose(0, 1)
+        xp = self.ws.get("xpad", (C, N, H + 2 * ph, W + 2 * pw), x.dtype)
+        xp[:, :, :ph].zero_()
+        xp[:, :, ph + H:].zero_()
+        xp[:, :, ph:ph + H, :pw].zero_()
+        xp[:, :, ph:ph + H, pw + W:].zero_()
+        xp[:, :, ph:ph + H, pw:pw + W].copy_(x.transpose(0, 1))
+        return xp
+
+    def _gemm(self, col: torch.Tensor, plan, width: int) -> torch.Tensor:
+        """(O, width) exact accumulator (int32 or float) of weight @ col."""
+        ws = self.ws
+        if plan is None:  # int8 GEMM
+            acc = ws.get("acc", (self.O, width), torch.int32)
+            torch._int_mm(self.w_mat, col, out=acc)
+            return acc
+        dtype, chunks = plan
+        xt = ws.get("xtile", (col.shape[0], width), dtype)
+        xt.copy_(col)
+        wts = self._float_weights(dtype, chunks)
+        acc = ws.get("acc", (self.O, width), dtype)
+        if len(wts) == 1:
+            torch.mm(wts[0][0], xt, out=acc)
+            return acc
+        acc64 = ws.get("acc64", (self.O, width), torch.float64)
+        for ci, (wm, r0, r1) in enumerate(wts):
+            torch.mm(wm, xt[r0:r1], out=acc)
+            if ci == 0:
+                acc64.copy_(acc)
+            else:
+                acc64.add_(acc)
+        return acc64
+
+    def _gemm_conv(self, x, plan, out, ot, check, st, pad, dil, Ho, Wo) -> None:
+        N, C, H, W = x.shape
+        O, kh, kw = self.O, self.kh, self.kw
+        (sh, sw), (dh, dw) = st, dil
+        K = C * kh * kw
+        ws = self.ws
+        epi = self.epi
+        out2 = out.view(O, -1)
+        if kh == kw == 1 and pad == (0, 0):  # pointwise: the (strided) input is the im2col matrix
+            src = x[:, :, ::sh, ::sw] if (sh, sw) != (1, 1) else x
+            src = src.transpose(0, 1)
+            if not src.is_contiguous():
+                src = ws.get("stage", src.shape, x.dtype).copy_(src)
+            src = src.reshape(C, -1)
+            G = src.shape[1]
+            other2 = None if ot is None else ot.reshape(O, -1)
+            T = max(256, _TILE // O)
+            for p0 in range(0, G, T):
+                p1 = min(G, p0 + T)
+                acc = self._gemm(src[:, p0:p1], plan, p1 - p0)
+                epi.tile(acc, out2[:, p0:p1], 0, O, None if other2 is None else other2[:, p0:p1], check)
+            return
+        xp = self._padded(x, pad)
+        HW = Ho * Wo
+        T = max(Wo, min(_TILE // O, (4 << 20) // K))  # output positions per tile
+        if HW <= T:
+            tiles = [(n, min(N, n + T // HW), 0, Ho) for n in range(0, N, T // HW)]
+        else:
+            rb = max(1, T // Wo)
+            tiles = [(n, n + 1, r, min(Ho, r + rb)) for n in range(N) for r in range(0, Ho, rb)]
+        for n0, n1, r0, r1 in tiles:
+            nb, rb = n1 - n0, r1 - r0
+            width = nb * rb * Wo
+            col = ws.get("col", (C, kh * kw, nb, rb, Wo), x.dtype)
+            for t, (i, j) in enumerate(self.taps):
+                col[:, t].copy_(xp[:, n0:n1, r0 * sh + i * dh: (r1 - 1) * sh + i * dh + 1: sh,
+                                   j * dw: j * dw + sw * (Wo - 1) + 1: sw])
+            acc = self._gemm(col.view(K, width), plan, width)
+            o = out[:, n0:n1, r0:r1].reshape(O, width)  # a view (rows or whole images)
+            other = None if ot is None else ot[:, n0:n1, r0:r1].reshape(O, width)
+            epi.tile(acc, o, 0, O, other, check)
+
+    def _depthwise(self, x, dtype, out, ot, check, st, pad, dil, Ho, Wo) -> None:
+        """Per block of channels: cast the padded block, multiply-add its taps, run the epilogue."""
+        N, C, H, W = x.shape
+        (sh, sw), (ph, pw), (dh, dw) = st, pad, dil
+        Hp, Wp = H + 2 * ph, W + 2 * pw
+        ws = self.ws
+        xp = self._padded(x, pad)  # (C, N, Hp, Wp) integers
+        wts = self._float_weights(dtype, ((0, 1),))
+        # stride 1: shifted windows of the flattened padded block (positions between rows and
+        # images are computed and dropped; not when the int32 range must be checked on the data)
+        flat = (sh, sw) == (1, 1) and not check
+        per = N * Hp * Wp
+        cb = max(1, _TILE // per)
+        offs = [i * dh * Wp + j * dw for i, j in self.taps]
+        for c0 in range(0, C, cb):
+            c1 = min(C, c0 + cb)
+            xb = ws.get("xtile", (c1 - c0, N, Hp, Wp), dtype)
+            xb.copy_(xp[c0:c1])
+            if flat:
+                fb = xb.view(c1 - c0, -1)
+                cols = per - offs[-1]
+                acc = ws.get("acc", (c1 - c0, per), dtype)
+                part = acc[:, :cols]
+                for k, off in enumerate(offs):
+                    if k == 0:
+                        torch.mul(fb[:, off:off + cols], wts[k][c0:c1], out=part)
+                    else:
+                        part.addcmul_(fb[:, off:off + cols], wts[k][c0:c1])
+                acc = acc.view(c1 - c0, N, Hp, Wp)[:, :, :Ho, :Wo]
+            else:
+                acc = ws.get("acc", (c1 - c0, N, Ho, Wo), dtype)
+                for k, (i, j) in enumerate(self.taps):
+                    xv = xb[:, :, i * dh: i * dh + sh * (Ho - 1) + 1: sh, j * dw: j * dw + sw * (Wo - 1) + 1: sw]
+                    wv = wts[k][c0:c1].view(-1, 1, 1, 1)
+                    if k == 0:
+                        torch.mul(xv, wv, out=acc)
+                    else:
+                        acc.addcmul_(xv, wv)
+            # (the epilogue's first copy drops the extra positions of the flat form)
+            self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check)
+
+
+def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
+    """Output length of torch's max_pool2d (the last window must start inside input or left pad)."""
+    num = size + 2 * p - d * (k - 1) - 1
+    out = (-(-num // s) if ceil else num // s) + 1
+    if ceil and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+class _FastMaxPool:
+    """Integer max pool as the running maximum of the kh*kw strided windows of a qmin-padded copy.
+
+    Equal to ``F.max_pool2d``: torch requires padding <= kernel/2, so every
+    window holds at least one real element, and a qmin pad never exceeds it.
+    """
+
+    def __init__(self, ks, st, pad, dil, ceil, ws: _Workspace) -> None:
+        self.k, self.s, self.p, self.d = fp._pair(ks), fp._pair(st), fp._pair(pad), fp._pair(dil)
+        self.ceil, self.ws = bool(ceil), ws
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.is_floating_point():
+            return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
+        N, C, H, W = x.shape
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.k, self.s, self.p, self.d
+        if 2 * ph > kh or 2 * pw > kw:  # torch rejects this; let it say so
+            return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
+        Ho, Wo = _pool_out(H, kh, sh, ph, dh, self.ceil), _pool_out(W, kw, sw, pw, dw, self.ceil)
+        need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
+        Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
+        xc = x.transpose(0, 1)  # channel-major, like the conv outputs
+        if (ph, pw) == (0, 0) and (Hp, Wp) == (H, W):
+            xp = xc
+        else:
+            lo = torch.iinfo(x.dtype).min
+            xp = self.ws.get("pool_pad", (C, N, Hp, Wp), x.dtype)
+            xp.fill_(lo)
+            xp[:, :, ph:ph + H, pw:pw + W].copy_(xc)
+        out = None
+        for i in range(kh):
+            for j in range(kw):
+                win = xp[:, :, i * dh: i * dh + sh * (Ho - 1) + 1: sh, j * dw: j * dw + sw * (Wo - 1) + 1: sw]
+                out = win.clone(memory_format=torch.contiguous_format) if out is None else \
+                    torch.maximum(out, win, out=out)
+        return out.permute(1, 0, 2, 3)
+
+
+class _FastLinear:
+    """linear: one int8 GEMM (when verified exact) or float32 GEMMs over K chunks, tiled over rows."""
+
+    def __init__(self, op: BpuOp, in_specs: list[ValueSpec], name: str, ws: _Workspace, int8_gemm: bool) -> None:
+        T = op.tensors
+        a = op.attrs
+        self.name, self.ws = name, ws
+        w = T["weight"]
+        self.w_i8 = w
+        self.O, self.K = w.shape
+        self.in_dtype = in_specs[0].dtype
+        self.static_amax = _AMAX[self.in_dtype] if self.in_dtype == "qint8" else None
+        self.l1 = w.to(torch.int64).abs().numpy()  # (O, K)
+        self.l1_row = int(self.l1.sum(axis=1).max(initial=0))
+        self.int8 = int8_gemm and self.in_dtype == "qint8" and _AMAX["qint8"] * self.l1_row < _I32
+        self.wt_i8 = w.t().contiguous()  # (K, O)
+        self._plans: dict = {}
+        self._wcache: dict = {}
+        self.with_add = bool(a["with_add"])
+        self.out_storage = torch.int32 if a["high_precision"] else _STORAGE[a["out_dtype"]]
+        self.epi = _Epilogue(op, name, False, in_specs[1] if self.with_add else None, ws)
+        self.fallback = _fixed_point_weight_layer(op, name)
+
+    def _plan(self, amax: int):
+        mode = _gemm_mode()
+        key = (amax, mode)
+        if key not in self._plans:
+            plan = None
+            if mode == "f32":
+                ch = _chunks(self.l1, amax, _F32_EXACT)
+                plan = (torch.float32, tuple(ch)) if ch is not None else None
+            if plan is None and amax * self.l1_row < _F64_EXACT:
+                plan = (torch.float64, ((0, self.K),))
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() < 1 or x.shape[-1] != self.K:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        amax = self.static_amax if self.static_amax is not None else 1 << max(fp._extreme(x), 1).bit_length()
+        plan = None if self.int8 else self._plan(amax)
+        if plan is None and not self.int8:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        check = amax * self.l1_row + self.epi.max_bias >= _I32
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.K)
+        B = x2.shape[0]
+        o2 = None if other is None else other.reshape(-1, self.O)
+        out = torch.empty(B, self.O, dtype=self.out_storage)
+        R = max(1, _TILE // self.O)
+        ws = self.ws
+        for r0 in range(0, B, R):
+            r1 = min(B, r0 + R)
+            if plan is None:
+                acc = ws.get("acc", (r1 - r0, self.O), torch.int32)
+                torch._int_mm(x2[r0:r1], self.wt_i8, out=acc)
+            else:
+                dtype, chunks = plan
+                if plan not in self._wcache:
+                    wt = self.w_i8.to(dtype).t().contiguous()  # (K, O)
+                    self._wcache[plan] = [wt[k0:k1] for k0, k1 in chunks]
+                wts = self._wcache[plan]
+                xf = ws.get("xtile", (r1 - r0, self.K), dtype)
+                xf.copy_(x2[r0:r1])
+                acc = ws.get("acc", (r1 - r0, self.O), dtype)
+                if len(chunks) == 1:
+                    torch.mm(xf, wts[0], out=acc)
+                else:
+                    res = ws.get("acc64", (r1 - r0, self.O), torch.float64)
+                    for ci, (k0, k1) in enumerate(chunks):
+                        torch.mm(xf[:, k0:k1], wts[ci], out=acc)
+                        if ci == 0:
+                            res.copy_(acc)
+                        else:
+                            res.add_(acc)
+                    acc = res
+            self.epi.tile(acc, out[r0:r1], 0, self.O, None if o2 is None else o2[r0:r1], check)
+        return out.reshape(*lead, self.O)
+
+
+# ---------------------------------------------------------------------------- whole models
+
+
+class PartitionedRunner:
+    """Runs a converted model with its BPU partitions in :class:`BpuSimulator`.
+
+    CPU nodes (and placeholders/outputs) run in torch through an
+    ``fx.Interpreter``; each BPU partition runs as one unit as soon as all its
+    inputs exist (partitions are not contiguous in graph order).  The result
+    equals ``converted_gm(*inputs)`` bit for bit.
+    """
+
+    def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
+                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None) -> None:
+        from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
+
+        self.gm = converted_gm
+        self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
+        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm)
+                           for name, p in self.programs.items()}
+        by_name = {n.name: n for n in converted_gm.graph.nodes}
+        self._node = by_name
+        order = list(converted_gm.graph.nodes)
+        index = {n: i for i, n in enumerate(order)}
+        unit_of: dict[fx.Node, Any] = {}
+        for n in order:
+            part = n.meta.get(META_PARTITION)
+            if placement(n) == BPU and part is not None:
+                if part not in self.programs:
+                    raise ConfigError(f"node '{n.name}' is in BPU partition {part}, which has no program; "
+                                      f"programs: {', '.join(self.programs)}")
+                unit_of[n] = part
+            else:
+                unit_of[n] = n
+        for name in self.programs:
+            partition_boundary(converted_gm, name)  # ConfigError for a partition with no nodes
+        # units in a topological order, ties broken by graph position
+        first: dict[Any, int] = {}
+        deps: dict[Any, set] = {}
+        for n in order:
+            u = unit_of[n]
+            first.setdefault(u, index[n])
+            deps.setdefault(u, set())
+            for a in n.all_input_nodes:
+                if unit_of[a] != u:
+                    deps[u].add(unit_of[a])
+        users: dict[Any, set] = {u: set() for u in deps}
+        for u, ds in deps.items():
+            for d in ds:
+                users[d].add(u)
+        missing = {u: len(ds) for u, ds in deps.items()}
+        heap = [(first[u], i, u) for i, u in enumerate(deps) if missing[u] == 0]
+        heapq.heapify(heap)
+        uid = {u: i for i, u in enumerate(deps)}
+        self.order: list[Any] = []
+        while heap:
+            _, _, u = heapq.heappop(heap)
+            self.order.append(u)
+            for v in users[u]:
+                missing[v] -= 1
+                if missing[v] == 0:
+                    heapq.heappush(heap, (first[v], uid[v], v))
+        if len(self.order) != len(deps):
+            raise ConfigError("the BPU partitions and CPU nodes form a cycle; the graph cannot run partitioned")
+
+    def __call__(self, *inputs: Any) -> Any:
+        interp = fx.Interpreter(self.gm, garbage_collect_values=False)
+        interp.env = {}
+        interp.args_iter = iter(inputs)
+        env = interp.env
+        out = None
+        with torch.no_grad():
+            for u in self.order:
+                if isinstance(u, fx.Node):
+                    env[u] = interp.run_node(u)
+                    if u.op == "output":
+                        out = env[u]
+                    continue
+                sim = self.simulators[u]
+                ins = {v.name: env[self._node[v.name]] for v in sim.program.inputs}
+                for name, value in sim.run(ins).items():
+                    env[self._node[name]] = value
+        return out
+
+
+def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], torch.Tensor],
+                    programs: Optional[dict[str, BpuProgram]] = None, *, kernels: str = "fast",
+                    int8_gemm: Optional[bool] = None) -> Any:
+    """Run a converted model with BPU partitions in the simulator and CPU nodes in torch.
+
+    ``inputs`` are the model's positional inputs (a tuple/list, or one tensor).
+    ``programs`` defaults to :func:`~qcompiler.backends.bpu.lower.lower_bpu_partitions`.
+    For repeated runs build a :class:`PartitionedRunner` once.
+    """
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm)(*inputs)

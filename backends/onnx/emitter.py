@@ -1,0 +1,755 @@
+"""The one ONNX emitter: FX nodes -> ONNX opset-11 nodes, for CPU islands and whole models.
+
+``emit_graph`` emits a whole GraphModule (a float model, a ``qcompiler.partition``
+output, a prepared calibration / QAT model, or a converted model);
+``emit_subgraph`` emits a CPU island (a list of node names with the FX values
+that cross its boundary). Both walk the graph in order and hand each call node
+to the rule that ``op_table`` names for it: a rule keyed by the module class
+(quantizers, stubs, converted fixed-point modules) wins, else the rule of the
+node's canonical op (``node.meta["qc_op"]`` / ``qcompiler.ir.ops.node_op``).
+A node without a rule raises :class:`UnsupportedOpError` naming it.
+
+Naming (and so the bytes) is deterministic:
+
+* the ONNX node of an FX node is named ``<partition>/<node>`` (``bpu0/conv0``,
+  ``cpu1/selu``) or ``<node>`` when the node has no partition; the extra
+  nodes a rule needs are ``<that>/<tag>``;
+* the tensor holding an FX node's value is named after the node; helper
+  tensors ``<node>/<tag>``;
+* parameters are initializers named by their module path (``conv1.op.weight``),
+  quantizer scales ``<quantizer path>.scale``;
+* the model has ``producer_name="qcompiler"``, a fixed producer version and
+  no doc strings.
+
+Quantization (Q/DQ pairs, dequantized weights, the sidecar table) is decided
+by the :class:`~qcompiler.backends.onnx.quant.QuantState` the emitter carries:
+with ``quantize=False`` every quantizer and stub is an ``Identity`` and the
+weights are the float ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import onnx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from onnx import TensorProto, helper, numpy_helper
+
+from qcompiler.errors import ConfigError, UnsupportedOpError
+from qcompiler.ir.meta import META_OP, META_PARTITION, META_TENSOR, TensorInfo
+from qcompiler.ir.ops import describe_target, node_op
+
+OPSET_VERSION = 11
+IR_VERSION = 7  # ONNX 1.8: what opset 11 shipped with; every onnxruntime reads it
+PRODUCER_NAME = "qcompiler"
+PRODUCER_VERSION = "0.1.0"  # fixed: the same model always gives the same bytes
+INT64_MAX = 2 ** 63 - 1
+
+# TensorInfo dtype strings (qcompiler.ir.shape_prop) -> ONNX element types
+DTYPE_TO_ONNX = {
+    "f32": TensorProto.FLOAT,
+    "f64": TensorProto.DOUBLE,
+    "f16": TensorProto.FLOAT16,
+    "bf16": TensorProto.BFLOAT16,
+    "i64": TensorProto.INT64,
+    "i32": TensorProto.INT32,
+    "i16": TensorProto.INT16,
+    "i8": TensorProto.INT8,
+    "u8": TensorProto.UINT8,
+    "bool": TensorProto.BOOL,
+}
+TORCH_TO_ONNX = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float64: TensorProto.DOUBLE,
+    torch.float16: TensorProto.FLOAT16,
+    torch.int64: TensorProto.INT64,
+    torch.int32: TensorProto.INT32,
+    torch.int16: TensorProto.INT16,
+    torch.int8: TensorProto.INT8,
+    torch.uint8: TensorProto.UINT8,
+    torch.bool: TensorProto.BOOL,
+}
+FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
+
+_MISSING = object()
+
+Value = Any  # a tensor name (str), a python value, or a (nested) tuple/list of them
+
+
+class Tensor(str):
+    """A tensor name inside a value structure (a plain ``str`` subclass, so python
+    strings that are *arguments* -- e.g. ``mode="bilinear"`` -- are never mistaken for one)."""
+
+    __slots__ = ()
+
+
+def is_tensor(v: Any) -> bool:
+    return isinstance(v, Tensor)
+
+
+# ---------------------------------------------------------------------------
+# graph builder: names, nodes, initializers
+
+
+class GraphBuilder:
+    """Collects ONNX nodes and initializers with unique, deterministic names."""
+
+    def __init__(self, reserved: Iterable[str] = ()) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self._init_arrays: dict[str, np.ndarray] = {}
+        self.used: set[str] = set()
+        self.reserved: set[str] = set(reserved)
+        self.node_names: set[str] = set()
+        self.dtypes: dict[str, int] = {}
+        self.renamed: dict[str, str] = {}
+
+    # -- names
+    def fresh(self, base: str) -> Tensor:
+        """A tensor name not used yet (and not an FX node name), ``base`` if free."""
+        name, k = base, 1
+        while name in self.used or name in self.reserved:
+            name, k = f"{base}_{k}", k + 1
+        self.used.add(name)
+        return Tensor(name)
+
+    def claim(self, name: str) -> Tensor:
+        """``name`` itself if no tensor has it yet, else a fresh variant."""
+        if name not in self.used:
+            self.used.add(name)
+            return Tensor(name)
+        return self.fresh(name)
+
+    def node_name(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.node_names:
+            name, k = f"{base}_{k}", k + 1
+        self.node_names.add(name)
+        return name
+
+    # -- initializers
+    def initializer(self, name: str, array: np.ndarray) -> Tensor:
+        """An initializer called ``name`` (a module path); the same name with the same
+        contents is shared (a module called twice), different contents get a fresh name."""
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+            array = np.ascontiguousarray(array)
+        old = self._init_arrays.get(name)
+        if old is not None and old.dtype == array.dtype and old.shape == array.shape and np.array_equal(old, array):
+            return Tensor(name)
+        t = self.claim(name) if old is None else self.fresh(name)
+        self._init_arrays[t] = array
+        self.initializers[t] = numpy_helper.from_array(array, t)
+        self.dtypes[t] = helper.np_dtype_to_tensor_dtype(array.dtype)
+        return t
+
+    def is_initializer(self, name: str) -> bool:
+        return name in self.initializers
+
+    def initializer_array(self, name: str) -> Optional[np.ndarray]:
+        return self._init_arrays.get(name)
+
+    # -- nodes
+    def add_node(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str,
+                 attrs: dict) -> onnx.NodeProto:
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = helper.make_node(op_type, list(inputs), list(outputs), name=name, **attrs)
+        self.nodes.append(node)
+        return node
+
+    def rename_in(self, start: int, old: str, new: str) -> None:
+        """Rename tensor ``old`` to ``new`` in the nodes from index ``start`` on."""
+        for node in self.nodes[start:]:
+            for i, n in enumerate(node.input):
+                if n == old:
+                    node.input[i] = new
+            for i, n in enumerate(node.output):
+                if n == old:
+                    node.output[i] = new
+        if old in self.dtypes:
+            self.dtypes[new] = self.dtypes[old]
+        self.used.add(new)
+        self.renamed[old] = new
+
+    def final_name(self, name: str) -> str:
+        seen = set()
+        while name in self.renamed and name not in seen:
+            seen.add(name)
+            name = self.renamed[name]
+        return name
+
+    def produced_since(self, start: int) -> set[str]:
+        return {o for node in self.nodes[start:] for o in node.output}
+
+
+# ---------------------------------------------------------------------------
+# the view of one call that rules read
+
+
+@dataclass
+class Call:
+    """What a rule emits: a call's kind, target, FX arguments and module.
+
+    Rules read arguments through :meth:`arg`, which takes the keyword if given, else the
+    positional argument; index 0 is the input tensor for every kind of call (the
+    module's first argument, the function's ``input``, the method's ``self``).
+    """
+
+    kind: str  # "call_module" | "call_function" | "call_method"
+    target: Any
+    args: tuple
+    kwargs: dict
+    module: Optional[nn.Module] = None
+    path: Optional[str] = None  # module path (call_module)
+
+    def arg(self, index: Optional[int], name: Optional[str], default: Any = _MISSING) -> Any:
+        if name is not None and name in self.kwargs:
+            return self.kwargs[name]
+        if index is not None and index < len(self.args):
+            return self.args[index]
+        if default is _MISSING:
+            raise KeyError(name or index)
+        return default
+
+    @property
+    def method(self) -> Optional[str]:
+        return self.target if self.kind == "call_method" else None
+
+
+def call_of(node: fx.Node, modules: dict[str, nn.Module]) -> Call:
+    module = modules.get(node.target) if node.op == "call_module" else None
+    return Call(node.op, node.target, tuple(node.args), dict(node.kwargs), module,
+                node.target if node.op == "call_module" else None)
+
+
+# ---------------------------------------------------------------------------
+# per-node context handed to rules
+
+
+class NodeContext:
+    """Everything a rule needs to emit one FX node: its call, values and a builder."""
+
+    def __init__(self, emitter: "OnnxEmitter", node: fx.Node, call: Call, op: Optional[str]) -> None:
+        self.emitter = emitter
+        self.b = emitter.builder
+        self.node = node
+        self.call = call
+        self.op = op
+        self.quant = emitter.quant
+        part = node.meta.get(META_PARTITION)
+        self.prefix = f"{part}/{node.name}" if part else node.name
+        self._main_named = False
+
+    # -- arguments
+    @property
+    def module(self) -> Optional[nn.Module]:
+        return self.call.module
+
+    @property
+    def path(self) -> Optional[str]:
+        return self.call.path
+
+    def arg(self, index: Optional[int], name: Optional[str], default: Any = _MISSING) -> Any:
+        return self.call.arg(index, name, default)
+
+    def value(self, a: Any) -> Value:
+        """An FX argument with every Node replaced by its emitted value."""
+        return self.emitter.value_of(a, self.node)
+
+    def tensor(self, a: Any, dtype: Optional[int] = None) -> Tensor:
+        """A tensor name for an FX argument; python numbers become constants of ``dtype``
+        (default: float32), tensors of another dtype are cast to ``dtype`` when given."""
+        v = self.value(a)
+        if is_tensor(v):
+            if dtype is not None and self.dtype(v) != dtype:
+                return self.make("Cast", [v], tag="cast", to=dtype, dtype=dtype)
+            return v
+        if isinstance(v, (bool, int, float)) or (isinstance(v, (list, tuple)) and all(
+                isinstance(e, (bool, int, float)) for e in v)):
+            return self.const("const", v, dtype if dtype is not None else TensorProto.FLOAT)
+        raise self.unsupported(f"expected a tensor argument, got {type(v).__name__}")
+
+    def x(self, dtype: Optional[int] = None) -> Tensor:
+        """The input tensor (argument 0 / ``input``)."""
+        return self.tensor(self.arg(0, "input"), dtype)
+
+    def shape(self, a: Any = _MISSING) -> Optional[tuple[int, ...]]:
+        """Static shape of an FX argument (default: argument 0) from shape propagation."""
+        if a is _MISSING:
+            a = self.arg(0, "input")
+        if isinstance(a, fx.Node):
+            info = a.meta.get(META_TENSOR)
+            return info.shape if isinstance(info, TensorInfo) else None
+        return None
+
+    def rank(self, a: Any = _MISSING) -> int:
+        s = self.shape(a)
+        if s is None:
+            raise self.unsupported("the input's rank is unknown (run shape propagation first)")
+        return len(s)
+
+    def out_shape(self) -> Optional[tuple[int, ...]]:
+        info = self.node.meta.get(META_TENSOR)
+        return info.shape if isinstance(info, TensorInfo) else None
+
+    def out_dtype(self) -> Optional[int]:
+        info = self.node.meta.get(META_TENSOR)
+        return DTYPE_TO_ONNX.get(info.dtype) if isinstance(info, TensorInfo) else None
+
+    def dtype(self, t: str) -> int:
+        return self.b.dtypes.get(t, TensorProto.FLOAT)
+
+    # -- building
+    def make(self, op_type: str, inputs: Sequence[str], *, outputs: int = 1, tag: Optional[str] = None,
+             dtype: Optional[int] = None, **attrs: Any) -> Union[Tensor, list[Tensor]]:
+        """Add one ONNX node; returns its output name (or names when ``outputs > 1``).
+
+        The first untagged node of an FX node is named ``<prefix>``, the others
+        ``<prefix>/<tag or op type>``. ``dtype`` is the output element type when it is
+        not the first input's.
+        """
+        if tag is None and not self._main_named:
+            name = self.b.node_name(self.prefix)
+            self._main_named = True
+        else:
+            name = self.b.node_name(f"{self.prefix}/{tag or op_type.lower()}")
+        base = f"{self.node.name}/{tag or op_type.lower()}"
+        outs = [self.b.fresh(base if outputs == 1 else f"{base}_{i}") for i in range(outputs)]
+        self.b.add_node(op_type, inputs, outs, name, attrs)
+        out_dtype = dtype
+        if out_dtype is None:
+            first = next((i for i in inputs if i), None)
+            out_dtype = self.b.dtypes.get(first, TensorProto.FLOAT) if first is not None else TensorProto.FLOAT
+        for o in outs:
+            self.b.dtypes[o] = out_dtype
+        self.emitter.record_onnx_node(self.node, name)
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, tag: str, value: Any, dtype: int = TensorProto.FLOAT) -> Tensor:
+        """A constant initializer ``<node>/<tag>`` (a python scalar becomes a 0-d tensor)."""
+        arr = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
+        return self.b.initializer(f"{self.node.name}/{tag}", arr)
+
+    def initializer(self, name: str, array: np.ndarray) -> Tensor:
+        """A named initializer (a module path such as ``conv1.op.weight``)."""
+        return self.b.initializer(name, array)
+
+    def param(self, module: nn.Module, attr: str, path: Optional[str] = None,
+              transform: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> Optional[Tensor]:
+        """The float parameter/buffer ``attr`` of ``module`` as an initializer ``<path>.<attr>``."""
+        t = getattr(module, attr, None)
+        if t is None:
+            return None
+        arr = to_numpy(t)
+        if transform is not None:
+            arr = transform(arr)
+        path = path if path is not None else self.emitter.path_of(module)
+        return self.initializer(f"{path}.{attr}" if path else attr, arr)
+
+    def identity(self, t: str) -> Tensor:
+        return self.make("Identity", [t])
+
+    def unsupported(self, why: str) -> UnsupportedOpError:
+        what = describe_target(self.node, self.emitter.modules)
+        return UnsupportedOpError(
+            f"cannot emit node '{self.node.name}' ({what}, op '{self.op}') to ONNX opset 11: {why}"
+        )
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        if t.dtype in (torch.float64, torch.float16, torch.bfloat16):
+            t = t.float()
+        return t.numpy().copy()
+    return np.asarray(t)
+
+
+# ---------------------------------------------------------------------------
+# the emitter
+
+
+@dataclass
+class EmitResult:
+    model: onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+    values: dict[str, Any] = field(default_factory=dict)  # FX node name -> final value names
+
+
+class OnnxEmitter:
+    """Emits FX nodes of one GraphModule; use :func:`emit_graph` / :func:`emit_subgraph`."""
+
+    def __init__(self, gm: fx.GraphModule, *, quantize: bool = False) -> None:
+        from qcompiler.backends.onnx.quant import QuantState
+
+        if not isinstance(gm, fx.GraphModule):
+            raise ConfigError(f"the ONNX emitter takes a torch.fx.GraphModule, got {type(gm).__name__}")
+        self.gm = gm
+        self.modules = dict(gm.named_modules())
+        self._paths: dict[int, str] = {}
+        for path, m in gm.named_modules(remove_duplicate=False):
+            self._paths.setdefault(id(m), path)
+        self.builder = GraphBuilder(reserved=(n.name for n in gm.graph.nodes))
+        self.quant = QuantState(quantize)
+        self.values: dict[fx.Node, Value] = {}
+        self.onnx_nodes: dict[str, list[str]] = {}
+        self.scalars: set[str] = set()  # 0-d int64 tensors (sizes), for reshape arguments
+
+    # -- helpers for rules
+    def path_of(self, module: nn.Module) -> str:
+        return self._paths.get(id(module), type(module).__name__)
+
+    def record_onnx_node(self, node: fx.Node, name: str) -> None:
+        self.onnx_nodes.setdefault(node.name, []).append(name)
+
+    def value_of(self, a: Any, user: Optional[fx.Node] = None) -> Value:
+        if isinstance(a, fx.Node):
+            if a not in self.values:
+                if a.op == "get_attr":
+                    self.values[a] = self._get_attr(a)
+                else:
+                    where = f" (used by '{user.name}')" if user is not None else ""
+                    raise ConfigError(f"the value of FX node '{a.name}'{where} is not available: it is "
+                                      f"neither emitted nor an input of the graph being emitted")
+            return self.values[a]
+        if isinstance(a, (list, tuple)):
+            vals = [self.value_of(v, user) for v in a]
+            return vals if type(a) is list else tuple(vals)
+        if isinstance(a, dict):
+            return {k: self.value_of(v, user) for k, v in a.items()}
+        return a
+
+    # -- graph pieces
+    def _get_attr(self, node: fx.Node) -> Value:
+        obj: Any = self.gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, torch.Tensor):
+            return self.builder.initializer(str(node.target), to_numpy(obj))
+        return obj
+
+    def _declare_input(self, name: str, info: Any, dynamic: dict[int, str]) -> onnx.ValueInfoProto:
+        elem = DTYPE_TO_ONNX.get(info.dtype, TensorProto.FLOAT) if isinstance(info, TensorInfo) else TensorProto.FLOAT
+        self.builder.dtypes[name] = elem
+        shape = list(info.shape) if isinstance(info, TensorInfo) else None
+        return _value_info(name, elem, shape, dynamic)
+
+    def _emit_call(self, node: fx.Node, node_filter: Optional[Callable[[fx.Node], bool]]) -> None:
+        from qcompiler.backends.onnx.op_table import extra_op, rule_for
+
+        call = call_of(node, self.modules)
+        op = node.meta.get(META_OP) or node_op(node, self.modules) or extra_op(node.op, node.target)
+        ctx = NodeContext(self, node, call, op)
+        if node_filter is not None and not node_filter(node):
+            ins = [a for a in node.all_input_nodes]
+            if len(ins) != 1:
+                raise ctx.unsupported("node_filter skips it, but only single-input nodes can be skipped")
+            self.values[node] = self.value_of(ins[0], node)
+            return
+        rule = rule_for(call.module, op)
+        if rule is None:
+            raise ctx.unsupported("no emit rule for this op; run it in a supported form or keep it out "
+                                  "of the exported graph")
+        start = len(self.builder.nodes)
+        try:
+            value = rule(ctx)
+        except (UnsupportedOpError, ConfigError):
+            raise
+        except KeyError as exc:
+            raise ctx.unsupported(f"missing argument {exc}") from None
+        if is_tensor(value) and value in self.builder.produced_since(start) and value != node.name \
+                and node.name not in self.builder.used:
+            self.builder.rename_in(start, value, node.name)
+            self.quant.renamed(value, node.name)
+            if value in self.scalars:
+                self.scalars.add(node.name)
+            value = Tensor(node.name)
+        self.values[node] = value
+
+    def _walk(self, nodes: Iterable[fx.Node], node_filter=None) -> None:
+        for node in nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.op == "get_attr":
+                if node not in self.values:
+                    self.values[node] = self._get_attr(node)
+                continue
+            self._emit_call(node, node_filter)
+
+    def _outputs(self, values: list[Value], infos: list[Any], names: list[str],
+                 dynamic: dict[str, dict[int, str]]) -> list[onnx.ValueInfoProto]:
+        """Graph outputs called ``names``: the producing node's output is renamed when it
+        can be, else an Identity is added."""
+        outs = []
+        claimed: set[str] = set()
+        for v, info, name in zip(values, infos, names):
+            if is_tensor(v):
+                v = Tensor(self.builder.final_name(v))  # an earlier output may have renamed it
+            else:
+                raise UnsupportedOpError(f"graph output '{name}' is not a tensor ({type(v).__name__}); "
+                                         f"only tensor outputs can be exported")
+            produced = any(v in n.output for n in self.builder.nodes)
+            graph_input = v in self._graph_input_names
+            if v == name and name not in claimed:
+                final = v
+            elif produced and not graph_input and v not in claimed and name not in self.builder.used \
+                    and not self.builder.is_initializer(v):
+                self.builder.rename_in(0, v, name)
+                self.quant.renamed(v, name)
+                self.values = {k: _rename_value(val, v, name) for k, val in self.values.items()}
+                final = name
+            else:
+                t = self.builder.claim(name)
+                nm = self.builder.node_name(f"{name}/identity")
+                self.builder.add_node("Identity", [v], [t], nm, {})
+                self.builder.dtypes[t] = self.builder.dtypes.get(v, TensorProto.FLOAT)
+                final = t
+            claimed.add(final)
+            elem = self.builder.dtypes.get(final, TensorProto.FLOAT)
+            if isinstance(info, TensorInfo):
+                elem = DTYPE_TO_ONNX.get(info.dtype, elem)
+            shape = list(info.shape) if isinstance(info, TensorInfo) else None
+            if isinstance(info, _RankOnly):
+                elem = DTYPE_TO_ONNX.get(info.info.dtype, elem)
+                shape = [None] * len(info.info.shape)
+            outs.append(_value_info(final, elem, shape, dynamic.get(name, {})))
+        return outs
+
+    def _model(self, graph_name: str, inputs, outputs) -> onnx.ModelProto:
+        graph = helper.make_graph(self.builder.nodes, graph_name, inputs, outputs,
+                                  initializer=list(self.builder.initializers.values()))
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET_VERSION)],
+                                  producer_name=PRODUCER_NAME, producer_version=PRODUCER_VERSION)
+        model.ir_version = IR_VERSION
+        return model
+
+    # -- entry points
+    def emit_graph(self, *, input_names: Optional[Sequence[str]] = None,
+                   output_names: Optional[Sequence[str]] = None,
+                   node_filter: Optional[Callable[[fx.Node], bool]] = None,
+                   input_infos: Optional[list[Any]] = None,
+                   dynamic_axes: Optional[dict[str, dict[int, str]]] = None,
+                   output_shapes: bool = True) -> EmitResult:
+        dynamic = dict(dynamic_axes or {})
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        flat_infos: list[Any] = []
+        defaults: list[str] = []
+        structures = []
+        for ph in placeholders:
+            info = ph.meta.get(META_TENSOR)
+            leaves = _flatten_info(info)
+            structures.append((ph, info, len(leaves)))
+            flat_infos.extend(leaves)
+            defaults.extend(leaf_names(str(ph.target).lstrip("*"), info))
+        if input_infos is not None:
+            if len(input_infos) != len(flat_infos):
+                raise ConfigError(f"the model takes {len(flat_infos)} input tensor(s) "
+                                  f"({', '.join(defaults)}), got {len(input_infos)}")
+            flat_infos = list(input_infos)
+        names = _check_names(input_names, defaults, "input_names")
+        self._graph_input_names = set()
+        graph_inputs = []
+        k = 0
+        for ph, info, count in structures:
+            tensors = []
+            for _ in range(count):
+                t = self.builder.claim(names[k])
+                self._graph_input_names.add(t)
+                graph_inputs.append(self._declare_input(t, flat_infos[k], dynamic.get(names[k], {})))
+                tensors.append(t)
+                k += 1
+            self.values[ph] = _unflatten(info, iter(tensors)) if isinstance(info, (tuple, list)) else (
+                tensors[0] if tensors else None)
+        self._walk(self.gm.graph.nodes, node_filter)
+        out_node = next(n for n in self.gm.graph.nodes if n.op == "output")
+        out_vals = _flatten_value(self.value_of(out_node.args[0], out_node))
+        out_infos = _flatten_info(out_node.meta.get(META_TENSOR))
+        if len(out_infos) != len(out_vals):
+            out_infos = [None] * len(out_vals)
+        if not output_shapes:  # inputs differ from the recorded ones: keep the rank, not the sizes
+            out_infos = [_RankOnly(i) if isinstance(i, TensorInfo) else i for i in out_infos]
+        out_default = ["output"] if len(out_vals) == 1 else [f"output_{i}" for i in range(len(out_vals))]
+        out_names = _check_names(output_names, out_default, "output_names")
+        for name in list(dynamic):
+            if name not in names and name not in out_names:
+                raise ConfigError(f"dynamic_axes names {name!r}, which is neither an input "
+                                  f"({', '.join(names)}) nor an output ({', '.join(out_names)})")
+        graph_outputs = self._outputs(out_vals, out_infos, out_names, dynamic)
+        model = self._model(type(self.gm).__name__ or "graph", graph_inputs, graph_outputs)
+        return EmitResult(model, [vi.name for vi in graph_inputs], [vi.name for vi in graph_outputs],
+                          self._final_values())
+
+    def emit_subgraph(self, node_names: Sequence[str], inputs: Sequence[str], outputs: Sequence[str], *,
+                      dynamic_batch: bool = False) -> EmitResult:
+        by_name = {n.name: n for n in self.gm.graph.nodes}
+        for what, names in (("node", node_names), ("input", inputs), ("output", outputs)):
+            missing = [n for n in names if n not in by_name]
+            if missing:
+                raise ConfigError(f"emit_subgraph: {what} name(s) {missing} are not nodes of the graph")
+        chosen = set(node_names)
+        outside = [n for n in outputs if n not in chosen and n not in inputs]
+        if outside:
+            raise ConfigError(f"emit_subgraph: output(s) {outside} are neither island nodes nor inputs")
+        # dynamic_batch: the batch is dim 0 of most values but not all (an LSTM state is
+        # (layers, batch, hidden)); the island's ops take their sizes from their inputs, so every
+        # boundary dim is left free, dim 0 named "batch"
+        dyn = _FreeDims({0: "batch"}) if dynamic_batch else {}
+        self._graph_input_names = set()
+        graph_inputs = []
+        for name in inputs:
+            node = by_name[name]
+            info = node.meta.get(META_TENSOR)
+            tensors = []
+            for leaf_name, leaf in zip(leaf_names(name, info), _flatten_info(info)):
+                t = self.builder.claim(leaf_name)
+                graph_inputs.append(self._declare_input(t, leaf, dyn))
+                tensors.append(t)
+            self.values[node] = _unflatten(info, iter(tensors))
+            self._graph_input_names.update(_flatten_value(self.values[node]))
+        ordered = [n for n in self.gm.graph.nodes if n.name in chosen and n.name not in inputs]
+        self._walk(ordered)
+        out_vals, out_infos, out_names = [], [], []
+        for name in outputs:
+            node = by_name[name]
+            vals = _flatten_value(self.values[node])
+            infos = _flatten_info(node.meta.get(META_TENSOR))
+            if len(infos) != len(vals):
+                infos = [None] * len(vals)
+            out_vals.extend(vals)
+            out_infos.extend(infos)
+            out_names.extend(leaf_names(name, self.values[node]))
+        graph_outputs = self._outputs(out_vals, out_infos, out_names,
+                                      {n: dyn for n in out_names} if dyn else {})
+        model = self._model("island", graph_inputs, graph_outputs)
+        return EmitResult(model, [vi.name for vi in graph_inputs], [vi.name for vi in graph_outputs],
+                          self._final_values())
+
+    def _final_values(self) -> dict[str, Any]:
+        def fin(v):
+            if is_tensor(v):
+                return self.builder.final_name(v)
+            if isinstance(v, (tuple, list)):
+                return type(v)(fin(e) for e in v)
+            return None
+        return {n.name: fin(v) for n, v in self.values.items()}
+
+
+@dataclass(frozen=True)
+class _RankOnly:
+    info: TensorInfo
+
+
+def _rename_value(v: Value, old: str, new: str) -> Value:
+    if is_tensor(v):
+        return Tensor(new) if v == old else v
+    if isinstance(v, (tuple, list)):
+        return type(v)(_rename_value(e, old, new) for e in v)
+    return v
+
+
+class _FreeDims(dict):
+    """Dynamic axes where every dim not named is unknown (symbolic) too."""
+
+
+def _value_info(name: str, elem: int, shape: Optional[list], dynamic: dict[int, str]) -> onnx.ValueInfoProto:
+    if shape is None:
+        return helper.make_tensor_value_info(name, elem, None)
+    dims: list[Any] = [None] * len(shape) if isinstance(dynamic, _FreeDims) else list(shape)
+    for axis, label in dynamic.items():
+        if -len(dims) <= axis < len(dims):
+            dims[axis] = label
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+def leaf_names(base: str, structure: Any) -> list[str]:
+    """Names of the leaves of a (nested) tuple value: ``v`` itself, or ``v.0``, ``v.1.0``, ``v.1.1``..."""
+    if isinstance(structure, (tuple, list)):
+        return [n for i, sub in enumerate(structure) for n in leaf_names(f"{base}.{i}", sub)]
+    return [base]
+
+
+def _flatten_info(info: Any) -> list[Any]:
+    if isinstance(info, (tuple, list)):
+        return [leaf for i in info for leaf in _flatten_info(i)]
+    return [info]
+
+
+def _flatten_value(v: Value) -> list[Any]:
+    if isinstance(v, (tuple, list)):
+        return [leaf for e in v for leaf in _flatten_value(e)]
+    return [v]
+
+
+def _unflatten(info: Any, leaves) -> Value:
+    if isinstance(info, (tuple, list)):
+        return tuple(_unflatten(i, leaves) for i in info)
+    return next(leaves)
+
+
+def _check_names(names: Optional[Sequence[str]], defaults: list[str], what: str) -> list[str]:
+    if names is None:
+        return list(defaults)
+    names = list(names)
+    if len(names) != len(defaults) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{what} must be {len(defaults)} non-empty strings (default: "
+                          f"{defaults}), got {names!r}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{what} has duplicates: {names!r}")
+    return names
+
+
+# ---------------------------------------------------------------------------
+# public API
+
+
+def emit_graph(gm: fx.GraphModule, *, input_names: Optional[Sequence[str]] = None,
+               output_names: Optional[Sequence[str]] = None,
+               node_filter: Optional[Callable[[fx.Node], bool]] = None,
+               quantize: bool = False) -> onnx.ModelProto:
+    """A whole GraphModule as an ONNX opset-11 model.
+
+    Placeholders become graph inputs (named after the forward arguments; a tuple
+    argument ``hidden`` becomes ``hidden.0``, ``hidden.1``, nested ``v.1.0``), the output's (nested)
+    tuple is flattened in order into ``output`` / ``output_0``, ``output_1``...
+    ``node_filter(node) -> bool``: nodes it rejects are not emitted; each must have one
+    input, whose value it passes on (e.g. drop stubs for a bare float graph).
+    ``quantize=True`` emits the quantization of a prepared / converted model
+    (see :mod:`qcompiler.backends.onnx.quant`); by default quantizers are Identities.
+    """
+    em = OnnxEmitter(gm, quantize=quantize)
+    return em.emit_graph(input_names=input_names, output_names=output_names, node_filter=node_filter).model
+
+
+def emit_subgraph(gm: fx.GraphModule, node_names: Sequence[str], inputs: Sequence[str],
+                  outputs: Sequence[str], *, dynamic_batch: bool = False,
+                  quantize: bool = False) -> onnx.ModelProto:
+    """A CPU island: the nodes ``node_names`` of ``gm`` as an ONNX opset-11 model.
+
+    ``inputs``/``outputs`` are the FX node names whose values cross the island
+    boundary (e.g. ``Partition.inputs`` / ``.outputs``); they become graph inputs and
+    outputs of the same names, with shapes and dtypes from ``node.meta["qc_tensor"]``
+    (a tuple value ``v`` becomes ``v.0``, ``v.1``..., nested ones ``v.1.0``). ``dynamic_batch`` declares
+    every boundary dim symbolic, dim 0 named ``"batch"`` (the batch is not always dim 0: an LSTM
+    state is ``(layers, batch, hidden)``; the island's ops read sizes from their inputs).
+    """
+    em = OnnxEmitter(gm, quantize=quantize)
+    return em.emit_subgraph(node_names, inputs, outputs, dynamic_batch=dynamic_batch).model
+
+
+__all__ = [
+    "emit_graph",
+    "emit_subgraph",
+    "OnnxEmitter",
+    "NodeContext",
+    "Call",
+    "Tensor",
+    "EmitResult",
+    "OPSET_VERSION",
+    "PRODUCER_NAME",
+    "PRODUCER_VERSION",
+]

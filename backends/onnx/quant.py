@@ -1,0 +1,406 @@
+"""Quantization in the ONNX export: Q/DQ pairs, dequantized weights, the sidecar table.
+
+What opset 11 can say and what it cannot, and how the export bridges it:
+
+* **Per-tensor int8 activations** (every activation quantizer of our BPU
+  numerics: symmetric, zero point 0) become ``QuantizeLinear`` +
+  ``DequantizeLinear`` (opset 10+) with the quantizer's scale and an int8 zero
+  point 0. onnxruntime rounds half to even, as the fake-quant model does.
+* **Per-channel weights** cannot be Q/DQ in opset 11 (per-axis QuantizeLinear
+  arrived in opset 13): each weight is stored as its dequantized int8 values
+  (a float initializer equal to ``q_w * s_w``), its scales go to the sidecar.
+* **Bias** is put on the int32 grid ``s_in * s_w`` the BPU adds it on (as
+  ``qcompiler.nn.qat._Observed._qbias`` does in eval mode), then stored float;
+  its grid goes to the sidecar as a ``qint32`` entry.
+* **int16 activations** cannot be expressed: opset-11 QuantizeLinear produces
+  int8/uint8 only. They stay float in the graph (no Q/DQ) and are recorded in
+  the sidecar with dtype ``qint16``; a mapper that reads the sidecar can apply them.
+* **High-precision outputs** (a BPU layer emitting its int32 accumulator) are
+  float in the graph and listed under ``high_precision_outputs``.
+
+A converted model (``convert_fx``) is exported with the same structure from its
+integer parameters (``q_weight * w_scale``, ``bias * acc_scale``, the modules'
+output scales), so onnxruntime approximates the fixed-point model: the float
+ops between Q/DQ pairs round once where the BPU requantizes.
+
+The sidecar (``QuantState.sidecar``) keys every scale by ONNX tensor name::
+
+    {"activations": {tensor: {"scale": s, "dtype": "qint8", "zero_point": 0}},
+     "weights": {initializer: {"scales": [...], "axis": 0, "dtype": "qint8"}},
+     "high_precision_outputs": [tensor, ...],
+     "partitions": {"bpu0": {"placement": "bpu", "nodes": [...], "inputs": [...], "outputs": [...]}}}
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+from onnx import TensorProto
+
+from qcompiler.backends.onnx.emitter import Call, NodeContext, Tensor, is_tensor, to_numpy
+from qcompiler.errors import CalibrationError, UnsupportedOpError
+from qcompiler.nn import quantized as qnn
+from qcompiler.quantization import fixed_point as fp
+from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.observer import ObserverBase
+
+# activation dtypes QuantizeLinear-10 can hold (symmetric, zero point 0)
+Q_DTYPES = {"qint8": (TensorProto.INT8, np.int8)}
+
+
+def _f32(v: float) -> float:
+    """The float32 value of ``v`` as a python float (stable repr in JSON)."""
+    return float(np.float32(v))
+
+
+class QuantState:
+    """Decides and records the quantization of one export.
+
+    ``quantize=False``: a float view (quantizers and stubs are Identities, float
+    weights; a converted model gets its dequantized weights but no Q/DQ).
+    """
+
+    def __init__(self, quantize: bool) -> None:
+        self.quantize = quantize
+        self.activations: dict[str, dict] = {}
+        self.weights: dict[str, dict] = {}
+        self.high_precision: list[str] = []
+        self.grid: dict[str, tuple[float, str]] = {}  # tensor -> (scale, dtype) it is quantized at
+
+    def renamed(self, old: str, new: str) -> None:
+        if old in self.grid:
+            self.grid[new] = self.grid.pop(old)
+
+    # -- reading quantizers
+    def qparams(self, quantizer: nn.Module, where: str) -> Optional[tuple[float, str]]:
+        """(scale, dtype) of a per-tensor activation quantizer, or None for a float export /
+        a bare observer that has not observed (a boundary marker of ``qcompiler.partition``)."""
+        if not self.quantize:
+            return None
+        if isinstance(quantizer, FakeQuantize):
+            if not getattr(quantizer, "_has_qparams", False):
+                raise CalibrationError(f"{where}: the fake quant has no scale yet; calibrate or train "
+                                       f"the model before exporting it")
+            scale = quantizer.scale
+        elif isinstance(quantizer, FakeQuantizeBase):
+            if not quantizer.has_observed:
+                raise CalibrationError(f"{where}: the calibration quantizer never saw data; run the "
+                                       f"calibration model on data before exporting it")
+            scale = quantizer.calculate_qparams()[0]
+        elif isinstance(quantizer, ObserverBase):
+            if not quantizer.has_observed:
+                return None
+            scale = quantizer.calculate_qparams()[0]
+        else:
+            raise UnsupportedOpError(f"{where}: cannot read a scale from {type(quantizer).__name__}")
+        scale = scale.detach().reshape(-1)
+        if scale.numel() != 1:
+            raise UnsupportedOpError(f"{where}: a per-channel activation quantizer cannot be expressed in "
+                                     f"ONNX opset 11 (QuantizeLinear-10 is per tensor)")
+        return float(scale[0]), quantizer.dtype
+
+    # -- activation quantization points
+    def activation_point(self, ctx: NodeContext, x: str, quantizer: Optional[nn.Module], path: str, *,
+                         always_node: bool = False) -> Tensor:
+        """The value of ``x`` after ``quantizer`` (Q/DQ, or ``x`` / an Identity when not quantizing)."""
+        qp = self.qparams(quantizer, path) if quantizer is not None else None
+        if qp is None:
+            return ctx.identity(x) if always_node else x
+        return self.quantize_point(ctx, x, qp[0], qp[1], path, always_node=always_node)
+
+    def quantize_point(self, ctx: NodeContext, x: str, scale: float, dtype: str, path: str, *,
+                       always_node: bool = False) -> Tensor:
+        if not self.quantize:
+            return ctx.identity(x) if always_node else x
+        if dtype in Q_DTYPES:
+            elem, np_dtype = Q_DTYPES[dtype]
+            s = ctx.initializer(f"{path}.scale", np.array(scale, np.float32))
+            z = ctx.initializer(f"{path}.zero_point", np.array(0, np_dtype))
+            q = ctx.make("QuantizeLinear", [x, s, z], tag="quantize", dtype=elem)
+            y = ctx.make("DequantizeLinear", [q, s, z], tag="dequantize", dtype=TensorProto.FLOAT)
+        else:  # int16: opset-11 QuantizeLinear has no int16; float in the graph, scale in the sidecar
+            y = ctx.identity(x) if always_node else x
+        self.activations[y] = {"scale": _f32(scale), "dtype": dtype, "zero_point": 0}
+        self.grid[y] = (float(scale), dtype)
+        return y
+
+    def high_precision_output(self, ctx: NodeContext, y: str) -> None:
+        if self.quantize:
+            self.high_precision.append(y)
+
+    # -- weights
+    def layer_params(self, ctx: NodeContext, layer: nn.Module, path: str) -> tuple[Tensor, Optional[Tensor]]:
+        """Weight and bias initializers of a conv / conv-transpose / linear layer:
+        float, or (quantizing a prepared layer) dequantized int8 and a bias on ``s_in * s_w``."""
+        wfq = getattr(layer, "weight_fake_quant", None)
+        if not self.quantize or wfq is None:
+            w = ctx.param(layer, "weight", path)
+            b = ctx.param(layer, "bias", path) if getattr(layer, "bias", None) is not None else None
+            return w, b
+        where = f"{path}.weight_fake_quant"
+        if isinstance(wfq, FakeQuantize):
+            if not getattr(wfq, "_has_qparams", False):
+                raise CalibrationError(f"{where}: the weight fake quant has no scale yet; calibrate or "
+                                       f"train first")
+            w_scale = wfq.scale.detach().clone().reshape(-1)
+        elif isinstance(wfq, FakeQuantizeBase):
+            w_scale = wfq.calculate_qparams()[0].reshape(-1)
+        else:
+            raise UnsupportedOpError(f"{where}: cannot read a scale from {type(wfq).__name__}")
+        axis = 1 if isinstance(layer, nn.ConvTranspose2d) else 0
+        weight = layer.weight.detach()
+        q = fp.quantize(weight, w_scale, wfq.dtype, axis=axis if w_scale.numel() > 1 else None)
+        w_name, b_name = self._store_weight(ctx, path, q, w_scale, axis, wfq.dtype)
+        bias = getattr(layer, "bias", None)
+        if bias is None:
+            return w_name, None
+        src = layer.__dict__.get("_qc_input_quantizer")
+        qin = self.qparams(src, f"{path} input quantizer") if src is not None else None
+        if qin is None:  # the input's scale is unknown: the bias stays float
+            return w_name, ctx.param(layer, "bias", path)
+        acc = torch.tensor(qin[0], dtype=torch.float64) * w_scale.double()
+        acc = _tile_to(acc, bias.numel())
+        b_int = torch.clamp(torch.round(bias.detach().double() / acc), -(2 ** 31), 2 ** 31 - 1)
+        return w_name, self._store_bias(ctx, path, b_int, acc)
+
+    def _store_weight(self, ctx, path, q: torch.Tensor, w_scale: torch.Tensor, axis: int, dtype: str):
+        shape = [1] * q.dim()
+        if w_scale.numel() > 1:
+            shape[axis] = -1
+        deq = (q.double() * w_scale.double().reshape(shape)).float()
+        w_name = ctx.initializer(f"{path}.weight", to_numpy(deq))
+        self.weights[w_name] = {"scales": [_f32(s) for s in w_scale.reshape(-1).tolist()],
+                                "axis": axis, "dtype": dtype}
+        return w_name, None
+
+    def _store_bias(self, ctx, path, b_int: torch.Tensor, acc: torch.Tensor) -> Tensor:
+        b_name = ctx.initializer(f"{path}.bias", to_numpy((b_int * acc).float()))
+        self.weights[b_name] = {"scales": [float(s) for s in acc.reshape(-1).tolist()], "axis": 0,
+                                "dtype": "qint32"}
+        return b_name
+
+    # -- the table
+    def sidecar(self, emitter, partitions=()) -> dict:
+        def fin(name: str) -> str:
+            return str.__str__(emitter.builder.final_name(name))  # a plain str, not our Tensor
+        parts = {}
+        final_values = emitter._final_values()
+        for p in partitions:
+            parts[p.name] = {
+                "placement": p.placement,
+                "nodes": [n for fx_name in p.nodes for n in emitter.onnx_nodes.get(fx_name, [])],
+                "inputs": _flat_names(final_values.get(n) for n in p.inputs),
+                "outputs": _flat_names(final_values.get(n) for n in p.outputs),
+            }
+        return {
+            "activations": {fin(k): v for k, v in self.activations.items()},
+            "weights": {fin(k): v for k, v in self.weights.items()},
+            "high_precision_outputs": [fin(k) for k in self.high_precision],
+            "partitions": parts,
+        }
+
+
+def _flat_names(values) -> list[str]:
+    out = []
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            out.extend(_flat_names(v))
+        elif isinstance(v, str):
+            out.append(str.__str__(v))
+    return out
+
+
+def _tile_to(acc: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-channel accumulator scales for ``n`` output channels: a grouped conv-transpose has
+    ``out/groups`` weight scales along axis 1, shared by every group."""
+    acc = acc.reshape(-1)
+    if acc.numel() == n or acc.numel() == 1:
+        return acc
+    if n % acc.numel() == 0:
+        return acc.repeat(n // acc.numel())
+    raise UnsupportedOpError(f"{acc.numel()} weight scales for a bias of {n} channels")
+
+
+# ---------------------------------------------------------------------------
+# module rules: quantizers and stubs of prepared models
+
+
+def fake_quant_node(ctx: NodeContext) -> Tensor:
+    """A quantizer called from the graph (boundary observer, output observer)."""
+    return ctx.quant.activation_point(ctx, ctx.x(), ctx.module, ctx.path, always_node=True)
+
+
+# ---------------------------------------------------------------------------
+# module rules: converted (fixed-point) modules
+
+
+def _out(ctx: NodeContext, y: str, scale: Optional[float], dtype: str) -> Tensor:
+    if scale is None:
+        return y
+    return ctx.quant.quantize_point(ctx, y, scale, dtype, ctx.path)
+
+
+def converted_quantize(ctx: NodeContext) -> Tensor:
+    m = ctx.module
+    return ctx.quant.quantize_point(ctx, ctx.x(), m.scale, m.dtype, ctx.path, always_node=True)
+
+
+def converted_weight_layer(ctx: NodeContext) -> Tensor:
+    from qcompiler.backends.onnx import rules
+
+    m: qnn.QuantizedWeightLayer = ctx.module
+    axis = 1 if m.kind == "conv_transpose2d" else 0
+    q, w_scale = m.q_weight, m.w_scale.reshape(-1)
+    path = ctx.path
+    if ctx.quant.quantize:
+        w, _ = ctx.quant._store_weight(ctx, path, q, w_scale, axis, "qint8")
+    else:
+        shape = [1] * q.dim()
+        if w_scale.numel() > 1:
+            shape[axis] = -1
+        w = ctx.initializer(f"{path}.weight", to_numpy((q.double() * w_scale.double().reshape(shape)).float()))
+    b = None
+    if m.bias is not None:
+        acc = _tile_to(m.acc_scale.double(), m.bias.numel())
+        if ctx.quant.quantize:
+            b = ctx.quant._store_bias(ctx, path, m.bias.double(), acc)
+        else:
+            b = ctx.initializer(f"{path}.bias", to_numpy((m.bias.double() * acc).float()))
+    x = ctx.x()
+    g = m.geometry
+    if m.kind == "conv2d":
+        y = rules.conv(ctx, x, w, b, tuple(q.shape), g["stride"], g["padding"], g["dilation"], g["groups"])
+    elif m.kind == "linear":
+        y = rules.linear_op(ctx, x, w, b, ctx.rank())
+    else:
+        y = rules.conv_transpose(ctx, x, w, b, tuple(q.shape), g["stride"], g["padding"], g["output_padding"],
+                                 g["dilation"], g["groups"])
+    if m.with_add:
+        y = ctx.make("Add", [y, ctx.tensor(ctx.arg(1, "other"))], tag="add")
+    if m.act == "relu":
+        y = ctx.make("Relu", [y], tag="relu")
+    elif m.act == "relu6":
+        y = rules.clip(ctx, y, 0.0, 6.0, tag="relu6")
+    if m.out_scale is None:
+        ctx.quant.high_precision_output(ctx, y)
+        return y
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def _with_call(ctx: NodeContext, call: Call):
+    """Run a float rule on a substitute call (same node, names and partition)."""
+    saved = ctx.call
+    ctx.call = call
+    try:
+        from qcompiler.backends.onnx.op_table import OP_RULES
+
+        rule = OP_RULES.get(ctx.op)
+        if rule is None:
+            raise ctx.unsupported("no float rule for the converted op")
+        return rule(ctx)
+    finally:
+        ctx.call = saved
+
+
+def _function_call(ctx: NodeContext, args: tuple, kwargs: Optional[dict] = None) -> Call:
+    return Call("call_function", None, tuple(args), dict(kwargs or {}))
+
+
+def converted_binary(ctx: NodeContext) -> Tensor:
+    """QuantizedAdd / QuantizedMul / QuantizedMatmul: the float op on the dequantized operands,
+    quantized once at the output scale (the BPU's one requantization)."""
+    m = ctx.module
+    y = _with_call(ctx, _function_call(ctx, ctx.call.args[:2]))
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def converted_cat(ctx: NodeContext) -> Tensor:
+    m = ctx.module
+    dim = ctx.arg(1, "dim", 0)
+    y = _with_call(ctx, _function_call(ctx, (ctx.arg(0, "tensors"), dim)))
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def converted_lookup(ctx: NodeContext) -> Tensor:
+    """A lookup table: the float function it was built from (default arguments, as
+    ``passes.convert.LUT_FUNCTIONS``) followed by the output quantization."""
+    m = ctx.module
+    y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0],)))
+    return _out(ctx, y, m.out_scale, "qint16" if m.table.dtype == torch.int16 else "qint8")
+
+
+def converted_avg_pool(ctx: NodeContext) -> Tensor:
+    from qcompiler.backends.onnx import rules
+
+    m: qnn.QuantizedAvgPool = ctx.module
+    x = ctx.x()
+    if m.kernel is None:
+        out = ctx.out_shape()
+        if m.keepdim or (out is not None and len(out) == 4):
+            y = ctx.make("GlobalAveragePool", [x])
+        else:
+            y = ctx.make("Squeeze", [ctx.make("GlobalAveragePool", [x])], tag="squeeze", axes=[2, 3])
+    else:
+        y = rules.avg_pool(ctx, x, m.kernel, m.stride, m.padding, False, True)
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def converted_resize(ctx: NodeContext) -> Tensor:
+    from qcompiler.backends.onnx import rules
+
+    m: qnn.QuantizedResize = ctx.module
+    y = rules.resize(ctx, ctx.x(), m.mode, m.align_corners, size=list(m.size))
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def converted_prelu(ctx: NodeContext) -> Tensor:
+    """prelu / leaky_relu on integers: positives scaled by Mp/2^np (= s_in/s_out), negatives by
+    Mn/2^nn (= slope * s_in/s_out). The float slope the integer model applies is their ratio."""
+    from qcompiler.backends.onnx import rules
+
+    m: qnn.QuantizedPReLU = ctx.module
+    pos = float(m.Mp) / 2.0 ** float(m.np_)
+    slope = (m.Mn.double() / torch.pow(2.0, m.nn_.double())) / pos
+    x = ctx.x()
+    arr = rules.prelu_slope_shape(to_numpy(slope.float()), ctx.rank())
+    y = ctx.make("PRelu", [x, ctx.initializer(f"{ctx.path}.slope", arr)])
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def _closure(fn) -> dict[str, Any]:
+    cells = getattr(fn, "__closure__", None) or ()
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    return {n: c.cell_contents for n, c in zip(names, cells)}
+
+
+def converted_same_scale(ctx: NodeContext):
+    """relu, relu6, max pool, layout ops, identities on integers: the float op (the grid is kept).
+
+    ``QuantizedSameScale`` keeps the float op only as a callable: the original target of a
+    function node, a closure over the method name, or a closure over the float module
+    (max pool, flatten); the rule recovers the call from it.
+    """
+    m: qnn.QuantizedSameScale = ctx.module
+    fn = m.fn
+    free = _closure(fn)
+    args, kwargs = ctx.call.args, ctx.call.kwargs
+    if "m" in free and isinstance(free["m"], nn.Module):
+        call = Call("call_module", None, args, kwargs, free["m"], ctx.path)
+    elif "name" in free and isinstance(free["name"], str):
+        call = Call("call_method", free["name"], args, kwargs)
+    elif isinstance(fn, types.LambdaType) and fn.__name__ == "<lambda>":
+        call = Call("call_function", None, args[:1], {})  # identity / dropout / relu
+    else:
+        call = Call("call_function", fn, args, kwargs)
+    src = ctx.value(args[0]) if args else None
+    y = _with_call(ctx, call)
+    if is_tensor(src) and src in ctx.quant.grid and is_tensor(y):
+        scale, dtype = ctx.quant.grid[src]
+        if ctx.op == "relu6":  # clamps at round(6 / s) * s, back on the grid
+            return ctx.quant.quantize_point(ctx, y, scale, dtype, ctx.path)
+        ctx.quant.grid[y] = (scale, dtype)
+    return y

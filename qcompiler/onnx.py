@@ -1,0 +1,196 @@
+"""``export_to_onnx``: a prepared, calibrated/trained or converted model as ONNX opset 11.
+
+Signature after the hybrid-QAT guide's ``horizon_plugin_pytorch.utils.onnx_helper.export_to_onnx``
+(without the arguments that have one sensible value here: eval mode, standard
+ops only, constant folding, stripped doc strings). The graph is emitted by the
+project's one ONNX emitter (``qcompiler.backends.onnx``) from the GraphModule
+itself; the model is never run or modified. Quantization: per-tensor int8
+activations as QuantizeLinear/DequantizeLinear, per-channel weights as their
+dequantized int8 values, and a sidecar JSON with every scale keyed by ONNX
+tensor name (see ``qcompiler.backends.onnx.quant``).
+
+Run an exported model with :func:`inference_session` (or pass
+``disabled_optimizers=ORT_DISABLED_OPTIMIZERS`` to onnxruntime yourself): one
+onnxruntime optimization re-quantizes the stored weights per tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from typing import Any, Optional, Sequence, Union
+
+import onnx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.errors import ConfigError, QCompilerError
+from qcompiler.ir.meta import META_TENSOR, TensorInfo
+from qcompiler.ir.partitions import GM_PARTITIONS, partitions
+from qcompiler.ir.shape_prop import dtype_name
+
+SIDECAR_SUFFIX = ".quant.json"
+_EXPORTABLE_KINDS = ("calibration", "qat", "quantized")
+
+PathOrFile = Union[str, os.PathLike, io.IOBase]
+
+
+def export_to_onnx(
+    model: nn.Module,
+    args: Any,
+    f: PathOrFile,
+    input_names: Optional[Sequence[str]] = None,
+    output_names: Optional[Sequence[str]] = None,
+    opset_version: int = 11,
+    dynamic_axes: Optional[dict] = None,
+    enable_onnx_checker: bool = True,
+) -> dict:
+    """Write ``model`` as an ONNX opset-11 file to ``f`` and its quantization sidecar next to it.
+
+    ``model``: from ``prepare_calibration_fx`` (after calibration), ``prepare_qat_fx``,
+    ``convert_fx``, or a float ``qcompiler.partition`` result. ``args``: the model's
+    inputs (a tensor or a tuple, nested tuples allowed); they fix the graph inputs'
+    shapes and dtypes. ``f``: a path (the sidecar goes to ``<f>.quant.json``) or a
+    binary file object (only the returned sidecar). ``dynamic_axes``: as in
+    ``torch.onnx.export``, ``{"input": {0: "batch"}}`` or ``{"input": [0]}``, for
+    graph inputs and outputs. ``enable_onnx_checker``: run
+    ``onnx.checker.check_model(full_check=True)`` before writing.
+
+    Returns the sidecar dict. Raises ConfigError for ``opset_version != 11`` or a
+    model that is not prepared; nothing is written unless the export succeeds.
+    """
+    from qcompiler.backends.onnx.emitter import OnnxEmitter
+
+    if opset_version != 11:
+        raise ConfigError(
+            f"opset_version={opset_version!r}: only opset 11 is supported (the BPU toolchain reads "
+            f"opset 11, and the export's quantization mapping is written for it); pass opset_version=11"
+        )
+    gm = _check_model(model)
+    flat_args = _flatten_args(args)
+    infos = [TensorInfo(tuple(t.shape), dtype_name(t.dtype)) for t in flat_args]
+    recorded = [_leaves(n.meta.get(META_TENSOR)) for n in gm.graph.nodes if n.op == "placeholder"]
+    recorded = [i for leaves in recorded for i in leaves]
+    dyn = _dynamic_axes(dynamic_axes)
+
+    emitter = OnnxEmitter(gm, quantize=True)
+    result = emitter.emit_graph(input_names=input_names, output_names=output_names, input_infos=infos,
+                                dynamic_axes=dyn, output_shapes=(recorded == infos))
+    proto = result.model
+    if enable_onnx_checker:
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise QCompilerError(f"the exported ONNX model fails onnx.checker (an emitter bug; please "
+                                 f"report it): {exc}") from exc
+    sidecar = emitter.quant.sidecar(emitter, partitions(gm))
+    data = proto.SerializeToString()
+    text = json.dumps(sidecar, sort_keys=True, indent=2) + "\n"
+    _write(f, data, text)
+    return sidecar
+
+
+# onnxruntime's level-1 "WeightBiasQuantization" assumes a float Conv/Gemm weight between a
+# DequantizeLinear and a QuantizeLinear is *unquantized* and quantizes it per tensor (int8).
+# Our weights are already the dequantized per-channel int8 values (opset 11 has no per-channel
+# Q/DQ): re-quantizing them per tensor loses most of their precision (UNet: errors of several
+# LSB on most outputs). Sessions for exported models must disable it.
+ORT_DISABLED_OPTIMIZERS = ("WeightBiasQuantization",)
+
+
+def inference_session(model: Union[onnx.ModelProto, bytes, str, os.PathLike], sess_options=None,
+                      providers: Sequence[str] = ("CPUExecutionProvider",)):
+    """An onnxruntime session for an exported model (``ModelProto``, bytes or a path), with
+    ``ORT_DISABLED_OPTIMIZERS`` off; every other optimization stays on."""
+    import onnxruntime as ort
+
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    elif isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    return ort.InferenceSession(model, sess_options, providers=list(providers),
+                                disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS))
+
+
+def _check_model(model: Any) -> fx.GraphModule:
+    if isinstance(model, fx.GraphModule):
+        from qcompiler.quantization.prepare import GM_KIND
+
+        if model.meta.get(GM_KIND) in _EXPORTABLE_KINDS or GM_PARTITIONS in model.meta:
+            return model
+    if isinstance(model, nn.Module):
+        raise ConfigError(
+            f"export_to_onnx takes a model prepared by qcompiler (prepare_calibration_fx / prepare_qat_fx, "
+            f"convert_fx, or qcompiler.partition), got a plain {type(model).__name__}: prepare it first, "
+            f"or export a float model with torch.onnx.export yourself"
+        )
+    raise ConfigError(f"export_to_onnx: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _flatten_args(args: Any) -> list[torch.Tensor]:
+    if isinstance(args, torch.Tensor):
+        return [args]
+    if isinstance(args, (list, tuple)):
+        out = []
+        for a in args:
+            out.extend(_flatten_args(a) if isinstance(a, (list, tuple)) else [a])
+        bad = [type(a).__name__ for a in out if not isinstance(a, torch.Tensor)]
+        if bad:
+            raise ConfigError(f"export_to_onnx: args must be tensors or (nested) tuples of tensors, got {bad}")
+        return out
+    raise ConfigError(f"export_to_onnx: args must be a tensor or a tuple of the model's inputs, "
+                      f"got {type(args).__name__}")
+
+
+def _leaves(info: Any) -> list[Any]:
+    if isinstance(info, (tuple, list)):
+        return [leaf for i in info for leaf in _leaves(i)]
+    return [info]
+
+
+def _dynamic_axes(dynamic_axes: Optional[dict]) -> dict[str, dict[int, str]]:
+    if dynamic_axes is None:
+        return {}
+    if not isinstance(dynamic_axes, dict):
+        raise ConfigError(f"dynamic_axes must be a dict like {{'input': {{0: 'batch'}}}}, got "
+                          f"{type(dynamic_axes).__name__}")
+    out: dict[str, dict[int, str]] = {}
+    for name, axes in dynamic_axes.items():
+        if isinstance(axes, dict):
+            spec = {int(a): str(label) for a, label in axes.items()}
+        elif isinstance(axes, (list, tuple)):
+            spec = {int(a): f"{name}_dynamic_axes_{int(a) + 1}" for a in axes}
+        else:
+            raise ConfigError(f"dynamic_axes[{name!r}] must be a dict {{axis: name}} or a list of axes, got "
+                              f"{axes!r}")
+        out[str(name)] = spec
+    return out
+
+
+def _write(f: PathOrFile, data: bytes, sidecar_text: str) -> None:
+    """Write both files through temporary files and ``os.replace``: never half-written."""
+    if hasattr(f, "write"):
+        f.write(data)
+        return
+    path = os.fspath(f)
+    targets = [(path, data), (path + SIDECAR_SUFFIX, sidecar_text.encode("utf-8"))]
+    temps = []
+    try:
+        for target, payload in targets:
+            directory = os.path.dirname(os.path.abspath(target))
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
+            temps.append(tmp)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+        for (target, _), tmp in zip(targets, temps):
+            os.replace(tmp, target)
+    finally:
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+__all__ = ["export_to_onnx", "inference_session", "SIDECAR_SUFFIX", "ORT_DISABLED_OPTIMIZERS"]

@@ -1,0 +1,183 @@
+"""BPU lowering + simulator on zoo models: bit-exact with the converted model, serialisable."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompiler.zoo as zoo
+from qcompiler.backends.bpu.lower import bpu_partition_names, lower_bpu_partitions, lower_partition
+from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
+from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, int8_gemm_available, run_partitioned
+from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
+from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
+from qcompiler.quantization.convert import convert_fx
+from qcompiler.quantization.qtensor import QTensor
+
+SMALL = {"resnet18": dict(image_size=32), "mobilenet_v2": dict(image_size=32)}
+MODELS = ["resnet18", "mobilenet_v2", "unet", "transformer_block", "lstm_seq", "hybrid"]
+SLOW = {"resnet18", "mobilenet_v2"}  # a few seconds each to calibrate and convert
+CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
+    [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
+
+
+@functools.lru_cache(maxsize=None)
+def converted(name: str, march: str):
+    """convert_fx(qat model in validation state) and its example inputs (one calibration batch)."""
+    kw = SMALL.get(name, {})
+    cal = prepare_calibration_fx(zoo.get(name), None, example_inputs=zoo.example_inputs(name, **kw),
+                                 hybrid=True, march=march)
+    cal.eval()
+    with torch.no_grad():
+        cal(*zoo.example_inputs(name, batch=2, **kw))
+    qat = prepare_qat_fx(cal, hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    return convert_fx(qat), zoo.example_inputs(name, batch=2, **kw)
+
+
+def flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for v in x for t in flat(v)]
+
+
+def model_params():
+    return [pytest.param(n, m, marks=[pytest.mark.slow] if n in SLOW else [], id=f"{n}-{m}")
+            for n in MODELS for m in ("bayes", "bernoulli2")]
+
+
+@pytest.mark.parametrize("name,march", model_params())
+def test_partitioned_simulation_equals_converted_model(name, march):
+    q, x = converted(name, march)
+    programs = lower_bpu_partitions(q)
+    assert list(programs) == bpu_partition_names(q)
+    with torch.no_grad():
+        expected = flat(q(*x))
+    for cfg in CONFIGS:
+        got = flat(run_partitioned(q, x, programs, **cfg))
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and torch.equal(g, e), f"{name}/{march}/{cfg}: output differs"
+
+
+def _round_trip(program: BpuProgram) -> BpuProgram:
+    tensors, meta = program.to_state()
+    meta = json.loads(json.dumps(meta))
+    return BpuProgram.from_state({k: v.clone() for k, v in tensors.items()}, meta)
+
+
+@pytest.mark.parametrize("name,march", [("hybrid", "bayes"), ("transformer_block", "bayes"), ("unet", "bernoulli2")])
+def test_program_state_round_trip(name, march):
+    q, x = converted(name, march)
+    programs = lower_bpu_partitions(q)
+    loaded = {k: _round_trip(p) for k, p in programs.items()}
+    for k in programs:
+        assert loaded[k].summary() == programs[k].summary()
+        t1, m1 = programs[k].to_state()
+        t2, m2 = loaded[k].to_state()
+        assert m1 == m2 and t1.keys() == t2.keys() and all(torch.equal(t1[i], t2[i]) for i in t1)
+    with torch.no_grad():
+        a, b = flat(run_partitioned(q, x, programs)), flat(run_partitioned(q, x, loaded))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_program_state_rejects_bad_state():
+    q, _ = converted("hybrid", "bayes")
+    tensors, meta = lower_partition(q, "bpu1").to_state()
+    with pytest.raises(ArtifactError, match="not a BPU program"):
+        BpuProgram.from_state(tensors, {"format": "something else"})
+    with pytest.raises(ArtifactError, match="newer"):
+        BpuProgram.from_state(tensors, {**meta, "version": 99})
+    with pytest.raises(ArtifactError, match="tensor '1.weight' is missing"):
+        BpuProgram.from_state({k: v for k, v in tensors.items() if k != "1.weight"}, meta)
+
+
+HYBRID_BPU0 = """\
+BpuProgram bpu0: 1 inputs, 1 outputs, 4 ops
+inputs:
+  input_1: f32
+outputs:
+  prelu_input_dequant_0: f32
+ops:
+    0 quantize   quant <- input_1
+      -> qint8 scale=0.00784324
+    1 conv2d     conv0 <- quant
+      -> qint8 scale=0.00864248 stride=[1, 1] padding=[0, 0] dilation=[1, 1] groups=1 in_scale=0.00784324 weight:int8[3,3,1,1] bias:int32[3] M:int64[3] n:int64[3]
+    2 identity   identity <- conv0
+      -> qint8 scale=0.00864248
+    3 dequantize prelu_input_dequant_0 <- identity"""
+
+
+def test_summary_golden_hybrid():
+    q, _ = converted("hybrid", "bayes")
+    programs = lower_bpu_partitions(q)
+    assert list(programs) == ["bpu0", "bpu1", "bpu2"]
+    assert programs["bpu0"].summary() == HYBRID_BPU0
+
+
+def test_bpu_to_bpu_edges_pass_qtensors():
+    """transformer_block on bayes: values flow between BPU partitions as QTensors."""
+    q, x = converted("transformer_block", "bayes")
+    programs = lower_bpu_partitions(q)
+    quantized_inputs = [v for p in programs.values() for v in p.inputs if not v.is_float]
+    assert quantized_inputs and all(v.dtype == "qint8" for v in quantized_inputs)
+    runner = PartitionedRunner(q, programs)
+    with torch.no_grad():
+        assert torch.equal(runner(*x), q(*x))
+        assert torch.equal(runner(*x), q(*x))  # a runner is reusable
+
+
+def test_simulator_input_checks():
+    q, x = converted("transformer_block", "bayes")
+    programs = lower_bpu_partitions(q)
+    prog = next(p for p in programs.values() if any(not v.is_float for v in p.inputs))
+    sim = BpuSimulator(prog)
+    with pytest.raises(ConfigError, match="missing input"):
+        sim.run({})
+    spec = next(v for v in prog.inputs if not v.is_float)
+    ints = torch.zeros(2, 4, 16, 16, dtype=torch.int8)
+    bad = {v.name: (QTensor(ints, spec.scale * 2, 0) if v is spec else torch.zeros(2, 16, 64)) for v in prog.inputs}
+    with pytest.raises(ConfigError, match="quantization parameters differ"):
+        sim.run(bad)
+    bad[spec.name] = torch.zeros(2, 4, 16, 16)
+    with pytest.raises(ConfigError, match="must be a QTensor"):
+        sim.run(bad)
+    with pytest.raises(ConfigError, match="kernels must be one of"):
+        BpuSimulator(prog, kernels="gpu")
+
+
+class _Mystery(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_unsupported_node_is_named():
+    q, _ = converted("hybrid", "bayes")
+    node = next(n for n in q.graph.nodes if n.name == "identity_1")
+    q.add_submodule("mystery", _Mystery())
+    old = node.target
+    node.target = "mystery"
+    try:
+        with pytest.raises(UnsupportedOpError, match=r"node 'identity_1' \(op 'identity', _Mystery\) in BPU "
+                                                     r"partition bpu2"):
+            lower_partition(q, "bpu2")
+        lower_partition(q, "bpu0")  # other partitions still lower
+    finally:
+        node.target = old
+    with pytest.raises(ConfigError, match="no BPU partition named 'cpu0'"):
+        lower_partition(q, "cpu0")
+
+
+def test_program_validation():
+    with pytest.raises(ConfigError, match="unknown BPU op kind 'softmax'"):
+        BpuOp("softmax", ["x"], "y", {})
+    with pytest.raises(ConfigError, match="reads 'z' before it is defined"):
+        BpuProgram("p", [ValueSpec("x", "f32")], [], [BpuOp("relu", ["z"], "y", {"out_dtype": "qint8",
+                                                                                    "out_scale": 1.0})])
+    with pytest.raises(ConfigError, match="not JSON-able"):
+        BpuOp("relu", ["x"], "y", {"f": object()})

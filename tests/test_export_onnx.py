@@ -1,0 +1,419 @@
+"""export_to_onnx: every zoo model on both marches, calibrated -> QAT -> exported, vs the fake-quant model.
+
+How the outputs are compared, and why this way:
+
+* The exported graph computes in float32, the evaluated fake-quant model in
+  float64 (it carries BPU values exactly). A value within ~1e-5 LSB of a
+  rounding tie can therefore round the other way in one of them: one LSB at
+  that quantization point, which later layers spread (a conv mixes it into its
+  neighbourhood). That is inherent to a float32 graph, not an export error.
+* So the strict check is *teacher-forced*: every quantization point of the
+  graph (every DequantizeLinear output, found through the sidecar) is exposed as
+  an output; the fake-quant model is run with the value of each such point
+  replaced by the ONNX one once compared. Each point then sees identical inputs
+  and must agree within one LSB of its own scale; model outputs must agree within
+  one LSB of the last quantizer (quantized outputs) or within float32 tolerance
+  (1e-5 abs + rel) when CPU ops follow the last quantizer (both sides then run the
+  same float ops on the same values).
+* End to end (no forcing), on the zoo's deterministic inputs, at least 99% of the
+  output elements must be within that tolerance (in practice all of them are).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.fx as fx
+from onnx import helper
+
+import qcompiler.zoo as zoo
+from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.onnx import SIDECAR_SUFFIX, export_to_onnx, inference_session
+from qcompiler.quantization import (
+    FakeQuantize,
+    QTensor,
+    convert_fx,
+    get_default_calib_qconfig,
+    get_default_qat_out_qconfig,
+    get_default_qat_qconfig,
+    prepare_calibration_fx,
+    prepare_qat_fx,
+    set_state,
+)
+from qcompiler.zoo.hybrid import _SeluModule
+
+SIZES = {name: dict(image_size=32) for name in ("resnet18", "resnet50", "mobilenet_v2", "unet", "hybrid")}
+MARCHES = ["bayes", "bernoulli2"]
+SLOW = {"resnet50", "mobilenet_v2"}
+GUIDE_HYBRID_DICT = {"module_name": ["conv1.conv", "conv3"], "module_type": [_SeluModule]}
+
+
+def flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, QTensor):
+        return [x.dequantize()]
+    return [t for v in x for t in flat(v)]
+
+
+def calibrated(name, march, qconfig=None, hybrid_dict=None, batches=3):
+    kw = SIZES.get(name, {})
+    cal = prepare_calibration_fx(zoo.get(name), qconfig, example_inputs=zoo.example_inputs(name, **kw),
+                                 hybrid=True, hybrid_dict=hybrid_dict, march=march)
+    cal.eval()
+    with torch.no_grad():
+        for b in range(batches):
+            inputs = zoo.example_inputs(name, batch=2, **kw)
+            if name not in ("lstm_seq", "transformer_block"):
+                inputs = (inputs[0] + 0.1 * b,)
+            cal(*inputs)
+    return cal
+
+
+def qat_model(name, march, **kw):
+    qat = prepare_qat_fx(calibrated(name, march, **{k: v for k, v in kw.items() if k == "hybrid_dict"}),
+                         kw.get("qat_qconfig"), hybrid=True, hybrid_dict=kw.get("hybrid_dict"))
+    set_state(qat, "validation")
+    qat.eval()
+    return qat
+
+
+@functools.lru_cache(maxsize=None)
+def calibrated_cached(name, march):
+    return calibrated(name, march)
+
+
+@functools.lru_cache(maxsize=None)
+def prepared(name, march):
+    """(QAT model in validation/eval, example inputs); cached: exporting never modifies the model
+    (nor does prepare_qat_fx / convert_fx modify the calibration model they start from)."""
+    qat = prepare_qat_fx(calibrated_cached(name, march), hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    return qat, zoo.example_inputs(name, **SIZES.get(name, {}))
+
+
+def params(names=None):
+    names = names or zoo.names()
+    return [pytest.param(n, m, marks=[pytest.mark.slow] if n in SLOW else [], id=f"{n}-{m}")
+            for n in names for m in MARCHES]
+
+
+def activation_quantizers(model) -> int:
+    """Activation quantizers of a prepared model (weight fake quants excluded)."""
+    return sum(1 for path, m in model.named_modules()
+               if isinstance(m, FakeQuantize) and not path.endswith("weight_fake_quant"))
+
+
+# ---------------------------------------------------------------------------
+# comparison helpers
+
+
+def _quantized_output_scales(gm: fx.GraphModule, sidecar: dict) -> list:
+    """Per model output: the scale of the quantizer that produced it, or None when CPU ops follow."""
+    acts = sidecar["activations"]
+    passthrough = {"dequant", "identity", "dropout", "reshape", "flatten", "permute", "transpose", "relu", "getitem"}
+
+    def scale_of(node):
+        while isinstance(node, fx.Node):
+            if node.name in acts and acts[node.name]["dtype"] == "qint8":
+                return acts[node.name]["scale"]
+            if node.meta.get("qc_op") not in passthrough or not node.all_input_nodes:
+                return None
+            node = node.all_input_nodes[0]
+        return None
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+
+    def leaves(a):
+        if isinstance(a, (tuple, list)):
+            return [x for v in a for x in leaves(v)]
+        return [a]
+
+    return [scale_of(a) for a in leaves(out.args[0])]
+
+
+def _tolerance(scale):
+    return (scale * (1 + 1e-5) + 1e-7) if scale is not None else None
+
+
+def _close(o, r, scale):
+    """Elementwise: within one LSB (quantized output) or float32 tolerance (CPU ops after)."""
+    if scale is not None:
+        return np.abs(o - r) <= _tolerance(scale)
+    return np.abs(o - r) <= 1e-5 + 1e-5 * np.abs(r)
+
+
+def _with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    existing = {o.name for o in m.graph.output}
+    for n in names:
+        if n not in existing:
+            m.graph.output.append(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None))
+    return m
+
+
+def teacher_forced_check(gm: fx.GraphModule, model: onnx.ModelProto, sidecar: dict, inputs) -> int:
+    """Every quantization point within one LSB given identical inputs; every output within tolerance.
+
+    Returns the number of points checked.
+    """
+    node_names = {n.name for n in gm.graph.nodes}
+    points = {k: v["scale"] for k, v in sidecar["activations"].items() if k in node_names and v["dtype"] == "qint8"}
+    probe = _with_outputs(model, sorted(points))
+    s = inference_session(probe)
+    feeds = {i.name: t.numpy() for i, t in zip(s.get_inputs(), flat(inputs))}
+    got = dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds)))
+    checked = []
+
+    class Forced(fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            if n.name not in points:
+                return r
+            scale = points[n.name]
+            o = torch.from_numpy(got[n.name]).double()
+            q = torch.round(o / scale)
+            if isinstance(r, QTensor):
+                ref = r.dequantize().double()
+                forced = QTensor(q.to(r.int_repr().dtype), scale, 0)
+            else:
+                ref = r.double()
+                forced = (q * torch.tensor(scale, dtype=torch.float64)).to(r.dtype)
+            err = float((ref - o).abs().max()) if ref.numel() else 0.0
+            assert err <= _tolerance(scale), f"quantization point '{n.name}': {err / scale:.3f} LSB"
+            checked.append(n.name)
+            return forced
+
+    with torch.no_grad():
+        ref_outs = flat(Forced(gm).run(*inputs))
+    outs = [got[o.name] for o in model.graph.output]
+    for i, (o, r, scale) in enumerate(zip(outs, ref_outs, _quantized_output_scales(gm, sidecar))):
+        ok = _close(o, r.numpy(), scale)
+        assert ok.all(), f"output {i}: {np.mean(~ok):.2%} of elements off (scale {scale})"
+    return len(checked)
+
+
+def end_to_end_check(gm, model, sidecar, inputs, min_fraction=0.99):
+    outs = inference_session(model).run(None, {i.name: t.numpy() for i, t in zip(model.graph.input,
+                                                                                 flat(inputs))})
+    with torch.no_grad():
+        ref = flat(gm(*inputs))
+    assert len(outs) == len(ref)
+    for i, (o, r, scale) in enumerate(zip(outs, ref, _quantized_output_scales(gm, sidecar))):
+        assert o.shape == tuple(r.shape)
+        frac = float(np.mean(_close(o, r.numpy(), scale)))
+        assert frac >= min_fraction, f"output {i}: only {frac:.2%} within tolerance (scale {scale})"
+
+
+# ---------------------------------------------------------------------------
+# every zoo model on both marches
+
+
+@pytest.mark.parametrize("name,march", params())
+def test_export_matches_fake_quant_model(name, march, tmp_path):
+    qat, x = prepared(name, march)
+    path = tmp_path / f"{name}.onnx"
+    sidecar = export_to_onnx(qat, x, str(path))
+    again = io.BytesIO()
+    assert export_to_onnx(qat, x, again) == sidecar and again.getvalue() == path.read_bytes()  # deterministic
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert model.opset_import[0].version == 11 and model.producer_name == "qcompiler"
+    # the sidecar next to the file is the returned dict; every activation quantizer has its entry
+    assert json.loads((tmp_path / f"{name}.onnx{SIDECAR_SUFFIX}").read_text()) == sidecar
+    assert len(sidecar["activations"]) == activation_quantizers(qat)
+    assert all(v["dtype"] == "qint8" and v["zero_point"] == 0 for v in sidecar["activations"].values())
+    q_nodes = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(q_nodes) == len(sidecar["activations"])
+    inits = {i.name for i in model.graph.initializer}
+    assert set(sidecar["weights"]) <= inits
+    for entry in sidecar["weights"].values():
+        assert entry["dtype"] in ("qint8", "qint32") and entry["scales"]
+    # partitions: every ONNX node belongs to exactly one partition, named by it
+    parts = sidecar["partitions"]
+    owned = [n for p in parts.values() for n in p["nodes"]]
+    assert sorted(owned) == sorted(n.name for n in model.graph.node if n.name.split("/")[0] in parts)
+    for pname, p in parts.items():
+        assert all(n.split("/")[0] == pname for n in p["nodes"])
+    teacher_forced_check(qat, model, sidecar, x)
+    end_to_end_check(qat, model, sidecar, x)
+
+
+@pytest.mark.parametrize("name,march", params(["resnet18", "unet", "transformer_block", "lstm_seq", "hybrid"]))
+def test_export_of_converted_model_matches_it(name, march):
+    qat, x = prepared(name, march)
+    q = convert_fx(qat)
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(q, x, buf)
+    model = onnx.load_from_string(buf.getvalue())
+    assert len(sidecar["activations"]) == activation_quantizers(qat)  # one Q/DQ per quantization point
+    teacher_forced_check(q, model, sidecar, x)
+    end_to_end_check(q, model, sidecar, x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
+def test_export_of_converted_deep_models(name):
+    qat, x = prepared(name, "bayes")
+    q = convert_fx(qat)
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(q, x, buf)
+    model = onnx.load_from_string(buf.getvalue())
+    teacher_forced_check(q, model, sidecar, x)
+    end_to_end_check(q, model, sidecar, x)
+
+
+# ---------------------------------------------------------------------------
+# determinism, files, errors
+
+
+def test_export_is_deterministic_also_after_recreating_the_model(tmp_path):
+    qat, x = prepared("transformer_block", "bayes")
+    export_to_onnx(qat, x, str(tmp_path / "a.onnx"))
+    export_to_onnx(qat, x, str(tmp_path / "b.onnx"))
+    fresh = qat_model("transformer_block", "bayes")  # rebuilt from scratch: new objects, same numbers
+    export_to_onnx(fresh, x, str(tmp_path / "c.onnx"))
+    files = [(tmp_path / f"{k}.onnx").read_bytes() for k in "abc"]
+    sidecars = [(tmp_path / f"{k}.onnx{SIDECAR_SUFFIX}").read_bytes() for k in "abc"]
+    assert files[0] == files[1] == files[2]
+    assert sidecars[0] == sidecars[1] == sidecars[2]
+    text = sidecars[0].decode()
+    assert text == json.dumps(json.loads(text), sort_keys=True, indent=2) + "\n"
+
+
+def test_hybrid_guide_flow_with_high_precision_output(tmp_path):
+    """The guide's example: hybrid_dict, conv4 a high-precision output feeding the CPU selu."""
+    qat = qat_model("hybrid", "bayes", hybrid_dict=GUIDE_HYBRID_DICT,
+                    qat_qconfig={"": get_default_qat_qconfig(),
+                                 "module_name": [("conv4", get_default_qat_out_qconfig())]})
+    x = zoo.example_inputs("hybrid", image_size=32)
+    path = tmp_path / "qat.onnx"
+    sidecar = export_to_onnx(qat, x, path, input_names=["input"], output_names=["output"],
+                             dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+    model = onnx.load(str(path))
+    assert sidecar["high_precision_outputs"] == ["conv4"]
+    assert "conv4" not in sidecar["activations"] and len(sidecar["activations"]) == activation_quantizers(qat)
+    assert [p for p in sidecar["partitions"]] == ["bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2"]
+    assert sidecar["partitions"]["cpu2"]["inputs"] == ["selu_2_input_dequant_0"]
+    assert {"bpu0/conv0", "cpu0/prelu", "cpu1/conv3", "bpu2/conv4", "cpu2/selu_2"} <= {n.name for n in model.graph.node}
+    teacher_forced_check(qat, model, sidecar, x)
+    end_to_end_check(qat, model, sidecar, x)
+    # the converted model: conv4 emits its int32 accumulator, float in the graph, listed too
+    q = convert_fx(qat)
+    buf = io.BytesIO()
+    q_sidecar = export_to_onnx(q, x, buf)
+    assert q_sidecar["high_precision_outputs"] == ["conv4"]
+    assert q_sidecar["weights"]["conv4.bias"]["dtype"] == "qint32"
+    teacher_forced_check(q, onnx.load_from_string(buf.getvalue()), q_sidecar, x)
+    # dynamic batch: another batch size runs and matches
+    xb = (torch.rand(3, 3, 32, 32),)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    out = inference_session(path).run(None, {"input": xb[0].numpy()})[0]
+    with torch.no_grad():
+        ref = qat(*xb).numpy()
+    # selu after conv4: |selu'| <= scale*alpha = 1.758, times conv4's accumulator LSB; float32 otherwise
+    assert np.mean(np.abs(out - ref) <= 1e-5 + 1e-5 * np.abs(ref)) >= 0.99
+
+
+def test_calibration_model_exports_ptq_scales():
+    """A calibration model exports with the observers' scales: it matches convert_fx of it."""
+    cal = calibrated_cached("resnet18", "bayes")
+    x = zoo.example_inputs("resnet18", image_size=32)
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(cal, x, buf)
+    model = onnx.load_from_string(buf.getvalue())
+    n_quant = sum(1 for p, m in cal.named_modules() if type(m).__name__ == "CalibFakeQuantize"
+                  and not p.endswith("weight_fake_quant"))
+    assert len(sidecar["activations"]) == n_quant
+    q = convert_fx(cal)
+    teacher_forced_check(q, model, sidecar, x)
+    end_to_end_check(q, model, sidecar, x)
+
+
+def test_float_partition_output_exports_without_quantization(tmp_path):
+    import qcompiler
+
+    x = zoo.example_inputs("unet", image_size=32)
+    gm = qcompiler.partition(zoo.get("unet"), x, march="bayes")
+    sidecar = export_to_onnx(gm, x, tmp_path / "unet.onnx")
+    model = onnx.load(str(tmp_path / "unet.onnx"))
+    assert sidecar["activations"] == {} and sidecar["weights"] == {}
+    assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)
+    out = inference_session(model).run(None, {"x": x[0].numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(out, gm(*x).numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_int16_activations_stay_float_and_are_recorded():
+    cal = calibrated("hybrid", "bayes", qconfig={"": get_default_calib_qconfig(dtype="qint16")})
+    qat = prepare_qat_fx(cal, {"": get_default_qat_qconfig(dtype="qint16")}, hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    x = zoo.example_inputs("hybrid", image_size=32)
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(qat, x, buf)
+    model = onnx.load_from_string(buf.getvalue())
+    assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)
+    assert len(sidecar["activations"]) == activation_quantizers(qat)
+    assert {v["dtype"] for v in sidecar["activations"].values()} == {"qint16"}
+    # float where the model has int16: within half an int16 step of each quantizer, i.e. close
+    out = inference_session(model).run(None, {model.graph.input[0].name: x[0].numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(out, qat(*x).numpy(), atol=2e-3)
+
+
+def test_file_object_and_names():
+    qat, x = prepared("lstm_seq", "bayes")
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(qat, x, buf, input_names=["tokens", "h0", "c0"], output_names=["logits", "h_n", "c_n"])
+    model = onnx.load_from_string(buf.getvalue())
+    assert [i.name for i in model.graph.input] == ["tokens", "h0", "c0"]
+    assert [o.name for o in model.graph.output] == ["logits", "h_n", "c_n"]
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.INT64
+    assert "fc" in sidecar["activations"]
+    with pytest.raises(ConfigError, match="input_names"):
+        export_to_onnx(qat, x, io.BytesIO(), input_names=["tokens"])
+
+
+def test_opset_other_than_11_is_refused_and_writes_nothing(tmp_path):
+    qat, x = prepared("hybrid", "bayes")
+    path = tmp_path / "m.onnx"
+    with pytest.raises(ConfigError, match="only opset 11"):
+        export_to_onnx(qat, x, str(path), opset_version=13)
+    assert os.listdir(tmp_path) == []
+
+
+def test_failures_leave_no_file_behind(tmp_path):
+    path = tmp_path / "m.onnx"
+    # a plain float model: prepare it first
+    with pytest.raises(ConfigError, match="prepare"):
+        export_to_onnx(zoo.get("hybrid"), zoo.example_inputs("hybrid", image_size=32), str(path))
+    # a calibration model that never saw data
+    cal = prepare_calibration_fx(zoo.get("hybrid"), example_inputs=zoo.example_inputs("hybrid", image_size=32),
+                                 hybrid=True, march="bayes")
+    with pytest.raises(CalibrationError, match="never saw data"):
+        export_to_onnx(cal, zoo.example_inputs("hybrid", image_size=32), str(path))
+    # bad arguments
+    qat, x = prepared("hybrid", "bayes")
+    with pytest.raises(ConfigError, match="input tensor"):
+        export_to_onnx(qat, (x[0], x[0]), str(path))
+    with pytest.raises(ConfigError, match="dynamic_axes"):
+        export_to_onnx(qat, x, str(path), dynamic_axes={"nope": {0: "batch"}})
+    assert os.listdir(tmp_path) == []
+    # an existing file is replaced only by a complete export
+    path.write_bytes(b"old")
+    with pytest.raises(ConfigError):
+        export_to_onnx(qat, x, str(path), opset_version=12)
+    assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["m.onnx"]
+    export_to_onnx(qat, x, str(path))
+    assert onnx.load(str(path)).graph.node and (tmp_path / f"m.onnx{SIDECAR_SUFFIX}").exists()
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", f"m.onnx{SIDECAR_SUFFIX}"]
