@@ -17,10 +17,11 @@ import torch.nn.functional as F
 
 from qcompiler.errors import CalibrationError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
+from qcompiler.ir.ops import META_OPS
 from qcompiler.ir.modules import free_name, set_module
 from qcompiler.nn import fused
 from qcompiler.nn import quantized as qnn
-from qcompiler.nn.qat import FLOAT_CLASS, has_weight_layer
+from qcompiler.nn.qat import FLOAT_CLASS, has_weight_layer, output_channel_scales
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.passes.insert_observers import OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
 from qcompiler.quantization import fixed_point as fp
@@ -105,7 +106,7 @@ def _weight_params(base: nn.Module, where: str):
         scale = wfq.calculate_qparams()[0]
     dtype = wfq.dtype
     q = fp.quantize(w, scale, dtype, axis=axis if scale.numel() > 1 else None)
-    return q, scale.reshape(-1), axis
+    return q, output_channel_scales(base, scale.reshape(-1)), axis
 
 
 def _geometry(base: nn.Module) -> dict:
@@ -148,6 +149,8 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if op == "dequant":
             _install(gm, node, qnn.DeQuantize())
             continue
+        if op in META_OPS:
+            continue  # x.size() of a QTensor is its shape: nothing to convert
         if op in SCALE_PRESERVING_OPS:
             qp[node] = in_q(node)
             _install(gm, node, qnn.QuantizedSameScale(op, _float_fn(node, module), dtype=qp[node].dtype))
@@ -260,6 +263,8 @@ def _convert_op(node, op, module, qp, out: _QParams, where) -> nn.Module:
         align = getattr(module, "align_corners", None) if module is not None else node.kwargs.get("align_corners")
         return qnn.QuantizedResize(mode or "nearest", qp[args[0]].scale, out.scale, out.dtype,
                                    shape(node)[2:], align)
+    if op == "relu6":
+        return qnn.QuantizedPReLU(op, torch.zeros(1), qp[args[0]].scale, out.scale, out.dtype, top=6.0)
     if op in ("prelu", "leaky_relu"):
         if module is not None:
             slope = module.weight if op == "prelu" else torch.tensor([module.negative_slope])

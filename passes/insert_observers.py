@@ -53,9 +53,10 @@ from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
 OUTPUT_OBSERVER = "output_observer"  # META_STUB of the graph-node observers this pass adds
 
-# Ops whose output keeps the input's quantization grid: no observer after them.
+# Ops whose output keeps the input's quantization grid: no observer after them. (relu6 is
+# not one: 6.0 is rarely on the input's grid, so it gets its own quantizer.)
 SCALE_PRESERVING_OPS = frozenset({
-    "relu", "relu6", "max_pool2d", "identity", "dropout", "reshape", "flatten",
+    "relu", "max_pool2d", "identity", "dropout", "reshape", "flatten",
     "permute", "transpose", "getitem", "size", "dequant",
 })
 

@@ -132,3 +132,35 @@ def test_bad_arguments():
     cal, _ = calibrated("hybrid", "bayes", batches=1)
     with pytest.raises(ConfigError, match="unknown key 'remove_qconfig'"):
         convert_fx(cal, {"remove_qconfig": True})
+
+
+class _Edges(torch.nn.Module):
+    """Grouped transposed conv, unfused ReLU6, mean without keepdim and view(size(0), -1) on the BPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(4, 4, 1)
+        self.t = torch.nn.ConvTranspose2d(4, 4, 2, stride=2, groups=2)
+        self.r6 = torch.nn.ReLU6()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.r6(self.t(self.a(x)) * 3)
+        return self.fc(torch.mean(y, (2, 3))), y.view(y.size(0), -1)
+
+
+def test_edge_ops_convert_and_match():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    cal = prepare_calibration_fx(_Edges(), example_inputs=x)
+    cal.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            cal(torch.randn(2, 4, 8, 8))
+    qat = prepare_qat_fx(cal)
+    set_state(qat, "validation")
+    qat.eval()
+    q = convert_fx(qat)
+    with torch.no_grad():
+        for f, o in zip(qat(x), q(x)):
+            assert torch.equal(f, o)

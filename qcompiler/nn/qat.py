@@ -20,6 +20,15 @@ from qcompiler.nn import fused
 from qcompiler.quantization.fake_quantize import FakeQuantize
 
 
+def output_channel_scales(layer: nn.Module, weight_scales: torch.Tensor) -> torch.Tensor:
+    """One weight scale per output channel. A grouped transposed conv quantizes its weight
+    ``(in, out/groups, kh, kw)`` along dim 1, so its out/groups scales repeat for every group."""
+    groups = getattr(layer, "groups", 1)
+    if isinstance(layer, nn.ConvTranspose2d) and groups > 1 and weight_scales.numel() > 1:
+        return weight_scales.reshape(-1).repeat(groups)
+    return weight_scales
+
+
 def _fake_quantizing(fq) -> bool:
     """True for a FakeQuantize that currently fake-quantizes with a known scale."""
     return isinstance(fq, FakeQuantize) and bool(fq.fake_quant_enabled[0]) and getattr(fq, "_has_qparams", False)
@@ -63,10 +72,11 @@ class _Observed:
         src = self.__dict__.get("_qc_input_quantizer")
         if b is None or not _fake_quantizing(wfq) or not _fake_quantizing(src):
             return b
+        w_scale = output_channel_scales(self, wfq.scale)
         if not self.training:  # exact: the grid s_in * s_w as convert computes it (float64)
-            scale = src.scale.double() * wfq.scale.double()
+            scale = src.scale.double() * w_scale.double()
             return torch.round(b.double() / scale).clamp(-(2 ** 31), 2 ** 31 - 1) * scale
-        scale = src.scale * wfq.scale
+        scale = src.scale * w_scale
         on_grid = torch.round(b / scale).clamp(-(2 ** 31), 2 ** 31 - 1) * scale
         return b + (on_grid - b).detach()  # straight-through gradient
 

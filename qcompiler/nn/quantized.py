@@ -258,7 +258,7 @@ class QuantizedAvgPool(QuantizedModule):
         if self.kernel is None:
             y = fp.int_global_avg_pool(q, self.in_scale, self.out_scale, self.out_dtype, mult_bits=MULT_BITS)
             if not self.keepdim:
-                y = y.flatten(-2)
+                y = y.reshape(y.shape[:-2])
         else:
             y = fp.int_avg_pool2d(q, self.kernel, self.stride, self.padding, in_scale=self.in_scale,
                                   out_scale=self.out_scale, out_dtype=self.out_dtype, mult_bits=MULT_BITS)
@@ -295,10 +295,15 @@ class QuantizedPReLU(QuantizedModule):
     The slope is per channel (dim 1) for a PReLU with several parameters, else one value.
     """
 
-    def __init__(self, op: str, slope: torch.Tensor, in_scale: float, out_scale: float, out_dtype: str) -> None:
+    def __init__(self, op: str, slope: torch.Tensor, in_scale: float, out_scale: float, out_dtype: str,
+                 top: Optional[float] = None) -> None:
         super().__init__()
         self.qc_op, self.out_scale, self.out_dtype = op, float(out_scale), out_dtype
         slope = slope.detach().double().reshape(-1)
+        self.register_buffer("slope", slope.float())
+        # relu6: an upper clamp at round(6 / s_out), as the fake-quant model rounds min(x, 6)
+        self.top = None if top is None else min(
+            int(torch.round(torch.tensor(top, dtype=torch.float64) / out_scale)), fp.qrange(out_dtype)[1])
         self.Mp, self.np_ = _params(in_scale / out_scale)
         self.register_buffer("Mn", _params(slope * in_scale / out_scale)[0])
         self.register_buffer("nn_", _params(slope * in_scale / out_scale)[1])
@@ -308,7 +313,10 @@ class QuantizedPReLU(QuantizedModule):
         axis = 1 if self.Mn.numel() > 1 else None
         pos = fp.requantize(q, self.Mp, self.np_, self.out_dtype, op=self.qc_op)
         neg = fp.requantize(q, self.Mn, self.nn_, self.out_dtype, axis=axis, op=self.qc_op)
-        return _q(torch.where(q >= 0, pos, neg), self.out_scale)
+        y = torch.where(q >= 0, pos, neg)
+        if self.top is not None:
+            y = torch.minimum(y, torch.tensor(self.top, dtype=y.dtype))
+        return _q(y, self.out_scale)
 
 
 class QuantizedSameScale(QuantizedModule):

@@ -153,6 +153,11 @@ class FakeQuantizeBase(nn.Module):
     def ch_axis(self) -> int:
         return self.activation_post_process.ch_axis
 
+    @ch_axis.setter
+    def ch_axis(self, axis: int) -> None:
+        """Passed on to a per-channel observer (e.g. 1 for a ConvTranspose weight)."""
+        self.activation_post_process.ch_axis = axis
+
     @property
     def qscheme(self) -> torch.qscheme:
         return torch.per_tensor_symmetric if self.ch_axis < 0 else torch.per_channel_symmetric
