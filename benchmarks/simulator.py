@@ -1,7 +1,7 @@
 """BPU simulator speed vs float eager torch on the same inputs.
 
     python benchmarks/simulator.py [--models resnet18,mobilenet_v2] [--batches 1,8] [--size 224]
-                                   [--repeat 5] [--threads N] [--no-profile]
+                                   [--repeat 10] [--threads N] [--no-profile]
 
 For each zoo model: calibrate + QAT-prepare + ``convert_fx`` (on 224x224
 inputs by default), lower every BPU partition, and time on the same input:
@@ -16,7 +16,8 @@ inputs by default), lower every BPU partition, and time on the same input:
 * ``sim fp``     ``kernels="fixed_point"`` (the fixed_point functions exactly as the
   converted modules call them).
 
-Times are the best of ``--repeat`` runs after one warm-up (``time.perf_counter``);
+Times are the best of ``--repeat`` runs after one warm-up (``time.perf_counter``), the
+contenders run in rotation (the slow ``converted`` / ``sim fp`` get a third of the repeats);
 the torch thread count is fixed and printed.  Every simulator output is
 checked equal (``torch.equal``) to the converted model's.  With profiling on,
 the fast simulator's time per op kind and the top aten kernels are printed for
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 from tabulate import tabulate
@@ -53,14 +55,30 @@ def converted_model(name: str, size: int, march: str = "bayes"):
     return convert_fx(qat)
 
 
-def best_time(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def best_times(fns: dict, repeat: int) -> dict:
+    """Best-of-``repeat`` seconds of each callable, run in rotation (one warm-up each first).
+
+    Rotating rather than timing one contender after the other keeps a change
+    of machine load from favouring whichever ran in the quiet phase.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def _timed(fn, kind: str, totals: dict):
+    def timed(*args):
+        t0 = time.perf_counter()
+        r = fn(*args)
+        totals[kind] += time.perf_counter() - t0
+        return r
+    return timed
 
 
 def op_kind_profile(runner: PartitionedRunner, x: torch.Tensor) -> dict[str, float]:
@@ -71,13 +89,9 @@ def op_kind_profile(runner: PartitionedRunner, x: torch.Tensor) -> dict[str, flo
         steps = []
         originals[sim] = sim._steps
         for (fn, ins, out, free), op in zip(sim._steps, sim.program.ops):
-            def timed(*args, _fn=fn, _kind=op.kind + ("+add" if op.attrs.get("with_add") else "")
-                      + ("(dw)" if op.kind == "conv2d" and op.attrs.get("groups", 1) > 1 else "")):
-                t0 = time.perf_counter()
-                r = _fn(*args)
-                totals[_kind] += time.perf_counter() - t0
-                return r
-            steps.append((timed, ins, out, free))
+            kind = op.kind + ("+add" if op.attrs.get("with_add") else "") + (
+                "(dw)" if op.kind == "conv2d" and op.attrs.get("groups", 1) > 1 else "")
+            steps.append((_timed(fn, kind, totals), ins, out, free))
         sim._steps = steps
     try:
         t0 = time.perf_counter()
@@ -94,7 +108,7 @@ def main() -> None:
     ap.add_argument("--models", default="resnet18,mobilenet_v2")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--size", type=int, default=224)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
@@ -120,11 +134,10 @@ def main() -> None:
                 for runner, label in ((fast, "fast"), (f32, "fast/f32"), (slow, "fixed_point")):
                     if not torch.equal(runner(x), ref):
                         raise SystemExit(f"{name} b{b}: simulator ({label}) output != converted model output")
-                t_float = best_time(lambda: f(x), args.repeat)
-                t_conv = best_time(lambda: q(x), args.repeat)
-                t_fast = best_time(lambda: fast(x), args.repeat)
-                t_f32 = best_time(lambda: f32(x), args.repeat)
-                t_fp = best_time(lambda: slow(x), args.repeat)
+                t = best_times({"float": partial(f, x), "fast": partial(fast, x), "f32": partial(f32, x)},
+                               args.repeat)
+                t.update(best_times({"conv": partial(q, x), "fp": partial(slow, x)}, max(2, args.repeat // 3)))
+                t_float, t_conv, t_fast, t_f32, t_fp = t["float"], t["conv"], t["fast"], t["f32"], t["fp"]
             rows.append([name, b, f"{t_float * 1e3:.1f}", f"{t_conv * 1e3:.1f}", f"{t_fast * 1e3:.1f}",
                          f"{t_f32 * 1e3:.1f}", f"{t_fp * 1e3:.1f}", f"{t_fast / t_float:.2f}",
                          f"{t_f32 / t_float:.2f}", f"{t_fp / t_float:.2f}", f"{t_conv / t_float:.2f}"])

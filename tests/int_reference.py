@@ -126,7 +126,7 @@ def ref_conv2d(x, w, bias=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), 
     """Exact int64 accumulator of conv2d by explicit loops over outputs (zero padding)."""
     x = np.asarray(x, dtype=np.int64)
     w = np.asarray(w, dtype=np.int64)
-    N, C, H, W = x.shape
+    N, _, H, W = x.shape
     O, Cg, kh, kw = w.shape
     sh, sw = stride
     ph, pw = padding
@@ -324,7 +324,7 @@ def ref_global_avg_pool(q, in_scale: float, out_scale: float, dtype: str, keepdi
     M, n = ref_requant_params(f32(in_scale) / (hw * f32(out_scale)))
     s = q.sum(axis=(-2, -1), keepdims=True)
     y = ref_requantize(s, M, n, dtype)
-    return y if keepdim else y.reshape(*y.shape[:-2], -1)
+    return y if keepdim else y.reshape(y.shape[:-2])
 
 
 def ref_resize_nearest(q, size, ratio: float, dtype: str) -> np.ndarray:
@@ -339,7 +339,7 @@ def ref_resize_nearest(q, size, ratio: float, dtype: str) -> np.ndarray:
         if out == 2 * inp:
             return o >> 1
         scale = np.float32(inp) / np.float32(out)
-        return min(int(math.floor(np.float32(o) * scale)), inp - 1)
+        return min(math.floor(np.float32(o) * scale), inp - 1)
 
     rows = [src(o, H, Ho) for o in range(Ho)]
     cols = [src(o, W, Wo) for o in range(Wo)]
@@ -360,7 +360,7 @@ def ref_resize_bilinear(q, size, ratio: float, align_corners: bool, dtype: str) 
         else:
             scale = inp / out
             s = max(scale * (o + 0.5) - 0.5, 0.0)
-        i0 = min(int(math.floor(s)), inp - 1)
+        i0 = min(math.floor(s), inp - 1)
         i1 = i0 + 1 if i0 < inp - 1 else i0
         l1 = s - i0
         return i0, i1, 1.0 - l1, l1

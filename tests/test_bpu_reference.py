@@ -26,7 +26,6 @@ from qcompiler.passes.convert import _float_fn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
-
 # every kernel set: fixed_point calls, the fast kernels with float GEMMs, and with int8 GEMMs
 CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
     [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
@@ -154,6 +153,8 @@ CONV_CASES = [
     (4, 5, 1, 2, 0, 1, 1, 6, 5),
     (6, 6, 3, 1, 1, 1, 6, 6, 6),  # depthwise
     (6, 6, 3, 2, 1, 1, 6, 7, 7),  # depthwise, strided
+    (6, 6, 3, 2, 2, 2, 6, 9, 8),  # depthwise, strided, dilated
+    (6, 6, 3, 1, 1, 2, 6, 7, 7),  # depthwise, dilated
     (4, 6, 3, 1, 2, 2, 2, 6, 6),  # grouped, dilated
     (3, 4, (3, 1), (1, 2), (1, 0), 1, 1, 6, 6),
     (5, 3, 5, 1, 2, 1, 1, 5, 4),
@@ -386,3 +387,14 @@ def test_int32_accumulator_overflow_is_reported():
             run_partitioned(gm, t.inputs, {"bpu0": prog}, **cfg)
     with pytest.raises(ref.ReferenceOverflow):
         ref.run_program(prog, {"x0": t.inputs[0].numpy()})
+
+
+def test_global_pool_sum_overflow_is_reported():
+    """int16 values summed over a 256x512 map leave int32: the simulator checks the sums."""
+    t = Tiny(seed=19)
+    x = t.input(torch.full((1, 1, 256, 512), 32767), 1.0, "qint16")
+    gm = t.build(t.call(qnn.QuantizedAvgPool(1.0, 30000.0, "qint16"), x, name="gap"))
+    prog = lower_partition(gm, "bpu0")
+    for cfg in CONFIGS:
+        with pytest.raises(fp.AccumulatorOverflow, match="bpu0/gap: int32 accumulator"):
+            run_partitioned(gm, t.inputs, {"bpu0": prog}, **cfg)

@@ -25,7 +25,7 @@ CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] +
     [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def converted(name: str, march: str):
     """convert_fx(qat model in validation state) and its example inputs (one calibration batch)."""
     kw = SMALL.get(name, {})
@@ -133,7 +133,7 @@ def test_bpu_to_bpu_edges_pass_qtensors():
 
 
 def test_simulator_input_checks():
-    q, x = converted("transformer_block", "bayes")
+    q, _ = converted("transformer_block", "bayes")
     programs = lower_bpu_partitions(q)
     prog = next(p for p in programs.values() if any(not v.is_float for v in p.inputs))
     sim = BpuSimulator(prog)

@@ -25,7 +25,6 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, encode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError

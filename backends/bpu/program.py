@@ -26,6 +26,7 @@ The program serialises without pickle: :meth:`BpuProgram.to_state` returns
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -68,7 +69,8 @@ OP_KINDS: dict[str, str] = {
     "leaky_relu": "as prelu with one slope",
     "max_pool2d": "integer max pool (exact)",
     "avg_pool2d": "integer window sum requantized by M/2^n (count_include_pad)",
-    "global_avg_pool": "integer sum over H*W requantized by s_in / (H*W*s_out) (fixed_point)",
+    "global_avg_pool": "integer sum over H*W requantized by s_in / (H*W*s_out) (fixed_point); keepdim False "
+                       "drops both spatial dims",
     "resize_nearest": "nearest resize, values rescaled by in_scale/out_scale in float64, half-even",
     "resize_bilinear": "bilinear resize in float64 on the integers, rescaled, half-even",
     "lut": "table[q - qmin] (element-wise non-linearity built at convert time)",
@@ -259,8 +261,8 @@ class BpuProgram:
 
     def summary(self) -> str:
         """A readable listing: inputs, outputs, one line per op with its attrs and tensors."""
-        lines = [f"BpuProgram {self.name}: {len(self.inputs)} inputs, {len(self.outputs)} outputs, "
-                 f"{len(self.ops)} ops"]
+        head = f"BpuProgram {self.name}: {len(self.inputs)} inputs, {len(self.outputs)} outputs, {len(self.ops)} ops"
+        lines = [head]
         lines.append("inputs:")
         lines += [f"  {v.describe()}" for v in self.inputs]
         lines.append("outputs:")
@@ -317,7 +319,7 @@ def _op_detail(op: BpuOp) -> str:
             continue
         parts.append(f"{k}={_fmt_attr(v)}")
     for k, t in op.tensors.items():
-        parts.append(f"{k}:{_fmt_tensor(t)}")
+        parts.append(f"{k}={int(t)}" if t.dim() == 0 and not t.is_floating_point() else f"{k}:{_fmt_tensor(t)}")
     return " ".join(parts)
 
 
@@ -326,7 +328,7 @@ def _jsonable(v: Any, where: str) -> Any:
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
-        if v != v or v in (float("inf"), float("-inf")):
+        if not math.isfinite(v):
             raise ConfigError(f"{where}: non-finite float {v!r} cannot be stored")
         return v
     if isinstance(v, (list, tuple)):

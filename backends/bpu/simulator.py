@@ -280,20 +280,28 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         M, n = T["M"], T["n"]
         kk = ks[0] * ks[1]
 
+        amax = _AMAX[in_specs[0].dtype]
+
         def avg_pool(x):
             # fixed_point.int_avg_pool2d with its multipliers precomputed (same checks, same sums)
             if fp._extreme(x) * kk >= _F64_EXACT:
                 raise fp.AccumulatorOverflow(name, fp._extreme(x) * kk, _F64_EXACT, what="window sum")
             s = F.avg_pool2d(x.to(torch.int64).double(), ks, st, pad, ceil_mode=False, count_include_pad=True,
                              divisor_override=1).to(torch.int64)
+            if amax * kk >= _I32:  # the int32 range of the window sums is not proven: check it
+                fp.check_accumulator(s, 32, op=name)
             return fp.requantize(s, M, n, out_dtype, op=name)
         return avg_pool
     if k == "global_avg_pool":
         s_in, s_out, keep = a["in_scale"], a["out_scale"], a["keepdim"]
 
+        amax = _AMAX[in_specs[0].dtype]
+
         def gap(x):
+            if amax * x.shape[-1] * x.shape[-2] >= _I32:  # int32 range of the sums not proven: check it
+                fp.check_accumulator(x.to(torch.int64).sum(dim=(-2, -1)), 32, op=name)
             y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS, op=name)
-            return y if keep else y.flatten(-2)
+            return y if keep else y.reshape(y.shape[:-2])  # as QuantizedAvgPool (mean without keepdim)
         return gap
     if k in ("resize_nearest", "resize_bilinear"):
         size, ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
@@ -403,9 +411,13 @@ def _fixed_point_weight_layer(op: BpuOp, name: str) -> Callable:
 
 # ---------------------------------------------------------------------------- fast kernels
 
-# elements of one output tile: the GEMM result (float32) and the epilogue temporaries
-# (float64, 2 MiB) of a tile stay in cache between the passes over it
-_TILE = 1 << 18
+# elements of one output tile: the tile's GEMM result and epilogue temporaries (float64: 8 MiB)
+# stay in the last-level cache between the passes over them, and a layer is a few tiles, so
+# the per-call overhead of the ~10 torch ops per tile stays small (measured: 2**18..2**20 similar
+# at batch 8, smaller tiles are slower)
+_TILE = 1 << 20
+# bytes of one integer im2col tile
+_COL_BYTES = 8 << 20
 
 
 _INT8_GEMM: Optional[bool] = None
@@ -444,8 +456,10 @@ def _int8_self_test() -> bool:
                     b = torch.full((K, N), vb, dtype=torch.int8)
                     a[:, 1::3] = -va if va != -128 else 127
                 want = a.to(torch.int64) @ b.to(torch.int64)
+                wide = torch.zeros(K, N + 5, dtype=torch.int8)
+                wide[:, 2:N + 2] = b
                 for got in (fn(a, b), fn(a, torch.empty(N, K, dtype=torch.int8).t().copy_(b)),
-                            fn(a, b, out=torch.empty(M, N, dtype=torch.int32))):
+                            fn(a, wide[:, 2:N + 2]), fn(a, b, out=torch.empty(M, N, dtype=torch.int32))):
                     if got.dtype != torch.int32 or not torch.equal(got.to(torch.int64), want):
                         return False
     except (RuntimeError, TypeError, NotImplementedError):
@@ -501,6 +515,8 @@ class _Epilogue:
         bias = T.get("bias")
         self.bias_i64 = None if bias is None else bias.to(torch.int64)
         self.bias = None if bias is None else bias.to(torch.float64).view(shape)
+        self.bias_i32 = None if bias is None else bias.to(torch.int32).view(shape)
+        self.bias_f32 = None if bias is None else bias.to(torch.float32).view(shape)  # exact below 2**24
         self.max_bias = 0 if bias is None else int(bias.to(torch.int64).abs().max())
         self.hp = bool(a["high_precision"])
         if self.hp:
@@ -534,11 +550,12 @@ class _Epilogue:
         return p if ndim == 2 else p.view((c1 - c0,) + (1,) * (ndim - 1))
 
     def tile(self, acc: torch.Tensor, out: torch.Tensor, c0: int, c1: int,
-             other: Optional[torch.Tensor] = None, check: bool = False) -> None:
+             other: Optional[torch.Tensor] = None, check: bool = False, bias_in_acc: bool = False) -> None:
+        """``bias_in_acc``: the caller already added the bias exactly (int32, or float32 below 2**24)."""
         ws = self.ws
         t = ws.get("epi", acc.shape, torch.float64)
         t.copy_(acc)
-        if self.bias is not None:
+        if self.bias is not None and not bias_in_acc:
             t.add_(self._param(self.bias, c0, c1, t.dim()))
         if check:  # the int32 range is not proven for this input: check the data
             fp.check_accumulator(t, 32, op=self.name)
@@ -546,28 +563,28 @@ class _Epilogue:
             out.copy_(t)
             return
         t.mul_(self._param(self.f, c0, c1, t.dim()))
-        if self.with_add:
-            o = ws.get("epi_other", acc.shape, torch.float64)
-            o.copy_(other)
-            t.add_(o, alpha=self.f2)  # q_b * f2 is exact; one rounding of the sum
         if not self.detect:
             t.round_().clamp_(self.lo, self.hi)
             out.copy_(t)
             return
+        if self.with_add:
+            o = ws.get("epi_other", acc.shape, torch.float64)
+            o.copy_(other)
+            t.add_(o, alpha=self.f2)  # q_b * f2 is exact; one rounding of the sum
         y = ws.get("epi2", acc.shape, torch.float64)
         torch.round(t, out=y)
         flag = t.sub_(y).abs_() >= self.threshold
         if bool(flag.any()):
-            self._exact(y, flag, acc, other, c0)
+            self._exact(y, flag, acc, other, c0, bias_in_acc)
         y.clamp_(self.lo, self.hi)
         out.copy_(y)
 
-    def _exact(self, y, flag, acc, other, c0) -> None:
+    def _exact(self, y, flag, acc, other, c0, bias_in_acc=False) -> None:
         """Recompute the flagged elements in int64 with fixed_point's rounding (half to even)."""
         idx = flag.nonzero(as_tuple=True)
         c = idx[0] + c0 if self.rows else idx[-1]
         v = acc[idx].to(torch.int64)
-        if self.bias_i64 is not None:
+        if self.bias_i64 is not None and not bias_in_acc:
             v = v + self.bias_i64[c]
         prod = v * self.M[c]  # |acc| < 2**31 and |M| < 2**31: no int64 overflow
         if self.with_add:
@@ -661,7 +678,7 @@ class _FastConv:
         plan = None if self.int8 else self._plan(amax)
         if plan is None and not self.int8:
             return self.fallback(x) if other is None else self.fallback(x, other)
-        N, C, H, W = x.shape
+        N = x.shape[0]
         st, pad, dil, Ho, Wo = fp._conv_geometry(
             x.shape, self.w_i8.shape, self.stride, self.padding, self.dilation, self.groups, self.name)
         check = amax * self.l1_row + self.epi.max_bias >= _I32
@@ -711,8 +728,15 @@ class _FastConv:
                 acc64.add_(acc)
         return acc64
 
+    def _add_bias(self, acc: torch.Tensor, check: bool) -> bool:
+        """Add the bias to an int32 accumulator in place when acc + bias is proven in range."""
+        if acc.dtype != torch.int32 or check or self.epi.bias_i32 is None:
+            return False
+        acc.add_(self.epi.bias_i32)
+        return True
+
     def _gemm_conv(self, x, plan, out, ot, check, st, pad, dil, Ho, Wo) -> None:
-        N, C, H, W = x.shape
+        N, C = x.shape[:2]
         O, kh, kw = self.O, self.kh, self.kw
         (sh, sw), (dh, dw) = st, dil
         K = C * kh * kw
@@ -731,11 +755,12 @@ class _FastConv:
             for p0 in range(0, G, T):
                 p1 = min(G, p0 + T)
                 acc = self._gemm(src[:, p0:p1], plan, p1 - p0)
-                epi.tile(acc, out2[:, p0:p1], 0, O, None if other2 is None else other2[:, p0:p1], check)
+                epi.tile(acc, out2[:, p0:p1], 0, O, None if other2 is None else other2[:, p0:p1], check,
+                         self._add_bias(acc, check))
             return
         xp = self._padded(x, pad)
         HW = Ho * Wo
-        T = max(Wo, min(_TILE // O, (4 << 20) // K))  # output positions per tile
+        T = max(Wo, min(_TILE // O, _COL_BYTES // K))  # output positions per tile
         if HW <= T:
             tiles = [(n, min(N, n + T // HW), 0, Ho) for n in range(0, N, T // HW)]
         else:
@@ -751,7 +776,7 @@ class _FastConv:
             acc = self._gemm(col.view(K, width), plan, width)
             o = out[:, n0:n1, r0:r1].reshape(O, width)  # a view (rows or whole images)
             other = None if ot is None else ot[:, n0:n1, r0:r1].reshape(O, width)
-            epi.tile(acc, o, 0, O, other, check)
+            epi.tile(acc, o, 0, O, other, check, self._add_bias(acc, check))
 
     def _depthwise(self, x, dtype, out, ot, check, st, pad, dil, Ho, Wo) -> None:
         """Per block of channels: cast the padded block, multiply-add its taps, run the epilogue."""
@@ -764,20 +789,34 @@ class _FastConv:
         # stride 1: shifted windows of the flattened padded block (positions between rows and
         # images are computed and dropped; not when the int32 range must be checked on the data)
         flat = (sh, sw) == (1, 1) and not check
+        bias = self.epi.bias_f32
+        fold = (bias is not None and dtype == torch.float32 and not check
+                and self.static_amax is not None and self.static_amax * self.l1_row + self.epi.max_bias < _F32_EXACT)
         per = N * Hp * Wp
         cb = max(1, _TILE // per)
         offs = [i * dh * Wp + j * dw for i, j in self.taps]
+        # strided: split the block into its sh*sw phases (unit-stride windows for every tap)
+        phase_hw = [((Hp - a + sh - 1) // sh, (Wp - b + sw - 1) // sw) for a in range(sh) for b in range(sw)]
         for c0 in range(0, C, cb):
             c1 = min(C, c0 + cb)
-            xb = ws.get("xtile", (c1 - c0, N, Hp, Wp), dtype)
-            xb.copy_(xp[c0:c1])
+            if flat or (sh, sw) == (1, 1):
+                xb = ws.get("xtile", (c1 - c0, N, Hp, Wp), dtype)
+                xb.copy_(xp[c0:c1])
+            else:
+                phases = {}
+                for k, (a, b) in enumerate((a, b) for a in range(sh) for b in range(sw)):
+                    ph_ = ws.get(f"phase{k}", (c1 - c0, N) + phase_hw[k], dtype)
+                    ph_.copy_(xp[c0:c1, :, a::sh, b::sw])
+                    phases[(a, b)] = ph_
             if flat:
                 fb = xb.view(c1 - c0, -1)
                 cols = per - offs[-1]
                 acc = ws.get("acc", (c1 - c0, per), dtype)
                 part = acc[:, :cols]
                 for k, off in enumerate(offs):
-                    if k == 0:
+                    if k == 0 and fold:
+                        torch.addcmul(bias[c0:c1], fb[:, off:off + cols], wts[k][c0:c1], out=part)
+                    elif k == 0:
                         torch.mul(fb[:, off:off + cols], wts[k][c0:c1], out=part)
                     else:
                         part.addcmul_(fb[:, off:off + cols], wts[k][c0:c1])
@@ -785,14 +824,20 @@ class _FastConv:
             else:
                 acc = ws.get("acc", (c1 - c0, N, Ho, Wo), dtype)
                 for k, (i, j) in enumerate(self.taps):
-                    xv = xb[:, :, i * dh: i * dh + sh * (Ho - 1) + 1: sh, j * dw: j * dw + sw * (Wo - 1) + 1: sw]
+                    if (sh, sw) == (1, 1):
+                        xv = xb[:, :, i * dh: i * dh + Ho, j * dw: j * dw + Wo]
+                    else:  # row i*dh + sh*r lies in phase (i*dh % sh) at row i*dh // sh + r
+                        a, b = i * dh % sh, j * dw % sw
+                        xv = phases[(a, b)][:, :, i * dh // sh: i * dh // sh + Ho, j * dw // sw: j * dw // sw + Wo]
                     wv = wts[k][c0:c1].view(-1, 1, 1, 1)
-                    if k == 0:
+                    if k == 0 and fold:
+                        torch.addcmul(bias[c0:c1].view(-1, 1, 1, 1), xv, wv, out=acc)
+                    elif k == 0:
                         torch.mul(xv, wv, out=acc)
                     else:
                         acc.addcmul_(xv, wv)
             # (the epilogue's first copy drops the extra positions of the flat form)
-            self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check)
+            self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check, fold)
 
 
 def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
@@ -936,7 +981,10 @@ class PartitionedRunner:
 
     def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
                  *, kernels: str = "fast", int8_gemm: Optional[bool] = None) -> None:
-        from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
+        from qcompiler.backends.bpu.lower import (
+            lower_bpu_partitions,
+            partition_boundary,
+        )
 
         self.gm = converted_gm
         self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
