@@ -190,6 +190,9 @@ def _float_fn(node: fx.Node, module: Optional[nn.Module]):
     op = node.meta.get(META_OP)
     if op == "max_pool2d":
         m = module
+        if m is None or m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
+            raise UnsupportedOpError(f"node '{node.name}': max_pool2d with dilation, ceil_mode or return_indices "
+                                     f"(or functional max_pool2d) has no fixed-point lowering yet")
         return lambda x: fp.int_max_pool2d(x, m.kernel_size, m.stride, m.padding)
     if op == "flatten":
         m = module

@@ -617,3 +617,12 @@ def test_relu_relu6_leaky_relu():
     exp = torch.where(qq >= 0, qq, torch.from_numpy(ref_requant(qq.numpy(), int(M), int(n), -128, 127)))
     assert torch.equal(y, exp)
     assert (y - torch.where(qq >= 0, qq.double(), torch.round(qq * 0.1))).abs().max() <= 1
+
+
+def test_pool_sums_overflowing_int32_are_reported():
+    big = torch.full((1, 1, 256, 512), 32767, dtype=torch.int16)  # sum = 32767 * 131072 > 2**31
+    with pytest.raises(AccumulatorOverflow, match="gap"):
+        fp.int_global_avg_pool(big, 1.0, 30000.0, "qint16", op="gap")
+    with pytest.raises(AccumulatorOverflow, match="pool"):
+        fp.int_avg_pool2d(torch.full((1, 1, 256, 256), 32767, dtype=torch.int16), 256, in_scale=1.0,
+                          out_scale=1.0, out_dtype="qint16", op="pool")

@@ -313,7 +313,8 @@ class _Lowering:
         so = fp._f64(m.out_scale, "out_scale")
         Ms, ns = [], []
         for i, s in enumerate(m.in_scales):
-            M, n = fp.requant_params(fp._f64(s, f"in_scales[{i}]") / so, mult_bits=qnn.MULT_BITS)
+            M, n = fp.requant_params(fp._f64(s, f"in_scales[{i}]") / so, mult_bits=qnn.MULT_BITS,
+                                     max_shift=qnn.MAX_SHIFT)
             Ms.append(int(M))
             ns.append(int(n))
         attrs = {"dim": int(dim), **self.out(self.specs.of(node))}
@@ -345,7 +346,7 @@ class _Lowering:
         kh, kw = fp._pair(m.kernel)
         stride = fp._pair(m.stride if m.stride is not None else m.kernel)
         M, n = fp.requant_params(fp._f64(m.in_scale, "in_scale") / (kh * kw * fp._f64(m.out_scale, "out_scale")),
-                                 mult_bits=qnn.MULT_BITS)
+                                 mult_bits=qnn.MULT_BITS, max_shift=qnn.MAX_SHIFT)
         return BpuOp("avg_pool2d", [x.name], node.name,
                      {"kernel_size": [kh, kw], "stride": list(stride), "padding": list(fp._pair(m.padding)), **out},
                      {"M": M.reshape(()), "n": n.reshape(())})

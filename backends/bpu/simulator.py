@@ -300,7 +300,8 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         def gap(x):
             if amax * x.shape[-1] * x.shape[-2] >= _I32:  # int32 range of the sums not proven: check it
                 fp.check_accumulator(x.to(torch.int64).sum(dim=(-2, -1)), 32, op=name)
-            y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS, op=name)
+            y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS,
+                                       max_shift=qnn.MAX_SHIFT, op=name)
             return y if keep else y.reshape(y.shape[:-2])  # as QuantizedAvgPool (mean without keepdim)
         return gap
     if k in ("resize_nearest", "resize_bilinear"):

@@ -214,7 +214,8 @@ class QuantizedCat(QuantizedModule):
 
     def forward(self, tensors: Sequence[QTensor], dim: int = 0) -> QTensor:
         ints = [t.int_repr() for t in tensors]
-        return _q(fp.int_cat(ints, self.in_scales, self.out_scale, self.out_dtype, dim=dim, mult_bits=MULT_BITS),
+        return _q(fp.int_cat(ints, self.in_scales, self.out_scale, self.out_dtype, dim=dim, mult_bits=MULT_BITS,
+                             max_shift=MAX_SHIFT),
                   self.out_scale)
 
 
@@ -256,12 +257,14 @@ class QuantizedAvgPool(QuantizedModule):
     def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
         q = x.int_repr()
         if self.kernel is None:
-            y = fp.int_global_avg_pool(q, self.in_scale, self.out_scale, self.out_dtype, mult_bits=MULT_BITS)
+            y = fp.int_global_avg_pool(q, self.in_scale, self.out_scale, self.out_dtype, mult_bits=MULT_BITS,
+                                       max_shift=MAX_SHIFT)
             if not self.keepdim:
                 y = y.reshape(y.shape[:-2])
         else:
             y = fp.int_avg_pool2d(q, self.kernel, self.stride, self.padding, in_scale=self.in_scale,
-                                  out_scale=self.out_scale, out_dtype=self.out_dtype, mult_bits=MULT_BITS)
+                                  out_scale=self.out_scale, out_dtype=self.out_dtype, mult_bits=MULT_BITS,
+                                  max_shift=MAX_SHIFT)
         return _q(y, self.out_scale)
 
 

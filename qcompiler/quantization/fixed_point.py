@@ -622,7 +622,8 @@ def int_mul(qa, qb, M, n, out_dtype="qint8", *, op: str = "mul") -> torch.Tensor
 
 
 def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: Scale,
-            out_dtype="qint8", dim: int = 0, *, mult_bits: int = 15, op: str = "cat") -> torch.Tensor:
+            out_dtype="qint8", dim: int = 0, *, mult_bits: int = 15, max_shift: int = 31,
+            op: str = "cat") -> torch.Tensor:
     """Concatenate after requantizing each input to the output scale.
 
     Input ``i`` uses ``requant_params(s_i / s_out)`` (half-to-even rounding); an
@@ -635,7 +636,7 @@ def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: S
     so = _f64(out_scale, "out_scale")
     parts = []
     for i, (q, s) in enumerate(zip(qs, in_scales)):
-        M, n = requant_params(_f64(s, f"in_scales[{i}]") / so, mult_bits=mult_bits)
+        M, n = requant_params(_f64(s, f"in_scales[{i}]") / so, mult_bits=mult_bits, max_shift=max_shift)
         parts.append(requantize(q, M, n, out_dtype, op=f"{op}[{i}]"))
     return torch.cat(parts, dim=dim)
 
@@ -646,7 +647,8 @@ def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: S
 
 def int_avg_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None = None,
                    padding: IntPair = 0, *, in_scale: Scale, out_scale: Scale,
-                   out_dtype="qint8", mult_bits: int = 15, op: str = "avg_pool2d") -> torch.Tensor:
+                   out_dtype="qint8", mult_bits: int = 15, max_shift: int = 31,
+                   op: str = "avg_pool2d") -> torch.Tensor:
     """Average pool: exact integer window sum, then requantize by ``s_in / (kh*kw*s_out)``.
 
     ``count_include_pad=True`` semantics (the divisor is always ``kh*kw``);
@@ -659,13 +661,15 @@ def int_avg_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None
         raise AccumulatorOverflow(op, _extreme(x) * kh * kw, _F64_EXACT, what="window sum")
     s = F.avg_pool2d(x.double(), (kh, kw), stride if stride is not None else (kh, kw), padding,
                      ceil_mode=False, count_include_pad=True, divisor_override=1).to(torch.int64)
+    check_accumulator(s, 32, op=op)
     M, n = requant_params(_f64(in_scale, "in_scale") / (kh * kw * _f64(out_scale, "out_scale")),
-                          mult_bits=mult_bits)
+                          mult_bits=mult_bits, max_shift=max_shift)
     return requantize(s, M, n, out_dtype, op=op)
 
 
 def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_dtype="qint8",
-                        *, mult_bits: int = 15, op: str = "global_avg_pool") -> torch.Tensor:
+                        *, mult_bits: int = 15, max_shift: int = 31,
+                        op: str = "global_avg_pool") -> torch.Tensor:
     """Global average pool over the last two dims (keepdim, like adaptive_avg_pool2d(1)).
 
     Exact int64 sum over ``H*W``, then requantize by ``s_in / (H*W*s_out)``
@@ -676,8 +680,9 @@ def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_
     if hw == 0:
         raise ConfigError(f"{op}: empty spatial size {tuple(x.shape)}")
     s = x.sum(dim=(-2, -1), keepdim=True)
+    check_accumulator(s, 32, op=op)  # the BPU sums in an int32 accumulator
     M, n = requant_params(_f64(in_scale, "in_scale") / (hw * _f64(out_scale, "out_scale")),
-                          mult_bits=mult_bits)
+                          mult_bits=mult_bits, max_shift=max_shift)
     return requantize(s, M, n, out_dtype, op=op)
 
 
