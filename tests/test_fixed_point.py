@@ -624,5 +624,5 @@ def test_pool_sums_overflowing_int32_are_reported():
     with pytest.raises(AccumulatorOverflow, match="gap"):
         fp.int_global_avg_pool(big, 1.0, 30000.0, "qint16", op="gap")
     with pytest.raises(AccumulatorOverflow, match="pool"):
-        fp.int_avg_pool2d(torch.full((1, 1, 256, 256), 32767, dtype=torch.int16), 256, in_scale=1.0,
+        fp.int_avg_pool2d(torch.full((1, 1, 256, 300), 32767, dtype=torch.int16), (256, 300), in_scale=1.0,
                           out_scale=1.0, out_dtype="qint16", op="pool")
