@@ -2,6 +2,7 @@
 ``qcompiler`` command line (:mod:`.cli`, not imported here so ``python -m
 qcompiler.tools.cli`` runs cleanly)."""
 
+from qcompiler.tools import numeric_suite
 from qcompiler.tools.graph_dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
 
-__all__ = ["DumpResult", "dump_partitioned", "partition_table", "to_dot", "to_json"]
+__all__ = ["DumpResult", "dump_partitioned", "partition_table", "to_dot", "to_json", "numeric_suite"]
