@@ -4,5 +4,18 @@ qcompiler.tools.cli`` runs cleanly)."""
 
 from qcompiler.tools import numeric_suite
 from qcompiler.tools.graph_dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
+from qcompiler.tools.quant_analysis import METRICS, QuantAnalysis, compute_metric
+from qcompiler.tools.report import write_report
 
-__all__ = ["DumpResult", "dump_partitioned", "partition_table", "to_dot", "to_json", "numeric_suite"]
+__all__ = [
+    "DumpResult",
+    "dump_partitioned",
+    "partition_table",
+    "to_dot",
+    "to_json",
+    "numeric_suite",
+    "QuantAnalysis",
+    "compute_metric",
+    "METRICS",
+    "write_report",
+]

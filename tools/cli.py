@@ -333,9 +333,51 @@ def cmd_compile(args: argparse.Namespace) -> int:
     ops = {}
     for part in compiled.partitions:
         ops[part["placement"]] = ops.get(part["placement"], 0) + part["ops"]
-    print(f"ops per placement: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+    print("ops per placement: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
     print(f"output SQNR vs float on the calibration inputs: {output_sqnr(model, compiled, batches):.2f} dB")
     print(f"wrote {len(files)} files to {out}")
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Quantization accuracy report: float vs fake-quant vs converted, per layer, with advisor and sensitivity."""
+    from qcompiler.quantization import convert_fx, prepare_calibration_fx, prepare_qat_fx, set_state
+    from qcompiler.tools.quant_analysis import QuantAnalysis
+
+    model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
+    hybrid_dict = None
+    if args.hybrid_module_name or args.hybrid_module_type:
+        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
+    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    if args.calib_random < 1:
+        raise UsageError("--calib-random must be at least 1")
+    args.calib_data = None
+    batches = calibration_batches(args, inputs)
+    model.eval()
+    cal = prepare_calibration_fx(model, None, custom, hybrid=True, hybrid_dict=hybrid_dict, example_inputs=inputs,
+                                 march=args.march)
+    cal.eval()
+    with torch.no_grad():
+        for batch in batches:
+            cal(*batch)
+    fq = prepare_qat_fx(cal, None, custom, hybrid=True, hybrid_dict=hybrid_dict)
+    set_state(fq, "validation")
+    fq.eval()
+    converted = convert_fx(fq)
+    out = Path(args.out)
+    qa = QuantAnalysis(model, converted, "quantized", out_dir=out, fake_quant_model=fq)
+    qa.auto_find_bad_case(batches, metric=args.metric)
+    qa.run()
+    qa.compare_per_layer()
+    ranked = qa.sensitivity(metric=args.metric)
+    qa.report()
+    print(f"bad case: batch {qa.bad_case_index} ({args.metric} {qa.bad_case_metric:.6g})")
+    print(f"{len(qa.compare_rows)} layers compared, {len(qa.advice)} advisor finding(s)")
+    for row in ranked[:5]:
+        print(f"  sensitive: {row[0]} ({row[1]}) {args.metric} {row[3]:.6g}")
+    print(f"wrote {len(qa.written)} files to {out}:")
+    for path in qa.written:
+        print(f"  {path}")
     return EXIT_OK
 
 
@@ -380,6 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per calibration batch for --calib-data (default 8)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory (created if needed)")
     p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser(
+        "report",
+        help="accuracy report: float vs quantized per layer, advisor, sensitivity, HTML",
+        description="Calibrate MODEL on --calib-random seeded random batches, convert it, pick the worst "
+        "batch as the bad case and write into --out: compare_per_layer_out.txt/.csv, "
+        "abnormal_layer_advisor.txt, sensitive_ops.txt, badcase.pt and report.html.",
+    )
+    _add_model_args(p)
+    p.add_argument("--calib-random", metavar="N", type=int, default=4,
+                   help="calibrate (and search the bad case) on N seeded random batches (default 4)")
+    p.add_argument("--metric", choices=["L1", "COSINE", "ATOL", "SQNR"], default="L1",
+                   help="metric for the bad case search and the sensitivity ranking (default L1)")
+    p.add_argument("--out", metavar="DIR", required=True, help="output directory (created if needed)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

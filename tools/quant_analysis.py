@@ -1,0 +1,828 @@
+"""Accuracy debugging: compare a float (baseline) model with its quantized version layer by layer.
+
+``QuantAnalysis(baseline_model, analysis_model, analysis_model_type)`` finds the
+worst input (:meth:`~QuantAnalysis.auto_find_bad_case`), records every layer's
+output of both models on it (:meth:`~QuantAnalysis.run`), writes a per-layer
+comparison plus an advisor (:meth:`~QuantAnalysis.compare_per_layer`), ranks the
+quantizers by how much each alone hurts the output (:meth:`~QuantAnalysis.sensitivity`)
+and proposes the fewest quantizers to move to int16 for a target output SQNR
+(:meth:`~QuantAnalysis.suggest_int16`).
+
+Layers are matched by FX node name.  The analysis model is a prepared
+(fake-quant) GraphModule, a converted GraphModule or a ``CompiledModel`` (its
+``.converted`` graph is recorded).  When the baseline is a plain float module,
+the per-layer baseline values come from the *float twin* of the fake-quant
+model (a copy with every fake quant off: the float model with BatchNorm folded,
+same node names, so fused conv+bn+relu layers compare like with like); the
+model outputs always come from the baseline model itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from tabulate import tabulate
+from tqdm import tqdm
+
+from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import BPU, META_PLACEMENT
+from qcompiler.quantization.fake_quantize import FakeQuantize
+from qcompiler.quantization.fixed_point import qrange
+from qcompiler.quantization.qtensor import QTensor
+
+__all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
+
+METRICS = ("L1", "COSINE", "ATOL", "SQNR")
+# metric -> True when a larger value is worse
+_LARGER_IS_WORSE = {"L1": True, "ATOL": True, "COSINE": False, "SQNR": False}
+ANALYSIS_TYPES = ("fake_quant", "quantized", "compiled")
+
+COMPARE_COLUMNS = (
+    "index", "mod_name", "base_op_type", "analy_op_type", "shape", "quant_dtype", "qscale",
+    "Cosine", "L1", "Atol", "max_qscale_diff",
+    "base_min", "base_max", "base_mean", "analy_min", "analy_max", "analy_mean",
+)
+
+BADCASE_FILE = "badcase.pt"
+COMPARE_TXT = "compare_per_layer_out.txt"
+COMPARE_CSV = "compare_per_layer_out.csv"
+ADVISOR_FILE = "abnormal_layer_advisor.txt"
+SENSITIVE_FILE = "sensitive_ops.txt"
+REPORT_FILE = "report.html"
+
+# advisor thresholds
+SATURATION_RATIO = 1.5      # base |max| above 1.5 * qscale * qmax: clipping
+CLIPPED_FRACTION = 0.05     # or more than 5% of the values outside the int range
+UNDERUSED_RATIO = 1 / 8     # base |max| below 1/8 of qscale * qmax: scale too large
+COSINE_DROP = 0.05          # cosine lower than the previous layer's by this much
+COSINE_LOW = 0.99
+QSCALE_DIFF_HIGH = 8.0      # outputs differ by more than 8 quantization steps
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_metric(metric: str) -> str:
+    m = str(metric).upper()
+    if m not in METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; allowed: {', '.join(METRICS)}")
+    return m
+
+
+def _to_float(x: Any) -> Any:
+    """Dequantize QTensors (anything with ``dequantize``), recursively through tuples/lists/dicts."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, QTensor):
+        return x.dequantize().detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_float(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(_to_float(v) for v in x))
+    if isinstance(x, dict):
+        return {k: _to_float(v) for k, v in x.items()}
+    return x
+
+
+def _flat(x: Any) -> list[torch.Tensor]:
+    x = _to_float(x)
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _flat(v)]
+    if isinstance(x, dict):
+        return [t for k in sorted(x, key=str) for t in _flat(x[k])]
+    return []
+
+
+def _cat(x: Any) -> torch.Tensor:
+    ts = [t.double().reshape(-1) for t in _flat(x) if t.is_floating_point() or not t.dtype.is_complex]
+    return torch.cat(ts) if ts else torch.zeros(0, dtype=torch.float64)
+
+
+def compute_metric(metric: str, base: Any, analy: Any) -> float:
+    """L1 (mean abs diff), ATOL (max abs diff), COSINE similarity or SQNR (dB) of analy vs base."""
+    metric = _check_metric(metric)
+    b, a = _cat(base), _cat(analy)
+    if b.numel() != a.numel():
+        raise ConfigError(f"the two models' outputs differ in size ({b.numel()} vs {a.numel()} values): "
+                          "they do not correspond")
+    if b.numel() == 0:
+        return float("nan")
+    d = a - b
+    if metric == "L1":
+        return float(d.abs().mean())
+    if metric == "ATOL":
+        return float(d.abs().max())
+    if metric == "COSINE":
+        nb, na = float(b.norm()), float(a.norm())
+        if nb == 0 and na == 0:
+            return 1.0
+        if nb == 0 or na == 0:
+            return 0.0
+        return float((a * b).sum() / (nb * na))
+    sig, err = float((b * b).sum()), float((d * d).sum())
+    if err == 0:
+        return float("inf")
+    if sig == 0:
+        return float("-inf")
+    return 10 * math.log10(sig / err)
+
+
+def _as_args(batch: Any) -> tuple:
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def _detach_batch(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().clone()
+    if isinstance(batch, (tuple, list)):
+        return tuple(_detach_batch(v) for v in batch)
+    if isinstance(batch, dict):
+        return {k: _detach_batch(v) for k, v in batch.items()}
+    return batch
+
+
+def _atomic_write(path: Path, data: Union[str, bytes]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding="utf-8")
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _fmt(v: Any) -> Any:
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.7f}"
+    return "" if v is None else v
+
+
+def _type_name(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    if callable(obj) and hasattr(obj, "__name__"):
+        mod = getattr(obj, "__module__", None) or ""
+        return f"{mod}.{obj.__name__}" if mod else obj.__name__
+    return str(obj)
+
+
+def _node_op_type(node: fx.Node, modules: dict) -> str:
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        return _type_name(type(m)) if m is not None else str(node.target)
+    if node.op == "call_function":
+        return _type_name(node.target)
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return node.op
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a GraphModule and keeps every node's output (dequantized, detached)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.values: dict[str, Any] = {}
+        self.raw: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op not in ("placeholder", "output"):
+            self.raw[n.name] = out
+            self.values[n.name] = _to_float(out)
+        return out
+
+
+def _record_graph(gm: fx.GraphModule, args: tuple) -> tuple[dict, dict, Any]:
+    rec = _Recorder(gm)
+    with torch.no_grad():
+        out = rec.run(*args)
+    return rec.values, rec.raw, out
+
+
+def _module_paths(model: nn.Module) -> set[str]:
+    return {n for n, _ in model.named_modules() if n}
+
+
+def _graph_scope_paths(gm: fx.GraphModule) -> set[str]:
+    paths = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            paths.add(str(node.target))
+        for entry in node.meta.get("qc_scope", ()) or ():
+            p = getattr(entry, "path", "")
+            if p:
+                paths.add(p)
+    return paths
+
+
+def _fake_quants(model: nn.Module) -> list[tuple[str, FakeQuantize]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FakeQuantize)]
+
+
+def _op_of_quantizer(name: str) -> tuple[str, str]:
+    """``conv1.op.weight_fake_quant`` -> (``conv1``, weight); ``conv0.activation_post_process`` -> (``conv0``, activation)."""
+    parts = name.split(".")
+    kind = "weight" if parts[-1] == "weight_fake_quant" else "activation"
+    if parts[-1] in ("weight_fake_quant", "activation_post_process") and len(parts) > 1:
+        parts = parts[:-1]
+    if kind == "weight" and len(parts) > 1 and parts[-1] == "op":
+        parts = parts[:-1]
+    return ".".join(parts), kind
+
+
+def _layer_flops(model: nn.Module, args: tuple) -> dict[str, int]:
+    """MACs per conv / linear module path (from the shapes seen on ``args``); fused layers count their ``op``."""
+    flops: dict[str, int] = {}
+    hooks = []
+
+    def hook_for(name: str):
+        def hook(mod, inp, out):
+            out_t = _flat(out)
+            if not out_t:
+                return
+            n_out = out_t[0].numel()
+            if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                k = int(torch.tensor(mod.kernel_size).prod())
+                f = n_out * (mod.in_channels // mod.groups) * k
+            elif isinstance(mod, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+                k = int(torch.tensor(mod.kernel_size).prod())
+                inp_t = _flat(inp)
+                f = (inp_t[0].numel() * (mod.out_channels // mod.groups) * k) if inp_t else 0
+            elif isinstance(mod, nn.Linear):
+                f = n_out * mod.in_features
+            else:
+                return
+            owner = name[:-3] if name.endswith(".op") else name
+            flops[owner] = flops.get(owner, 0) + int(f)
+        return hook
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                            nn.ConvTranspose3d, nn.Linear)):
+            hooks.append(mod.register_forward_hook(hook_for(name)))
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        for h in hooks:
+            h.remove()
+    return flops
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+
+class QuantAnalysis:
+    """Compare ``baseline_model`` (high precision) with ``analysis_model`` (the one losing accuracy).
+
+    ``analysis_model_type``: ``"fake_quant"`` (a prepared GraphModule), ``"quantized"``
+    (a converted GraphModule) or ``"compiled"`` (a :class:`qcompiler.CompiledModel`).
+    ``fake_quant_model``: the prepared model a quantized/compiled model came from
+    (needed by :meth:`sensitivity` and :meth:`suggest_int16`; also supplies the
+    quantizer scales and the float twin).  ``post_process`` is applied to both
+    models' outputs before any metric.  Files go to ``out_dir`` (default
+    ``./quant_analysis``).
+    """
+
+    def __init__(self, baseline_model: nn.Module, analysis_model: Any, analysis_model_type: str = "fake_quant",
+                 post_process: Optional[Callable] = None, out_dir: Optional[Union[str, Path]] = None, *,
+                 fake_quant_model: Optional[fx.GraphModule] = None) -> None:
+        if analysis_model_type not in ANALYSIS_TYPES:
+            raise ConfigError(f"unknown analysis_model_type {analysis_model_type!r}; allowed: "
+                              + ", ".join(ANALYSIS_TYPES))
+        if not callable(baseline_model):
+            raise ConfigError(f"baseline_model must be a callable model, got {type(baseline_model).__name__}")
+        self.baseline_model = baseline_model
+        self.analysis_model = analysis_model
+        self.analysis_model_type = analysis_model_type
+        self.post_process = post_process
+        self.out_dir = Path(out_dir if out_dir is not None else "quant_analysis")
+
+        if analysis_model_type == "fake_quant":
+            if not isinstance(analysis_model, fx.GraphModule):
+                raise ConfigError("analysis_model_type='fake_quant' needs a prepared GraphModule "
+                                  "(prepare_calibration_fx / prepare_qat_fx), got "
+                                  f"{type(analysis_model).__name__}")
+            self.analysis_graph = analysis_model
+            fake_quant_model = analysis_model if fake_quant_model is None else fake_quant_model
+        elif analysis_model_type == "quantized":
+            if not isinstance(analysis_model, fx.GraphModule):
+                raise ConfigError("analysis_model_type='quantized' needs a converted GraphModule (convert_fx), "
+                                  f"got {type(analysis_model).__name__}")
+            self.analysis_graph = analysis_model
+        else:
+            graph = getattr(analysis_model, "converted", None)
+            if not isinstance(graph, fx.GraphModule):
+                raise ConfigError("analysis_model_type='compiled' needs a CompiledModel built by qcompiler.compile "
+                                  "(a model loaded from an artifact has no graph to compare layer by layer)")
+            self.analysis_graph = graph
+        self.fake_quant_model = fake_quant_model
+        self._check_correspondence()
+
+        self.bad_case: Any = None
+        self.bad_case_index: Optional[int] = None
+        self.bad_case_metric: Optional[float] = None
+        self.case_metrics: list[float] = []
+        self.layers: list[dict] = []
+        self.compare_rows: list[dict] = []
+        self.advice: list[dict] = []
+        self.sensitive_ops: list[list] = []
+        self.written: list[Path] = []
+
+    # ------------------------------------------------------------------ setup checks
+
+    def _check_correspondence(self) -> None:
+        analy = _graph_scope_paths(self.analysis_graph)
+        if isinstance(self.baseline_model, fx.GraphModule):
+            base = {n.name for n in self.baseline_model.graph.nodes} | _graph_scope_paths(self.baseline_model)
+            analy |= {n.name for n in self.analysis_graph.graph.nodes if n.op not in ("placeholder", "output")}
+        elif isinstance(self.baseline_model, nn.Module):
+            base = _module_paths(self.baseline_model)
+        else:
+            return
+        if not (base & analy):
+            raise ConfigError(
+                "baseline_model and analysis_model have no layer in common (no module path or node name matches); "
+                "the analysis model must be prepared/converted from the baseline model"
+            )
+
+    def _outputs(self, which: str, args: tuple) -> Any:
+        model = self.baseline_model if which == "base" else self.analysis_model
+        with torch.no_grad():
+            out = model(*args)
+        out = _to_float(out)
+        return self.post_process(out) if self.post_process is not None else out
+
+    # ------------------------------------------------------------------ bad case
+
+    def auto_find_bad_case(self, data_generator: Iterable, num_steps: Optional[int] = None, metric: str = "L1",
+                           custom_metric_func: Optional[Callable] = None,
+                           custom_metric_order_seq: Optional[str] = None) -> dict:
+        """Run both models on every batch (or the first ``num_steps``) and keep the worst one.
+
+        Worst = largest L1/ATOL, smallest COSINE/SQNR; with ``custom_metric_func(base_out, analy_out)``
+        the order is ``custom_metric_order_seq`` ("descending": larger is worse, "ascending": smaller is worse).
+        Writes ``badcase.pt``; returns ``{"index", "metric", "value"}``.
+        """
+        if custom_metric_func is not None:
+            if custom_metric_order_seq not in ("ascending", "descending"):
+                raise ConfigError(f"custom_metric_order_seq must be 'ascending' or 'descending', "
+                                  f"got {custom_metric_order_seq!r}")
+            larger_worse = custom_metric_order_seq == "descending"
+            metric_name = getattr(custom_metric_func, "__name__", "custom")
+        else:
+            metric_name = _check_metric(metric)
+            larger_worse = _LARGER_IS_WORSE[metric_name]
+        if num_steps is not None and num_steps < 1:
+            raise ConfigError(f"num_steps must be at least 1, got {num_steps}")
+        worst, worst_i, worst_batch, values = None, None, None, []
+        total = num_steps
+        if total is None:
+            try:
+                total = len(data_generator)  # type: ignore[arg-type]
+            except TypeError:
+                total = None
+        for i, batch in enumerate(tqdm(data_generator, total=total, desc="auto_find_bad_case", leave=False)):
+            if num_steps is not None and i >= num_steps:
+                break
+            args = _as_args(batch)
+            b, a = self._outputs("base", args), self._outputs("analy", args)
+            v = float(custom_metric_func(b, a)) if custom_metric_func is not None else compute_metric(metric_name, b, a)
+            values.append(v)
+            is_worse = worst is None or (not math.isnan(v) and (math.isnan(worst) or
+                                         (v > worst if larger_worse else v < worst)))
+            if is_worse:
+                worst, worst_i, worst_batch = v, i, _detach_batch(batch)
+        if worst_i is None:
+            raise ConfigError("auto_find_bad_case: the data generator produced no data")
+        self.bad_case, self.bad_case_index, self.bad_case_metric = worst_batch, worst_i, worst
+        self.case_metrics = values
+        self.save_bad_case()
+        return {"index": worst_i, "metric": metric_name, "value": worst}
+
+    def set_bad_case(self, data: Any) -> None:
+        """Use ``data`` (one model input, or a tuple of positional inputs) as the bad case."""
+        if data is None:
+            raise ConfigError("set_bad_case: data is None")
+        self.bad_case = _detach_batch(data)
+        self.bad_case_index = None
+
+    def save_bad_case(self) -> Path:
+        """Write the bad case (plain tensors) to ``out_dir/badcase.pt``."""
+        self._need_bad_case("save_bad_case")
+        buf = io.BytesIO()
+        torch.save(self.bad_case, buf)
+        path = self.out_dir / BADCASE_FILE
+        _atomic_write(path, buf.getvalue())
+        self._wrote(path)
+        return path
+
+    def load_bad_case(self, path: Optional[Union[str, Path]] = None) -> Any:
+        """Load the bad case from ``path`` (default ``out_dir/badcase.pt``)."""
+        p = Path(path) if path is not None else self.out_dir / BADCASE_FILE
+        if not p.is_file():
+            raise ConfigError(f"no bad case file at {str(p)!r}; run auto_find_bad_case or save_bad_case first")
+        self.bad_case = torch.load(p, weights_only=True)
+        return self.bad_case
+
+    def _need_bad_case(self, who: str) -> tuple:
+        if self.bad_case is None:
+            raise ConfigError(f"{who} needs a bad case: call auto_find_bad_case, set_bad_case or load_bad_case first")
+        return _as_args(self.bad_case)
+
+    def _wrote(self, path: Path) -> None:
+        if path not in self.written:
+            self.written.append(path)
+
+    # ------------------------------------------------------------------ per-layer recording
+
+    def _float_twin(self) -> Optional[fx.GraphModule]:
+        if self.fake_quant_model is None:
+            return None
+        twin = copy.deepcopy(self.fake_quant_model)
+        for _, fq in _fake_quants(twin):
+            fq.disable_fake_quant()
+            fq.disable_observer()
+        return twin.eval()
+
+    def _baseline_layers(self, args: tuple) -> tuple[dict, dict, str]:
+        """Per-layer baseline values keyed by node name, with op types, and where they came from."""
+        if isinstance(self.baseline_model, fx.GraphModule):
+            values, _, _ = _record_graph(self.baseline_model, args)
+            mods = dict(self.baseline_model.named_modules())
+            types = {n.name: _node_op_type(n, mods) for n in self.baseline_model.graph.nodes}
+            return values, types, "baseline graph"
+        twin = self._float_twin()
+        base_types = {path: _type_name(type(m)) for path, m in self.baseline_model.named_modules()}
+        if twin is not None:
+            values, _, _ = _record_graph(twin, args)
+            mods = dict(twin.named_modules())
+            types = {}
+            for n in twin.graph.nodes:
+                path = str(n.target) if n.op == "call_module" else None
+                types[n.name] = base_types.get(path) or _node_op_type(n, mods)
+            return values, types, "float twin of the fake-quant model"
+        # plain float module, no fake-quant model: forward hooks, keyed like fx node names
+        values, types, calls, hooks = {}, {}, {}, []
+
+        def hook_for(path: str, mod: nn.Module):
+            def hook(m, inp, out):
+                base = path.replace(".", "_")
+                k = calls.get(base, 0)
+                calls[base] = k + 1
+                key = base if k == 0 else f"{base}_{k}"
+                values[key] = _to_float(out)
+                types[key] = _type_name(type(m))
+            return hook
+
+        for path, mod in self.baseline_model.named_modules():
+            if path:
+                hooks.append(mod.register_forward_hook(hook_for(path, mod)))
+        try:
+            with torch.no_grad():
+                self.baseline_model(*args)
+        finally:
+            for h in hooks:
+                h.remove()
+        return values, types, "baseline module hooks"
+
+    def _quantizer_at(self, node_name: str, fq_nodes: dict, fq_mods: dict, memo: dict) -> Optional[FakeQuantize]:
+        """The fake quant that sets the scale of node ``node_name``'s output in the fake-quant model."""
+        if node_name in memo:
+            return memo[node_name]
+        memo[node_name] = None
+        node = fq_nodes.get(node_name)
+        if node is None:
+            return None
+        q = None
+        if node.op == "call_module":
+            m = fq_mods.get(node.target)
+            if isinstance(m, FakeQuantize):
+                q = m
+            elif isinstance(getattr(m, "activation_post_process", None), FakeQuantize):
+                q = m.activation_post_process
+        if q is None and node.meta.get(META_PLACEMENT) == BPU and not node.meta.get("qc_stub"):
+            for inp in node.all_input_nodes:
+                q = self._quantizer_at(inp.name, fq_nodes, fq_mods, memo)
+                if q is not None:
+                    break
+        memo[node_name] = q
+        return q
+
+    def run(self) -> list[dict]:
+        """Run both models on the bad case and record every common layer's output."""
+        args = self._need_bad_case("run")
+        base_vals, base_types, self.baseline_source = self._baseline_layers(args)
+        analy_vals, analy_raw, _ = _record_graph(self.analysis_graph, args)
+        self.base_output = self._outputs("base", args)
+        self.analy_output = self._outputs("analy", args)
+        # quantizers of the fake-quant model
+        fq_nodes, fq_mods = {}, {}
+        if self.fake_quant_model is not None:
+            fq_nodes = {n.name: n for n in self.fake_quant_model.graph.nodes}
+            fq_mods = dict(self.fake_quant_model.named_modules())
+        memo: dict = {}
+        mods = dict(self.analysis_graph.named_modules())
+        layers, used_names = [], set()
+        for node in self.analysis_graph.graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr") or node.name not in base_vals:
+                continue
+            b, a = base_vals[node.name], analy_vals.get(node.name)
+            if not isinstance(b, torch.Tensor) or not isinstance(a, torch.Tensor) or b.numel() != a.numel():
+                continue
+            if not b.is_floating_point() and not a.is_floating_point():
+                continue
+            raw = analy_raw.get(node.name)
+            dtype, qscale = "torch.float32", None
+            if isinstance(raw, QTensor):
+                dtype = str(raw.dtype)
+                try:
+                    qscale = float(raw.q_scale())
+                except Exception:
+                    try:
+                        qscale = float(raw.q_per_channel_scales().max())
+                    except Exception:
+                        qscale = None
+            else:
+                q = self._quantizer_at(node.name, fq_nodes, fq_mods, memo)
+                if q is not None and bool(q.fake_quant_enabled[0]) and getattr(q, "_has_qparams", False):
+                    dtype, qscale = str(q.dtype), float(q.scale.max())
+            scopes = node.meta.get("qc_scope") or ()
+            path = getattr(scopes[-1], "path", "") if node.op == "call_module" and scopes else ""
+            if not path and node.op == "call_module" and self.analysis_type_is_graph_with_paths():
+                path = str(node.target)
+            mod_name = path if path and path not in used_names else node.name
+            used_names.add(mod_name)
+            layers.append({
+                "node": node.name, "mod_name": mod_name,
+                "base_op_type": base_types.get(node.name, ""), "analy_op_type": _node_op_type(node, mods),
+                "shape": tuple(a.shape), "quant_dtype": dtype, "qscale": qscale,
+                "placement": node.meta.get(META_PLACEMENT), "base": b.double(), "analy": a.double(),
+            })
+        if not layers:
+            raise ConfigError("baseline_model and analysis_model have no layer in common on the bad case "
+                              "(no node name matches with a tensor of the same size)")
+        self.layers = layers
+        return layers
+
+    def analysis_type_is_graph_with_paths(self) -> bool:
+        return self.analysis_model_type == "fake_quant"
+
+    # ------------------------------------------------------------------ compare_per_layer
+
+    def compare_per_layer(self) -> list[dict]:
+        """Write ``compare_per_layer_out.txt``/``.csv`` and ``abnormal_layer_advisor.txt``; return the rows."""
+        if not self.layers:
+            self.run()
+        rows = []
+        for i, layer in enumerate(self.layers):
+            b, a = layer["base"], layer["analy"]
+            finite_b, finite_a = b[torch.isfinite(b)], a[torch.isfinite(a)]
+            atol = compute_metric("ATOL", b, a)
+            qs = layer["qscale"]
+            rows.append({
+                "index": i, "mod_name": layer["mod_name"], "base_op_type": layer["base_op_type"],
+                "analy_op_type": layer["analy_op_type"], "shape": str(list(layer["shape"])),
+                "quant_dtype": layer["quant_dtype"], "qscale": qs,
+                "Cosine": compute_metric("COSINE", b, a), "L1": compute_metric("L1", b, a), "Atol": atol,
+                "max_qscale_diff": (atol / qs) if qs else None,
+                "base_min": float(finite_b.min()) if finite_b.numel() else float("nan"),
+                "base_max": float(finite_b.max()) if finite_b.numel() else float("nan"),
+                "base_mean": float(finite_b.mean()) if finite_b.numel() else float("nan"),
+                "analy_min": float(finite_a.min()) if finite_a.numel() else float("nan"),
+                "analy_max": float(finite_a.max()) if finite_a.numel() else float("nan"),
+                "analy_mean": float(finite_a.mean()) if finite_a.numel() else float("nan"),
+            })
+        self.compare_rows = rows
+        table = tabulate([[_fmt(r[c]) for c in COMPARE_COLUMNS] for r in rows], headers=list(COMPARE_COLUMNS),
+                         tablefmt="psql", disable_numparse=True)
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(COMPARE_COLUMNS)
+        for r in rows:
+            w.writerow([_fmt(r[c]) for c in COMPARE_COLUMNS])
+        self.advice = self._advise(rows)
+        advisor = self._advisor_text(self.advice)
+        for name, text in ((COMPARE_TXT, table + "\n"), (COMPARE_CSV, out.getvalue()), (ADVISOR_FILE, advisor)):
+            _atomic_write(self.out_dir / name, text)
+            self._wrote(self.out_dir / name)
+        return rows
+
+    def _advise(self, rows: list[dict]) -> list[dict]:
+        advice = []
+        prev_cos, prev_mqd = None, 0.0
+        for r, layer in zip(rows, self.layers):
+            b, a = layer["base"], layer["analy"]
+            name, qs, dt = r["mod_name"], r["qscale"], r["quant_dtype"]
+            issues = []
+            if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+                where = "analysis" if not bool(torch.isfinite(a).all()) else "baseline"
+                issues.append(("nan_inf", f"NaN/Inf in the {where} model's output",
+                               "check the inputs and the layer's parameters; a zero/inf scale or a division "
+                               "by a tiny value are typical causes"))
+            if qs and dt.startswith("qint"):
+                qmax = qrange(dt)[1]
+                limit = qs * qmax
+                amax = float(b[torch.isfinite(b)].abs().max()) if bool(torch.isfinite(b).any()) else 0.0
+                clipped = float((b.abs() > limit * 1.0001).double().mean())
+                if amax > SATURATION_RATIO * limit or clipped > CLIPPED_FRACTION:
+                    issues.append(("saturation",
+                                   f"output saturates: baseline |max| {amax:.6g} vs quantized range +-{limit:.6g} "
+                                   f"(qscale {qs:.6g} * {qmax}); {clipped:.1%} of the values are clipped -- "
+                                   "scale too small / clipping",
+                                   "check the calibration (data, observer/percentile) of this layer; use int16 "
+                                   "or a high-precision (int32/float) output, or a fixed scale for it"))
+                elif 0 < amax < UNDERUSED_RATIO * limit:
+                    issues.append(("scale_too_large",
+                                   f"qscale {qs:.6g} is far too large: baseline |max| {amax:.6g} uses "
+                                   f"{amax / limit:.1%} (< 1/8) of the int range",
+                                   "check the calibration data (outliers inflate the range); a percentile/MSE "
+                                   "observer or int16 keeps more precision"))
+                mqd = r["max_qscale_diff"]
+                if (mqd is not None and mqd > QSCALE_DIFF_HIGH and mqd > 2 * prev_mqd
+                        and not any(k == "saturation" for k, *_ in issues)):
+                    issues.append(("large_error", f"outputs differ by up to {mqd:.1f} quantization steps",
+                                   "error accumulates here; try int16 for this layer or its inputs"))
+            if r["max_qscale_diff"] is not None:
+                prev_mqd = r["max_qscale_diff"]
+            cos = r["Cosine"]
+            if prev_cos is not None and not math.isnan(cos) and cos < prev_cos - COSINE_DROP and cos < COSINE_LOW:
+                issues.append(("cosine_drop", f"cosine drops sharply: {prev_cos:.4f} -> {cos:.4f}",
+                               "this layer adds most of the error: set it to int16 or a high-precision output"))
+            if not math.isnan(cos):
+                prev_cos = cos
+            for kind, msg, suggestion in issues:
+                advice.append({"index": r["index"], "mod_name": name, "kind": kind, "message": msg,
+                               "suggestion": suggestion})
+        return advice
+
+    @staticmethod
+    def _advisor_text(advice: list[dict]) -> str:
+        if not advice:
+            return "No abnormal layer found.\n"
+        lines = [f"{len(advice)} abnormal finding(s):", ""]
+        for a in advice:
+            lines.append(f"[{a['index']}] {a['mod_name']}: {a['kind']}: {a['message']}")
+            lines.append(f"    suggestion: {a['suggestion']}")
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ sensitivity
+
+    def _need_fake_quant(self, who: str) -> fx.GraphModule:
+        if self.fake_quant_model is None:
+            raise ConfigError(
+                f"{who} needs a fake-quant model (it switches quantizers on and off one at a time): "
+                f"pass fake_quant_model=<the prepared model this {self.analysis_model_type} model came from>"
+            )
+        return self.fake_quant_model
+
+    def _run_fq(self, model: nn.Module, args: tuple) -> Any:
+        with torch.no_grad():
+            out = _to_float(model(*args))
+        return self.post_process(out) if self.post_process is not None else out
+
+    def sensitivity(self, metric: str = "L1") -> list[list]:
+        """Rank every quantizer by the output error it causes alone (all other quantizers off).
+
+        Returns (and writes to ``sensitive_ops.txt``) rows
+        ``[op_name, sensitive_type, op_type, metric value, quant_dtype, flops, flops_share]``,
+        most sensitive first.
+        """
+        metric = _check_metric(metric)
+        fq_model = self._need_fake_quant("sensitivity")
+        args = self._need_bad_case("sensitivity")
+        base_out = self._outputs("base", args)
+        model = copy.deepcopy(fq_model).eval()
+        quantizers = [(n, q) for n, q in _fake_quants(model) if getattr(q, "_has_qparams", False)]
+        if not quantizers:
+            raise ConfigError("sensitivity: the fake-quant model has no calibrated FakeQuantize")
+        enabled = {n: bool(q.fake_quant_enabled[0]) for n, q in quantizers}
+        for _, q in _fake_quants(model):
+            q.disable_fake_quant()
+            q.disable_observer()
+        flops = _layer_flops(model, args)
+        total_flops = sum(flops.values())
+        mods = dict(model.named_modules())
+        rows = []
+        for name, q in tqdm(quantizers, desc="sensitivity", leave=False):
+            if not enabled[name]:
+                continue
+            q.enable_fake_quant()
+            try:
+                value = compute_metric(metric, base_out, self._run_fq(model, args))
+            finally:
+                q.disable_fake_quant()
+            op, kind = _op_of_quantizer(name)
+            f = flops.get(op, 0)
+            rows.append([op, kind, _type_name(type(mods.get(op, q))), value, str(q.dtype), f,
+                         (f / total_flops) if total_flops else 0.0, name])
+        larger_worse = _LARGER_IS_WORSE[metric]
+        rows.sort(key=lambda r: (math.isnan(r[3]), -r[3] if larger_worse else r[3]))
+        self.sensitive_ops = [r[:7] for r in rows]
+        self._sensitive_quantizers = [r[7] for r in rows]
+        self.sensitivity_metric = metric
+        table = tabulate([[r[0], r[1], r[2], f"{r[3]:.7g}", r[4], f"{r[5]}({r[6]:.2%})"] for r in rows],
+                         headers=["op_name", "sensitive_type", "op_type", metric, "quant_dtype", "flops"])
+        _atomic_write(self.out_dir / SENSITIVE_FILE, table + "\n")
+        self._wrote(self.out_dir / SENSITIVE_FILE)
+        return self.sensitive_ops
+
+    # ------------------------------------------------------------------ int16 suggestion
+
+    @staticmethod
+    def _int16_quantizer(old: FakeQuantize) -> FakeQuantize:
+        from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+
+        if old.ch_axis >= 0:
+            obs = PerChannelMinMaxObserver(ch_axis=old.ch_axis, dtype="qint16")
+        else:
+            obs = MinMaxObserver(dtype="qint16")
+        new = FakeQuantize(obs)
+        new.qc_name = old.qc_name
+        # start from the int8 range, then widen with what the data shows
+        obs._seed_amax(old.scale.detach() * old.quant_max)
+        new.set_qparams(obs.calculate_qparams()[0])
+        new.enable_observer()
+        new.train(old.training)
+        return new
+
+    def _int16_model(self, names: Sequence[str], calib_args: tuple) -> nn.Module:
+        model = copy.deepcopy(self._need_fake_quant("suggest_int16")).eval()
+        for _, q in _fake_quants(model):
+            q.disable_observer()
+        for name in names:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            old = getattr(parent, attr)
+            setattr(parent, attr, self._int16_quantizer(old))
+        # one pass over the data widens the new observers' ranges, then freeze them
+        with torch.no_grad():
+            model(*calib_args)
+        for name in names:
+            fq = model.get_submodule(name)
+            fq.set_qparams(fq.activation_post_process.calculate_qparams()[0])
+        return model
+
+    def suggest_int16(self, target_sqnr: float, data: Any = None) -> tuple[list[str], float]:
+        """Greedily move the most sensitive quantizers (sensitivity order) to int16 until output SQNR
+        >= ``target_sqnr`` dB on ``data`` (default: the bad case).
+
+        Returns ``(quantizer names switched, reached SQNR)``; the SQNR is measured by re-running.
+        Raises ConfigError when even every quantizer in int16 misses the target.
+        """
+        args = _as_args(data) if data is not None else self._need_bad_case("suggest_int16")
+        if not self.sensitive_ops or getattr(self, "sensitivity_metric", None) is None:
+            self.sensitivity()
+        base_out = self._outputs("base", args)
+        order = list(self._sensitive_quantizers)
+        chosen: list[str] = []
+        sqnr = compute_metric("SQNR", base_out, self._run_fq(self._int16_model([], args), args))
+        if sqnr >= target_sqnr:
+            return [], sqnr
+        for name in order:
+            chosen.append(name)
+            sqnr = compute_metric("SQNR", base_out, self._run_fq(self._int16_model(chosen, args), args))
+            if sqnr >= target_sqnr:
+                self.int16_suggestion = (list(chosen), sqnr)
+                return list(chosen), sqnr
+        raise ConfigError(f"suggest_int16: SQNR {sqnr:.2f} dB with every quantizer in int16 is still below the "
+                          f"target {target_sqnr} dB")
+
+    # ------------------------------------------------------------------ files
+
+    def report(self, path: Optional[Union[str, Path]] = None) -> Path:
+        """Write the self-contained HTML report (default ``out_dir/report.html``)."""
+        from qcompiler.tools.report import write_report
+
+        p = Path(path) if path is not None else self.out_dir / REPORT_FILE
+        write_report(self, p)
+        self._wrote(p)
+        return p
+
+    def clean(self) -> list[Path]:
+        """Remove every file this analysis wrote (and out_dir if left empty)."""
+        removed = []
+        for p in list(self.written):
+            if p.exists():
+                p.unlink()
+                removed.append(p)
+        self.written = []
+        try:
+            self.out_dir.rmdir()
+        except OSError:
+            pass
+        return removed
