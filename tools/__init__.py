@@ -4,6 +4,8 @@ qcompiler.tools.cli`` runs cleanly)."""
 
 from qcompiler.tools import numeric_suite
 from qcompiler.tools.graph_dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
+from qcompiler.tools.model_check import ModelCheckResult, check_qat_model
+from qcompiler.tools.profiler import ModelProfiler, OpRunningInfoManager
 from qcompiler.tools.quant_analysis import METRICS, QuantAnalysis, compute_metric
 from qcompiler.tools.report import write_report
 
@@ -18,4 +20,8 @@ __all__ = [
     "compute_metric",
     "METRICS",
     "write_report",
+    "check_qat_model",
+    "ModelCheckResult",
+    "ModelProfiler",
+    "OpRunningInfoManager",
 ]

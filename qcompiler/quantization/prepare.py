@@ -91,7 +91,19 @@ def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_gra
     gm.meta[GM_HYBRID] = parse_hybrid_dict(hybrid_dict, model)
     assign_qc_names(gm, overwrite=True)  # errors name the observer by its path
     _warn_cpu_ops_without_hybrid(gm, hybrid)
+    _warn_model_check(gm)
     return gm
+
+
+def _warn_model_check(gm: fx.GraphModule) -> None:
+    """Run check_qat_model on the graph (no forward, nothing printed unless anomalous) and warn."""
+    from qcompiler.tools.model_check import check_qat_model
+
+    result = check_qat_model(gm, None, run_forward=False, verbose=False)
+    if result.has_anomalies:
+        warnings.warn(f"model check: {result.summary()}. Run qcompiler.tools.model_check.check_qat_model("
+                      f"model, example_inputs, save_results=True) for the full report.",
+                      QCompilerWarning, stacklevel=3)
 
 
 def prepare_calibration_fx(

@@ -1,0 +1,134 @@
+"""check_qat_model: unfused patterns, call counts, qconfig tables, anomalies, prepare's warning."""
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from qcompiler.errors import QCompilerWarning
+from qcompiler.quantization import FakeQuantize
+from qcompiler.quantization.observer import MinMaxObserver
+from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+from qcompiler.tools.model_check import RESULT_FILE, check_qat_model
+from qcompiler.zoo.hybrid import _SeluModule
+
+X = torch.rand(1, 3, 8, 8)
+HD = {"module_name": ["conv1.conv", "conv3"], "module_type": [_SeluModule]}
+
+
+class ConvUsedTwiceBeforeBN(nn.Module):
+    """conv -> (bn, and also added later): fuse refuses conv+bn, so it stays separate."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(4, 4, 1)
+        self.unused = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = self.bn(y)
+        z = self.relu(z)
+        z = self.relu(self.conv2(z))  # the same ReLU a second time (fused into conv2 here)
+        return z * y
+
+
+class SharedRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.relu = nn.ReLU()
+        self.never = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.conv(x) + self.relu(x))
+
+
+def _qat(model, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare_qat_fx(model, example_inputs=X, **kw)
+
+
+def test_conv_used_twice_before_bn_is_reported_unfused(capsys):
+    gm = _qat(ConvUsedTwiceBeforeBN().eval())
+    r = check_qat_model(gm, X)
+    hits = [u for u in r.unfused if u["nodes"][0] == "conv"]
+    assert hits and hits[0]["nodes"][:2] == ["conv", "bn"]
+    assert "used 2 times" in hits[0]["reason"]
+    assert "unfused" in capsys.readouterr().out
+    # a float model is traced and checked the same way
+    assert any(u["nodes"][:2] == ["conv", "bn"] for u in check_qat_model(ConvUsedTwiceBeforeBN(), X).unfused)
+
+
+def test_shared_and_never_called_modules():
+    r = check_qat_model(SharedRelu(), X, verbose=False)
+    assert r.call_counts["relu"] == 2 and r.shared == {"relu": 2}
+    assert "never" in r.never_called
+    assert r.call_counts["conv"] == 1
+    # a ReLU reused without a quantizer is not an anomaly
+    assert not [a for a in r.abnormal if a.kind == "shared_module"]
+
+
+def test_hybrid_layer_and_weight_qconfigs(hybrid_model):
+    gm = _qat(hybrid_model, hybrid=True, hybrid_dict=HD)
+    r = check_qat_model(gm, X, verbose=False)
+    assert r.shared == {"identity": 2} and not r.abnormal and not r.unfused
+    row = next(x for x in r.layer_qconfigs if x["name"] == "conv0")
+    assert (row["input_dtype"], row["output_dtype"], row["ch_axis"], row["observer"]) == (
+        "qint8", "qint8", -1, "MovingAverageMinMaxObserver")
+    w = next(x for x in r.weight_qconfigs if x["name"] == "conv0")
+    assert (w["dtype"], w["qscheme"], w["ch_axis"], w["observer"]) == (
+        "qint8", "per_channel_symmetric", 0, "MovingAveragePerChannelMinMaxObserver")
+    quant = next(x for x in r.layer_qconfigs if x["name"] == "quant")
+    assert quant["input_dtype"] == "torch.float32" and quant["output_dtype"] == "qint8"
+
+
+def test_abnormal_configs_are_flagged_and_saved(hybrid_model, tmp_path, capsys):
+    gm = _qat(hybrid_model, hybrid=True, hybrid_dict=HD)
+    gm.conv0.weight_fake_quant = FakeQuantize(MinMaxObserver())  # per-tensor weight
+    gm.conv2.activation_post_process.disable_fake_quant()
+    r = check_qat_model(gm, X, save_results=True, out_dir=str(tmp_path))
+    kinds = {(a.where, a.kind) for a in r.abnormal}
+    assert ("conv0", "per_tensor_weight") in kinds
+    assert ("conv2.activation_post_process", "fake_quant_disabled") in kinds
+    out = capsys.readouterr().out
+    assert "per_tensor_weight" in out and "fake_quant_disabled" in out
+    text = (tmp_path / RESULT_FILE).read_text()
+    assert text == r.text()
+    for needle in ("Each layer out qconfig", "Weight qconfig", "per_tensor_weight", "fake_quant_disabled",
+                   "identity", "MovingAveragePerChannelMinMaxObserver"):
+        assert needle in text
+    assert not list(tmp_path.glob(".tmp_*"))
+
+
+def test_check_does_not_change_the_model(hybrid_model):
+    gm = _qat(hybrid_model, hybrid=True, hybrid_dict=HD)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    check_qat_model(gm, X, verbose=False)
+    after = gm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_calibration_model_is_not_flagged_for_disabled_fake_quant(hybrid_model):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cal = prepare_calibration_fx(hybrid_model, hybrid=True, hybrid_dict=HD, example_inputs=X)
+    assert not [x for x in w if "model check" in str(x.message)]
+    assert not check_qat_model(cal, X, verbose=False).abnormal
+
+
+def test_prepare_warns_for_unfused_model_not_for_resnet18():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        prepare_qat_fx(ConvUsedTwiceBeforeBN().eval(), hybrid=True, example_inputs=X)
+    msgs = [str(x.message) for x in w if issubclass(x.category, QCompilerWarning)]
+    assert any("model check" in m and "unfused" in m and "conv" in m for m in msgs), msgs
+
+    from qcompiler.zoo import get
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        prepare_qat_fx(get("resnet18"), hybrid=True, example_inputs=torch.rand(1, 3, 32, 32))
+    assert not [x for x in w if issubclass(x.category, QCompilerWarning) and "model check" in str(x.message)]
