@@ -31,7 +31,7 @@ from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement
 from qcompiler.ir.ops import node_op
 from qcompiler.nn.fused import FusedModule
 from qcompiler.nn.qat import has_weight_layer
-from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.observer import ObserverBase
 
 __all__ = ["ModelCheckResult", "Anomaly", "check_qat_model", "RESULT_FILE"]
