@@ -153,7 +153,7 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             continue  # x.size() of a QTensor is its shape: nothing to convert
         if op in SCALE_PRESERVING_OPS:
             qp[node] = in_q(node)
-            _install(gm, node, qnn.QuantizedSameScale(op, _float_fn(node, module), dtype=qp[node].dtype))
+            _install(gm, node, _same_scale(node, module, qp[node].dtype))
             continue
         out_obs = next((u for u in node.users if u.meta.get(META_STUB) == OUTPUT_OBSERVER), None)
         out = _qparams_of(modules[out_obs.target], f"node '{out_obs.name}'") if out_obs is not None else None
@@ -180,24 +180,24 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, True)
 
 
-def _float_fn(node: fx.Node, module: Optional[nn.Module]):
-    """The float op a same-scale node applies, callable on integer tensors."""
-    if node.op == "call_function":
-        return node.target
-    if node.op == "call_method":
-        name = node.target
-        return lambda x, *a, **k: getattr(x, name)(*a, **k)
+def _same_scale(node: fx.Node, module: Optional[nn.Module], dtype: str) -> qnn.QuantizedSameScale:
+    """The fixed-point module of a node that keeps its input's grid, saying what it computes."""
     op = node.meta.get(META_OP)
+    if op == "relu":
+        return qnn.QuantizedSameScale(op, dtype=dtype)
+    if node.op == "call_function":
+        return qnn.QuantizedSameScale(op, function=node.target, dtype=dtype)
+    if node.op == "call_method":
+        return qnn.QuantizedSameScale(op, method=node.target, dtype=dtype)
     if op == "max_pool2d":
         m = module
-        if m is None or m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
-            raise UnsupportedOpError(f"node '{node.name}': max_pool2d with dilation, ceil_mode or return_indices "
-                                     f"(or functional max_pool2d) has no fixed-point lowering yet")
-        return lambda x: fp.int_max_pool2d(x, m.kernel_size, m.stride, m.padding)
+        if m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
+            raise UnsupportedOpError(f"node '{node.name}': max_pool2d with dilation, ceil_mode or "
+                                     f"return_indices has no fixed-point lowering yet")
+        return qnn.QuantizedSameScale(op, float_module=m, dtype=dtype)
     if op == "flatten":
-        m = module
-        return lambda x: torch.flatten(x, m.start_dim, m.end_dim)
-    return lambda x, *a, **k: x  # identity, dropout (eval), relu handled by the module
+        return qnn.QuantizedSameScale(op, float_module=module, dtype=dtype)
+    return qnn.QuantizedSameScale(op, dtype=dtype)  # identity, dropout (eval)
 
 
 def _convert_weight_layer(node, module, qin: _QParams, qp, where) -> qnn.QuantizedWeightLayer:

@@ -22,7 +22,7 @@ from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.simulator import BpuSimulator, int8_gemm_available, run_partitioned
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT
 from qcompiler.nn import quantized as qnn
-from qcompiler.passes.convert import _float_fn
+from qcompiler.passes.convert import _same_scale
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
@@ -74,9 +74,9 @@ class Tiny:
             self.root.add_module(path, module)
             node = self.graph.call_module(path, (x,) + args, kwargs)
         node.meta[META_OP] = op
-        fn = _float_fn(node, module)
+        quantized = _same_scale(node, module, dtype)
         name = name or f"op{len(self.root._modules)}"
-        self.root.add_module(name, qnn.QuantizedSameScale(op, fn, dtype=dtype))
+        self.root.add_module(name, quantized)
         node.op, node.target, node.name = "call_module", name, name
         return self._mark(node, op)
 

@@ -164,3 +164,4 @@ def test_edge_ops_convert_and_match():
     with torch.no_grad():
         for f, o in zip(qat(x), q(x)):
             assert torch.equal(f, o)
+

@@ -388,18 +388,14 @@ class _Lowering:
     def _layout(self, node: fx.Node, m: qnn.QuantizedSameScale) -> tuple[str, dict]:
         """(kind, attrs) of a layout / pooling op, from the callable convert stored on the module."""
         op = m.qc_op
-        fn = m.fn
         args, kwargs = list(node.args[1:]), dict(node.kwargs)
         self.constant_args(node, args + list(kwargs.values()))
-        free = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()))) \
-            if hasattr(fn, "__code__") and getattr(fn, "__name__", "") == "<lambda>" else None
-        method = free.get("name") if free else None
-        module = free.get("m") if free else None
-        if free is not None and method is None and module is None:
+        method, module = m.method, m.float_module
+        if m.function is None and method is None and module is None:
             if op in ("identity", "dropout"):
                 return "identity", {}
             raise self.fail(node, f"cannot tell what the converted '{op}' computes")
-        target = method if method is not None else (fn if free is None else None)
+        target = method if method is not None else m.function
         if op in ("identity", "dropout"):
             if op == "dropout" and kwargs.get("training", args[1] if len(args) > 1 else False):
                 raise self.fail(node, "dropout in training mode")

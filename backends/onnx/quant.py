@@ -33,8 +33,7 @@ The sidecar (``QuantState.sidecar``) keys every scale by ONNX tensor name::
 
 from __future__ import annotations
 
-import types
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -371,31 +370,22 @@ def converted_prelu(ctx: NodeContext) -> Tensor:
     return _out(ctx, y, m.out_scale, m.out_dtype)
 
 
-def _closure(fn) -> dict[str, Any]:
-    cells = getattr(fn, "__closure__", None) or ()
-    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
-    return {n: c.cell_contents for n, c in zip(names, cells)}
-
-
 def converted_same_scale(ctx: NodeContext):
     """relu, relu6, max pool, layout ops, identities on integers: the float op (the grid is kept).
 
-    ``QuantizedSameScale`` keeps the float op only as a callable: the original target of a
-    function node, a closure over the method name, or a closure over the float module
-    (max pool, flatten); the rule recovers the call from it.
+    ``QuantizedSameScale`` says what it computes: a function, a method name or the float
+    module it replaced (max pool, flatten); the rule emits that call.
     """
     m: qnn.QuantizedSameScale = ctx.module
-    fn = m.fn
-    free = _closure(fn)
     args, kwargs = ctx.call.args, ctx.call.kwargs
-    if "m" in free and isinstance(free["m"], nn.Module):
-        call = Call("call_module", None, args, kwargs, free["m"], ctx.path)
-    elif "name" in free and isinstance(free["name"], str):
-        call = Call("call_method", free["name"], args, kwargs)
-    elif isinstance(fn, types.LambdaType) and fn.__name__ == "<lambda>":
-        call = Call("call_function", None, args[:1], {})  # identity / dropout / relu
+    if m.float_module is not None:
+        call = Call("call_module", None, args, kwargs, m.float_module, ctx.path)
+    elif m.method is not None:
+        call = Call("call_method", m.method, args, kwargs)
+    elif m.function is not None:
+        call = Call("call_function", m.function, args, kwargs)
     else:
-        call = Call("call_function", fn, args, kwargs)
+        call = Call("call_function", None, args[:1], {})  # identity / dropout / relu
     src = ctx.value(args[0]) if args else None
     y = _with_call(ctx, call)
     if is_tensor(src) and src in ctx.quant.grid and is_tensor(y):

@@ -323,22 +323,37 @@ class QuantizedPReLU(QuantizedModule):
 
 
 class QuantizedSameScale(QuantizedModule):
-    """Ops that keep the input's grid: relu, relu6, max pool, layout ops, identities.
+    """Ops that keep the input's grid: relu, max pool, layout ops, identities.
 
-    ``fn`` is applied to the integers with the node's other arguments.
+    What it computes is stored explicitly (so lowering, export and pickling can
+    read it): a torch ``function`` or a tensor ``method`` name applied to the
+    integers with the node's other arguments, or the ``float_module`` it
+    replaces (max pool, flatten); with none of them it is the identity.
     """
 
-    def __init__(self, op: str, fn: Callable, scale_arg: Optional[float] = None, dtype: str = "qint8") -> None:
+    def __init__(self, op: str, *, function: Optional[Callable] = None, method: Optional[str] = None,
+                 float_module: Optional[nn.Module] = None, dtype: str = "qint8") -> None:
         super().__init__()
-        self.qc_op, self.fn, self.scale_arg, self.dtype = op, fn, scale_arg, dtype
+        self.qc_op, self.function, self.method, self.dtype = op, function, method, dtype
+        self.float_module = float_module
 
     def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        q = x.int_repr()
         if self.qc_op == "relu":
-            y = fp.relu(x.int_repr())
+            y = fp.relu(q)
         elif self.qc_op == "relu6":
-            y = fp.relu6(x.int_repr(), x.q_scale(), self.dtype)
+            y = fp.relu6(q, x.q_scale(), self.dtype)
+        elif self.function is not None:
+            y = self.function(q, *_ints(args), **_ints(kwargs))
+        elif self.method is not None:
+            y = getattr(q, self.method)(*_ints(args), **_ints(kwargs))
+        elif isinstance(self.float_module, nn.MaxPool2d):
+            m = self.float_module
+            y = fp.int_max_pool2d(q, m.kernel_size, m.stride, m.padding)
+        elif isinstance(self.float_module, nn.Flatten):
+            y = torch.flatten(q, self.float_module.start_dim, self.float_module.end_dim)
         else:
-            y = self.fn(x.int_repr(), *_ints(args), **_ints(kwargs))
+            y = q  # identity, dropout in eval
         return QTensor(y, x.q_scale(), 0)
 
     def extra_repr(self) -> str:
