@@ -194,6 +194,15 @@ def _names(names: Sequence[str], limit: int = 3) -> str:
     return shown if len(names) <= limit else f"{shown}, ... (+{len(names) - limit})"
 
 
+def model_configs(args: argparse.Namespace) -> tuple[Optional[dict], Optional[dict]]:
+    """``(hybrid_dict, prepare_custom_config_dict)`` from the shared model flags."""
+    hybrid_dict = None
+    if args.hybrid_module_name or args.hybrid_module_type:
+        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
+    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    return hybrid_dict, custom
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
     """Trace, place and partition a model, print the partitions and write the review dump."""
     from tabulate import tabulate
@@ -202,10 +211,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from qcompiler.tools.graph_dump import dump_partitioned
 
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
-    hybrid_dict = None
-    if args.hybrid_module_name or args.hybrid_module_type:
-        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
-    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    hybrid_dict, custom = model_configs(args)
     out = Path(args.out)
     dump_dir = out / "passes" if args.dump_passes else None
 
@@ -315,10 +321,7 @@ def output_sqnr(model: nn.Module, compiled, batches: Sequence[tuple]) -> float:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compile a model end to end and write everything a user reviews or deploys."""
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
-    hybrid_dict = None
-    if args.hybrid_module_name or args.hybrid_module_type:
-        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
-    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    hybrid_dict, custom = model_configs(args)
     batches = calibration_batches(args, inputs)
     model.eval()
     compiled = qcompiler.compile(model, inputs, march=args.march, hybrid_dict=hybrid_dict, calib_data=batches,
@@ -345,10 +348,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from qcompiler.tools.quant_analysis import QuantAnalysis
 
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
-    hybrid_dict = None
-    if args.hybrid_module_name or args.hybrid_module_type:
-        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
-    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
+    hybrid_dict, custom = model_configs(args)
     if args.calib_random < 1:
         raise UsageError("--calib-random must be at least 1")
     args.calib_data = None
