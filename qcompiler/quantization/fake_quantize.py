@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from qcompiler.errors import CalibrationError, ConfigError
-from qcompiler.quantization.observer import ObserverBase, _fmt_vec, check_dtype
+from qcompiler.quantization.observer import ObserverBase, _fmt_vec, check_dtype, resize_to_saved
 from qcompiler.quantization.fixed_point import qrange
 
 __all__ = [
@@ -291,10 +291,7 @@ class FakeQuantize(FakeQuantizeBase):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
-        for name in self._resizable_buffers:
-            key = prefix + name
-            if key in state_dict and getattr(self, name).shape != state_dict[key].shape:
-                getattr(self, name).resize_(state_dict[key].shape)
+        resize_to_saved(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         if prefix + "scale" in state_dict:

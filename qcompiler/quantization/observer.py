@@ -71,6 +71,14 @@ def check_dtype(dtype, what: str = "dtype") -> str:
     return name
 
 
+def resize_to_saved(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Give the module's ``_resizable_buffers`` the shapes saved in ``state_dict`` before loading."""
+    for name in module._resizable_buffers:
+        key = prefix + name
+        if key in state_dict and getattr(module, name).shape != state_dict[key].shape:
+            getattr(module, name).resize_(state_dict[key].shape)
+
+
 def _fmt_float(v: float) -> str:
     return f"{v:.4g}"
 
@@ -162,11 +170,7 @@ class ObserverBase(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
-        # per-channel statistics start empty: take the saved shape
-        for name in self._resizable_buffers:
-            key = prefix + name
-            if key in state_dict and getattr(self, name).shape != state_dict[key].shape:
-                getattr(self, name).resize_(state_dict[key].shape)
+        resize_to_saved(self, state_dict, prefix)  # per-channel statistics start empty
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
 
@@ -311,8 +315,12 @@ class PerChannelMinMaxObserver(ObserverBase):
         if not self.has_observed:
             self.min_val, self.max_val = lo.clone(), hi.clone()
         else:
-            self.min_val = torch.minimum(self.min_val, lo)
-            self.max_val = torch.maximum(self.max_val, hi)
+            self._merge(lo, hi)
+
+    def _merge(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Fold one batch's per-channel min/max into the running ones: the overall extremes."""
+        self.min_val = torch.minimum(self.min_val, lo)
+        self.max_val = torch.maximum(self.max_val, hi)
 
     def calculate_amax(self) -> torch.Tensor:
         self._require_data()
@@ -339,17 +347,10 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         super().__init__(ch_axis, dtype)
         self.averaging_constant = float(averaging_constant)
 
-    def _observe(self, x: torch.Tensor) -> None:
-        mm = self._batch_minmax(x)
-        if mm is None:
-            return
-        lo, hi = mm
-        if not self.has_observed:
-            self.min_val, self.max_val = lo.clone(), hi.clone()
-        else:
-            c = self.averaging_constant
-            self.min_val = self.min_val + c * (lo - self.min_val)
-            self.max_val = self.max_val + c * (hi - self.max_val)
+    def _merge(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        c = self.averaging_constant
+        self.min_val = self.min_val + c * (lo - self.min_val)
+        self.max_val = self.max_val + c * (hi - self.max_val)
 
 
 # ---------------------------------------------------------------------------
