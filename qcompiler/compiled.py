@@ -149,18 +149,23 @@ def compile(
     prepare_custom_config_dict: Optional[dict] = None,
     ort_threads: int = 1,
     progress: bool = True,
+    weight_rounding: bool = False,
 ) -> CompiledModel:
     """Quantize and lower ``model`` for ``march``; returns a runnable :class:`CompiledModel`.
 
     ``mode="ptq"``: ``model`` is a float model; it is calibrated on ``calib_data``
     (an iterable of inputs: a tensor, or a tuple for multi-input models; by
     default the example inputs) and converted. ``mode="qat"``: ``model`` is a
-    trained ``prepare_qat_fx`` model; it is converted as it is.
+    trained ``prepare_qat_fx`` model; it is converted as it is. ``weight_rounding=True``
+    (PTQ only) re-rounds the BPU weights on the calibration data after calibrating
+    (:func:`qcompiler.quantization.optimize_weight_rounding`).
     """
-    from qcompiler.quantization import convert_fx, prepare_calibration_fx, set_state
+    from qcompiler.quantization import convert_fx, optimize_weight_rounding, prepare_calibration_fx, set_state
 
     if mode not in MODES:
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    if weight_rounding and mode != "ptq":
+        raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
     inputs = normalize_inputs(example_inputs)
     if mode == "qat":
         if not (isinstance(model, fx.GraphModule) and model.meta.get("qc_kind") == "qat"):
@@ -179,6 +184,8 @@ def compile(
         with torch.no_grad():
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
                 prepared(*_as_args(batch))
+        if weight_rounding:
+            optimize_weight_rounding(prepared, batches, progress=progress)
         name = type(model).__name__
     converted = convert_fx(prepared)
     runtime = lower(converted, ort_threads=ort_threads)

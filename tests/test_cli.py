@@ -184,6 +184,13 @@ def test_compile_command_end_to_end(tmp_path, capsys):
     assert m(torch.rand(1, 3, 16, 16)).shape == (1, 3, 16, 16)
 
 
+def test_compile_command_weight_rounding(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-random", "2",
+                 "--weight-rounding", "--out", str(out)]) == 0
+    assert (out / "hybrid.qc").exists()
+
+
 def test_compile_command_calib_npz(tmp_path, capsys):
     import numpy as np
 

@@ -38,6 +38,17 @@ def test_runtime_matches_the_converted_model(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_weight_rounding_changes_bpu_weights_and_keeps_runtime_exact():
+    plain, x = compiled("resnet18")
+    rounded, _ = compiled("resnet18", weight_rounding=True)
+    for a, b in zip(flat(rounded(*x)), flat(rounded.converted(*x))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # all-BPU model: bit-exact
+    # the fixed-point model holds other int8 codes for at least one layer's weights
+    differ = [k for k, v in plain.converted.state_dict().items()
+              if v.dtype == torch.int8 and not torch.equal(v, rounded.converted.state_dict()[k])]
+    assert differ
+
+
 def test_nested_tuple_outputs_are_kept():
     cm, x = compiled("lstm_seq")
     out = cm(*x)
@@ -144,6 +155,8 @@ def test_bad_arguments():
         qcompiler.compile(m, x, calib_data=[], progress=False)
     with pytest.raises(ConfigError, match="takes a model from prepare_qat_fx"):
         qcompiler.compile(m, x, mode="qat")
+    with pytest.raises(ConfigError, match="weight_rounding=True is a PTQ step"):
+        qcompiler.compile(m, x, mode="qat", weight_rounding=True)
     cm, _ = compiled("hybrid")
     with pytest.raises(ConfigError, match="takes 1 inputs"):
         cm(x[0], x[0])

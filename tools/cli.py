@@ -325,7 +325,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     batches = calibration_batches(args, inputs)
     model.eval()
     compiled = qcompiler.compile(model, inputs, march=args.march, hybrid_dict=hybrid_dict, calib_data=batches,
-                                 prepare_custom_config_dict=custom)
+                                 prepare_custom_config_dict=custom, weight_rounding=args.weight_rounding)
     out = Path(args.out)
     files = compiled.dump(out, name=name)
     onnx_path = out / f"{name}.onnx"
@@ -420,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="calibrate on N seeded random batches shaped like the example inputs (default 8)")
     p.add_argument("--calib-batch-size", metavar="B", type=int, default=8,
                    help="samples per calibration batch for --calib-data (default 8)")
+    p.add_argument("--weight-rounding", action="store_true",
+                   help="after calibrating, re-round the BPU weights to minimize each layer's output error "
+                        "on the calibration data (GPTQ-style; one pass over the data per layer)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory (created if needed)")
     p.set_defaults(func=cmd_compile)
 

@@ -45,11 +45,15 @@ from qcompiler.quantization.qtensor import (
     quint8,
 )
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
+from qcompiler.quantization.weight_rounding import LayerRounding, RoundingReport, optimize_weight_rounding
 
 __all__ = [
     "prepare_calibration_fx",
     "prepare_qat_fx",
     "convert_fx",
+    "optimize_weight_rounding",
+    "LayerRounding",
+    "RoundingReport",
     "QuantStub",
     "DeQuantStub",
     "ObserverBase",
