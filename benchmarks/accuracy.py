@@ -12,12 +12,15 @@ removed at exit; nothing else is written.
     are re-estimated on smooth-noise images (train mode, running stats reset,
     momentum=None i.e. a cumulative average, 20 batches of 8 under no_grad),
     so every layer sees activations of the scale a trained network produces.
-    32 smooth-noise images calibrate every method, 8 other ones are held out;
+    32 smooth-noise images calibrate every method, 8 other ones are held out
+    (and 64 more, other seeds, show how much of a difference is noise);
     the metric is the output SQNR 20*log10(||f|| / ||f - q||) over the
     held-out logits, f float, q the quantized model.
       * ours: prepare_calibration_fx (default int8 qconfig: symmetric
         per-tensor activations with the given observer, symmetric per-channel
-        weights) -> calibrate -> convert_fx (the fixed-point model);
+        weights) -> calibrate -> convert_fx (the fixed-point model); and the
+        same with optimize_weight_rounding on the calibration images before
+        convert_fx ("+ weight rounding");
       * torch.ao: quantize_fx.prepare_fx / convert_fx with
         get_default_qconfig_mapping("x86") (quint8 activations with
         reduce_range=True, per-channel qint8 weights);
@@ -77,6 +80,7 @@ from qcompiler.quantization import (  # noqa: E402
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
     get_default_qat_qconfig,
+    optimize_weight_rounding,
     prepare_calibration_fx,
     prepare_qat_fx,
     set_state,
@@ -85,6 +89,7 @@ from qcompiler.quantization import (  # noqa: E402
 OBSERVERS = ("minmax", "percentile", "histogram-mse", "kl")
 ZOO_MODELS = ("resnet18", "mobilenet_v2")
 OURS = "ours int8 PTQ, {}"
+OURS_ROUNDED = "ours int8 PTQ, {} + weight rounding"
 AO = "torch.ao FX PTQ (x86)"
 ORT = "onnxruntime QDQ, {}"
 ORT_SYM = "ref: onnxruntime QDQ, {}, symmetric act."
@@ -96,13 +101,15 @@ NOISE = "ref: float, input noise at 40 dB"
 # returns a callable batch -> float outputs
 
 
-def ours_ptq(model: nn.Module, calib: Sequence[torch.Tensor], observer: str) -> Callable:
+def ours_ptq(model: nn.Module, calib: Sequence[torch.Tensor], observer: str, rounding: bool = False) -> Callable:
     cal = prepare_calibration_fx(model, {"": get_default_calib_qconfig(observer=observer)},
                                  example_inputs=(calib[0][:1],))
     cal.eval()
     with torch.no_grad():
         for x in calib:
             cal(x)
+    if rounding:  # GPTQ-style re-rounding of the weights on the same calibration batches
+        optimize_weight_rounding(cal, calib)
     q = convert_fx(cal)
     return lambda x: q(x).float()
 
@@ -206,6 +213,8 @@ def run_all(model: nn.Module, calib: Sequence[torch.Tensor], tmp: str, tag: str,
 
     for obs in OBSERVERS:
         timed(OURS.format(obs), ours_ptq, model, calib, obs)
+    for obs in OBSERVERS:
+        timed(OURS_ROUNDED.format(obs), ours_ptq, model, calib, obs, rounding=True)
     timed(AO, torch_ao_ptq, model, calib)
     float_onnx = export_onnx(model, calib[0][:1], os.path.join(tmp, f"{tag}.onnx"))
     for method in ("MinMax", "Percentile"):
@@ -228,47 +237,63 @@ def best_of(scores: dict, labels: Sequence[str]) -> tuple[str, float]:
 
 def part_zoo(args, tmp: str) -> dict:
     size = args.image_size
-    n_calib, n_test, n_bn, batch = 32, 8, 20 * 8, 8
-    columns, notes = {}, []
+    n_calib, n_test, n_more, n_bn, batch = 32, 8, 64, 20 * 8, 8
+    columns, more, notes = {}, {}, []
     for name in ZOO_MODELS:
         t0 = time.perf_counter()
         model = zoo.get(name)
         images = SmoothNoise(n_calib + n_test + n_bn, size=size, seed=1)
         calib = list(stack(images, 0, n_calib).split(batch))
         test = stack(images, n_calib, n_calib + n_test)
+        # a second, larger held-out set (other seeds): how much of a difference is noise
+        test_more = stack(SmoothNoise(n_more, size=size, seed=2))
         reestimate_bn(model, stack(images, n_calib + n_test).split(batch))
         with torch.no_grad():
-            ref = model(test)
+            ref, ref_more = model(test), model(test_more)
             g = torch.Generator().manual_seed(7)
             noise = torch.randn(test.shape, generator=g)
             noise *= test.norm() / noise.norm() * 10 ** (-40 / 20)
             noisy = model(test + noise)
         res = run_all(model, calib, tmp, name, args.threads, with_reference=True)
-        col = {}
+        col, col_more = {}, {}
         with torch.no_grad():
             for label, run in res["runners"].items():
                 col[label] = sqnr_db(ref, run(test))
-            col["ref: float ONNX export (sanity)"] = sqnr_db(ref, ort_session(res["float_onnx"], args.threads)(test))
+                col_more[label] = sqnr_db(ref_more, run(test_more))
+            float_ort = ort_session(res["float_onnx"], args.threads)
+            col["ref: float ONNX export (sanity)"] = sqnr_db(ref, float_ort(test))
+            col_more["ref: float ONNX export (sanity)"] = sqnr_db(ref_more, float_ort(test_more))
         col[NOISE] = sqnr_db(ref, noisy)
-        columns[name] = col
+        col_more[NOISE] = float("nan")
+        columns[name], more[name] = col, col_more
         notes.append(f"{name}: {time.perf_counter() - t0:.1f} s")
     labels = list(next(iter(columns.values())))
-    rows = [[label] + [f"{columns[m][label]:.2f}" for m in ZOO_MODELS] for label in labels]
+    headers = ["method"]
+    for m in ZOO_MODELS:
+        headers += [m, f"{m} ({n_more} more)"]
+
+    def cell(v: float) -> str:
+        return "-" if math.isnan(v) else f"{v:.2f}"
+
+    rows = [[label] + [cell(c[m][label]) for m in ZOO_MODELS for c in (columns, more)] for label in labels]
     print(f"\n(a) output SQNR (dB) vs float, random-weight zoo models, BN re-estimated on smooth "
-          f"noise, {size}x{size} input, {n_calib} calibration / {n_test} held-out images; higher is better")
-    print(tabulate(rows, headers=["method"] + list(ZOO_MODELS), tablefmt="github", disable_numparse=True))
-    ours = [OURS.format(o) for o in OBSERVERS]
+          f"noise, {size}x{size} input, {n_calib} calibration / {n_test} held-out images "
+          f"(and {n_more} more held-out images, other seeds); higher is better")
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    ours = [OURS.format(o) for o in OBSERVERS] + [OURS_ROUNDED.format(o) for o in OBSERVERS]
     peers = [AO] + [ORT.format(m) for m in ("MinMax", "Percentile")]
     verdicts = {}
     for m in ZOO_MODELS:
-        bl, bv = best_of(columns[m], ours)
-        pl, pv = best_of(columns[m], peers)
-        beats = bv > pv
-        verdicts[m] = beats
-        print(f"  {m}: our best is {bl.split(', ')[-1]} at {bv:.2f} dB; best peer is {pl} at {pv:.2f} dB "
-              f"-> ours {'BEATS' if beats else 'does NOT beat'} every peer ({bv - pv:+.2f} dB)")
+        for tag, scores in ((f"{n_test} held-out", columns[m]), (f"{n_more} more held-out", more[m])):
+            bl, bv = best_of(scores, ours)
+            pl, pv = best_of(scores, peers)
+            beats = bv > pv
+            verdicts.setdefault(m, {})[tag] = beats
+            print(f"  {m}, {tag}: our best is {bl.removeprefix('ours int8 PTQ, ')} at {bv:.2f} dB; best peer is "
+                  f"{pl} at {pv:.2f} dB -> ours {'BEATS' if beats else 'does NOT beat'} every peer "
+                  f"({bv - pv:+.2f} dB)")
     print("  time: " + ", ".join(notes))
-    return {"columns": columns, "beats": verdicts}
+    return {"columns": columns, "more": more, "beats": verdicts}
 
 
 # ---------------------------------------------------------------------------
@@ -356,6 +381,8 @@ def part_digits(args, tmp: str) -> dict:
     runners = {"float": lambda x: model(x)}
     for obs in OBSERVERS:
         runners[OURS.format(obs)] = res["runners"][OURS.format(obs)]
+    for obs in OBSERVERS:
+        runners[OURS_ROUNDED.format(obs)] = res["runners"][OURS_ROUNDED.format(obs)]
     t = time.perf_counter()
     qat_label = f"ours int8 QAT ({args.qat_epochs} ep. from hist-mse calib, int32 fc out)"
     runners[qat_label] = ours_qat(Xtr, ytr, model, calib, args.qat_epochs, lr=1e-3)

@@ -1,7 +1,7 @@
 """Post-training static quantization (PTQ) of a zoo model in FX mode, end to end.
 
     python examples/ptq_fx.py [--model resnet18] [--march bayes] [--observer histogram-mse]
-                              [--calib-batches 8] [--image-size 64]
+                              [--calib-batches 8] [--image-size 64] [--weight-rounding]
 
 The flow of the classic FX-mode PTQ walkthrough, with qcompiler's staged API:
 
@@ -10,8 +10,11 @@ The flow of the classic FX-mode PTQ walkthrough, with qcompiler's staged API:
    are exactly the float model's);
 2. calibrate: run it in ``eval()`` under ``torch.no_grad()`` over a
    ``DataLoader`` of representative images;
-3. ``convert_fx`` turns it into the fixed-point model (int8 weights and
-   activations, int32 accumulators, as the BPU computes);
+3. optionally (``--weight-rounding``) ``optimize_weight_rounding`` re-rounds
+   the weights on the calibration images (same scales; each layer's output
+   error on the data is made smallest), then ``convert_fx`` turns it into the
+   fixed-point model (int8 weights and activations, int32 accumulators, as the
+   BPU computes);
 4. evaluate: output SQNR of the fixed-point model against the float model on
    held-out images.
 
@@ -44,7 +47,8 @@ import qcompiler.zoo as zoo
 from qcompiler.errors import QCompilerWarning
 from qcompiler.ir.partitions import summary_line
 from qcompiler.march import March
-from qcompiler.quantization import OBSERVERS, convert_fx, get_default_calib_qconfig, prepare_calibration_fx
+from qcompiler.quantization import (OBSERVERS, convert_fx, get_default_calib_qconfig, optimize_weight_rounding,
+                                    prepare_calibration_fx)
 
 IMAGE_MODELS = ("resnet18", "resnet50", "mobilenet_v2", "unet", "hybrid")
 
@@ -130,6 +134,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--observer", default="histogram-mse", choices=list(OBSERVERS),
                    help="activation calibration observer")
     p.add_argument("--calib-batches", type=int, default=8, help="calibration batches")
+    p.add_argument("--weight-rounding", action="store_true",
+                   help="re-round the weights on the calibration images before convert_fx")
     p.add_argument("--batch-size", type=int, default=4, help="images per batch")
     p.add_argument("--image-size", type=int, default=64, help="image side (zoo models are built for 224)")
     p.add_argument("--eval-images", type=int, default=8, help="held-out images for the SQNR")
@@ -182,7 +188,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                          disable=args.quiet, leave=False):
             calib_model(x)
 
-    # -- 4. convert to the fixed-point model --------------------------------------
+    # -- 4. (optional) re-round the weights, then convert to the fixed-point model -
+    if args.weight_rounding:
+        optimize_weight_rounding(calib_model, [x for x, _ in calib_loader], progress=not args.quiet)
     quantized = convert_fx(calib_model)
 
     # -- 5. evaluate on held-out images -------------------------------------------
@@ -196,6 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "model": args.model,
         "march": str(calib_model.meta.get("qc_march")),
         "observer": args.observer,
+        "weight_rounding": args.weight_rounding,
         "image_size": args.image_size,
         "calib_images": n_calib,
         "eval_images": args.eval_images,
@@ -207,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if f.dim() == 2:  # classifier: how often the fixed-point model keeps the float top-1
         result["top1_agreement"] = float((f.argmax(1) == q.argmax(1)).float().mean())
     say(f"model {result['model']} (march {result['march']}, {args.image_size}x{args.image_size}, "
-        f"observer {args.observer}, {n_calib} calibration / {args.eval_images} held-out images)")
+        f"observer {args.observer}{' + weight rounding' if args.weight_rounding else ''}, {n_calib} calibration / {args.eval_images} held-out images)")
     say(f"output SQNR of the int8 model vs float: {result['sqnr_db']:.2f} dB "
         f"(max |error| {result['max_abs_err']:.4g})")
     if "top1_agreement" in result:

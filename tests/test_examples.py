@@ -38,6 +38,17 @@ def test_ptq_fx_example_runs_and_tracks_float(ptq_fx, args, floor):
     assert result["calib_images"] == 2 * 4 and result["eval_images"] == 8
 
 
+def test_ptq_fx_example_weight_rounding_beats_nearest(ptq_fx):
+    # resnet18 at 32x32 on 32 calibration images: re-rounding the weights lifts the output
+    # SQNR from 16.03 to 17.08 dB here (with 8 images most layers see fewer input vectors than
+    # they have columns and keep nearest rounding); a drop would mean it works on wrong inputs
+    args = ["--model", "resnet18", "--image-size", "32", "--calib-batches", "8", "--bn-batches", "4", "--quiet"]
+    plain = ptq_fx.main(args)
+    rounded = ptq_fx.main(args + ["--weight-rounding"])
+    assert rounded["weight_rounding"] and not plain["weight_rounding"]
+    assert rounded["sqnr_db"] > plain["sqnr_db"] + 0.5, (plain["sqnr_db"], rounded["sqnr_db"])
+
+
 def test_ptq_fx_example_partition_summary_for_hybrid_model(ptq_fx):
     result = ptq_fx.main(["--model", "hybrid", "--image-size", "16", "--calib-batches", "1",
                           "--bn-batches", "0", "--quiet"])
