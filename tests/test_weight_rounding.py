@@ -542,6 +542,31 @@ def test_observers_that_never_ran_are_a_calibration_error():
     assert_untouched(cal, snap)
 
 
+def test_a_batch_the_model_cannot_take_is_a_calibration_error_and_restores_weights():
+    torch.manual_seed(0)
+    batches = [smooth(8, i) for i in range(2)]
+    cal = calibrate(PlainNet().eval(), batches)
+    snap = snapshot(cal)
+    # a batch with 5 channels fails at the first layer, before anything is rounded
+    with pytest.raises(CalibrationError, match=r"failed on batch 1 .*shaped like the calibration batches"):
+        optimize_weight_rounding(cal, [batches[0], smooth(8, 3, channels=5)])
+    assert_untouched(cal, snap)
+    # a failure after the first layer was rounded: the second layer raises on its second call
+    # (the first is the call-order pass), so the first layer's new weights must be undone
+    layers = list(weight_layers(cal).values())
+    calls = []
+
+    def boom(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+
+    layers[1].register_forward_pre_hook(boom)
+    with pytest.raises(CalibrationError, match=r"failed on batch 0 \(RuntimeError: device lost\)"):
+        optimize_weight_rounding(cal, batches)
+    assert_untouched(cal, snap)
+
+
 # ---------------------------------------------------------------------------
 # 8. models with several inputs
 

@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qcompiler.errors import ConfigError
+from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.prepare import GM_KIND
@@ -243,6 +243,18 @@ def _fake_quant_hook(scale: torch.Tensor, qmin: int, qmax: int):
     return hook
 
 
+def _forward(model: nn.Module, batch: tuple, index: int) -> None:
+    try:
+        model(*batch)
+    except (_Stop, CalibrationError):
+        raise
+    except Exception as exc:  # a batch the model cannot take: say which, not where in torch
+        raise CalibrationError(
+            f"optimize_weight_rounding: the model failed on batch {index} ({type(exc).__name__}: {exc}); "
+            f"pass batches shaped like the calibration batches"
+        ) from exc
+
+
 def _call_order(model: nn.Module, layers: list[tuple[str, nn.Module]], batch: tuple) -> tuple[list, dict]:
     """Layers in the order forward first calls them, and how often each is called per forward."""
     order, calls = [], {}
@@ -255,7 +267,7 @@ def _call_order(model: nn.Module, layers: list[tuple[str, nn.Module]], batch: tu
 
     handles = [m.register_forward_pre_hook(hook) for _, m in layers]
     try:
-        model(*batch)
+        _forward(model, batch, 0)
     finally:
         for h in handles:
             h.remove()
@@ -276,9 +288,9 @@ def _input_moments(model: nn.Module, layer: nn.Module, batches: list[tuple], sto
 
     handle = layer.register_forward_pre_hook(hook)
     try:
-        for batch in batches:
+        for i, batch in enumerate(batches):
             try:
-                model(*batch)
+                _forward(model, batch, i)
             except _Stop:
                 pass
     finally:
@@ -324,8 +336,10 @@ def optimize_weight_rounding(
     weight_fqs = {id(m.weight_fake_quant) for _, m in layers}
 
     training = [(m, m.training) for m in model.modules()]
+    saved = {id(m): m.weight.detach().clone() for _, m in layers}
     model.eval()
     report = RoundingReport()
+    done = False
     try:
         with _QuantizedActivations(model, weight_fqs):
             order, calls = _call_order(model, layers, batches[0])
@@ -336,9 +350,13 @@ def optimize_weight_rounding(
                 steps = tqdm(order, desc="weight rounding", unit="layer")
             for name, layer in steps:
                 report.append(_round_layer(model, name, layer, batches, calls[id(layer)] == 1, damp, block_size))
+        done = True
     finally:
         for m, flag in training:
             m.training = flag
+        if not done:  # a failure half-way leaves the weights as they were
+            for _, m in layers:
+                m.weight.copy_(saved[id(m)])
     return report
 
 
