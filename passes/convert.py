@@ -8,6 +8,8 @@ float. QuantStubs and boundary observers quantize, DeQuantStubs dequantize.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -229,7 +231,13 @@ def _convert_op(node, op, module, qp, out: _QParams, where) -> nn.Module:
         sa, sb = scale_of(args[0]), scale_of(args[1])
         if sa is None or sb is None:
             raise UnsupportedOpError(f"{where}: {op} with a constant operand is not supported yet")
-        return qnn.QuantizedAdd(sa, sb, out.scale, out.dtype, sub=(op == "sub"))
+        alpha = node.kwargs.get("alpha", 1)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 0 or not math.isfinite(alpha):
+            raise UnsupportedOpError(
+                f"{where}: {op} with alpha={alpha!r}: the BPU folds a finite, non-zero number into the "
+                f"second operand's multiplier; compute the scaled operand separately (e.g. with a mul)"
+            )
+        return qnn.QuantizedAdd(sa, sb, out.scale, out.dtype, sub=(op == "sub"), alpha=float(alpha))
     if op == "mul":
         sa, sb = scale_of(args[0]), scale_of(args[1])
         if sa is not None and sb is not None:

@@ -1,10 +1,12 @@
 """convert_fx: fixed-point model vs the fake-quant model it came from, and its errors."""
 
+import warnings
+
 import pytest
 import torch
 
 import qcompiler.zoo as zoo
-from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.errors import CalibrationError, ConfigError, QCompilerWarning
 from qcompiler.nn.quantized import QuantizedWeightLayer
 from qcompiler.quantization import (
     FakeQuantize,
@@ -165,3 +167,65 @@ def test_edge_ops_convert_and_match():
         for f, o in zip(qat(x), q(x)):
             assert torch.equal(f, o)
 
+
+
+class _AddAlpha(torch.nn.Module):
+    """Two convs combined by torch.add / torch.sub with an ``alpha`` keyword (not fusable)."""
+
+    def __init__(self, op, alpha):
+        super().__init__()
+        self.op, self.alpha = op, alpha
+        self.a = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.b = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.op(self.a(x), self.b(x), alpha=self.alpha)
+
+
+def _alpha_models(op, alpha):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    model = _AddAlpha(op, alpha).eval()
+    with warnings.catch_warnings():  # model check: an add with alpha leaves its convs unfused
+        warnings.simplefilter("ignore", QCompilerWarning)
+        cal = prepare_calibration_fx(model, example_inputs=x)
+    cal.eval()
+    with torch.no_grad():
+        for batch in (x, torch.randn(2, 3, 8, 8)):  # x too: no clipping on the checked input
+            cal(batch)
+    qat = prepare_qat_fx(cal)
+    set_state(qat, "validation")
+    qat.eval()
+    return model, qat, x
+
+
+@pytest.mark.parametrize("op", [torch.add, torch.sub])
+@pytest.mark.parametrize("alpha", [1.0, 2.0, -0.5])
+def test_add_and_sub_with_alpha_match_fake_quant_simulator_and_onnx(op, alpha, tmp_path):
+    from qcompiler.compiled import lower
+    from qcompiler.onnx import export_to_onnx, inference_session
+
+    model, qat, x = _alpha_models(op, alpha)
+    q = convert_fx(qat)
+    with torch.no_grad():
+        f, ref, out = model(x), qat(x), q(x)
+    assert torch.equal(ref, out)  # alpha folded into b's multiplier, bit for bit
+    # and it is the float op's value up to quantization (a dropped alpha would be off by |b|)
+    err = float((ref.float() - f).abs().max())
+    assert err < 0.03 * float(f.abs().max()), err
+    assert torch.equal(lower(q)(x), out)  # the BPU simulator computes the same integers
+    path = tmp_path / "m.onnx"
+    export_to_onnx(q, (x,), path)
+    onnx_out = torch.from_numpy(inference_session(str(path)).run(None, {"x": x.numpy()})[0])
+    # ONNX: the float op on dequantized operands, quantized at the output scale: within 1 LSB
+    lsb = float(q.get_submodule(next(n.target for n in q.graph.nodes if n.op == "call_module"
+                                     and type(q.get_submodule(n.target)).__name__ == "QuantizedAdd")).out_scale)
+    torch.testing.assert_close(onnx_out, out, rtol=0, atol=1.01 * lsb)
+
+
+def test_add_with_alpha_zero_is_refused_naming_the_node():
+    from qcompiler.errors import UnsupportedOpError
+
+    _, qat, _ = _alpha_models(torch.add, 0.0)
+    with pytest.raises(UnsupportedOpError, match=r"add with alpha=0\.0"):
+        convert_fx(qat)

@@ -313,7 +313,8 @@ def converted_binary(ctx: NodeContext) -> Tensor:
     """QuantizedAdd / QuantizedMul / QuantizedMatmul: the float op on the dequantized operands,
     quantized once at the output scale (the BPU's one requantization)."""
     m = ctx.module
-    y = _with_call(ctx, _function_call(ctx, ctx.call.args[:2]))
+    alpha = getattr(m, "alpha", 1.0)  # QuantizedAdd: the traced call's alpha, folded on the BPU
+    y = _with_call(ctx, _function_call(ctx, ctx.call.args[:2], {"alpha": alpha} if alpha != 1.0 else None))
     return _out(ctx, y, m.out_scale, m.out_dtype)
 
 

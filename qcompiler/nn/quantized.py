@@ -168,15 +168,21 @@ def _int_conv_transpose2d(q, w, bias, g, op):
 
 
 class QuantizedAdd(QuantizedModule):
-    """a + b (or a - b) of two feature maps brought to the output scale with their own multipliers."""
+    """a + alpha*b (or a - alpha*b) of two feature maps brought to the output scale with their own
+    multipliers. ``alpha`` (torch.add/sub's keyword) is folded into b's multiplier; a negative
+    alpha turns an add into a sub and back, so ``sub`` and ``qc_op`` say what the BPU computes."""
 
-    def __init__(self, sa: float, sb: float, out_scale: float, out_dtype: str, sub: bool = False) -> None:
+    def __init__(self, sa: float, sb: float, out_scale: float, out_dtype: str, sub: bool = False,
+                 alpha: float = 1.0) -> None:
         super().__init__()
-        self.qc_op = "sub" if sub else "add"
-        self.sub, self.out_scale, self.out_dtype = sub, float(out_scale), out_dtype
-        self.params = fp.add_params(sa, sb, out_scale, mult_bits=MULT_BITS, max_shift=MAX_SHIFT)
+        self.alpha = float(alpha)
+        self.sub = bool(sub) != (self.alpha < 0)
+        self.qc_op = "sub" if self.sub else "add"
+        self.out_scale, self.out_dtype = float(out_scale), out_dtype
+        self.params = fp.add_params(sa, sb * abs(self.alpha), out_scale, mult_bits=MULT_BITS, max_shift=MAX_SHIFT)
 
-    def forward(self, a: QTensor, b: QTensor, *rest) -> QTensor:
+    def forward(self, a: QTensor, b: QTensor, *rest, alpha: Any = None) -> QTensor:
+        # ``alpha`` is the traced call's keyword, already folded into the multipliers
         fn = fp.int_sub if self.sub else fp.int_add
         return _q(fn(a.int_repr(), *self.params[:2], b.int_repr(), *self.params[2:], self.out_dtype, op=self.qc_op),
                   self.out_scale)
