@@ -148,3 +148,50 @@ def test_shape_propagation_does_not_update_batchnorm_statistics():
     propagate_shapes(gm, torch.rand(2, 3, 4, 4) + 5)
     assert torch.equal(m.bn.running_mean, torch.zeros(3))
     assert m.bn.training  # mode restored
+
+
+class _StringAnnotated(nn.Module):
+    """Annotations as strings, as ``from __future__ import annotations`` makes them; ``y``'s names
+    nothing importable."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x: "torch.Tensor", y: "NoSuchType") -> "torch.Tensor":  # noqa: F821
+        return self.conv(x) + y
+
+
+def test_string_annotations_resolve_and_the_graph_pickles():
+    import io
+
+    gm = trace(_StringAnnotated())
+    types = {n.target: n.type for n in gm.graph.nodes if n.op == "placeholder"}
+    assert types == {"x": None, "y": None}  # one unresolvable hint: none are guessed
+    gm = trace(nn.Sequential(nn.Conv2d(3, 3, 1)))
+    buf = io.BytesIO()
+    torch.save(gm, buf)  # a str annotation became a global torch.fx could not pickle
+    buf.seek(0)
+    x = torch.randn(1, 3, 4, 4)
+    assert torch.equal(torch.load(buf, weights_only=False)(x), gm(x))
+
+
+def test_prepared_and_converted_zoo_models_save_and_load():
+    """Zoo modules use ``from __future__ import annotations``; their graphs must still pickle."""
+    import io
+
+    import qcompiler.zoo as zoo
+
+    model, x = zoo.get("resnet18"), zoo.example_inputs("resnet18", image_size=32)
+    cal = qq.prepare_calibration_fx(model, example_inputs=x)
+    cal.eval()
+    with torch.no_grad():
+        cal(*x)
+    assert [n.type for n in cal.graph.nodes if n.op == "placeholder"] == [torch.Tensor]
+    for gm in (cal, qq.convert_fx(cal)):
+        buf = io.BytesIO()
+        torch.save(gm, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        with torch.no_grad():
+            assert torch.equal(loaded(*x), gm(*x))

@@ -18,6 +18,7 @@ import contextlib
 import os
 import sysconfig
 import traceback
+import typing
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -148,7 +149,25 @@ def trace(
         graph = tracer.trace(model, concrete_args)
     except Exception as exc:  # torch raises many types here; we report them all the same way
         raise _trace_error(model, tracer, exc) from None
+    _resolve_string_annotations(graph, model)
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+
+
+def _resolve_string_annotations(graph: fx.Graph, model: nn.Module) -> None:
+    """Placeholders of a model written with ``from __future__ import annotations`` carry their
+    annotations as strings (``"torch.Tensor"``); torch.fx would emit them as globals that
+    pickling (``torch.save`` of the GraphModule) cannot name. Resolve them to the types, or drop
+    an annotation that cannot be resolved (it only documents the generated code)."""
+    strings = [n for n in graph.nodes if isinstance(n.type, str)]
+    if not strings:
+        return
+    try:
+        hints = typing.get_type_hints(type(model).forward)
+    except Exception:  # an annotation naming something not importable here
+        hints = {}
+    for node in strings:
+        hint = hints.get(node.target) if node.op == "placeholder" else None
+        node.type = hint if isinstance(hint, type) else None
 
 
 def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception) -> TraceError:
