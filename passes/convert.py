@@ -9,7 +9,6 @@ float. QuantStubs and boundary observers quantize, DeQuantStubs dequantize.
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch

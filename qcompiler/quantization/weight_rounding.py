@@ -114,10 +114,8 @@ def _columns(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x = x.detach().double()
     if isinstance(layer, nn.Linear):
         return x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
-    if layer.padding_mode == "zeros":
-        x = F.pad(x, layer._reversed_padding_repeated_twice)
-    else:
-        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode)
+    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+    x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
     u = F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)  # N, C*kh*kw, P
     n, d, p = u.shape
     g = layer.groups
@@ -127,7 +125,7 @@ def _columns(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _skip_reason(layer: nn.Module) -> Optional[str]:
     if isinstance(layer, nn.ConvTranspose2d):
         return "transposed conv"
-    if isinstance(layer, nn.Conv2d) or isinstance(layer, nn.Linear):
+    if isinstance(layer, (nn.Conv2d, nn.Linear)):
         return None
     return f"{type(layer).__name__} not supported"
 
