@@ -192,9 +192,10 @@ def _same_scale(node: fx.Node, module: Optional[nn.Module], dtype: str) -> qnn.Q
         return qnn.QuantizedSameScale(op, method=node.target, dtype=dtype)
     if op == "max_pool2d":
         m = module
-        if m.dilation not in (1, (1, 1)) or m.ceil_mode or m.return_indices:
-            raise UnsupportedOpError(f"node '{node.name}': max_pool2d with dilation, ceil_mode or "
-                                     f"return_indices has no fixed-point lowering yet")
+        if m.return_indices:  # a second, index output: not a quantized value
+            raise UnsupportedOpError(f"node '{node.name}': max_pool2d with return_indices=True has no "
+                                     f"fixed-point lowering; use return_indices=False on the BPU, or "
+                                     f"run this module on CPU (hybrid_dict)")
         return qnn.QuantizedSameScale(op, float_module=m, dtype=dtype)
     if op == "flatten":
         return qnn.QuantizedSameScale(op, float_module=module, dtype=dtype)

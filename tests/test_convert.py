@@ -229,3 +229,108 @@ def test_add_with_alpha_zero_is_refused_naming_the_node():
     _, qat, _ = _alpha_models(torch.add, 0.0)
     with pytest.raises(UnsupportedOpError, match=r"add with alpha=0\.0"):
         convert_fx(qat)
+
+
+class _Pools(torch.nn.Module):
+    """conv -> the max pool under test -> conv -> a functional max pool with ceil_mode and dilation
+    (which keeps the size)."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.p1 = pool
+        self.c2 = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c2(self.p1(self.c1(x)))
+        return torch.nn.functional.max_pool2d(y, 2, 1, 1, dilation=2, ceil_mode=True)
+
+
+@pytest.mark.parametrize("pool, size, out", [
+    (torch.nn.MaxPool2d(3, 2, ceil_mode=True), 10, 5),  # 10 -> 5 (4 without ceil_mode)
+    (torch.nn.MaxPool2d(3, 2, padding=1, dilation=2, ceil_mode=True), 12, 6),  # 12 -> 6 (5 without)
+    # torch drops the last ceil-mode window (it would start in the right padding): 9 -> 5, not 6
+    (torch.nn.MaxPool2d(2, 2, padding=1, ceil_mode=True), 9, 5),
+], ids=["ceil", "ceil_dilation", "ceil_last_window_dropped"])
+def test_max_pool_with_ceil_mode_and_dilation_matches_fake_quant_simulator_and_onnx(pool, size, out, tmp_path):
+    from qcompiler.compiled import lower
+    from qcompiler.onnx import export_to_onnx, inference_session
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, size, size)
+    cal = prepare_calibration_fx(_Pools(pool).eval(), example_inputs=x)
+    cal.eval()
+    with torch.no_grad():
+        for batch in (x, torch.randn(2, 3, size, size)):
+            cal(batch)
+    qat = prepare_qat_fx(cal)
+    set_state(qat, "validation")
+    qat.eval()
+    q = convert_fx(qat)
+    with torch.no_grad():
+        ref, y = qat(x), q(x)
+    assert tuple(y.shape) == (2, 4, out, out)
+    assert torch.equal(ref, y)  # max pool is exact on the integer grid
+    assert torch.equal(lower(q)(x), y)
+    path = tmp_path / "m.onnx"
+    export_to_onnx(q, (x,), path)
+    onnx_out = torch.from_numpy(inference_session(str(path)).run(None, {"x": x.numpy()})[0])
+    torch.testing.assert_close(onnx_out, y, rtol=0, atol=0)
+
+
+def test_max_pool_with_return_indices_runs_on_cpu():
+    """The indices are not a quantized value: the pool is placed on CPU and both outputs come back."""
+    from qcompiler.ir.meta import META_PLACEMENT
+
+    class _Indices(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.p = torch.nn.MaxPool2d(2, return_indices=True)
+
+        def forward(self, x):
+            y, idx = self.p(self.c(x))
+            return y, idx
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        cal = prepare_calibration_fx(_Indices().eval(), example_inputs=x)
+    assert {n.name: n.meta.get(META_PLACEMENT) for n in cal.graph.nodes}["p"] == "cpu"
+    with torch.no_grad():
+        cal(x)
+    qat = prepare_qat_fx(cal)
+    set_state(qat, "validation")
+    qat.eval()
+    with torch.no_grad():
+        (ref_y, ref_i), (y, i) = qat(x), convert_fx(qat)(x)
+    assert torch.equal(ref_y, y) and torch.equal(ref_i, i) and i.dtype == torch.int64
+
+
+@pytest.mark.parametrize("pool", [
+    torch.nn.AvgPool2d(3, 2, 1, count_include_pad=False),
+    torch.nn.AvgPool2d(3, 2, ceil_mode=True),  # 10x10: the last window is partial
+    torch.nn.AvgPool2d(3, 2, 1, divisor_override=4),
+], ids=["count_include_pad_false", "ceil_partial_window", "divisor_override"])
+def test_avg_pool_options_the_bpu_cannot_compute_run_on_cpu_and_match(pool):
+    """These change a window's divisor; the BPU divides by kh*kw, so they are placed on CPU (once
+    they ran on the BPU and convert silently ignored the option)."""
+    from qcompiler.ir.meta import META_PLACEMENT
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), pool, torch.nn.Conv2d(4, 4, 1)).eval()
+    x = torch.randn(1, 3, 10, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        cal = prepare_calibration_fx(model, example_inputs=x)
+    assert {n.name: n.meta.get(META_PLACEMENT) for n in cal.graph.nodes}["_1"] == "cpu"
+    cal.eval()
+    with torch.no_grad():
+        cal(x)
+    qat = prepare_qat_fx(cal)
+    set_state(qat, "validation")
+    qat.eval()
+    with torch.no_grad():
+        ref, out = qat(x), convert_fx(qat)(x)
+    assert torch.equal(ref, out)

@@ -64,6 +64,15 @@ def test_9x9_conv_is_cpu_on_bernoulli2_naming_the_kernel_limit():
         (nn.ReLU(), torch.rand(200, 8, 4, 4), "bernoulli2", "relu: batch 200 > 128 on bernoulli2"),
         (nn.LayerNorm(16), X, "bayes", "layer_norm is not supported on bayes"),
         (nn.Softmax(dim=1), X, "bayes", "softmax is not supported on bayes"),
+        (nn.AvgPool2d(3, 2, 1, count_include_pad=False), X, "bayes",
+         "avg_pool2d: avg_pool2d with count_include_pad=False and padding (the BPU divides every window by kh*kw) on bayes"),
+        (nn.AvgPool2d(2, divisor_override=3), X, "bernoulli2",
+         "avg_pool2d: avg_pool2d with divisor_override=3 (the BPU divides by kh*kw) on bernoulli2"),
+        # 16 -> ceil(13/2)+1 = 8 windows; the last covers rows 14..16 of 16: a partial window
+        (nn.AvgPool2d(3, 2, ceil_mode=True), X, "bayes",
+         "avg_pool2d: avg_pool2d with ceil_mode=True and a partial last window (the BPU divides by kh*kw) on bayes"),
+        (nn.MaxPool2d(2, return_indices=True), X, "bayes",
+         "max_pool2d: max_pool2d with return_indices=True (the indices are not a quantized value) on bayes"),
     ],
 )
 def test_constraint_failures_give_the_reason(module, x, march, reason):
@@ -79,6 +88,10 @@ def test_constraint_failures_give_the_reason(module, x, march, reason):
         (nn.Linear(64, 8), torch.rand(1, 16, 64), "bayes"),
         (nn.ConvTranspose2d(8, 8, 4, stride=2), X, "bernoulli2"),
         (nn.MaxPool2d(3, 2, 1), X, "bernoulli2"),
+        (nn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True), X, "bayes"),
+        (nn.AvgPool2d(3, 2, 1), X, "bayes"),  # count_include_pad=True: every window divided by 9
+        (nn.AvgPool2d(2, count_include_pad=False), X, "bernoulli2"),  # no padding: nothing to exclude
+        (nn.AvgPool2d(2, 2, ceil_mode=True), X, "bayes"),  # 16 = 8 whole windows: ceil_mode changes nothing
     ],
 )
 def test_supported_configurations_stay_on_bpu(module, x, march):

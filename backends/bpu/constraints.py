@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from qcompiler.backends.bpu.op_info import OpInfo
+from qcompiler.quantization.fixed_point import max_pool_out_size
 
 Check = Callable[["OpInfo"], Optional[str]]
 
@@ -192,6 +193,32 @@ def pool_limits(kernel: int, stride: Optional[int] = None, pad: Optional[int] = 
         return None
 
     return Constraint(f"pool kernel <= {kernel}", check)
+
+
+def pool_semantics() -> Constraint:
+    """What the BPU's pools compute: a max pool gives values only, and an average pool divides
+    every window by ``kh*kw`` (DESIGN.md), so options that change a window's divisor stay on CPU."""
+
+    def check(info):
+        a = info.attrs
+        if info.op == "max_pool2d":
+            return "max_pool2d with return_indices=True (the indices are not a quantized value)" \
+                if a.get("return_indices") else None
+        if a.get("divisor_override") is not None:
+            return f"avg_pool2d with divisor_override={a['divisor_override']} (the BPU divides by kh*kw)"
+        padded = any(p > 0 for p in a.get("padding", (0, 0)))
+        if padded and not a.get("count_include_pad", True):
+            return "avg_pool2d with count_include_pad=False and padding (the BPU divides every window by kh*kw)"
+        s = info.in_shapes[0] if info.in_shapes else None
+        if a.get("ceil_mode") and s is not None and len(s) == 4:
+            for size, k, st, p in zip(s[2:], a["kernel"], a["stride"], a["padding"]):
+                # a ceil-mode window that runs past the padded input is divided by fewer elements
+                last = (max_pool_out_size(size, k, st, p, 1, True) - 1) * st + k
+                if last > size + 2 * p:
+                    return "avg_pool2d with ceil_mode=True and a partial last window (the BPU divides by kh*kw)"
+        return None
+
+    return Constraint("pool options the BPU computes", check)
 
 
 def global_pool(max_hw: Optional[int] = None) -> Constraint:

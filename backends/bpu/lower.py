@@ -443,14 +443,12 @@ class _Lowering:
 
     def _max_pool_attrs(self, node, module, args, kwargs) -> dict:
         if module is not None:
-            # convert's lambda passes kernel_size, stride and padding only
-            if fp._pair(module.dilation) != (1, 1) or module.ceil_mode or module.return_indices:
-                raise self.fail(node, "nn.MaxPool2d with dilation/ceil_mode/return_indices: the converted "
-                                      "model ignores them (qcompiler.passes.convert._float_fn)")
+            if module.return_indices:
+                raise self.fail(node, "max_pool2d with return_indices")
             k = fp._pair(module.kernel_size)
             s = fp._pair(module.stride if module.stride is not None else module.kernel_size)
             return {"kernel_size": list(k), "stride": list(s), "padding": list(fp._pair(module.padding)),
-                    "dilation": [1, 1], "ceil_mode": False}
+                    "dilation": list(fp._pair(module.dilation)), "ceil_mode": bool(module.ceil_mode)}
         names = ["kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"]
         v = _bind(node, names, args, kwargs,
                   {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False}, self)

@@ -89,15 +89,22 @@ def _conv_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule, 
     return attrs
 
 
+_POOL_OPTIONS = {"dilation": 1, "ceil_mode": False, "return_indices": False, "count_include_pad": True,
+                 "divisor_override": None}
+
+
 def _pool_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
     if module is not None and hasattr(module, "kernel_size"):
         kernel, stride, padding = module.kernel_size, module.stride, module.padding
+        options = {k: getattr(module, k, v) for k, v in _POOL_OPTIONS.items()}
     else:
         kw = _normalized(node, gm)
         kernel, stride, padding = kw.get("kernel_size"), kw.get("stride"), kw.get("padding", 0)
+        options = {k: kw.get(k, v) for k, v in _POOL_OPTIONS.items()}
     kernel = _pair(kernel)
     stride = _pair(stride) if stride not in (None, [], ()) else kernel
-    return {"kernel": kernel, "stride": stride, "padding": _pair(padding)}
+    options["dilation"] = _pair(options["dilation"])
+    return {"kernel": kernel, "stride": stride, "padding": _pair(padding), **options}
 
 
 def _interp_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:

@@ -841,15 +841,6 @@ class _FastConv:
             self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check, fold)
 
 
-def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
-    """Output length of torch's max_pool2d (the last window must start inside input or left pad)."""
-    num = size + 2 * p - d * (k - 1) - 1
-    out = (-(-num // s) if ceil else num // s) + 1
-    if ceil and (out - 1) * s >= size + p:
-        out -= 1
-    return out
-
-
 class _FastMaxPool:
     """Integer max pool as the running maximum of the kh*kw strided windows of a qmin-padded copy.
 
@@ -868,7 +859,7 @@ class _FastMaxPool:
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.k, self.s, self.p, self.d
         if 2 * ph > kh or 2 * pw > kw:  # torch rejects this; let it say so
             return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
-        Ho, Wo = _pool_out(H, kh, sh, ph, dh, self.ceil), _pool_out(W, kw, sw, pw, dw, self.ceil)
+        Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
         need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
         Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
         xc = x.transpose(0, 1)  # channel-major, like the conv outputs

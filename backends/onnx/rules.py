@@ -34,6 +34,7 @@ from onnx import TensorProto
 
 from qcompiler.backends.onnx.emitter import FLOAT_TYPES, INT64_MAX, NodeContext, Tensor, is_tensor, to_numpy
 from qcompiler.nn import fused
+from qcompiler.quantization.fixed_point import max_pool_out_size
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -524,9 +525,34 @@ def max_pool2d(ctx: NodeContext) -> Tensor:
         raise ctx.unsupported("return_indices=True")
     k = _ntuple(k, 2)
     s = _ntuple(s if s not in (None, [], ()) else k, 2)
-    p = _ntuple(p, 2)
-    return ctx.make("MaxPool", [ctx.x()], kernel_shape=k, strides=s, pads=p + p, dilations=_ntuple(d, 2),
-                    ceil_mode=int(bool(ceil)))
+    p, d = _ntuple(p, 2), _ntuple(d, 2)
+    trim = _ceil_trim(ctx, ceil, k, s, p, d)
+    y = ctx.make("MaxPool", [ctx.x()], kernel_shape=k, strides=s, pads=p + p, dilations=d,
+                 ceil_mode=int(bool(ceil)), tag="max_pool" if trim else None)
+    return _trimmed(ctx, y, trim)
+
+
+def _ceil_trim(ctx: NodeContext, ceil: bool, k, s, p, d=(1, 1)) -> list[tuple[int, int]]:
+    """(axis, torch length) where a ceil-mode pool's ONNX output is one longer than torch's:
+    torch drops a last window that would start in the right padding, ONNX keeps it."""
+    shape = ctx.shape()
+    if not ceil or shape is None or len(shape) != 4:
+        return []
+    trim = []
+    for axis, size in enumerate(shape[2:]):
+        want = max_pool_out_size(size, k[axis], s[axis], p[axis], d[axis], True)
+        onnx_len = -(-(size + 2 * p[axis] - d[axis] * (k[axis] - 1) - 1) // s[axis]) + 1
+        if onnx_len != want:
+            trim.append((axis + 2, want))
+    return trim
+
+
+def _trimmed(ctx: NodeContext, y: Tensor, trim: list[tuple[int, int]]) -> Tensor:
+    if not trim:
+        return y
+    return ctx.make("Slice", [y, ctx.const("starts", [0] * len(trim), I64),
+                              ctx.const("ends", [e for _, e in trim], I64),
+                              ctx.const("axes", [a for a, _ in trim], I64)])
 
 
 def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False, count_include_pad=True,
@@ -534,8 +560,10 @@ def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False,
     k = _ntuple(kernel, 2)
     s = _ntuple(stride if stride not in (None, [], ()) else k, 2)
     p = _ntuple(padding, 2)
-    return ctx.make("AveragePool", [x], tag=tag, kernel_shape=k, strides=s, pads=p + p,
-                    ceil_mode=int(bool(ceil_mode)), count_include_pad=int(bool(count_include_pad)))
+    trim = _ceil_trim(ctx, ceil_mode, k, s, p)
+    y = ctx.make("AveragePool", [x], tag=tag if tag or not trim else "average_pool", kernel_shape=k, strides=s,
+                 pads=p + p, ceil_mode=int(bool(ceil_mode)), count_include_pad=int(bool(count_include_pad)))
+    return _trimmed(ctx, y, trim)
 
 
 def avg_pool2d(ctx: NodeContext) -> Tensor:

@@ -355,7 +355,7 @@ class QuantizedSameScale(QuantizedModule):
             y = getattr(q, self.method)(*_ints(args), **_ints(kwargs))
         elif isinstance(self.float_module, nn.MaxPool2d):
             m = self.float_module
-            y = fp.int_max_pool2d(q, m.kernel_size, m.stride, m.padding)
+            y = fp.int_max_pool2d(q, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
         elif isinstance(self.float_module, nn.Flatten):
             y = torch.flatten(q, self.float_module.start_dim, self.float_module.end_dim)
         else:

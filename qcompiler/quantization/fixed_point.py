@@ -686,6 +686,19 @@ def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_
     return requantize(s, M, n, out_dtype, op=op)
 
 
+def max_pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
+    """Output length of torch's max_pool2d along one axis.
+
+    With ``ceil_mode`` torch drops a last window that would start in the right
+    padding; ONNX's MaxPool does not, so the exporter trims to this length.
+    """
+    num = size + 2 * p - d * (k - 1) - 1
+    out = (-(-num // s) if ceil else num // s) + 1
+    if ceil and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
 def int_max_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None = None,
                    padding: IntPair = 0, dilation: IntPair = 1, ceil_mode: bool = False) -> torch.Tensor:
     """Max pool on integers: exact, no rescaling (input and output share the scale)."""
