@@ -132,3 +132,27 @@ def test_prepare_warns_for_unfused_model_not_for_resnet18():
         warnings.simplefilter("always")
         prepare_qat_fx(get("resnet18"), hybrid=True, example_inputs=torch.rand(1, 3, 32, 32))
     assert not [x for x in w if issubclass(x.category, QCompilerWarning) and "model check" in str(x.message)]
+
+
+class ConvAdds(nn.Module):
+    """conv + x with an alpha keyword, and conv + a broadcast (N, C, 1, 1) operand: neither fuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 3, 1)
+        self.b = nn.Conv2d(3, 3, 1)
+        self.c = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = torch.add(self.a(x), x, alpha=2.0)
+        z = self.b(y) + x.mean((2, 3), keepdim=True)
+        return self.c(z) + y  # a plain residual add: fused, not reported
+
+
+def test_unfused_adds_say_why():
+    r = check_qat_model(_qat(ConvAdds().eval()), X)
+    reasons = {u["nodes"][0]: u["reason"] for u in r.unfused}
+    assert reasons == {
+        "a": "'add' is called with alpha=2.0: only a plain two-operand add fuses",
+        "b": "'add_1' broadcasts (1, 3, 8, 8) with (1, 3, 1, 1): only an add of two same-shape tensors fuses",
+    }

@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 from tabulate import tabulate
 
-from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement
+from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
 from qcompiler.ir.ops import node_op
 from qcompiler.nn.fused import FusedModule
 from qcompiler.nn.qat import has_weight_layer
@@ -289,6 +289,16 @@ def _why_not_fused(chain: list[fx.Node], modules, refs) -> str:
         return f"module '{base.target}' has hooks"
     if any(placement(n) is None for n in chain):
         return "not fused yet (float model)"
+    for n in chain[1:]:
+        if (n.meta.get(META_OP) or node_op(n, modules)) != "add":
+            continue
+        if n.kwargs:
+            kw = ", ".join(f"{k}={v!r}" for k, v in n.kwargs.items())
+            return f"'{n.name}' is called with {kw}: only a plain two-operand add fuses"
+        shapes = [shape(a) for a in n.args if isinstance(a, fx.Node)]
+        if len(shapes) == 2 and None not in shapes and shapes[0] != shapes[1]:
+            return (f"'{n.name}' broadcasts {tuple(shapes[0])} with {tuple(shapes[1])}: only an add of "
+                    f"two same-shape tensors fuses")
     return "the fuse pass did not match it (module class, shapes or operands)"
 
 
