@@ -1,12 +1,15 @@
 """QuantAnalysis: bad-case search, per-layer comparison, advisor, sensitivity, int16 suggestion, errors."""
 
 import csv
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
+import qcompiler
 import qcompiler.zoo as zoo
+from conftest import assert_untouched, snapshot
 from qcompiler.errors import ConfigError
 from qcompiler.quantization import convert_fx, prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.tools.quant_analysis import COMPARE_COLUMNS, QuantAnalysis, compute_metric
@@ -150,3 +153,170 @@ def test_clean_removes_files(tmp_path):
     assert len(list((tmp_path / "c").iterdir())) == 6
     qa.clean()
     assert not (tmp_path / "c").exists()
+
+
+# ----------------------------------------------------------------------------- analysis_model_type="compiled"
+
+# The compiled runtime against the converted graph it was lowered from (tests/test_compile.py): BPU
+# partitions are bit-exact, CPU islands run in onnxruntime in float, within 1e-5.  resnet18 at 32x32 is
+# all BPU; hybrid has three CPU islands (PReLU, SELU).
+RUNTIME_TOL = {"resnet18": 0.0, "hybrid": 1e-5}
+COMPILED_FILES = ("compare_per_layer_out.txt", "compare_per_layer_out.csv", "abnormal_layer_advisor.txt")
+
+
+@pytest.fixture(scope="module")
+def compiled_pair(tmp_path_factory):
+    """name -> the mis-scaled model compiled (mode="qat"), analysed as "compiled" (the CompiledModel) and as
+    "quantized" (its converted graph), both with the fake-quant model; built once per name."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, fq = build(name)
+            fq.get_submodule(MISSCALED[name]).activation_post_process.scale.mul_(1 / 20)
+            data = batches(name)
+            cm = qcompiler.compile(fq, data[0], mode="qat", progress=False)
+            snaps = [snapshot(model), snapshot(fq), snapshot(cm.converted)]
+            qas = {}
+            for kind, analysed in (("compiled", cm), ("quantized", cm.converted)):
+                qa = QuantAnalysis(model, analysed, kind, out_dir=tmp_path_factory.mktemp(f"{name}_{kind}"),
+                                   fake_quant_model=fq)
+                qa.auto_find_bad_case(data, metric="L1")
+                qa.run()
+                qa.compare_per_layer()
+                qas[kind] = qa
+            cache[name] = SimpleNamespace(name=name, model=model, fq=fq, cm=cm, data=data, snaps=snaps,
+                                          c=qas["compiled"], q=qas["quantized"])
+        return cache[name]
+
+    return get
+
+
+def check_untouched(p):
+    for m, snap in zip((p.model, p.fq, p.cm.converted), p.snaps):
+        assert_untouched(m, snap)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "resnet18"])
+def test_compiled_bad_case_agrees_with_quantized(compiled_pair, name):
+    p = compiled_pair(name)
+    tol = RUNTIME_TOL[name]
+    cpu_parts = [q["name"] for q in p.cm.partitions if q["placement"] == "cpu"]
+    assert (len(cpu_parts) > 0) == (tol > 0), cpu_parts
+    # the bad case is found on the runtime's outputs: argmax of L1(float, compiled), computed here independently
+    with torch.no_grad():
+        l1 = [compute_metric("L1", p.model(*b), p.cm(*b)) for b in p.data]
+    best = max(range(len(l1)), key=l1.__getitem__)
+    assert p.c.bad_case_index == p.q.bad_case_index == best
+    assert torch.equal(p.c.bad_case[0], p.data[best][0])
+    assert p.c.case_metrics == pytest.approx(l1, rel=0, abs=1e-12)
+    # the runtime's metrics equal the converted graph's: exactly on an all-BPU model, within 1e-5 with islands
+    assert len(p.c.case_metrics) == len(p.q.case_metrics) == len(p.data)
+    for vc, vq in zip(p.c.case_metrics, p.q.case_metrics):
+        assert abs(vc - vq) <= tol, (vc, vq)
+    if tol == 0:
+        assert p.c.case_metrics == p.q.case_metrics
+    torch.testing.assert_close(p.c.analy_output, p.q.analy_output, rtol=tol, atol=tol)
+    assert torch.equal(p.c.base_output, p.q.base_output)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "resnet18"])
+def test_compiled_per_layer_identical_to_quantized(compiled_pair, name):
+    p = compiled_pair(name)
+    c, q = p.c, p.q
+    # per-layer values are recorded on the CompiledModel's converted graph: the same numbers, the same files
+    assert [r["mod_name"] for r in c.compare_rows] == [r["mod_name"] for r in q.compare_rows]
+    assert len(c.layers) == len(q.layers) >= 10
+    for lc, lq in zip(c.layers, q.layers):
+        assert torch.equal(lc["analy"], lq["analy"]) and torch.equal(lc["base"], lq["base"]), lc["mod_name"]
+    for f in COMPILED_FILES:
+        assert (c.out_dir / f).read_text() == (q.out_dir / f).read_text(), f
+    # ... and that graph is what the runtime runs: the last layer (the model output) matches cm's output
+    out_node = next(n for n in p.cm.converted.graph.nodes if n.op == "output")
+    assert c.layers[-1]["node"] == out_node.args[0].name
+    torch.testing.assert_close(c.layers[-1]["analy"].float().reshape(-1),
+                               p.cm(*c.bad_case).reshape(-1), rtol=RUNTIME_TOL[name], atol=RUNTIME_TOL[name])
+    # the mis-scaled layer shows up in the compiled analysis like in the fake-quant one
+    row = next(r for r in c.compare_rows if r["mod_name"] == MISSCALED[name])
+    assert row["quant_dtype"] == "qint8" and row["qscale"] > 0 and row["max_qscale_diff"] > 8
+    assert any(a["mod_name"] == MISSCALED[name] and a["kind"] == "saturation" for a in c.advice), c.advice
+    assert "analysis model type: <b>compiled</b>" in c.report().read_text()
+    check_untouched(p)
+
+
+def test_compiled_sensitivity_matches_quantized_and_needs_fake_quant(compiled_pair, tmp_path):
+    p = compiled_pair("hybrid")
+    ranked = p.c.sensitivity()
+    assert ranked == p.q.sensitivity()
+    assert (ranked[0][0], ranked[0][1]) == (MISSCALED["hybrid"], "activation")
+    assert ranked[0][3] > 2 * ranked[1][3]
+    assert ((p.c.out_dir / "sensitive_ops.txt").read_text()
+            == (p.q.out_dir / "sensitive_ops.txt").read_text())
+    check_untouched(p)
+    # a CompiledModel does not keep the prepared model: sensitivity/int16 say which argument to pass
+    qa = QuantAnalysis(p.model, p.cm, "compiled", out_dir=tmp_path / "nofq")
+    qa.set_bad_case(p.c.bad_case)
+    msg = r"pass fake_quant_model=<the prepared model this compiled model came from>"
+    with pytest.raises(ConfigError, match=msg):
+        qa.sensitivity()
+    with pytest.raises(ConfigError, match=msg):
+        qa.suggest_int16(30.0)
+    assert not (tmp_path / "nofq").exists()
+
+
+# node names of layers the forward hooks on the float model cannot stand for: stubs and functions
+NOT_A_FLOAT_MODULE = {
+    "resnet18": {"x_activation_post_process", "flatten", "output_input_dequant"},
+    "hybrid": {"prelu_input_dequant", "selu", "selu_activation_post_process", "conv1_prelu_input_dequant",
+               "selu_1", "selu_1_activation_post_process", "selu_2_input_dequant", "selu_2"},
+}
+
+
+@pytest.mark.parametrize("name", ["hybrid", "resnet18"])
+def test_compiled_without_fake_quant_model_compares_fused_layers_like_with_like(compiled_pair, name, tmp_path):
+    """Without the fake-quant model (qcompiler.compile does not return it) the baseline layers come from
+    forward hooks on the unfused float model; a fused conv+bn(+add)+relu must compare with the float
+    relu's output, and a function node named like a module (hybrid: F.selu is node ``selu``, module
+    ``selu`` runs last) must not compare with that module's output."""
+    p = compiled_pair(name)
+    qa = QuantAnalysis(p.model, p.cm, "compiled", out_dir=tmp_path)
+    qa.set_bad_case(p.c.bad_case)
+    rows = {r["mod_name"]: r for r in qa.compare_per_layer()}
+    assert qa.baseline_source == "baseline module hooks"
+    twin = {r["mod_name"]: r for r in p.c.compare_rows}  # baseline from the float twin (BN folded)
+    assert set(rows) == set(twin) - NOT_A_FLOAT_MODULE[name]
+    for k, r in rows.items():
+        for col in ("base_min", "base_max", "base_mean"):
+            assert r[col] == pytest.approx(twin[k][col], abs=1e-4), (k, col)
+        assert r["Cosine"] == pytest.approx(twin[k]["Cosine"], abs=1e-4), k
+        assert r["L1"] == pytest.approx(twin[k]["L1"], abs=1e-5), k
+        assert r["analy_max"] == twin[k]["analy_max"], k  # same analysed graph
+    if name == "resnet18":
+        # conv1 = conv1+bn1+relu, layer1.0.conv2 = conv2+bn2+add+relu: post-ReLU baselines, close to the analysis
+        for k in ("conv1", "layer1.0.conv2"):
+            assert rows[k]["base_min"] >= 0 and rows[k]["Cosine"] > 0.98, rows[k]
+    # the bad case gives the same verdict per layer as the twin: no abnormal finding on a layer the twin finds fine
+    flagged = {(a["mod_name"], a["kind"]) for a in qa.advice}
+    assert flagged <= {(a["mod_name"], a["kind"]) for a in p.c.advice}
+    assert (MISSCALED[name], "saturation") in flagged
+
+
+def test_compiled_wrong_model_type_is_a_config_error_naming_the_fix(compiled_pair, tmp_path):
+    p = compiled_pair("hybrid")
+    out = tmp_path / "never"
+    for wrong in (p.cm.converted, p.fq):
+        with pytest.raises(ConfigError, match=r"needs the CompiledModel returned by qcompiler\.compile, got "
+                                              r"a GraphModule \(HybridModel\); for a GraphModule use analysis_model_type='quantized'"):
+            QuantAnalysis(p.model, wrong, "compiled", out_dir=out)
+    with pytest.raises(ConfigError, match=r"got Linear$"):
+        QuantAnalysis(p.model, nn.Linear(3, 3), "compiled", out_dir=out)
+    loaded = qcompiler.load(p.cm.save(tmp_path / "m.qc"))
+    x = p.data[0]
+    torch.testing.assert_close(loaded(*x), p.cm(*x), rtol=0, atol=0)  # a working model, just without a graph
+    with pytest.raises(ConfigError, match=r"loaded from an artifact \(qcompiler\.load\) and has no graph to compare "
+                                          r"layer by layer: analyse the model returned by qcompiler\.compile"):
+        QuantAnalysis(p.model, loaded, "compiled", out_dir=out)
+    with pytest.raises(ConfigError, match=r"got CompiledModel; for a CompiledModel use analysis_model_type='compiled'"):
+        QuantAnalysis(p.model, p.cm, "quantized", out_dir=out)
+    assert not out.exists()
+    check_untouched(p)

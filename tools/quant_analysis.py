@@ -13,8 +13,12 @@ Layers are matched by FX node name.  The analysis model is a prepared
 ``.converted`` graph is recorded).  When the baseline is a plain float module,
 the per-layer baseline values come from the *float twin* of the fake-quant
 model (a copy with every fake quant off: the float model with BatchNorm folded,
-same node names, so fused conv+bn+relu layers compare like with like); the
-model outputs always come from the baseline model itself.
+same node names, so fused conv+bn+relu layers compare like with like); without a
+fake-quant model (``qcompiler.compile`` keeps none) they come from forward hooks on
+the float model: a fused layer then compares with the output of the last module it
+was fused from, and layers no float module computes (stubs, functions) are left out.
+The model outputs always come from the baseline model itself (and, for "compiled",
+from the compiled runtime).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from qcompiler.errors import ConfigError
-from qcompiler.ir.meta import BPU, META_PLACEMENT
+from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.qtensor import QTensor
@@ -222,7 +226,7 @@ def _graph_scope_paths(gm: fx.GraphModule) -> set[str]:
     for node in gm.graph.nodes:
         if node.op == "call_module":
             paths.add(str(node.target))
-        for entry in node.meta.get("qc_scope", ()) or ():
+        for entry in node.meta.get(META_SCOPE) or ():
             p = getattr(entry, "path", "")
             if p:
                 paths.add(p)
@@ -283,6 +287,28 @@ def _layer_flops(model: nn.Module, args: tuple) -> dict[str, int]:
     return flops
 
 
+def _hooked_key(node: fx.Node, hook_paths: dict[str, str]) -> Optional[str]:
+    """The key of the float model's module output (recorded by forward hooks) that ``node`` computes, or None.
+
+    Hook keys are spelled like node names, but only a module call's name means that module (a function
+    node can take a module's name: ``F.selu`` -> ``selu`` while module ``selu`` runs later), so the node
+    must call the module the key was recorded for.  A fused node (conv+bn+relu, conv+bn+add+relu)
+    computes what the last op it was fused from computed in the unfused float model: that op's module,
+    in the same parent module, gives the baseline; without one the layer is not compared.
+    """
+    scopes = node.meta.get(META_SCOPE) or ()
+    path = getattr(scopes[-1], "path", "") if scopes else ""
+    if node.op != "call_module" or not path or hook_paths.get(node.name) != path:
+        return None
+    fused_from = node.meta.get(META_FUSED_FROM)
+    if not fused_from:
+        return node.name
+    last_path = hook_paths.get(fused_from[-1])
+    if last_path is None or last_path.rpartition(".")[0] != path.rpartition(".")[0]:
+        return None
+    return fused_from[-1]
+
+
 # ----------------------------------------------------------------------------- the analysis
 
 
@@ -321,14 +347,27 @@ class QuantAnalysis:
             fake_quant_model = analysis_model if fake_quant_model is None else fake_quant_model
         elif analysis_model_type == "quantized":
             if not isinstance(analysis_model, fx.GraphModule):
+                hint = ("; for a CompiledModel use analysis_model_type='compiled'"
+                        if hasattr(analysis_model, "converted") else "")
                 raise ConfigError("analysis_model_type='quantized' needs a converted GraphModule (convert_fx), "
-                                  f"got {type(analysis_model).__name__}")
+                                  f"got {type(analysis_model).__name__}{hint}")
             self.analysis_graph = analysis_model
         else:
             graph = getattr(analysis_model, "converted", None)
             if not isinstance(graph, fx.GraphModule):
-                raise ConfigError("analysis_model_type='compiled' needs a CompiledModel built by qcompiler.compile "
-                                  "(a model loaded from an artifact has no graph to compare layer by layer)")
+                if isinstance(analysis_model, fx.GraphModule):
+                    hint = ("; for a GraphModule use analysis_model_type='quantized' (convert_fx) "
+                            "or 'fake_quant' (prepared)")
+                elif hasattr(analysis_model, "converted"):
+                    hint = ("; this one was loaded from an artifact (qcompiler.load) and has no graph to compare "
+                            "layer by layer: analyse the model returned by qcompiler.compile")
+                else:
+                    hint = ""
+                got = type(analysis_model).__name__
+                if isinstance(analysis_model, fx.GraphModule):
+                    got = f"a GraphModule ({got})"
+                raise ConfigError("analysis_model_type='compiled' needs the CompiledModel returned by "
+                                  f"qcompiler.compile, got {got}{hint}")
             self.analysis_graph = graph
         self.fake_quant_model = fake_quant_model
         self._check_correspondence()
@@ -342,6 +381,7 @@ class QuantAnalysis:
         self.advice: list[dict] = []
         self.sensitive_ops: list[list] = []
         self.written: list[Path] = []
+        self._hook_paths: dict[str, str] = {}
 
     # ------------------------------------------------------------------ setup checks
 
@@ -478,6 +518,7 @@ class QuantAnalysis:
             return values, types, "float twin of the fake-quant model"
         # plain float module, no fake-quant model: forward hooks, keyed like fx node names
         values, types, calls, hooks = {}, {}, {}, []
+        hook_paths = self._hook_paths = {}
 
         def hook_for(path: str, mod: nn.Module):
             def hook(m, inp, out):
@@ -487,6 +528,7 @@ class QuantAnalysis:
                 key = base if k == 0 else f"{base}_{k}"
                 values[key] = _to_float(out)
                 types[key] = _type_name(type(m))
+                hook_paths[key] = path
             return hook
 
         for path, mod in self.baseline_model.named_modules():
@@ -538,10 +580,14 @@ class QuantAnalysis:
         memo: dict = {}
         mods = dict(self.analysis_graph.named_modules())
         layers, used_names = [], set()
+        hook_paths = self._hook_paths if self.baseline_source == "baseline module hooks" else None
         for node in self.analysis_graph.graph.nodes:
-            if node.op in ("placeholder", "output", "get_attr") or node.name not in base_vals:
+            if node.op in ("placeholder", "output", "get_attr"):
                 continue
-            b, a = base_vals[node.name], analy_vals.get(node.name)
+            key = node.name if hook_paths is None else _hooked_key(node, hook_paths)
+            if key is None or key not in base_vals:
+                continue
+            b, a = base_vals[key], analy_vals.get(node.name)
             if not isinstance(b, torch.Tensor) or not isinstance(a, torch.Tensor) or b.numel() != a.numel():
                 continue
             if not b.is_floating_point() and not a.is_floating_point():
@@ -561,7 +607,7 @@ class QuantAnalysis:
                 q = self._quantizer_at(node.name, fq_nodes, fq_mods, memo)
                 if q is not None and bool(q.fake_quant_enabled[0]) and getattr(q, "_has_qparams", False):
                     dtype, qscale = str(q.dtype), float(q.scale.max())
-            scopes = node.meta.get("qc_scope") or ()
+            scopes = node.meta.get(META_SCOPE) or ()
             path = getattr(scopes[-1], "path", "") if node.op == "call_module" and scopes else ""
             if not path and node.op == "call_module" and self.analysis_type_is_graph_with_paths():
                 path = str(node.target)
@@ -569,7 +615,8 @@ class QuantAnalysis:
             used_names.add(mod_name)
             layers.append({
                 "node": node.name, "mod_name": mod_name,
-                "base_op_type": base_types.get(node.name, ""), "analy_op_type": _node_op_type(node, mods),
+                "base_op_type": base_types.get(node.name) or base_types.get(key, ""),
+                "analy_op_type": _node_op_type(node, mods),
                 "shape": tuple(a.shape), "quant_dtype": dtype, "qscale": qscale,
                 "placement": node.meta.get(META_PLACEMENT), "base": b.double(), "analy": a.double(),
             })
