@@ -21,6 +21,7 @@ from qcompiler.quantization import (
     prepare_calibration_fx,
     prepare_qat_fx,
 )
+from qcompiler.quantization import weight_rounding as wr
 from qcompiler.quantization.fixed_point import quantize
 
 from conftest import assert_untouched, snapshot
@@ -620,3 +621,102 @@ def test_progress_and_table(capsys):
         line = next(l for l in lines[2:] if l.split("|")[1].strip() == r.name)
         assert r.method in line and f"{r.gain_db:+.2f}" in line
     assert {r.name for r in report} == {"c1.op", "c2", "fc"}
+
+
+# ---------------------------------------------------------------------------
+# 10. speed without changing results: passes resume where the previous layer's stopped
+
+
+def rounded(cal, data, hook_model=False, **kw):
+    """Weights and report rows after optimize_weight_rounding on a copy of ``cal``."""
+    c = copy.deepcopy(cal)
+    if hook_model:  # the model's call is more than its graph: no resuming
+        c.register_forward_pre_hook(lambda m, a: None)
+        assert not wr._Passes(c, list(weight_layers(c).items())).resumable
+    report = optimize_weight_rounding(c, data, **kw)
+    return c, {n: m.weight.detach().clone() for n, m in weight_layers(c).items()}, [
+        (r.name, r.columns, r.samples, r.nearest_mse, r.rounded_mse, r.method) for r in report]
+
+
+def assert_same(a, b):
+    (_, wa, ra), (_, wb, rb) = a, b
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert ra == rb
+
+
+def test_passes_resume_and_give_what_passes_from_the_inputs_give(monkeypatch):
+    """Each layer's pass starts at the node calling the layer, from the values kept by the previous
+    layer's pass: the first layer's node runs once per batch (plus the call-order pass), not once
+    per later layer, and every weight and report number is exactly that of passes run from the
+    inputs (no memory budget to keep values: the plain algorithm)."""
+    torch.manual_seed(0)
+    cal = calibrate(PlainNet().eval(), [smooth(4, 40 + i) for i in range(3)])
+    data = [smooth(4, 40 + i) for i in range(3)]
+
+    def run():
+        counted = copy.deepcopy(cal)
+        runs = []
+        counted.c1.register_forward_hook(lambda *a: runs.append(1))
+        _, weights, report = rounded(counted, data)
+        return (None, weights, report), len(runs)
+
+    resumed, c1_runs = run()
+    assert c1_runs == 1 + len(data)
+    monkeypatch.setattr(wr, "_RESUME_BUDGET", 0)
+    from_inputs, c1_runs = run()
+    assert c1_runs == 1 + 2 * len(data)  # for c2 and for fc
+    assert_same(resumed, from_inputs)
+    assert any(r[5] == "gptq" for r in resumed[2])
+
+
+class Reuse(nn.Module):
+    """c2 is called twice (its passes run to the end, over layers not yet rounded), and an
+    in-place op changes a value kept for resuming (the pass then restarts from the inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c3 = nn.Conv2d(8, 8, 1)
+        self.c4 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        a = self.c1(x)
+        d = self.c2(F.relu(self.c3(self.c2(a))))
+        a.mul_(0.5)
+        return self.fc((a + self.c4(d)).mean((2, 3)))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_shared_layer_and_in_place_ops_give_what_passes_from_the_inputs_give(monkeypatch):
+    torch.manual_seed(0)
+    data = [smooth(4, i) for i in range(3)]
+    cal = calibrate(Reuse().eval(), data)
+    resumed = rounded(cal, data)
+    assert [r[0] for r in resumed[2]] == ["c1", "c2", "c3.op", "c4.op", "fc"]
+    assert all(r[5] == "gptq" for r in resumed[2])
+    assert_same(resumed, rounded(cal, data, hook_model=True))
+    monkeypatch.setattr(wr, "_RESUME_BUDGET", 0)
+    assert_same(resumed, rounded(cal, data))
+
+
+@pytest.mark.parametrize("k,stride,padding,dilation,groups,mode", [
+    (1, 1, 0, 1, 1, "zeros"), (1, 2, 0, 1, 2, "zeros"), (3, 1, 1, 1, 1, "zeros"), (3, 2, 1, 2, 2, "zeros"),
+    ((1, 3), 1, "same", 1, 1, "zeros"), (2, 1, "same", 1, 1, "zeros"), (3, 1, (0, 2), 1, 1, "reflect"),
+    (3, 2, 1, 1, 1, "replicate"),
+])
+def test_column_shortcuts_match_pad_and_unfold(k, stride, padding, dilation, groups, mode):
+    """_columns skips F.pad (zero padding the same on both sides) and unfold (1x1 convs): the same
+    float64 columns, contiguous."""
+    conv = nn.Conv2d(4, 6, k, stride=stride, padding=padding, dilation=dilation, groups=groups, padding_mode=mode)
+    for x in (torch.randn(3, 4, 9, 8), torch.randn(1, 4, 7, 10).to(memory_format=torch.channels_last)):
+        cols = wr._columns(conv, x)
+        xp = F.pad(x.double(), conv._reversed_padding_repeated_twice,
+                   mode="constant" if mode == "zeros" else mode)
+        u = F.unfold(xp, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+        n, d, p = u.shape
+        ref = u.reshape(n, groups, d // groups, p).permute(1, 2, 0, 3).reshape(groups, d // groups, n * p)
+        assert torch.equal(cols, ref) and cols.is_contiguous()

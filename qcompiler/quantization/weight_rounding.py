@@ -13,8 +13,9 @@ taken in order of decreasing ``H[i, i]``). That greedily minimizes
 
 ``H`` is collected layer by layer on the inputs the BPU will see: the
 activations fake-quantized at their calibrated scales and the weights of the
-layers before already re-rounded. Each layer costs one pass over the data
-(cut short after the layer).
+layers before already re-rounded. Each layer needs a pass over the data up to
+the layer; the passes resume where the previous layer's stopped (see
+:class:`_Passes`), so together they cost about one forward per batch.
 
 The quantization scheme does not change: the same per-channel scales (those
 of the weight observers), codes within ``[-qmax, qmax]``; only the direction
@@ -29,9 +30,10 @@ input patches are not an unfold of the input).
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -114,12 +116,72 @@ def _columns(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x = x.detach().double()
     if isinstance(layer, nn.Linear):
         return x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
-    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
-    x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
-    u = F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)  # N, C*kh*kw, P
+    pad = tuple(layer._reversed_padding_repeated_twice)  # (left, right, top, bottom)
+    if layer.kernel_size == (1, 1) and layer.stride == (1, 1) and not any(pad):
+        u = x.reshape(x.shape[0], x.shape[1], -1).contiguous()  # what unfold gives, without its copy
+    elif layer.padding_mode == "zeros" and pad[0] == pad[1] and pad[2] == pad[3]:
+        u = F.unfold(x, layer.kernel_size, dilation=layer.dilation, padding=(pad[2], pad[0]), stride=layer.stride)
+    else:
+        mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+        x = F.pad(x, pad, mode=mode)
+        u = F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)  # N, C*kh*kw, P
     n, d, p = u.shape
     g = layer.groups
     return u.reshape(n, g, d // g, p).permute(1, 2, 0, 3).reshape(g, d // g, n * p)
+
+
+def _check_input(layer: nn.Module, x: torch.Tensor) -> None:
+    if isinstance(layer, nn.Linear):
+        ok, got = x.dim() >= 1 and x.shape[-1] == layer.in_features, f"last dim {tuple(x.shape)[-1:]}"
+        want = f"{layer.in_features} features"
+    else:
+        ok, got = x.dim() == 4 and x.shape[1] == layer.in_channels, f"shape {tuple(x.shape)}"
+        want = f"(N, {layer.in_channels}, H, W)"
+    if not ok:
+        raise ValueError(f"{type(layer).__name__} input has {got}, the layer takes {want}")
+
+
+class _Moments:
+    """A layer's input columns, taken in as the passes reach the layer.
+
+    The columns are kept as they come until there are ``d`` of them (``d`` values each: no more
+    memory than ``H``); from then on they are folded into ``H = sum x x^T``, in call order. A layer
+    that never gets ``d`` columns keeps nearest rounding whatever ``H`` is, so it never builds one
+    (``d^2 n`` flops for the widest layers): its error is computed from the columns directly.
+    """
+
+    def __init__(self, layer: nn.Module, d: int) -> None:
+        self.layer, self.d = layer, d
+        self.h: Optional[torch.Tensor] = None
+        self.pending: list[torch.Tensor] = []
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        cols = _columns(self.layer, x)
+        self.n += cols.shape[-1]
+        if self.h is not None:
+            self._fold(cols)
+            return
+        self.pending.append(cols)
+        if self.n >= self.d:
+            for c in self.pending:
+                self._fold(c)
+            self.pending = []
+
+    def _fold(self, cols: torch.Tensor) -> None:
+        part = cols @ cols.transpose(1, 2)
+        if self.h is None:
+            self.h = part
+        else:
+            self.h += part
+
+    def direct_mse(self, dw: torch.Tensor) -> float:
+        """``E[(dW x)^2]`` per output element over the kept columns; dw (g, o, d)."""
+        total = 0.0
+        for cols in self.pending:
+            e = dw @ cols
+            total += float((e * e).sum())
+        return total / (self.n * dw.shape[0] * dw.shape[1]) if self.n else float("nan")
 
 
 def _skip_reason(layer: nn.Module) -> Optional[str]:
@@ -162,7 +224,6 @@ def _gptq_codes(w: torch.Tensor, s: torch.Tensor, h: torch.Tensor, qmax: int, da
     """Integer codes (g, o, d) for weights w (g, o, d), scales s (g, o, 1), H (g, d, d); None if
     H cannot be factored even with more damping."""
     g, _, d = w.shape
-    w = w.clone()
     diag = torch.diagonal(h, dim1=1, dim2=2)
     # inputs that are always zero: give them the mean live diagonal (a fixed 1 would set the
     # damping's size against the inputs' scale); with no off-diagonal terms they round to nearest
@@ -183,21 +244,31 @@ def _gptq_codes(w: torch.Tensor, s: torch.Tensor, h: torch.Tensor, qmax: int, da
             break
     if u is None:
         return None
-    q = torch.empty_like(w)
+    # The column loop is Python, one iteration per column, so its cost is the number of torch calls
+    # per column: the weights are kept transposed, (g, d, o), so that a column is a contiguous row,
+    # each column's codes and error are written in place into preallocated rows, and the per-block
+    # views are taken once per block. Every element sees the same float64 operations in the same
+    # order as the plain formulation (see tests/test_weight_rounding.py: reference_gptq).
+    s0 = s[:, :, 0]
+    wt = w.transpose(1, 2).contiguous()
+    qt = torch.empty_like(wt)
+    u_diag = torch.diagonal(u, dim1=1, dim2=2).unsqueeze(2).unbind(1)  # d tensors (g, 1)
     for i1 in range(0, d, block):
         i2 = min(i1 + block, d)
-        w1 = w[:, :, i1:i2].clone()
+        w1 = wt[:, i1:i2]  # updated in place: only the columns after it are read again
         err1 = torch.empty_like(w1)
-        u1 = u[:, i1:i2, i1:i2]
+        u1 = u[:, i1:i2, i1:i2].unsqueeze(3)  # (g, b, b, 1): row i times an error row is the update
+        rows, codes, errs = w1.unbind(1), qt[:, i1:i2].unbind(1), err1.unbind(1)
+        err_rows = err1.unsqueeze(2).unbind(1)  # (g, 1, o)
         for i in range(i2 - i1):
-            col = w1[:, :, i]
-            qi = _nearest(col, s[:, :, 0], qmax)
-            q[:, :, i1 + i] = qi
-            err = (col - qi * s[:, :, 0]) / u1[:, i, i].unsqueeze(1)
-            w1[:, :, i:] -= err.unsqueeze(2) * u1[:, i, i:].unsqueeze(1)
-            err1[:, :, i] = err
-        w[:, :, i2:] -= err1 @ u[:, i1:i2, i2:]
-    return torch.gather(q, 2, torch.argsort(perm, dim=1).unsqueeze(1).expand_as(q))
+            col, qi, err = rows[i], codes[i], errs[i]
+            torch.div(col, s0, out=qi).round_().clamp_(-qmax, qmax)  # _nearest
+            torch.sub(col, torch.mul(qi, s0, out=err), out=err).div_(u_diag[i1 + i])
+            if i + 1 < i2 - i1:
+                w1[:, i + 1:].sub_(u1[:, i, i + 1:] * err_rows[i])
+        # lazy update of the columns after the block: the same product as in (g, o, d) layout
+        wt[:, i2:] -= (err1.transpose(1, 2).contiguous() @ u[:, i1:i2, i2:]).transpose(1, 2)
+    return torch.gather(qt.transpose(1, 2), 2, torch.argsort(perm, dim=1).unsqueeze(1).expand(g, w.shape[1], d))
 
 
 # ---------------------------------------------------------------------------
@@ -237,13 +308,15 @@ def _fake_quant_hook(scale: torch.Tensor, qmin: int, qmax: int):
     def hook(module, args, out):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return out
-        return (torch.clamp(torch.round(out.float() / scale), qmin, qmax) * scale).to(out.dtype)
+        q = out.float() / scale  # a new tensor: round, clamp and scale it in place (same values, fewer buffers)
+        return q.round_().clamp_(qmin, qmax).mul_(scale).to(out.dtype)
     return hook
 
 
-def _forward(model: nn.Module, batch: tuple, index: int) -> None:
+def _forward(run: Callable[[], Any], index: int) -> None:
+    """``run()`` one pass of batch ``index``; what the model raises becomes a CalibrationError naming the batch."""
     try:
-        model(*batch)
+        run()
     except (_Stop, CalibrationError):
         raise
     except Exception as exc:  # a batch the model cannot take: say which, not where in torch
@@ -265,35 +338,177 @@ def _call_order(model: nn.Module, layers: list[tuple[str, nn.Module]], batch: tu
 
     handles = [m.register_forward_pre_hook(hook) for _, m in layers]
     try:
-        _forward(model, batch, 0)
+        _forward(lambda: model(*batch), 0)
     finally:
         for h in handles:
             h.remove()
     return order, calls
 
 
-def _input_moments(model: nn.Module, layer: nn.Module, batches: list[tuple], stop_early: bool):
-    """``(sum x x^T, n)`` of the layer's input columns over all batches: (g, d, d) and the count."""
-    acc: dict = {}
+# bytes of node values the passes keep to resume from, over all batches; batches beyond it run from the inputs
+_RESUME_BUDGET = 1 << 30
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+@dataclass
+class _Resume:
+    """Where a batch's next pass starts: the first node not yet run, the values of the nodes before
+    it that later nodes use, and the version counters of their tensors when they were computed."""
+
+    pos: int
+    env: dict
+    versions: dict
+    nbytes: int = 0
+
+    def intact(self) -> bool:
+        """False if an in-place op changed a kept tensor since it was computed (then rerun from the inputs)."""
+        return all(t._version == v for pairs in self.versions.values() for t, v in pairs)
+
+
+def _nbytes(env: dict) -> int:
+    storages = {}
+    for value in env.values():
+        for t in _tensors(value):
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+class _Passes:
+    """The passes over the data, run node by node so that each batch's pass resumes where its
+    previous one stopped instead of starting at the inputs.
+
+    Layers are rounded in the order forward first calls them. A node run before the first call of
+    layer k only involves layers first called before it, which are rounded already and do not change
+    again, so its value is the same in every later pass. The pre-hook of the layer being rounded
+    calls :meth:`mark`: the node running then (the one calling the layer) is where the batch's next
+    pass starts, with the values computed before it. The passes then cost about one forward per batch
+    in all, not one per layer; the results are the same values as a forward from the inputs.
+
+    Kept values take memory (about one activation map per batch); past ``_RESUME_BUDGET`` bytes the
+    later batches run from the inputs. A batch also runs from the inputs when an in-place op changed a kept
+    tensor since it was computed, and every pass does when the model's call is more than its graph
+    (hooks on the model itself, pytree argument handling) or a layer's weight is used elsewhere too.
+    """
+
+    def __init__(self, model: fx.GraphModule, layers: list[tuple[str, nn.Module]]):
+        self.model = model
+        self.nodes = list(model.graph.nodes)
+        self.budget = _RESUME_BUDGET
+        self.saved: dict[int, _Resume] = {}
+        self.used = 0
+        self.resumable = self._resumable(model, layers)
+        if self.resumable:
+            self.signature = inspect.signature(model.forward)
+            self.interp = fx.Interpreter(model, garbage_collect_values=False)
+            last = {}
+            for i, node in enumerate(self.nodes):
+                for arg in node.all_input_nodes:
+                    last[arg] = i
+            self.free_after: list[list[fx.Node]] = [[] for _ in self.nodes]
+            for i, node in enumerate(self.nodes):
+                self.free_after[last.get(node, i)].append(node)
+        self._env: Optional[dict] = None
+        self._versions: dict = {}
+        self._pos = 0
+        self._mark: Optional[_Resume] = None
+
+    def _resumable(self, model: fx.GraphModule, layers: list[tuple[str, nn.Module]]) -> bool:
+        if model._forward_hooks or model._forward_pre_hooks or type(model.graph._codegen) is not fx.graph.CodeGen:
+            return False
+        if any(n.op == "placeholder" and str(n.target).startswith("*") for n in self.nodes):
+            return False
+        weights = {id(m.weight) for _, m in layers}
+        uses = sum(id(p) in weights for _, p in model.named_parameters(remove_duplicate=False))
+        fetched = any(n.op == "get_attr" and id(_fetch(model, n.target)) in weights for n in self.nodes)
+        return uses == len(weights) == len(layers) and not fetched
+
+    def mark(self) -> None:
+        """Called when the layer being rounded is first reached: the next pass of this batch starts here."""
+        if self._mark is None and self._env is not None:
+            env = dict(self._env)
+            self._mark = _Resume(self._pos, env, dict(self._versions), _nbytes(env))
+
+    def run(self, index: int, batch: tuple) -> None:
+        """One pass of batch ``index``; ends at the end of the graph or at a :class:`_Stop`."""
+        if not self.resumable:
+            try:
+                _forward(lambda: self.model(*batch), index)
+            except _Stop:
+                pass
+            return
+        start = self.saved.pop(index, None)
+        if start is not None:
+            self.used -= start.nbytes
+            if not start.intact():
+                start = None
+        self._mark = None
+        try:
+            _forward(lambda: self._run_nodes(batch, start), index)
+        except _Stop:
+            pass
+        finally:
+            self._env, self._versions = None, {}
+        keep = self._mark if self._mark is not None else start
+        self._mark = None
+        if keep is not None and self.used + keep.nbytes <= self.budget:
+            self.saved[index] = keep
+            self.used += keep.nbytes
+
+    def _run_nodes(self, batch: tuple, start: Optional[_Resume]) -> None:
+        if start is None:
+            self.signature.bind(*batch)  # the TypeError calling the model would raise
+            env, versions, pos = {}, {}, 0
+            self.interp.args_iter = iter(batch)
+        else:
+            env, versions, pos = dict(start.env), dict(start.versions), start.pos
+        self.interp.env = env
+        self._env, self._versions = env, versions
+        for i in range(pos, len(self.nodes)):
+            node = self.nodes[i]
+            if node.op == "output":
+                break
+            self._pos = i
+            value = self.interp.run_node(node)
+            env[node] = value
+            versions[node] = [(t, t._version) for t in _tensors(value)]
+            for done in self.free_after[i]:
+                env.pop(done, None)
+                versions.pop(done, None)
+
+
+def _fetch(model: nn.Module, target: str) -> Any:
+    obj = model
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _layer_moments(passes: _Passes, layer: nn.Module, batches: list[tuple], stop_early: bool,
+                   d: int) -> _Moments:
+    """The layer's input columns over all batches (every call of the layer), as :class:`_Moments`."""
+    moments = _Moments(layer, d)
 
     def hook(m, args):
-        cols = _columns(layer, args[0])
-        h = cols @ cols.transpose(1, 2)
-        acc["h"] = acc["h"] + h if "h" in acc else h
-        acc["n"] = acc.get("n", 0) + cols.shape[-1]
+        passes.mark()
+        x = args[0].detach()
+        _check_input(layer, x)  # here, so that the error names the batch
+        moments.add(x)
         if stop_early:
             raise _Stop
 
     handle = layer.register_forward_pre_hook(hook)
     try:
         for i, batch in enumerate(batches):
-            try:
-                _forward(model, batch, i)
-            except _Stop:
-                pass
+            passes.run(i, batch)
     finally:
         handle.remove()
-    return acc.get("h"), acc.get("n", 0)
+    return moments
 
 
 @torch.no_grad()
@@ -316,8 +531,10 @@ def optimize_weight_rounding(
     is the fraction of the mean diagonal of ``H`` added to its diagonal.
     Returns one :class:`LayerRounding` per layer (``print`` it for a table).
 
-    Cost: one pass over ``data`` per layer (cut short after the layer), and the
-    batches are held in memory for those passes.
+    Cost: about one forward per batch for all the layers' inputs together (each
+    layer's pass resumes where the previous one stopped), a ``d x d`` second
+    moment per layer with ``d`` its input columns, and the rounding itself. The
+    batches, and up to 1 GiB of activations to resume from, are held in memory.
     """
     from qcompiler.passes.convert import check_observed
 
@@ -341,13 +558,14 @@ def optimize_weight_rounding(
     try:
         with _QuantizedActivations(model, weight_fqs):
             order, calls = _call_order(model, layers, batches[0])
+            passes = _Passes(model, layers)
             steps = order
             if progress:
                 from tqdm import tqdm
 
                 steps = tqdm(order, desc="weight rounding", unit="layer")
             for name, layer in steps:
-                report.append(_round_layer(model, name, layer, batches, calls[id(layer)] == 1, damp, block_size))
+                report.append(_round_layer(passes, name, layer, batches, calls[id(layer)] == 1, damp, block_size))
         done = True
     finally:
         for m, flag in training:
@@ -369,9 +587,12 @@ def _store_nearest(layer: nn.Module, scale: torch.Tensor, qmax: int) -> None:
     layer.weight.copy_((torch.clamp(torch.round(w.float() / s), -qmax, qmax) * s).to(w.dtype))
 
 
-def _round_layer(model, name: str, layer: nn.Module, batches, stop_early: bool, damp: float,
+def _round_layer(passes: _Passes, name: str, layer: nn.Module, batches, stop_early: bool, damp: float,
                  block: int) -> LayerRounding:
     """Round one layer's weights: GPTQ or nearest, whichever has the smaller output error on the data.
+
+    A layer that saw fewer input vectors than it has columns keeps nearest whatever ``H`` is, so its
+    error is computed from the columns directly (see :class:`_Moments`).
 
     (Also moving the mean error ``-dW mu`` into the bias was tried: it lowers this objective but
     did not help the models' outputs in benchmarks/accuracy.py, so it is not done.)"""
@@ -384,25 +605,30 @@ def _round_layer(model, name: str, layer: nn.Module, batches, stop_early: bool, 
         return LayerRounding(name, 0, 0, float("nan"), float("nan"), f"nearest: {reason}")
     w = layer.weight.detach().double()
     out = w.shape[0]
-    second, n = _input_moments(model, layer, batches, stop_early)
-    if second is None:  # cannot happen after check_observed, but say so rather than fail later
+    g = layer.groups if isinstance(layer, nn.Conv2d) else 1
+    d = w[0].numel() if isinstance(layer, nn.Conv2d) else w.shape[1]
+    moments = _layer_moments(passes, layer, batches, stop_early, d)
+    n = moments.n
+    if n == 0:  # cannot happen after check_observed, but say so rather than fail later
         _store_nearest(layer, scale, qmax)
         return LayerRounding(name, 0, 0, float("nan"), float("nan"), "nearest: never called")
-    h = second / n
-    g, d = h.shape[0], h.shape[1]
     wg = w.reshape(g, out // g, d)
     s = scale.expand(out).reshape(g, out // g, 1)
     codes = _nearest(wg, s, qmax)
-    nearest_mse = _output_mse(wg - codes * s, h)
-    method = "nearest"
-    if n < d:  # H is singular: a rounding fitted to it would fit these samples, not the data
-        method = f"nearest: {n} samples < {d} columns (more calibration data)"
+    if moments.h is None:  # H would be singular: a rounding fitted to it would fit these samples, not the data
+        nearest_mse = moments.direct_mse(wg - codes * s)
+        method, kept_mse = f"nearest: {n} samples < {d} columns (more calibration data)", nearest_mse
     else:
+        h = moments.h / n
+        nearest_mse = _output_mse(wg - codes * s, h)
+        method, kept_mse = "nearest", nearest_mse
         fitted = _gptq_codes(wg, s, h, qmax, damp, block)
         if fitted is None:
             method = "nearest: H not positive definite"
-        elif _output_mse(wg - fitted * s, h) < nearest_mse:
-            codes, method = fitted, "gptq"
+        else:
+            fitted_mse = _output_mse(wg - fitted * s, h)
+            if fitted_mse < nearest_mse:
+                codes, method, kept_mse = fitted, "gptq", fitted_mse
     s32 = scale.float().expand(out).reshape(g, out // g, 1)
     layer.weight.copy_((codes.float() * s32).reshape(layer.weight.shape).to(layer.weight.dtype))
-    return LayerRounding(name, d, n, nearest_mse, _output_mse(wg - codes * s, h), method)
+    return LayerRounding(name, d, n, nearest_mse, kept_mse, method)
