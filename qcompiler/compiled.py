@@ -15,6 +15,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
+from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU
 from qcompiler.ir.shape_prop import normalize_inputs
@@ -133,10 +134,6 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1) -> Runtime:
     return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads)
 
 
-def _as_args(batch: Any) -> tuple:
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-
-
 def compile(
     model: nn.Module,
     example_inputs: Any,
@@ -183,7 +180,7 @@ def compile(
             raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
         with torch.no_grad():
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
-                prepared(*_as_args(batch))
+                prepared(*as_args(batch))
         if weight_rounding:
             optimize_weight_rounding(prepared, batches, progress=progress)
         name = type(model).__name__

@@ -37,6 +37,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
+from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
@@ -138,10 +139,6 @@ def compute_metric(metric: str, base: Any, analy: Any) -> float:
     if sig == 0:
         return float("-inf")
     return 10 * math.log10(sig / err)
-
-
-def _as_args(batch: Any) -> tuple:
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
 def _detach_batch(batch: Any) -> Any:
@@ -439,7 +436,7 @@ class QuantAnalysis:
         for i, batch in enumerate(tqdm(data_generator, total=total, desc="auto_find_bad_case", leave=False)):
             if num_steps is not None and i >= num_steps:
                 break
-            args = _as_args(batch)
+            args = as_args(batch)
             b, a = self._outputs("base", args), self._outputs("analy", args)
             v = float(custom_metric_func(b, a)) if custom_metric_func is not None else compute_metric(metric_name, b, a)
             values.append(v)
@@ -482,7 +479,7 @@ class QuantAnalysis:
     def _need_bad_case(self, who: str) -> tuple:
         if self.bad_case is None:
             raise ConfigError(f"{who} needs a bad case: call auto_find_bad_case, set_bad_case or load_bad_case first")
-        return _as_args(self.bad_case)
+        return as_args(self.bad_case)
 
     def _wrote(self, path: Path) -> None:
         if path not in self.written:
@@ -831,7 +828,7 @@ class QuantAnalysis:
         Returns ``(quantizer names switched, reached SQNR)``; the SQNR is measured by re-running.
         Raises ConfigError when even every quantizer in int16 misses the target.
         """
-        args = _as_args(data) if data is not None else self._need_bad_case("suggest_int16")
+        args = as_args(data) if data is not None else self._need_bad_case("suggest_int16")
         if not self.sensitive_ops or getattr(self, "sensitivity_metric", None) is None:
             self.sensitivity()
         base_out = self._outputs("base", args)

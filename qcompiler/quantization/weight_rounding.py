@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qcompiler.batches import as_args
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.fixed_point import qrange
@@ -85,10 +86,6 @@ class RoundingReport(list):
 
 class _Stop(Exception):
     """Ends a forward pass once the layer being rounded has seen its input."""
-
-
-def _as_args(batch: Any) -> tuple:
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
 def _check_model(model: Any) -> None:
@@ -543,7 +540,7 @@ def optimize_weight_rounding(
         raise ConfigError(f"damp must be a finite number > 0 (e.g. 0.01), got {damp!r}")
     if not (isinstance(block_size, int) and block_size >= 1):
         raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
-    batches = [_as_args(b) for b in data]
+    batches = [as_args(b) for b in data]
     if not batches:
         raise ConfigError("optimize_weight_rounding: data yielded no batches; pass the calibration batches")
     check_observed(model)
