@@ -703,6 +703,52 @@ def test_shared_layer_and_in_place_ops_give_what_passes_from_the_inputs_give(mon
     assert_same(resumed, rounded(cal, data))
 
 
+def test_inference_mode_data_and_calls_run_from_the_inputs(monkeypatch):
+    """Inference tensors have no version counters to check kept values against: batches made under
+    torch.inference_mode(), or a call inside it, run every pass from the inputs, with the same result."""
+    torch.manual_seed(0)
+    data = [smooth(4, 50 + i) for i in range(3)]
+    cal = calibrate(PlainNet().eval(), data)
+    expected = rounded(cal, data)
+    with torch.inference_mode():
+        frozen = [d.clone() for d in data]
+    assert_same(expected, rounded(cal, frozen))
+    with torch.inference_mode():
+        assert_same(expected, rounded(cal, data))
+
+
+class TwiceThenInPlace(nn.Module):
+    """fc1 is called twice (its passes run on), then an in-place ReLU changes fc1's first input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.fc0(x)
+        y = self.fc1(self.fc1(x))
+        x = F.relu(x, inplace=True)
+        return self.fc2(x + y)
+
+
+def test_kept_columns_are_copies_even_for_float64_inputs():
+    """A layer with fewer than d columns so far keeps them; for a float64 input they must not be a
+    view of the activation, which the in-place ReLU later changes."""
+    torch.manual_seed(0)
+    model = TwiceThenInPlace().double().eval()
+    data = [torch.randn(3, 16, dtype=torch.float64) for _ in range(4)]  # 6 columns of fc1 per batch < 16
+    cal = calibrate(model, data)
+    got = rounded(cal, data)
+    original = wr._columns
+    try:  # the reference: every column a fresh copy
+        wr._columns = lambda layer, x: original(layer, x).clone()
+        assert_same(got, rounded(cal, data))
+    finally:
+        wr._columns = original
+    cols = wr._columns(model.fc1, data[0])
+    assert cols.untyped_storage().data_ptr() != data[0].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("k,stride,padding,dilation,groups,mode", [
     (1, 1, 0, 1, 1, "zeros"), (1, 2, 0, 1, 2, "zeros"), (3, 1, 1, 1, 1, "zeros"), (3, 2, 1, 2, 2, "zeros"),
     ((1, 3), 1, "same", 1, 1, "zeros"), (2, 1, "same", 1, 1, "zeros"), (3, 1, (0, 2), 1, 1, "reflect"),

@@ -110,7 +110,8 @@ def _weight_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _columns(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().double()
+    # a copy even when x is float64 already: _Moments keeps columns while the forward goes on
+    x = x.detach().to(torch.float64, copy=True)
     if isinstance(layer, nn.Linear):
         return x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
     pad = tuple(layer._reversed_padding_repeated_twice)  # (left, right, top, bottom)
@@ -385,7 +386,8 @@ class _Passes:
     again, so its value is the same in every later pass. The pre-hook of the layer being rounded
     calls :meth:`mark`: the node running then (the one calling the layer) is where the batch's next
     pass starts, with the values computed before it. The passes then cost about one forward per batch
-    in all, not one per layer; the results are the same values as a forward from the inputs.
+    in all, not one per layer; the results are the same values as a forward from the inputs
+    (a graph that draws random numbers reuses its earlier draws).
 
     Kept values take memory (about one activation map per batch); past ``_RESUME_BUDGET`` bytes the
     later batches run from the inputs. A batch also runs from the inputs when an in-place op changed a kept
@@ -433,7 +435,7 @@ class _Passes:
 
     def run(self, index: int, batch: tuple) -> None:
         """One pass of batch ``index``; ends at the end of the graph or at a :class:`_Stop`."""
-        if not self.resumable:
+        if not self.resumable or _inference(batch):
             try:
                 _forward(lambda: self.model(*batch), index)
             except _Stop:
@@ -477,6 +479,12 @@ class _Passes:
             for done in self.free_after[i]:
                 env.pop(done, None)
                 versions.pop(done, None)
+
+
+def _inference(batch: tuple) -> bool:
+    """Inference-mode tensors (or inference mode itself) have no version counters to check kept values
+    against: such passes run from the inputs."""
+    return torch.is_inference_mode_enabled() or any(t.is_inference() for t in _tensors(batch))
 
 
 def _fetch(model: nn.Module, target: str) -> Any:
