@@ -731,6 +731,7 @@ class TwiceThenInPlace(nn.Module):
         return self.fc2(x + y)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # model check: fc1 shared on purpose
 def test_kept_columns_are_copies_even_for_float64_inputs():
     """A layer with fewer than d columns so far keeps them; for a float64 input they must not be a
     view of the activation, which the in-place ReLU later changes."""
