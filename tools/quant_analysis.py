@@ -352,17 +352,14 @@ class QuantAnalysis:
         else:
             graph = getattr(analysis_model, "converted", None)
             if not isinstance(graph, fx.GraphModule):
+                got, hint = type(analysis_model).__name__, ""
                 if isinstance(analysis_model, fx.GraphModule):
+                    got = f"a GraphModule ({got})"
                     hint = ("; for a GraphModule use analysis_model_type='quantized' (convert_fx) "
                             "or 'fake_quant' (prepared)")
                 elif hasattr(analysis_model, "converted"):
                     hint = ("; this one was loaded from an artifact (qcompiler.load) and has no graph to compare "
                             "layer by layer: analyse the model returned by qcompiler.compile")
-                else:
-                    hint = ""
-                got = type(analysis_model).__name__
-                if isinstance(analysis_model, fx.GraphModule):
-                    got = f"a GraphModule ({got})"
                 raise ConfigError("analysis_model_type='compiled' needs the CompiledModel returned by "
                                   f"qcompiler.compile, got {got}{hint}")
             self.analysis_graph = graph

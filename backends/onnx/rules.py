@@ -561,7 +561,7 @@ def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False,
     s = _ntuple(stride if stride not in (None, [], ()) else k, 2)
     p = _ntuple(padding, 2)
     trim = _ceil_trim(ctx, ceil_mode, k, s, p)
-    y = ctx.make("AveragePool", [x], tag=tag if tag or not trim else "average_pool", kernel_shape=k, strides=s,
+    y = ctx.make("AveragePool", [x], tag=tag or ("average_pool" if trim else None), kernel_shape=k, strides=s,
                  pads=p + p, ceil_mode=int(bool(ceil_mode)), count_include_pad=int(bool(count_include_pad)))
     return _trimmed(ctx, y, trim)
 
