@@ -14,6 +14,11 @@ row the optional parts are taken greedily.  A pattern fires only if
   class, no hooks) called by exactly one node, not read by ``get_attr`` nodes, and
   not inside a module that a node calls or reads as a whole;
 * every value inside it has exactly one user, the next node of the pattern;
+  identity nodes in between (an exact ``nn.Identity`` module without hooks,
+  ``x.contiguous()``) are looked through and erased with the pattern: what
+  ``torch.ao.quantization.fuse_modules`` leaves in place of a BN or ReLU
+  it folded, or a BN a user replaced by ``nn.Identity``, must not leave a conv
+  unfused (its output would be quantized before its ReLU);
 * all its nodes have the same placement (``META_PLACEMENT``; missing == missing);
 * the BN is an ``nn.BatchNorm2d/1d`` module with running statistics (folded with
   eval semantics whatever its training flag; a linear's BN only on a 2-D output);
@@ -32,7 +37,7 @@ or, with an add, moves to where the add was: both operands exist there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -96,6 +101,7 @@ class _Match:
     add_node: Optional[fx.Node] = None
     other: Optional[fx.Node] = None  # the add's operand that does not come from the base
     act: Optional[str] = None
+    identities: list[fx.Node] = field(default_factory=list)  # looked through; erased with the pattern
 
 
 class _Matcher:
@@ -146,27 +152,54 @@ class _Matcher:
         where = base.meta.get(META_PLACEMENT)
         cur = base
         if pattern.bn is not None:
-            nxt = _next(cur, where)
-            bn = self._bn_module(nxt, cur, pattern.bn, base, module) if nxt is not None else None
+            nxt, value, skipped = self._next(cur, where)
+            bn = self._bn_module(nxt, value, pattern.bn, base, module) if nxt is not None else None
             if bn is not None:
                 m.nodes.append(nxt)
+                m.identities += skipped
                 m.bn_module = bn
                 cur = nxt
         if pattern.add:
-            nxt = _next(cur, where)
-            other = self._add_other(nxt, cur, base) if nxt is not None else None
+            nxt, value, skipped = self._next(cur, where)
+            other = self._add_other(nxt, value, base) if nxt is not None else None
             if other is None:
                 return None
             m.nodes.append(nxt)
+            m.identities += skipped
             m.add_node, m.other = nxt, other
             cur = nxt
         if pattern.acts:
-            nxt = _next(cur, where)
-            act = self._act(nxt, cur, pattern.acts) if nxt is not None else None
+            nxt, value, skipped = self._next(cur, where)
+            act = self._act(nxt, value, pattern.acts) if nxt is not None else None
             if act is not None:
                 m.nodes.append(nxt)
+                m.identities += skipped
                 m.act = act
         return m if len(m.nodes) > 1 else None
+
+    def _next(self, node: fx.Node, where: Optional[str]) -> tuple[Optional[fx.Node], fx.Node, list[fx.Node]]:
+        """The next pattern candidate after ``node``, the value it reads, and the identities skipped.
+
+        The candidate is ``node``'s only user, looking through identity nodes;
+        every node on the way must have one user and ``node``'s placement.
+        """
+        skipped: list[fx.Node] = []
+        value = node
+        while True:
+            user = _next(value, where)
+            if user is None or not self._is_identity(user, value):
+                return user, value, skipped
+            skipped.append(user)
+            value = user
+
+    def _is_identity(self, node: fx.Node, value: fx.Node) -> bool:
+        """True if ``node`` returns ``value`` itself: an exact ``nn.Identity`` without hooks, ``.contiguous()``."""
+        if node.args != (value,) or node.kwargs:
+            return False
+        if node.op == "call_module":
+            module = self.modules.get(node.target)
+            return type(module) is nn.Identity and not _has_hooks(module)
+        return node.op == "call_method" and node.target == "contiguous"
 
     def _bn_module(
         self, node: fx.Node, value: fx.Node, bn_op: str, base: fx.Node, base_module: nn.Module
@@ -298,7 +331,7 @@ def _rewrite(gm: fx.GraphModule, m: _Match, matcher: _Matcher) -> None:
     base.meta[META_FUSED_FROM] = names
     base.meta[META_OP] = m.pattern.base
     last.replace_all_uses_with(base)
-    for n in reversed(m.nodes[1:]):
+    for n in sorted(m.nodes[1:] + m.identities, key=matcher.order.__getitem__, reverse=True):
         gm.graph.erase_node(n)
 
 
@@ -313,7 +346,7 @@ def fuse(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if m is None:
             continue
         _rewrite(gm, m, matcher)
-        for n in m.nodes[1:]:
+        for n in m.nodes[1:] + m.identities:
             del matcher.order[n]
         modified = True
     if modified:

@@ -540,6 +540,113 @@ def test_add_not_fused_over_in_place_change_of_the_conv_input(how):
 # ---------------------------------------------------------------- pass properties
 
 
+# ---------------------------------------------------------------- identities in a pattern
+
+
+class ConvIdentities(nn.Module):
+    """conv -> [identity] -> bn -> [identity] -> relu, the identities spelled as asked."""
+
+    def __init__(self, before_bn: str = "", before_relu: str = "") -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.id1, self.id2 = nn.Identity(), nn.Identity()
+        self.before_bn, self.before_relu = before_bn, before_relu
+
+    def _skip(self, y, how: str, module: nn.Module):
+        for part in how.split("+") if how else ():
+            y = module(y) if part == "module" else y.contiguous()
+        return y
+
+    def forward(self, x):
+        y = self._skip(self.conv(x), self.before_bn, self.id1)
+        return self.relu(self._skip(self.bn(y), self.before_relu, self.id2))
+
+
+@pytest.mark.parametrize(
+    "before_bn, before_relu",
+    [("module", ""), ("", "module"), ("module", "module"), ("contiguous", "module+contiguous")],
+)
+def test_identities_inside_a_pattern_are_looked_through(before_bn, before_relu):
+    model = init(ConvIdentities(before_bn, before_relu))
+    args = inputs((2, 4, 6, 6))
+    gm = traced(model, args)
+    assert run_fuse(gm).modified
+    assert calls(gm) == [("conv", "FusedConv2d[conv2d+batch_norm+relu]")]
+    assert node(gm, "conv").meta[META_FUSED_FROM] == ("conv", "bn", "relu")
+    assert not hasattr(gm, "id1") and not hasattr(gm, "id2")  # no node calls them any more
+    check_close(gm, model, args)
+
+
+def test_torch_ao_fuse_modules_output_fuses_like_the_original():
+    """torch.ao's fuse_modules folds BN into the conv and leaves nn.Identity where the BN was:
+    the conv must still take its residual add and ReLU (its output is not quantized alone)."""
+    from torch.ao.quantization import fuse_modules
+
+    model = init(Residual())
+    ao = fuse_modules(copy.deepcopy(model), [["conv1", "bn1"], ["conv2", "bn2"]])
+    assert isinstance(ao.bn1, nn.Identity) and isinstance(ao.bn2, nn.Identity)
+    args = inputs((1, 4, 6, 6))
+    gm = traced(ao, args)
+    assert run_fuse(gm).modified
+    # conv2 alone has nothing left to fuse (its BN is folded already); conv1 takes the add and ReLU
+    assert calls(gm) == [("conv2", "Conv2d"), ("bn2", "Identity"), ("conv1", "FusedConv2d[conv2d+add+relu]")]
+    assert node(gm, "conv1").meta[META_FUSED_FROM] == ("conv1", "add", "relu")
+    check_close(gm, model, args)
+
+
+@pytest.mark.parametrize("blocker", ["hook", "two_users", "placement", "dropout"])
+def test_identities_that_are_not_looked_through(blocker):
+    """The rule must not fire where dropping the identity would change what runs or who sees it."""
+    model = init(ConvAct("module"))
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.act = model.conv, model.act
+            self.mid = nn.Dropout(0.5) if blocker == "dropout" else nn.Identity()
+            if blocker == "hook":
+                self.mid.register_forward_hook(lambda m, i, o: None)
+
+        def forward(self, x):
+            y = self.mid(self.conv(x))
+            z = self.act(y)
+            return (z, y) if blocker == "two_users" else z
+
+    m = M().eval()
+    args = inputs((2, 4, 6, 6))
+    gm = traced(m, args)
+    if blocker == "placement":
+        set_placement(node(gm, "mid"), "cpu", "by hand")
+        set_placement(node(gm, "conv"), "bpu", "by hand")
+        set_placement(node(gm, "act"), "bpu", "by hand")
+    assert not run_fuse(gm).modified
+    assert [name for name, _ in calls(gm)] == ["conv", "mid", "act"]
+    with torch.no_grad():
+        for out, ref in zip(*(torch.utils._pytree.tree_leaves(f(*args)) for f in (gm, m))):
+            assert torch.equal(out, ref)
+
+
+def test_identity_after_a_pattern_is_kept():
+    """conv -> bn -> identity (-> output): the trailing identity is not part of the pattern."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.out = nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.Identity()
+
+        def forward(self, x):
+            return self.out(self.bn(self.conv(x)))
+
+    model = init(M())
+    args = inputs((2, 4, 6, 6))
+    gm = traced(model, args)
+    assert run_fuse(gm).modified
+    assert calls(gm) == [("conv", "FusedConv2d[conv2d+batch_norm]"), ("out", "Identity")]
+    check_close(gm, model, args)
+
+
 def _snapshot(model: nn.Module):
     return (
         {k: v.clone() for k, v in model.state_dict().items()},

@@ -214,3 +214,36 @@ def test_nan_reaching_an_observer_names_it(hybrid_model):
     cal = prepare_calibration_fx(hybrid_model, hybrid=True, example_inputs=X)
     with pytest.raises(CalibrationError, match=r"'conv0.weight_fake_quant"):
         cal(X)
+
+
+class _Block(nn.Module):
+    """A ResNet basic block with a stem; ReLU modules used once each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn0, self.relu0 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+        self.conv1, self.bn1, self.relu1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+        self.conv2, self.bn2, self.relu2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+
+    def forward(self, x):
+        x = self.relu0(self.bn0(self.stem(x)))
+        y = self.relu1(self.bn1(self.conv1(x)))
+        return self.relu2(self.bn2(self.conv2(y)) + x)
+
+
+def test_model_pre_fused_by_torch_ao_gets_the_same_quantizers():
+    """torch.ao's fuse_modules leaves nn.Identity where it folded a BN: prepare must place the
+    observers as for the original model (after each ReLU, none between a conv and its ReLU)."""
+    from torch.ao.quantization import fuse_modules
+
+    torch.manual_seed(0)
+    model = _Block().eval()
+    ao = fuse_modules(model, [["stem", "bn0"], ["conv1", "bn1"], ["conv2", "bn2"]])  # a copy
+    for m in (model, ao):
+        gm = prepare_calibration_fx(m, example_inputs=X)
+        assert forward_sequence(gm) == ["x_activation_post_process", "stem", "conv1", "conv2",
+                                        "output_input_dequant_0"]
+        ops = {name: gm.get_submodule(name).fused_from for name in ("stem", "conv1", "conv2")}
+        folded = () if m is ao else ("batch_norm",)
+        assert ops == {"stem": ("conv2d", *folded, "relu"), "conv1": ("conv2d", *folded, "relu"),
+                       "conv2": ("conv2d", *folded, "add", "relu")}
