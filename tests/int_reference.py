@@ -410,7 +410,10 @@ def run_op(op, args: Sequence[np.ndarray], specs: dict) -> np.ndarray:
     if k == "relu":
         return np.maximum(np.asarray(args[0], dtype=np.int64), 0)
     if k == "relu6":
-        return np.clip(np.asarray(args[0], dtype=np.int64), 0, a["max"])
+        q = np.asarray(args[0], dtype=np.int64)
+        if "M" in T:
+            q = ref_requantize(q, int(T["M"]), int(T["n"]), out_dtype)
+        return np.clip(q, 0, a["max"])
     if k in ("prelu", "leaky_relu"):
         return ref_prelu(args[0], int(T["Mp"]), int(T["np"]), T["Mn"], T["nn"], out_dtype, a.get("axis"))
     if k == "max_pool2d":

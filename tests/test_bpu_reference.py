@@ -289,6 +289,16 @@ def test_prelu_leaky(op, slope):
     check_all(t.build(t.call(qnn.QuantizedPReLU(op, slope, 0.05, 0.05, "qint8"), x)), t)
 
 
+@pytest.mark.parametrize("in_scale, out_scale", [(0.05, 0.03), (0.02, 0.05), (0.05, 0.01)],
+                         ids=["finer", "coarser", "top_above_qmax"])
+def test_relu6_with_its_own_output_scale(in_scale, out_scale):
+    """A relu6 whose output has its own observer (e.g. after an add) requantizes, then clamps."""
+    t = Tiny(seed=14)
+    x = t.rand_input((2, 3, 4, 4), in_scale)
+    m = qnn.QuantizedPReLU("relu6", torch.zeros(1), in_scale, out_scale, "qint8", top=6.0)
+    check_all(t.build(t.call(m, x, name="relu6")), t)
+
+
 @pytest.mark.parametrize("in_dtype", ["qint8", "qint16"])
 def test_lut(in_dtype):
     t = Tiny(seed=13)

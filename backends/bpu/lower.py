@@ -365,6 +365,9 @@ class _Lowering:
     def _prelu(self, node, m: qnn.QuantizedPReLU) -> BpuOp:
         x = node.args[0]
         self.per_tensor(node, x)
+        if m.qc_op == "relu6":  # a relu6 with its own output scale: requantize, then clamp
+            return BpuOp("relu6", [x.name], node.name, {"max": int(m.top), **self.out(self.specs.of(node))},
+                         {"M": m.Mp.reshape(()), "n": m.np_.reshape(())})
         per_channel = m.Mn.numel() > 1
         return BpuOp(m.qc_op, [x.name], node.name, {"axis": 1 if per_channel else None, **self.out(self.specs.of(node))},
                      {"Mp": m.Mp.reshape(()), "np": m.np_.reshape(()),

@@ -64,7 +64,8 @@ OP_KINDS: dict[str, str] = {
     "mul": "a*b (or sign*a for a constant) requantized by M/2^n",
     "cat": "concat after requantizing input i by M[i]/2^n[i]",
     "relu": "max(q, 0)",
-    "relu6": "clamp(q, 0, attrs['max'])",
+    "relu6": "clamp(q, 0, attrs['max']); with tensors M, n (its own output scale): "
+             "clamp(requant(q, M, n), 0, attrs['max'])",
     "prelu": "q >= 0 ? requant(q, Mp, np) : requant(q, Mn, nn) (per-channel slope on axis 1)",
     "leaky_relu": "as prelu with one slope",
     "max_pool2d": "integer max pool (exact)",

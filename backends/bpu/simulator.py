@@ -260,6 +260,9 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         return fp.relu
     if k == "relu6":
         top = int(a["max"])
+        if "M" in T:  # its own output scale: requantize first (negatives stay <= 0 and clamp to 0)
+            M, n = T["M"], T["n"]
+            return lambda x: fp.requantize(x, M, n, out_dtype, op=name).clamp(0, top)
         return lambda x: x.clamp(0, top)
     if k in ("prelu", "leaky_relu"):
         Mp, np_, Mn, nn_ = T["Mp"], T["np"], T["Mn"], T["nn"]
