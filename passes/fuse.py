@@ -89,7 +89,8 @@ BASE_MODULES: dict[str, type] = {
     "linear": nn.Linear,
 }
 BN_MODULES: dict[str, type] = {"batch_norm": nn.BatchNorm2d, "batch_norm1d": nn.BatchNorm1d}
-ACT_MODULES: dict[str, type] = {"relu": nn.ReLU, "relu6": nn.ReLU6}
+# nn.Hardtanh is "relu6" only with bounds (0, 6) (qcompiler.ir.ops.clamp_op)
+ACT_MODULES: dict[str, tuple[type, ...]] = {"relu": (nn.ReLU,), "relu6": (nn.ReLU6, nn.Hardtanh)}
 
 
 @dataclass
@@ -246,7 +247,7 @@ class _Matcher:
             return None
         if node.op == "call_module":
             module = self.modules[node.target]
-            if type(module) is not ACT_MODULES[op] or _has_hooks(module) or node.args != (value,):
+            if type(module) not in ACT_MODULES[op] or _has_hooks(module) or node.args != (value,):
                 return None
             return op
         first = node.args[0] if node.args else node.kwargs.get("input")

@@ -36,7 +36,7 @@ from qcompiler.ir.meta import (
     placement,
     set_placement,
 )
-from qcompiler.ir.ops import LAYOUT_OPS, META_OPS, PASSTHROUGH_OPS, node_op
+from qcompiler.ir.ops import LAYOUT_OPS, META_OPS, PASSTHROUGH_OPS, is_clamp, node_op
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
 
@@ -56,12 +56,16 @@ def _is_follower(node: fx.Node, op: Optional[str]) -> bool:
     return False
 
 
+_CLAMP_HINT = "; a clamp runs on the BPU only as a ReLU (bounds 0, none) or a ReLU6 (bounds 0, 6)"
+
+
 def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tuple[str, str]:
     if op is None:
+        hint = _CLAMP_HINT if is_clamp(node, modules) else ""
         if node.op == "call_module":
             mod = modules[node.target]
-            return CPU, f"module '{node.target}' ({type(mod).__name__}) has no BPU implementation"
-        return CPU, f"{node.op} {getattr(node.target, '__name__', node.target)} has no BPU implementation"
+            return CPU, f"module '{node.target}' ({type(mod).__name__}) has no BPU implementation{hint}"
+        return CPU, f"{node.op} {getattr(node.target, '__name__', node.target)} has no BPU implementation{hint}"
     ok, reason = table.check(op_info(node, op, gm, modules))
     return (BPU if ok else CPU), reason
 

@@ -35,6 +35,7 @@ from onnx import helper
 
 import qcompiler.zoo as zoo
 from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.ir.meta import META_FUSED_FROM
 from qcompiler.onnx import SIDECAR_SUFFIX, export_to_onnx, inference_session
 from qcompiler.quantization import (
     FakeQuantize,
@@ -417,3 +418,37 @@ def test_failures_leave_no_file_behind(tmp_path):
     export_to_onnx(qat, x, str(path))
     assert onnx.load(str(path)).graph.node and (tmp_path / f"m.onnx{SIDECAR_SUFFIX}").exists()
     assert sorted(os.listdir(tmp_path)) == ["m.onnx", f"m.onnx{SIDECAR_SUFFIX}"]
+
+
+class _Clamps(torch.nn.Module):
+    """ReLU / ReLU6 spelled as clamps, and a relu6 with its own output scale (after an add)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (torch.nn.Conv2d(3, 8, 3, padding=1) for _ in range(4))
+        self.h = torch.nn.Hardtanh(0.0, 6.0)
+
+    def forward(self, x):
+        y = torch.nn.functional.relu6(self.a(x) + self.b(x))  # not fused: the add row takes relu only
+        z = torch.clamp(self.c(x), min=0)  # fuses as conv+relu
+        w = self.h(self.d(x))  # fuses as conv+relu6
+        return torch.nn.functional.hardtanh(y + z, 0.0, 6.0) + w.clamp(0, 6)
+
+
+def test_clamp_spellings_and_requantizing_relu6_run_on_the_bpu_and_export():
+    import qcompiler
+
+    torch.manual_seed(0)
+    model = _Clamps().eval()
+    x = (torch.randn(2, 3, 8, 8) * 2,)
+    cm = qcompiler.compile(model, x, march="bayes", calib_data=[x[0]], progress=False)
+    assert [p["placement"] for p in cm.partitions] == ["bpu"]  # every clamp is a ReLU / ReLU6: no CPU island
+    fused = {n.name: n.meta[META_FUSED_FROM] for n in cm.converted.graph.nodes if META_FUSED_FROM in n.meta}
+    assert fused == {"a": ("a", "add"), "c": ("c", "clamp"), "d": ("d", "h")}
+    with torch.no_grad():
+        assert torch.equal(cm(*x), cm.converted(*x))  # the simulator (relu6 requantizes, then clamps)
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(cm.converted, x, buf)
+    onnx_model = onnx.load_from_string(buf.getvalue())
+    teacher_forced_check(cm.converted, onnx_model, sidecar, x)
+    end_to_end_check(cm.converted, onnx_model, sidecar, x)

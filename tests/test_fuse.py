@@ -129,7 +129,7 @@ class ConvAct(nn.Module):
         super().__init__()
         self.how = how
         self.conv = nn.Conv2d(4, 8, 3, padding=1)
-        self.act = {"module": nn.ReLU(inplace=True), "module6": nn.ReLU6()}.get(how)
+        self.act = {"module": nn.ReLU(inplace=True), "module6": nn.ReLU6(), "hardtanh_module": nn.Hardtanh(0, 6)}.get(how)
 
     def forward(self, x):
         y = self.conv(x)
@@ -143,6 +143,10 @@ class ConvAct(nn.Module):
             return torch.relu(y)
         if self.how == "method":
             return y.relu()
+        if self.how == "clamp":
+            return y.clamp(min=0)
+        if self.how == "F.hardtanh":
+            return F.hardtanh(y, 0.0, 6.0)
         assert self.how == "F.relu6"
         return F.relu6(y)
 
@@ -244,6 +248,9 @@ def test_conv_bn(model, expected):
         ("torch.relu", "relu"),
         ("method", "relu"),
         ("F.relu6", "relu6"),
+        ("clamp", "relu"),
+        ("F.hardtanh", "relu6"),
+        ("hardtanh_module", "relu6"),
     ],
 )
 def test_conv_act_is_bit_exact(how, act):

@@ -4,6 +4,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from qcompiler.errors import QCompilerWarning
 from qcompiler.quantization import FakeQuantize
@@ -156,3 +157,24 @@ def test_unfused_adds_say_why():
         "a": "'add' is called with alpha=2.0: only a plain two-operand add fuses",
         "b": "'add_1' broadcasts (1, 3, 8, 8) with (1, 3, 1, 1): only an add of two same-shape tensors fuses",
     }
+
+
+class ActThenAdd(nn.Module):
+    """conv+relu whose output is then added, and conv+add whose sum goes to a relu6: both already
+    fused as far as the fuse table allows, so nothing is unfused (no pattern takes a part *before*
+    what it already holds, and conv+add+relu6 is not a row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 3, 1)
+        self.b = nn.Conv2d(3, 3, 1)
+        self.c = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = F.relu(self.a(x)) + x
+        return F.relu6(self.b(y) + self.c(x))
+
+
+def test_parts_before_a_fused_part_are_not_reported_unfused():
+    r = check_qat_model(_qat(ActThenAdd().eval()), X)
+    assert r.unfused == []

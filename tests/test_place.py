@@ -230,3 +230,27 @@ def test_second_run_reports_unmodified():
     ctx = CompileContext(march=March.BAYES)
     assert place(gm, ctx).modified
     assert not place(gm, ctx).modified
+
+
+class Clamped(nn.Module):
+    def __init__(self, lo, hi):
+        super().__init__()
+        self.conv, self.lo, self.hi, self.ht = nn.Conv2d(8, 8, 1), lo, hi, nn.Hardtanh(-1.0, 1.0)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.clamp(y, self.lo, self.hi) + self.ht(y)
+
+
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+@pytest.mark.parametrize("lo, hi, where", [(0, None, "bpu"), (0.0, 6.0, "bpu"), (0, 5, "cpu"), (-1, 6, "cpu")])
+def test_clamp_is_a_bpu_relu_only_with_relu_bounds(march, lo, hi, where):
+    p = placed(Clamped(lo, hi), X, march)
+    assert p["clamp"][0] == where
+    if where == "cpu":
+        assert p["clamp"][1] == ("call_function clamp has no BPU implementation; a clamp runs on the BPU only "
+                                 "as a ReLU (bounds 0, none) or a ReLU6 (bounds 0, 6)")
+    else:
+        assert p["clamp"][1] == f"{'relu' if hi is None else 'relu6'} supported on {march}"
+    assert p["ht"] == ("cpu", "module 'ht' (Hardtanh) has no BPU implementation; a clamp runs on the BPU only "
+                              "as a ReLU (bounds 0, none) or a ReLU6 (bounds 0, 6)")

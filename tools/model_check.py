@@ -210,6 +210,10 @@ def _patterns():
     return PATTERNS
 
 
+# a fused module's parts in pattern order: a BN folds before the add, the activation comes last
+_STAGE = {"batch_norm": 1, "batch_norm1d": 1, "add": 2}
+
+
 def _already_fused(module: Optional[nn.Module]) -> set[str]:
     if isinstance(module, FusedModule):
         return set(module.fused_from)
@@ -233,19 +237,21 @@ def _find_unfused(gm: fx.GraphModule) -> list[dict]:
         if where is not None and where != BPU:
             continue
         fused = _already_fused(modules.get(node.target))
+        # how far along base (+bn) (+add) (+act) the fused module already is: only later parts can join
+        stage = max([_STAGE.get(p, 3) for p in fused - {op}], default=0)
         best: Optional[tuple[list[fx.Node], str]] = None
         for row in _patterns():
-            if row.base != op:
+            if row.base != op or ("add" in fused and not row.add):
                 continue
             chain, labels, cur = [node], [], node
-            if row.bn and row.bn not in fused and "batch_norm" not in fused and "batch_norm1d" not in fused:
+            if row.bn and stage < 1:
                 nxt = _user_with_op(cur, (row.bn,), modules, where)
                 if nxt is not None:
                     chain.append(nxt)
                     labels.append(row.bn)
                     cur = nxt
-            if row.add:
-                if "add" in fused:
+            if row.add and "add" not in fused:
+                if stage >= 2:
                     continue
                 nxt = _user_with_op(cur, ("add",), modules, where)
                 if nxt is None:
@@ -253,7 +259,7 @@ def _find_unfused(gm: fx.GraphModule) -> list[dict]:
                 chain.append(nxt)
                 labels.append("add")
                 cur = nxt
-            if row.acts and not fused & set(row.acts):
+            if row.acts and stage < 3:
                 nxt = _user_with_op(cur, row.acts, modules, where)
                 if nxt is not None:
                     chain.append(nxt)

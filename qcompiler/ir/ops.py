@@ -4,6 +4,12 @@ Passes, the op-support tables and the emitters speak of ops by one canonical
 name ("conv2d", "add", "reshape"...) whatever spelling the model used: an
 ``nn.Conv2d`` module, ``F.conv2d``, ``x + y``, ``torch.add`` or ``x.add``.
 The tables below are the single place where spellings are mapped.
+
+Clamps are canonicalized by their bounds: ``torch.clamp(x, min=0)``,
+``x.clamp_min(0)`` are "relu" and ``torch.clamp(x, 0, 6)``, ``F.hardtanh(x, 0, 6)``,
+``nn.Hardtanh(0, 6)`` are "relu6" (the same values, bit for bit), so they place,
+fuse and convert like the ReLUs MARCH_OPS.md lists; a clamp with other bounds has
+no op (it runs on CPU).
 """
 
 from __future__ import annotations
@@ -141,6 +147,42 @@ METHOD_OPS: dict[str, str] = {
     "split": "split",
 }
 
+# clamp spellings: call_function target / call_method name -> (lower, upper) bound
+# parameter names and defaults, in positional order after the input
+_CLAMP_FUNCTIONS: dict[object, tuple[tuple[str, object], ...]] = {
+    torch.clamp: (("min", None), ("max", None)),
+    torch.clip: (("min", None), ("max", None)),
+    torch.clamp_min: (("min", None),),
+    F.hardtanh: (("min_val", -1.0), ("max_val", 1.0)),
+}
+_CLAMP_METHODS: dict[str, tuple[tuple[str, object], ...]] = {
+    "clamp": (("min", None), ("max", None)),
+    "clip": (("min", None), ("max", None)),
+    "clamp_min": (("min", None),),
+}
+
+
+def clamp_op(lower: object, upper: object) -> Optional[str]:
+    """"relu" for bounds (0, None), "relu6" for (0, 6), else None; bounds must be Python numbers."""
+
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if not number(lower) or lower != 0:
+        return None
+    if upper is None:
+        return "relu"
+    return "relu6" if number(upper) and upper == 6 else None
+
+
+def _clamp_node_op(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[str]:
+    if len(node.args) > 1 + len(params) or set(node.kwargs) - {name for name, _ in params} - {"inplace"}:
+        return None
+    bounds = [node.args[1 + i] if 1 + i < len(node.args) else node.kwargs.get(name, default)
+              for i, (name, default) in enumerate(params)]
+    return clamp_op(bounds[0], bounds[1] if len(bounds) > 1 else None)
+
+
 # Ops that move no data and compute nothing: they take their producer's placement.
 PASSTHROUGH_OPS = frozenset({"identity", "dropout"})
 # Ops that only re-arrange or re-label a tensor: they follow a CPU producer; after a
@@ -159,6 +201,8 @@ def module_op(module: nn.Module) -> Optional[str]:
         op = MODULE_OPS.get(cls)
         if op is not None:
             return op
+    if isinstance(module, nn.Hardtanh):
+        return clamp_op(module.min_val, module.max_val)
     return None
 
 
@@ -171,12 +215,27 @@ def node_op(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str]:
         return module_op(modules[node.target])
     if node.op == "call_function":
         try:
-            return FUNCTION_OPS.get(node.target)
+            op = FUNCTION_OPS.get(node.target)
+            clamp = _CLAMP_FUNCTIONS.get(node.target)
         except TypeError:  # unhashable target
             return None
+        return _clamp_node_op(node, clamp) if clamp is not None else op
     if node.op == "call_method":
-        return METHOD_OPS.get(node.target)
+        clamp = _CLAMP_METHODS.get(node.target)
+        return _clamp_node_op(node, clamp) if clamp is not None else METHOD_OPS.get(node.target)
     return None
+
+
+def is_clamp(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """True if ``node`` is a clamp / clip / hardtanh spelling, whatever its bounds."""
+    if node.op == "call_module":
+        return isinstance(modules.get(node.target), nn.Hardtanh)
+    if node.op == "call_function":
+        try:
+            return node.target in _CLAMP_FUNCTIONS
+        except TypeError:  # unhashable target
+            return False
+    return node.op == "call_method" and node.target in _CLAMP_METHODS
 
 
 def describe_target(node: fx.Node, modules: dict[str, nn.Module]) -> str:
