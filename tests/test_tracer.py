@@ -102,6 +102,37 @@ def test_control_flow_at_top_level_says_move_it_into_a_submodule():
     assert "submodule" in str(info.value)
 
 
+class Typo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        return undefined_activation(self.conv(x))  # noqa: F821 (the bug under test)
+
+
+class TypoInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Typo()
+
+    def forward(self, x):
+        return self.block(x)
+
+
+@pytest.mark.parametrize("model, where", [(Typo(), "the top-level module (Typo)"),
+                                          (TypoInside(), "module 'block' (Typo)")])
+def test_name_error_in_the_forward_is_called_a_code_error_not_a_tracing_limit(model, where):
+    with pytest.raises(TraceError) as info:
+        trace(model)
+    msg = str(info.value)
+    assert msg.startswith(f"cannot trace {where} at {__file__}:")
+    assert "NameError: name 'undefined_activation' is not defined" in msg
+    assert "an error in the model's code, not a tracing limit" in msg
+    assert "leaf" not in msg and "submodule" not in msg  # no advice that would not help
+    assert info.value.__cause__ is None
+
+
 def test_leaf_by_name_and_type_traces():
     gm = trace(WithGate(), leaf_module_names=["gate"])
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv", "gate"]

@@ -180,6 +180,13 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception) -> TraceErro
         code = (frame.line or "").strip()
         line = f" at {frame.filename}:{frame.lineno}" + (f" `{code}`" if code else "")
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, (NameError, ImportError)):  # UnboundLocalError is a NameError
+        # a bug in the forward's code, raised whatever the inputs: tracing is not the cause
+        err = TraceError(f"cannot trace {where}{line}: {type(exc).__name__}: {reason}. This is an error in "
+                         f"the model's code, not a tracing limit: its forward raises it when run eagerly too; "
+                         f"fix the code (check that model(*example_inputs) runs).")
+        err.module_path = path
+        return err
     if path:
         fix = (
             f"Mark it a leaf so it is called as a whole (it then runs on CPU): "
