@@ -10,7 +10,7 @@ It never needs the model's Python class, so an artifact can rebuild it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import networkx as nx
 import torch
