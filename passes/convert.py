@@ -110,9 +110,14 @@ def _weight_params(base: nn.Module, where: str):
     return q, output_channel_scales(base, scale.reshape(-1)), axis
 
 
-def _geometry(base: nn.Module) -> dict:
+def _geometry(base: nn.Module, node: fx.Node) -> dict:
     if isinstance(base, nn.Linear):
         return {}
+    mode = getattr(base, "padding_mode", "zeros")
+    if mode != "zeros" and any(base._reversed_padding_repeated_twice):
+        # placement keeps these off the BPU (constraints.zero_padding); a forced one must not zero-pad silently
+        raise UnsupportedOpError(f"node '{node.name}': padding_mode='{mode}' has no fixed-point lowering (the BPU "
+                                 f"pads with zeros); run this conv on CPU (hybrid_dict)")
     g = {"stride": base.stride, "padding": base.padding, "dilation": base.dilation, "groups": base.groups}
     if isinstance(base, nn.ConvTranspose2d):
         g["output_padding"] = base.output_padding
@@ -218,7 +223,7 @@ def _convert_weight_layer(node, module, qin: _QParams, qp, where) -> qnn.Quantiz
     bias = base.bias.detach() if base.bias is not None else None
     return qnn.QuantizedWeightLayer(
         kind, q_w, w_scale, bias, qin.scale, None if out is None else out.scale,
-        "qint8" if out is None else out.dtype, _geometry(base), act, other_scale, name=node.name,
+        "qint8" if out is None else out.dtype, _geometry(base, node), act, other_scale, name=node.name,
     )
 
 

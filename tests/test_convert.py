@@ -334,3 +334,16 @@ def test_avg_pool_options_the_bpu_cannot_compute_run_on_cpu_and_match(pool):
     with torch.no_grad():
         ref, out = qat(x), convert_fx(qat)(x)
     assert torch.equal(ref, out)
+
+
+def test_convert_refuses_a_non_zero_padding_mode_it_would_zero_pad():
+    """Placement keeps such convs on CPU; convert must still not lower one with zero padding."""
+    import torch.fx as fx
+
+    from qcompiler.errors import UnsupportedOpError
+    from qcompiler.passes.convert import _geometry
+
+    node = fx.Graph().placeholder("conv")
+    with pytest.raises(UnsupportedOpError, match=r"node 'conv': padding_mode='reflect' has no fixed-point lowering"):
+        _geometry(torch.nn.Conv2d(3, 3, 3, padding="same", padding_mode="reflect"), node)
+    assert _geometry(torch.nn.Conv2d(3, 3, 3, padding_mode="reflect"), node)["padding"] == (0, 0)  # no padding

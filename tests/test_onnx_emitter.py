@@ -106,6 +106,8 @@ X4 = torch.randn(2, 4, 9, 11)
     nn.Conv2d(4, 6, (2, 3), padding="same", dilation=(1, 2)),
     nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect"),
     nn.Conv2d(4, 6, 3, padding=1, padding_mode="replicate"),
+    nn.Conv2d(4, 6, 3, padding=(1, 2), padding_mode="circular"),
+    nn.Conv2d(4, 6, (2, 3), padding="same", padding_mode="circular"),
 ])
 def test_conv2d(conv):
     check(conv, X4)
@@ -324,10 +326,11 @@ def test_layout_ops(fn):
 
 @pytest.mark.parametrize("fn", [
     lambda x: F.pad(x, (1, 2, 0, 1)), lambda x: F.pad(x, (1, 1, 2, 2), mode="reflect"),
-    lambda x: F.pad(x, (0, 3), value=0.5), lambda x: torch.clamp(x, -0.5, 0.5), lambda x: x.clamp(min=0.1),
+    lambda x: F.pad(x, (0, 3), value=0.5), lambda x: F.pad(x, (2, 1, 0, 3), mode="circular"),
+    lambda x: torch.clamp(x, -0.5, 0.5), lambda x: x.clamp(min=0.1),
     lambda x: -x, lambda x: x.abs(), lambda x: torch.where(x > 0, x, 0.5 * x),
     lambda x: x.view(x.size()[0], -1), lambda x: torch.where(x >= 0.1, x, -x) + (x != 0.2).float() * 0,
-], ids=["pad", "pad_reflect", "pad_value", "clamp", "clamp_min", "neg", "abs", "where", "size_getitem", "compare"])
+], ids=["pad", "pad_reflect", "pad_value", "pad_circular", "clamp", "clamp_min", "neg", "abs", "where", "size_getitem", "compare"])
 def test_extra_functions(fn):
     check(Fn(fn), X4)
 

@@ -254,3 +254,14 @@ def test_clamp_is_a_bpu_relu_only_with_relu_bounds(march, lo, hi, where):
         assert p["clamp"][1] == f"{'relu' if hi is None else 'relu6'} supported on {march}"
     assert p["ht"] == ("cpu", "module 'ht' (Hardtanh) has no BPU implementation; a clamp runs on the BPU only "
                               "as a ReLU (bounds 0, none) or a ReLU6 (bounds 0, 6)")
+
+
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_conv_with_non_zero_padding_mode_is_cpu(march, mode):
+    """The BPU pads with zeros: converting these would silently zero-pad the borders."""
+    for padding in (1, "same"):
+        p = placed(Seq(nn.Conv2d(8, 8, 3, padding=padding, padding_mode=mode)), X, march)
+        assert p["body_0"] == ("cpu", f"conv2d: padding_mode='{mode}' (the BPU pads with zeros) on {march}")
+    # without padding the mode changes nothing: BPU
+    assert placed(Seq(nn.Conv2d(8, 8, 3, padding_mode=mode)), X, march)["body_0"][0] == "bpu"

@@ -9,7 +9,7 @@ TABLE = OpTable(
     # 4-D unless an op says otherwise (lower ranks are padded)
     general=(c.rank_between(1, 4), c.max_dims(65536), c.max_batch(4096)),
     rules=rules(
-        OpRule("conv2d", (c.kernel_range(1, 31), c.max_kernel_volume(65535), c.max_channels(8192), c.max_stride(256), c.max_dilation(16))),
+        OpRule("conv2d", (c.kernel_range(1, 31), c.max_kernel_volume(65535), c.max_channels(8192), c.max_stride(256), c.max_dilation(16), c.zero_padding())),
         OpRule("conv_transpose2d", (c.kernel_range(1, 14), c.max_stride(14), c.stride_not_all_one(), c.max_channels(2048))),
         OpRule("linear"),
         OpRule("matmul", (c.feature_map_operands(2),)),

@@ -11,7 +11,7 @@ TABLE = OpTable(
     # every BPU tensor is NCHW; a 2-D (N, C) tensor is read as (N, C, 1, 1)
     general=(c.ranks((2, 4), "bernoulli2 runs 4-D (NCHW) tensors only"), c.max_batch(128)),
     rules=rules(
-        OpRule("conv2d", (c.kernel_range(1, 7), c.max_channels(2048), c.dilation_pow2(), c.max_kernel_volume(32768))),
+        OpRule("conv2d", (c.kernel_range(1, 7), c.max_channels(2048), c.dilation_pow2(), c.max_kernel_volume(32768), c.zero_padding())),
         OpRule("conv_transpose2d", (c.kernel_range(2, 14), c.stride_in((2, 4)), c.max_channels(2048), c.dilation_one())),
         OpRule("linear"),
         OpRule("relu"),

@@ -221,6 +221,18 @@ def pool_semantics() -> Constraint:
     return Constraint("pool options the BPU computes", check)
 
 
+def zero_padding() -> Constraint:
+    """The BPU conv pads with the code 0 (DESIGN.md): reflect / replicate / circular padding stays on CPU."""
+
+    def check(info):
+        mode = info.attrs.get("padding_mode", "zeros")
+        if mode == "zeros" or not info.attrs.get("padded", False):
+            return None
+        return f"padding_mode='{mode}' (the BPU pads with zeros)"
+
+    return Constraint("zero padding", check)
+
+
 def global_pool(max_hw: Optional[int] = None) -> Constraint:
     """adaptive_avg_pool2d to 1x1 (or mean over H, W) with H*W within the limit."""
 

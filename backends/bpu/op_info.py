@@ -67,6 +67,8 @@ def _conv_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule, 
             "padding": _pair(conv.padding) if not isinstance(conv.padding, str) else (0, 0),
             "dilation": _pair(conv.dilation),
             "groups": conv.groups,
+            "padding_mode": conv.padding_mode,
+            "padded": any(conv._reversed_padding_repeated_twice),  # also for padding="same"
         }
     kw = _normalized(node, gm)
     weight = kw.get("weight")

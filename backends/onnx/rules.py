@@ -399,16 +399,38 @@ def _pads(ctx: NodeContext, padding: Any, kernel: Sequence[int], dilation: Seque
     return p + p
 
 
+def _circular_pad(ctx: NodeContext, x: str, begins: Sequence[int], ends: Sequence[int]) -> Tensor:
+    """Wrap-around padding (Pad-11 has no circular mode): per axis, the last ``begins[d]`` and the
+    first ``ends[d]`` elements concatenated around the input."""
+    for d, (before, after) in enumerate(zip(begins, ends)):
+        if not before and not after:
+            continue
+        axis = ctx.const(f"circ_axis{d}", [d], I64)
+        parts = []
+        if before:
+            parts.append(ctx.make("Slice", [x, ctx.const(f"circ_b{d}", [-before], I64),
+                                            ctx.const(f"circ_end{d}", [2**62], I64), axis], tag=f"circ_before{d}"))
+        parts.append(x)
+        if after:
+            parts.append(ctx.make("Slice", [x, ctx.const(f"circ_zero{d}", [0], I64),
+                                            ctx.const(f"circ_a{d}", [after], I64), axis], tag=f"circ_after{d}"))
+        x = ctx.make("Concat", parts, tag=f"circ_pad{d}", axis=d)
+    return x
+
+
 def conv(ctx: NodeContext, x: str, w: str, b: Optional[str], weight_shape: Sequence[int], stride, padding,
          dilation, groups: int, padding_mode: str = "zeros", tag: Optional[str] = None) -> Tensor:
     kernel = list(weight_shape[2:])
     n = len(kernel)
     dil = _ntuple(dilation, n)
     pads = _pads(ctx, padding, kernel, dil)
-    if padding_mode != "zeros":
+    if padding_mode == "circular":
+        x = _circular_pad(ctx, x, [0, 0] + pads[:n], [0, 0] + pads[n:])
+        pads = [0] * (2 * n)
+    elif padding_mode != "zeros":
         mode = {"reflect": "reflect", "replicate": "edge"}.get(padding_mode)
         if mode is None:
-            raise ctx.unsupported(f"padding_mode={padding_mode!r} (Pad-11 has reflect and edge only)")
+            raise ctx.unsupported(f"padding_mode={padding_mode!r} (zeros, reflect, replicate or circular)")
         full = [0, 0] + pads[:n] + [0, 0] + pads[n:]
         x = ctx.make("Pad", [x, ctx.const("pads", full, I64)], tag="pad", mode=mode)
         pads = [0] * (2 * n)
@@ -935,9 +957,11 @@ def pad(ctx: NodeContext) -> Tensor:
     for i in range(len(pads) // 2):
         d = rank - 1 - i
         begins[d], ends[d] = pads[2 * i], pads[2 * i + 1]
+    if mode == "circular":
+        return _circular_pad(ctx, x, begins, ends)
     onnx_mode = {"constant": "constant", "reflect": "reflect", "replicate": "edge"}.get(mode)
     if onnx_mode is None:
-        raise ctx.unsupported(f"pad mode={mode!r} (Pad-11 has constant, reflect and edge)")
+        raise ctx.unsupported(f"pad mode={mode!r} (constant, reflect, replicate or circular)")
     ins = [x, ctx.const("pads", begins + ends, I64)]
     if onnx_mode == "constant" and value:
         ins.append(ctx.const("value", float(value), ctx.dtype(x)))
