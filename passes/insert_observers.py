@@ -34,6 +34,7 @@ import torch.nn as nn
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
     BPU,
+    META_FUSED_FROM,
     META_OP,
     META_PARTITION,
     META_SCOPE,
@@ -142,6 +143,8 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             wfq = qc.weight() if qc.weight is not None else None
             if wfq is not None and op == "conv_transpose2d":
                 wfq.ch_axis = 1  # weight layout (in, out/groups, kh, kw)
+            if qc.out_high_precision:
+                _check_high_precision_layer(node, module)
             apq = None if qc.out_high_precision else qc.activation()
             set_module(gm, node.target, observe_layer(module, wfq, apq))
         elif not qc.out_high_precision:
@@ -156,6 +159,19 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     _link_input_quantizers(gm)
     gm.recompile()
     return PassResult(gm, True)
+
+
+def _check_high_precision_layer(node: fx.Node, module: nn.Module) -> None:
+    """A high-precision output is the layer's int32 accumulator: nothing can follow it inside the layer."""
+    after = [p for p in getattr(module, "fused_from", ()) if p in ("add", "relu", "relu6")]
+    if after:
+        names = node.meta.get(META_FUSED_FROM) or ()
+        raise ConfigError(
+            f"node '{node.name}': a high-precision (int32) output qconfig on a layer fused with "
+            f"{' and '.join(after)} ({' + '.join(names) or '+'.join(module.fused_from)}): the int32 result is "
+            f"the accumulator before the {'/'.join(after)}, so the layer cannot emit it. Give the "
+            f"high-precision qconfig to a layer whose output is not added to or activated (typically the "
+            f"model's last conv / linear), or use the default qconfig here.")
 
 
 def _quantizer_of(gm: fx.GraphModule, node: fx.Node):

@@ -247,3 +247,26 @@ def test_model_pre_fused_by_torch_ao_gets_the_same_quantizers():
         folded = () if m is ao else ("batch_norm",)
         assert ops == {"stem": ("conv2d", *folded, "relu"), "conv1": ("conv2d", *folded, "relu"),
                        "conv2": ("conv2d", *folded, "add", "relu")}
+
+
+@pytest.mark.parametrize("tail", ["relu", "add"])
+def test_high_precision_output_on_a_layer_fused_with_relu_or_add_is_refused(tail):
+    """The int32 output is the accumulator before a fused ReLU / add: convert would drop them."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 3, 1)
+            self.c2 = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            y = self.c(x)
+            return F.relu(self.c2(y)) if tail == "relu" else self.c2(y) + y
+
+    model = M().eval()
+    snap = snapshot(model)
+    qconfig = {"": get_default_qat_qconfig(), "module_name": [("c2", get_default_qat_out_qconfig())]}
+    with pytest.raises(ConfigError, match=rf"node 'c2': a high-precision \(int32\) output qconfig on a layer fused "
+                                          rf"with {tail} .*Give the high-precision qconfig to a layer"):
+        prepare_qat_fx(model, qconfig, example_inputs=X)
+    assert_untouched(model, snap)
