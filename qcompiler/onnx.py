@@ -11,7 +11,8 @@ tensor name (see ``qcompiler.backends.onnx.quant``).
 
 Run an exported model with :func:`inference_session` (or pass
 ``disabled_optimizers=ORT_DISABLED_OPTIMIZERS`` to onnxruntime yourself): one
-onnxruntime optimization re-quantizes the stored weights per tensor.
+onnxruntime optimization re-quantizes the stored weights per tensor, another replaces
+Q/DQ-wrapped ops by integer kernels that compute differently.
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ def export_to_onnx(
 # DequantizeLinear and a QuantizeLinear is *unquantized* and quantizes it per tensor (int8).
 # Our weights are already the dequantized per-channel int8 values (opset 11 has no per-channel
 # Q/DQ): re-quantizing them per tensor loses most of their precision (UNet: errors of several
-# LSB on most outputs). Sessions for exported models must disable it.
-ORT_DISABLED_OPTIMIZERS = ("WeightBiasQuantization",)
+# LSB on most outputs). Sessions for exported models must disable it. Also the fusion of
+# DequantizeLinear -> op -> QuantizeLinear into QLinear* kernels: their integer arithmetic is not
+# the graph's (QLinearAveragePool treats ceil-mode edge windows differently: 21% of outputs off
+# by up to 0.17 for a CPU avg_pool2d(ceil_mode=True) between BPU parts).
+ORT_DISABLED_OPTIMIZERS = ("WeightBiasQuantization", "QDQSelectorActionTransformer")
 
 
 def inference_session(model: Union[onnx.ModelProto, bytes, str, os.PathLike], sess_options=None,
