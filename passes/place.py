@@ -66,6 +66,10 @@ def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tup
             mod = modules[node.target]
             return CPU, f"module '{node.target}' ({type(mod).__name__}) has no BPU implementation{hint}"
         return CPU, f"{node.op} {getattr(node.target, '__name__', node.target)} has no BPU implementation{hint}"
+    container = next((i for i in node.all_input_nodes if isinstance(i.meta.get(META_TENSOR), (tuple, list))), None)
+    if container is not None:  # e.g. torch.cat(x.chunk(2)[::-1]): a BPU value is one tensor with one scale
+        return CPU, (f"input '{container.name}' is a tuple of tensors, not one tensor (a BPU op takes "
+                     f"tensors: index it element by element, e.g. torch.cat([b, a]))")
     ok, reason = table.check(op_info(node, op, gm, modules))
     return (BPU if ok else CPU), reason
 

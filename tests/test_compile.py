@@ -160,3 +160,35 @@ def test_bad_arguments():
     cm, _ = compiled("hybrid")
     with pytest.raises(ConfigError, match="takes 1 inputs"):
         cm(x[0], x[0])
+
+
+class _Chunks(torch.nn.Module):
+    """chunk / split spelled as functions and methods, and a cat of a tuple value (reversed chunks)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.c, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        y = self.c(x)
+        if self.kind == "reversed":
+            return self.c2(torch.cat(y.chunk(2, 1)[::-1], 1))
+        a, b = torch.chunk(y, 2, dim=1) if self.kind == "torch.chunk" else torch.split(y, 4, dim=1)
+        return self.c2(torch.cat([b, a], 1))
+
+
+@pytest.mark.parametrize("kind", ["torch.chunk", "torch.split", "reversed"])
+def test_chunk_split_functions_and_a_cat_of_a_tuple_compile_and_match(kind):
+    torch.manual_seed(0)
+    model, x = _Chunks(kind).eval(), torch.randn(2, 3, 8, 8)
+    cm = qcompiler.compile(model, (x,), march="bayes", calib_data=[x], progress=False)
+    placed = {n.name: n.meta["qc_placement"] for n in cm.converted.graph.nodes if n.name in ("cat", "chunk", "split")}
+    if kind == "reversed":  # the cat reads one tuple value, not a list of tensors: it runs on CPU, saying why
+        assert placed["cat"] == "cpu"
+        reason = next(n.meta["qc_reason"] for n in cm.converted.graph.nodes if n.name == "cat")
+        assert reason.startswith("input 'getitem' is a tuple of tensors, not one tensor")
+    with torch.no_grad():
+        out, ref, f = cm(x), cm.converted(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert 20 * torch.log10(f.norm() / (f - out).norm()) > 30  # int8 quantization error only

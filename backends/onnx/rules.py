@@ -366,6 +366,8 @@ def where(ctx: NodeContext) -> Tensor:
 
 def cat(ctx: NodeContext) -> Tensor:
     tensors = ctx.arg(0, "tensors")
+    if isinstance(tensors, fx.Node):  # a node whose value is the tuple: torch.cat(x.chunk(2)[::-1])
+        tensors = ctx.value(tensors)
     dim = int(ctx.arg(1, "dim", 0))
     names = [ctx.tensor(t) for t in tensors]
     if len(names) == 1:

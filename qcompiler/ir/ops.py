@@ -117,6 +117,8 @@ FUNCTION_OPS: dict[object, str] = {
     torch.unsqueeze: "reshape",
     torch.mean: "mean",
     torch.where: "where",
+    torch.chunk: "split",
+    torch.split: "split",  # torch.functional.split
     operator.getitem: "getitem",
 }
 
