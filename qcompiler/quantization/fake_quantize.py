@@ -203,9 +203,10 @@ class FakeQuantize(FakeQuantizeBase):
 
     def __init__(self, observer: nn.Module, dtype=None, ch_axis: int | None = None) -> None:
         super().__init__(observer)
-        if dtype is not None and check_dtype(dtype) != observer.dtype:
-            raise ConfigError(f"FakeQuantize dtype {check_dtype(dtype)!r} differs from its observer's "
-                              f"{observer.dtype!r}; build the observer with dtype={check_dtype(dtype)!r}")
+        dtype = None if dtype is None else check_dtype(dtype)
+        if dtype is not None and dtype != observer.dtype:
+            raise ConfigError(f"FakeQuantize dtype {dtype!r} differs from its observer's "
+                              f"{observer.dtype!r}; build the observer with dtype={dtype!r}")
         if ch_axis is not None:
             self.ch_axis = ch_axis
         self.register_buffer("fake_quant_enabled", torch.tensor([1], dtype=torch.uint8))

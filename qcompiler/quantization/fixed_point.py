@@ -106,13 +106,19 @@ _ALIASES = {
 }
 
 
-def _norm_dtype(dtype) -> str:
+def dtype_name(dtype) -> "str | None":
+    """The canonical name ("qint8" / "qint16" / "qint32") of ``dtype`` or one of its aliases
+    (torch.int8, torch.qint8, "int8", ...), or None if it names none of them."""
     if isinstance(dtype, str) and dtype in _RANGES:
         return dtype
     try:
-        name = _ALIASES.get(dtype)
+        return _ALIASES.get(dtype)
     except TypeError:  # unhashable
-        name = None
+        return None
+
+
+def _norm_dtype(dtype) -> str:
+    name = dtype_name(dtype)
     if name is None:
         raise ConfigError(
             f"unknown quantized dtype {dtype!r}; use one of 'qint8', 'qint16', 'qint32'"

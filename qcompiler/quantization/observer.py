@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from qcompiler.errors import CalibrationError, ConfigError
-from qcompiler.quantization.fixed_point import qrange, symmetric_scale
+from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
 __all__ = [
     "DTYPES",
@@ -53,19 +53,12 @@ __all__ = [
 
 # the activation/weight dtypes a qconfig may ask for
 DTYPES = ("qint8", "qint16")
-_DTYPE_ALIASES = {torch.qint8: "qint8", torch.int8: "qint8", "int8": "qint8",
-                  torch.int16: "qint16", "int16": "qint16"}
 
 
 def check_dtype(dtype, what: str = "dtype") -> str:
     """``dtype`` as one of :data:`DTYPES` (torch.qint8/int8/int16 accepted); else ConfigError."""
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return dtype
-    try:
-        name = _DTYPE_ALIASES.get(dtype)
-    except TypeError:  # unhashable
-        name = None
-    if name is None:
+    name = dtype_name(dtype)
+    if name not in DTYPES:
         raise ConfigError(f"{what}: unknown quantized dtype {dtype!r}; allowed: "
                           + ", ".join(repr(d) for d in DTYPES))
     return name
