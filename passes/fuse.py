@@ -153,7 +153,7 @@ class _Matcher:
         where = base.meta.get(META_PLACEMENT)
         cur = base
         if pattern.bn is not None:
-            nxt, value, skipped = self._next(cur, where)
+            nxt, value, skipped = self._next_through_identities(cur, where)
             bn = self._bn_module(nxt, value, pattern.bn, base, module) if nxt is not None else None
             if bn is not None:
                 m.nodes.append(nxt)
@@ -161,7 +161,7 @@ class _Matcher:
                 m.bn_module = bn
                 cur = nxt
         if pattern.add:
-            nxt, value, skipped = self._next(cur, where)
+            nxt, value, skipped = self._next_through_identities(cur, where)
             other = self._add_other(nxt, value, base) if nxt is not None else None
             if other is None:
                 return None
@@ -170,7 +170,7 @@ class _Matcher:
             m.add_node, m.other = nxt, other
             cur = nxt
         if pattern.acts:
-            nxt, value, skipped = self._next(cur, where)
+            nxt, value, skipped = self._next_through_identities(cur, where)
             act = self._act(nxt, value, pattern.acts) if nxt is not None else None
             if act is not None:
                 m.nodes.append(nxt)
@@ -178,7 +178,9 @@ class _Matcher:
                 m.act = act
         return m if len(m.nodes) > 1 else None
 
-    def _next(self, node: fx.Node, where: Optional[str]) -> tuple[Optional[fx.Node], fx.Node, list[fx.Node]]:
+    def _next_through_identities(
+        self, node: fx.Node, where: Optional[str]
+    ) -> tuple[Optional[fx.Node], fx.Node, list[fx.Node]]:
         """The next pattern candidate after ``node``, the value it reads, and the identities skipped.
 
         The candidate is ``node``'s only user, looking through identity nodes;

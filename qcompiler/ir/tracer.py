@@ -182,22 +182,22 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception) -> TraceErro
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, (NameError, ImportError)):  # UnboundLocalError is a NameError
         # a bug in the forward's code, raised whatever the inputs: tracing is not the cause
-        err = TraceError(f"cannot trace {where}{line}: {type(exc).__name__}: {reason}. This is an error in "
-                         f"the model's code, not a tracing limit: its forward raises it when run eagerly too; "
-                         f"fix the code (check that model(*example_inputs) runs).")
-        err.module_path = path
-        return err
-    if path:
-        fix = (
-            f"Mark it a leaf so it is called as a whole (it then runs on CPU): "
-            f"prepare_custom_config_dict={{'non_traceable_module_name': ['{path}']}} "
-            f"(CLI: --leaf-module {path})."
-        )
+        message = (f"cannot trace {where}{line}: {type(exc).__name__}: {reason}. This is an error in the "
+                   f"model's code, not a tracing limit: its forward raises it when run eagerly too; fix the "
+                   f"code (check that model(*example_inputs) runs).")
     else:
-        fix = (
-            "Move the data-dependent code into a submodule and mark that submodule a leaf "
-            "with prepare_custom_config_dict={'non_traceable_module_name': [...]} (it then runs on CPU)."
-        )
-    err = TraceError(f"cannot trace {where}{line}: {reason}. {fix}")
+        if path:
+            fix = (
+                f"Mark it a leaf so it is called as a whole (it then runs on CPU): "
+                f"prepare_custom_config_dict={{'non_traceable_module_name': ['{path}']}} "
+                f"(CLI: --leaf-module {path})."
+            )
+        else:
+            fix = (
+                "Move the data-dependent code into a submodule and mark that submodule a leaf "
+                "with prepare_custom_config_dict={'non_traceable_module_name': [...]} (it then runs on CPU)."
+            )
+        message = f"cannot trace {where}{line}: {reason}. {fix}"
+    err = TraceError(message)
     err.module_path = path
     return err
