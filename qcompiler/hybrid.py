@@ -39,6 +39,23 @@ class HybridConfig:
                 return f"hybrid_dict module_type {typ.__qualname__}"
         return None
 
+    def differences(self, other: "HybridConfig") -> list[str]:
+        """What ``other`` forces to the CPU that this config does not, and the reverse.
+
+        Order and repeats do not matter: both lists are sets of modules forced to the CPU.
+        """
+        def listed(cfg: "HybridConfig") -> tuple[set[str], set[str]]:
+            return set(cfg.module_names), {t.__qualname__ for t in cfg.module_types}
+
+        (names, types), (other_names, other_types) = listed(self), listed(other)
+        diffs = []
+        for key, mine, theirs in (("module_name", names, other_names), ("module_type", types, other_types)):
+            if theirs - mine:
+                diffs.append(f"{key} {sorted(theirs - mine)} added")
+            if mine - theirs:
+                diffs.append(f"{key} {sorted(mine - theirs)} missing")
+        return diffs
+
 
 def _within(entry: ScopeEntry, name: str) -> bool:
     return entry.path == name or entry.path.startswith(name + ".")

@@ -149,6 +149,23 @@ def test_bad_qconfig_dict_and_model_untouched():
     assert_untouched(m, snap)
 
 
+def test_qat_hand_over_compares_hybrid_dict_as_sets(hybrid_model, guide_hybrid_dict):
+    cal = prepare_calibration_fx(hybrid_model, hybrid=True, hybrid_dict=guide_hybrid_dict,
+                                 example_inputs=X, march="bayes")
+    calibrate(cal, [X])
+    # the same modules listed in another order (and one twice) are the same config
+    reordered = {"module_type": guide_hybrid_dict["module_type"],
+                 "module_name": list(reversed(guide_hybrid_dict["module_name"])) + ["conv3"]}
+    qat = prepare_qat_fx(cal, hybrid=True, hybrid_dict=reordered)
+    assert ", ".join(forward_sequence(qat)) == GOLDEN
+    # another module forced to the CPU is not: the error says which
+    other = {**guide_hybrid_dict, "module_name": ["conv3"]}
+    with pytest.raises(ConfigError, match=r"module_name \['conv1.conv'\] missing"):
+        prepare_qat_fx(cal, hybrid=True, hybrid_dict=other)
+    with pytest.raises(ConfigError, match=r"module_type \['_SeluModule'\] missing"):
+        prepare_qat_fx(cal, hybrid=True, hybrid_dict={"module_name": guide_hybrid_dict["module_name"]})
+
+
 def test_cpu_ops_without_hybrid_flag_warn(hybrid_model):
     with pytest.warns(QCompilerWarning, match="prelu: prelu is not supported on bayes"):
         prepare_calibration_fx(hybrid_model, example_inputs=X, march="bayes")

@@ -157,10 +157,11 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
 
     _check_hybrid_flag(hybrid, hybrid_dict)
     placed_with = calib.meta.get(GM_HYBRID)
-    if parse_hybrid_dict(hybrid_dict, None) != placed_with:
+    diffs = placed_with.differences(parse_hybrid_dict(hybrid_dict, None))
+    if diffs:
         raise ConfigError(
-            "hybrid_dict differs from the one the calibration model was prepared with; pass the same "
-            "hybrid_dict, or prepare the float model again"
+            f"hybrid_dict differs from the one the calibration model was prepared with "
+            f"({'; '.join(diffs)}); pass the same hybrid_dict, or prepare the float model again"
         )
     calib_march = calib.meta.get("qc_march")
     if march is not None and resolve_march(march) != calib_march:
