@@ -1,11 +1,114 @@
 """One convention for calibration and analysis data: a batch is the model's positional
-arguments as a tuple or list, or a single tensor for a one-input model."""
+arguments as a tuple or list, or a single tensor for a one-input model.
+
+Inputs are checked against the example inputs a model was compiled with, in one place
+(:func:`check_inputs`), for calibration data and for calls of a compiled model alike, so a
+mistake is reported before any work and the same way whichever backend runs first:
+
+- the same number of inputs, and the same nesting for tuple inputs;
+- tensors (``torch.from_numpy`` converts numpy arrays) of the example's dtype, except that a
+  floating tensor of another precision (float64, numpy's default; float16) is cast to the
+  example's floating dtype: the model computes in that dtype anyway;
+- the same number of dims and the same sizes, except the batch size: the batch is dim 0 of
+  the first input; each input may differ from the example in one dim, one that has the
+  example's batch size there (dim 0, or e.g. dim 1 of an LSTM state ``(layers, batch, hidden)``),
+  and only to this batch size.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
+
+import torch
+
+from qcompiler.errors import ConfigError
 
 
 def as_args(batch: Any) -> tuple:
     """The positional arguments a batch stands for."""
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def input_signature(example_inputs: Sequence[Any]) -> list:
+    """JSON-able description of example inputs, what :func:`check_inputs` compares with.
+
+    Per input ``{"dtype": "float32", "shape": [1, 3, 8, 8]}``, a list of those for a tuple
+    input, None for a non-tensor (not checked).
+    """
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
+        if isinstance(v, (tuple, list)):
+            return [describe(x) for x in v]
+        return None
+    return [describe(v) for v in example_inputs]
+
+
+def check_inputs(args: Sequence[Any], signature: Sequence[Any], *, where: str,
+                 names: Optional[Sequence[str]] = None) -> tuple:
+    """``args`` checked against ``signature`` (the rules above); returns them with floats cast.
+
+    ConfigError, prefixed with ``where`` (e.g. "calib_data batch 3"), names the input
+    (position, and name when ``names`` are given) and says what was expected.
+    """
+    args = tuple(args)
+    labels = [f"input {i}" + (f" ({names[i]!r})" if names and i < len(names) else "") for i in range(len(signature))]
+    if len(args) != len(signature):
+        listed = f" ({', '.join(names)})" if names else ""
+        raise ConfigError(f"{where}: the model takes {len(signature)} inputs{listed}, got {len(args)}")
+    leaves: list[tuple[str, dict, torch.Tensor]] = []
+    out = tuple(_check_value(a, s, label, where, leaves) for a, s, label in zip(args, signature, labels))
+    _check_sizes(leaves, where)
+    return out
+
+
+def _check_value(v: Any, spec: Any, label: str, where: str, leaves: list) -> Any:
+    """Nesting, type, dtype and rank of one input; collects tensors for the size check."""
+    if isinstance(spec, list):
+        if not isinstance(v, (tuple, list)) or len(v) != len(spec):
+            raise ConfigError(f"{where}: {label} must be a tuple of {len(spec)} values like the example input's, "
+                              f"got {_describe(v)}")
+        return type(v)(_check_value(x, s, f"{label}[{i}]", where, leaves) for i, (x, s) in enumerate(zip(v, spec)))
+    if spec is None:
+        return v
+    want = getattr(torch, spec["dtype"], None)
+    if not isinstance(want, torch.dtype):
+        raise ConfigError(f"{where}: {label}: the model's input signature names an unknown dtype {spec['dtype']!r}")
+    if not isinstance(v, torch.Tensor):
+        hint = " (torch.from_numpy converts it)" if type(v).__module__ == "numpy" else ""
+        raise ConfigError(f"{where}: {label} must be a {spec['dtype']} tensor, got {_describe(v)}{hint}")
+    if v.dtype != want:
+        if not (v.is_floating_point() and want.is_floating_point):
+            raise ConfigError(f"{where}: {label} must be a {spec['dtype']} tensor like the example input's, "
+                              f"got {str(v.dtype).replace('torch.', '')}")
+        v = v.to(want)
+    if v.dim() != len(spec["shape"]):
+        raise ConfigError(f"{where}: {label} has shape {tuple(v.shape)} ({v.dim()} dims); the example input "
+                          f"has {tuple(spec['shape'])} ({len(spec['shape'])} dims)")
+    leaves.append((label, spec, v))
+    return v
+
+
+def _check_sizes(leaves: list[tuple[str, dict, torch.Tensor]], where: str) -> None:
+    """Every size as in the example, except one batch dim per input (see the module docstring)."""
+    first = next(((label, s["shape"][0], v.shape[0]) for label, s, v in leaves if s["shape"]), None)
+    if first is None:
+        return
+    batch_of, b0, b = first
+    for label, spec, v in leaves:
+        want, got = spec["shape"], tuple(v.shape)
+        differ = [d for d, (w, g) in enumerate(zip(want, got)) if w != g]
+        if 0 in got and 0 not in want:
+            raise ConfigError(f"{where}: {label} is empty (shape {got}); give at least one sample")
+        if len(differ) > 1 or any(want[d] != b0 or got[d] != b for d in differ):
+            raise ConfigError(
+                f"{where}: {label} has shape {got}; the example input has {tuple(want)}, and only the batch size "
+                f"may differ (here {b}, dim 0 of {batch_of}), in one dim where the example has its batch size {b0}")
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).replace('torch.', '')} tensor of shape {tuple(v.shape)}"
+    if isinstance(v, (tuple, list)):
+        return f"{type(v).__name__} of {len(v)}"
+    return type(v).__name__

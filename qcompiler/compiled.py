@@ -15,7 +15,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
-from qcompiler.batches import as_args
+from qcompiler.batches import as_args, check_inputs, input_signature
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU
 from qcompiler.ir.shape_prop import normalize_inputs
@@ -28,7 +28,9 @@ class CompiledModel:
     """A compiled model: call it to run BPU programs in the simulator and CPU islands in onnxruntime.
 
     Built by :func:`compile` (then it also keeps the converted graph for dumps and
-    export) or by :func:`load` (runtime only).
+    export) or by :func:`load` (runtime only). A call takes inputs like the example
+    inputs (the rules of :mod:`qcompiler.batches`: any batch size; float64 is cast to
+    float32); anything else is a ConfigError naming the input, before any backend runs.
     """
 
     def __init__(self, runtime: Runtime, *, name: str, march: str, converted: Optional[fx.GraphModule] = None,
@@ -102,6 +104,7 @@ class CompiledModel:
             "march": self.march,
             "inputs": self.runtime.input_names,
             "outputs": self.runtime.outputs,
+            "input_signature": self.runtime.input_signature,
             "steps": [s.to_json() for s in self.runtime.steps],
         }
         return save_artifact(path, manifest, self.runtime.programs, self.runtime.islands)
@@ -113,12 +116,16 @@ def load(path: Union[str, Path], *, ort_threads: int = 1) -> CompiledModel:
 
     manifest, programs, islands = load_artifact(path)
     steps = [Step.from_json(s) for s in manifest["steps"]]
-    runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands, ort_threads=ort_threads)
+    runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands, ort_threads=ort_threads,
+                      input_signature=manifest.get("input_signature"))
     return CompiledModel(runtime, name=manifest["model"], march=manifest["march"])
 
 
-def lower(converted: fx.GraphModule, *, ort_threads: int = 1) -> Runtime:
-    """Runtime of a converted model: BPU partitions -> programs, CPU partitions -> ONNX islands."""
+def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Optional[tuple] = None) -> Runtime:
+    """Runtime of a converted model: BPU partitions -> programs, CPU partitions -> ONNX islands.
+
+    With ``example_inputs``, calls are checked against them (else only their number).
+    """
     from qcompiler.backends.bpu.lower import lower_bpu_partitions
     from qcompiler.backends.onnx.emitter import emit_subgraph
 
@@ -131,7 +138,25 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1) -> Runtime:
             islands[step.name] = model.SerializeToString()
     inputs = [n.name for n in converted.graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in converted.graph.nodes if n.op == "output")
-    return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads)
+    signature = input_signature(example_inputs) if example_inputs is not None else None
+    return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads,
+                   input_signature=signature)
+
+
+def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> list[tuple]:
+    """``calib_data`` as a list of argument tuples, each checked against the example ``inputs``
+    (floats cast), so a mismatch is reported with its batch index before any calibration."""
+    if calib_data is None:
+        return [inputs]
+    if isinstance(calib_data, torch.Tensor) or not isinstance(calib_data, Iterable):
+        raise ConfigError(f"calib_data must be an iterable of batches (e.g. a list of tensors), got "
+                          f"{'one tensor' if isinstance(calib_data, torch.Tensor) else type(calib_data).__name__}"
+                          "; pass [batch] for a single batch")
+    batches = list(calib_data)
+    if not batches:
+        raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
+    signature = input_signature(inputs)
+    return [check_inputs(as_args(b), signature, where=f"calib_data batch {i}") for i, b in enumerate(batches)]
 
 
 def compile(
@@ -152,10 +177,11 @@ def compile(
 
     ``mode="ptq"``: ``model`` is a float model; it is calibrated on ``calib_data``
     (an iterable of inputs: a tensor, or a tuple for multi-input models; by
-    default the example inputs) and converted. ``mode="qat"``: ``model`` is a
-    trained ``prepare_qat_fx`` model; it is converted as it is. ``weight_rounding=True``
-    (PTQ only) re-rounds the BPU weights on the calibration data after calibrating
-    (:func:`qcompiler.quantization.optimize_weight_rounding`).
+    default the example inputs) and converted; each batch is checked against the example
+    inputs first (:func:`qcompiler.batches.check_inputs`: any batch size, float64 cast to
+    float32). ``mode="qat"``: ``model`` is a trained ``prepare_qat_fx`` model; it is
+    converted as it is. ``weight_rounding=True`` (PTQ only) re-rounds the BPU weights on
+    the calibration data after calibrating (:func:`qcompiler.quantization.optimize_weight_rounding`).
     """
     from qcompiler.quantization import convert_fx, optimize_weight_rounding, prepare_calibration_fx, set_state
 
@@ -172,20 +198,18 @@ def compile(
         prepared.eval()
         name = type(model).__name__
     else:
+        batches = calibration_batches(calib_data, inputs)
         prepared = prepare_calibration_fx(model, qconfig_dict, prepare_custom_config_dict, hybrid=True,
                                           hybrid_dict=hybrid_dict, example_inputs=inputs, march=march)
         prepared.eval()
-        batches = list(calib_data) if calib_data is not None else [inputs]
-        if not batches:
-            raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
         with torch.no_grad():
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
-                prepared(*as_args(batch))
+                prepared(*batch)
         if weight_rounding:
             optimize_weight_rounding(prepared, batches, progress=progress)
         name = type(model).__name__
     converted = convert_fx(prepared)
-    runtime = lower(converted, ort_threads=ort_threads)
+    runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs)
     march_value = converted.meta.get("qc_march")
     return CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),
                          converted=converted, example_inputs=inputs)

@@ -10,12 +10,13 @@ It never needs the model's Python class, so an artifact can rebuild it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
+from qcompiler.batches import check_inputs
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
 
@@ -101,11 +102,15 @@ class Runtime:
     """Executes steps in order; BPU steps via ``BpuSimulator``, CPU steps via ``OrtIsland``."""
 
     def __init__(self, steps: Sequence[Step], input_names: Sequence[str], outputs: Any,
-                 programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1) -> None:
+                 programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1,
+                 input_signature: Optional[list] = None) -> None:
         from qcompiler.backends.bpu.simulator import BpuSimulator
         from qcompiler.backends.ort import OrtIsland
 
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
+        # what calls are checked against (qcompiler.batches.input_signature of the example inputs);
+        # None (an artifact from before signatures were saved): the number of inputs only
+        self.input_signature = input_signature
         self.programs, self.islands = dict(programs), dict(islands)
         self._run = {}
         for step in self.steps:
@@ -116,9 +121,9 @@ class Runtime:
                                                  threads=ort_threads).run
 
     def __call__(self, *args: Any) -> Any:
-        if len(args) != len(self.input_names):
-            raise ConfigError(f"the model takes {len(self.input_names)} inputs "
-                              f"({', '.join(self.input_names)}), got {len(args)}")
+        """Run the steps on ``args``, checked first whichever backend runs first (one check for both)."""
+        signature = self.input_signature or [None] * len(self.input_names)
+        args = check_inputs(args, signature, where="compiled model", names=self.input_names)
         env: dict[str, Any] = dict(zip(self.input_names, args))
         for step in self.steps:
             feeds = {name: env[name] for name in step.inputs}

@@ -202,3 +202,99 @@ def test_compile_command_calib_npz(tmp_path, capsys):
     bad.write_bytes(b"nope")
     assert main(["compile", "zoo:hybrid", "--calib-data", str(bad), "--out", str(tmp_path / "o2")]) == 2
     assert "cannot read it as an .npz" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- bad --calib-data and --out
+
+
+def _npz(path, *arrays):
+    import numpy as np
+
+    np.savez(path, *arrays)
+    return path
+
+
+def _calib_error_cases(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    single = tmp_path / "single.npy"
+    np.save(single, rng.random((2, 3, 16, 16), dtype=np.float32))
+    return {
+        "empty_file": (empty, "cannot read it as an .npz file"),
+        "npy_not_npz": (single, "not an .npz archive"),
+        "no_arrays": (_npz(tmp_path / "none.npz"), "the model takes 1 inputs, got 0"),
+        "zero_samples": (_npz(tmp_path / "zero.npz", np.zeros((0, 3, 16, 16), np.float32)),
+                         "input 0 is empty (shape (0, 3, 16, 16))"),
+        "sample_shape": (_npz(tmp_path / "shape.npz", np.zeros((4, 3, 9, 9), np.float32)),
+                         "input 0 has shape (4, 3, 9, 9); the example input has (1, 3, 16, 16)"),
+        "scalar": (_npz(tmp_path / "scalar.npz", np.float32(1)), "input 0 has shape () (0 dims)"),
+        "int64": (_npz(tmp_path / "int.npz", np.zeros((4, 3, 16, 16), np.int64)),
+                  "input 0 must be a float32 tensor like the example input's, got int64"),
+        "two_arrays": (_npz(tmp_path / "two.npz", *[np.zeros((4, 3, 16, 16), np.float32)] * 2),
+                       "the model takes 1 inputs, got 2"),
+        "strings": (_npz(tmp_path / "str.npz", np.array(["a", "b"])), "array 'arr_0' cannot be a tensor"),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty_file", "npy_not_npz", "no_arrays", "zero_samples", "sample_shape", "scalar",
+                                  "int64", "two_arrays", "strings"])
+def test_compile_bad_calib_data_is_a_usage_error_and_writes_nothing(capsys, tmp_path, case):
+    path, needle = _calib_error_cases(tmp_path)[case]
+    before = path.read_bytes()
+    out = tmp_path / "out"
+    code, stdout, err = _run(capsys, "compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-data", str(path),
+                             "--out", str(out))
+    _assert_usage_error(code, stdout, err)
+    assert err.startswith(f"error: --calib-data {path}")
+    assert needle in err
+    assert path.read_bytes() == before and not out.exists()
+
+
+def test_compile_float64_calib_data_is_cast_like_float32(capsys, tmp_path):
+    import numpy as np
+
+    data = np.random.default_rng(0).random((4, 3, 16, 16))  # numpy's default dtype: float64
+    runs = {}
+    for dtype in ("float64", "float32"):
+        npz = _npz(tmp_path / f"{dtype}.npz", data.astype(dtype))
+        code, out, err = _run(capsys, "compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-data", str(npz),
+                              "--out", str(tmp_path / dtype))
+        assert code == 0, err
+        assert "output SQNR vs float on the calibration inputs:" in out
+        runs[dtype] = (tmp_path / dtype / "hybrid.qc").read_bytes()
+    assert runs["float64"] == runs["float32"]  # float64 samples are rounded to float32, then calibrate alike
+
+
+@pytest.mark.parametrize("command", ["compile", "partition", "report"])
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_bad_out_is_found_before_any_work(capsys, tmp_path, monkeypatch, command, where):
+    import qcompiler.tools.cli as cli
+
+    def not_reached(*_):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(cli, "load_model", not_reached)
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("keep me")
+    out = user_file if where == "file" else user_file / "sub"
+    code, stdout, err = _run(capsys, command, "zoo:hybrid", "--out", str(out))
+    _assert_usage_error(code, stdout, err)
+    assert "argument --out: " in err and repr(str(user_file)) in err
+    assert ("is an existing file" if where == "file" else "is a file, not a directory") in err
+    assert user_file.read_text() == "keep me" and sorted(tmp_path.iterdir()) == [user_file]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_out_parent(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, stdout, err = _run(capsys, "partition", "zoo:hybrid", "--out", str(locked / "new"))
+    finally:
+        locked.chmod(0o700)
+    _assert_usage_error(code, stdout, err)
+    assert "is not writable" in err and not (locked / "new").exists()

@@ -192,3 +192,137 @@ def test_chunk_split_functions_and_a_cat_of_a_tuple_compile_and_match(kind):
         out, ref, f = cm(x), cm.converted(x), model(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert 20 * torch.log10(f.norm() / (f - out).norm()) > 30  # int8 quantization error only
+
+
+# ----------------------------------------------------------------------------- inputs checked at the boundary
+
+
+class _NormFirst(torch.nn.Module):
+    """A layer_norm (CPU) before the convs: the compiled model starts with an onnxruntime island."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.c = torch.nn.LayerNorm([8, 8]), torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.c(self.ln(x))
+
+
+class _ConvFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.c2 = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c(x)))
+
+
+X8 = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+FIRST = {  # name -> (model, hybrid_dict), and the placement of the first partition
+    "layer_norm_on_cpu": (_NormFirst, None, "cpu"),
+    "hybrid_dict_forces_cpu": (_ConvFirst, {"module_name": ["c"]}, "cpu"),
+    "conv_on_bpu": (_ConvFirst, None, "bpu"),
+}
+
+
+@pytest.fixture(scope="module")
+def first_part():
+    """name -> CompiledModel of FIRST[name], built once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            torch.manual_seed(0)
+            cls, hybrid_dict, where = FIRST[name]
+            cm = qcompiler.compile(cls().eval(), X8, march="bayes", hybrid_dict=hybrid_dict,
+                                   calib_data=[X8], progress=False)
+            assert cm.partitions[0]["placement"] == where
+            cache[name] = cm
+        return cache[name]
+
+    return get
+
+
+BAD_CALLS = {  # args -> the message, the same whichever backend runs first
+    "shape": ((torch.rand(1, 3, 9, 9),), r"input 0 \('x'\) has shape \(1, 3, 9, 9\); the example input has "
+                                         r"\(1, 3, 8, 8\), and only the batch size may differ"),
+    "rank": ((torch.rand(3, 8, 8),), r"input 0 \('x'\) has shape \(3, 8, 8\) \(3 dims\); the example input "
+                                     r"has \(1, 3, 8, 8\) \(4 dims\)"),
+    "int64": ((torch.ones(1, 3, 8, 8, dtype=torch.int64),), r"input 0 \('x'\) must be a float32 tensor .*got int64"),
+    "bool": ((torch.ones(1, 3, 8, 8, dtype=torch.bool),), r"input 0 \('x'\) must be a float32 tensor .*got bool"),
+    "two_inputs": ((X8, X8), r"the model takes 1 inputs \(x\), got 2"),
+    "no_input": ((), r"the model takes 1 inputs \(x\), got 0"),
+    "numpy": ((X8.numpy(),), r"input 0 \('x'\) must be a float32 tensor, got ndarray \(torch.from_numpy"),
+    "empty": ((torch.rand(0, 3, 8, 8),), r"input 0 \('x'\) is empty"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_CALLS))
+@pytest.mark.parametrize("name", sorted(FIRST))
+def test_bad_call_is_a_config_error_whichever_backend_runs_first(first_part, name, bad, tmp_path):
+    args, message = BAD_CALLS[bad]
+    cm = first_part(name)
+    with pytest.raises(ConfigError, match="^compiled model: " + message):
+        cm(*args)
+    loaded = qcompiler.load(cm.save(tmp_path / "m.qc"))  # the artifact keeps what calls are checked against
+    with pytest.raises(ConfigError, match="^compiled model: " + message):
+        loaded(*args)
+
+
+@pytest.mark.parametrize("name", sorted(FIRST))
+def test_float64_input_is_cast_to_float32_and_any_batch_size_runs(first_part, name):
+    cm = first_part(name)
+    x64 = torch.rand(1, 3, 8, 8, dtype=torch.float64)
+    out = cm(x64)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, cm(x64.float()))
+    batch = torch.rand(3, 3, 8, 8)
+    assert torch.equal(cm(batch)[1:2], cm(batch[1:2]))
+
+
+def test_lstm_state_batch_is_its_dim_1_and_other_sizes_are_checked():
+    cm, (tokens, (h0, c0)) = compiled("lstm_seq")  # example batch 1, calibrated with batch 2
+    tokens3, (h3, c3) = zoo.example_inputs("lstm_seq", batch=3)
+    logits, (h, c) = cm(tokens3, (h3, c3))  # the states' batch is dim 1: (layers, batch, hidden)
+    assert logits.shape[0] == 3 and h.shape == (1, 3, 64)
+    with pytest.raises(ConfigError, match=r"input 1 \('hidden'\)\[0\] has shape \(1, 1, 32\); the example input "
+                                          r"has \(1, 1, 64\)"):
+        cm(tokens, (torch.zeros(1, 1, 32), c0))
+    with pytest.raises(ConfigError, match=r"input 1 \('hidden'\)\[1\] has shape \(1, 2, 64\).*here 3, dim 0 of "
+                                          r"input 0 \('input_1'\)"):  # FX renames the `input` argument
+        cm(tokens3, (h3, torch.zeros(1, 2, 64)))  # one batch size per call
+    with pytest.raises(ConfigError, match=r"input 1 \('hidden'\) must be a tuple of 2 values .*got float32 tensor"):
+        cm(tokens, h0)
+
+
+@pytest.mark.parametrize("calib, message", [
+    ([torch.rand(2, 3, 8, 8), torch.rand(2, 3, 9, 9)],
+     r"calib_data batch 1: input 0 has shape \(2, 3, 9, 9\); the example input has \(1, 3, 8, 8\)"),
+    ([torch.rand(3, 8, 8)], r"calib_data batch 0: input 0 has shape \(3, 8, 8\) \(3 dims\)"),
+    ([X8, torch.ones(1, 3, 8, 8, dtype=torch.int64)], r"calib_data batch 1: input 0 must be a float32 tensor"),
+    ([(X8, X8)], r"calib_data batch 0: the model takes 1 inputs, got 2"),
+    ([X8.numpy()], r"calib_data batch 0: input 0 must be a float32 tensor, got ndarray"),
+    (torch.rand(4, 3, 8, 8), r"calib_data must be an iterable of batches .*got one tensor"),
+])
+def test_calib_data_is_checked_against_example_inputs_before_any_work(calib, message, monkeypatch):
+    import qcompiler.quantization as quantization
+    from conftest import assert_untouched, snapshot
+
+    def not_reached(*_, **__):
+        raise AssertionError("prepare ran before calib_data was checked")
+
+    monkeypatch.setattr(quantization, "prepare_calibration_fx", not_reached)
+    model = _ConvFirst().eval()
+    snap = snapshot(model)
+    with pytest.raises(ConfigError, match=message):
+        qcompiler.compile(model, X8, calib_data=calib, progress=False)
+    assert_untouched(model, snap)
+
+
+def test_float64_calib_data_calibrates_like_float32():
+    torch.manual_seed(0)
+    model = _NormFirst().eval()
+    data = [torch.rand(2, 3, 8, 8) for _ in range(2)]
+    a = qcompiler.compile(model, X8, calib_data=data, progress=False)
+    b = qcompiler.compile(model, X8, calib_data=[d.double() for d in data], progress=False)
+    assert torch.equal(a(X8), b(X8))

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 import qcompiler
+from qcompiler.batches import check_inputs, input_signature
 from qcompiler.errors import ConfigError, QCompilerError
 
 EXIT_OK = 0
@@ -67,6 +68,24 @@ def parse_shape(text: str) -> tuple[int, ...]:
             f"malformed input shape {text!r}: expected comma-separated positive integers, e.g. 1,3,224,224"
         )
     return tuple(int(p) for p in parts)
+
+
+def out_dir(text: str) -> Path:
+    """``--out``: a directory that exists or can be created, checked before any work, so a bad
+    path is not found only when the results are written. Nothing is created here."""
+    out = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path: give the output directory")
+    if out.exists() and not out.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is an existing file, not a directory; give a directory path")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text!r}: {str(parent)!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {text!r}: {str(parent)!r} is not writable")
+    return out
 
 
 # ----------------------------------------------------------------------------- model loading
@@ -260,26 +279,40 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "non_traceable_module_name); repeatable")
 
 
-def calibration_batches(args: argparse.Namespace, inputs: tuple) -> list[tuple]:
-    """Calibration batches from --calib-data (an .npz) or --calib-random N (seeded, like the inputs)."""
+def read_calib_data(path: Path, inputs: tuple) -> tuple:
+    """The arrays of an .npz as tensors, checked against the example inputs like every batch
+    (qcompiler.batches: float64 cast to float32, any number of samples on the batch axis)."""
     import numpy as np
 
+    try:
+        data = np.load(path)
+    except (OSError, ValueError, EOFError) as exc:
+        raise UsageError(f"--calib-data {path}: cannot read it as an .npz file ({exc or 'empty file'})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise UsageError(f"--calib-data {path}: holds a single .npy array, not an .npz archive; "
+                         "write it with np.savez(path, input0, input1, ...)")
+    with data:
+        arrays = []
+        for key in data.files:
+            try:
+                arrays.append(torch.from_numpy(data[key]))
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"--calib-data {path}: array {key!r} cannot be a tensor ({exc})") from None
+    try:
+        return check_inputs(arrays, input_signature(inputs), where=f"--calib-data {path}")
+    except ConfigError as exc:
+        exc.add_note("--calib-data holds one array per model input (np.savez order), samples along the first "
+                     "axis; the example inputs come from --input-shape/--input-dtype (or the zoo model's default)")
+        raise
+
+
+def calibration_batches(args: argparse.Namespace, inputs: tuple) -> list[tuple]:
+    """Calibration batches from --calib-data (an .npz) or --calib-random N (seeded, like the inputs)."""
     if args.calib_data:
-        path = Path(args.calib_data)
-        try:
-            with np.load(path) as data:
-                arrays = [torch.from_numpy(data[k]) for k in data.files]
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--calib-data {path}: cannot read it as an .npz file ({exc})") from None
-        if len(arrays) != len(inputs):
-            raise UsageError(f"--calib-data {path}: {len(arrays)} arrays for a model with {len(inputs)} inputs")
-        n = arrays[0].shape[0]
-        if n == 0 or any(a.shape[0] != n for a in arrays):
-            raise UsageError(f"--calib-data {path}: arrays must share a non-zero number of samples (first axis)")
         if args.calib_batch_size < 1:
             raise UsageError("--calib-batch-size must be at least 1")
-        step = args.calib_batch_size
-        return [tuple(a[i:i + step] for a in arrays) for i in range(0, n, step)]
+        arrays, step = read_calib_data(Path(args.calib_data), inputs), args.calib_batch_size
+        return [tuple(a[i:i + step] for a in arrays) for i in range(0, arrays[0].shape[0], step)]
     count = 8 if args.calib_random is None else args.calib_random
     if count < 1:
         raise UsageError("--calib-random must be at least 1")
@@ -315,7 +348,9 @@ def output_sqnr(model: nn.Module, compiled, batches: Sequence[tuple]) -> float:
                 f, q = f.double(), q.double()
                 sig += float((f * f).sum())
                 err += float(((f - q) ** 2).sum())
-    return float("inf") if err == 0 else 10 * math.log10(sig / err)
+    if err == 0:
+        return float("inf")
+    return 10 * math.log10(sig / err) if sig > 0 else float("-inf")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -400,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--dump-passes", action="store_true",
                    help="also write the annotated graph after every pass into OUT/passes")
-    p.add_argument("--out", metavar="DIR", required=True, help="directory for the dump files (created if needed)")
+    p.add_argument("--out", metavar="DIR", required=True, type=out_dir,
+                   help="directory for the dump files (created if needed)")
     p.set_defaults(func=cmd_partition)
 
     p = sub.add_parser(
@@ -423,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-rounding", action="store_true",
                    help="after calibrating, re-round the BPU weights to minimize each layer's output error "
                         "on the calibration data (GPTQ-style; one pass over the data per layer)")
-    p.add_argument("--out", metavar="DIR", required=True, help="output directory (created if needed)")
+    p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser(
@@ -438,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibrate (and search the bad case) on N seeded random batches (default 4)")
     p.add_argument("--metric", choices=["L1", "COSINE", "ATOL", "SQNR"], default="L1",
                    help="metric for the bad case search and the sensitivity ranking (default L1)")
-    p.add_argument("--out", metavar="DIR", required=True, help="output directory (created if needed)")
+    p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func=cmd_report)
     return parser
 
