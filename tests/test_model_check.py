@@ -178,3 +178,54 @@ class ActThenAdd(nn.Module):
 def test_parts_before_a_fused_part_are_not_reported_unfused():
     r = check_qat_model(_qat(ActThenAdd().eval()), X)
     assert r.unfused == []
+
+
+class ConstantAdds(nn.Module):
+    """Convs followed by adds of a constant (``+ 1.0``, ``2.0 + ``, after a fused conv+bn, ``x + x``)
+    and a mul: no residual add, nothing to report. One conv + feature-map add that cannot fuse (the
+    conv's output is also multiplied): reported."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e, self.f = (nn.Conv2d(3, 3, 1) for _ in range(6))
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        y = self.a(x) + 1.0
+        y = 2.0 + self.b(y)
+        y = F.relu(self.bn(self.c(y)) + 0.5)
+        z = self.d(y)
+        z = self.f(z + z) * 2.0
+        u = self.e(z)
+        return (u + y) * u
+
+
+def test_adds_of_constants_are_not_unfused_residual_adds():
+    r = check_qat_model(_qat(ConstantAdds().eval()), X, verbose=False)
+    assert [(u["nodes"], u["reason"]) for u in r.unfused] == [
+        (["e", "add_4"], "the output of 'e' is used 2 times (add_4, mul_1)")]
+    # the float model: conv+bn is not fused yet, but no add of a constant is part of a pattern
+    r = check_qat_model(ConstantAdds().eval(), X, verbose=False)
+    assert {u["nodes"][0]: u["nodes"] for u in r.unfused} == {"c": ["c", "bn"], "e": ["e", "add_4"]}
+
+
+class DefaultedArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x, mask=None, *, relu=True):
+        y = self.bn(self.conv(x))
+        if mask is not None:
+            y = y * mask
+        return F.relu(y) if relu else y
+
+
+def test_float_model_traced_with_the_defaults_example_inputs_leave_out():
+    r = check_qat_model(DefaultedArgs().eval(), X, verbose=False)
+    assert r.call_counts == {"conv": 1, "bn": 1}
+    assert [u["nodes"] for u in r.unfused] == [["conv", "bn", "relu"]]
+    # a mask given is an input: the graph multiplies by it before the ReLU
+    r = check_qat_model(DefaultedArgs().eval(), (X, torch.rand(1, 3, 8, 8)), verbose=False)
+    assert [u["nodes"] for u in r.unfused] == [["conv", "bn"]]

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+import train_mode_models as tm
+from conftest import assert_untouched, snapshot
 from qcompiler.tools import numeric_suite as ns
 from torch import nn
 
@@ -279,3 +281,50 @@ def test_errors(models):
     # failures leave no hooks behind
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in q.modules())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in fm.modules())
+
+
+
+# ---------------------------------------------------------------------------- models in train mode
+
+
+@pytest.fixture(scope="module")
+def bn_models():
+    return tm.build()
+
+
+def _values(result):
+    return {k: (v["float"][0], v["quantized"][0]) for k, v in result.items()}
+
+
+def test_models_in_train_mode_are_evaluated_and_left_untouched(bn_models):
+    """A float model in train mode and a QAT model training (observers on) run in eval mode without
+    observing: the same values as in eval mode, and neither model changes (BN statistics, scales, flags)."""
+    fm, qat, q = bn_models
+    x = (torch.rand(2, 3, 8, 8) * 3,)  # outside the calibrated range: observers would move
+    runs = ((ns.compare_model_outputs, x), (ns.compare_model_stub, ([nn.Conv2d, nn.Linear], *x)))
+    ref = {(name, fn): _values(fn(fm, model, *args)) for name, model in (("qat", qat), ("q", q)) for fn, args in runs}
+    f_train, qat_train = tm.training(fm, qat)
+    snaps = [snapshot(f_train), snapshot(qat_train)]
+    for name, model in (("qat", qat_train), ("q", q)):
+        for fn, args in runs:
+            got = _values(fn(f_train, model, *args))
+            assert got.keys() == ref[name, fn].keys() and {"conv", "fc"} <= got.keys()
+            for k, (f, qv) in got.items():
+                assert torch.equal(f, ref[name, fn][k][0]), (name, fn.__name__, k)
+                assert torch.equal(qv, ref[name, fn][k][1]), (name, fn.__name__, k)
+            assert_untouched(f_train, snaps[0])
+            assert_untouched(qat_train, snaps[1])
+    assert f_train.bn.training and qat_train.conv.training
+    assert int(qat_train.conv.activation_post_process.observer_enabled[0]) == 1  # switches restored
+
+
+def test_train_mode_restored_when_the_run_fails(bn_models):
+    fm, qat, q = bn_models
+    f_train, qat_train = tm.training(fm, qat)
+    snaps = [snapshot(f_train), snapshot(qat_train)]
+    with pytest.raises(ConfigError, match="float model BNNet failed on the given inputs"):
+        ns.compare_model_outputs(f_train, qat_train, torch.rand(2, 5, 8, 8))
+    with pytest.raises(ConfigError, match="quantized model .* failed on the given inputs"):
+        ns.compare_model_stub(f_train, qat_train, [nn.Conv2d], torch.rand(2, 5, 8, 8))
+    assert_untouched(f_train, snaps[0])
+    assert_untouched(qat_train, snaps[1])

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import qcompiler
 import qcompiler.zoo as zoo
+import train_mode_models as tm
 from conftest import assert_untouched, snapshot
 from qcompiler.errors import ConfigError
 from qcompiler.quantization import convert_fx, prepare_calibration_fx, prepare_qat_fx, set_state
@@ -320,3 +321,54 @@ def test_compiled_wrong_model_type_is_a_config_error_naming_the_fix(compiled_pai
         QuantAnalysis(p.model, p.cm, "quantized", out_dir=out)
     assert not out.exists()
     check_untouched(p)
+
+
+# ----------------------------------------------------------------------------- models in train mode
+
+
+def _analyse(baseline, analysed, kind, out_dir, data):
+    qa = QuantAnalysis(baseline, analysed, kind, out_dir=out_dir)
+    qa.auto_find_bad_case(data, metric="L1")
+    qa.run()
+    qa.compare_per_layer()
+    if kind == "fake_quant":
+        qa.sensitivity()
+    return qa
+
+
+def test_models_in_train_mode_are_evaluated_and_left_untouched(tmp_path):
+    """A float model in train mode and a QAT model training (observers on) give the analysis of the
+    eval-mode, validation-state models and are left as they were (BN statistics, scales, flags)."""
+    fm, qat, q = tm.build()
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.rand(2, 3, 8, 8, generator=g) * 3,) for _ in range(3)]  # beyond the calibrated range
+    f_train, qat_train = tm.training(fm, qat)
+    snaps = [snapshot(f_train), snapshot(qat_train)]
+    for kind, eval_model, train_model in (("fake_quant", qat, qat_train), ("quantized", q, q)):
+        ref = _analyse(fm, eval_model, kind, tmp_path / f"{kind}_ref", data)
+        qa = _analyse(f_train, train_model, kind, tmp_path / kind, data)
+        assert qa.case_metrics == ref.case_metrics and qa.bad_case_index == ref.bad_case_index
+        assert torch.equal(qa.base_output, ref.base_output) and torch.equal(qa.analy_output, ref.analy_output)
+        assert [r["mod_name"] for r in qa.compare_rows] == [r["mod_name"] for r in ref.compare_rows]
+        assert {"bn0", "conv", "fc"} <= {r["mod_name"] for r in qa.compare_rows}
+        for a, b in zip(qa.layers, ref.layers):
+            assert torch.equal(a["base"], b["base"]) and torch.equal(a["analy"], b["analy"]), a["mod_name"]
+        assert qa.sensitive_ops == ref.sensitive_ops
+        assert_untouched(f_train, snaps[0])
+        assert_untouched(qat_train, snaps[1])
+    assert f_train.bn.training and int(qat_train.conv.activation_post_process.observer_enabled[0]) == 1
+
+
+def test_train_mode_restored_when_a_run_fails(tmp_path):
+    fm, qat, q = tm.build()
+    f_train, qat_train = tm.training(fm, qat)
+    snaps = [snapshot(f_train), snapshot(qat_train)]
+    # the fake-quant model fails in run() (the float twin, a copy, ran first); the float model fails under
+    # the hooks that record it when there is no fake-quant model
+    for qa in (QuantAnalysis(f_train, qat_train, out_dir=tmp_path / "a"),
+               QuantAnalysis(f_train, q, "quantized", out_dir=tmp_path / "b")):
+        qa.set_bad_case(torch.rand(2, 5, 8, 8))
+        with pytest.raises(RuntimeError, match="running_mean should contain 5 elements"):
+            qa.run()
+        assert_untouched(f_train, snaps[0])
+        assert_untouched(qat_train, snaps[1])

@@ -173,7 +173,11 @@ def _holds_quantizer(m: nn.Module) -> bool:
 
 
 def _count_calls(model: nn.Module, example_inputs: Any) -> dict[str, int]:
-    """Calls per leaf module in one forward of a deep copy (hooks, no_grad)."""
+    """Calls per leaf module in one forward of a deep copy (hooks, no_grad).
+
+    A copy, because its observers must record (an uncalibrated QAT model has no scales) and
+    train-mode BNs update; in the model's own mode, the one a float model is traced in here.
+    """
     work = copy.deepcopy(model)
     leaves = leaf_modules(work)
     counts = {name: 0 for name in leaves}
@@ -253,7 +257,7 @@ def _find_unfused(gm: fx.GraphModule) -> list[dict]:
             if row.add and "add" not in fused:
                 if stage >= 2:
                     continue
-                nxt = _user_with_op(cur, ("add",), modules, where)
+                nxt = _user_with_op(cur, ("add",), modules, where, residual=True)
                 if nxt is None:
                     continue
                 chain.append(nxt)
@@ -274,12 +278,24 @@ def _find_unfused(gm: fx.GraphModule) -> list[dict]:
     return found
 
 
-def _user_with_op(node: fx.Node, ops, modules, where) -> Optional[fx.Node]:
+def _user_with_op(node: fx.Node, ops, modules, where, residual: bool = False) -> Optional[fx.Node]:
+    """A user of ``node`` computing one of ``ops`` on its side; ``residual``: only an add of two tensors."""
     for user in node.users:
+        if residual and not _adds_a_tensor(user, node):
+            continue
         if user.op.startswith("call_") and (user.meta.get(META_OP) or node_op(user, modules)) in ops:
             if where is None or placement(user) in (None, where):
                 return user
     return None
+
+
+def _adds_a_tensor(add: fx.Node, value: fx.Node) -> bool:
+    """True if ``add`` adds ``value`` once to another graph value (a residual add).
+
+    ``x + 1.0`` (a constant) or ``x + x`` is no residual add: the fuse pass rightly leaves it.
+    """
+    operands = list(add.args) + [add.kwargs[k] for k in ("input", "other") if k in add.kwargs]
+    return operands.count(value) == 1 and any(isinstance(a, fx.Node) and a is not value for a in operands)
 
 
 def _why_not_fused(chain: list[fx.Node], modules, refs) -> str:
@@ -452,7 +468,7 @@ def check_qat_model(
     else:
         from qcompiler.ir.tracer import trace
 
-        gm = trace(model)
+        gm = trace(model, example_inputs=example_inputs)  # defaulted forward args not given: constants
     result = ModelCheckResult()
     result.unfused = _find_unfused(gm)
 

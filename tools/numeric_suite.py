@@ -49,6 +49,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase, fake_quantize
 from qcompiler.quantization.fixed_point import symmetric_scale
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.tools._eval_mode import evaluating
 
 __all__ = [
     "Logger",
@@ -388,8 +389,9 @@ def get_matching_activations(float_model: nn.Module, q_model: Any) -> dict[str, 
 
 
 def _run(model: nn.Module, which: str, inputs: tuple) -> Any:
+    """One forward in eval mode without touching the model (BN statistics, observers, flags)."""
     try:
-        with torch.no_grad():
+        with evaluating(model):
             return model(*inputs)
     except ConfigError:
         raise
@@ -401,7 +403,10 @@ def _run(model: nn.Module, which: str, inputs: tuple) -> Any:
 def compare_model_outputs(float_model: nn.Module, q_model: Any, *inputs: Any,
                           logger_cls: type = OutputLogger) -> dict[str, dict[str, list]]:
     """Run both models once on ``inputs``; ``{layer: {"float": [v], "quantized": [v]}}`` for every
-    corresponding layer (see the module docstring for the matching rule). Loggers are removed after."""
+    corresponding layer (see the module docstring for the matching rule). Loggers are removed after.
+
+    Both models run in eval mode with observers off and no grad, and are left as they were
+    (training flags, BN statistics, observer state)."""
     what = "compare_model_outputs"
     f_root, q_root = _graph_of(float_model, what), _graph_of(q_model, what)
     prepare_model_outputs(f_root, q_root, logger_cls)
@@ -419,7 +424,8 @@ def compare_model_outputs(float_model: nn.Module, q_model: Any, *inputs: Any,
 
 
 def _detached_copy(module: nn.Module) -> nn.Module:
-    m = copy.deepcopy(module)
+    """A hook-free copy in eval mode: a shadow of a float layer in train mode must not use batch statistics."""
+    m = copy.deepcopy(module).eval()
     for sub in m.modules():
         sub._forward_hooks.clear()
         sub._forward_pre_hooks.clear()
@@ -472,7 +478,7 @@ def prepare_model_with_stubs(float_model: nn.Module, q_model: Any, module_swap_l
                              logger_cls: type = ShadowLogger) -> None:
     """Shadow each quantized layer whose float counterpart's type is in ``module_swap_list``.
 
-    On each call of such a layer, a copy of the float layer (for a fused layer: the
+    On each call of such a layer, an eval-mode copy of the float layer (for a fused layer: the
     float conv, BN, add and ReLU in order) runs on the same inputs (QTensors
     dequantized) and ``logger(quantized_out, float_out)`` records both.  The
     quantized model's outputs are unchanged.  Read with :func:`get_logger_dict`.
@@ -513,7 +519,8 @@ def get_logger_dict(q_model: Any) -> dict[str, dict]:
 
 def compare_model_stub(float_model: nn.Module, q_model: Any, module_swap_list: Any, *inputs: Any,
                        logger_cls: type = ShadowLogger) -> dict[str, dict]:
-    """Run the quantized model once with float shadows (see :func:`prepare_model_with_stubs`)."""
+    """Run the quantized model once with float shadows (see :func:`prepare_model_with_stubs`),
+    in eval mode with observers off; neither model is changed."""
     what = "compare_model_stub"
     f_root, q_root = _graph_of(float_model, what), _graph_of(q_model, what)
     prepare_model_with_stubs(f_root, q_root, module_swap_list, logger_cls)

@@ -19,6 +19,9 @@ the float model: a fused layer then compares with the output of the last module 
 was fused from, and layers no float module computes (stubs, functions) are left out.
 The model outputs always come from the baseline model itself (and, for "compiled",
 from the compiled runtime).
+
+Both models run in eval mode with observers off and no grad, and are left as they were
+(training flags, BatchNorm statistics, observer state): see ``tools/_eval_mode.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.tools._eval_mode import evaluating
 
 __all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
 
@@ -209,7 +213,7 @@ class _Recorder(fx.Interpreter):
 
 def _record_graph(gm: fx.GraphModule, args: tuple) -> tuple[dict, dict, Any]:
     rec = _Recorder(gm)
-    with torch.no_grad():
+    with evaluating(gm):
         out = rec.run(*args)
     return rec.values, rec.raw, out
 
@@ -396,7 +400,7 @@ class QuantAnalysis:
 
     def _outputs(self, which: str, args: tuple) -> Any:
         model = self.baseline_model if which == "base" else self.analysis_model
-        with torch.no_grad():
+        with evaluating(model):
             out = model(*args)
         out = _to_float(out)
         return self.post_process(out) if self.post_process is not None else out
@@ -529,7 +533,7 @@ class QuantAnalysis:
             if path:
                 hooks.append(mod.register_forward_hook(hook_for(path, mod)))
         try:
-            with torch.no_grad():
+            with evaluating(self.baseline_model):
                 self.baseline_model(*args)
         finally:
             for h in hooks:
@@ -732,7 +736,7 @@ class QuantAnalysis:
         return self.fake_quant_model
 
     def _run_fq(self, model: nn.Module, args: tuple) -> Any:
-        with torch.no_grad():
+        with evaluating(model):
             out = _to_float(model(*args))
         return self.post_process(out) if self.post_process is not None else out
 

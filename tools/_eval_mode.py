@@ -1,0 +1,45 @@
+"""Run a user's model for inspection without changing it (shared by the debugging tools).
+
+A model in train mode would update its BatchNorm running statistics (and compute
+with batch statistics), and enabled observers would move its quantization
+scales: a tool that only looks at a model must leave it as it found it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+from qcompiler.ir.shape_prop import eval_mode
+from qcompiler.quantization.fake_quantize import FakeQuantizeBase
+
+__all__ = ["evaluating"]
+
+
+@contextlib.contextmanager
+def _observers_off(model: nn.Module) -> Iterator[None]:
+    """Stop every fake quant's observer; restore each switch on exit."""
+    saved = [(m, m.observer_enabled.clone()) for m in model.modules() if isinstance(m, FakeQuantizeBase)]
+    for m, _ in saved:
+        m.disable_observer()
+    try:
+        yield
+    finally:
+        for m, state in saved:
+            m.observer_enabled.copy_(state)
+
+
+@contextlib.contextmanager
+def evaluating(*models: Any) -> Iterator[None]:
+    """Eval mode, observers off and no_grad for ``models`` (non-modules only get no_grad);
+    every training flag and observer switch is restored on exit, also on error."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if isinstance(model, nn.Module):
+                stack.enter_context(eval_mode(model))
+                stack.enter_context(_observers_off(model))
+        stack.enter_context(torch.no_grad())
+        yield
