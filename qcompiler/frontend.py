@@ -72,6 +72,7 @@ def build_graph(
         work,
         leaf_module_names=custom.get("non_traceable_module_name", ()),
         leaf_module_types=custom.get("non_traceable_module_class", ()),
+        example_inputs=ctx.example_inputs,  # defaulted forward args they leave out: constants
     )
     for attr in preserved:
         setattr(gm, attr, getattr(work, attr))

@@ -226,3 +226,60 @@ def test_prepared_and_converted_zoo_models_save_and_load():
         loaded = torch.load(buf, weights_only=False)
         with torch.no_grad():
             assert torch.equal(loaded(*x), gm(*x))
+
+
+class Defaults(nn.Module):
+    """forward parameters with defaults: a scale, an optional mask, a keyword-only flag (control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x, mask=None, scale=2.0, *, relu=True):
+        y = self.conv(x) * scale
+        if mask is not None:
+            y = y * mask
+        return F.relu(y) if relu else y
+
+
+def _placeholders(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_defaulted_forward_args_not_in_example_inputs_are_constants():
+    m = Defaults()
+    x, mask = torch.rand(1, 3, 4, 4), torch.rand(1, 4, 4, 4)
+    gm = trace(m, example_inputs=(x,))
+    assert _placeholders(gm) == ["x"]
+    assert "mask" not in gm.code and "* 2.0" in gm.code and "relu" in gm.code
+    assert torch.equal(gm(x), m(x))
+    propagate_shapes(gm, x)
+    with pytest.raises(TypeError):
+        gm(x, mask)  # the graph is specialized: a mask is not silently ignored
+    # a defaulted argument given in example_inputs stays an input; the ones after it still do not
+    gm = trace(m, example_inputs=(x, mask))
+    assert _placeholders(gm) == ["x", "mask"]
+    assert torch.equal(gm(x, mask), m(x, mask))
+    gm = trace(m, example_inputs=(x, mask, 3.0))
+    assert _placeholders(gm) == ["x", "mask", "scale"]
+    assert torch.equal(gm(x, mask, 3.0), m(x, mask, 3.0))
+
+
+def test_without_example_inputs_defaulted_args_are_traced_as_inputs():
+    # torch.fx's behaviour: the keyword-only flag is a Proxy in an `if`
+    with pytest.raises(TraceError, match="relu"):
+        trace(Defaults())
+
+
+def test_prepare_and_compile_with_defaulted_args_omitted():
+    import qcompiler
+
+    torch.manual_seed(0)
+    m = Defaults().eval()
+    x = torch.rand(1, 3, 4, 4)
+    cal = qq.prepare_calibration_fx(m, example_inputs=(x,))
+    assert _placeholders(cal) == ["x"]
+    with torch.no_grad():
+        assert torch.equal(cal(x), m(x))
+    cm = qcompiler.compile(m, (x,), progress=False)
+    torch.testing.assert_close(cm(x), m(x), rtol=0, atol=0.05)

@@ -1,6 +1,6 @@
 """Tracing a float model into an FX graph with module scopes.
 
-Our tracer differs from ``torch.fx.Tracer`` in four ways:
+Our tracer differs from ``torch.fx.Tracer`` in five ways:
 
 * every node records the modules it was created inside (``META_SCOPE``), so a
   functional op inside ``conv1`` inherits ``conv1``'s qconfig and placement;
@@ -9,12 +9,18 @@ Our tracer differs from ``torch.fx.Tracer`` in four ways:
 * ``FloatFunctional`` calls (``self.ff.add(a, b)``) become plain ``torch.add``
   nodes scoped to the FloatFunctional module, without its identity observer;
 * a failure names the module and source line and says how to mark it a leaf,
-  instead of surfacing torch's traceback.
+  instead of surfacing torch's traceback;
+* given ``example_inputs``, a ``forward`` parameter with a default that they do
+  not supply is traced as that constant and is no input of the graph
+  (``mask=None`` takes the ``None`` branch, ``scale=2.0`` multiplies by 2.0).
+  torch.fx makes it an input and traces a Proxy in its place, so the graph
+  failed when called with ``x`` alone.  A supplied parameter stays an input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sysconfig
 import traceback
@@ -30,6 +36,7 @@ from torch.ao.nn.quantized import FloatFunctional
 from qcompiler.errors import TraceError
 from qcompiler.ir.meta import META_SCOPE, ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
+from qcompiler.ir.shape_prop import normalize_inputs
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _QCOMPILER_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -66,6 +73,8 @@ class QTracer(fx.Tracer):
         self.leaf_module_names = frozenset(leaf_module_names)
         self.leaf_module_types = tuple(leaf_module_types)
         self._root_type: type = nn.Module
+        # forward parameters traced as these constants instead of graph inputs
+        self.constant_args: dict[str, Any] = {}
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_stub(m) or getattr(type(m), "qc_leaf", False):
@@ -76,7 +85,20 @@ class QTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """fx's root arguments, with each of ``constant_args`` passed as its value and its
+        placeholder removed (fx's own ``concrete_args`` would keep it, plus guard nodes)."""
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        for i, arg in enumerate(args):
+            node = arg.node if isinstance(arg, fx.Proxy) else None
+            if node is not None and node.op == "placeholder" and node.target in self.constant_args:
+                args[i] = self.constant_args[node.target]
+                self.graph.erase_node(node)
+        return fn, args
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        if kind == "placeholder" and target in self.constant_args:
+            name = f"_qc_constant_{target}"  # erased at once: leave its name to the ops (F.relu -> relu)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta[META_SCOPE] = (ScopeEntry("", self._root_type),) + tuple(
             ScopeEntry(path, typ) for path, typ in self.module_stack.values()
@@ -135,22 +157,41 @@ def trace(
     leaf_module_names: Sequence[str] = (),
     leaf_module_types: Sequence[Any] = (),
     concrete_args: Optional[dict[str, Any]] = None,
+    example_inputs: Any = None,
 ) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule named after the model's class.
 
-    The GraphModule shares submodules with ``model``: copy the model first if
-    the graph will be rewritten.  Raises TraceError naming the module and
-    source line where tracing failed.
+    With ``example_inputs`` (the positional inputs the model will be called with),
+    defaulted ``forward`` parameters they do not supply become constants, not inputs
+    (see the module docstring). The GraphModule shares submodules with ``model``:
+    copy the model first if the graph will be rewritten.  Raises TraceError naming
+    the module and source line where tracing failed.
     """
     check_module_names(model, leaf_module_names, "non_traceable_module_name")
     types = tuple(resolve_type(t, "non_traceable_module_class") for t in leaf_module_types)
     tracer = QTracer(leaf_module_names, types)
+    if example_inputs is not None:
+        defaults = unsupplied_defaults(model, len(normalize_inputs(example_inputs)))
+        tracer.constant_args = {k: v for k, v in defaults.items() if k not in (concrete_args or {})}
     try:
         graph = tracer.trace(model, concrete_args)
     except Exception as exc:  # torch raises many types here; we report them all the same way
         raise _trace_error(model, tracer, exc) from None
     _resolve_string_annotations(graph, model)
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+
+
+def unsupplied_defaults(model: nn.Module, n_inputs: int) -> dict[str, Any]:
+    """``{name: default}`` of the ``forward`` parameters with a default that ``n_inputs``
+    positional inputs leave out (keyword-only ones always)."""
+    out = {}
+    params = inspect.signature(model.forward).parameters.values()
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
+            continue
+        if p.kind == p.KEYWORD_ONLY or i >= n_inputs:
+            out[p.name] = p.default
+    return out
 
 
 def _resolve_string_annotations(graph: fx.Graph, model: nn.Module) -> None:
