@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import ConfigError, QCompilerError
-from qcompiler.ir.meta import META_TENSOR, TensorInfo
+from qcompiler.ir.meta import TensorInfo
 from qcompiler.ir.partitions import GM_PARTITIONS, partitions
 from qcompiler.ir.shape_prop import dtype_name
 
@@ -53,15 +53,18 @@ def export_to_onnx(
 
     ``model``: from ``prepare_calibration_fx`` (after calibration), ``prepare_qat_fx``,
     ``convert_fx``, or a float ``qcompiler.partition`` result. ``args``: the model's
-    inputs (a tensor or a tuple, nested tuples allowed); they fix the graph inputs'
-    shapes and dtypes. ``f``: a path (the sidecar goes to ``<f>.quant.json``) or a
-    binary file object (only the returned sidecar). ``dynamic_axes``: as in
-    ``torch.onnx.export``, ``{"input": {0: "batch"}}`` or ``{"input": [0]}``, for
-    graph inputs and outputs. ``enable_onnx_checker``: run
-    ``onnx.checker.check_model(full_check=True)`` before writing.
+    inputs (a tensor or a tuple, nested tuples allowed), of the shapes and dtypes the
+    model was traced with (checked; sizes may differ only on ``dynamic_axes``). ``f``: a
+    path (the sidecar goes to ``<f>.quant.json``) or a binary file object (only the
+    returned sidecar). ``dynamic_axes``: as in ``torch.onnx.export``,
+    ``{"input": {0: "batch"}}`` or ``{"input": [0]}``, for graph inputs and outputs; output
+    dims that follow a dynamic input axis become symbolic too (ONNX shape inference says
+    which), named like the input's axis when the label propagates. ``enable_onnx_checker``:
+    run ``onnx.checker.check_model(full_check=True)`` before writing.
 
-    Returns the sidecar dict. Raises ConfigError for ``opset_version != 11`` or a
-    model that is not prepared; nothing is written unless the export succeeds.
+    Returns the sidecar dict. Raises ConfigError for ``opset_version != 11``, a model
+    that is not prepared, args that do not match the traced inputs, or unknown names or
+    axes in ``dynamic_axes``; nothing is written unless the export succeeds.
     """
     from qcompiler.backends.onnx.emitter import OnnxEmitter
 
@@ -71,15 +74,12 @@ def export_to_onnx(
             f"opset 11, and the export's quantization mapping is written for it); pass opset_version=11"
         )
     gm = _check_model(model)
-    flat_args = _flatten_args(args)
-    infos = [TensorInfo(tuple(t.shape), dtype_name(t.dtype)) for t in flat_args]
-    recorded = [_leaves(n.meta.get(META_TENSOR)) for n in gm.graph.nodes if n.op == "placeholder"]
-    recorded = [i for leaves in recorded for i in leaves]
     dyn = _dynamic_axes(dynamic_axes)
+    infos = _check_inputs(gm, _flatten_args(args), input_names, dyn)
 
     emitter = OnnxEmitter(gm, quantize=True)
     result = emitter.emit_graph(input_names=input_names, output_names=output_names, input_infos=infos,
-                                dynamic_axes=dyn, output_shapes=(recorded == infos))
+                                dynamic_axes=dyn)
     proto = result.model
     if enable_onnx_checker:
         try:
@@ -149,10 +149,41 @@ def _flatten_args(args: Any) -> list[torch.Tensor]:
                       f"got {type(args).__name__}")
 
 
-def _leaves(info: Any) -> list[Any]:
-    if isinstance(info, (tuple, list)):
-        return [leaf for i in info for leaf in _leaves(i)]
-    return [info]
+def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Optional[Sequence[str]],
+                  dynamic: dict[str, dict[int, str]]) -> list[Any]:
+    """The graph inputs' TensorInfos, after checking ``args`` against the shapes the model was traced
+    with (shape propagation, ``node.meta["qc_tensor"]``): count, dtype, rank, and every size except on
+    axes declared in ``dynamic_axes``. The graph's constants (reshape sizes, calibrated scales) are
+    those of the traced shapes, so other inputs would give a failing or silently wrong file."""
+    from qcompiler.backends.onnx.emitter import _check_names, check_dynamic_axes, graph_input_leaves
+
+    defaults, recorded = graph_input_leaves(gm)
+    names = _check_names(input_names, defaults, "input_names")
+    if len(args) != len(recorded):
+        raise ConfigError(f"export_to_onnx: the model takes {len(recorded)} input tensor(s) ({', '.join(names)}), "
+                          f"got {len(args)} in args: pass one tensor per input, as for the model's forward")
+    infos = []
+    for name, info, t in zip(names, recorded, args):
+        given = TensorInfo(tuple(t.shape), dtype_name(t.dtype))
+        if not isinstance(info, TensorInfo):  # not recorded: nothing to check against
+            infos.append(given)
+            continue
+        if given.dtype != info.dtype:
+            raise ConfigError(f"export_to_onnx: input '{name}' has dtype {given.dtype}, the model was traced "
+                              f"with {info.dtype}; pass a {info.dtype} tensor")
+        axes = dynamic.get(name, {})
+        check_dynamic_axes(name, axes, info)
+        traced = f"the model was traced with shape {info.shape}; pass an input of the traced shape"
+        if len(given.shape) != len(info.shape):
+            raise ConfigError(f"export_to_onnx: input '{name}' has shape {given.shape}, {traced}")
+        free = {a % len(info.shape) for a in axes}
+        differ = [a for a, (e, g) in enumerate(zip(info.shape, given.shape)) if e != g and a not in free]
+        if differ:
+            raise ConfigError(f"export_to_onnx: input '{name}' has shape {given.shape}, {traced}, or declare "
+                              f"axis {differ[0]} in dynamic_axes[{name!r}] if the model computes the same for "
+                              f"any size there")
+        infos.append(info)
+    return infos
 
 
 def _dynamic_axes(dynamic_axes: Optional[dict]) -> dict[str, dict[int, str]]:
@@ -163,14 +194,12 @@ def _dynamic_axes(dynamic_axes: Optional[dict]) -> dict[str, dict[int, str]]:
                           f"{type(dynamic_axes).__name__}")
     out: dict[str, dict[int, str]] = {}
     for name, axes in dynamic_axes.items():
-        if isinstance(axes, dict):
-            spec = {int(a): str(label) for a, label in axes.items()}
-        elif isinstance(axes, (list, tuple)):
-            spec = {int(a): f"{name}_dynamic_axes_{int(a) + 1}" for a in axes}
-        else:
-            raise ConfigError(f"dynamic_axes[{name!r}] must be a dict {{axis: name}} or a list of axes, got "
-                              f"{axes!r}")
-        out[str(name)] = spec
+        if isinstance(axes, (list, tuple)):
+            axes = {a: f"{name}_dynamic_axes_{a + 1}" if isinstance(a, int) else a for a in axes}
+        if not isinstance(axes, dict) or not all(isinstance(a, int) and not isinstance(a, bool) for a in axes):
+            raise ConfigError(f"dynamic_axes[{name!r}] must be a dict {{axis: name}} or a list of axes (ints), "
+                              f"got {axes!r}")
+        out[str(name)] = {a: str(label) for a, label in axes.items()}
     return out
 
 

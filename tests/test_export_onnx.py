@@ -481,3 +481,223 @@ def test_inference_session_keeps_onnxruntime_from_fusing_qdq_into_integer_kernel
     out = inference_session(onnx_model).run(None, {"x": x[0].numpy()})[0]
     with torch.no_grad():
         assert np.array_equal(out, cm(*x).numpy())
+
+
+# ---------------------------------------------------------------------------
+# grouped transposed convs: weight (in, out/groups, kh, kw)
+
+
+class _GroupedUp(torch.nn.Module):
+    """A BPU conv feeding a grouped transposed conv (optionally fused with a ReLU)."""
+
+    def __init__(self, cin: int, cout: int, groups: int, relu: bool) -> None:
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, cin, 3, padding=1)
+        self.t = torch.nn.ConvTranspose2d(cin, cout, 2, stride=2, groups=groups)
+        self.relu = relu
+
+    def forward(self, x):
+        y = self.t(self.c(x))
+        return torch.relu(y) if self.relu else y
+
+
+def _sidecar_scale_grid(shape, entry):
+    """The weight's scales laid out as the sidecar documents it, written out independently: output
+    channel o = g * (out/groups) + j is column j of the in/groups rows of group g."""
+    scales, groups = entry["scales"], entry.get("groups", 1)
+    grid = np.empty(shape[:2])
+    if len(scales) == 1:
+        grid[:] = scales[0]
+        return grid[:, :, None, None]
+    rows_per_group = shape[0] // groups
+    for i in range(shape[0]):
+        for j in range(shape[1]):
+            grid[i, j] = scales[(i // rows_per_group) * shape[1] + j]
+    return grid[:, :, None, None]
+
+
+@pytest.mark.parametrize("cin,cout,groups,relu", [(4, 8, 2, False), (6, 4, 2, True), (4, 8, 4, False),
+                                                  (6, 6, 6, False)],
+                         ids=["groups2", "groups2_relu", "groups4", "depthwise"])
+def test_grouped_conv_transpose_exports_at_every_stage(cin, cout, groups, relu):
+    """Converted (crashed before), calibration and QAT models with a grouped transposed conv export,
+    run in onnxruntime and match; the sidecar's per-output-channel scales describe the weight."""
+    from qcompiler.backends.onnx import emit_graph
+    from qcompiler.nn.quantized import QuantizedWeightLayer
+
+    torch.manual_seed(0)
+    model = _GroupedUp(cin, cout, groups, relu).eval()
+    x = (torch.randn(2, 3, 8, 8),)
+    cal = prepare_calibration_fx(model, {"": get_default_calib_qconfig()}, example_inputs=x, march="bayes")
+    with torch.no_grad():
+        for _ in range(3):
+            cal(torch.randn(2, 3, 8, 8))
+    cal.eval()
+    q = convert_fx(cal)
+    assert isinstance(q.get_submodule("t"), QuantizedWeightLayer)  # the BPU layer, not a CPU float one
+    qat = prepare_qat_fx(cal)
+    set_state(qat, "validation")
+    qat.eval()
+    weights = {}
+    for stage, exported, reference in (("converted", q, q), ("calibration", cal, q), ("qat", qat, qat)):
+        buf = io.BytesIO()
+        sidecar = export_to_onnx(exported, x, buf)
+        onnx_model = onnx.load_from_string(buf.getvalue())
+        teacher_forced_check(reference, onnx_model, sidecar, x)
+        end_to_end_check(reference, onnx_model, sidecar, x)
+        w_name = "t.op.weight" if relu and stage != "converted" else "t.weight"
+        entry = sidecar["weights"][w_name]
+        per_channel = q.t.w_scale.numel() > 1
+        assert entry["axis"] == 1 and len(entry["scales"]) == (cout if per_channel else 1)
+        assert entry.get("groups") == (groups if per_channel else None)
+        assert len(sidecar["weights"][w_name.replace("weight", "bias")]["scales"]) == (cout if per_channel else 1)
+        init = next(i for i in onnx_model.graph.initializer if i.name == w_name)
+        w = onnx.numpy_helper.to_array(init).astype(np.float64)
+        codes = w / _sidecar_scale_grid(w.shape, entry)
+        np.testing.assert_array_equal(np.round(codes), q.t.q_weight.numpy())  # initializer = q_w * s_w
+        np.testing.assert_allclose(codes, np.round(codes), atol=1e-3)
+        weights[stage] = (entry, w)
+    assert weights["converted"][0] == weights["calibration"][0] == weights["qat"][0]
+    # the float view of the converted model (no Q/DQ) holds the same dequantized weight
+    float_view = emit_graph(q)
+    init = next(i for i in float_view.graph.initializer if i.name == "t.weight")
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(init), weights["converted"][1].astype(np.float32))
+    out = inference_session(float_view).run(None, {"x": x[0].numpy()})[0]
+    assert out.shape == (2, cout, 16, 16)
+
+
+def test_grouped_conv_transpose_float_partition_exports():
+    import qcompiler
+
+    torch.manual_seed(0)
+    model = _GroupedUp(4, 8, 2, True).eval()
+    x = (torch.randn(2, 3, 8, 8),)
+    gm = qcompiler.partition(model, x, march="bayes")
+    buf = io.BytesIO()
+    assert export_to_onnx(gm, x, buf)["weights"] == {}
+    out = inference_session(buf.getvalue()).run(None, {"x": x[0].numpy()})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(*x).numpy(), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# args are checked against the traced inputs
+
+
+def _bad_args_cases(x):
+    return [
+        ((torch.randn(2, 3, 32, 32),), {}, r"input 'x' has shape \(2, 3, 32, 32\), the model was traced with "
+                                           r"shape \(1, 3, 32, 32\).*dynamic_axes\['x'\]"),
+        ((torch.randn(1, 3, 16, 16),), {}, r"input 'x' has shape \(1, 3, 16, 16\).*traced with shape \(1, 3, 32, 32\)"),
+        ((torch.randn(3, 32, 32),), {}, r"input 'x' has shape \(3, 32, 32\).*traced with shape \(1, 3, 32, 32\)"),
+        ((x[0].double(),), {}, r"input 'x' has dtype f64, the model was traced with f32"),
+        ((x[0], x[0]), {}, r"takes 1 input tensor\(s\) \(x\), got 2"),
+        ((torch.randn(2, 3, 32, 32),), {"input_names": ["image"]}, r"input 'image' has shape \(2, 3, 32, 32\)"),
+        # a dynamic batch does not excuse another size elsewhere
+        ((torch.randn(2, 3, 16, 32),), {"dynamic_axes": {"x": {0: "batch"}}}, r"input 'x'.*dynamic_axes\['x'\]"),
+        (x, {"dynamic_axes": {"x": {4: "batch"}}}, r"dynamic_axes\['x'\]: axis 4 does not exist in 'x'.*rank 4"),
+        (x, {"dynamic_axes": {"output": {2: "n"}}}, r"dynamic_axes\['output'\]: axis 2 does not exist"),
+        (x, {"dynamic_axes": {"x": {"0": "batch"}}}, r"dynamic_axes\['x'\] must be"),
+    ]
+
+
+def test_args_that_do_not_match_the_traced_inputs_are_refused_and_write_nothing(tmp_path):
+    torch.manual_seed(0)
+    model = _DynBatch().eval()
+    x = (torch.randn(1, 3, 32, 32),)
+    cal = prepare_calibration_fx(model, example_inputs=x, march="bayes")
+    cal(x[0])
+    q = convert_fx(cal)
+    path = tmp_path / "m.onnx"
+    for args, kw, message in _bad_args_cases(x):
+        for exported in (cal, q):
+            with pytest.raises(ConfigError, match=message):
+                export_to_onnx(exported, args, str(path), **kw)
+    assert os.listdir(tmp_path) == []
+
+
+def test_tuple_inputs_are_checked_by_their_leaf_names():
+    qat, x = prepared("lstm_seq", "bayes")
+    tokens, (h0, c0) = x
+    with pytest.raises(ConfigError, match=r"input 'hidden.1' has shape \(1, 2, 64\).*\(1, 1, 64\)"):
+        export_to_onnx(qat, (tokens, (h0, torch.zeros(1, 2, 64))), io.BytesIO())
+    with pytest.raises(ConfigError, match=r"input 'c0' has shape \(1, 2, 64\)"):
+        export_to_onnx(qat, (tokens, (h0, torch.zeros(1, 2, 64))), io.BytesIO(), input_names=["t", "h0", "c0"])
+    with pytest.raises(ConfigError, match=r"input 'tokens' has dtype f32, the model was traced with i64"):
+        export_to_onnx(qat, (tokens.float(), (h0, c0)), io.BytesIO(), input_names=["tokens", "h0", "c0"])
+
+
+# ---------------------------------------------------------------------------
+# dynamic axes
+
+
+class _DynBatch(torch.nn.Module):
+    """conv -> flatten -> linear: valid for any batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 4, 3, stride=4, padding=1)
+        self.fc = torch.nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.c(x)), 1))
+
+
+def _dims(value_info):
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def test_dynamic_input_axis_makes_the_outputs_batch_symbolic_and_runs_at_other_sizes(tmp_path):
+    torch.manual_seed(0)
+    x = (torch.randn(1, 3, 32, 32),)
+    cal = prepare_calibration_fx(_DynBatch().eval(), example_inputs=x, march="bayes")
+    with torch.no_grad():
+        for _ in range(3):
+            cal(torch.randn(4, 3, 32, 32))
+    q = convert_fx(cal)
+    path = tmp_path / "m.onnx"
+    sidecar = export_to_onnx(q, x, str(path), dynamic_axes={"x": {0: "batch"}})
+    model = onnx.load(str(path))
+    assert _dims(model.graph.input[0]) == ["batch", 3, 32, 32]
+    assert _dims(model.graph.output[0]) == ["batch", 5]  # was [1, 5]: onnxruntime warned, consumers believed it
+    for batch in (1, 3, 5):
+        xb = (torch.randn(batch, 3, 32, 32),)
+        end_to_end_check(q, model, sidecar, xb, min_fraction=1.0)
+    # args of another batch are fine on a dynamic axis: the same file
+    export_to_onnx(q, (torch.randn(3, 3, 32, 32),), str(tmp_path / "b.onnx"), dynamic_axes={"x": {0: "batch"}})
+    assert (tmp_path / "b.onnx").read_bytes() == path.read_bytes()
+    # a label the caller gives an output wins; the list form names axes like torch.onnx.export
+    buf = io.BytesIO()
+    export_to_onnx(q, x, buf, dynamic_axes={"x": [0], "output": {0: "N"}})
+    model = onnx.load_from_string(buf.getvalue())
+    assert _dims(model.graph.input[0]) == ["x_dynamic_axes_1", 3, 32, 32]
+    assert _dims(model.graph.output[0]) == ["N", 5]
+    # without dynamic axes every dim stays fixed
+    buf = io.BytesIO()
+    export_to_onnx(q, x, buf)
+    assert _dims(onnx.load_from_string(buf.getvalue()).graph.output[0]) == [1, 5]
+
+
+def test_dynamic_batch_of_a_model_with_tuple_inputs_and_outputs():
+    """lstm_seq: the batch is dim 0 of the tokens and dim 1 of the LSTM state, in and out."""
+    qat, x = prepared("lstm_seq", "bayes")
+    names = ["tokens", "h0", "c0"]
+    buf = io.BytesIO()
+    sidecar = export_to_onnx(qat, x, buf, input_names=names, output_names=["logits", "h_n", "c_n"],
+                             dynamic_axes={"tokens": {0: "batch"}, "h0": {1: "batch"}, "c0": {1: "batch"}})
+    model = onnx.load_from_string(buf.getvalue())
+    assert [_dims(o) for o in model.graph.output] == [["batch", 12, 10], [1, "batch", 64], [1, "batch", 64]]
+    tokens = torch.randint(0, 10, (3, 12))
+    xb = (tokens, (torch.randn(1, 3, 64), torch.randn(1, 3, 64)))
+    end_to_end_check(qat, model, sidecar, xb)
+
+
+def test_unknown_dynamic_axes_names_list_the_allowed_ones(tmp_path):
+    qat, x = prepared("hybrid", "bayes")
+    path = tmp_path / "m.onnx"
+    with pytest.raises(ConfigError, match=r"dynamic_axes names 'nope'.*input \(input\).*output \(output\)"):
+        export_to_onnx(qat, x, str(path), dynamic_axes={"nope": {0: "batch"}})
+    with pytest.raises(ConfigError, match=r"'output'.*input \(image\).*output \(logits\)"):
+        export_to_onnx(qat, x, str(path), input_names=["image"], output_names=["logits"],
+                       dynamic_axes={"image": {0: "batch"}, "output": {0: "batch"}})
+    assert os.listdir(tmp_path) == []

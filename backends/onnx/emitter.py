@@ -514,9 +514,6 @@ class OnnxEmitter:
             if isinstance(info, TensorInfo):
                 elem = DTYPE_TO_ONNX.get(info.dtype, elem)
             shape = list(info.shape) if isinstance(info, TensorInfo) else None
-            if isinstance(info, _RankOnly):
-                elem = DTYPE_TO_ONNX.get(info.info.dtype, elem)
-                shape = [None] * len(info.info.shape)
             outs.append(_value_info(final, elem, shape, dynamic.get(name, {})))
         return outs
 
@@ -533,19 +530,10 @@ class OnnxEmitter:
                    output_names: Optional[Sequence[str]] = None,
                    node_filter: Optional[Callable[[fx.Node], bool]] = None,
                    input_infos: Optional[list[Any]] = None,
-                   dynamic_axes: Optional[dict[str, dict[int, str]]] = None,
-                   output_shapes: bool = True) -> EmitResult:
+                   dynamic_axes: Optional[dict[str, dict[int, str]]] = None) -> EmitResult:
         dynamic = dict(dynamic_axes or {})
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        flat_infos: list[Any] = []
-        defaults: list[str] = []
-        structures = []
-        for ph in placeholders:
-            info = ph.meta.get(META_TENSOR)
-            leaves = _flatten_info(info)
-            structures.append((ph, info, len(leaves)))
-            flat_infos.extend(leaves)
-            defaults.extend(leaf_names(str(ph.target).lstrip("*"), info))
+        defaults, flat_infos = graph_input_leaves(self.gm)
         if input_infos is not None:
             if len(input_infos) != len(flat_infos):
                 raise ConfigError(f"the model takes {len(flat_infos)} input tensor(s) "
@@ -555,11 +543,13 @@ class OnnxEmitter:
         self._graph_input_names = set()
         graph_inputs = []
         k = 0
-        for ph, info, count in structures:
+        for ph in placeholders:
+            info = ph.meta.get(META_TENSOR)
             tensors = []
-            for _ in range(count):
+            for _ in range(len(_flatten_info(info))):
                 t = self.builder.claim(names[k])
                 self._graph_input_names.add(t)
+                check_dynamic_axes(names[k], dynamic.get(names[k], {}), flat_infos[k])
                 graph_inputs.append(self._declare_input(t, flat_infos[k], dynamic.get(names[k], {})))
                 tensors.append(t)
                 k += 1
@@ -571,16 +561,19 @@ class OnnxEmitter:
         out_infos = _flatten_info(out_node.meta.get(META_TENSOR))
         if len(out_infos) != len(out_vals):
             out_infos = [None] * len(out_vals)
-        if not output_shapes:  # inputs differ from the recorded ones: keep the rank, not the sizes
-            out_infos = [_RankOnly(i) if isinstance(i, TensorInfo) else i for i in out_infos]
         out_default = ["output"] if len(out_vals) == 1 else [f"output_{i}" for i in range(len(out_vals))]
         out_names = _check_names(output_names, out_default, "output_names")
         for name in list(dynamic):
             if name not in names and name not in out_names:
                 raise ConfigError(f"dynamic_axes names {name!r}, which is neither an input "
-                                  f"({', '.join(names)}) nor an output ({', '.join(out_names)})")
+                                  f"({', '.join(names)}) nor an output ({', '.join(out_names)}); "
+                                  f"use one of these names")
+        for name, info in zip(out_names, out_infos):
+            check_dynamic_axes(name, dynamic.get(name, {}), info)
         graph_outputs = self._outputs(out_vals, out_infos, out_names, dynamic)
         model = self._model(type(self.gm).__name__ or "graph", graph_inputs, graph_outputs)
+        if any(dynamic.get(n) for n in names):
+            _free_output_dims(model, {n: dynamic[n] for n in names if dynamic.get(n)}, dynamic)
         return EmitResult(model, [vi.name for vi in graph_inputs], [vi.name for vi in graph_outputs],
                           self._final_values())
 
@@ -639,11 +632,6 @@ class OnnxEmitter:
         return {n.name: fin(v) for n, v in self.values.items()}
 
 
-@dataclass(frozen=True)
-class _RankOnly:
-    info: TensorInfo
-
-
 def _rename_value(v: Value, old: str, new: str) -> Value:
     if is_tensor(v):
         return Tensor(new) if v == old else v
@@ -664,6 +652,67 @@ def _value_info(name: str, elem: int, shape: Optional[list], dynamic: dict[int, 
         if -len(dims) <= axis < len(dims):
             dims[axis] = label
     return helper.make_tensor_value_info(name, elem, dims)
+
+
+def graph_input_leaves(gm: fx.GraphModule) -> tuple[list[str], list[Any]]:
+    """Default names and recorded TensorInfos (None where unknown) of the graph's input tensors,
+    tuple inputs flattened (``hidden.0``, ``hidden.1``)."""
+    names: list[str] = []
+    infos: list[Any] = []
+    for ph in gm.graph.nodes:
+        if ph.op == "placeholder":
+            info = ph.meta.get(META_TENSOR)
+            names.extend(leaf_names(str(ph.target).lstrip("*"), info))
+            infos.extend(_flatten_info(info))
+    return names, infos
+
+
+def check_dynamic_axes(name: str, axes: dict[int, str], info: Any) -> None:
+    """Every dynamic axis of graph input/output ``name`` exists in its recorded shape."""
+    if not isinstance(info, TensorInfo):
+        return
+    rank = len(info.shape)
+    bad = [a for a in axes if not -rank <= a < rank]
+    if bad:
+        raise ConfigError(f"dynamic_axes[{name!r}]: axis {bad[0]} does not exist in '{name}', whose shape is "
+                          f"{tuple(info.shape)} (rank {rank}); use axes 0..{rank - 1}")
+
+
+def _free_output_dims(model: onnx.ModelProto, input_axes: dict[str, dict[int, str]],
+                      dynamic: dict[str, dict[int, str]]) -> None:
+    """Output dims that follow dynamic input axes become symbolic (in place).
+
+    Dynamic input axes may change output sizes too (the batch), so an output must not claim its
+    traced size there, or onnxruntime warns and consumers allocate wrongly. ONNX shape inference
+    with the inputs' symbolic dims tells which dims vary: they take the input's label when it
+    propagates (``batch``), else ``<output>_dynamic_axes_<k+1>``; dims it leaves unknown are
+    treated as varying. Axes the caller named in ``dynamic_axes`` keep their label.
+    """
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for o in probe.graph.output:
+        o.type.tensor_type.ClearField("shape")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph.output
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        inferred = []
+    found = {o.name: list(o.type.tensor_type.shape.dim) for o in inferred if o.type.tensor_type.HasField("shape")}
+    labels = {label for axes in input_axes.values() for label in axes.values()}
+    for o in model.graph.output:
+        if not o.type.tensor_type.HasField("shape"):
+            continue
+        dims = o.type.tensor_type.shape.dim
+        declared = {a % len(dims) for a in dynamic.get(o.name, {})}
+        got = found.get(o.name)
+        if got is not None and len(got) != len(dims):
+            got = None
+        for k, d in enumerate(dims):
+            g = got[k] if got is not None else None
+            if k in declared or (g is not None and g.HasField("dim_value")):
+                continue
+            label = g.dim_param if g is not None and g.dim_param in labels else f"{o.name}_dynamic_axes_{k + 1}"
+            d.Clear()
+            d.dim_param = label
 
 
 def leaf_names(base: str, structure: Any) -> list[str]:
@@ -749,6 +798,8 @@ __all__ = [
     "Call",
     "Tensor",
     "EmitResult",
+    "graph_input_leaves",
+    "check_dynamic_axes",
     "OPSET_VERSION",
     "PRODUCER_NAME",
     "PRODUCER_VERSION",

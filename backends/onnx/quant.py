@@ -9,6 +9,13 @@ What opset 11 can say and what it cannot, and how the export bridges it:
 * **Per-channel weights** cannot be Q/DQ in opset 11 (per-axis QuantizeLinear
   arrived in opset 13): each weight is stored as its dequantized int8 values
   (a float initializer equal to ``q_w * s_w``), its scales go to the sidecar.
+* **Weight scales** are listed one per output channel (or one per tensor), with
+  ``axis`` the weight dim of the output channel: 0 for conv / linear
+  ``(out, in/groups, ...)``, 1 for a transposed conv ``(in, out/groups, ...)``.
+  A grouped transposed conv also records ``"groups"``: its output channel
+  ``o = g * (out/groups) + j`` is column ``j`` of the rows of group ``g``
+  (rows ``g * (in/groups)`` to ``(g + 1) * (in/groups) - 1``), so scale ``o``
+  applies there (see :func:`weight_scale_grid`).
 * **Bias** is put on the int32 grid ``s_in * s_w`` the BPU adds it on (as
   ``qcompiler.nn.qat._Observed._qbias`` does in eval mode), then stored float;
   its grid goes to the sidecar as a ``qint32`` entry.
@@ -43,6 +50,7 @@ from onnx import TensorProto
 from qcompiler.backends.onnx.emitter import Call, NodeContext, Tensor, is_tensor, to_numpy
 from qcompiler.errors import CalibrationError, UnsupportedOpError
 from qcompiler.nn import quantized as qnn
+from qcompiler.nn.qat import output_channel_scales
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.observer import ObserverBase
@@ -153,7 +161,9 @@ class QuantState:
         axis = 1 if isinstance(layer, nn.ConvTranspose2d) else 0
         weight = layer.weight.detach()
         q = fp.quantize(weight, w_scale, wfq.dtype, axis=axis if w_scale.numel() > 1 else None)
-        w_name, b_name = self._store_weight(ctx, path, q, w_scale, axis, wfq.dtype)
+        scales = output_channel_scales(layer, w_scale)  # a grouped transposed conv: repeated per group
+        groups = getattr(layer, "groups", 1)
+        w_name = self._store_weight(ctx, path, q, scales, axis, groups, wfq.dtype)
         bias = getattr(layer, "bias", None)
         if bias is None:
             return w_name, None
@@ -161,25 +171,32 @@ class QuantState:
         qin = self.qparams(src, f"{path} input quantizer") if src is not None else None
         if qin is None:  # the input's scale is unknown: the bias stays float
             return w_name, ctx.param(layer, "bias", path)
-        acc = torch.tensor(qin[0], dtype=torch.float64) * w_scale.double()
-        acc = _tile_to(acc, bias.numel())
+        acc = torch.tensor(qin[0], dtype=torch.float64) * scales.double()
         b_int = torch.clamp(torch.round(bias.detach().double() / acc), -(2 ** 31), 2 ** 31 - 1)
         return w_name, self._store_bias(ctx, path, b_int, acc)
 
-    def _store_weight(self, ctx, path, q: torch.Tensor, w_scale: torch.Tensor, axis: int, dtype: str):
-        shape = [1] * q.dim()
-        if w_scale.numel() > 1:
-            shape[axis] = -1
-        deq = (q.double() * w_scale.double().reshape(shape)).float()
-        w_name = ctx.initializer(f"{path}.weight", to_numpy(deq))
-        self.weights[w_name] = {"scales": [_f32(s) for s in w_scale.reshape(-1).tolist()],
-                                "axis": axis, "dtype": dtype}
-        return w_name, None
+    def _store_weight(self, ctx, path, q: torch.Tensor, scales: torch.Tensor, axis: int, groups: int,
+                      dtype: str) -> Tensor:
+        """The dequantized weight ``q * scale`` as an initializer; its scales (one per output
+        channel, or one) go to the sidecar when quantizing."""
+        grid = weight_scale_grid(tuple(q.shape), scales, axis, groups, path)
+        w_name = ctx.initializer(f"{path}.weight", to_numpy((q.double() * grid).float()))
+        if self.quantize:
+            entry = {"scales": [_f32(s) for s in scales.reshape(-1).tolist()], "axis": axis, "dtype": dtype}
+            if axis == 1 and groups > 1 and scales.numel() > 1:
+                entry["groups"] = groups
+            self.weights[w_name] = entry
+        return w_name
 
     def _store_bias(self, ctx, path, b_int: torch.Tensor, acc: torch.Tensor) -> Tensor:
+        """The bias ``b_int * acc`` (acc: one scale per output channel, or one) as an initializer."""
+        acc = acc.reshape(-1)
+        if acc.numel() not in (1, b_int.numel()):
+            raise UnsupportedOpError(f"{path}: {acc.numel()} accumulator scales for a bias of "
+                                     f"{b_int.numel()} channels")
         b_name = ctx.initializer(f"{path}.bias", to_numpy((b_int * acc).float()))
-        self.weights[b_name] = {"scales": [float(s) for s in acc.reshape(-1).tolist()], "axis": 0,
-                                "dtype": "qint32"}
+        if self.quantize:
+            self.weights[b_name] = {"scales": [float(s) for s in acc.tolist()], "axis": 0, "dtype": "qint32"}
         return b_name
 
     # -- the table
@@ -213,15 +230,30 @@ def _flat_names(values) -> list[str]:
     return out
 
 
-def _tile_to(acc: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-channel accumulator scales for ``n`` output channels: a grouped conv-transpose has
-    ``out/groups`` weight scales along axis 1, shared by every group."""
-    acc = acc.reshape(-1)
-    if acc.numel() == n or acc.numel() == 1:
-        return acc
-    if n % acc.numel() == 0:
-        return acc.repeat(n // acc.numel())
-    raise UnsupportedOpError(f"{acc.numel()} weight scales for a bias of {n} channels")
+def weight_scale_grid(shape: tuple, scales: torch.Tensor, axis: int, groups: int, where: str) -> torch.Tensor:
+    """``scales`` (one, or one per output channel) laid out to broadcast over a weight of ``shape``.
+
+    Conv / linear weights hold output channel ``o`` at index ``o`` of ``axis`` 0, an ungrouped
+    transposed conv at index ``o`` of axis 1. A grouped transposed conv's weight is
+    ``(in, out/groups, kh, kw)``: channel ``o = g * (out/groups) + j`` is column ``j`` of the
+    ``in/groups`` rows of group ``g``, so its scales form an ``(in, out/groups)`` grid.
+    """
+    s = scales.detach().double().reshape(-1)
+    ones = [1] * len(shape)
+    if s.numel() == 1:
+        return s.reshape(ones)
+    if axis == 1 and groups > 1:
+        rows, per = shape[0], shape[1]
+        if s.numel() != per * groups or rows % groups:
+            raise UnsupportedOpError(f"{where}: {s.numel()} weight scales for a transposed conv with "
+                                     f"groups={groups} and weight shape {tuple(shape)} (expected {per * groups})")
+        grid = s.reshape(groups, 1, per).expand(groups, rows // groups, per).reshape(rows, per)
+        return grid.reshape([rows, per] + ones[2:])
+    if s.numel() != shape[axis]:
+        raise UnsupportedOpError(f"{where}: {s.numel()} weight scales for weight shape {tuple(shape)} "
+                                 f"(expected {shape[axis]} along axis {axis})")
+    ones[axis] = -1
+    return s.reshape(ones)
 
 
 # ---------------------------------------------------------------------------
@@ -253,24 +285,12 @@ def converted_weight_layer(ctx: NodeContext) -> Tensor:
 
     m: qnn.QuantizedWeightLayer = ctx.module
     axis = 1 if m.kind == "conv_transpose2d" else 0
-    q, w_scale = m.q_weight, m.w_scale.reshape(-1)
-    path = ctx.path
-    if ctx.quant.quantize:
-        w, _ = ctx.quant._store_weight(ctx, path, q, w_scale, axis, "qint8")
-    else:
-        shape = [1] * q.dim()
-        if w_scale.numel() > 1:
-            shape[axis] = -1
-        w = ctx.initializer(f"{path}.weight", to_numpy((q.double() * w_scale.double().reshape(shape)).float()))
+    q, g = m.q_weight, m.geometry
+    w = ctx.quant._store_weight(ctx, ctx.path, q, m.w_scale, axis, g.get("groups", 1), "qint8")
     b = None
-    if m.bias is not None:
-        acc = _tile_to(m.acc_scale.double(), m.bias.numel())
-        if ctx.quant.quantize:
-            b = ctx.quant._store_bias(ctx, path, m.bias.double(), acc)
-        else:
-            b = ctx.initializer(f"{path}.bias", to_numpy((m.bias.double() * acc).float()))
+    if m.bias is not None:  # acc_scale: one per output channel (or one), as the bias
+        b = ctx.quant._store_bias(ctx, ctx.path, m.bias.double(), m.acc_scale.double())
     x = ctx.x()
-    g = m.geometry
     if m.kind == "conv2d":
         y = rules.conv(ctx, x, w, b, tuple(q.shape), g["stride"], g["padding"], g["dilation"], g["groups"])
     elif m.kind == "linear":
