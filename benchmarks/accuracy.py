@@ -32,7 +32,10 @@ removed at exit; nothing else is written.
     symmetric activations (ActivationSymmetric=True, the scheme the BPU uses),
     the float ONNX export run by ORT (export sanity check) and the float model
     with Gaussian noise added to its input at 40 dB SQNR (how much these
-    random networks amplify a small perturbation).
+    random networks amplify a small perturbation), and our fake-quant model
+    with only the activations (float weights) or only the weights quantized
+    (where our error comes from; where the two errors add up, as in resnet18,
+    the activations-only row bounds what any weight rounding can reach).
 
 (b) real data: scikit-learn's 8x8 digits (1797 images), fixed stratified
     75/25 split (random_state=0).  A small CNN (conv 1->16 3x3 + BN + ReLU,
@@ -76,6 +79,7 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks._data import SmoothNoise, reestimate_bn, sqnr_db, stack  # noqa: E402
 from qcompiler.quantization import (  # noqa: E402
+    FakeQuantize,
     convert_fx,
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
@@ -94,6 +98,8 @@ AO = "torch.ao FX PTQ (x86)"
 ORT = "onnxruntime QDQ, {}"
 ORT_SYM = "ref: onnxruntime QDQ, {}, symmetric act."
 NOISE = "ref: float, input noise at 40 dB"
+ONLY_ACTS = "ref: ours, activations only ({}), float weights"
+ONLY_WEIGHTS = "ref: ours, weights only{}"
 
 
 # ---------------------------------------------------------------------------
@@ -101,7 +107,7 @@ NOISE = "ref: float, input noise at 40 dB"
 # returns a callable batch -> float outputs
 
 
-def ours_ptq(model: nn.Module, calib: Sequence[torch.Tensor], observer: str, rounding: bool = False) -> Callable:
+def _calibrated(model: nn.Module, calib: Sequence[torch.Tensor], observer: str, rounding: bool) -> nn.Module:
     cal = prepare_calibration_fx(model, {"": get_default_calib_qconfig(observer=observer)},
                                  example_inputs=(calib[0][:1],))
     cal.eval()
@@ -110,8 +116,27 @@ def ours_ptq(model: nn.Module, calib: Sequence[torch.Tensor], observer: str, rou
             cal(x)
     if rounding:  # GPTQ-style re-rounding of the weights on the same calibration batches
         optimize_weight_rounding(cal, calib)
-    q = convert_fx(cal)
+    return cal
+
+
+def ours_ptq(model: nn.Module, calib: Sequence[torch.Tensor], observer: str, rounding: bool = False) -> Callable:
+    q = convert_fx(_calibrated(model, calib, observer, rounding))
     return lambda x: q(x).float()
+
+
+def ours_partly_quantized(model: nn.Module, calib: Sequence[torch.Tensor], observer: str, rounding: bool,
+                          quantize: str) -> Callable:
+    """Our fake-quant model with only the ``"weights"`` or only the ``"activations"`` quantized.
+
+    Where the error comes from: with ``"activations"`` (and ``rounding=False``, so the
+    weights stay float) it is the SQNR our activation scheme allows with error-free weights.
+    """
+    cal = _calibrated(model, calib, observer, rounding)
+    qat = set_state(prepare_qat_fx(cal, {"": get_default_qat_qconfig()}), "validation").eval()
+    for path, m in qat.named_modules():
+        if isinstance(m, FakeQuantize):
+            m.enable_fake_quant(path.endswith("weight_fake_quant") == (quantize == "weights"))
+    return lambda x: qat(x)
 
 
 def torch_ao_ptq(model: nn.Module, calib: Sequence[torch.Tensor]) -> Callable:
@@ -220,6 +245,11 @@ def run_all(model: nn.Module, calib: Sequence[torch.Tensor], tmp: str, tag: str,
     for method in ("MinMax", "Percentile"):
         timed(ORT.format(method), ort_ptq, float_onnx, calib, method, threads)
     if with_reference:
+        for obs in OBSERVERS:
+            timed(ONLY_ACTS.format(obs), ours_partly_quantized, model, calib, obs, False, "activations")
+        timed(ONLY_WEIGHTS.format(""), ours_partly_quantized, model, calib, "histogram-mse", False, "weights")
+        timed(ONLY_WEIGHTS.format(" + weight rounding"), ours_partly_quantized, model, calib, "histogram-mse",
+              True, "weights")
         for method in ("MinMax", "Percentile"):
             timed(ORT_SYM.format(method), ort_ptq, float_onnx, calib, method, threads,
                   symmetric_activations=True)
@@ -289,9 +319,11 @@ def part_zoo(args, tmp: str) -> dict:
             pl, pv = best_of(scores, peers)
             beats = bv > pv
             verdicts.setdefault(m, {})[tag] = beats
+            al, av = best_of(scores, [ONLY_ACTS.format(o) for o in OBSERVERS])
             print(f"  {m}, {tag}: our best is {bl.removeprefix('ours int8 PTQ, ')} at {bv:.2f} dB; best peer is "
                   f"{pl} at {pv:.2f} dB -> ours {'BEATS' if beats else 'does NOT beat'} every peer "
-                  f"({bv - pv:+.2f} dB)")
+                  f"({bv - pv:+.2f} dB); our activations alone (float weights) reach "
+                  f"{av:.2f} dB ({al.split('(')[1].split(')')[0]})")
     print("  time: " + ", ".join(notes))
     return {"columns": columns, "more": more, "beats": verdicts}
 
