@@ -267,8 +267,26 @@ def test_defaulted_forward_args_not_in_example_inputs_are_constants():
 
 def test_without_example_inputs_defaulted_args_are_traced_as_inputs():
     # torch.fx's behaviour: the keyword-only flag is a Proxy in an `if`
-    with pytest.raises(TraceError, match="relu"):
+    with pytest.raises(TraceError, match="relu") as err:
         trace(Defaults())
+    assert "leave it out of example_inputs" not in str(err.value)
+
+
+class BranchOnFlag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x, flip=False):
+        y = self.conv(x)
+        return -y if flip else y
+
+
+def test_branching_on_a_given_defaulted_arg_says_to_leave_it_out():
+    x = torch.rand(1, 3, 4, 4)
+    with pytest.raises(TraceError, match=r"branches on 'flip' .* leave it out of example_inputs"):
+        trace(BranchOnFlag(), example_inputs=(x, True))
+    assert _placeholders(trace(BranchOnFlag(), example_inputs=(x,))) == ["x"]
 
 
 def test_prepare_and_compile_with_defaulted_args_omitted():

@@ -176,7 +176,7 @@ def trace(
     try:
         graph = tracer.trace(model, concrete_args)
     except Exception as exc:  # torch raises many types here; we report them all the same way
-        raise _trace_error(model, tracer, exc) from None
+        raise _trace_error(model, tracer, exc, example_inputs is not None) from None
     _resolve_string_annotations(graph, model)
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
 
@@ -211,7 +211,19 @@ def _resolve_string_annotations(graph: fx.Graph, model: nn.Module) -> None:
         node.type = hint if isinstance(hint, type) else None
 
 
-def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception) -> TraceError:
+def _defaulted_inputs(model: nn.Module, tracer: QTracer) -> list[str]:
+    """Forward parameters with a default that became graph inputs (example_inputs gave them)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    defaulted = {p.name for p in params if p.default is not p.empty}
+    graph = getattr(tracer, "graph", None)
+    placeholders = [n.target for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
+    return [t for t in placeholders if t in defaulted and t not in tracer.constant_args]
+
+
+def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception, inputs_given: bool) -> TraceError:
     stack = list(tracer.module_stack.values())
     path, typ = stack[-1] if stack else ("", type(model))
     where = f"module '{path}' ({typ.__name__})" if path else f"the top-level module ({typ.__name__})"
@@ -238,6 +250,11 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception) -> TraceErro
                 "Move the data-dependent code into a submodule and mark that submodule a leaf "
                 "with prepare_custom_config_dict={'non_traceable_module_name': [...]} (it then runs on CPU)."
             )
+        given = _defaulted_inputs(model, tracer) if inputs_given else []
+        if given:
+            fix += (f" If it branches on {', '.join(repr(g) for g in given)} (a forward parameter with a default, "
+                    f"traced as an input because example_inputs gives it), leave it out of example_inputs: it is "
+                    f"then traced as its default value.")
         message = f"cannot trace {where}{line}: {reason}. {fix}"
     err = TraceError(message)
     err.module_path = path
