@@ -269,10 +269,10 @@ def test_errors(models):
     other = nn.Sequential(nn.Linear(3, 3))
     with pytest.raises(ConfigError, match=r"ResNet.*Sequential|Sequential.*ResNet"):
         ns.compare_model_outputs(other, q, torch.randn(1, 3))
-    with pytest.raises(ConfigError, match=r"float model ResNet failed on the given inputs.*RuntimeError"):
+    with pytest.raises(ConfigError, match=r"float model \(ResNet\) failed on the given inputs.*RuntimeError"):
         ns.compare_model_outputs(fm, q, torch.randn(1, 5, 32, 32))
     hf, _, hq = models["hybrid"]
-    with pytest.raises(ConfigError, match=r"float model HybridModel failed"):
+    with pytest.raises(ConfigError, match=r"float model \(HybridModel\) failed"):
         ns.compare_model_outputs(hf, hq, *_inputs("lstm_seq"))
     with pytest.raises(ConfigError, match="module_swap_list entries must be nn.Module types"):
         ns.compare_model_stub(fm, q, ["Conv2d"], *_inputs("resnet18"))
@@ -322,7 +322,7 @@ def test_train_mode_restored_when_the_run_fails(bn_models):
     fm, qat, q = bn_models
     f_train, qat_train = tm.training(fm, qat)
     snaps = [snapshot(f_train), snapshot(qat_train)]
-    with pytest.raises(ConfigError, match="float model BNNet failed on the given inputs"):
+    with pytest.raises(ConfigError, match=r"float model \(BNNet\) failed on the given inputs"):
         ns.compare_model_outputs(f_train, qat_train, torch.rand(2, 5, 8, 8))
     with pytest.raises(ConfigError, match="quantized model .* failed on the given inputs"):
         ns.compare_model_stub(f_train, qat_train, [nn.Conv2d], torch.rand(2, 5, 8, 8))

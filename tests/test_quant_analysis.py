@@ -142,6 +142,11 @@ def test_errors(tmp_path):
         QuantAnalysis(nn.Sequential(nn.Conv2d(3, 3, 1)), fq, out_dir=tmp_path)
     with pytest.raises(ConfigError, match="analysis_model_type"):
         QuantAnalysis(model, fq, "onnx")
+    # data that does not fit the models: named, not a raw torch error
+    wrong = [(torch.rand(1, 5, 16, 16),)]
+    with pytest.raises(ConfigError, match=r"the baseline model \(HybridModel\) failed on the given inputs "
+                                          r"\(\(1, 5, 16, 16\)\): RuntimeError"):
+        qa.auto_find_bad_case(wrong)
 
 
 def test_clean_removes_files(tmp_path):

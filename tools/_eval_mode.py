@@ -13,10 +13,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from qcompiler.errors import ConfigError
 from qcompiler.ir.shape_prop import eval_mode
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase
 
-__all__ = ["evaluating"]
+__all__ = ["evaluating", "run_inspected"]
 
 
 @contextlib.contextmanager
@@ -43,3 +44,17 @@ def evaluating(*models: Any) -> Iterator[None]:
                 stack.enter_context(_observers_off(model))
         stack.enter_context(torch.no_grad())
         yield
+
+
+def run_inspected(model: Any, which: str, args: tuple) -> Any:
+    """``model(*args)`` under :func:`evaluating`; a failure is a ConfigError naming ``which`` model
+    (e.g. "baseline") and the inputs, chained to the original error, not a traceback from torch."""
+    try:
+        with evaluating(model):
+            return model(*args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        shapes = ", ".join(str(tuple(a.shape)) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+        raise ConfigError(f"the {which} model ({type(model).__name__}) failed on the given inputs ({shapes}): "
+                          f"{type(e).__name__}: {e}; check that the data matches the model's inputs") from e

@@ -49,7 +49,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase, fake_quantize
 from qcompiler.quantization.fixed_point import symmetric_scale
 from qcompiler.quantization.qtensor import QTensor
-from qcompiler.tools._eval_mode import evaluating
+from qcompiler.tools._eval_mode import run_inspected
 
 __all__ = [
     "Logger",
@@ -388,18 +388,6 @@ def get_matching_activations(float_model: nn.Module, q_model: Any) -> dict[str, 
     return out
 
 
-def _run(model: nn.Module, which: str, inputs: tuple) -> Any:
-    """One forward in eval mode without touching the model (BN statistics, observers, flags)."""
-    try:
-        with evaluating(model):
-            return model(*inputs)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"the {which} model {_cls(model)} failed on the given inputs "
-                          f"({len(inputs)} positional input(s)): {type(e).__name__}: {e}") from e
-
-
 def compare_model_outputs(float_model: nn.Module, q_model: Any, *inputs: Any,
                           logger_cls: type = OutputLogger) -> dict[str, dict[str, list]]:
     """Run both models once on ``inputs``; ``{layer: {"float": [v], "quantized": [v]}}`` for every
@@ -411,8 +399,8 @@ def compare_model_outputs(float_model: nn.Module, q_model: Any, *inputs: Any,
     f_root, q_root = _graph_of(float_model, what), _graph_of(q_model, what)
     prepare_model_outputs(f_root, q_root, logger_cls)
     try:
-        _run(f_root, "float", inputs)
-        _run(q_root, "quantized", inputs)
+        run_inspected(f_root, "float", inputs)
+        run_inspected(q_root, "quantized", inputs)
         return get_matching_activations(f_root, q_root)
     finally:
         remove_loggers(f_root)
@@ -525,7 +513,7 @@ def compare_model_stub(float_model: nn.Module, q_model: Any, module_swap_list: A
     f_root, q_root = _graph_of(float_model, what), _graph_of(q_model, what)
     prepare_model_with_stubs(f_root, q_root, module_swap_list, logger_cls)
     try:
-        _run(q_root, "quantized", inputs)
+        run_inspected(q_root, "quantized", inputs)
         return get_logger_dict(q_root)
     finally:
         remove_loggers(q_root)

@@ -46,7 +46,7 @@ from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.qtensor import QTensor
-from qcompiler.tools._eval_mode import evaluating
+from qcompiler.tools._eval_mode import evaluating, run_inspected
 
 __all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
 
@@ -400,9 +400,7 @@ class QuantAnalysis:
 
     def _outputs(self, which: str, args: tuple) -> Any:
         model = self.baseline_model if which == "base" else self.analysis_model
-        with evaluating(model):
-            out = model(*args)
-        out = _to_float(out)
+        out = _to_float(run_inspected(model, "baseline" if which == "base" else "analysis", args))
         return self.post_process(out) if self.post_process is not None else out
 
     # ------------------------------------------------------------------ bad case
@@ -736,8 +734,7 @@ class QuantAnalysis:
         return self.fake_quant_model
 
     def _run_fq(self, model: nn.Module, args: tuple) -> Any:
-        with evaluating(model):
-            out = _to_float(model(*args))
+        out = _to_float(run_inspected(model, "fake-quant", args))
         return self.post_process(out) if self.post_process is not None else out
 
     def sensitivity(self, metric: str = "L1") -> list[list]:
