@@ -16,15 +16,20 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qcompiler.errors import CalibrationError, UnsupportedOpError
+from qcompiler.errors import CalibrationError, ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
 from qcompiler.ir.ops import META_OPS
 from qcompiler.ir.modules import free_name, set_module
 from qcompiler.nn import fused
 from qcompiler.nn import quantized as qnn
-from qcompiler.nn.qat import FLOAT_CLASS, has_weight_layer, output_channel_scales
+from qcompiler.nn.qat import FLOAT_CLASS, bn_affine, bn_weight, has_weight_layer, output_channel_scales
 from qcompiler.passes.base import CompileContext, Pass, PassResult
-from qcompiler.passes.insert_observers import OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
+from qcompiler.passes.insert_observers import (
+    CONSTANT_OPERAND_OPS,
+    CONSTANT_QUANT,
+    OUTPUT_OBSERVER,
+    SCALE_PRESERVING_OPS,
+)
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
 from qcompiler.quantization.observer import ObserverBase
@@ -128,7 +133,16 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     check_observed(gm)
     modules = dict(gm.named_modules())
     qp: dict[fx.Node, _QParams] = {}
+    consts: dict[fx.Node, _Constant] = {}
     converted_paths: set[str] = set()
+
+    def install_layer(node: fx.Node, new: nn.Module) -> None:
+        """A layer keeps its module path (debug tools match layers by path) unless shared."""
+        if node.target in converted_paths:
+            _install(gm, node, new)
+        else:
+            set_module(gm, node.target, new)
+            converted_paths.add(node.target)
 
     def in_q(node: fx.Node, i: int = 0) -> _QParams:
         src = node.args[i]
@@ -145,6 +159,14 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         where = f"node '{node.name}'"
         if stub == OUTPUT_OBSERVER:
             continue  # folded into its producer below
+        if stub == CONSTANT_QUANT:
+            consts[node] = c = _constant(gm, node, module, where)
+            if any(u.meta.get(META_OP) not in CONSTANT_OPERAND_OPS for u in node.users):
+                # a user reads it as a value (a cat, a layer fused with + constant): a constant BPU value
+                node.args = ()
+                _install(gm, node, qnn.QuantizedConstant(c.q, c.scale, c.dtype))
+                qp[node] = _QParams(c.scale, c.dtype)
+            continue  # add / sub / mul fold it into their module; erased once unused
         if op == "quant":
             quantizer = getattr(module, "activation_post_process", None) if not stub else module
             if quantizer is None:
@@ -167,16 +189,15 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             new = _convert_weight_layer(node, module, in_q(node), qp, where)
             if new.out_scale is not None:
                 qp[node] = _QParams(new.out_scale, new.out_dtype)
-            if node.target in converted_paths:
-                _install(gm, node, new)
-            else:
-                set_module(gm, node.target, new)
-                converted_paths.add(node.target)
+            install_layer(node, new)
             continue
         if out is None:
             raise UnsupportedOpError(f"{where} ({op}) has no output quantizer; a high-precision output "
                                      f"is only supported on conv/linear layers")
-        _install(gm, node, _convert_op(node, op, module, qp, out, where))
+        if op == "batch_norm":
+            install_layer(node, _convert_batch_norm(node, module, in_q(node), out, where))
+        else:
+            _install(gm, node, _convert_op(node, op, module, qp, consts, out, where))
         qp[node] = out
         out_obs.replace_all_uses_with(node)
         gm.graph.erase_node(out_obs)
@@ -227,30 +248,107 @@ def _convert_weight_layer(node, module, qin: _QParams, qp, where) -> qnn.Quantiz
     )
 
 
-def _convert_op(node, op, module, qp, out: _QParams, where) -> nn.Module:
+class _Constant:
+    """A constant operand on its quantization grid: integers, per-tensor scale, dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: float, dtype: str) -> None:
+        self.q, self.scale, self.dtype = q, float(scale), dtype
+
+
+def _attr_value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    """The tensor a ``get_attr`` node reads."""
+    obj = gm
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part)
+    return obj.detach() if isinstance(obj, torch.Tensor) else torch.as_tensor(obj)
+
+
+def _constant(gm: fx.GraphModule, node: fx.Node, quantizer: nn.Module, where: str) -> _Constant:
+    """Quantize the constant a constant-quantizer node reads, with that quantizer's scale
+    (the integers the fake-quant model computes with)."""
+    src = node.args[0]
+    if not (isinstance(src, fx.Node) and src.op == "get_attr"):
+        raise UnsupportedOpError(f"{where}: a constant quantizer must read a buffer or parameter (get_attr)")
+    qparams = _qparams_of(quantizer, where)
+    value = _attr_value(gm, src)
+    return _Constant(fp.quantize(value, qparams.scale, qparams.dtype), qparams.scale, qparams.dtype)
+
+
+def _number(c) -> _Constant:
+    """A Python number as an exact constant: ``sign(c)`` at scale ``|c|`` (1.0 for 0)."""
+    c = float(c)
+    sign = (c > 0) - (c < 0)
+    return _Constant(torch.tensor(sign, dtype=torch.int8), abs(c) if c else 1.0, "qint8")
+
+
+def _split_constant(a, b, qp, consts):
+    """(feature-map operand, constant, position of the constant) of a binary op whose operands
+    are ``a, b``, or None when no operand is a quantized BPU value beside a constant."""
+    for x, c, index in ((a, b, 1), (b, a, 0)):
+        if isinstance(x, fx.Node) and x in qp:
+            if isinstance(c, fx.Node) and c in consts:
+                return x, consts[c], index
+            if isinstance(c, (int, float)) and not isinstance(c, bool):
+                return x, _number(c), index
+    return None
+
+
+def _convert_batch_norm(node, module, qin: _QParams, out: _QParams, where) -> qnn.QuantizedWeightLayer:
+    """A standalone BatchNorm2d as a depthwise 1x1 conv: per-channel int8 weights ``+-127`` at
+    scale ``|a_c| / 127`` (``qat.bn_weight``) and an int32 bias, like the fake-quant model."""
+    if not isinstance(module, nn.BatchNorm2d) or module.running_mean is None:
+        raise UnsupportedOpError(f"{where}: only an nn.BatchNorm2d with running statistics has a fixed-point "
+                                 f"lowering (a per-channel affine); run this one on CPU (hybrid_dict)")
+    a, b = bn_affine(module)
+    q, scale = bn_weight(a)
+    c = q.numel()
+    geometry = {"stride": (1, 1), "padding": (0, 0), "dilation": (1, 1), "groups": c}
+    return qnn.QuantizedWeightLayer("conv2d", q.reshape(c, 1, 1, 1), scale, b, qin.scale, out.scale, out.dtype,
+                                    geometry, name=node.name)
+
+
+def _convert_op(node, op, module, qp, consts, out: _QParams, where) -> nn.Module:
     def scale_of(arg) -> Optional[float]:
         return qp[arg].scale if isinstance(arg, fx.Node) and arg in qp else None
 
     args = node.args
-    if op in ("add", "sub"):
-        sa, sb = scale_of(args[0]), scale_of(args[1])
-        if sa is None or sb is None:
-            raise UnsupportedOpError(f"{where}: {op} with a constant operand is not supported yet")
-        alpha = node.kwargs.get("alpha", 1)
+    if op in ("add", "sub", "mul"):
+        alpha = node.kwargs.get("alpha", 1) if op != "mul" else 1
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 0 or not math.isfinite(alpha):
             raise UnsupportedOpError(
                 f"{where}: {op} with alpha={alpha!r}: the BPU folds a finite, non-zero number into the "
                 f"second operand's multiplier; compute the scaled operand separately (e.g. with a mul)"
             )
-        return qnn.QuantizedAdd(sa, sb, out.scale, out.dtype, sub=(op == "sub"), alpha=float(alpha))
-    if op == "mul":
-        sa, sb = scale_of(args[0]), scale_of(args[1])
+        a, b = args[0], args[1] if len(args) > 1 else node.kwargs.get("other")
+        sa, sb = scale_of(a), scale_of(b)
+        number = b if sa is not None else a
+        is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
+        if op == "mul" and is_number and (sa, sb) != (None, None):  # x * number: its own path
+            return qnn.QuantizedMul(sa if sa is not None else sb, None, out.scale, out.dtype, constant=float(number))
+        split = _split_constant(a, b, qp, consts)
+        if split is not None:
+            x, const, index = split
+            new = qnn.QuantizedConstantOperand(op, qp[x].scale, const.q, const.scale, index, out.scale, out.dtype,
+                                               alpha=float(alpha))
+            node.args, node.kwargs = (x,), {}  # the constant lives in the module now
+            return new
         if sa is not None and sb is not None:
-            return qnn.QuantizedMul(sa, sb, out.scale, out.dtype)
-        const = args[1] if sa is not None else args[0]
-        if not isinstance(const, (int, float)):
-            raise UnsupportedOpError(f"{where}: mul by {type(const).__name__} is not supported")
-        return qnn.QuantizedMul(sa if sa is not None else sb, None, out.scale, out.dtype, constant=float(const))
+            if op == "mul":
+                return qnn.QuantizedMul(sa, sb, out.scale, out.dtype)
+            return qnn.QuantizedAdd(sa, sb, out.scale, out.dtype, sub=(op == "sub"), alpha=float(alpha))
+        raise UnsupportedOpError(
+            f"{where}: {op} needs a quantized BPU operand and the other a BPU value, a number or a "
+            f"buffer/parameter (with its constant quantizer from prepare); prepare the model again, or "
+            f"run this op on CPU (hybrid_dict)")
+    if op == "div":
+        sa, sb = scale_of(args[0]), scale_of(args[1])
+        if sa is None or sb is None:
+            raise UnsupportedOpError(f"{where}: div needs two quantized BPU operands (the BPU divides feature "
+                                     f"maps); run this op on CPU (hybrid_dict)")
+        try:
+            return qnn.QuantizedDiv(sa, sb, qp[args[1]].dtype, out.scale, out.dtype)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
     if op == "cat":
         tensors = args[0]
         scales = [scale_of(t) for t in tensors]
@@ -285,10 +383,16 @@ def _convert_op(node, op, module, qp, out: _QParams, where) -> nn.Module:
         if module is not None:
             slope = module.weight if op == "prelu" else torch.tensor([module.negative_slope])
         else:
-            kw = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
-            slope = torch.tensor([kw.get("negative_slope", 0.01)]) if op == "leaky_relu" else None
-            if slope is None:
-                raise UnsupportedOpError(f"{where}: functional prelu with a tensor weight is not supported yet")
+            if op == "leaky_relu":
+                kw = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+                slope = torch.tensor([kw.get("negative_slope", 0.01)])
+            else:
+                weight = args[1] if len(args) > 1 else node.kwargs.get("weight")
+                if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+                    raise UnsupportedOpError(f"{where}: functional prelu whose slope is computed at run time; the "
+                                             f"BPU takes a parameter or buffer as the slope, or run it on CPU")
+                slope = _attr_value(node.graph.owning_module, weight)
+                node.args, node.kwargs = (args[0],), {}  # the slope lives in the module now
         return qnn.QuantizedPReLU(op, slope, qp[args[0]].scale, out.scale, out.dtype)
     raise UnsupportedOpError(f"{where}: no fixed-point lowering for BPU op '{op}' yet")
 

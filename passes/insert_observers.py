@@ -12,7 +12,15 @@ Where a quantization point goes:
   op that feeds the BPU "must have a qconfig", as in the hybrid flow);
 * any other BPU op that makes new values (add, cat, matmul, lookup-table ops,
   pooling averages, resize...) gets a graph node ``<node>_activation_post_process``;
-* ops that keep the input's scale (relu, max pool, layout ops, identities) get none.
+* ops that keep the input's scale (relu, max pool, layout ops, identities) get none;
+* a constant tensor (a buffer or parameter, ``get_attr``) that a BPU add / sub / mul
+  (or a fused conv + add, or a cat) reads gets a quantizer node ``<constant>_constant_fake_quant``
+  (per tensor, like a weight: ``qat.constant_quantizer``), so the fake-quant model
+  computes with the integers convert bakes into the op; a Python number needs none
+  (``c = sign(c) * |c|`` is exact);
+* a BPU BatchNorm2d is swapped for ``qat.BatchNorm2d`` and, like a weight layer, told
+  its input quantizer (its bias goes on the grid ``s_in * s_w``); a functional BPU prelu
+  calls ``qat.prelu`` (its slope follows the input's dtype).
 
 The qconfig of a node comes from ``ctx.options["qconfig_resolver"]``
 (priority global < module_type < module_name < module.qconfig; functional ops
@@ -30,6 +38,7 @@ from typing import Optional
 
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
@@ -46,13 +55,26 @@ from qcompiler.ir.meta import (
     set_placement,
 )
 from qcompiler.ir.modules import free_name, set_module
-from qcompiler.nn.qat import DTYPE_FOLLOWING, follow_input_dtype, has_weight_layer, observe_layer, set_input_quantizer
+from qcompiler.nn import qat
+from qcompiler.nn.fused import FusedModule
+from qcompiler.nn.qat import (
+    DTYPE_FOLLOWING,
+    follow_input_dtype,
+    has_weight_layer,
+    needs_input_quantizer,
+    observe_layer,
+    set_input_quantizer,
+)
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.qconfig import QConfig
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
 OUTPUT_OBSERVER = "output_observer"  # META_STUB of the graph-node observers this pass adds
+CONSTANT_QUANT = "constant_quant"  # META_STUB of the quantizer nodes of constant operands
+CONSTANT_FAKE_QUANT = "constant_fake_quant"  # name suffix of those nodes
+# BPU ops that read a constant tensor operand through a constant quantizer
+CONSTANT_OPERAND_OPS = frozenset({"add", "sub", "mul"})
 
 # Ops whose output keeps the input's quantization grid: no observer after them. (relu6 is
 # not one: 6.0 is rarely on the input's grid, so it gets its own quantizer.)
@@ -113,6 +135,7 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     resolver = ctx.options["qconfig_resolver"]
     previous = _previous_output_observers(gm)
     modules = dict(gm.named_modules())
+    constants: dict[fx.Node, fx.Node] = {}  # get_attr / previous quantizer node -> its quantizer (this run)
     for node in list(gm.graph.nodes):
         if not node.op.startswith("call_"):
             continue
@@ -135,6 +158,14 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         if module is not None and type(module) in DTYPE_FOLLOWING:
             module = follow_input_dtype(module)
             set_module(gm, node.target, module)
+        if op == "prelu" and node.target is F.prelu:
+            node.target = qat.prelu
+        if op in CONSTANT_OPERAND_OPS:
+            _quantize_constants(gm, node, qc, constants, node.args)
+        elif isinstance(module, FusedModule) and module.with_add and len(node.args) > 1:
+            _quantize_constants(gm, node, qc, constants, node.args[1:2])  # conv + constant, fused
+        elif op == "cat" and node.args and isinstance(node.args[0], (list, tuple)):
+            _quantize_constants(gm, node, qc, constants, node.args[0])
         if op == "quant":
             stub = module if type(module) is QuantStub else QuantStub()
             stub.activation_post_process = qc.activation()
@@ -161,6 +192,43 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, True)
 
 
+def _quantize_constants(gm: fx.GraphModule, node: fx.Node, qc: QConfig, done: dict[fx.Node, fx.Node],
+                        operands) -> None:
+    """Put a constant quantizer between each constant tensor among ``operands`` of ``node`` and ``node``.
+
+    One quantizer per constant (shared by its BPU users); a quantizer placed by an earlier run
+    gets the new qconfig's module under its name (calibration -> QAT keeps the path)."""
+    for arg in list(operands):
+        if not isinstance(arg, fx.Node):
+            continue
+        if arg.meta.get(META_STUB) == CONSTANT_QUANT:
+            if arg not in done:
+                set_module(gm, arg.target, qat.constant_quantizer(qc.kind, qc.weight_dtype))
+                done[arg] = arg
+            continue
+        if arg.op != "get_attr":
+            continue
+        if arg not in done:
+            done[arg] = _add_constant_quantizer(gm, arg, qc)
+        node.replace_input_with(arg, done[arg])
+
+
+def _add_constant_quantizer(gm: fx.GraphModule, const: fx.Node, qc: QConfig) -> fx.Node:
+    module = qat.constant_quantizer(qc.kind, qc.weight_dtype)
+    name = free_name(gm, f"{const.name}_{CONSTANT_FAKE_QUANT}")
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_after(const):
+        q = gm.graph.create_node("call_module", name, (const,), {}, name=name)
+    q.meta.update({
+        META_SCOPE: scope(const)[:1] + (ScopeEntry(name, type(module)),),
+        META_TENSOR: const.meta.get(META_TENSOR),
+        META_OP: "quant",
+        META_STUB: CONSTANT_QUANT,
+    })
+    set_placement(q, BPU, f"quantizes the constant '{const.name}' (per tensor, like a weight) for the BPU")
+    return q
+
+
 def _check_high_precision_layer(node: fx.Node, module: nn.Module) -> None:
     """A high-precision output is the layer's int32 accumulator: nothing can follow it inside the layer."""
     after = [p for p in getattr(module, "fused_from", ()) if p in ("add", "relu", "relu6")]
@@ -181,7 +249,7 @@ def _quantizer_of(gm: fx.GraphModule, node: fx.Node):
     if node.op != "call_module":
         return None
     module = gm.get_submodule(node.target)
-    if node.meta.get(META_STUB) in (OUTPUT_OBSERVER, ACTIVATION_POST_PROCESS):
+    if node.meta.get(META_STUB) in (OUTPUT_OBSERVER, ACTIVATION_POST_PROCESS, CONSTANT_QUANT):
         parent, _, name = node.target.rpartition(".")
         return (gm.get_submodule(parent) if parent else gm), name
     if getattr(module, "activation_post_process", None) is not None:
@@ -190,12 +258,13 @@ def _quantizer_of(gm: fx.GraphModule, node: fx.Node):
 
 
 def _link_input_quantizers(gm: fx.GraphModule) -> None:
-    """Give each BPU weight layer the quantizer of its input: its bias is quantized at s_in * s_w."""
+    """Give each BPU weight layer (and BatchNorm2d) the quantizer of its input: its bias is
+    quantized at s_in * s_w."""
     for node in gm.graph.nodes:
         if node.op != "call_module" or placement(node) != BPU or not node.args:
             continue
         module = gm.get_submodule(node.target)
-        if not has_weight_layer(module) or not isinstance(node.args[0], fx.Node):
+        if not needs_input_quantizer(module) or not isinstance(node.args[0], fx.Node):
             continue
         holder = _quantizer_of(gm, node.args[0])
         set_input_quantizer(module, getattr(holder[0], holder[1]) if holder is not None else None)

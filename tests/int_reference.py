@@ -253,6 +253,21 @@ def ref_mul(qa, qb, M, n, dtype: str) -> np.ndarray:
     return _vec(lambda a, b: clamp(requant_value(a * b, M, n), dtype), qa, qb)
 
 
+def ref_div(qa, qb, a_scale: float, b_scale: float, out_scale: float, b_dtype: str, dtype: str) -> np.ndarray:
+    """a / b through a reciprocal multiplier per divisor code, recomputed here from the scales
+    (``s_a / (s_b * s_out) / q`` in float64, 31-bit multipliers); b == 0 saturates by a's sign."""
+    lo, hi = RANGES[b_dtype]
+    base = f32(a_scale) / (f32(b_scale) * f32(out_scale))
+    table = {q: ref_requant_params(base / q, 31, 61) for q in range(lo, hi + 1) if q}
+    qmin, qmax = RANGES[dtype]
+
+    def one(a, b):
+        if b == 0:
+            return qmax if a > 0 else (qmin if a < 0 else 0)
+        return clamp(requant_value(a, *table[b]), dtype)
+    return _vec(one, qa, qb)
+
+
 def ref_prelu(q, Mp, np_, Mn, nn_, dtype: str, axis: Optional[int]) -> np.ndarray:
     q = np.asarray(q, dtype=np.int64)
     pos = ref_requantize(q, Mp, np_, dtype)
@@ -396,6 +411,12 @@ def run_op(op, args: Sequence[np.ndarray], specs: dict) -> np.ndarray:
     if k == "matmul":
         acc = check_int32(ref_matmul(*args), op.output)
         return ref_requantize(acc, int(T["M"]), int(T["n"]), out_dtype)
+    if k == "constant":
+        return np.asarray(T["value"], dtype=np.int64)
+    if "constant" in T and len(args) == 1:  # add / sub / mul with a constant operand
+        args = [T["constant"], args[0]] if a["constant_index"] == 0 else [args[0], T["constant"]]
+    if k == "div":
+        return ref_div(args[0], args[1], a["a_scale"], a["b_scale"], a["out_scale"], a["b_dtype"], out_dtype)
     if k in ("add", "sub"):
         return ref_addsub(args[0], int(T["Ma"]), int(T["na"]), args[1], int(T["Mb"]), int(T["nb"]), out_dtype,
                           1 if k == "add" else -1)

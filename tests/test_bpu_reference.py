@@ -270,6 +270,60 @@ def test_mul_tensor_and_constant():
     check_all(t.build(c), t)
 
 
+@pytest.mark.parametrize("op,index,alpha", [("add", 1, 1.0), ("add", 0, 1.0), ("sub", 1, 1.0), ("sub", 0, 1.0),
+                                              ("add", 1, -2.0), ("sub", 0, 0.5), ("mul", 1, 1.0), ("mul", 0, 1.0)])
+@pytest.mark.parametrize("dtype", ["qint8", "qint16"])
+def test_constant_operand(op, index, alpha, dtype):
+    """add / sub / mul with a constant tensor held by the module (broadcast NC11), at either position."""
+    t = Tiny(seed=20)
+    scale = 0.03 if dtype == "qint8" else 0.0003
+    x = t.rand_input((2, 3, 4, 4), scale, dtype)
+    const = rand_w(t.gen, (1, 3, 1, 1)).to(torch.int8)
+    m = qnn.QuantizedConstantOperand(op, scale, const, 0.02, index, 0.05, "qint8", alpha=alpha)
+    prog = check_all(t.build(t.call(m, x, name="cop")), t)
+    (op_,) = [o for o in prog.ops if o.output == "cop"]
+    assert op_.inputs == ["x0_q"] and torch.equal(op_.tensors["constant"], const)
+    assert op_.kind == m.qc_op and op_.attrs["constant_index"] == index
+
+
+@pytest.mark.parametrize("c", [1.0, -0.3, 0.0])
+def test_constant_operand_number_is_exact(c):
+    """A number c is the integer sign(c) at scale |c|: y = round((q*s_x + c) / s_out) with ties to even."""
+    t = Tiny(seed=21)
+    x = t.rand_input((1, 2, 5, 5), 0.25)
+    q = torch.tensor((c > 0) - (c < 0), dtype=torch.int8)
+    m = qnn.QuantizedConstantOperand("add", 0.25, q, abs(c) or 1.0, 1, 0.5, "qint8")
+    gm = t.build(t.call(m, x, name="addc"))
+    check_all(gm, t)
+    xi = fp.quantize(t.inputs[0], 0.25)
+    want = torch.clamp(torch.round((xi.double() * 0.25 + c) / 0.5), -128, 127)
+    assert torch.equal(gm(*t.inputs).int_repr().double(), want)
+
+
+@pytest.mark.parametrize("b_dtype", ["qint8", "qint16"])
+def test_div_with_zero_divisors(b_dtype):
+    """a / b by a reciprocal table; every divisor code appears, 0 included (saturates by a's sign)."""
+    t = Tiny(seed=22)
+    lo, hi = fp.qrange(b_dtype)
+    codes = torch.arange(-128, 128) if b_dtype == "qint8" else torch.randint(lo, hi + 1, (256,), generator=t.gen)
+    codes[:3] = 0
+    a_ints = torch.randint(-128, 128, (2, 256), generator=t.gen)
+    a_ints[:, 0], a_ints[:, 1], a_ints[:, 2] = 5, -7, 0  # x/0 -> qmax, -x/0 -> qmin, 0/0 -> 0
+    a = t.input(a_ints, 0.04)
+    b = t.input(codes.expand(2, 256).clone(), 0.01 if b_dtype == "qint8" else 0.0001, b_dtype)
+    m = qnn.QuantizedDiv(0.04, 0.01 if b_dtype == "qint8" else 0.0001, b_dtype, 0.05, "qint8")
+    gm = t.build(t.call(m, a, b, name="div"))
+    prog = check_all(gm, t)
+    assert prog.ops[-1].kind == "div" and prog.ops[-1].tensors["M"].numel() == hi - lo + 1
+    y = gm(*t.inputs).int_repr()
+    assert y[:, 0].tolist() == [127, 127] and y[:, 1].tolist() == [-128, -128] and y[:, 2].tolist() == [0, 0]
+    # elsewhere: the quotient rounded once, half to even, as the fake-quant model rounds it
+    nz = codes != 0
+    sa, sb, so = (float(torch.tensor(v)) for v in (0.04, 0.01 if b_dtype == "qint8" else 0.0001, 0.05))  # float32
+    real = (a_ints.double() * sa) / (codes.double() * sb) / so
+    assert torch.equal(y[:, nz].double(), torch.round(real[:, nz]).clamp(-128, 127))
+
+
 def test_cat_matmul_relu_relu6():
     t = Tiny(seed=11)
     a = t.rand_input((2, 2, 3, 4), 0.03)

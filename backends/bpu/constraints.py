@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch.nn as nn
+
 from qcompiler.backends.bpu.op_info import OpInfo
 from qcompiler.quantization.fixed_point import max_pool_out_size
 
@@ -303,11 +305,20 @@ def nchw_or_nc11_broadcast() -> Constraint:
 
 
 def feature_map_operands(minimum: int) -> Constraint:
-    def check(info):
-        n = sum(1 for s in info.in_shapes if s is not None)
-        return f"{n} feature-map operand(s); needs {minimum}" if n < minimum else None
+    """At least ``minimum`` operands computed at run time (constants -- numbers, buffers,
+    parameters -- do not count): an op on constants only is not a BPU op."""
 
-    return Constraint(f"{minimum} feature-map operands", check)
+    def check(info):
+        n = info.attrs.get("feature_map_operands")
+        if n is None:
+            n = sum(1 for s in info.in_shapes if s is not None)
+        if n >= minimum:
+            return None
+        if n == 0:
+            return "no run-time operand: it computes on constants only (numbers, buffers, parameters)"
+        return f"{n} feature-map operand(s); needs {minimum}"
+
+    return Constraint(f"{minimum} feature-map operand(s)", check)
 
 
 def max_constant_operands(limit: int) -> Constraint:
@@ -316,6 +327,57 @@ def max_constant_operands(limit: int) -> Constraint:
         return f"{n} constant operands > {limit}" if n > limit else None
 
     return Constraint(f"at most {limit} constant operand", check)
+
+
+def true_division() -> Constraint:
+    """div rounds once at the output scale (a reciprocal table); floor / trunc division is not that."""
+
+    def check(info):
+        mode = info.attrs.get("rounding_mode")
+        return f"div with rounding_mode={mode!r} (the BPU divides exactly, then requantizes)" if mode else None
+
+    return Constraint("true division", check)
+
+
+def constant_weight() -> Constraint:
+    """A functional prelu's slope is folded into multipliers at convert time: it must be a
+    buffer or parameter of the model, not a value computed in forward."""
+
+    def check(info):
+        if info.attrs.get("weight_constant", True):
+            return None
+        return "the slope is computed at run time (the BPU takes a constant slope: a parameter or buffer)"
+
+    return Constraint("constant weight", check)
+
+
+def module_form() -> Constraint:
+    """conv / conv-transpose / linear run on the BPU as modules, whose weights prepare
+    quantizes (weight fake quant, bias grid); a functional call with a weight tensor stays on CPU."""
+
+    def check(info):
+        if info.module is not None:
+            return None
+        return (f"functional {info.op} (the BPU lowers nn.Conv2d / nn.ConvTranspose2d / nn.Linear modules, "
+                f"whose weights prepare quantizes)")
+
+    return Constraint("a module (not the functional form)", check)
+
+
+def batch_norm_affine() -> Constraint:
+    """A standalone BN runs as a per-channel affine (a depthwise 1x1 layer) from an
+    nn.BatchNorm2d's running statistics: the functional form, or a BN without running
+    statistics (it normalizes with each batch's), stay on CPU."""
+
+    def check(info):
+        bn = info.module
+        if not isinstance(bn, nn.BatchNorm2d):
+            return "functional batch_norm (the BPU lowers an nn.BatchNorm2d module with running statistics)"
+        if bn.running_mean is None or bn.running_var is None:
+            return "BatchNorm2d without running statistics (track_running_stats=False) is not a fixed affine"
+        return None
+
+    return Constraint("nn.BatchNorm2d with running statistics", check)
 
 
 def rank_between(lo: int, hi: int) -> Constraint:

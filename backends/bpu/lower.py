@@ -217,7 +217,9 @@ class _Lowering:
         for cls, fn in (
             (qnn.Quantize, self._quantize), (qnn.DeQuantize, self._dequantize),
             (qnn.QuantizedWeightLayer, self._weight_layer), (qnn.QuantizedAdd, self._add),
-            (qnn.QuantizedMul, self._mul), (qnn.QuantizedCat, self._cat), (qnn.QuantizedMatmul, self._matmul),
+            (qnn.QuantizedMul, self._mul), (qnn.QuantizedConstantOperand, self._constant_operand),
+            (qnn.QuantizedDiv, self._div), (qnn.QuantizedConstant, self._constant),
+            (qnn.QuantizedCat, self._cat), (qnn.QuantizedMatmul, self._matmul),
             (qnn.QuantizedLookup, self._lut), (qnn.QuantizedAvgPool, self._avg_pool),
             (qnn.QuantizedResize, self._resize), (qnn.QuantizedPReLU, self._prelu),
             (qnn.QuantizedSameScale, self._same_scale),
@@ -296,6 +298,33 @@ class _Lowering:
         const = m.constant if m.constant is not None else (b if q is a else a)
         attrs.update(const=float(const), sign=int(m.sign))
         return BpuOp("mul", [q.name], node.name, attrs, tensors)
+
+    def _constant_operand(self, node, m: qnn.QuantizedConstantOperand) -> BpuOp:
+        """add / sub / mul with a constant: one input, the integers as tensor 'constant'."""
+        x = node.args[0] if node.args else None
+        spec = self.per_tensor(node, x)
+        if spec.scale != m.x_scale:
+            raise self.fail(node, f"input scale {spec.scale!r} differs from the module's {m.x_scale!r}")
+        attrs = {"constant_index": m.const_index, "constant_scale": m.const_scale, **self.out(self.specs.of(node))}
+        if m.qc_op == "mul":
+            tensors = {"M": torch.tensor(m.M, dtype=torch.int64), "n": torch.tensor(m.n, dtype=torch.int64)}
+        else:
+            tensors = {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(("Ma", "na", "Mb", "nb"), m.params)}
+        tensors["constant"] = m.constant
+        return BpuOp(m.qc_op, [x.name], node.name, attrs, tensors)
+
+    def _constant(self, node, m: qnn.QuantizedConstant) -> BpuOp:
+        return BpuOp("constant", [], node.name, self.out(self.specs.of(node)), {"value": m.value})
+
+    def _div(self, node, m: qnn.QuantizedDiv) -> BpuOp:
+        a, b = node.args[0], node.args[1]
+        sa = self.per_tensor(node, a, "dividend")
+        sb = self.per_tensor(node, b, "divisor")
+        if (sa.scale, sb.scale, sb.dtype) != (m.sa, m.sb, _dtype_name(m.b_dtype)):
+            raise self.fail(node, f"operand quantization ({sa.describe()}, {sb.describe()}) differs from the "
+                                  f"module's (scales {m.sa!r}, {m.sb!r}, divisor {m.b_dtype})")
+        attrs = {"a_scale": m.sa, "b_scale": m.sb, "b_dtype": sb.dtype, **self.out(self.specs.of(node))}
+        return BpuOp("div", [a.name, b.name], node.name, attrs, {"M": m.M, "n": m.n})
 
     def _cat(self, node, m: qnn.QuantizedCat) -> BpuOp:
         tensors_arg = node.args[0] if node.args else node.kwargs.get("tensors")

@@ -128,31 +128,62 @@ def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModu
     return {"output_size": _pair(size) if size is not None else None}
 
 
+# functional ops whose argument at this index is a parameter (a weight), not an operand: it is
+# not one of the tensors the march-wide limits look at, and must be a constant
+_PARAMETER_ARGS = {"prelu": 1}
+
+
+def _is_number(a: Any) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
+
+
 def op_info(node: fx.Node, op: str, gm: fx.GraphModule, modules: dict[str, nn.Module]) -> OpInfo:
-    """Build the OpInfo of a call node whose canonical op is ``op``."""
+    """Build the OpInfo of a call node whose canonical op is ``op``.
+
+    ``attrs["constant_operands"]`` counts Python numbers and constant tensors (``get_attr``:
+    buffers, parameters) among the positional operands, ``attrs["feature_map_operands"]``
+    the other tensors (values computed at run time).
+    """
     module = modules.get(node.target) if node.op == "call_module" else None
     in_shapes: list[Optional[tuple[int, ...]]] = []
-    for a in node.args:
+    constants = feature_maps = 0
+    attrs: dict[str, Any] = {}
+    param_index = _PARAMETER_ARGS.get(op) if node.op == "call_function" else None
+    if param_index is not None and "weight" in node.kwargs:
+        w = node.kwargs["weight"]
+        attrs["weight_constant"] = isinstance(w, fx.Node) and w.op == "get_attr"
+    for i, a in enumerate(node.args):
+        if i == param_index:
+            attrs["weight_constant"] = isinstance(a, fx.Node) and a.op == "get_attr"
+            in_shapes.append(None)
+            continue
         if isinstance(a, fx.Node):
             info = a.meta.get(META_TENSOR)
             in_shapes.append(info.shape if isinstance(info, TensorInfo) else None)
+            if a.op == "get_attr":
+                constants += 1
+            elif isinstance(info, TensorInfo):
+                feature_maps += 1
         elif isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
             in_shapes.extend(x.meta[META_TENSOR].shape if isinstance(x.meta.get(META_TENSOR), TensorInfo) else None for x in a)
+            constants += sum(1 for x in a if x.op == "get_attr")
+            feature_maps += sum(1 for x in a if x.op != "get_attr" and isinstance(x.meta.get(META_TENSOR), TensorInfo))
         else:
             in_shapes.append(None)
+            constants += _is_number(a)
     out_shapes = [t.shape for t in _flat_infos(node.meta.get(META_TENSOR))]
-    attrs: dict[str, Any] = {}
     if op in ("conv2d", "conv_transpose2d"):
-        attrs = _conv_attrs(module, node, gm, transposed=(op == "conv_transpose2d"))
+        attrs.update(_conv_attrs(module, node, gm, transposed=(op == "conv_transpose2d")))
     elif op in ("max_pool2d", "avg_pool2d"):
-        attrs = _pool_attrs(module, node, gm)
+        attrs.update(_pool_attrs(module, node, gm))
     elif op == "interpolate":
-        attrs = _interp_attrs(module, node, gm)
+        attrs.update(_interp_attrs(module, node, gm))
     elif op in ("cat", "mean", "softmax"):
-        attrs = _dim_attr(node, gm)
+        attrs.update(_dim_attr(node, gm))
     elif op == "adaptive_avg_pool2d":
-        attrs = _adaptive_attrs(module, node, gm)
-    attrs["constant_operands"] = sum(
-        1 for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)
-    )
+        attrs.update(_adaptive_attrs(module, node, gm))
+    elif op == "div":
+        attrs["rounding_mode"] = node.kwargs.get("rounding_mode")
+    attrs["constant_operands"] = constants
+    attrs["feature_map_operands"] = feature_maps
     return OpInfo(node, op, module, in_shapes, out_shapes, attrs)

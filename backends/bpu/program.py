@@ -59,10 +59,15 @@ OP_KINDS: dict[str, str] = {
     "conv_transpose2d": "int8 transposed conv2d, same epilogue as conv2d",
     "linear": "int8 linear, same epilogue as conv2d (channel axis -1)",
     "matmul": "matmul of two feature maps, requantized",
-    "add": "a*Ma/2^na + b*Mb/2^nb, one rounding",
-    "sub": "a*Ma/2^na - b*Mb/2^nb, one rounding",
-    "mul": "a*b (or sign*a for a constant) requantized by M/2^n",
+    "add": "a*Ma/2^na + b*Mb/2^nb, one rounding; with one input, tensor 'constant' is the operand at "
+           "position attrs['constant_index']",
+    "sub": "a*Ma/2^na - b*Mb/2^nb, one rounding; one input: as add",
+    "mul": "a*b requantized by M/2^n; one input: a times tensor 'constant' (at attrs['constant_index']), "
+           "or sign*a for a number (attrs const, sign)",
+    "div": "a * M[b]/2^n[b] from a reciprocal table indexed by b - qmin (fixed_point.int_div); b == 0 "
+           "saturates to qmax / qmin by the sign of a (0 for a == 0)",
     "cat": "concat after requantizing input i by M[i]/2^n[i]",
+    "constant": "no input: tensor 'value' (integers at the op's out_scale), e.g. a layer's fused add operand",
     "relu": "max(q, 0)",
     "relu6": "clamp(q, 0, attrs['max']); with tensors M, n (its own output scale): "
              "clamp(requant(q, M, n), 0, attrs['max'])",

@@ -241,13 +241,19 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
     if k in ("add", "sub"):
         Ma, na, Mb, nb = (int(T[t]) for t in ("Ma", "na", "Mb", "nb"))
         fn = fp.int_add if k == "add" else fp.int_sub
-        return lambda x, y: fn(x, Ma, na, y, Mb, nb, out_dtype, op=name)
+        return _with_constant(op, lambda x, y: fn(x, Ma, na, y, Mb, nb, out_dtype, op=name))
     if k == "mul":
         M, n = T["M"], T["n"]
-        if len(op.inputs) == 2:
-            return lambda x, y: fp.int_mul(x, y, M, n, out_dtype, op=name)
+        if len(op.inputs) == 2 or "constant" in T:
+            return _with_constant(op, lambda x, y: fp.int_mul(x, y, M, n, out_dtype, op=name))
         sign = int(a["sign"])
         return lambda x: fp.requantize(sign * x.to(torch.int64), M, n, out_dtype, op=name)
+    if k == "constant":
+        value = T["value"]
+        return lambda: value
+    if k == "div":
+        M, n, b_dtype = T["M"], T["n"], a["b_dtype"]
+        return lambda x, y: fp.int_div(x, y, M, n, b_dtype, out_dtype, op=name)
     if k == "cat":
         Ms, ns, dim = T["M"].tolist(), T["n"].tolist(), int(a["dim"])
         params = [(torch.tensor(M, dtype=torch.int64), torch.tensor(n, dtype=torch.int64)) for M, n in zip(Ms, ns)]
@@ -349,6 +355,17 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         idx = decode_index(a["index"])
         return lambda x: x[idx]
     raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {k!r}")
+
+
+def _with_constant(op: BpuOp, binary: Callable) -> Callable:
+    """A binary kernel; with one input, the op's tensor 'constant' is the other operand
+    (at position attrs['constant_index'])."""
+    if "constant" not in op.tensors:
+        return binary
+    const = op.tensors["constant"]
+    if int(op.attrs["constant_index"]) == 0:
+        return lambda x: binary(const, x)
+    return lambda x: binary(x, const)
 
 
 def _dequantize(spec: ValueSpec) -> Callable:

@@ -240,8 +240,11 @@ def layer_norm(ctx: NodeContext) -> Tensor:
 
 
 def batch_norm(ctx: NodeContext) -> Tensor:
-    """Inference BatchNormalization with the running statistics (export is eval)."""
+    """Inference BatchNormalization with the running statistics (export is eval); a BPU
+    BatchNorm2d of a prepared model, quantized, is the depthwise 1x1 conv the BPU computes."""
     x = ctx.x()
+    if ctx.module is not None and ctx.quant.quantize and ctx.module.__dict__.get("_qc_input_quantizer") is not None:
+        return _quantized_batch_norm(ctx, x)
     if ctx.module is not None:
         m = ctx.module
         if m.running_mean is None:
@@ -259,6 +262,40 @@ def batch_norm(ctx: NodeContext) -> Tensor:
         bias = ctx.tensor(ba) if ba is not None else ctx.const("bias", np.zeros(c, np.float32))
         eps = ctx.arg(7, "eps", 1e-5)
     return ctx.make("BatchNormalization", [x, scale, bias, mean, var], epsilon=float(eps))
+
+
+def _quantized_batch_norm(ctx: NodeContext, x: str) -> Tensor:
+    """``qat.BatchNorm2d`` as convert lowers it: weights ``+-127`` at ``|a_c| / 127``
+    (``qat.bn_weight``), the bias on the grid ``s_in * s_w``; scales in the sidecar."""
+    from qcompiler.nn.qat import bn_affine, bn_weight
+
+    m, path = ctx.module, ctx.path
+    qin = ctx.quant.qparams(m.__dict__["_qc_input_quantizer"], f"{path} input quantizer")
+    if qin is None:  # an input quantizer without a scale (a bare boundary marker): float BN
+        params = [ctx.param(m, a, path) for a in ("weight", "bias", "running_mean", "running_var")]
+        return ctx.make("BatchNormalization", [x, *params], epsilon=float(m.eps))
+    a, b = bn_affine(m)
+    q, s_w = bn_weight(a)
+    c = q.numel()
+    grid = torch.tensor(qin[0], dtype=torch.float64) * s_w.double()
+    b_int = torch.clamp(torch.round(b / grid), -(2 ** 31), 2 ** 31 - 1)
+    w = quantized_initializer(ctx, f"{path}.weight", q.reshape(c, 1, 1, 1), s_w, 0, "qint8")
+    bias = quantized_initializer(ctx, f"{path}.bias", b_int, grid, 0, "qint32")
+    return conv(ctx, x, w, bias, (c, 1, 1, 1), 1, 0, 1, c)
+
+
+def quantized_initializer(ctx: NodeContext, name: str, q: torch.Tensor, scales: torch.Tensor,
+                          axis: Optional[int], dtype: str) -> Tensor:
+    """The dequantized integers ``q * scale`` (per tensor, or per channel along ``axis``) as a
+    float initializer; its scales go to the sidecar's weights when quantizing."""
+    s = scales.double().reshape(-1)
+    shape = [1] * q.dim()
+    if s.numel() > 1:
+        shape[axis] = -1
+    t = ctx.initializer(name, to_numpy((q.double() * s.reshape(shape)).float()))
+    if ctx.quant.quantize:
+        ctx.quant.weights[t] = {"scales": [float(v) for v in s.tolist()], "axis": axis, "dtype": dtype}
+    return t
 
 
 # ---------------------------------------------------------------------------
@@ -1052,6 +1089,43 @@ def lstm(ctx: NodeContext):
     h_n = hs[0] if L == 1 else ctx.make("Concat", hs, tag="h_n", axis=0)
     c_n = cs[0] if L == 1 else ctx.make("Concat", cs, tag="c_n", axis=0)
     return (out, (h_n, c_n))
+
+
+# ---------------------------------------------------------------------------
+# converted (fixed-point) modules added here; quant.py has the others
+
+
+def converted_constant_operand(ctx: NodeContext) -> Tensor:
+    """QuantizedConstantOperand: the float op on the dequantized feature map and the constant
+    (an initializer ``q * s``, listed in the sidecar like a weight), quantized once at the
+    output scale (the BPU's one requantization)."""
+    from qcompiler.quantization.fixed_point import dtype_name
+
+    m, path = ctx.module, ctx.path
+    c = quantized_initializer(ctx, f"{path}.constant", m.constant, torch.tensor([m.const_scale], dtype=torch.float64),
+                              None, dtype_name(m.constant.dtype))
+    ins = [ctx.x(), c] if m.const_index == 1 else [c, ctx.x()]
+    if m.qc_op != "mul" and abs(m.alpha) != 1.0:  # alpha scales operand 1; its sign is in add/sub
+        ins[1] = ctx.make("Mul", [ins[1], ctx.const("alpha", abs(m.alpha))], tag="alpha")
+    y = ctx.make({"add": "Add", "sub": "Sub", "mul": "Mul"}[m.qc_op], ins)
+    return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, path)
+
+
+def converted_constant(ctx: NodeContext) -> Tensor:
+    """QuantizedConstant: its dequantized integers as an initializer (scale in the sidecar)."""
+    from qcompiler.quantization.fixed_point import dtype_name
+
+    m = ctx.module
+    return quantized_initializer(ctx, f"{ctx.path}.value", m.value, torch.tensor([m.out_scale], dtype=torch.float64),
+                                 None, dtype_name(m.value.dtype))
+
+
+def converted_div(ctx: NodeContext) -> Tensor:
+    """QuantizedDiv: Div of the dequantized operands, quantized at the output scale. (A zero
+    divisor gives +-inf, which QuantizeLinear saturates like the BPU; 0/0 is NaN here, 0 there.)"""
+    m = ctx.module
+    y = ctx.make("Div", [ctx.tensor(ctx.arg(0, "input")), ctx.tensor(ctx.arg(1, "other"))])
+    return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, ctx.path)
 
 
 # ---------------------------------------------------------------------------

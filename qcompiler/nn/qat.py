@@ -17,7 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qcompiler.nn import fused
-from qcompiler.quantization.fake_quantize import FakeQuantize
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
+from qcompiler.quantization.fixed_point import quantize, symmetric_scale
+from qcompiler.quantization.observer import MinMaxObserver, MovingAverageMinMaxObserver
 
 
 def output_channel_scales(layer: nn.Module, weight_scales: torch.Tensor) -> torch.Tensor:
@@ -139,11 +141,53 @@ class PReLU(nn.PReLU):
         return F.prelu(x, self.weight.to(x.dtype))
 
 
+def prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.prelu whose slope follows the input's dtype: the functional form of a BPU prelu in a
+    prepared model (F.prelu refuses a float32 slope on the float64 values of an evaluated
+    fake-quant model)."""
+    return F.prelu(x, weight.to(x.dtype))
+
+
+def bn_affine(bn: nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` in float64 with ``bn(x) = a[c] * x + b[c]`` (running statistics, eval semantics).
+
+    The one place both the fake-quant model and convert take a standalone BN's affine from.
+    """
+    with torch.no_grad():
+        mean, var = bn.running_mean.double(), bn.running_var.double()
+        gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones_like(mean)
+        beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(mean)
+        a = gamma / torch.sqrt(var + bn.eps)
+        return a, beta - mean * a
+
+
+def bn_weight(a: torch.Tensor, dtype: str = "qint8") -> tuple[torch.Tensor, torch.Tensor]:
+    """A BN factor as per-channel weights: scale ``|a_c| / qmax`` (float32) and the integer
+    ``round(a_c / scale)`` (= +-qmax), so ``q * scale`` is ``a_c`` up to the scale's rounding."""
+    scale = symmetric_scale(a.abs(), dtype)
+    return quantize(a, scale, dtype, axis=0), scale
+
+
 class BatchNorm2d(nn.BatchNorm2d):
-    """nn.BatchNorm2d (unfused, on the BPU) following the input's dtype; eval statistics."""
+    """nn.BatchNorm2d (unfused, on the BPU) following the input's dtype.
+
+    Evaluated with fake quant on (its input quantizer fake-quantizes), it computes what the
+    BPU computes, a depthwise 1x1 layer: ``x * (q_w * s_w) + b`` with the factor as
+    :func:`bn_weight` and the bias on the grid ``s_in * s_w`` (as ``_Observed._qbias``), in
+    float64. Otherwise (training, calibration) it is a plain BN.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training or x.dtype == self.weight.dtype:
+        src = self.__dict__.get("_qc_input_quantizer")
+        if not self.training and self.running_mean is not None and _fake_quantizing(src):
+            a, b = bn_affine(self)
+            q, s_w = bn_weight(a)
+            grid = src.scale.double() * s_w.double()
+            b = torch.round(b / grid).clamp(-(2 ** 31), 2 ** 31 - 1) * grid
+            shape = (1, -1) + (1,) * (x.dim() - 2)
+            w = q.double() * s_w.double()
+            return (x.double() * w.reshape(shape) + b.reshape(shape)).to(x.dtype)
+        if self.training or self.running_mean is None or x.dtype == self.running_mean.dtype:
             return super().forward(x)
         cast = [None if t is None else t.to(x.dtype) for t in (self.running_mean, self.running_var, self.weight, self.bias)]
         return F.batch_norm(x, cast[0], cast[1], cast[2], cast[3], False, 0.0, self.eps)
@@ -192,6 +236,16 @@ def observe_layer(
     return cls.from_float(module, weight_fake_quant, activation_post_process)
 
 
+def constant_quantizer(kind: str, dtype: str) -> nn.Module:
+    """The quantizer of a constant tensor operand (a buffer or parameter a BPU add/sub/mul reads):
+    per tensor and symmetric like a weight (scale max|c| / qmax), a calibration observer or a
+    fake quant by ``kind`` ("calibration" / "qat"). Per tensor because the BPU adds or multiplies
+    the constant with one multiplier."""
+    if kind == "calibration":
+        return CalibFakeQuantize(MinMaxObserver(dtype=dtype))
+    return FakeQuantize(MovingAverageMinMaxObserver(dtype=dtype), dtype)
+
+
 def set_input_quantizer(layer: nn.Module, quantizer: Optional[nn.Module]) -> None:
     """Tell an observed layer which quantizer gives its input its scale (for the bias grid).
 
@@ -199,6 +253,11 @@ def set_input_quantizer(layer: nn.Module, quantizer: Optional[nn.Module]) -> Non
     """
     base = layer.op if isinstance(layer, fused.FusedModule) else layer
     object.__setattr__(base, "_qc_input_quantizer", quantizer)
+
+
+def needs_input_quantizer(module: nn.Module) -> bool:
+    """Layers whose bias is put on the grid ``s_in * s_w``: weight layers and the BPU BatchNorm2d."""
+    return has_weight_layer(module) or isinstance(module, BatchNorm2d)
 
 
 def has_weight_layer(module: nn.Module) -> bool:

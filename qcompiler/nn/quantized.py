@@ -211,6 +211,94 @@ class QuantizedMul(QuantizedModule):
         return _q(y, self.out_scale)
 
 
+class QuantizedConstantOperand(QuantizedModule):
+    """add / sub / mul of a feature map and a constant the module holds as integers.
+
+    The constant (a buffer or parameter quantized per tensor like a weight, or a Python number
+    as ``sign(c)`` at scale ``|c|``, exact) sits at operand position ``const_index`` of the
+    traced call; the call's other operand is the feature map. add/sub: one rounding of
+    ``q0*M0/2**n0 +- q1*M1/2**n1`` (``alpha`` folded into operand 1's multiplier, its sign
+    into add/sub, as :class:`QuantizedAdd`); mul: ``requantize(qx * qc)``. The factors are
+    taken in float64 from the scales, so a number's scale ``|c|`` is not rounded to float32.
+    """
+
+    def __init__(self, op: str, x_scale: float, constant: torch.Tensor, const_scale: float, const_index: int,
+                 out_scale: float, out_dtype: str, alpha: float = 1.0) -> None:
+        super().__init__()
+        if op not in ("add", "sub", "mul") or const_index not in (0, 1):
+            raise ValueError(f"QuantizedConstantOperand: op {op!r} at index {const_index!r}")
+        self.alpha = float(alpha)
+        self.qc_op = op if op == "mul" else ("sub" if (op == "sub") != (self.alpha < 0) else "add")
+        self.const_index, self.const_scale = int(const_index), float(const_scale)
+        self.x_scale, self.out_scale, self.out_dtype = float(x_scale), float(out_scale), out_dtype
+        self.register_buffer("constant", constant)
+        so = self.out_scale
+        if op == "mul":
+            self.M, self.n = (int(v) for v in _params(self.x_scale * self.const_scale / so))
+        else:
+            scales = [self.x_scale, self.const_scale] if self.const_index == 1 else [self.const_scale, self.x_scale]
+            scales[1] *= abs(self.alpha)
+            (M0, n0), (M1, n1) = (_params(v / so) for v in scales)
+            self.params = (int(M0), int(n0), int(M1), int(n1))
+
+    def operands(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integer operands in the traced call's order."""
+        return (q, self.constant) if self.const_index == 1 else (self.constant, q)
+
+    def forward(self, x: QTensor, *rest, **kwargs) -> QTensor:
+        a, b = self.operands(x.int_repr())
+        if self.qc_op == "mul":
+            return _q(fp.int_mul(a, b, self.M, self.n, self.out_dtype, op="mul"), self.out_scale)
+        fn = fp.int_sub if self.qc_op == "sub" else fp.int_add
+        return _q(fn(a, *self.params[:2], b, *self.params[2:], self.out_dtype, op=self.qc_op), self.out_scale)
+
+    def extra_repr(self) -> str:
+        side = "x, const" if self.const_index == 1 else "const, x"
+        return (f"{self.qc_op}({side}), constant={tuple(self.constant.shape)} at scale {self.const_scale:.6g}, "
+                f"out_scale={self.out_scale:.6g}")
+
+
+class QuantizedConstant(QuantizedModule):
+    """A constant as a BPU value (its integers and per-tensor scale), for ops that read their
+    operands as values: a cat, a layer fused with ``+ buffer``."""
+
+    qc_op = "constant"
+
+    def __init__(self, q: torch.Tensor, scale: float, dtype: str) -> None:
+        super().__init__()
+        self.out_scale, self.out_dtype = float(scale), dtype
+        self.register_buffer("value", q)
+
+    def forward(self, *args, **kwargs) -> QTensor:
+        return _q(self.value, self.out_scale)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.value.shape)} {self.out_dtype}, scale={self.out_scale:.6g}"
+
+
+class QuantizedDiv(QuantizedModule):
+    """a / b of two feature maps: ``qa`` times a reciprocal-table entry of ``qb`` (one integer
+    multiplier and shift per divisor code, ``s_a / (s_b * s_out * qb)``), rounded once.
+    A divisor code 0 saturates (``fixed_point.int_div``)."""
+
+    qc_op = "div"
+
+    def __init__(self, sa: float, sb: float, b_dtype: str, out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.sa, self.sb, self.b_dtype = float(sa), float(sb), b_dtype
+        self.out_scale, self.out_dtype = float(out_scale), out_dtype
+        M, n = fp.div_params(sa, sb, out_scale, b_dtype, mult_bits=MULT_BITS, max_shift=MAX_SHIFT)
+        self.register_buffer("M", M)
+        self.register_buffer("n", n)
+
+    def forward(self, a: QTensor, b: QTensor, *rest, **kwargs) -> QTensor:
+        y = fp.int_div(a.int_repr(), b.int_repr(), self.M, self.n, self.b_dtype, self.out_dtype, op="div")
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        return f"table={self.M.numel()} entries ({self.b_dtype} divisor), out_scale={self.out_scale:.6g}"
+
+
 class QuantizedCat(QuantizedModule):
     qc_op = "cat"
 

@@ -58,6 +58,8 @@ __all__ = [
     "int_add",
     "int_sub",
     "int_mul",
+    "div_params",
+    "int_div",
     "int_cat",
     "int_avg_pool2d",
     "int_global_avg_pool",
@@ -625,6 +627,51 @@ def int_mul(qa, qb, M, n, out_dtype="qint8", *, op: str = "mul") -> torch.Tensor
     exact in int64 and rounded once, half to even.
     """
     return requantize(_as_int64(qa) * _as_int64(qb), M, n, out_dtype, op=op)
+
+
+def div_params(scale_a: Scale, scale_b: Scale, scale_out: Scale, b_dtype="qint8", *, mult_bits: int = 15,
+               max_shift: int = 31) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reciprocal table of :func:`int_div`: ``(M, n)``, one entry per code ``q`` of the divisor
+    (index ``q - qmin``), with ``M[q] / 2**n[q] ~= s_a / (s_b * s_out * q)``.
+
+    ``s_a / (s_b * s_out)`` is formed in float64, then divided by each code (float64); the
+    entry of code 0 is ``(0, 0)`` (unused: :func:`int_div` saturates there).  256 entries for
+    a qint8 divisor, 65536 for qint16.  A factor too large for the multiplier raises
+    :class:`ConfigError` (as :func:`requant_params`).
+    """
+    if _norm_dtype(b_dtype) == "qint32":
+        raise ConfigError("div_params: a qint32 divisor would need a 2**32-entry table; use qint8/qint16")
+    lo, hi = qrange(b_dtype)
+    base = _f64(scale_a, "scale_a") / (_f64(scale_b, "scale_b") * _f64(scale_out, "scale_out"))
+    codes = torch.arange(lo, hi + 1, dtype=torch.float64)
+    real = torch.where(codes == 0, 0.0, base / torch.where(codes == 0, 1.0, codes))
+    return requant_params(real, mult_bits=mult_bits, max_shift=max_shift)
+
+
+def int_div(qa, qb, M, n, b_dtype="qint8", out_dtype="qint8", *, op: str = "div") -> torch.Tensor:
+    """Integer element-wise ``a / b`` of two feature maps through a reciprocal table.
+
+    ``y = clamp(round_half_even(qa * M[qb] / 2**n[qb]))`` exactly in int64, with ``(M, n)``
+    from :func:`div_params` (indexed by ``qb - qmin``): one rounding, like the fake-quant
+    model's ``round(a / b / s_out)``.  A divisor code 0 saturates: ``qmax`` for ``qa > 0``,
+    ``qmin`` for ``qa < 0`` (the fake-quant model's ``+-inf`` clamped) and 0 for ``qa == 0``
+    (where the float model gives NaN).  Operands broadcast like ``torch.div``.
+    """
+    a, b = _as_int64(qa), _as_int64(qb)
+    M, n = _as_int64(M), _as_int64(n)
+    lo, hi = qrange(b_dtype)
+    if M.dim() != 1 or M.shape != n.shape or M.numel() != hi - lo + 1:
+        raise ConfigError(f"{op}: the reciprocal table has {M.numel()} entries, expected {hi - lo + 1} for a "
+                          f"{_norm_dtype(b_dtype)} divisor")
+    if b.numel() and (int(b.min()) < lo or int(b.max()) > hi):
+        raise ConfigError(f"{op}: divisor values outside the {_norm_dtype(b_dtype)} range")
+    a, b = torch.broadcast_tensors(a, b)
+    Mq, nq = M[b - lo], n[b - lo]
+    _check_product(a, Mq, op)
+    y = rounding_shift(a * Mq, nq)
+    _, qmax = qrange(out_dtype)
+    y = torch.where(b == 0, torch.sign(a) * (qmax + 1), y)  # clamps to qmax / qmin below
+    return _clamp_to(y, out_dtype)
 
 
 def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: Scale,
