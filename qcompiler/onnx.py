@@ -179,9 +179,9 @@ def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Opt
         free = {a % len(info.shape) for a in axes}
         differ = [a for a, (e, g) in enumerate(zip(info.shape, given.shape)) if e != g and a not in free]
         if differ:
-            raise ConfigError(f"export_to_onnx: input '{name}' has shape {given.shape}, {traced}, or declare "
-                              f"axis {differ[0]} in dynamic_axes[{name!r}] if the model computes the same for "
-                              f"any size there")
+            hint = (f", or declare axis 0 in dynamic_axes[{name!r}] for a batch size that may vary"
+                    if differ == [0] else "")
+            raise ConfigError(f"export_to_onnx: input '{name}' has shape {given.shape}, {traced}{hint}")
         infos.append(info)
     return infos
 
