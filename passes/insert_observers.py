@@ -230,7 +230,8 @@ def _add_constant_quantizer(gm: fx.GraphModule, const: fx.Node, qc: QConfig) -> 
 
 
 def _check_high_precision_layer(node: fx.Node, module: nn.Module) -> None:
-    """A high-precision output is the layer's int32 accumulator: nothing can follow it inside the layer."""
+    """A high-precision output is the layer's int32 accumulator: nothing can follow it inside the
+    layer, and no BPU op can read it (they take int8/int16): it must leave the BPU."""
     after = [p for p in getattr(module, "fused_from", ()) if p in ("add", "relu", "relu6")]
     if after:
         names = node.meta.get(META_FUSED_FROM) or ()
@@ -240,6 +241,13 @@ def _check_high_precision_layer(node: fx.Node, module: nn.Module) -> None:
             f"the accumulator before the {'/'.join(after)}, so the layer cannot emit it. Give the "
             f"high-precision qconfig to a layer whose output is not added to or activated (typically the "
             f"model's last conv / linear), or use the default qconfig here.")
+    bpu_users = [u.name for u in node.users if placement(u) == BPU and u.meta.get(META_OP) != "dequant"]
+    if bpu_users:
+        raise ConfigError(
+            f"node '{node.name}': a high-precision (int32) output qconfig, but its output feeds BPU op(s) "
+            f"{', '.join(bpu_users)}, which take int8/int16 inputs. Give the high-precision qconfig only to a "
+            f"layer whose output leaves the BPU (a model output, or an op on CPU), or use the default "
+            f"qconfig here.")
 
 
 def _quantizer_of(gm: fx.GraphModule, node: fx.Node):

@@ -287,3 +287,28 @@ def test_high_precision_output_on_a_layer_fused_with_relu_or_add_is_refused(tail
                                           rf"with {tail} .*Give the high-precision qconfig to a layer"):
         prepare_qat_fx(model, qconfig, example_inputs=X)
     assert_untouched(model, snap)
+
+
+def test_high_precision_output_read_by_a_bpu_op_is_refused_at_prepare():
+    """An int32 output cannot feed another BPU op; the error names the producer, not the consumer."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(3, 3, 1)
+            self.c2 = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            return self.c2(self.c1(x))
+
+    model = M().eval()
+    snap = snapshot(model)
+    qconfig = {"": get_default_qat_qconfig(), "module_name": [("c1", get_default_qat_out_qconfig())]}
+    with pytest.raises(ConfigError, match=r"node 'c1': a high-precision \(int32\) output qconfig, but its output "
+                                          r"feeds BPU op\(s\) c2, which take int8/int16 inputs"):
+        prepare_qat_fx(model, qconfig, example_inputs=X)
+    assert_untouched(model, snap)
+    # the same qconfig on the last layer (its output leaves the BPU) is fine
+    qconfig = {"": get_default_qat_qconfig(), "module_name": [("c2", get_default_qat_out_qconfig())]}
+    gm = prepare_qat_fx(model, qconfig, example_inputs=X)
+    assert gm.get_submodule("c2").activation_post_process is None
