@@ -230,6 +230,41 @@ def test_qat_trains_through_constants_and_batch_norm():
         assert p.grad is not None and bool(p.grad.abs().sum() > 0)
 
 
+class _ZeroInitOffset(nn.Module):
+    """A learnable offset that starts at zero (a bias / layer-scale / position-embedding style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.p = nn.Parameter(torch.zeros(1, 4, 1, 1))
+
+    def forward(self, x):
+        return self.c(x) + self.p
+
+
+def test_qat_learns_a_constant_that_starts_at_zero():
+    """The constant's QAT range follows its current value: a lagging average clipped the
+    parameter at ~0, where the straight-through gradient is zero, so it never learned."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    model = _ZeroInitOffset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        qat = prepare_qat_fx(model, example_inputs=(x,), march="bayes")
+    qat.train()
+    opt = torch.optim.SGD([qat.p], lr=0.05)
+    torch.manual_seed(1)
+    for _ in range(200):  # the target wants p = 1 everywhere
+        xb = torch.randn(4, 3, 8, 8)
+        with torch.no_grad():
+            target = model.c(xb) + 1.0
+        loss = (qat(xb) - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.allclose(qat.p.detach(), torch.ones(1, 4, 1, 1), atol=0.05), qat.p.flatten().tolist()
+
+
 def test_div_by_a_zero_code_saturates_like_the_fake_quant_model():
     """A divisor quantized to 0: the fake-quant model gets +-inf, clamped by its output fake quant;
     the BPU saturates to the same qmax / qmin. 0 / 0 is 0 on the BPU (NaN in the float model)."""

@@ -240,10 +240,12 @@ def constant_quantizer(kind: str, dtype: str) -> nn.Module:
     """The quantizer of a constant tensor operand (a buffer or parameter a BPU add/sub/mul reads):
     per tensor and symmetric like a weight (scale max|c| / qmax), a calibration observer or a
     fake quant by ``kind`` ("calibration" / "qat"). Per tensor because the BPU adds or multiplies
-    the constant with one multiplier."""
+    the constant with one multiplier. In QAT the range is the current value's
+    (``averaging_constant=1``): a constant is known exactly at every step, and a lagging average
+    would clip a learnable constant that starts at zero, whose STE gradient is then zero for good."""
     if kind == "calibration":
         return CalibFakeQuantize(MinMaxObserver(dtype=dtype))
-    return FakeQuantize(MovingAverageMinMaxObserver(dtype=dtype), dtype)
+    return FakeQuantize(MovingAverageMinMaxObserver(averaging_constant=1.0, dtype=dtype), dtype)
 
 
 def set_input_quantizer(layer: nn.Module, quantizer: Optional[nn.Module]) -> None:
