@@ -209,6 +209,23 @@ def test_adds_of_constants_are_not_unfused_residual_adds():
     assert {u["nodes"][0]: u["nodes"] for u in r.unfused} == {"c": ["c", "bn"], "e": ["e", "add_4"]}
 
 
+class BufferAdd(nn.Module):
+    """conv + a broadcast buffer: a constant operand (lowered as such), no residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.register_buffer("offset", torch.randn(1, 3, 1, 1))
+
+    def forward(self, x):
+        return self.conv(x) + self.offset
+
+
+def test_add_of_a_buffer_is_not_an_unfused_residual_add():
+    for model in (BufferAdd().eval(), _qat(BufferAdd().eval())):
+        assert check_qat_model(model, X, verbose=False).unfused == []
+
+
 class DefaultedArgs(nn.Module):
     def __init__(self):
         super().__init__()

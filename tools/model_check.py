@@ -31,6 +31,7 @@ from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
 from qcompiler.ir.ops import node_op
 from qcompiler.nn.fused import FusedModule
 from qcompiler.nn.qat import has_weight_layer
+from qcompiler.passes.insert_observers import CONSTANT_QUANT
 from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.observer import ObserverBase
 
@@ -292,10 +293,16 @@ def _user_with_op(node: fx.Node, ops, modules, where, residual: bool = False) ->
 def _adds_a_tensor(add: fx.Node, value: fx.Node) -> bool:
     """True if ``add`` adds ``value`` once to another graph value (a residual add).
 
-    ``x + 1.0`` (a constant) or ``x + x`` is no residual add: the fuse pass rightly leaves it.
+    ``x + 1.0`` or ``x + buffer`` (a constant) or ``x + x`` is no residual add: the fuse pass leaves it.
     """
     operands = list(add.args) + [add.kwargs[k] for k in ("input", "other") if k in add.kwargs]
-    return operands.count(value) == 1 and any(isinstance(a, fx.Node) and a is not value for a in operands)
+    return operands.count(value) == 1 and any(isinstance(a, fx.Node) and a is not value and not _is_constant(a)
+                                              for a in operands)
+
+
+def _is_constant(node: fx.Node) -> bool:
+    """A buffer / parameter read (``get_attr``), or the quantizer prepare put on one."""
+    return node.op == "get_attr" or node.meta.get(META_STUB) == CONSTANT_QUANT
 
 
 def _why_not_fused(chain: list[fx.Node], modules, refs) -> str:
