@@ -215,7 +215,8 @@ class QuantizedConstantOperand(QuantizedModule):
     """add / sub / mul of a feature map and a constant the module holds as integers.
 
     The constant (a buffer or parameter quantized per tensor like a weight, or a Python number
-    as ``sign(c)`` at scale ``|c|``, exact) sits at operand position ``const_index`` of the
+    added / subtracted, as ``sign(c)`` at scale ``|c|``, exact; ``x * number`` is a
+    :class:`QuantizedMul`) sits at operand position ``const_index`` of the
     traced call; the call's other operand is the feature map. add/sub: one rounding of
     ``q0*M0/2**n0 +- q1*M1/2**n1`` (``alpha`` folded into operand 1's multiplier, its sign
     into add/sub, as :class:`QuantizedAdd`); mul: ``requantize(qx * qc)``. The factors are
