@@ -131,7 +131,7 @@ def _geometry(base: nn.Module, node: fx.Node) -> dict:
 
 def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     check_observed(gm)
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))  # optimize_graph shares cat quantizers
     qp: dict[fx.Node, _QParams] = {}
     consts: dict[fx.Node, _Constant] = {}
     converted_paths: set[str] = set()

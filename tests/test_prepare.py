@@ -190,6 +190,20 @@ def test_optimize_graph_shares_one_quantizer_for_cat():
     assert gm.a.activation_post_process is not gm.cat_activation_post_process
 
 
+def test_optimize_graph_model_converts_and_matches_its_fake_quant_model():
+    """convert_fx finds the shared cat quantizer under every name (it raised KeyError)."""
+    from qcompiler.quantization import convert_fx, set_state
+
+    torch.manual_seed(0)
+    x = torch.rand(2, 4, 8, 8)
+    cal = prepare_calibration_fx(Cat().eval(), example_inputs=x, optimize_graph=True)
+    calibrate(cal, [x])
+    qat = set_state(prepare_qat_fx(cal, optimize_graph=True), "validation").eval()
+    q = convert_fx(qat)
+    with torch.no_grad():
+        assert torch.equal(q(x), qat(x))
+
+
 def test_models_without_stubs_are_quantized_at_inputs_and_dequantized_at_outputs():
     gm = prepare_calibration_fx(Cat(), example_inputs=torch.rand(1, 4, 8, 8))
     seq = forward_sequence(gm)
