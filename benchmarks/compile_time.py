@@ -98,7 +98,6 @@ def crossing_overhead(repeat: int):
     gm = cm.converted
     cpu_nodes = {n for s in cm.runtime.steps if s.kind == "cpu" for n in s.nodes}
     eager = 0.0
-    env = {}
 
     class Timer(torch.fx.Interpreter):
         def run_node(self, n):
