@@ -279,22 +279,20 @@ def _quantized_batch_norm(ctx: NodeContext, x: str) -> Tensor:
     c = q.numel()
     grid = torch.tensor(qin[0], dtype=torch.float64) * s_w.double()
     b_int = torch.clamp(torch.round(b / grid), -(2 ** 31), 2 ** 31 - 1)
-    w = quantized_initializer(ctx, f"{path}.weight", q.reshape(c, 1, 1, 1), s_w, 0, "qint8")
-    bias = quantized_initializer(ctx, f"{path}.bias", b_int, grid, 0, "qint32")
+    w = ctx.quant._store_weight(ctx, path, q.reshape(c, 1, 1, 1), s_w, 0, 1, "qint8")
+    bias = ctx.quant._store_bias(ctx, path, b_int, grid)
     return conv(ctx, x, w, bias, (c, 1, 1, 1), 1, 0, 1, c)
 
 
-def quantized_initializer(ctx: NodeContext, name: str, q: torch.Tensor, scales: torch.Tensor,
-                          axis: Optional[int], dtype: str) -> Tensor:
-    """The dequantized integers ``q * scale`` (per tensor, or per channel along ``axis``) as a
-    float initializer; its scales go to the sidecar's weights when quantizing."""
-    s = scales.double().reshape(-1)
-    shape = [1] * q.dim()
-    if s.numel() > 1:
-        shape[axis] = -1
-    t = ctx.initializer(name, to_numpy((q.double() * s.reshape(shape)).float()))
+def quantized_constant(ctx: NodeContext, name: str, q: torch.Tensor, scale: float) -> Tensor:
+    """A constant's dequantized integers ``q * scale`` (one scale) as a float initializer; the
+    scale goes to the sidecar's weights when quantizing (weights and biases use
+    ``QuantState._store_weight`` / ``_store_bias``)."""
+    from qcompiler.quantization.fixed_point import dtype_name
+
+    t = ctx.initializer(name, to_numpy((q.double() * float(scale)).float()))
     if ctx.quant.quantize:
-        ctx.quant.weights[t] = {"scales": [float(v) for v in s.tolist()], "axis": axis, "dtype": dtype}
+        ctx.quant.weights[t] = {"scales": [float(scale)], "axis": None, "dtype": dtype_name(q.dtype)}
     return t
 
 
@@ -1099,11 +1097,8 @@ def converted_constant_operand(ctx: NodeContext) -> Tensor:
     """QuantizedConstantOperand: the float op on the dequantized feature map and the constant
     (an initializer ``q * s``, listed in the sidecar like a weight), quantized once at the
     output scale (the BPU's one requantization)."""
-    from qcompiler.quantization.fixed_point import dtype_name
-
     m, path = ctx.module, ctx.path
-    c = quantized_initializer(ctx, f"{path}.constant", m.constant, torch.tensor([m.const_scale], dtype=torch.float64),
-                              None, dtype_name(m.constant.dtype))
+    c = quantized_constant(ctx, f"{path}.constant", m.constant, m.const_scale)
     ins = [ctx.x(), c] if m.const_index == 1 else [c, ctx.x()]
     if m.qc_op != "mul" and abs(m.alpha) != 1.0:  # alpha scales operand 1; its sign is in add/sub
         ins[1] = ctx.make("Mul", [ins[1], ctx.const("alpha", abs(m.alpha))], tag="alpha")
@@ -1113,11 +1108,8 @@ def converted_constant_operand(ctx: NodeContext) -> Tensor:
 
 def converted_constant(ctx: NodeContext) -> Tensor:
     """QuantizedConstant: its dequantized integers as an initializer (scale in the sidecar)."""
-    from qcompiler.quantization.fixed_point import dtype_name
-
     m = ctx.module
-    return quantized_initializer(ctx, f"{ctx.path}.value", m.value, torch.tensor([m.out_scale], dtype=torch.float64),
-                                 None, dtype_name(m.value.dtype))
+    return quantized_constant(ctx, f"{ctx.path}.value", m.value, m.out_scale)
 
 
 def converted_div(ctx: NodeContext) -> Tensor:
