@@ -172,7 +172,7 @@ class QuantState:
         if qin is None:  # the input's scale is unknown: the bias stays float
             return w_name, ctx.param(layer, "bias", path)
         acc = torch.tensor(qin[0], dtype=torch.float64) * scales.double()
-        b_int = torch.clamp(torch.round(bias.detach().double() / acc), -(2 ** 31), 2 ** 31 - 1)
+        b_int = fp.bias_codes(bias.detach().double(), acc)
         return w_name, self._store_bias(ctx, path, b_int, acc)
 
     def _store_weight(self, ctx, path, q: torch.Tensor, scales: torch.Tensor, axis: int, groups: int,

@@ -268,6 +268,7 @@ def _quantized_batch_norm(ctx: NodeContext, x: str) -> Tensor:
     """``qat.BatchNorm2d`` as convert lowers it: weights ``+-127`` at ``|a_c| / 127``
     (``qat.bn_weight``), the bias on the grid ``s_in * s_w``; scales in the sidecar."""
     from qcompiler.nn.qat import bn_affine, bn_weight
+    from qcompiler.quantization.fixed_point import bias_codes
 
     m, path = ctx.module, ctx.path
     qin = ctx.quant.qparams(m.__dict__["_qc_input_quantizer"], f"{path} input quantizer")
@@ -278,7 +279,7 @@ def _quantized_batch_norm(ctx: NodeContext, x: str) -> Tensor:
     q, s_w = bn_weight(a)
     c = q.numel()
     grid = torch.tensor(qin[0], dtype=torch.float64) * s_w.double()
-    b_int = torch.clamp(torch.round(b / grid), -(2 ** 31), 2 ** 31 - 1)
+    b_int = bias_codes(b, grid)
     w = ctx.quant._store_weight(ctx, path, q.reshape(c, 1, 1, 1), s_w, 0, 1, "qint8")
     bias = ctx.quant._store_bias(ctx, path, b_int, grid)
     return conv(ctx, x, w, bias, (c, 1, 1, 1), 1, 0, 1, c)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from qcompiler.nn import fused
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
-from qcompiler.quantization.fixed_point import quantize, symmetric_scale
+from qcompiler.quantization.fixed_point import bias_codes, quantize, symmetric_scale
 from qcompiler.quantization.observer import MinMaxObserver, MovingAverageMinMaxObserver
 
 
@@ -77,9 +77,9 @@ class _Observed:
         w_scale = output_channel_scales(self, wfq.scale)
         if not self.training:  # exact: the grid s_in * s_w as convert computes it (float64)
             scale = src.scale.double() * w_scale.double()
-            return torch.round(b.double() / scale).clamp(-(2 ** 31), 2 ** 31 - 1) * scale
+            return bias_codes(b.double(), scale) * scale
         scale = src.scale * w_scale
-        on_grid = torch.round(b / scale).clamp(-(2 ** 31), 2 ** 31 - 1) * scale
+        on_grid = bias_codes(b, scale) * scale
         return b + (on_grid - b).detach()  # straight-through gradient
 
     def _qbias_like(self, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -183,7 +183,7 @@ class BatchNorm2d(nn.BatchNorm2d):
             a, b = bn_affine(self)
             q, s_w = bn_weight(a)
             grid = src.scale.double() * s_w.double()
-            b = torch.round(b / grid).clamp(-(2 ** 31), 2 ** 31 - 1) * grid
+            b = bias_codes(b, grid) * grid
             shape = (1, -1) + (1,) * (x.dim() - 2)
             w = q.double() * s_w.double()
             return (x.double() * w.reshape(shape) + b.reshape(shape)).to(x.dtype)

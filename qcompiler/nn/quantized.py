@@ -97,8 +97,8 @@ class QuantizedWeightLayer(QuantizedModule):
         # as the fake-quant model evaluates it; the bias is rounded onto that grid
         acc_scale = self.in_scale * self.w_scale.double()
         self.register_buffer("acc_scale", acc_scale)
-        self.register_buffer("bias", None if bias is None else torch.clamp(
-            torch.round(bias.double() / acc_scale), -(2 ** 31), 2 ** 31 - 1).to(torch.int32))
+        self.register_buffer("bias", None if bias is None else
+                             fp.bias_codes(bias.double(), acc_scale).to(torch.int32))
         self.with_add = other_scale is not None
         if out_scale is not None:
             M, n = _params(acc_scale / out_scale)

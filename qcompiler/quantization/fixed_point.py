@@ -60,6 +60,7 @@ __all__ = [
     "int_mul",
     "div_params",
     "int_div",
+    "bias_codes",
     "int_cat",
     "int_avg_pool2d",
     "int_global_avg_pool",
@@ -226,6 +227,14 @@ def quantize(x: torch.Tensor, scale: Scale, dtype="qint8", axis: int | None = No
         raise ConfigError("quantize: the input contains NaN; it has no integer value")
     s = _along_axis(_scale_tensor(scale), x, axis, "scale")
     return _clamp_to(torch.round(x / s), dtype)
+
+
+def bias_codes(bias: torch.Tensor, grid) -> torch.Tensor:
+    """A bias as int32 codes on the accumulator grid ``s_in * s_w``: ``round_half_even(bias / grid)``
+    saturated to the int32 range, in the dtype of ``bias / grid`` (float64 where the converted
+    and the fake-quant model must agree bit for bit; the QAT training path keeps float32)."""
+    lo, hi = qrange("qint32")
+    return torch.round(bias / grid).clamp(lo, hi)
 
 
 def dequantize(q: torch.Tensor, scale: Scale, axis: int | None = None) -> torch.Tensor:
