@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from qcompiler.errors import CalibrationError, ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
-from qcompiler.ir.ops import META_OPS
+from qcompiler.ir.ops import META_OPS, is_number
 from qcompiler.ir.modules import free_name, set_module
 from qcompiler.nn import fused
 from qcompiler.nn import quantized as qnn
@@ -288,7 +288,7 @@ def _split_constant(a, b, qp, consts):
         if isinstance(x, fx.Node) and x in qp:
             if isinstance(c, fx.Node) and c in consts:
                 return x, consts[c], index
-            if isinstance(c, (int, float)) and not isinstance(c, bool):
+            if is_number(c):
                 return x, _number(c), index
     return None
 
@@ -314,7 +314,7 @@ def _convert_op(node, op, module, qp, consts, out: _QParams, where) -> nn.Module
     args = node.args
     if op in ("add", "sub", "mul"):
         alpha = node.kwargs.get("alpha", 1) if op != "mul" else 1
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 0 or not math.isfinite(alpha):
+        if not is_number(alpha) or alpha == 0 or not math.isfinite(alpha):
             raise UnsupportedOpError(
                 f"{where}: {op} with alpha={alpha!r}: the BPU folds a finite, non-zero number into the "
                 f"second operand's multiplier; compute the scaled operand separately (e.g. with a mul)"
@@ -322,8 +322,7 @@ def _convert_op(node, op, module, qp, consts, out: _QParams, where) -> nn.Module
         a, b = args[0], args[1] if len(args) > 1 else node.kwargs.get("other")
         sa, sb = scale_of(a), scale_of(b)
         number = b if sa is not None else a
-        is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
-        if op == "mul" and is_number and (sa, sb) != (None, None):  # x * number: its own path
+        if op == "mul" and is_number(number) and (sa, sb) != (None, None):  # x * number: its own path
             return qnn.QuantizedMul(sa if sa is not None else sb, None, out.scale, out.dtype, constant=float(number))
         split = _split_constant(a, b, qp, consts)
         if split is not None:

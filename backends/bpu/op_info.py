@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.ir.meta import META_TENSOR, TensorInfo
+from qcompiler.ir.ops import is_number
 
 
 @dataclass
@@ -133,10 +134,6 @@ def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModu
 _PARAMETER_ARGS = {"prelu": 1}
 
 
-def _is_number(a: Any) -> bool:
-    return isinstance(a, (int, float)) and not isinstance(a, bool)
-
-
 def op_info(node: fx.Node, op: str, gm: fx.GraphModule, modules: dict[str, nn.Module]) -> OpInfo:
     """Build the OpInfo of a call node whose canonical op is ``op``.
 
@@ -170,7 +167,7 @@ def op_info(node: fx.Node, op: str, gm: fx.GraphModule, modules: dict[str, nn.Mo
             feature_maps += sum(1 for x in a if x.op != "get_attr" and isinstance(x.meta.get(META_TENSOR), TensorInfo))
         else:
             in_shapes.append(None)
-            constants += _is_number(a)
+            constants += is_number(a)
     out_shapes = [t.shape for t in _flat_infos(node.meta.get(META_TENSOR))]
     if op in ("conv2d", "conv_transpose2d"):
         attrs.update(_conv_attrs(module, node, gm, transposed=(op == "conv_transpose2d")))

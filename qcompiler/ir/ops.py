@@ -164,17 +164,18 @@ _CLAMP_METHODS: dict[str, tuple[tuple[str, object], ...]] = {
 }
 
 
+def is_number(v: object) -> bool:
+    """A Python int or float operand (a bool is not one): a constant baked into the op."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def clamp_op(lower: object, upper: object) -> Optional[str]:
     """"relu" for bounds (0, None), "relu6" for (0, 6), else None; bounds must be Python numbers."""
-
-    def number(v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    if not number(lower) or lower != 0:
+    if not is_number(lower) or lower != 0:
         return None
     if upper is None:
         return "relu"
-    return "relu6" if number(upper) and upper == 6 else None
+    return "relu6" if is_number(upper) and upper == 6 else None
 
 
 def _clamp_node_op(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[str]:
