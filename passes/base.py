@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch.fx as fx
 
 from qcompiler.errors import PassError, QCompilerError
+from qcompiler.ir.printing import annotated_code
 from qcompiler.march import March
 
 
@@ -104,8 +105,6 @@ class PassManager:
             modified_any |= result.modified
             done.append(p.name)
             if self.dump_dir is not None:
-                from qcompiler.ir.printing import annotated_code
-
                 (self.dump_dir / f"{index:02d}_{p.name}.txt").write_text(annotated_code(gm))
         return PassResult(gm, modified_any)
 

@@ -1,5 +1,10 @@
-"""qcompiler: a quantization compiler for BPU + CPU targets, built on torch.fx."""
+"""qcompiler: a quantization compiler for BPU + CPU targets, built on torch.fx.
 
+The top of the layering (docs/design.md, "Layers"): the public API re-exported from the
+modules that define it, including the staged workflow (prepare / convert / export).
+"""
+
+from qcompiler.compiled import CompiledModel, compile, load
 from qcompiler.errors import (
     ArtifactError,
     CalibrationError,
@@ -9,9 +14,11 @@ from qcompiler.errors import (
     TraceError,
     UnsupportedOpError,
 )
-from qcompiler.compiled import CompiledModel, compile, load
 from qcompiler.frontend import partition
 from qcompiler.march import March, get_march, set_march
+from qcompiler.onnx import export_to_onnx
+from qcompiler.quantization.convert import convert_fx
+from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qtensor import (
     QDType,
     QTensor,
@@ -22,6 +29,7 @@ from qcompiler.quantization.qtensor import (
     quantize_per_tensor,
     quint8,
 )
+from qcompiler.quantization.weight_rounding import optimize_weight_rounding
 
 __version__ = "0.1.0"
 
@@ -30,6 +38,11 @@ __all__ = [
     "load",
     "CompiledModel",
     "partition",
+    "prepare_calibration_fx",
+    "prepare_qat_fx",
+    "convert_fx",
+    "optimize_weight_rounding",
+    "export_to_onnx",
     "March",
     "QTensor",
     "QDType",

@@ -25,6 +25,7 @@ from typing import Union
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from qcompiler.backends.bpu.program import BpuProgram
 from qcompiler.errors import ArtifactError
 
 FORMAT = "qcompiler-artifact"
@@ -72,8 +73,6 @@ def _fixed(name: str) -> zipfile.ZipInfo:
 
 def load_artifact(path: PathLike):
     """``(manifest, programs, islands)`` from a saved file; ArtifactError on anything wrong."""
-    from qcompiler.backends.bpu.program import BpuProgram
-
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no such file")

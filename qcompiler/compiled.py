@@ -1,5 +1,8 @@
 """``qcompiler.compile``: the whole pipeline, and the ``CompiledModel`` it returns.
 
+A facade (the top layer, docs/design.md): it composes the workflow, the lowering, the
+runtime, the export and the artifact format, and imports all of them here.
+
 compile = prepare for calibration -> calibrate -> convert to fixed point ->
 lower BPU partitions to programs and CPU partitions to ONNX islands.
 """
@@ -15,10 +18,19 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
+from qcompiler.artifact import load_artifact, save_artifact
+from qcompiler.backends.bpu.lower import lower_bpu_partitions
+from qcompiler.backends.onnx.emitter import emit_subgraph
 from qcompiler.batches import as_args, check_inputs, input_signature
 from qcompiler.errors import ConfigError
+from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.onnx import export_to_onnx
+from qcompiler.quantization.convert import convert_fx
+from qcompiler.quantization.fake_quantize import set_state
+from qcompiler.quantization.prepare import prepare_calibration_fx
+from qcompiler.quantization.weight_rounding import optimize_weight_rounding
 from qcompiler.runtime import Runtime, Step, output_structure, plan_steps
 
 MODES = ("ptq", "qat")
@@ -74,8 +86,6 @@ class CompiledModel:
 
     def dump(self, out_dir: Union[str, Path], name: Optional[str] = None) -> list[Path]:
         """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing."""
-        from qcompiler.tools.graph_dump import dump_partitioned
-
         out = Path(out_dir)
         result = dump_partitioned(self._need_graph("dump"), out, name=name or self.name)
         files = list(result.files)
@@ -91,14 +101,10 @@ class CompiledModel:
 
     def export_onnx(self, path: Union[str, Path]) -> dict:
         """The whole model as one ONNX opset-11 file plus its ``.quant.json`` sidecar; returns the sidecar."""
-        from qcompiler.onnx import export_to_onnx
-
         return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, str(path))
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the runtime (tensors, JSON, ONNX; no pickled code) to one file; :func:`load` reads it."""
-        from qcompiler.artifact import save_artifact
-
         manifest = {
             "model": self.name,
             "march": self.march,
@@ -112,8 +118,6 @@ class CompiledModel:
 
 def load(path: Union[str, Path], *, ort_threads: int = 1) -> CompiledModel:
     """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed)."""
-    from qcompiler.artifact import load_artifact
-
     manifest, programs, islands = load_artifact(path)
     steps = [Step.from_json(s) for s in manifest["steps"]]
     runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands, ort_threads=ort_threads,
@@ -126,9 +130,6 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
 
     With ``example_inputs``, calls are checked against them (else only their number).
     """
-    from qcompiler.backends.bpu.lower import lower_bpu_partitions
-    from qcompiler.backends.onnx.emitter import emit_subgraph
-
     steps = plan_steps(converted)
     programs = lower_bpu_partitions(converted)
     islands = {}
@@ -183,8 +184,6 @@ def compile(
     converted as it is. ``weight_rounding=True`` (PTQ only) re-rounds the BPU weights on
     the calibration data after calibrating (:func:`qcompiler.quantization.optimize_weight_rounding`).
     """
-    from qcompiler.quantization import convert_fx, optimize_weight_rounding, prepare_calibration_fx, set_state
-
     if mode not in MODES:
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     if weight_rounding and mode != "ptq":

@@ -19,6 +19,7 @@ from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.tracer import trace
 from qcompiler.march import MarchLike, resolve_march
 from qcompiler.passes.base import CompileContext, Pass, PassManager
+from qcompiler.passes.pipeline import PARTITION_PIPELINE
 
 PREPARE_CUSTOM_KEYS = ("preserved_attributes", "non_traceable_module_name", "non_traceable_module_class")
 
@@ -98,8 +99,6 @@ def partition(
     (up to BN folding) and carries placement, reasons and partitions in its
     node meta and ``gm.meta``. ``model`` itself is never modified.
     """
-    from qcompiler.passes.pipeline import PARTITION_PIPELINE
-
     return build_graph(
         model,
         example_inputs,

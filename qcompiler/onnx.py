@@ -28,10 +28,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.backends.onnx.emitter import OnnxEmitter, _check_names, check_dynamic_axes, graph_input_leaves
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.ir.meta import TensorInfo
 from qcompiler.ir.partitions import GM_PARTITIONS, partitions
 from qcompiler.ir.shape_prop import dtype_name
+from qcompiler.quantization.prepare import GM_KIND
 
 SIDECAR_SUFFIX = ".quant.json"
 _EXPORTABLE_KINDS = ("calibration", "qat", "quantized")
@@ -66,8 +68,6 @@ def export_to_onnx(
     that is not prepared, args that do not match the traced inputs, or unknown names or
     axes in ``dynamic_axes``; nothing is written unless the export succeeds.
     """
-    from qcompiler.backends.onnx.emitter import OnnxEmitter
-
     if opset_version != 11:
         raise ConfigError(
             f"opset_version={opset_version!r}: only opset 11 is supported (the BPU toolchain reads "
@@ -121,8 +121,6 @@ def inference_session(model: Union[onnx.ModelProto, bytes, str, os.PathLike], se
 
 def _check_model(model: Any) -> fx.GraphModule:
     if isinstance(model, fx.GraphModule):
-        from qcompiler.quantization.prepare import GM_KIND
-
         if model.meta.get(GM_KIND) in _EXPORTABLE_KINDS or GM_PARTITIONS in model.meta:
             return model
     if isinstance(model, nn.Module):
@@ -155,8 +153,6 @@ def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Opt
     with (shape propagation, ``node.meta["qc_tensor"]``): count, dtype, rank, and every size except on
     axes declared in ``dynamic_axes``. The graph's constants (reshape sizes, calibrated scales) are
     those of the traced shapes, so other inputs would give a failing or silently wrong file."""
-    from qcompiler.backends.onnx.emitter import _check_names, check_dynamic_axes, graph_input_leaves
-
     defaults, recorded = graph_input_leaves(gm)
     names = _check_names(input_names, defaults, "input_names")
     if len(args) != len(recorded):

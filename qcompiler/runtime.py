@@ -1,5 +1,9 @@
 """The runtime of a compiled model: BPU programs in the simulator, CPU islands in onnxruntime.
 
+Each step kind has an executor factory in :data:`EXECUTORS` (``{kind: factory}``); a new
+kind of island (e.g. eager torch) is one more row, with the same ``run(env) -> outputs``
+interface.
+
 A ``Runtime`` is pure data plus sessions: an ordered list of steps (one per
 partition, in a topological order), the model's inputs, and the structure of
 its outputs (nested tuples of value names). Values flow between steps by FX
@@ -10,12 +14,14 @@ It never needs the model's Python class, so an artifact can rebuild it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
+from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.ort import OrtIsland
 from qcompiler.batches import check_inputs
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
@@ -98,27 +104,46 @@ def plan_steps(gm: fx.GraphModule) -> list[Step]:
     return [steps[p] for p in order]
 
 
+# run(env) -> {output name: value}: reads the step's inputs from env by FX value name
+Executor = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def bpu_executor(step: Step, runtime: "Runtime") -> Executor:
+    """A BPU program in the integer-exact simulator."""
+    return BpuSimulator(runtime.programs[step.name]).run
+
+
+def ort_executor(step: Step, runtime: "Runtime") -> Executor:
+    """A CPU island in onnxruntime."""
+    return OrtIsland(step.name, runtime.islands[step.name], step.inputs, step.outputs,
+                     threads=runtime.ort_threads).run
+
+
+EXECUTORS: dict[str, Callable[[Step, "Runtime"], Executor]] = {
+    BPU: bpu_executor,
+    CPU: ort_executor,
+}
+
+
 class Runtime:
-    """Executes steps in order; BPU steps via ``BpuSimulator``, CPU steps via ``OrtIsland``."""
+    """Executes steps in order, each with the executor :data:`EXECUTORS` has for its kind."""
 
     def __init__(self, steps: Sequence[Step], input_names: Sequence[str], outputs: Any,
                  programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1,
                  input_signature: Optional[list] = None) -> None:
-        from qcompiler.backends.bpu.simulator import BpuSimulator
-        from qcompiler.backends.ort import OrtIsland
-
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
         # what calls are checked against (qcompiler.batches.input_signature of the example inputs);
         # None (an artifact from before signatures were saved): the number of inputs only
         self.input_signature = input_signature
         self.programs, self.islands = dict(programs), dict(islands)
-        self._run = {}
+        self.ort_threads = ort_threads
+        self._run: dict[str, Executor] = {}
         for step in self.steps:
-            if step.kind == BPU:
-                self._run[step.name] = BpuSimulator(self.programs[step.name]).run
-            else:
-                self._run[step.name] = OrtIsland(step.name, self.islands[step.name], step.inputs, step.outputs,
-                                                 threads=ort_threads).run
+            factory = EXECUTORS.get(step.kind)
+            if factory is None:
+                raise ConfigError(f"step {step.name!r} has kind {step.kind!r}, which no executor runs; "
+                                  f"known kinds: {', '.join(sorted(EXECUTORS))}")
+            self._run[step.name] = factory(step, self)
 
     def __call__(self, *args: Any) -> Any:
         """Run the steps on ``args``, checked first whichever backend runs first (one check for both)."""

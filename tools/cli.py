@@ -30,10 +30,18 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
+from qcompiler.tools.quant_analysis import QuantAnalysis
+from tabulate import tabulate
 
 import qcompiler
+from qcompiler import zoo
 from qcompiler.batches import check_inputs, input_signature
 from qcompiler.errors import ConfigError, QCompilerError
+from qcompiler.ir.dump import dump_partitioned
+from qcompiler.ir.partitions import partitions, summary_line
+from qcompiler.quantization.convert import convert_fx
+from qcompiler.quantization.fake_quantize import set_state
+from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 
 EXIT_OK = 0
 EXIT_IO = 1
@@ -191,8 +199,6 @@ def load_model(spec: str, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[st
             "give at most one dtype per input, in the same order"
         )
     if spec.startswith(ZOO_PREFIX):
-        from qcompiler import zoo
-
         name = spec[len(ZOO_PREFIX):]
         model = zoo.get(name)
         inputs = random_inputs(shapes, dtypes) if shapes else zoo.example_inputs(name)
@@ -224,11 +230,6 @@ def model_configs(args: argparse.Namespace) -> tuple[Optional[dict], Optional[di
 
 def cmd_partition(args: argparse.Namespace) -> int:
     """Trace, place and partition a model, print the partitions and write the review dump."""
-    from tabulate import tabulate
-
-    from qcompiler.ir.partitions import partitions, summary_line
-    from qcompiler.tools.graph_dump import dump_partitioned
-
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
     hybrid_dict, custom = model_configs(args)
     out = Path(args.out)
@@ -379,9 +380,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Quantization accuracy report: float vs fake-quant vs converted, per layer, with advisor and sensitivity."""
-    from qcompiler.quantization import convert_fx, prepare_calibration_fx, prepare_qat_fx, set_state
-    from qcompiler.tools.quant_analysis import QuantAnalysis
-
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
     hybrid_dict, custom = model_configs(args)
     if args.calib_random < 1:

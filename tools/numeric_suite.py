@@ -43,13 +43,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from qcompiler.tools._eval_mode import run_inspected
 from torch import fx, nn
 
+from qcompiler.compiled import CompiledModel
 from qcompiler.errors import ConfigError
+from qcompiler.nn.fused import fold_bn
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase, fake_quantize
 from qcompiler.quantization.fixed_point import symmetric_scale
 from qcompiler.quantization.qtensor import QTensor
-from qcompiler.tools._eval_mode import run_inspected
 
 __all__ = [
     "Logger",
@@ -178,8 +180,6 @@ class ShadowLogger(Logger):
 
 def _graph_of(model: Any, what: str) -> nn.Module:
     """The module to hook: a CompiledModel's converted graph, any other nn.Module itself."""
-    from qcompiler.compiled import CompiledModel
-
     if isinstance(model, CompiledModel):
         return model._need_graph(what)
     if not isinstance(model, nn.Module):
@@ -528,8 +528,6 @@ def _is_weight_key(key: str) -> bool:
 
 
 def _state(x: Any) -> tuple[dict, nn.Module | None]:
-    from qcompiler.compiled import CompiledModel
-
     if isinstance(x, CompiledModel):
         x = x._need_graph("compare_weights")
     if isinstance(x, nn.Module):
@@ -597,8 +595,6 @@ def _bn_by_name(path: str, fsd: dict) -> str | None:
 
 def _fold(w: torch.Tensor, b: torch.Tensor | None, bn_path: str, fsd: dict,
           f_module: nn.Module | None) -> torch.Tensor:
-    from qcompiler.nn.fused import fold_bn
-
     if f_module is not None and isinstance(f_module.get_submodule(bn_path), _BN_TYPES):
         bn = f_module.get_submodule(bn_path)
     else:

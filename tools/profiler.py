@@ -25,8 +25,8 @@ from tabulate import tabulate
 
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.model_check import _atomic_write, leaf_modules
 from qcompiler.quantization.qtensor import QTensor
-from qcompiler.tools.model_check import _atomic_write, leaf_modules
 
 __all__ = ["ModelProfiler", "OpRunningInfoManager", "OpRecord", "STATISTIC_FILE"]
 

@@ -30,36 +30,38 @@ import copy
 import csv
 import io
 import math
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from qcompiler.tools._eval_mode import evaluating, run_inspected
+from qcompiler.tools.metrics import (
+    _LARGER_IS_WORSE,
+    COMPARE_COLUMNS,
+    METRICS,
+    _check_metric,
+    _flat,
+    _to_float,
+    compute_metric,
+)
+from qcompiler.tools.report import write_report
 from tabulate import tabulate
 from tqdm import tqdm
 
 from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
+from qcompiler.files import atomic_write
 from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
+from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 from qcompiler.quantization.qtensor import QTensor
-from qcompiler.tools._eval_mode import evaluating, run_inspected
 
 __all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
 
-METRICS = ("L1", "COSINE", "ATOL", "SQNR")
-# metric -> True when a larger value is worse
-_LARGER_IS_WORSE = {"L1": True, "ATOL": True, "COSINE": False, "SQNR": False}
 ANALYSIS_TYPES = ("fake_quant", "quantized", "compiled")
-
-COMPARE_COLUMNS = (
-    "index", "mod_name", "base_op_type", "analy_op_type", "shape", "quant_dtype", "qscale",
-    "Cosine", "L1", "Atol", "max_qscale_diff",
-    "base_min", "base_max", "base_mean", "analy_min", "analy_max", "analy_mean",
-)
 
 BADCASE_FILE = "badcase.pt"
 COMPARE_TXT = "compare_per_layer_out.txt"
@@ -80,71 +82,6 @@ QSCALE_DIFF_HIGH = 8.0      # outputs differ by more than 8 quantization steps
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_metric(metric: str) -> str:
-    m = str(metric).upper()
-    if m not in METRICS:
-        raise ConfigError(f"unknown metric {metric!r}; allowed: {', '.join(METRICS)}")
-    return m
-
-
-def _to_float(x: Any) -> Any:
-    """Dequantize QTensors (anything with ``dequantize``), recursively through tuples/lists/dicts."""
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, QTensor):
-        return x.dequantize().detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_float(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(_to_float(v) for v in x))
-    if isinstance(x, dict):
-        return {k: _to_float(v) for k, v in x.items()}
-    return x
-
-
-def _flat(x: Any) -> list[torch.Tensor]:
-    x = _to_float(x)
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _flat(v)]
-    if isinstance(x, dict):
-        return [t for k in sorted(x, key=str) for t in _flat(x[k])]
-    return []
-
-
-def _cat(x: Any) -> torch.Tensor:
-    ts = [t.double().reshape(-1) for t in _flat(x) if t.is_floating_point() or not t.dtype.is_complex]
-    return torch.cat(ts) if ts else torch.zeros(0, dtype=torch.float64)
-
-
-def compute_metric(metric: str, base: Any, analy: Any) -> float:
-    """L1 (mean abs diff), ATOL (max abs diff), COSINE similarity or SQNR (dB) of analy vs base."""
-    metric = _check_metric(metric)
-    b, a = _cat(base), _cat(analy)
-    if b.numel() != a.numel():
-        raise ConfigError(f"the two models' outputs differ in size ({b.numel()} vs {a.numel()} values): "
-                          "they do not correspond")
-    if b.numel() == 0:
-        return float("nan")
-    d = a - b
-    if metric == "L1":
-        return float(d.abs().mean())
-    if metric == "ATOL":
-        return float(d.abs().max())
-    if metric == "COSINE":
-        nb, na = float(b.norm()), float(a.norm())
-        if nb == 0 and na == 0:
-            return 1.0
-        if nb == 0 or na == 0:
-            return 0.0
-        return float((a * b).sum() / (nb * na))
-    sig, err = float((b * b).sum()), float((d * d).sum())
-    if err == 0:
-        return float("inf")
-    if sig == 0:
-        return float("-inf")
-    return 10 * math.log10(sig / err)
-
-
 def _detach_batch(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.detach().clone()
@@ -153,20 +90,6 @@ def _detach_batch(batch: Any) -> Any:
     if isinstance(batch, dict):
         return {k: _detach_batch(v) for k, v in batch.items()}
     return batch
-
-
-def _atomic_write(path: Path, data: Union[str, bytes]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        if isinstance(data, str):
-            tmp.write_text(data, encoding="utf-8")
-        else:
-            tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _fmt(v: Any) -> Any:
@@ -463,7 +386,7 @@ class QuantAnalysis:
         buf = io.BytesIO()
         torch.save(self.bad_case, buf)
         path = self.out_dir / BADCASE_FILE
-        _atomic_write(path, buf.getvalue())
+        atomic_write(path, buf.getvalue())
         self._wrote(path)
         return path
 
@@ -661,7 +584,7 @@ class QuantAnalysis:
         self.advice = self._advise(rows)
         advisor = self._advisor_text(self.advice)
         for name, text in ((COMPARE_TXT, table + "\n"), (COMPARE_CSV, out.getvalue()), (ADVISOR_FILE, advisor)):
-            _atomic_write(self.out_dir / name, text)
+            atomic_write(self.out_dir / name, text)
             self._wrote(self.out_dir / name)
         return rows
 
@@ -779,7 +702,7 @@ class QuantAnalysis:
         self.sensitivity_metric = metric
         table = tabulate([[r[0], r[1], r[2], f"{r[3]:.7g}", r[4], f"{r[5]}({r[6]:.2%})"] for r in rows],
                          headers=["op_name", "sensitive_type", "op_type", metric, "quant_dtype", "flops"])
-        _atomic_write(self.out_dir / SENSITIVE_FILE, table + "\n")
+        atomic_write(self.out_dir / SENSITIVE_FILE, table + "\n")
         self._wrote(self.out_dir / SENSITIVE_FILE)
         return self.sensitive_ops
 
@@ -787,8 +710,6 @@ class QuantAnalysis:
 
     @staticmethod
     def _int16_quantizer(old: FakeQuantize) -> FakeQuantize:
-        from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
-
         if old.ch_axis >= 0:
             obs = PerChannelMinMaxObserver(ch_axis=old.ch_axis, dtype="qint16")
         else:
@@ -848,8 +769,6 @@ class QuantAnalysis:
 
     def report(self, path: Optional[Union[str, Path]] = None) -> Path:
         """Write the self-contained HTML report (default ``out_dir/report.html``)."""
-        from qcompiler.tools.report import write_report
-
         p = Path(path) if path is not None else self.out_dir / REPORT_FILE
         write_report(self, p)
         self._wrote(p)

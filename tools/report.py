@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch.fx as fx
+from qcompiler.tools.metrics import COMPARE_COLUMNS, compute_metric
+
+from qcompiler.files import atomic_write
+from qcompiler.ir.dump import partition_table, to_dot
 
 __all__ = ["write_report", "graph_svg"]
 
@@ -52,8 +56,6 @@ def _strip_urls(svg: str) -> str:
 
 def graph_svg(gm: fx.GraphModule) -> tuple[str, bool]:
     """``(html, True)``: inline SVG of ``to_dot(gm)``; ``(table html, False)`` when ``dot`` is unavailable."""
-    from qcompiler.tools.graph_dump import partition_table, to_dot
-
     try:
         import graphviz
 
@@ -72,8 +74,6 @@ def graph_svg(gm: fx.GraphModule) -> tuple[str, bool]:
 
 def write_report(analysis, path: Union[str, Path]) -> Path:
     """Write the HTML report of ``analysis`` (runs compare_per_layer first if needed) to ``path``."""
-    from qcompiler.tools.quant_analysis import COMPARE_COLUMNS, _atomic_write
-
     if not analysis.compare_rows:
         analysis.compare_per_layer()
     rows = analysis.compare_rows
@@ -89,8 +89,6 @@ def write_report(analysis, path: Union[str, Path]) -> Path:
         f"bad case index: {_e(analysis.bad_case_index)}</p>",
     ]
     if getattr(analysis, "base_output", None) is not None:
-        from qcompiler.tools.quant_analysis import compute_metric
-
         parts.append("<p>model output: " + ", ".join(
             f"{m} {_num(compute_metric(m, analysis.base_output, analysis.analy_output))}"
             for m in ("COSINE", "L1", "ATOL", "SQNR")) + "</p>")
@@ -134,5 +132,5 @@ def write_report(analysis, path: Union[str, Path]) -> Path:
         parts.append(f"<p>int16 suggestion: {_e(', '.join(sugg[0]))} -> output SQNR {_num(sugg[1])} dB</p>")
     parts.append("</body></html>\n")
     p = Path(path)
-    _atomic_write(p, "\n".join(parts))
+    atomic_write(p, "\n".join(parts))
     return p

@@ -1,14 +1,21 @@
-"""The BPU backend: per-march op-support tables (data) and their constraint predicates."""
+"""The BPU backend: per-march op-support tables (data) and their constraint predicates.
 
-from qcompiler.backends.bpu.op_table import OpRule, OpTable
+The tables (:mod:`.support`, :mod:`.bayes`, :mod:`.bernoulli2`) are the layer the placement
+pass reads; the lowering, the program format and the simulator (:mod:`.lower`,
+:mod:`.program`, :mod:`.simulator`) sit above the passes and are imported by their users.
+"""
+
+from qcompiler.backends.bpu import bayes, bernoulli2
+from qcompiler.backends.bpu.support import OpRule, OpTable
+
 from qcompiler.march import March, MarchLike, to_march
+
+TABLES: dict[March, OpTable] = {March.BERNOULLI2: bernoulli2.TABLE, March.BAYES: bayes.TABLE}
 
 
 def op_table(march: MarchLike) -> OpTable:
     """The op-support table of a march."""
-    from qcompiler.backends.bpu import bayes, bernoulli2
-
-    return {March.BERNOULLI2: bernoulli2.TABLE, March.BAYES: bayes.TABLE}[to_march(march)]
+    return TABLES[to_march(march)]
 
 
-__all__ = ["OpRule", "OpTable", "op_table"]
+__all__ = ["OpRule", "OpTable", "TABLES", "op_table"]

@@ -1,7 +1,8 @@
 """bayes (J5 / RDK Ultra): op support as data. Source: ../shared/MARCH_OPS.md."""
 
 from qcompiler.backends.bpu import constraints as c
-from qcompiler.backends.bpu.op_table import OpRule, OpTable, rules
+from qcompiler.backends.bpu.support import OpRule, OpTable, rules
+
 from qcompiler.march import March
 
 TABLE = OpTable(

@@ -70,8 +70,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-
+from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
+
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.nn import quantized as qnn
@@ -993,11 +994,6 @@ class PartitionedRunner:
 
     def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
                  *, kernels: str = "fast", int8_gemm: Optional[bool] = None) -> None:
-        from qcompiler.backends.bpu.lower import (
-            lower_bpu_partitions,
-            partition_boundary,
-        )
-
         self.gm = converted_gm
         self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
         self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm)

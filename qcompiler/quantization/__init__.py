@@ -1,4 +1,14 @@
-"""Quantization: stubs, observers, fake quant, qconfigs, the QTensor and fixed-point math."""
+"""Quantization primitives: stubs, observers, fake quant, qconfigs, the QTensor and fixed-point math.
+
+This package is the bottom layer (docs/design.md, "Layers"): the passes, the BPU tables and
+the backends import primitives from it, so it must not import the workflow that is built on
+them. ``prepare_calibration_fx``, ``prepare_qat_fx``, ``convert_fx`` and
+``optimize_weight_rounding`` live one layer up (:mod:`.prepare`, :mod:`.convert`,
+:mod:`.weight_rounding`) and are exported by ``qcompiler``; they stay reachable here, under the
+path the hybrid-QAT guide uses, through a module ``__getattr__`` that imports them on first use.
+"""
+
+import importlib
 
 from qcompiler.quantization.fake_quantize import (
     CalibFakeQuantize,
@@ -23,8 +33,6 @@ from qcompiler.quantization.observer import (
     PerChannelMinMaxObserver,
     make_observer,
 )
-from qcompiler.quantization.convert import convert_fx
-from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qconfig import (
     QConfig,
     QConfigResolver,
@@ -45,15 +53,31 @@ from qcompiler.quantization.qtensor import (
     quint8,
 )
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
-from qcompiler.quantization.weight_rounding import LayerRounding, RoundingReport, optimize_weight_rounding
+
+# The workflow (one layer up), by public name -> defining module; resolved by __getattr__.
+WORKFLOW = {
+    "prepare_calibration_fx": "qcompiler.quantization.prepare",
+    "prepare_qat_fx": "qcompiler.quantization.prepare",
+    "convert_fx": "qcompiler.quantization.convert",
+    "optimize_weight_rounding": "qcompiler.quantization.weight_rounding",
+    "LayerRounding": "qcompiler.quantization.weight_rounding",
+    "RoundingReport": "qcompiler.quantization.weight_rounding",
+}
+
+
+def __getattr__(name: str):
+    """``from qcompiler.quantization import prepare_qat_fx`` (the guide's spelling) keeps working."""
+    if name in WORKFLOW:
+        return getattr(importlib.import_module(WORKFLOW[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(WORKFLOW))
+
 
 __all__ = [
-    "prepare_calibration_fx",
-    "prepare_qat_fx",
-    "convert_fx",
-    "optimize_weight_rounding",
-    "LayerRounding",
-    "RoundingReport",
+    *WORKFLOW,
     "QuantStub",
     "DeQuantStub",
     "ObserverBase",

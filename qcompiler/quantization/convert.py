@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from qcompiler.errors import ConfigError
 from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.convert import CONVERT
 from qcompiler.quantization.prepare import GM_KIND
 
 CONVERT_CUSTOM_KEYS = ("preserved_attributes",)
@@ -25,8 +26,6 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
     Raises CalibrationError naming the observers that never ran. The prepared
     model is not modified unless ``inplace=True``.
     """
-    from qcompiler.passes.convert import CONVERT
-
     if not isinstance(graph_module, fx.GraphModule) or graph_module.meta.get(GM_KIND) not in ("calibration", "qat"):
         raise ConfigError(
             "convert_fx takes the model returned by prepare_calibration_fx or prepare_qat_fx "

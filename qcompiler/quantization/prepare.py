@@ -24,7 +24,9 @@ from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir.meta import CPU, META_OP, META_REASON, placement
 from qcompiler.march import resolve_march
 from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.pipeline import PREPARE_PIPELINE, REQUANTIZE_PIPELINE
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, assign_qc_names
+from qcompiler.quantization.model_check import check_qat_model
 from qcompiler.quantization.qconfig import (
     QConfig,
     get_default_calib_qconfig,
@@ -67,8 +69,6 @@ def _warn_cpu_ops_without_hybrid(gm: fx.GraphModule, hybrid: bool) -> None:
 
 def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_graph, hybrid, hybrid_dict,
              example_inputs, march, inplace) -> fx.GraphModule:
-    from qcompiler.passes.pipeline import PREPARE_PIPELINE
-
     _check_hybrid_flag(hybrid, hybrid_dict)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -97,8 +97,6 @@ def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_gra
 
 def _warn_model_check(gm: fx.GraphModule) -> None:
     """Run check_qat_model on the graph (no forward, nothing printed unless anomalous) and warn."""
-    from qcompiler.tools.model_check import check_qat_model
-
     result = check_qat_model(gm, None, run_forward=False, verbose=False)
     if result.has_anomalies:
         warnings.warn(f"model check: {result.summary()}. Run qcompiler.tools.model_check.check_qat_model("
@@ -153,8 +151,6 @@ def prepare_qat_fx(
 
 
 def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybrid, hybrid_dict, march, inplace):
-    from qcompiler.passes.pipeline import REQUANTIZE_PIPELINE
-
     _check_hybrid_flag(hybrid, hybrid_dict)
     placed_with = calib.meta.get(GM_HYBRID)
     diffs = placed_with.differences(parse_hybrid_dict(hybrid_dict, None))

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from qcompiler.batches import as_args
 from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.passes.convert import check_observed
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.prepare import GM_KIND
@@ -541,8 +542,6 @@ def optimize_weight_rounding(
     moment per layer with ``d`` its input columns, and the rounding itself. The
     batches, and up to 1 GiB of activations to resume from, are held in memory.
     """
-    from qcompiler.passes.convert import check_observed
-
     _check_model(model)
     if not (isinstance(damp, (int, float)) and math.isfinite(damp) and damp > 0):
         raise ConfigError(f"damp must be a finite number > 0 (e.g. 0.01), got {damp!r}")

@@ -1,4 +1,4 @@
-"""Op-support tables: which ops a march runs on the BPU, under which constraints."""
+"""Op-support table types: which ops a march runs on the BPU, under which constraints (rows of :mod:`.bayes` and :mod:`.bernoulli2`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Optional
 
 from qcompiler.backends.bpu.constraints import Constraint
 from qcompiler.backends.bpu.op_info import OpInfo
+
 from qcompiler.march import March
 
 
