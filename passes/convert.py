@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from qcompiler.errors import CalibrationError, ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
-from qcompiler.ir.ops import META_OPS, is_number
 from qcompiler.ir.modules import free_name, set_module
+from qcompiler.ir.ops import META_OPS, is_number
 from qcompiler.nn import fused
 from qcompiler.nn import quantized as qnn
 from qcompiler.nn.qat import FLOAT_CLASS, bn_affine, bn_weight, has_weight_layer, output_channel_scales

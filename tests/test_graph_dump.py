@@ -6,11 +6,11 @@ import json
 import shutil
 
 import pytest
-from qcompiler.tools.graph_dump import dump_partitioned, partition_table, to_dot, to_json
 
 import qcompiler
 from qcompiler import zoo
 from qcompiler.ir import dump as graph_dump  # the implementation, for monkeypatching its globals
+from qcompiler.tools.graph_dump import dump_partitioned, partition_table, to_dot, to_json
 from qcompiler.zoo.hybrid import _SeluModule
 
 SUMMARY = "partitions: 3 bpu, 3 cpu; BPU<->CPU boundary edges: 5"

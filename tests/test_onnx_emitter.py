@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import qcompiler
 import qcompiler.zoo as zoo
 from qcompiler.backends.onnx import emit_graph, emit_subgraph
-from qcompiler.backends.onnx.op_table import MODULE_RULES, OP_RULES
+from qcompiler.backends.onnx.registry import emitted_ops, module_classes, module_rule, op_rule
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.partitions import partitions
 from qcompiler.zoo.hybrid import _SeluModule
@@ -607,12 +607,13 @@ def test_output_names_and_node_filter(hybrid_partitioned):
 
 
 def test_op_table_is_data():
-    assert all(callable(r) for r in list(OP_RULES.values()) + list(MODULE_RULES.values()))
+    rules = [op_rule(op) for op in emitted_ops()] + [module_rule(cls) for cls in module_classes()]
+    assert all(callable(r) for r in rules)
     zoo_ops = {"conv2d", "conv_transpose2d", "linear", "relu", "relu6", "prelu", "selu", "gelu", "softmax",
                "layer_norm", "add", "mul", "matmul", "cat", "max_pool2d", "adaptive_avg_pool2d", "interpolate",
                "reshape", "flatten", "transpose", "getitem", "embedding", "lstm", "identity", "dropout", "quant",
                "dequant"}
-    assert zoo_ops <= set(OP_RULES)
+    assert zoo_ops <= emitted_ops()
 
 
 def test_rules_match_torch_constants():

@@ -2,13 +2,12 @@
 ``qcompiler`` command line (:mod:`.cli`, not imported here so ``python -m
 qcompiler.tools.cli`` runs cleanly)."""
 
+from qcompiler.ir.dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
+from qcompiler.quantization.model_check import ModelCheckResult, check_qat_model
 from qcompiler.tools import numeric_suite
 from qcompiler.tools.profiler import ModelProfiler, OpRunningInfoManager
 from qcompiler.tools.quant_analysis import METRICS, QuantAnalysis, compute_metric
 from qcompiler.tools.report import write_report
-
-from qcompiler.ir.dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
-from qcompiler.quantization.model_check import ModelCheckResult, check_qat_model
 
 __all__ = [
     "DumpResult",

@@ -30,7 +30,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
-from qcompiler.tools.quant_analysis import QuantAnalysis
 from tabulate import tabulate
 
 import qcompiler
@@ -42,6 +41,7 @@ from qcompiler.ir.partitions import partitions, summary_line
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+from qcompiler.tools.quant_analysis import QuantAnalysis
 
 EXIT_OK = 0
 EXIT_IO = 1

@@ -43,7 +43,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from qcompiler.tools._eval_mode import run_inspected
 from torch import fx, nn
 
 from qcompiler.compiled import CompiledModel
@@ -52,6 +51,7 @@ from qcompiler.nn.fused import fold_bn
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase, fake_quantize
 from qcompiler.quantization.fixed_point import symmetric_scale
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.tools._eval_mode import run_inspected
 
 __all__ = [
     "Logger",

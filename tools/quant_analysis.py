@@ -36,17 +36,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from qcompiler.tools._eval_mode import evaluating, run_inspected
-from qcompiler.tools.metrics import (
-    _LARGER_IS_WORSE,
-    COMPARE_COLUMNS,
-    METRICS,
-    _check_metric,
-    _flat,
-    _to_float,
-    compute_metric,
-)
-from qcompiler.tools.report import write_report
 from tabulate import tabulate
 from tqdm import tqdm
 
@@ -58,6 +47,17 @@ from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.tools._eval_mode import evaluating, run_inspected
+from qcompiler.tools.metrics import (
+    _LARGER_IS_WORSE,
+    COMPARE_COLUMNS,
+    METRICS,
+    _check_metric,
+    _flat,
+    _to_float,
+    compute_metric,
+)
+from qcompiler.tools.report import write_report
 
 __all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
 

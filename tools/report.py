@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch.fx as fx
-from qcompiler.tools.metrics import COMPARE_COLUMNS, compute_metric
 
 from qcompiler.files import atomic_write
 from qcompiler.ir.dump import partition_table, to_dot
+from qcompiler.tools.metrics import COMPARE_COLUMNS, compute_metric
 
 __all__ = ["write_report", "graph_svg"]
 

@@ -1,9 +1,13 @@
 """The ONNX backend: one opset-11 emitter for CPU islands and whole-model export.
 
-* :func:`emit_graph` -- a whole GraphModule (float, partitioned, prepared or converted);
-* :func:`emit_subgraph` -- a CPU island (node names + boundary values);
-* ``op_table`` -- the data table of emit rules, ``rules`` -- the float rules,
-  ``quant`` -- Q/DQ, dequantized weights and the sidecar of a quantized export.
+Layers inside the backend, each importing only the ones before it:
+
+* :mod:`.context` -- value names, the graph builder and ``NodeContext`` (what a rule reads);
+* :mod:`.registry` -- ``@emits(op, since=opset)``: canonical op / module class -> {opset: rule};
+* :mod:`.quant` -- Q/DQ, dequantized weights and the sidecar of a quantized export;
+* :mod:`.rules` -- one module per op family, registering its rules on import;
+* :mod:`.emitter` -- :func:`emit_graph` (a whole GraphModule) and :func:`emit_subgraph`
+  (a CPU island: node names + boundary values).
 
 The user-facing export is ``qcompiler.onnx.export_to_onnx``.
 """

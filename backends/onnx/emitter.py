@@ -4,7 +4,7 @@
 output, a prepared calibration / QAT model, or a converted model);
 ``emit_subgraph`` emits a CPU island (a list of node names with the FX values
 that cross its boundary). Both walk the graph in order and hand each call node
-to the rule that ``op_table`` names for it: a rule keyed by the module class
+to the rule the registry (:mod:`.registry`) has for it: a rule keyed by the module class
 (quantizers, stubs, converted fixed-point modules) wins, else the rule of the
 node's canonical op (``node.meta["qc_op"]`` / ``qcompiler.ir.ops.node_op``).
 A node without a rule raises :class:`UnsupportedOpError` naming it.
@@ -30,344 +30,36 @@ weights are the float ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence
 
-import numpy as np
 import onnx
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from qcompiler.backends.onnx import rules  # importing it registers every rule family
+from qcompiler.backends.onnx.context import (
+    DTYPE_TO_ONNX,
+    OPSET_VERSION,
+    Call,
+    GraphBuilder,
+    NodeContext,
+    Tensor,
+    Value,
+    call_of,
+    is_tensor,
+    to_numpy,
+)
+from qcompiler.backends.onnx.quant import QuantState
+from qcompiler.backends.onnx.registry import rule_for
 from qcompiler.errors import ConfigError, UnsupportedOpError
-from qcompiler.ir.meta import META_OP, META_PARTITION, META_TENSOR, TensorInfo
-from qcompiler.ir.ops import describe_target, node_op
+from qcompiler.ir.meta import META_OP, META_TENSOR, TensorInfo
+from qcompiler.ir.ops import emit_op
 
-OPSET_VERSION = 11
 IR_VERSION = 7  # ONNX 1.8: what opset 11 shipped with; every onnxruntime reads it
 PRODUCER_NAME = "qcompiler"
 PRODUCER_VERSION = "0.1.0"  # fixed: the same model always gives the same bytes
-INT64_MAX = 2 ** 63 - 1
-
-# TensorInfo dtype strings (qcompiler.ir.shape_prop) -> ONNX element types
-DTYPE_TO_ONNX = {
-    "f32": TensorProto.FLOAT,
-    "f64": TensorProto.DOUBLE,
-    "f16": TensorProto.FLOAT16,
-    "bf16": TensorProto.BFLOAT16,
-    "i64": TensorProto.INT64,
-    "i32": TensorProto.INT32,
-    "i16": TensorProto.INT16,
-    "i8": TensorProto.INT8,
-    "u8": TensorProto.UINT8,
-    "bool": TensorProto.BOOL,
-}
-TORCH_TO_ONNX = {
-    torch.float32: TensorProto.FLOAT,
-    torch.float64: TensorProto.DOUBLE,
-    torch.float16: TensorProto.FLOAT16,
-    torch.int64: TensorProto.INT64,
-    torch.int32: TensorProto.INT32,
-    torch.int16: TensorProto.INT16,
-    torch.int8: TensorProto.INT8,
-    torch.uint8: TensorProto.UINT8,
-    torch.bool: TensorProto.BOOL,
-}
-FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16})
-
-_MISSING = object()
-
-Value = Any  # a tensor name (str), a python value, or a (nested) tuple/list of them
-
-
-class Tensor(str):
-    """A tensor name inside a value structure (a plain ``str`` subclass, so python
-    strings that are *arguments* -- e.g. ``mode="bilinear"`` -- are never mistaken for one)."""
-
-    __slots__ = ()
-
-
-def is_tensor(v: Any) -> bool:
-    return isinstance(v, Tensor)
-
-
-# ---------------------------------------------------------------------------
-# graph builder: names, nodes, initializers
-
-
-class GraphBuilder:
-    """Collects ONNX nodes and initializers with unique, deterministic names."""
-
-    def __init__(self, reserved: Iterable[str] = ()) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: dict[str, onnx.TensorProto] = {}
-        self._init_arrays: dict[str, np.ndarray] = {}
-        self.used: set[str] = set()
-        self.reserved: set[str] = set(reserved)
-        self.node_names: set[str] = set()
-        self.dtypes: dict[str, int] = {}
-        self.renamed: dict[str, str] = {}
-
-    # -- names
-    def fresh(self, base: str) -> Tensor:
-        """A tensor name not used yet (and not an FX node name), ``base`` if free."""
-        name, k = base, 1
-        while name in self.used or name in self.reserved:
-            name, k = f"{base}_{k}", k + 1
-        self.used.add(name)
-        return Tensor(name)
-
-    def claim(self, name: str) -> Tensor:
-        """``name`` itself if no tensor has it yet, else a fresh variant."""
-        if name not in self.used:
-            self.used.add(name)
-            return Tensor(name)
-        return self.fresh(name)
-
-    def node_name(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.node_names:
-            name, k = f"{base}_{k}", k + 1
-        self.node_names.add(name)
-        return name
-
-    # -- initializers
-    def initializer(self, name: str, array: np.ndarray) -> Tensor:
-        """An initializer called ``name`` (a module path); the same name with the same
-        contents is shared (a module called twice), different contents get a fresh name."""
-        array = np.asarray(array)
-        if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
-            array = np.ascontiguousarray(array)
-        old = self._init_arrays.get(name)
-        if old is not None and old.dtype == array.dtype and old.shape == array.shape and np.array_equal(old, array):
-            return Tensor(name)
-        t = self.claim(name) if old is None else self.fresh(name)
-        self._init_arrays[t] = array
-        self.initializers[t] = numpy_helper.from_array(array, t)
-        self.dtypes[t] = helper.np_dtype_to_tensor_dtype(array.dtype)
-        return t
-
-    def is_initializer(self, name: str) -> bool:
-        return name in self.initializers
-
-    def initializer_array(self, name: str) -> Optional[np.ndarray]:
-        return self._init_arrays.get(name)
-
-    # -- nodes
-    def add_node(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], name: str,
-                 attrs: dict) -> onnx.NodeProto:
-        attrs = {k: v for k, v in attrs.items() if v is not None}
-        node = helper.make_node(op_type, list(inputs), list(outputs), name=name, **attrs)
-        self.nodes.append(node)
-        return node
-
-    def rename_in(self, start: int, old: str, new: str) -> None:
-        """Rename tensor ``old`` to ``new`` in the nodes from index ``start`` on."""
-        for node in self.nodes[start:]:
-            for i, n in enumerate(node.input):
-                if n == old:
-                    node.input[i] = new
-            for i, n in enumerate(node.output):
-                if n == old:
-                    node.output[i] = new
-        if old in self.dtypes:
-            self.dtypes[new] = self.dtypes[old]
-        self.used.add(new)
-        self.renamed[old] = new
-
-    def final_name(self, name: str) -> str:
-        seen = set()
-        while name in self.renamed and name not in seen:
-            seen.add(name)
-            name = self.renamed[name]
-        return name
-
-    def produced_since(self, start: int) -> set[str]:
-        return {o for node in self.nodes[start:] for o in node.output}
-
-
-# ---------------------------------------------------------------------------
-# the view of one call that rules read
-
-
-@dataclass
-class Call:
-    """What a rule emits: a call's kind, target, FX arguments and module.
-
-    Rules read arguments through :meth:`arg`, which takes the keyword if given, else the
-    positional argument; index 0 is the input tensor for every kind of call (the
-    module's first argument, the function's ``input``, the method's ``self``).
-    """
-
-    kind: str  # "call_module" | "call_function" | "call_method"
-    target: Any
-    args: tuple
-    kwargs: dict
-    module: Optional[nn.Module] = None
-    path: Optional[str] = None  # module path (call_module)
-
-    def arg(self, index: Optional[int], name: Optional[str], default: Any = _MISSING) -> Any:
-        if name is not None and name in self.kwargs:
-            return self.kwargs[name]
-        if index is not None and index < len(self.args):
-            return self.args[index]
-        if default is _MISSING:
-            raise KeyError(name or index)
-        return default
-
-    @property
-    def method(self) -> Optional[str]:
-        return self.target if self.kind == "call_method" else None
-
-
-def call_of(node: fx.Node, modules: dict[str, nn.Module]) -> Call:
-    module = modules.get(node.target) if node.op == "call_module" else None
-    return Call(node.op, node.target, tuple(node.args), dict(node.kwargs), module,
-                node.target if node.op == "call_module" else None)
-
-
-# ---------------------------------------------------------------------------
-# per-node context handed to rules
-
-
-class NodeContext:
-    """Everything a rule needs to emit one FX node: its call, values and a builder."""
-
-    def __init__(self, emitter: "OnnxEmitter", node: fx.Node, call: Call, op: Optional[str]) -> None:
-        self.emitter = emitter
-        self.b = emitter.builder
-        self.node = node
-        self.call = call
-        self.op = op
-        self.quant = emitter.quant
-        part = node.meta.get(META_PARTITION)
-        self.prefix = f"{part}/{node.name}" if part else node.name
-        self._main_named = False
-
-    # -- arguments
-    @property
-    def module(self) -> Optional[nn.Module]:
-        return self.call.module
-
-    @property
-    def path(self) -> Optional[str]:
-        return self.call.path
-
-    def arg(self, index: Optional[int], name: Optional[str], default: Any = _MISSING) -> Any:
-        return self.call.arg(index, name, default)
-
-    def value(self, a: Any) -> Value:
-        """An FX argument with every Node replaced by its emitted value."""
-        return self.emitter.value_of(a, self.node)
-
-    def tensor(self, a: Any, dtype: Optional[int] = None) -> Tensor:
-        """A tensor name for an FX argument; python numbers become constants of ``dtype``
-        (default: float32), tensors of another dtype are cast to ``dtype`` when given."""
-        v = self.value(a)
-        if is_tensor(v):
-            if dtype is not None and self.dtype(v) != dtype:
-                return self.make("Cast", [v], tag="cast", to=dtype, dtype=dtype)
-            return v
-        if isinstance(v, (bool, int, float)) or (isinstance(v, (list, tuple)) and all(
-                isinstance(e, (bool, int, float)) for e in v)):
-            return self.const("const", v, dtype if dtype is not None else TensorProto.FLOAT)
-        raise self.unsupported(f"expected a tensor argument, got {type(v).__name__}")
-
-    def x(self, dtype: Optional[int] = None) -> Tensor:
-        """The input tensor (argument 0 / ``input``)."""
-        return self.tensor(self.arg(0, "input"), dtype)
-
-    def shape(self, a: Any = _MISSING) -> Optional[tuple[int, ...]]:
-        """Static shape of an FX argument (default: argument 0) from shape propagation."""
-        if a is _MISSING:
-            a = self.arg(0, "input")
-        if isinstance(a, fx.Node):
-            info = a.meta.get(META_TENSOR)
-            return info.shape if isinstance(info, TensorInfo) else None
-        return None
-
-    def rank(self, a: Any = _MISSING) -> int:
-        s = self.shape(a)
-        if s is None:
-            raise self.unsupported("the input's rank is unknown (run shape propagation first)")
-        return len(s)
-
-    def out_shape(self) -> Optional[tuple[int, ...]]:
-        info = self.node.meta.get(META_TENSOR)
-        return info.shape if isinstance(info, TensorInfo) else None
-
-    def out_dtype(self) -> Optional[int]:
-        info = self.node.meta.get(META_TENSOR)
-        return DTYPE_TO_ONNX.get(info.dtype) if isinstance(info, TensorInfo) else None
-
-    def dtype(self, t: str) -> int:
-        return self.b.dtypes.get(t, TensorProto.FLOAT)
-
-    # -- building
-    def make(self, op_type: str, inputs: Sequence[str], *, outputs: int = 1, tag: Optional[str] = None,
-             dtype: Optional[int] = None, **attrs: Any) -> Union[Tensor, list[Tensor]]:
-        """Add one ONNX node; returns its output name (or names when ``outputs > 1``).
-
-        The first untagged node of an FX node is named ``<prefix>``, the others
-        ``<prefix>/<tag or op type>``. ``dtype`` is the output element type when it is
-        not the first input's.
-        """
-        if tag is None and not self._main_named:
-            name = self.b.node_name(self.prefix)
-            self._main_named = True
-        else:
-            name = self.b.node_name(f"{self.prefix}/{tag or op_type.lower()}")
-        base = f"{self.node.name}/{tag or op_type.lower()}"
-        outs = [self.b.fresh(base if outputs == 1 else f"{base}_{i}") for i in range(outputs)]
-        self.b.add_node(op_type, inputs, outs, name, attrs)
-        out_dtype = dtype
-        if out_dtype is None:
-            first = next((i for i in inputs if i), None)
-            out_dtype = self.b.dtypes.get(first, TensorProto.FLOAT) if first is not None else TensorProto.FLOAT
-        for o in outs:
-            self.b.dtypes[o] = out_dtype
-        self.emitter.record_onnx_node(self.node, name)
-        return outs[0] if outputs == 1 else outs
-
-    def const(self, tag: str, value: Any, dtype: int = TensorProto.FLOAT) -> Tensor:
-        """A constant initializer ``<node>/<tag>`` (a python scalar becomes a 0-d tensor)."""
-        arr = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
-        return self.b.initializer(f"{self.node.name}/{tag}", arr)
-
-    def initializer(self, name: str, array: np.ndarray) -> Tensor:
-        """A named initializer (a module path such as ``conv1.op.weight``)."""
-        return self.b.initializer(name, array)
-
-    def param(self, module: nn.Module, attr: str, path: Optional[str] = None,
-              transform: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> Optional[Tensor]:
-        """The float parameter/buffer ``attr`` of ``module`` as an initializer ``<path>.<attr>``."""
-        t = getattr(module, attr, None)
-        if t is None:
-            return None
-        arr = to_numpy(t)
-        if transform is not None:
-            arr = transform(arr)
-        path = path if path is not None else self.emitter.path_of(module)
-        return self.initializer(f"{path}.{attr}" if path else attr, arr)
-
-    def identity(self, t: str) -> Tensor:
-        return self.make("Identity", [t])
-
-    def unsupported(self, why: str) -> UnsupportedOpError:
-        what = describe_target(self.node, self.emitter.modules)
-        return UnsupportedOpError(
-            f"cannot emit node '{self.node.name}' ({what}, op '{self.op}') to ONNX opset 11: {why}"
-        )
-
-
-def to_numpy(t: Any) -> np.ndarray:
-    if isinstance(t, torch.Tensor):
-        t = t.detach().cpu()
-        if t.dtype in (torch.float64, torch.float16, torch.bfloat16):
-            t = t.float()
-        return t.numpy().copy()
-    return np.asarray(t)
-
 
 # ---------------------------------------------------------------------------
 # the emitter
@@ -385,8 +77,6 @@ class OnnxEmitter:
     """Emits FX nodes of one GraphModule; use :func:`emit_graph` / :func:`emit_subgraph`."""
 
     def __init__(self, gm: fx.GraphModule, *, quantize: bool = False) -> None:
-        from qcompiler.backends.onnx.quant import QuantState
-
         if not isinstance(gm, fx.GraphModule):
             raise ConfigError(f"the ONNX emitter takes a torch.fx.GraphModule, got {type(gm).__name__}")
         self.gm = gm
@@ -440,10 +130,8 @@ class OnnxEmitter:
         return _value_info(name, elem, shape, dynamic)
 
     def _emit_call(self, node: fx.Node, node_filter: Optional[Callable[[fx.Node], bool]]) -> None:
-        from qcompiler.backends.onnx.op_table import extra_op, rule_for
-
         call = call_of(node, self.modules)
-        op = node.meta.get(META_OP) or node_op(node, self.modules) or extra_op(node.op, node.target)
+        op = node.meta.get(META_OP) or emit_op(node, self.modules)
         ctx = NodeContext(self, node, call, op)
         if node_filter is not None and not node_filter(node):
             ins = [a for a in node.all_input_nodes]
@@ -451,10 +139,10 @@ class OnnxEmitter:
                 raise ctx.unsupported("node_filter skips it, but only single-input nodes can be skipped")
             self.values[node] = self.value_of(ins[0], node)
             return
-        rule = rule_for(call.module, op)
+        rule = rule_for(call.module, op, OPSET_VERSION)
         if rule is None:
-            raise ctx.unsupported("no emit rule for this op; run it in a supported form or keep it out "
-                                  "of the exported graph")
+            why = rules.NOT_EMITTED.get(op, "no emit rule for this op")
+            raise ctx.unsupported(f"{why}; run it in a supported form or keep it out of the exported graph")
         start = len(self.builder.nodes)
         try:
             value = rule(ctx)

@@ -8,20 +8,25 @@ The tables below are the single place where spellings are mapped.
 Clamps are canonicalized by their bounds: ``torch.clamp(x, min=0)``,
 ``x.clamp_min(0)`` are "relu" and ``torch.clamp(x, 0, 6)``, ``F.hardtanh(x, 0, 6)``,
 ``nn.Hardtanh(0, 6)`` are "relu6" (the same values, bit for bit), so they place,
-fuse and convert like the ReLUs MARCH_OPS.md lists; a clamp with other bounds has
-no op (it runs on CPU).
+fuse and convert like the ReLUs MARCH_OPS.md lists; clamps with other
+bounds have no canonical op (they run on CPU; :func:`emit_op` names them "clamp" for the
+CPU backends, which read the bounds with :func:`clamp_bounds`).
+
+Ops only the CPU runs (``neg``, ``abs``, the comparisons, ``pad``, ``getattr``) are named
+here too: one table of spellings serves the placement, the passes and the ONNX emitter.
 """
 
 from __future__ import annotations
 
+import builtins
 import operator
 from typing import Optional
 
 import torch
 import torch.ao.quantization as taq
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.fx as fx
 
 # nn.Module classes -> op. Subclasses match too (checked along the MRO).
 MODULE_OPS: dict[type, str] = {
@@ -120,6 +125,24 @@ FUNCTION_OPS: dict[object, str] = {
     torch.chunk: "split",
     torch.split: "split",  # torch.functional.split
     operator.getitem: "getitem",
+    builtins.getattr: "getattr",
+    F.pad: "pad",
+    operator.neg: "neg",
+    torch.neg: "neg",
+    torch.abs: "abs",
+    operator.abs: "abs",
+    operator.gt: "gt",
+    operator.lt: "lt",
+    operator.ge: "ge",
+    operator.le: "le",
+    operator.eq: "eq",
+    operator.ne: "ne",
+    torch.gt: "gt",
+    torch.lt: "lt",
+    torch.ge: "ge",
+    torch.le: "le",
+    torch.eq: "eq",
+    torch.ne: "ne",
 }
 
 # call_method names -> op
@@ -147,6 +170,15 @@ METHOD_OPS: dict[str, str] = {
     "dim": "size",
     "chunk": "split",
     "split": "split",
+    "neg": "neg",
+    "abs": "abs",
+    "float": "float",
+    "gt": "gt",
+    "lt": "lt",
+    "ge": "ge",
+    "le": "le",
+    "eq": "eq",
+    "ne": "ne",
 }
 
 # clamp spellings: call_function target / call_method name -> (lower, upper) bound
@@ -178,12 +210,17 @@ def clamp_op(lower: object, upper: object) -> Optional[str]:
     return "relu6" if is_number(upper) and upper == 6 else None
 
 
-def _clamp_node_op(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[str]:
+def _clamp_bounds(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[tuple[object, object]]:
     if len(node.args) > 1 + len(params) or set(node.kwargs) - {name for name, _ in params} - {"inplace"}:
         return None
     bounds = [node.args[1 + i] if 1 + i < len(node.args) else node.kwargs.get(name, default)
               for i, (name, default) in enumerate(params)]
-    return clamp_op(bounds[0], bounds[1] if len(bounds) > 1 else None)
+    return bounds[0], (bounds[1] if len(bounds) > 1 else None)
+
+
+def _clamp_node_op(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[str]:
+    bounds = _clamp_bounds(node, params)
+    return clamp_op(*bounds) if bounds is not None else None
 
 
 # Ops that move no data and compute nothing: they take their producer's placement.
@@ -239,6 +276,31 @@ def is_clamp(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
         except TypeError:  # unhashable target
             return False
     return node.op == "call_method" and node.target in _CLAMP_METHODS
+
+
+def clamp_bounds(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[tuple[object, object]]:
+    """``(lower, upper)`` of any clamp spelling (None for no bound; an FX node for a tensor bound),
+    or None when ``node`` is no clamp or its arguments do not parse."""
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        return (m.min_val, m.max_val) if isinstance(m, nn.Hardtanh) else None
+    if node.op == "call_function":
+        try:
+            params = _CLAMP_FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    else:
+        params = _CLAMP_METHODS.get(node.target) if node.op == "call_method" else None
+    return _clamp_bounds(node, params) if params is not None else None
+
+
+def emit_op(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str]:
+    """The op a backend computes ``node`` as: its canonical op, or "clamp" for a clamp spelling
+    whose bounds are no ReLU's (it has no canonical op: nothing but the CPU runs it)."""
+    op = node_op(node, modules)
+    if op is None and is_clamp(node, modules):
+        return "clamp"
+    return op
 
 
 def describe_target(node: fx.Node, modules: dict[str, nn.Module]) -> str:

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
-
 # Requantization multipliers of 31 bits: M/2**n is within 2**-32 of the real factor, far
 # below the float64 error of the fake-quant model's evaluation, so the two round the same
 # way except on values within ~1e-8 LSB of a tie; an int32 accumulator times M < 2**62.

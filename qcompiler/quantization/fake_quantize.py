@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from qcompiler.errors import CalibrationError, ConfigError
-from qcompiler.quantization.observer import ObserverBase, _fmt_vec, check_dtype, resize_to_saved
 from qcompiler.quantization.fixed_point import qrange
+from qcompiler.quantization.observer import ObserverBase, _fmt_vec, check_dtype, resize_to_saved
 
 __all__ = [
     "FakeQuantizeBase",

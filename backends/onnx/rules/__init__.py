@@ -1,0 +1,33 @@
+"""The ONNX emit rules, one module per op family; importing this package registers them all.
+
+Each family registers its rules with :mod:`qcompiler.backends.onnx.registry` (``@emits`` /
+``@emits_module`` / table rows through ``register``). The families import each other only
+downward: ``common`` <- ``elementwise`` <- ``conv`` <- ``norm``; ``pool``, ``layout``,
+``reduce``, ``index``, ``embedding``, ``rnn``; ``quantized`` (the converted modules) last.
+"""
+
+from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register their rules)
+    common,
+    conv,
+    elementwise,
+    embedding,
+    index,
+    layout,
+    norm,
+    pool,
+    quantized,
+    reduce,
+    rnn,
+)
+
+# Canonical ops (qcompiler.ir.ops) no rule emits yet, and why: the emitter's error says it, and
+# tests/test_onnx_registry.py checks that every canonical op is emitted or listed here.
+NOT_EMITTED: dict[str, str] = {
+    "gru": "GRU is not emitted yet (opset-11 GRU needs torch's gates reordered to zrh, as LSTM's are)",
+    "group_norm": "GroupNorm is not emitted yet (opset 11 has no GroupNormalization: it needs a "
+                  "reshape to (N, G, -1) around InstanceNormalization)",
+    "multihead_attention": "MultiheadAttention is not emitted yet (opset 11 has no attention op: it needs "
+                           "a decomposition into MatMul / Softmax)",
+}
+
+FAMILIES = ("elementwise", "conv", "norm", "pool", "reduce", "layout", "index", "embedding", "rnn", "quantized")

@@ -1,0 +1,160 @@
+"""Weight-layer rules: conv, transposed conv, linear (float, observed or fused: op + add + activation
++ output quantizer; the quant state supplies the weights), and matmul."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch.nn as nn
+
+from qcompiler.backends.onnx.context import (
+    NodeContext,
+    Tensor,
+)
+from qcompiler.backends.onnx.registry import emits
+from qcompiler.backends.onnx.rules.common import I64, _arg_or_none, _circular_pad, _ntuple
+from qcompiler.backends.onnx.rules.elementwise import clip
+from qcompiler.nn import fused
+
+
+@emits("matmul")
+def matmul(ctx: NodeContext) -> Tensor:
+    other = ctx.call.kwargs.get("other", ctx.call.kwargs.get("mat2", _arg_or_none(ctx, 1)))
+    return ctx.make("MatMul", [ctx.x(), ctx.tensor(other)])
+
+
+def weight_layer_parts(module: nn.Module):
+    """(base layer, activation op name or None, with_add, output quantizer) of a weight layer."""
+    apq = getattr(module, "activation_post_process", None)
+    if isinstance(module, fused.FusedModule):
+        act = None if module.act is None else ("relu6" if isinstance(module.act, nn.ReLU6) else "relu")
+        return module.op, act, module.with_add, apq
+    return module, None, False, apq
+
+
+def _pads(ctx: NodeContext, padding: Any, kernel: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    n = len(kernel)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [0] * (2 * n)
+        if padding == "same":
+            total = [d * (k - 1) for k, d in zip(kernel, dilation)]
+            return [t // 2 for t in total] + [t - t // 2 for t in total]
+        raise ctx.unsupported(f"padding={padding!r}")
+    p = _ntuple(padding, n)
+    return p + p
+
+
+def conv(ctx: NodeContext, x: str, w: str, b: Optional[str], weight_shape: Sequence[int], stride, padding,
+         dilation, groups: int, padding_mode: str = "zeros", tag: Optional[str] = None) -> Tensor:
+    kernel = list(weight_shape[2:])
+    n = len(kernel)
+    dil = _ntuple(dilation, n)
+    pads = _pads(ctx, padding, kernel, dil)
+    if padding_mode == "circular":
+        x = _circular_pad(ctx, x, [0, 0] + pads[:n], [0, 0] + pads[n:])
+        pads = [0] * (2 * n)
+    elif padding_mode != "zeros":
+        mode = {"reflect": "reflect", "replicate": "edge"}.get(padding_mode)
+        if mode is None:
+            raise ctx.unsupported(f"padding_mode={padding_mode!r} (zeros, reflect, replicate or circular)")
+        full = [0, 0] + pads[:n] + [0, 0] + pads[n:]
+        x = ctx.make("Pad", [x, ctx.const("pads", full, I64)], tag="pad", mode=mode)
+        pads = [0] * (2 * n)
+    ins = [x, w] + ([b] if b else [])
+    return ctx.make("Conv", ins, tag=tag, kernel_shape=kernel, strides=_ntuple(stride, n), pads=pads,
+                    dilations=dil, group=int(groups))
+
+
+def conv_transpose(ctx: NodeContext, x: str, w: str, b: Optional[str], weight_shape: Sequence[int], stride,
+                   padding, output_padding, dilation, groups: int, tag: Optional[str] = None) -> Tensor:
+    kernel = list(weight_shape[2:])
+    n = len(kernel)
+    st, dil = _ntuple(stride, n), _ntuple(dilation, n)
+    p = _ntuple(padding, n)
+    op_ = _ntuple(output_padding, n)
+    in_shape, out_shape = ctx.shape(), ctx.out_shape()
+    if in_shape is not None and out_shape is not None and len(out_shape) == n + 2:
+        # derive output_padding from the recorded output size (covers forward(x, output_size))
+        base = [(in_shape[2 + i] - 1) * st[i] - 2 * p[i] + dil[i] * (kernel[i] - 1) + 1 for i in range(n)]
+        op_ = [out_shape[2 + i] - base[i] for i in range(n)]
+    ins = [x, w] + ([b] if b else [])
+    return ctx.make("ConvTranspose", ins, tag=tag, kernel_shape=kernel, strides=st, pads=p + p, dilations=dil,
+                    group=int(groups), output_padding=op_)
+
+
+def linear_op(ctx: NodeContext, x: str, w: str, b: Optional[str], rank: int, tag: Optional[str] = None) -> Tensor:
+    """Gemm for a 2-D input, else MatMul with the transposed weight (+ Add bias)."""
+    if rank == 2:
+        return ctx.make("Gemm", [x, w] + ([b] if b else []), tag=tag, transB=1)
+    wt = ctx.make("Transpose", [w], tag="weight_t", perm=[1, 0])
+    y = ctx.make("MatMul", [x, wt], tag=tag)
+    return y if b is None else ctx.make("Add", [y, b], tag="bias")
+
+
+def _finish_layer(ctx: NodeContext, y: str, act: Optional[str], with_add: bool, apq, path: str,
+                  base: nn.Module) -> Tensor:
+    if with_add:
+        other = ctx.arg(1, "other")
+        y = ctx.make("Add", [y, ctx.tensor(other)], tag="add")
+    if act == "relu":
+        y = ctx.make("Relu", [y], tag="relu")
+    elif act == "relu6":
+        y = clip(ctx, y, 0.0, 6.0, tag="relu6")
+    if apq is None and getattr(base, "weight_fake_quant", None) is not None:
+        ctx.quant.high_precision_output(ctx, y)  # a quantized layer without output quantizer
+        return y
+    return ctx.quant.activation_point(ctx, y, apq, f"{path}.activation_post_process")
+
+
+def _layer_module(ctx: NodeContext):
+    module = ctx.module
+    base, act, with_add, apq = weight_layer_parts(module)
+    base_path = f"{ctx.path}.op" if base is not module else ctx.path
+    return base, base_path, act, with_add, apq
+
+
+@emits("conv1d", "conv2d", "conv3d")
+def conv2d(ctx: NodeContext) -> Tensor:
+    """Conv (any spatial rank); fused modules add Add / Relu / Clip and the output quantizer."""
+    x = ctx.x()
+    if ctx.module is None:  # F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+        wa = ctx.arg(1, "weight")
+        ba = ctx.arg(2, "bias", None)
+        return conv(ctx, x, ctx.tensor(wa), ctx.tensor(ba) if ba is not None else None, ctx.shape(wa),
+                    ctx.arg(3, "stride", 1), ctx.arg(4, "padding", 0), ctx.arg(5, "dilation", 1),
+                    ctx.arg(6, "groups", 1))
+    base, base_path, act, with_add, apq = _layer_module(ctx)
+    w, b = ctx.quant.layer_params(ctx, base, base_path)
+    y = conv(ctx, x, w, b, tuple(base.weight.shape), base.stride, base.padding, base.dilation, base.groups,
+             getattr(base, "padding_mode", "zeros"))
+    return _finish_layer(ctx, y, act, with_add, apq, ctx.path, base)
+
+
+@emits("conv_transpose2d")
+def conv_transpose2d(ctx: NodeContext) -> Tensor:
+    x = ctx.x()
+    if ctx.module is None:  # F.conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation)
+        wa = ctx.arg(1, "weight")
+        ba = ctx.arg(2, "bias", None)
+        return conv_transpose(ctx, x, ctx.tensor(wa), ctx.tensor(ba) if ba is not None else None, ctx.shape(wa),
+                              ctx.arg(3, "stride", 1), ctx.arg(4, "padding", 0), ctx.arg(5, "output_padding", 0),
+                              ctx.arg(7, "dilation", 1), ctx.arg(6, "groups", 1))
+    base, base_path, act, with_add, apq = _layer_module(ctx)
+    w, b = ctx.quant.layer_params(ctx, base, base_path)
+    y = conv_transpose(ctx, x, w, b, tuple(base.weight.shape), base.stride, base.padding, base.output_padding,
+                       base.dilation, base.groups)
+    return _finish_layer(ctx, y, act, with_add, apq, ctx.path, base)
+
+
+@emits("linear")
+def linear(ctx: NodeContext) -> Tensor:
+    x = ctx.x()
+    rank = ctx.rank()
+    if ctx.module is None:  # F.linear(input, weight, bias)
+        ba = ctx.arg(2, "bias", None)
+        return linear_op(ctx, x, ctx.tensor(ctx.arg(1, "weight")), ctx.tensor(ba) if ba is not None else None, rank)
+    base, base_path, act, with_add, apq = _layer_module(ctx)
+    w, b = ctx.quant.layer_params(ctx, base, base_path)
+    y = linear_op(ctx, x, w, b, rank)
+    return _finish_layer(ctx, y, act, with_add, apq, ctx.path, base)

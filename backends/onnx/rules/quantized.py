@@ -1,0 +1,234 @@
+"""Rules of the quantized graph: quantizers and stubs of a prepared model, and the fixed-point
+modules of a converted model (keyed by module class), plus quantized constants."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.ao.quantization as taq
+
+from qcompiler.backends.onnx.context import (
+    Call,
+    NodeContext,
+    Tensor,
+    is_tensor,
+    to_numpy,
+)
+from qcompiler.backends.onnx.registry import emits, emits_module, op_rule
+from qcompiler.backends.onnx.rules.conv import conv, conv_transpose, linear_op
+from qcompiler.backends.onnx.rules.elementwise import clip, identity, prelu_slope_shape
+from qcompiler.backends.onnx.rules.pool import avg_pool, resize
+from qcompiler.nn import quantized as qnn
+from qcompiler.quantization.fake_quantize import FakeQuantizeBase
+from qcompiler.quantization.fixed_point import dtype_name
+from qcompiler.quantization.observer import ObserverBase
+from qcompiler.quantization.stubs import DeQuantStub, QuantStub
+
+
+def quantized_constant(ctx: NodeContext, name: str, q: torch.Tensor, scale: float) -> Tensor:
+    """A constant's dequantized integers ``q * scale`` (one scale) as a float initializer; the
+    scale goes to the sidecar's weights when quantizing (weights and biases use
+    ``QuantState._store_weight`` / ``_store_bias``)."""
+    t = ctx.initializer(name, to_numpy((q.double() * float(scale)).float()))
+    if ctx.quant.quantize:
+        ctx.quant.weights[t] = {"scales": [float(scale)], "axis": None, "dtype": dtype_name(q.dtype)}
+    return t
+
+
+@emits_module(qnn.QuantizedConstantOperand)
+def converted_constant_operand(ctx: NodeContext) -> Tensor:
+    """QuantizedConstantOperand: the float op on the dequantized feature map and the constant
+    (an initializer ``q * s``, listed in the sidecar like a weight), quantized once at the
+    output scale (the BPU's one requantization)."""
+    m, path = ctx.module, ctx.path
+    c = quantized_constant(ctx, f"{path}.constant", m.constant, m.const_scale)
+    ins = [ctx.x(), c] if m.const_index == 1 else [c, ctx.x()]
+    if m.qc_op != "mul" and abs(m.alpha) != 1.0:  # alpha scales operand 1; its sign is in add/sub
+        ins[1] = ctx.make("Mul", [ins[1], ctx.const("alpha", abs(m.alpha))], tag="alpha")
+    y = ctx.make({"add": "Add", "sub": "Sub", "mul": "Mul"}[m.qc_op], ins)
+    return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, path)
+
+
+@emits_module(qnn.QuantizedConstant)
+def converted_constant(ctx: NodeContext) -> Tensor:
+    """QuantizedConstant: its dequantized integers as an initializer (scale in the sidecar)."""
+    m = ctx.module
+    return quantized_constant(ctx, f"{ctx.path}.value", m.value, m.out_scale)
+
+
+@emits_module(qnn.QuantizedDiv)
+def converted_div(ctx: NodeContext) -> Tensor:
+    """QuantizedDiv: Div of the dequantized operands, quantized at the output scale. (A zero
+    divisor gives +-inf, which QuantizeLinear saturates like the BPU; 0/0 is NaN here, 0 there.)"""
+    m = ctx.module
+    y = ctx.make("Div", [ctx.tensor(ctx.arg(0, "input")), ctx.tensor(ctx.arg(1, "other"))])
+    return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, ctx.path)
+
+
+@emits_module(QuantStub, taq.QuantStub)
+@emits("quant")
+def quant_stub(ctx: NodeContext):
+    """A QuantStub: its ``activation_post_process`` quantizes (Identity in a float export)."""
+    apq = getattr(ctx.module, "activation_post_process", None) if ctx.module is not None else None
+    path = f"{ctx.path}.activation_post_process" if ctx.path else ctx.node.name
+    return ctx.quant.activation_point(ctx, ctx.x(), apq, path, always_node=True)
+
+
+@emits_module(DeQuantStub, taq.DeQuantStub, qnn.DeQuantize)
+@emits("dequant")
+def dequant_stub(ctx: NodeContext):
+    return identity(ctx)
+
+
+@emits_module(FakeQuantizeBase, ObserverBase)
+def fake_quant_node(ctx: NodeContext) -> Tensor:
+    """A quantizer called from the graph (boundary observer, output observer)."""
+    return ctx.quant.activation_point(ctx, ctx.x(), ctx.module, ctx.path, always_node=True)
+
+
+def _out(ctx: NodeContext, y: str, scale: Optional[float], dtype: str) -> Tensor:
+    if scale is None:
+        return y
+    return ctx.quant.quantize_point(ctx, y, scale, dtype, ctx.path)
+
+
+@emits_module(qnn.Quantize)
+def converted_quantize(ctx: NodeContext) -> Tensor:
+    m = ctx.module
+    return ctx.quant.quantize_point(ctx, ctx.x(), m.scale, m.dtype, ctx.path, always_node=True)
+
+
+@emits_module(qnn.QuantizedWeightLayer)
+def converted_weight_layer(ctx: NodeContext) -> Tensor:
+    m: qnn.QuantizedWeightLayer = ctx.module
+    axis = 1 if m.kind == "conv_transpose2d" else 0
+    q, g = m.q_weight, m.geometry
+    w = ctx.quant._store_weight(ctx, ctx.path, q, m.w_scale, axis, g.get("groups", 1), "qint8")
+    b = None
+    if m.bias is not None:  # acc_scale: one per output channel (or one), as the bias
+        b = ctx.quant._store_bias(ctx, ctx.path, m.bias.double(), m.acc_scale.double())
+    x = ctx.x()
+    if m.kind == "conv2d":
+        y = conv(ctx, x, w, b, tuple(q.shape), g["stride"], g["padding"], g["dilation"], g["groups"])
+    elif m.kind == "linear":
+        y = linear_op(ctx, x, w, b, ctx.rank())
+    else:
+        y = conv_transpose(ctx, x, w, b, tuple(q.shape), g["stride"], g["padding"], g["output_padding"],
+                                 g["dilation"], g["groups"])
+    if m.with_add:
+        y = ctx.make("Add", [y, ctx.tensor(ctx.arg(1, "other"))], tag="add")
+    if m.act == "relu":
+        y = ctx.make("Relu", [y], tag="relu")
+    elif m.act == "relu6":
+        y = clip(ctx, y, 0.0, 6.0, tag="relu6")
+    if m.out_scale is None:
+        ctx.quant.high_precision_output(ctx, y)
+        return y
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+def _with_call(ctx: NodeContext, call: Call):
+    """Run a float rule on a substitute call (same node, names and partition)."""
+    saved = ctx.call
+    ctx.call = call
+    try:
+        rule = op_rule(ctx.op)
+        if rule is None:
+            raise ctx.unsupported("no float rule for the converted op")
+        return rule(ctx)
+    finally:
+        ctx.call = saved
+
+
+def _function_call(ctx: NodeContext, args: tuple, kwargs: Optional[dict] = None) -> Call:
+    return Call("call_function", None, tuple(args), dict(kwargs or {}))
+
+
+@emits_module(qnn.QuantizedAdd, qnn.QuantizedMul, qnn.QuantizedMatmul)
+def converted_binary(ctx: NodeContext) -> Tensor:
+    """QuantizedAdd / QuantizedMul / QuantizedMatmul: the float op on the dequantized operands,
+    quantized once at the output scale (the BPU's one requantization)."""
+    m = ctx.module
+    alpha = getattr(m, "alpha", 1.0)  # QuantizedAdd: the traced call's alpha, folded on the BPU
+    y = _with_call(ctx, _function_call(ctx, ctx.call.args[:2], {"alpha": alpha} if alpha != 1.0 else None))
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+@emits_module(qnn.QuantizedCat)
+def converted_cat(ctx: NodeContext) -> Tensor:
+    m = ctx.module
+    dim = ctx.arg(1, "dim", 0)
+    y = _with_call(ctx, _function_call(ctx, (ctx.arg(0, "tensors"), dim)))
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+@emits_module(qnn.QuantizedLookup)
+def converted_lookup(ctx: NodeContext) -> Tensor:
+    """A lookup table: the float function it was built from (default arguments, as
+    ``passes.convert.LUT_FUNCTIONS``) followed by the output quantization."""
+    m = ctx.module
+    y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0],)))
+    return _out(ctx, y, m.out_scale, "qint16" if m.table.dtype == torch.int16 else "qint8")
+
+
+@emits_module(qnn.QuantizedAvgPool)
+def converted_avg_pool(ctx: NodeContext) -> Tensor:
+    m: qnn.QuantizedAvgPool = ctx.module
+    x = ctx.x()
+    if m.kernel is None:
+        out = ctx.out_shape()
+        if m.keepdim or (out is not None and len(out) == 4):
+            y = ctx.make("GlobalAveragePool", [x])
+        else:
+            y = ctx.make("Squeeze", [ctx.make("GlobalAveragePool", [x])], tag="squeeze", axes=[2, 3])
+    else:
+        y = avg_pool(ctx, x, m.kernel, m.stride, m.padding, False, True)
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+@emits_module(qnn.QuantizedResize)
+def converted_resize(ctx: NodeContext) -> Tensor:
+    m: qnn.QuantizedResize = ctx.module
+    y = resize(ctx, ctx.x(), m.mode, m.align_corners, size=list(m.size))
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+@emits_module(qnn.QuantizedPReLU)
+def converted_prelu(ctx: NodeContext) -> Tensor:
+    """prelu / leaky_relu on integers: positives scaled by Mp/2^np (= s_in/s_out), negatives by
+    Mn/2^nn (= slope * s_in/s_out). The float slope the integer model applies is their ratio."""
+    m: qnn.QuantizedPReLU = ctx.module
+    pos = float(m.Mp) / 2.0 ** float(m.np_)
+    slope = (m.Mn.double() / torch.pow(2.0, m.nn_.double())) / pos
+    x = ctx.x()
+    arr = prelu_slope_shape(to_numpy(slope.float()), ctx.rank())
+    y = ctx.make("PRelu", [x, ctx.initializer(f"{ctx.path}.slope", arr)])
+    return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+@emits_module(qnn.QuantizedSameScale)
+def converted_same_scale(ctx: NodeContext):
+    """relu, relu6, max pool, layout ops, identities on integers: the float op (the grid is kept).
+
+    ``QuantizedSameScale`` says what it computes: a function, a method name or the float
+    module it replaced (max pool, flatten); the rule emits that call.
+    """
+    m: qnn.QuantizedSameScale = ctx.module
+    args, kwargs = ctx.call.args, ctx.call.kwargs
+    if m.float_module is not None:
+        call = Call("call_module", None, args, kwargs, m.float_module, ctx.path)
+    elif m.method is not None:
+        call = Call("call_method", m.method, args, kwargs)
+    elif m.function is not None:
+        call = Call("call_function", m.function, args, kwargs)
+    else:
+        call = Call("call_function", None, args[:1], {})  # identity / dropout / relu
+    src = ctx.value(args[0]) if args else None
+    y = _with_call(ctx, call)
+    if is_tensor(src) and src in ctx.quant.grid and is_tensor(y):
+        scale, dtype = ctx.quant.grid[src]
+        if ctx.op == "relu6":  # clamps at round(6 / s) * s, back on the grid
+            return ctx.quant.quantize_point(ctx, y, scale, dtype, ctx.path)
+        ctx.quant.grid[y] = (scale, dtype)
+    return y
