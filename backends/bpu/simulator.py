@@ -64,22 +64,24 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
 from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
-
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
-__all__ = ["BpuSimulator", "run_partitioned", "PartitionedRunner", "KERNELS", "int8_gemm_available"]
+__all__ = ["BpuSimulator", "run_partitioned", "PartitionedRunner", "KERNELS", "REFERENCE", "FAST", "KernelSpec",
+           "int8_gemm_available"]
 
 KERNELS = ("fast", "fixed_point")
 
@@ -214,148 +216,250 @@ def _output_wrap(spec: ValueSpec) -> Callable[[torch.Tensor], Any]:
 # ---------------------------------------------------------------------------- op compilation
 
 
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a kernel builder gets: the op, its inputs' specs, a name for errors, the scratch
+    buffers and whether the exact int8 GEMM may be used."""
+
+    op: BpuOp
+    in_specs: list[ValueSpec]
+    name: str
+    ws: _Workspace
+    int8_gemm: bool
+
+    @property
+    def attrs(self) -> dict:
+        return self.op.attrs
+
+    @property
+    def tensors(self) -> dict:
+        return self.op.tensors
+
+    @property
+    def out_dtype(self) -> Optional[str]:
+        return self.op.attrs.get("out_dtype")
+
+
+KernelBuilder = Callable[[KernelSpec], Callable]
+
+# op kind -> builder of its exact kernel (``qcompiler.quantization.fixed_point`` semantics): the reference
+REFERENCE: dict[str, KernelBuilder] = {}
+# op kind -> builder of a faster kernel, bit-exact with the reference (tests/test_bpu_simulator.py)
+FAST: dict[str, KernelBuilder] = {}
+
+
+def _kernel(table: dict[str, KernelBuilder], *kinds: str) -> Callable[[KernelBuilder], KernelBuilder]:
+    def deco(build: KernelBuilder) -> KernelBuilder:
+        for kind in kinds:
+            if kind in table:
+                raise RuntimeError(f"two simulator kernels for op kind {kind!r}")
+            table[kind] = build
+        return build
+    return deco
+
+
 def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws: _Workspace,
              int8_gemm: bool = False) -> Callable:
-    k = op.kind
-    a = op.attrs
-    in_specs = [specs[i] for i in op.inputs]
-    if k in ("conv2d", "conv_transpose2d", "linear"):
-        if kernels == "fast" and k == "conv2d":
-            return _FastConv(op, in_specs, name, ws, int8_gemm)
-        if kernels == "fast" and k == "linear":
-            return _FastLinear(op, in_specs, name, ws, int8_gemm)
-        return _fixed_point_weight_layer(op, name)
-    if k == "quantize":
-        scale, dtype = a["out_scale"], a["out_dtype"]
-        return lambda x: fp.quantize(x, scale, dtype)
-    if k == "dequantize":
-        return _dequantize(in_specs[0])
-    out_dtype = a.get("out_dtype")
-    T = op.tensors
-    if k == "matmul":
+    """The kernel of one op: the ``FAST`` overlay's with ``kernels="fast"``, else the ``REFERENCE`` one."""
+    build = FAST.get(op.kind) if kernels == "fast" else None
+    if build is None:
+        build = REFERENCE.get(op.kind)
+    if build is None:
+        raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {op.kind!r}")
+    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm))
+
+
+@_kernel(FAST, "conv2d")
+def _fast_conv(k: KernelSpec) -> Callable:
+    return _FastConv(k.op, k.in_specs, k.name, k.ws, k.int8_gemm)
+
+
+@_kernel(FAST, "linear")
+def _fast_linear(k: KernelSpec) -> Callable:
+    return _FastLinear(k.op, k.in_specs, k.name, k.ws, k.int8_gemm)
+
+
+@_kernel(REFERENCE, "conv2d", "conv_transpose2d", "linear")
+def _weight_layer(k: KernelSpec) -> Callable:
+    return _fixed_point_weight_layer(k.op, k.name)
+
+
+@_kernel(REFERENCE, "quantize")
+def _quantize(k: KernelSpec) -> Callable:
+    scale, dtype = k.attrs["out_scale"], k.attrs["out_dtype"]
+    return lambda x: fp.quantize(x, scale, dtype)
+
+
+@_kernel(REFERENCE, "dequantize")
+def _dequantize_kernel(k: KernelSpec) -> Callable:
+    return _dequantize(k.in_specs[0])
+
+
+@_kernel(REFERENCE, "matmul")
+def _matmul(k: KernelSpec) -> Callable:
+    M, n, name, out_dtype = k.tensors["M"], k.tensors["n"], k.name, k.out_dtype
+
+    def matmul(x, y):
+        acc = fp.check_accumulator(fp.int_matmul(x, y, op=name), 32, op=name)
+        return fp.requantize(acc, M, n, out_dtype, op=name)
+    return matmul
+
+
+@_kernel(REFERENCE, "add", "sub")
+def _add_sub(k: KernelSpec) -> Callable:
+    Ma, na, Mb, nb = (int(k.tensors[t]) for t in ("Ma", "na", "Mb", "nb"))
+    fn = fp.int_add if k.op.kind == "add" else fp.int_sub
+    name, out_dtype = k.name, k.out_dtype
+    return _with_constant(k.op, lambda x, y: fn(x, Ma, na, y, Mb, nb, out_dtype, op=name))
+
+
+@_kernel(REFERENCE, "mul")
+def _mul(k: KernelSpec) -> Callable:
+    T, name, out_dtype = k.tensors, k.name, k.out_dtype
+    M, n = T["M"], T["n"]
+    if len(k.op.inputs) == 2 or "constant" in T:
+        return _with_constant(k.op, lambda x, y: fp.int_mul(x, y, M, n, out_dtype, op=name))
+    sign = int(k.attrs["sign"])
+    return lambda x: fp.requantize(sign * x.to(torch.int64), M, n, out_dtype, op=name)
+
+
+@_kernel(REFERENCE, "constant")
+def _constant(k: KernelSpec) -> Callable:
+    value = k.tensors["value"]
+    return lambda: value
+
+
+@_kernel(REFERENCE, "div")
+def _div(k: KernelSpec) -> Callable:
+    M, n, b_dtype, name, out_dtype = k.tensors["M"], k.tensors["n"], k.attrs["b_dtype"], k.name, k.out_dtype
+    return lambda x, y: fp.int_div(x, y, M, n, b_dtype, out_dtype, op=name)
+
+
+@_kernel(REFERENCE, "cat")
+def _cat(k: KernelSpec) -> Callable:
+    Ms, ns, dim = k.tensors["M"].tolist(), k.tensors["n"].tolist(), int(k.attrs["dim"])
+    params = [(torch.tensor(M, dtype=torch.int64), torch.tensor(n, dtype=torch.int64)) for M, n in zip(Ms, ns)]
+    name, out_dtype = k.name, k.out_dtype
+
+    def cat(*xs):
+        return torch.cat([fp.requantize(x, M, n, out_dtype, op=f"{name}[{i}]")
+                          for i, (x, (M, n)) in enumerate(zip(xs, params))], dim=dim)
+    return cat
+
+
+@_kernel(REFERENCE, "relu")
+def _relu(k: KernelSpec) -> Callable:
+    return fp.relu
+
+
+@_kernel(REFERENCE, "relu6")
+def _relu6(k: KernelSpec) -> Callable:
+    top, T, name, out_dtype = int(k.attrs["max"]), k.tensors, k.name, k.out_dtype
+    if "M" in T:  # its own output scale: requantize first (negatives stay <= 0 and clamp to 0)
         M, n = T["M"], T["n"]
+        return lambda x: fp.requantize(x, M, n, out_dtype, op=name).clamp(0, top)
+    return lambda x: x.clamp(0, top)
 
-        def matmul(x, y):
-            acc = fp.check_accumulator(fp.int_matmul(x, y, op=name), 32, op=name)
-            return fp.requantize(acc, M, n, out_dtype, op=name)
-        return matmul
-    if k in ("add", "sub"):
-        Ma, na, Mb, nb = (int(T[t]) for t in ("Ma", "na", "Mb", "nb"))
-        fn = fp.int_add if k == "add" else fp.int_sub
-        return _with_constant(op, lambda x, y: fn(x, Ma, na, y, Mb, nb, out_dtype, op=name))
-    if k == "mul":
-        M, n = T["M"], T["n"]
-        if len(op.inputs) == 2 or "constant" in T:
-            return _with_constant(op, lambda x, y: fp.int_mul(x, y, M, n, out_dtype, op=name))
-        sign = int(a["sign"])
-        return lambda x: fp.requantize(sign * x.to(torch.int64), M, n, out_dtype, op=name)
-    if k == "constant":
-        value = T["value"]
-        return lambda: value
-    if k == "div":
-        M, n, b_dtype = T["M"], T["n"], a["b_dtype"]
-        return lambda x, y: fp.int_div(x, y, M, n, b_dtype, out_dtype, op=name)
-    if k == "cat":
-        Ms, ns, dim = T["M"].tolist(), T["n"].tolist(), int(a["dim"])
-        params = [(torch.tensor(M, dtype=torch.int64), torch.tensor(n, dtype=torch.int64)) for M, n in zip(Ms, ns)]
 
-        def cat(*xs):
-            return torch.cat([fp.requantize(x, M, n, out_dtype, op=f"{name}[{i}]")
-                              for i, (x, (M, n)) in enumerate(zip(xs, params))], dim=dim)
-        return cat
-    if k == "relu":
-        return fp.relu
-    if k == "relu6":
-        top = int(a["max"])
-        if "M" in T:  # its own output scale: requantize first (negatives stay <= 0 and clamp to 0)
-            M, n = T["M"], T["n"]
-            return lambda x: fp.requantize(x, M, n, out_dtype, op=name).clamp(0, top)
-        return lambda x: x.clamp(0, top)
-    if k in ("prelu", "leaky_relu"):
-        Mp, np_, Mn, nn_ = T["Mp"], T["np"], T["Mn"], T["nn"]
-        axis = a.get("axis")
+@_kernel(REFERENCE, "prelu", "leaky_relu")
+def _prelu(k: KernelSpec) -> Callable:
+    T, name, out_dtype = k.tensors, k.name, k.out_dtype
+    Mp, np_, Mn, nn_ = T["Mp"], T["np"], T["Mn"], T["nn"]
+    axis = k.attrs.get("axis")
 
-        def prelu(x):
-            pos = fp.requantize(x, Mp, np_, out_dtype, op=name)
-            neg = fp.requantize(x, Mn, nn_, out_dtype, axis=axis, op=name)
-            return torch.where(x >= 0, pos, neg)
-        return prelu
-    if k == "max_pool2d":
-        ks, st, pad, dil, ceil = a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
-        if kernels == "fast":
-            return _FastMaxPool(ks, st, pad, dil, ceil, ws)
-        return lambda x: fp.int_max_pool2d(x, ks, st, pad, dil, ceil)
-    if k == "avg_pool2d":
-        ks, st, pad = tuple(a["kernel_size"]), tuple(a["stride"]), tuple(a["padding"])
-        M, n = T["M"], T["n"]
-        kk = ks[0] * ks[1]
+    def prelu(x):
+        pos = fp.requantize(x, Mp, np_, out_dtype, op=name)
+        neg = fp.requantize(x, Mn, nn_, out_dtype, axis=axis, op=name)
+        return torch.where(x >= 0, pos, neg)
+    return prelu
 
-        amax = _AMAX[in_specs[0].dtype]
 
-        def avg_pool(x):
-            # fixed_point.int_avg_pool2d with its multipliers precomputed (same checks, same sums)
-            if fp._extreme(x) * kk >= _F64_EXACT:
-                raise fp.AccumulatorOverflow(name, fp._extreme(x) * kk, _F64_EXACT, what="window sum")
-            s = F.avg_pool2d(x.to(torch.int64).double(), ks, st, pad, ceil_mode=False, count_include_pad=True,
-                             divisor_override=1).to(torch.int64)
-            if amax * kk >= _I32:  # the int32 range of the window sums is not proven: check it
-                fp.check_accumulator(s, 32, op=name)
-            return fp.requantize(s, M, n, out_dtype, op=name)
-        return avg_pool
-    if k == "global_avg_pool":
-        s_in, s_out, keep = a["in_scale"], a["out_scale"], a["keepdim"]
+def _pool_geometry(k: KernelSpec) -> tuple:
+    a = k.attrs
+    return a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]
 
-        amax = _AMAX[in_specs[0].dtype]
 
-        def gap(x):
-            if amax * x.shape[-1] * x.shape[-2] >= _I32:  # int32 range of the sums not proven: check it
-                fp.check_accumulator(x.to(torch.int64).sum(dim=(-2, -1)), 32, op=name)
-            y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS,
-                                       max_shift=qnn.MAX_SHIFT, op=name)
-            return y if keep else y.reshape(y.shape[:-2])  # as QuantizedAvgPool (mean without keepdim)
-        return gap
-    if k in ("resize_nearest", "resize_bilinear"):
-        size, ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
-        lo, hi = fp.qrange(out_dtype)
-        st = fp.storage_dtype(out_dtype)
-        if k == "resize_nearest":
-            def resize(x):  # as qcompiler.nn.quantized.QuantizedResize
-                y = F.interpolate(x.double(), size=size, mode="nearest")
-                return torch.round(y * ratio).clamp(lo, hi).to(st)
-        else:
-            align = bool(a["align_corners"])
+@_kernel(FAST, "max_pool2d")
+def _fast_max_pool(k: KernelSpec) -> Callable:
+    return _FastMaxPool(*_pool_geometry(k), k.ws)
 
-            def resize(x):
-                y = F.interpolate(x.double(), size=size, mode="bilinear", align_corners=align)
-                return torch.round(y * ratio).clamp(lo, hi).to(st)
-        return resize
-    if k == "lut":
-        table, in_dtype = T["table"], a["in_dtype"]
-        return lambda x: fp.apply_lut(x, table, in_dtype)
-    if k == "identity":
-        return lambda x: x
-    if k == "reshape":
-        shp = tuple(a["shape"])
-        return lambda x: x.reshape(shp)
-    if k == "flatten":
-        s, e = int(a["start_dim"]), int(a["end_dim"])
-        return lambda x: torch.flatten(x, s, e)
-    if k == "squeeze":
-        d = a["dim"]
-        return (lambda x: x.squeeze()) if d is None else (lambda x: x.squeeze(int(d)))
-    if k == "unsqueeze":
-        d = int(a["dim"])
-        return lambda x: x.unsqueeze(d)
-    if k == "permute":
-        dims = tuple(a["dims"])
-        return lambda x: x.permute(dims)
-    if k == "transpose":
-        d0, d1 = int(a["dim0"]), int(a["dim1"])
-        return lambda x: x.transpose(d0, d1)
-    if k == "getitem":
-        idx = decode_index(a["index"])
-        return lambda x: x[idx]
-    raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {k!r}")
+
+@_kernel(REFERENCE, "max_pool2d")
+def _max_pool(k: KernelSpec) -> Callable:
+    ks, st, pad, dil, ceil = _pool_geometry(k)
+    return lambda x: fp.int_max_pool2d(x, ks, st, pad, dil, ceil)
+
+
+@_kernel(REFERENCE, "avg_pool2d")
+def _avg_pool(k: KernelSpec) -> Callable:
+    a, name, out_dtype = k.attrs, k.name, k.out_dtype
+    ks, st, pad = tuple(a["kernel_size"]), tuple(a["stride"]), tuple(a["padding"])
+    M, n = k.tensors["M"], k.tensors["n"]
+    kk = ks[0] * ks[1]
+    amax = _AMAX[k.in_specs[0].dtype]
+
+    def avg_pool(x):
+        # fixed_point.int_avg_pool2d with its multipliers precomputed (same checks, same sums)
+        if fp._extreme(x) * kk >= _F64_EXACT:
+            raise fp.AccumulatorOverflow(name, fp._extreme(x) * kk, _F64_EXACT, what="window sum")
+        s = F.avg_pool2d(x.to(torch.int64).double(), ks, st, pad, ceil_mode=False, count_include_pad=True,
+                         divisor_override=1).to(torch.int64)
+        if amax * kk >= _I32:  # the int32 range of the window sums is not proven: check it
+            fp.check_accumulator(s, 32, op=name)
+        return fp.requantize(s, M, n, out_dtype, op=name)
+    return avg_pool
+
+
+@_kernel(REFERENCE, "global_avg_pool")
+def _global_avg_pool(k: KernelSpec) -> Callable:
+    a, name, out_dtype = k.attrs, k.name, k.out_dtype
+    s_in, s_out, keep = a["in_scale"], a["out_scale"], a["keepdim"]
+    amax = _AMAX[k.in_specs[0].dtype]
+
+    def gap(x):
+        if amax * x.shape[-1] * x.shape[-2] >= _I32:  # int32 range of the sums not proven: check it
+            fp.check_accumulator(x.to(torch.int64).sum(dim=(-2, -1)), 32, op=name)
+        y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS,
+                                   max_shift=qnn.MAX_SHIFT, op=name)
+        return y if keep else y.reshape(y.shape[:-2])  # as QuantizedAvgPool (mean without keepdim)
+    return gap
+
+
+@_kernel(REFERENCE, "resize_nearest", "resize_bilinear")
+def _resize(k: KernelSpec) -> Callable:
+    a, out_dtype = k.attrs, k.out_dtype
+    size, ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
+    lo, hi = fp.qrange(out_dtype)
+    st = fp.storage_dtype(out_dtype)
+    # as qcompiler.nn.quantized.QuantizedResize
+    options = {"mode": "nearest"} if k.op.kind == "resize_nearest" else \
+        {"mode": "bilinear", "align_corners": bool(a["align_corners"])}
+
+    def resize(x):
+        y = F.interpolate(x.double(), size=size, **options)
+        return torch.round(y * ratio).clamp(lo, hi).to(st)
+    return resize
+
+
+@_kernel(REFERENCE, "lut")
+def _lut(k: KernelSpec) -> Callable:
+    table, in_dtype = k.tensors["table"], k.attrs["in_dtype"]
+    return lambda x: fp.apply_lut(x, table, in_dtype)
+
+
+# layout kinds: op kind -> kernel builder from the op's attrs (no arithmetic, exact on any kernel set)
+_LAYOUT: dict[str, Callable[[dict], Callable]] = {
+    "identity": lambda a: (lambda x: x),
+    "reshape": lambda a: (lambda x, shp=tuple(a["shape"]): x.reshape(shp)),
+    "flatten": lambda a: (lambda x, s=int(a["start_dim"]), e=int(a["end_dim"]): torch.flatten(x, s, e)),
+    "squeeze": lambda a: ((lambda x: x.squeeze()) if a["dim"] is None else (lambda x, d=int(a["dim"]): x.squeeze(d))),
+    "unsqueeze": lambda a: (lambda x, d=int(a["dim"]): x.unsqueeze(d)),
+    "permute": lambda a: (lambda x, dims=tuple(a["dims"]): x.permute(dims)),
+    "transpose": lambda a: (lambda x, d0=int(a["dim0"]), d1=int(a["dim1"]): x.transpose(d0, d1)),
+    "getitem": lambda a: (lambda x, idx=decode_index(a["index"]): x[idx]),
+}
+for _kind, _make in _LAYOUT.items():
+    _kernel(REFERENCE, _kind)(lambda k, make=_make: make(k.attrs))
 
 
 def _with_constant(op: BpuOp, binary: Callable) -> Callable:
