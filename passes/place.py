@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from qcompiler.backends.bpu import op_table
 from qcompiler.backends.bpu.op_info import op_info
+from qcompiler.errors import PassError
 from qcompiler.hybrid import HybridConfig
 from qcompiler.ir.meta import (
     BPU,
@@ -127,10 +128,13 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
 
 def verify_placed(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """Every node is on the BPU or the CPU, with a reason (a PassError, not an assert: ``-O`` keeps it)."""
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "output"):
-            assert placement(node) in (BPU, CPU), f"node {node.name} not placed"
-            assert node.meta.get(META_REASON), f"node {node.name} placed without a reason"
+            if placement(node) not in (BPU, CPU):
+                raise PassError(f"place: node '{node.name}' has no placement")
+            if not node.meta.get(META_REASON):
+                raise PassError(f"place: node '{node.name}' is placed without a reason")
 
 
 PLACE = Pass("place", place, verify_placed)

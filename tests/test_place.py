@@ -6,13 +6,13 @@ import torch.ao.quantization as taq
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qcompiler.errors import QCompilerWarning
+from qcompiler.errors import PassError, QCompilerWarning
 from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir import propagate_shapes, trace
 from qcompiler.ir.meta import META_PLACEMENT, META_REASON
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext
-from qcompiler.passes.place import place
+from qcompiler.passes.place import place, verify_placed
 
 
 def placed(model, x, march, hybrid=None, leaves=()):
@@ -265,3 +265,19 @@ def test_conv_with_non_zero_padding_mode_is_cpu(march, mode):
         assert p["body_0"] == ("cpu", f"conv2d: padding_mode='{mode}' (the BPU pads with zeros) on {march}")
     # without padding the mode changes nothing: BPU
     assert placed(Seq(nn.Conv2d(8, 8, 3, padding_mode=mode)), X, march)["body_0"][0] == "bpu"
+
+
+def test_verifier_raises_pass_errors_not_asserts():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    gm = trace(m)
+    ctx = CompileContext(march=March.BAYES, example_inputs=(torch.rand(1, 3, 8, 8),))
+    place(gm, ctx)
+    verify_placed(gm, ctx)  # a placed graph passes
+    node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    reason = node.meta.pop(META_REASON)
+    with pytest.raises(PassError, match=f"place: node '{node.name}' is placed without a reason"):
+        verify_placed(gm, ctx)
+    node.meta[META_REASON] = reason
+    del node.meta[META_PLACEMENT]
+    with pytest.raises(PassError, match=f"place: node '{node.name}' has no placement"):
+        verify_placed(gm, ctx)
