@@ -25,8 +25,12 @@ PathLike = Union[str, os.PathLike]
 def check_target(path: PathLike, what: str) -> Path:
     """``path`` as a Path, if a file can be written there (parents may be missing); else a
     ConfigError prefixed with ``what`` (e.g. "save") that names the path."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{what}: the path must be a str or os.PathLike, got {type(path).__name__}")
     text = os.fspath(path)
-    if not str(text).strip():
+    if not isinstance(text, str):
+        raise ConfigError(f"{what}: the path must be text, got {type(text).__name__} {text!r}")
+    if not text.strip():
         raise ConfigError(f"{what}: the path is empty; give a file path")
     target = Path(text)
     if target.is_dir():
