@@ -16,6 +16,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
+from qcompiler.atomic_write import write_file
 from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU
@@ -83,11 +84,11 @@ class CompiledModel:
         for step in self.runtime.steps:
             if step.kind == BPU:
                 p = out / f"{step.name}.program.txt"
-                p.write_text(self.runtime.programs[step.name].summary())
+                data = self.runtime.programs[step.name].summary().encode()
             else:
                 p = out / f"{step.name}.onnx"
-                p.write_bytes(self.runtime.islands[step.name])
-            files.append(p)
+                data = self.runtime.islands[step.name]
+            files.append(write_file(p, data, "dump"))
         return files
 
     def export_onnx(self, path: Union[str, Path]) -> dict:

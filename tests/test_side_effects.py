@@ -130,12 +130,15 @@ def test_written_files_follow_the_umask(compiled, tmp_path, umask):
         files = _write_all(compiled, tmp_path)
         plain = tmp_path / "plain.txt"
         plain.write_text("x")  # what any file gets
+        dumped = compiled.dump(tmp_path / "dump")
     finally:
         os.umask(old)
     want = 0o666 & ~umask
     assert (plain.stat().st_mode & 0o777) == want
+    assert len(dumped) > 5 and {oct(f.stat().st_mode & 0o777) for f in dumped} == {oct(want)}
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == sorted(f.name for f in dumped)
     assert {f.name: oct(f.stat().st_mode & 0o777) for f in files} == {f.name: oct(want) for f in files}
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(f.name for f in files), "plain.txt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(f.name for f in files), "plain.txt", "dump"])
 
 
 def test_overwriting_keeps_umask_permissions_and_replaces_the_contents(compiled, tmp_path):
