@@ -166,9 +166,10 @@ def test_export_and_save_create_missing_parent_directories(compiled, tmp_path):
 def test_a_failed_write_names_the_target(compiled):
     """/proc/self/fdinfo exists but takes no new files (also for root): the error names the file
     the user asked for, not a hidden temporary one."""
-    with pytest.raises(OSError, match=r"export_to_onnx: No such file or directory: '/proc/self/fdinfo/m.onnx'"):
+    why = "(No such file or directory|Permission denied)"
+    with pytest.raises(OSError, match=rf"export_to_onnx: {why}: '/proc/self/fdinfo/m.onnx'$"):
         compiled.export_onnx("/proc/self/fdinfo/m.onnx")
-    with pytest.raises(OSError, match=r"save: No such file or directory: '/proc/self/fdinfo/m.qc'"):
+    with pytest.raises(OSError, match=rf"save: {why}: '/proc/self/fdinfo/m.qc'$"):
         compiled.save("/proc/self/fdinfo/m.qc")
 
 
