@@ -112,10 +112,10 @@ def _check_sizes(leaves: list[tuple[str, dict, torch.Tensor]], where: str) -> No
 def require_samples(args: Sequence[Any], *, where: str) -> None:
     """ConfigError (prefixed with ``where``) if the batch has no samples: a batch size of 0
     (dim 0 of the first input), which runs the model but shows an observer nothing."""
-    first = next((v for v in _tensors(args) if v.dim() > 0), None)
-    if first is not None and first.shape[0] == 0:
-        raise ConfigError(f"{where}: input 0 has batch size 0 (shape {tuple(first.shape)}); calibration needs "
-                          "at least one sample in every batch")
+    first = next(((i, t) for i, a in enumerate(args) for t in _tensors(a) if t.dim() > 0), None)
+    if first is not None and first[1].shape[0] == 0:
+        raise ConfigError(f"{where}: input {first[0]} has batch size 0 (shape {tuple(first[1].shape)}); "
+                          "calibration needs at least one sample in every batch")
 
 
 def _tensors(v: Any) -> list[torch.Tensor]:

@@ -111,8 +111,9 @@ def _user_frame(exc: BaseException) -> str:
     frame outside Python's and the installed packages' files (and qcompiler's); "" if there is none."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
-    library = tuple({sysconfig.get_path("stdlib"), sysconfig.get_path("purelib"), sysconfig.get_path("platlib"),
-                     str(Path(qcompiler.__file__).resolve().parent)})
+    library = tuple({str(Path(p).resolve()) for p in (
+        sysconfig.get_path("stdlib"), sysconfig.get_path("purelib"), sysconfig.get_path("platlib"),
+        Path(qcompiler.__file__).parent, Path(__file__).parent)})
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(library)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
