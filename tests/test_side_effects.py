@@ -46,6 +46,11 @@ def _analyse(fm, qat, out_dir):
     qa.auto_find_bad_case([X], num_steps=1)
     qa.run()
     qa.compare_per_layer()
+    qa.sensitivity()
+    try:
+        qa.suggest_int16(60.0)
+    except qcompiler.ConfigError:  # int16 everywhere may still miss the target: not what is tested here
+        pass
 
 
 # (id, which user model: "float" (train mode) | "calibration" | "qat" (training) | "converted", call)
@@ -62,6 +67,7 @@ ENTRIES = [
     ("export_to_onnx-qat", "qat", lambda m, t: export_to_onnx(m, X, t / "m.onnx")),
     ("export_to_onnx-converted", "converted", lambda m, t: export_to_onnx(m, X, t / "m.onnx")),
     ("compare_model_outputs", "qat", lambda m, t: ns.compare_model_outputs(tm.BNNet().train(), m, *X)),
+    ("compare_model_stub", "qat", lambda m, t: ns.compare_model_stub(tm.BNNet().train(), m, [torch.nn.Conv2d], *X)),
     ("compare_weights", "qat", lambda m, t: ns.compare_weights(tm.BNNet().state_dict(), m.state_dict())),
     ("check_qat_model", "qat", lambda m, t: check_qat_model(m, X, verbose=False)),
     ("quant_analysis", "qat", lambda m, t: _analyse(tm.BNNet().train(), m, t / "qa")),
