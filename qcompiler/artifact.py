@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Union
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from qcompiler.atomic_write import check_target, write_file
 from qcompiler.backends.bpu.program import BpuProgram
 from qcompiler.errors import ArtifactError
 
@@ -37,8 +37,9 @@ PathLike = Union[str, os.PathLike]
 
 
 def save_artifact(path: PathLike, manifest: dict, programs: dict, islands: dict[str, bytes]) -> Path:
-    """Write atomically: a failure leaves no partial file behind."""
-    path = Path(path)
+    """Write atomically (:mod:`qcompiler.atomic_write`): a failure leaves no partial file behind;
+    a bad path is a ConfigError naming it, before any work."""
+    path = check_target(path, "save")
     tensors = {}
     meta = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION, programs={})
     for name, program in programs.items():
@@ -52,16 +53,7 @@ def save_artifact(path: PathLike, manifest: dict, programs: dict, islands: dict[
         zf.writestr(_fixed(TENSORS), st_save(tensors) if tensors else st_save({}))
         for name in sorted(islands):
             zf.writestr(_fixed(f"islands/{name}.onnx"), islands[name])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_file(path, buf.getvalue(), "save")
 
 
 def _fixed(name: str) -> zipfile.ZipInfo:

@@ -77,6 +77,9 @@ def _check_value(v: Any, spec: Any, label: str, where: str, leaves: list) -> Any
     if not isinstance(v, torch.Tensor):
         hint = " (torch.from_numpy converts it)" if type(v).__module__ == "numpy" else ""
         raise ConfigError(f"{where}: {label} must be a {spec['dtype']} tensor, got {_describe(v)}{hint}")
+    if v.is_meta:
+        raise ConfigError(f"{where}: {label} is a meta tensor (a shape without data); pass a tensor with data "
+                          "(on the CPU)")
     if v.dtype != want:
         if not (v.is_floating_point() and want.is_floating_point):
             raise ConfigError(f"{where}: {label} must be a {spec['dtype']} tensor like the example input's, "
@@ -104,6 +107,23 @@ def _check_sizes(leaves: list[tuple[str, dict, torch.Tensor]], where: str) -> No
             raise ConfigError(
                 f"{where}: {label} has shape {got}; the example input has {tuple(want)}, and only the batch size "
                 f"may differ (here {b}, dim 0 of {batch_of}), in one dim where the example has its batch size {b0}")
+
+
+def require_samples(args: Sequence[Any], *, where: str) -> None:
+    """ConfigError (prefixed with ``where``) if the batch has no samples: a batch size of 0
+    (dim 0 of the first input), which runs the model but shows an observer nothing."""
+    first = next(((i, t) for i, a in enumerate(args) for t in _tensors(a) if t.dim() > 0), None)
+    if first is not None and first[1].shape[0] == 0:
+        raise ConfigError(f"{where}: input {first[0]} has batch size 0 (shape {tuple(first[1].shape)}); "
+                          "calibration needs at least one sample in every batch")
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _tensors(x)]
+    return []
 
 
 def _describe(v: Any) -> str:

@@ -9,6 +9,7 @@ lower BPU partitions to programs and CPU partitions to ONNX islands.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -19,9 +20,10 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from qcompiler.artifact import load_artifact, save_artifact
+from qcompiler.atomic_write import write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.onnx.emitter import emit_subgraph
-from qcompiler.batches import as_args, check_inputs, input_signature
+from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
 from qcompiler.errors import ConfigError
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU
@@ -92,11 +94,11 @@ class CompiledModel:
         for step in self.runtime.steps:
             if step.kind == BPU:
                 p = out / f"{step.name}.program.txt"
-                p.write_text(self.runtime.programs[step.name].summary())
+                data = self.runtime.programs[step.name].summary().encode()
             else:
                 p = out / f"{step.name}.onnx"
-                p.write_bytes(self.runtime.islands[step.name])
-            files.append(p)
+                data = self.runtime.islands[step.name]
+            files.append(write_file(p, data, "dump"))
         return files
 
     def export_onnx(self, path: Union[str, Path]) -> dict:
@@ -146,9 +148,14 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
 
 def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> list[tuple]:
     """``calib_data`` as a list of argument tuples, each checked against the example ``inputs``
-    (floats cast), so a mismatch is reported with its batch index before any calibration."""
+    (floats cast), so a mismatch is reported with its batch index before any calibration.
+    Without ``calib_data`` the example inputs are the one batch. Every batch needs data (no
+    meta tensors) and at least one sample."""
+    signature = input_signature(inputs)
+    checked = check_inputs(inputs, signature, where="example_inputs")
     if calib_data is None:
-        return [inputs]
+        require_samples(checked, where="example_inputs (the calibration batch without calib_data)")
+        return [checked]
     if isinstance(calib_data, torch.Tensor) or not isinstance(calib_data, Iterable):
         raise ConfigError(f"calib_data must be an iterable of batches (e.g. a list of tensors), got "
                           f"{'one tensor' if isinstance(calib_data, torch.Tensor) else type(calib_data).__name__}"
@@ -156,8 +163,20 @@ def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> l
     batches = list(calib_data)
     if not batches:
         raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
-    signature = input_signature(inputs)
-    return [check_inputs(as_args(b), signature, where=f"calib_data batch {i}") for i, b in enumerate(batches)]
+    out = []
+    for i, b in enumerate(batches):
+        out.append(check_inputs(as_args(b), signature, where=f"calib_data batch {i}"))
+        require_samples(out[-1], where=f"calib_data batch {i}")
+    return out
+
+
+def check_has_data(model: nn.Module) -> None:
+    """ConfigError naming the first parameter or buffer of ``model`` on the meta device (shapes
+    without values: nothing to calibrate or convert)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise ConfigError(f"compile: the model's {name!r} is on the meta device (a shape without data); load "
+                              "its weights first, e.g. model.to_empty(device='cpu') then model.load_state_dict(...)")
 
 
 def compile(
@@ -189,10 +208,13 @@ def compile(
     if weight_rounding and mode != "ptq":
         raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
     inputs = normalize_inputs(example_inputs)
+    if isinstance(model, nn.Module):
+        check_has_data(model)
     if mode == "qat":
         if not (isinstance(model, fx.GraphModule) and model.meta.get("qc_kind") == "qat"):
             raise ConfigError("compile(mode='qat') takes a model from prepare_qat_fx (after training)")
-        prepared = model
+        prepared = copy.deepcopy(model)  # the caller keeps training its model: no switch or flag of it changes
+        type(prepared).__name__ = type(model).__name__  # deepcopy renames the per-instance class
         set_state(prepared, "validation")
         prepared.eval()
         name = type(model).__name__
@@ -207,7 +229,7 @@ def compile(
         if weight_rounding:
             optimize_weight_rounding(prepared, batches, progress=progress)
         name = type(model).__name__
-    converted = convert_fx(prepared)
+    converted = convert_fx(prepared, inplace=True)  # ``prepared`` is compile's own copy
     runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs)
     march_value = converted.meta.get("qc_march")
     return CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),

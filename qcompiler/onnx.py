@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 from typing import Any, Optional, Sequence, Union
 
 import onnx
@@ -28,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.atomic_write import check_target, write_files
 from qcompiler.backends.onnx.emitter import OnnxEmitter, _check_names, check_dynamic_axes, graph_input_leaves
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.ir.meta import TensorInfo
@@ -65,14 +65,16 @@ def export_to_onnx(
     run ``onnx.checker.check_model(full_check=True)`` before writing.
 
     Returns the sidecar dict. Raises ConfigError for ``opset_version != 11``, a model
-    that is not prepared, args that do not match the traced inputs, or unknown names or
-    axes in ``dynamic_axes``; nothing is written unless the export succeeds.
+    that is not prepared, args that do not match the traced inputs, unknown names or
+    axes in ``dynamic_axes``, or a path no file can be written to (empty, a directory, below
+    a file); missing parent directories are created; nothing is written unless the export succeeds.
     """
     if opset_version != 11:
         raise ConfigError(
             f"opset_version={opset_version!r}: only opset 11 is supported (the BPU toolchain reads "
             f"opset 11, and the export's quantization mapping is written for it); pass opset_version=11"
         )
+    _check_destination(f)
     gm = _check_model(model)
     dyn = _dynamic_axes(dynamic_axes)
     infos = _check_inputs(gm, _flatten_args(args), input_names, dyn)
@@ -117,6 +119,14 @@ def inference_session(model: Union[onnx.ModelProto, bytes, str, os.PathLike], se
         model = os.fspath(model)
     return ort.InferenceSession(model, sess_options, providers=list(providers),
                                 disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS))
+
+
+def _check_destination(f: Any) -> None:
+    if hasattr(f, "write"):
+        return
+    if not isinstance(f, (str, os.PathLike)):
+        raise ConfigError(f"export_to_onnx: f must be a path or a binary file object, got {type(f).__name__}")
+    check_target(f, "export_to_onnx")
 
 
 def _check_model(model: Any) -> fx.GraphModule:
@@ -200,26 +210,12 @@ def _dynamic_axes(dynamic_axes: Optional[dict]) -> dict[str, dict[int, str]]:
 
 
 def _write(f: PathOrFile, data: bytes, sidecar_text: str) -> None:
-    """Write both files through temporary files and ``os.replace``: never half-written."""
+    """Write the model and its sidecar whole or not at all (:mod:`qcompiler.atomic_write`)."""
     if hasattr(f, "write"):
         f.write(data)
         return
     path = os.fspath(f)
-    targets = [(path, data), (path + SIDECAR_SUFFIX, sidecar_text.encode("utf-8"))]
-    temps = []
-    try:
-        for target, payload in targets:
-            directory = os.path.dirname(os.path.abspath(target))
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory)
-            temps.append(tmp)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-        for (target, _), tmp in zip(targets, temps):
-            os.replace(tmp, target)
-    finally:
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    write_files([(path, data), (path + SIDECAR_SUFFIX, sidecar_text.encode("utf-8"))], "export_to_onnx")
 
 
 __all__ = ["export_to_onnx", "inference_session", "SIDECAR_SUFFIX", "ORT_DISABLED_OPTIMIZERS"]

@@ -17,17 +17,36 @@ def guide_hybrid_dict():
     return {"module_name": ["conv1.conv", "conv3"], "module_type": [_SeluModule]}
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attrs(m: torch.nn.Module) -> dict:
+    """A module's plain Python attributes (training, ``_has_qparams``, observer settings...)."""
+    return {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN)}
+
+
+def _tree(model: torch.nn.Module) -> list:
+    return [(name, type(m), m.training, _plain_attrs(m), len(m._forward_hooks), len(m._forward_pre_hooks))
+            for name, m in model.named_modules(remove_duplicate=False)]
+
+
 def snapshot(model: torch.nn.Module):
-    """What must be unchanged after a failed/successful call: state and module tree."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    tree = [(name, type(m), m.training) for name, m in model.named_modules()]
-    return state, tree
+    """What must be unchanged after a failed/successful call: every parameter and buffer (also
+    non-persistent ones: observer and fake-quant switches included), requires_grad and grads,
+    and the module tree with each module's training flag, plain attributes and hooks."""
+    tensors = {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    grads = {k: (p.requires_grad, None if p.grad is None else p.grad.clone()) for k, p in model.named_parameters()}
+    return tensors, grads, _tree(model)
 
 
 def assert_untouched(model, snap):
-    state, tree = snap
-    now = model.state_dict()
-    assert now.keys() == state.keys()
-    for k in state:
-        assert torch.equal(now[k], state[k]), k
-    assert [(name, type(m), m.training) for name, m in model.named_modules()] == tree
+    tensors, grads, tree = snap
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert now.keys() == tensors.keys()
+    for k in tensors:
+        assert now[k].dtype == tensors[k].dtype and torch.equal(now[k], tensors[k]), k
+    for k, p in model.named_parameters():
+        requires_grad, grad = grads[k]
+        assert p.requires_grad == requires_grad, k
+        assert (p.grad is None) == (grad is None) and (grad is None or torch.equal(p.grad, grad)), k
+    assert _tree(model) == tree

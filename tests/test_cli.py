@@ -201,7 +201,7 @@ def test_compile_command_calib_npz(tmp_path, capsys):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"nope")
     assert main(["compile", "zoo:hybrid", "--calib-data", str(bad), "--out", str(tmp_path / "o2")]) == 2
-    assert "cannot read it as an .npz" in capsys.readouterr().err
+    assert "not an .npz archive (an .npz is a zip file" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- bad --calib-data and --out

@@ -562,9 +562,10 @@ def test_a_batch_the_model_cannot_take_is_a_calibration_error_and_restores_weigh
         if len(calls) == 2:
             raise RuntimeError("device lost")
 
-    layers[1].register_forward_pre_hook(boom)
+    handle = layers[1].register_forward_pre_hook(boom)
     with pytest.raises(CalibrationError, match=r"failed on batch 0 \(RuntimeError: device lost\)"):
         optimize_weight_rounding(cal, batches)
+    handle.remove()  # the test's own hook; snapshot compares hooks too
     assert_untouched(cal, snap)
 
 

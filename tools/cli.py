@@ -25,6 +25,8 @@ import math
 import os
 import re
 import sys
+import sysconfig
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -52,6 +54,8 @@ INT_INPUT_HIGH = 10
 """Random int64 inputs are drawn from ``[0, INT_INPUT_HIGH)`` (valid indices for most embeddings)."""
 INPUT_SEED = 0
 ZOO_PREFIX = "zoo:"
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first member, or an empty zip (np.savez of nothing)
 
 
 class UsageError(Exception):
@@ -80,7 +84,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 def out_dir(text: str) -> Path:
     """``--out``: a directory that exists or can be created, checked before any work, so a bad
-    path is not found only when the results are written. Nothing is created here."""
+    path is not found only when the results are written. Nothing is left behind here: a missing
+    directory is probed by creating and removing its first missing component (permission bits do
+    not tell, e.g. for root or in /proc)."""
     out = Path(text)
     if not text.strip():
         raise argparse.ArgumentTypeError("empty path: give the output directory")
@@ -93,10 +99,40 @@ def out_dir(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot create {text!r}: {str(parent)!r} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write to {text!r}: {str(parent)!r} is not writable")
+    if not out.exists():
+        first = out
+        while first.parent != parent:
+            first = first.parent
+        try:
+            first.mkdir()
+            first.rmdir()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot create {text!r}: {exc.strerror}") from None
     return out
 
 
 # ----------------------------------------------------------------------------- model loading
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``file:line`` of the user's code where ``exc`` arose: the line of a SyntaxError, else the innermost
+    frame outside Python's and the installed packages' files (and qcompiler's); "" if there is none."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
+    library = tuple({str(Path(p).resolve()) for p in (
+        sysconfig.get_path("stdlib"), sysconfig.get_path("purelib"), sysconfig.get_path("platlib"),
+        Path(qcompiler.__file__).parent, Path(__file__).parent)})
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<") and not str(Path(f.filename).resolve()).startswith(library)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _user_code_error(what: str, exc: BaseException) -> ConfigError:
+    """One line for an exception raised by the user's model code: ``what``, where, type and message."""
+    message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    where = _user_frame(exc)
+    text = " ".join(f"{type(exc).__name__}: {message}".split())
+    return ConfigError(f"{what}: {where}: {text}" if where else f"{what}: {text}")
 
 
 def _import_file(path: Path):
@@ -118,6 +154,9 @@ def _import_file(path: Path):
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise _user_code_error(f"cannot import model file {str(path)!r}", exc) from exc
     except BaseException:
         sys.modules.pop(name, None)
         raise
@@ -135,7 +174,9 @@ def _import_module(name: str):
     except ModuleNotFoundError as exc:
         if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
             raise ConfigError(f"cannot import model module {name!r}: {exc}") from None
-        raise
+        raise _user_code_error(f"cannot import model module {name!r}", exc) from exc
+    except Exception as exc:
+        raise _user_code_error(f"cannot import model module {name!r}", exc) from exc
     finally:
         if added:
             try:
@@ -170,7 +211,10 @@ def load_factory_model(spec: str) -> nn.Module:
         raise ConfigError(f"{spec!r} must be callable without arguments: {exc}") from None
     except ValueError:  # no signature available (some builtins): just try the call
         pass
-    model = obj()
+    try:
+        model = obj()
+    except Exception as exc:
+        raise _user_code_error(f"model factory {spec!r} failed", exc) from exc
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{spec!r}() must return a torch.nn.Module, got {type(model).__name__}")
     return model
@@ -285,16 +329,28 @@ def read_calib_data(path: Path, inputs: tuple) -> tuple:
     (qcompiler.batches: float64 cast to float32, any number of samples on the batch axis)."""
     import numpy as np
 
+    how = "write it with np.savez(path, input0, input1, ...)"
     try:
-        data = np.load(path)
+        with open(path, "rb") as f:
+            magic = f.read(len(NPY_MAGIC))
+    except OSError as exc:
+        raise UsageError(f"--calib-data {path}: cannot read it ({exc.strerror})") from None
+    if not magic:
+        raise UsageError(f"--calib-data {path}: cannot read it as an .npz file (empty file)")
+    if magic.startswith(NPY_MAGIC):
+        raise UsageError(f"--calib-data {path}: holds a single .npy array, not an .npz archive; {how}")
+    if not magic.startswith(ZIP_MAGICS):  # text, a pickle...: np.load would suggest allow_pickle
+        raise UsageError(f"--calib-data {path}: not an .npz archive (an .npz is a zip file of .npy arrays); {how}")
+    try:
+        data = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise UsageError(f"--calib-data {path}: cannot read it as an .npz file ({exc or 'empty file'})") from None
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise UsageError(f"--calib-data {path}: holds a single .npy array, not an .npz archive; "
-                         "write it with np.savez(path, input0, input1, ...)")
     with data:
         arrays = []
         for key in data.files:
+            if _holds_objects(data, key):
+                raise UsageError(f"--calib-data {path}: array {key!r} holds Python objects (dtype object), not "
+                                 "numbers; save numeric arrays, one per model input")
             try:
                 arrays.append(torch.from_numpy(data[key]))
             except (TypeError, ValueError) as exc:
@@ -305,6 +361,20 @@ def read_calib_data(path: Path, inputs: tuple) -> tuple:
         exc.add_note("--calib-data holds one array per model input (np.savez order), samples along the first "
                      "axis; the example inputs come from --input-shape/--input-dtype (or the zoo model's default)")
         raise
+
+
+def _holds_objects(data, key: str) -> bool:
+    """Whether the .npz member ``key`` is an object array (pickled; np.load refuses it), read from
+    its header; False if the header cannot be read (loading the array reports that)."""
+    import numpy as np
+
+    try:
+        with data.zip.open(f"{key}.npy") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            return read(f)[2].hasobject
+    except (KeyError, OSError, ValueError):
+        return False
 
 
 def calibration_batches(args: argparse.Namespace, inputs: tuple) -> list[tuple]:
@@ -481,9 +551,22 @@ def _error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def _os_error_message(exc: OSError, out: Optional[Path]) -> str:
+    """``exc`` as one line; a failure to write into ``--out`` says so."""
+    failed = exc.filename
+    if out is not None and failed is not None:
+        where, target = Path(os.path.abspath(failed)), Path(os.path.abspath(out))
+        if where == target or target in where.parents:
+            if where.name.startswith(".") and where.name.endswith(".tmp"):  # a writer's temporary file
+                where = where.parent
+            return f"--out {out}: cannot write {where}: {exc.strerror}"
+    return str(exc)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``qcompiler`` console script; returns the exit status."""
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
@@ -505,8 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, ValueError, AttributeError):
             pass
         return EXIT_IO
-    except OSError as exc:  # e.g. --out not writable
-        _error(str(exc))
+    except OSError as exc:  # e.g. --out not writable, or a full disk
+        _error(_os_error_message(exc, getattr(args, "out", None)))
         return EXIT_IO
 
 

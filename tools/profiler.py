@@ -23,9 +23,10 @@ import torch.fx as fx
 import torch.nn as nn
 from tabulate import tabulate
 
+from qcompiler.atomic_write import write_file
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
-from qcompiler.quantization.model_check import _atomic_write, leaf_modules
+from qcompiler.quantization.model_check import leaf_modules
 from qcompiler.quantization.qtensor import QTensor
 
 __all__ = ["ModelProfiler", "OpRunningInfoManager", "OpRecord", "STATISTIC_FILE"]
@@ -111,7 +112,7 @@ class OpRunningInfoManager:
                 row.append(r.stack)
             rows.append(row)
         text = tabulate(rows, headers=headers, tablefmt="psql", disable_numparse=True) + "\n"
-        _atomic_write(os.path.join(out_dir or self.out_dir, STATISTIC_FILE), text)
+        write_file(os.path.join(out_dir or self.out_dir, STATISTIC_FILE), text.encode("utf-8"), "profiler")
         return text
 
     def tensorboard(self, out_dir: Optional[str] = None, prefixes: Optional[Sequence[str]] = None,

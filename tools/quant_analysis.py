@@ -39,9 +39,9 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
+from qcompiler.atomic_write import write_file
 from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
-from qcompiler.files import atomic_write
 from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
@@ -386,7 +386,7 @@ class QuantAnalysis:
         buf = io.BytesIO()
         torch.save(self.bad_case, buf)
         path = self.out_dir / BADCASE_FILE
-        atomic_write(path, buf.getvalue())
+        write_file(path, buf.getvalue(), "save_bad_case")
         self._wrote(path)
         return path
 
@@ -584,7 +584,7 @@ class QuantAnalysis:
         self.advice = self._advise(rows)
         advisor = self._advisor_text(self.advice)
         for name, text in ((COMPARE_TXT, table + "\n"), (COMPARE_CSV, out.getvalue()), (ADVISOR_FILE, advisor)):
-            atomic_write(self.out_dir / name, text)
+            write_file(self.out_dir / name, text.encode("utf-8"), "compare_per_layer")
             self._wrote(self.out_dir / name)
         return rows
 
@@ -702,7 +702,7 @@ class QuantAnalysis:
         self.sensitivity_metric = metric
         table = tabulate([[r[0], r[1], r[2], f"{r[3]:.7g}", r[4], f"{r[5]}({r[6]:.2%})"] for r in rows],
                          headers=["op_name", "sensitive_type", "op_type", metric, "quant_dtype", "flops"])
-        atomic_write(self.out_dir / SENSITIVE_FILE, table + "\n")
+        write_file(self.out_dir / SENSITIVE_FILE, (table + "\n").encode("utf-8"), "sensitivity")
         self._wrote(self.out_dir / SENSITIVE_FILE)
         return self.sensitive_ops
 

@@ -16,7 +16,7 @@ from typing import Any, Union
 
 import torch.fx as fx
 
-from qcompiler.files import atomic_write
+from qcompiler.atomic_write import write_file
 from qcompiler.ir.dump import partition_table, to_dot
 from qcompiler.tools.metrics import COMPARE_COLUMNS, compute_metric
 
@@ -132,5 +132,5 @@ def write_report(analysis, path: Union[str, Path]) -> Path:
         parts.append(f"<p>int16 suggestion: {_e(', '.join(sugg[0]))} -> output SQNR {_num(sugg[1])} dB</p>")
     parts.append("</body></html>\n")
     p = Path(path)
-    atomic_write(p, "\n".join(parts))
+    write_file(p, "\n".join(parts).encode("utf-8"), "report")
     return p

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import graphviz
 import torch.fx as fx
 from tabulate import tabulate
 
+from qcompiler.atomic_write import write_file
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
     BPU,
@@ -256,25 +256,6 @@ def _render_svg(dot_source: str) -> bytes:
     return graphviz.Source(dot_source).pipe(format="svg")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file next to ``path`` and rename it over ``path``.
-
-    The temp file is created with mode 0o666 minus the umask, like a plain ``open``.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name \
             or (os.altsep and os.altsep in name):
@@ -318,6 +299,6 @@ def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = 
     files = []
     for filename, data in contents:
         path = out / filename
-        _write_atomic(path, data)
+        write_file(path, data, "dump")
         files.append(path)
     return DumpResult(files=files, summary=summary_line(gm), notes=notes)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 from tabulate import tabulate
 
+from qcompiler.atomic_write import write_file
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.tracer import trace
@@ -504,19 +504,5 @@ def check_qat_model(
     elif verbose:
         print("check_qat_model: no anomalies found.")
     if save_results:
-        _atomic_write(os.path.join(out_dir or os.getcwd(), RESULT_FILE), result.text())
+        write_file(os.path.join(out_dir or os.getcwd(), RESULT_FILE), result.text().encode("utf-8"), "check_qat_model")
     return result
-
-
-def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp_", suffix=".txt")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
