@@ -22,9 +22,10 @@ from tqdm import tqdm
 from qcompiler.artifact import load_artifact, save_artifact
 from qcompiler.atomic_write import write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
+from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_subgraph
 from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU
 from qcompiler.ir.shape_prop import normalize_inputs
@@ -70,7 +71,7 @@ class CompiledModel:
         kind = {s.name: s.kind for s in self.runtime.steps}
         produced_by = {o: s.name for s in self.runtime.steps for o in s.outputs}
         return sum(1 for s in self.runtime.steps for i in s.inputs
-                   if i in produced_by and kind[produced_by[i]] != s.kind)
+                   if i in produced_by and (kind[produced_by[i]] == BPU) != (s.kind == BPU))
 
     def summary(self) -> str:
         table = tabulate(
@@ -78,8 +79,11 @@ class CompiledModel:
             headers=["partition", "placement", "ops", "inputs", "outputs"],
         )
         nb = sum(p["placement"] == BPU for p in self.partitions)
-        return (f"{self.name} ({self.march}): {nb} bpu, {len(self.partitions) - nb} cpu partitions; "
+        text = (f"{self.name} ({self.march}): {nb} bpu, {len(self.partitions) - nb} cpu partitions; "
                 f"BPU<->CPU boundary edges: {self.boundary_edges()}\n{table}")
+        for name, reason in self.torch_islands().items():
+            text += f"\n{name} runs in eager torch (placement 'torch'): {reason}"
+        return text
 
     def _need_graph(self, what: str) -> fx.GraphModule:
         if self.converted is None:
@@ -95,18 +99,40 @@ class CompiledModel:
             if step.kind == BPU:
                 p = out / f"{step.name}.program.txt"
                 data = self.runtime.programs[step.name].summary().encode()
+            elif step.kind == TORCH:
+                p = out / f"{step.name}.torch.py.txt"
+                data = self.runtime.eager[step.name].code().encode()
             else:
                 p = out / f"{step.name}.onnx"
                 data = self.runtime.islands[step.name]
             files.append(write_file(p, data, "dump"))
         return files
 
+    def torch_islands(self) -> dict[str, str]:
+        """CPU islands that run in eager torch (ONNX opset 11 cannot express them): name -> reason."""
+        return {s.name: s.reason for s in self.runtime.steps if s.kind == TORCH}
+
+    def _refuse_torch_islands(self, what: str, error: type, why: str) -> None:
+        islands = [s for s in self.runtime.steps if s.kind == TORCH]
+        if islands:
+            listed = "; ".join(f"{s.name} (nodes {', '.join(s.nodes)}): {s.reason}" for s in islands)
+            raise error(f"{what}: {len(islands)} CPU island(s) run in eager torch, which {why}: {listed}. "
+                        f"Keep those modules out of the model you {what}, or give them an ONNX form")
+
     def export_onnx(self, path: Union[str, Path]) -> dict:
-        """The whole model as one ONNX opset-11 file plus its ``.quant.json`` sidecar; returns the sidecar."""
+        """The whole model as one ONNX opset-11 file plus its ``.quant.json`` sidecar; returns the sidecar.
+
+        A model with torch islands (:meth:`torch_islands`) has no ONNX form: an UnsupportedOpError
+        names each island's nodes and why."""
+        self._refuse_torch_islands("export_onnx", UnsupportedOpError, "ONNX opset 11 cannot express")
         return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, str(path))
 
     def save(self, path: Union[str, Path]) -> Path:
-        """Write the runtime (tensors, JSON, ONNX; no pickled code) to one file; :func:`load` reads it."""
+        """Write the runtime (tensors, JSON, ONNX; no pickled code) to one file; :func:`load` reads it.
+
+        A torch island is Python code, which artifacts never hold: saving a model with one is an
+        ArtifactError naming its nodes."""
+        self._refuse_torch_islands("save", ArtifactError, "an artifact cannot hold without pickling code")
         manifest = {
             "model": self.name,
             "march": self.march,
@@ -128,22 +154,30 @@ def load(path: Union[str, Path], *, ort_threads: int = 1) -> CompiledModel:
 
 
 def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Optional[tuple] = None) -> Runtime:
-    """Runtime of a converted model: BPU partitions -> programs, CPU partitions -> ONNX islands.
+    """Runtime of a converted model: BPU partitions -> programs, CPU partitions -> ONNX islands, or
+    eager-torch islands where the ONNX emitter has no opset-11 form for a node (the step says why).
 
     With ``example_inputs``, calls are checked against them (else only their number).
     """
     steps = plan_steps(converted)
     programs = lower_bpu_partitions(converted)
-    islands = {}
+    islands, eager = {}, {}
     for step in steps:
-        if step.kind != BPU:
+        if step.kind == BPU:
+            continue
+        try:
             model = emit_subgraph(converted, step.nodes, step.inputs, step.outputs, dynamic_batch=True)
-            islands[step.name] = model.SerializeToString()
+        except UnsupportedOpError as exc:  # no opset-11 form: the island runs in eager torch
+            step.kind, step.reason = TORCH, str(exc)
+            eager[step.name] = EagerIsland.from_graph(step.name, converted, step.nodes, step.inputs, step.outputs,
+                                                      step.reason)
+            continue
+        islands[step.name] = model.SerializeToString()
     inputs = [n.name for n in converted.graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in converted.graph.nodes if n.op == "output")
     signature = input_signature(example_inputs) if example_inputs is not None else None
     return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads,
-                   input_signature=signature)
+                   input_signature=signature, eager=eager)
 
 
 def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> list[tuple]:

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.eager import TORCH
 from qcompiler.backends.ort import OrtIsland
 from qcompiler.batches import check_inputs
 from qcompiler.errors import ConfigError
@@ -29,13 +30,15 @@ from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
 
 @dataclass
 class Step:
-    """One partition: ``kind`` "bpu" (a BPU program) or "cpu" (an ONNX island)."""
+    """One partition: ``kind`` "bpu" (a BPU program), "cpu" (an ONNX island in onnxruntime) or
+    "torch" (a CPU island in eager torch; ``reason`` says why it is not ONNX)."""
 
     kind: str
     name: str
     inputs: list[str]
     outputs: list[str]
     nodes: list[str] = field(default_factory=list)
+    reason: str = ""
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "name": self.name, "inputs": self.inputs, "outputs": self.outputs,
@@ -119,9 +122,15 @@ def ort_executor(step: Step, runtime: "Runtime") -> Executor:
                      threads=runtime.ort_threads).run
 
 
+def eager_executor(step: Step, runtime: "Runtime") -> Executor:
+    """A CPU island in eager torch (``qcompiler.backends.eager``)."""
+    return runtime.eager[step.name].run
+
+
 EXECUTORS: dict[str, Callable[[Step, "Runtime"], Executor]] = {
     BPU: bpu_executor,
     CPU: ort_executor,
+    TORCH: eager_executor,
 }
 
 
@@ -130,12 +139,13 @@ class Runtime:
 
     def __init__(self, steps: Sequence[Step], input_names: Sequence[str], outputs: Any,
                  programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1,
-                 input_signature: Optional[list] = None) -> None:
+                 input_signature: Optional[list] = None, eager: Optional[dict] = None) -> None:
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
         # what calls are checked against (qcompiler.batches.input_signature of the example inputs);
         # None (an artifact from before signatures were saved): the number of inputs only
         self.input_signature = input_signature
         self.programs, self.islands = dict(programs), dict(islands)
+        self.eager = dict(eager or {})  # step name -> EagerIsland (never saved: it is Python code)
         self.ort_threads = ort_threads
         self._run: dict[str, Executor] = {}
         for step in self.steps:

@@ -7,7 +7,6 @@ pass reads; the lowering, the program format and the simulator (:mod:`.lower`,
 
 from qcompiler.backends.bpu import bayes, bernoulli2
 from qcompiler.backends.bpu.support import OpRule, OpTable
-
 from qcompiler.march import March, MarchLike, to_march
 
 TABLES: dict[March, OpTable] = {March.BERNOULLI2: bernoulli2.TABLE, March.BAYES: bayes.TABLE}

@@ -2,7 +2,6 @@
 
 from qcompiler.backends.bpu import constraints as c
 from qcompiler.backends.bpu.support import OpRule, OpTable, rules
-
 from qcompiler.march import March
 
 _LUT = (c.max_lut_volume(8192),)

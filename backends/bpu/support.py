@@ -7,7 +7,6 @@ from typing import Optional
 
 from qcompiler.backends.bpu.constraints import Constraint
 from qcompiler.backends.bpu.op_info import OpInfo
-
 from qcompiler.march import March
 
 

@@ -174,9 +174,10 @@ class GraphBuilder:
 class Call:
     """What a rule emits: a call's kind, target, FX arguments and module.
 
-    Rules read arguments through :meth:`arg`, which takes the keyword if given, else the
-    positional argument; index 0 is the input tensor for every kind of call (the
-    module's first argument, the function's ``input``, the method's ``self``).
+    Rules read the input with ``ctx.x()`` (index 0 for every kind of call: the module's first
+    argument, the function's ``input``, the method's ``self``) and the other arguments by name
+    with :meth:`NodeContext.kw`; :meth:`arg` (the keyword if given, else the positional
+    argument) is for the rules whose signature is not one of torch's (tuple indexing, sizes).
     """
 
     kind: str  # "call_module" | "call_function" | "call_method"
@@ -400,9 +401,9 @@ class NodeContext:
 
     def unsupported(self, why: str) -> UnsupportedOpError:
         what = describe_target(self.node, self.emitter.modules)
-        return UnsupportedOpError(
-            f"cannot emit node '{self.node.name}' ({what}, op '{self.op}') to ONNX opset 11: {why}"
-        )
+        if self.op is not None:
+            what += f", op '{self.op}'"
+        return UnsupportedOpError(f"cannot emit node '{self.node.name}' ({what}) to ONNX opset 11: {why}")
 
 
 def to_numpy(t: Any) -> np.ndarray:

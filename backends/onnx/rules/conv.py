@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 import torch.nn as nn
 
 from qcompiler.backends.onnx.context import (
+    REQUIRED,
     NodeContext,
     Tensor,
 )
@@ -118,12 +119,11 @@ def _layer_module(ctx: NodeContext):
 def conv2d(ctx: NodeContext) -> Tensor:
     """Conv (any spatial rank); fused modules add Add / Relu / Clip and the output quantizer."""
     x = ctx.x()
-    if ctx.module is None:  # F.conv2d(input, weight, bias, stride, padding, dilation, groups)
-        wa = ctx.arg(1, "weight")
-        ba = ctx.arg(2, "bias", None)
-        return conv(ctx, x, ctx.tensor(wa), ctx.tensor(ba) if ba is not None else None, ctx.shape(wa),
-                    ctx.arg(3, "stride", 1), ctx.arg(4, "padding", 0), ctx.arg(5, "dilation", 1),
-                    ctx.arg(6, "groups", 1))
+    if ctx.module is None:  # F.conv2d; a module here is a (fused, observed) layer the quant state reads
+        kw = ctx.kw(weight=REQUIRED, bias=None, stride=1, padding=0, dilation=1, groups=1)
+        b = ctx.tensor(kw["bias"]) if kw["bias"] is not None else None
+        return conv(ctx, x, ctx.tensor(kw["weight"]), b, ctx.shape(kw["weight"]), kw["stride"], kw["padding"],
+                    kw["dilation"], kw["groups"])
     base, base_path, act, with_add, apq = _layer_module(ctx)
     w, b = ctx.quant.layer_params(ctx, base, base_path)
     y = conv(ctx, x, w, b, tuple(base.weight.shape), base.stride, base.padding, base.dilation, base.groups,
@@ -134,12 +134,11 @@ def conv2d(ctx: NodeContext) -> Tensor:
 @emits("conv_transpose2d")
 def conv_transpose2d(ctx: NodeContext) -> Tensor:
     x = ctx.x()
-    if ctx.module is None:  # F.conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation)
-        wa = ctx.arg(1, "weight")
-        ba = ctx.arg(2, "bias", None)
-        return conv_transpose(ctx, x, ctx.tensor(wa), ctx.tensor(ba) if ba is not None else None, ctx.shape(wa),
-                              ctx.arg(3, "stride", 1), ctx.arg(4, "padding", 0), ctx.arg(5, "output_padding", 0),
-                              ctx.arg(7, "dilation", 1), ctx.arg(6, "groups", 1))
+    if ctx.module is None:  # F.conv_transpose2d
+        kw = ctx.kw(weight=REQUIRED, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1)
+        b = ctx.tensor(kw["bias"]) if kw["bias"] is not None else None
+        return conv_transpose(ctx, x, ctx.tensor(kw["weight"]), b, ctx.shape(kw["weight"]), kw["stride"],
+                              kw["padding"], kw["output_padding"], kw["dilation"], kw["groups"])
     base, base_path, act, with_add, apq = _layer_module(ctx)
     w, b = ctx.quant.layer_params(ctx, base, base_path)
     y = conv_transpose(ctx, x, w, b, tuple(base.weight.shape), base.stride, base.padding, base.output_padding,
@@ -151,9 +150,10 @@ def conv_transpose2d(ctx: NodeContext) -> Tensor:
 def linear(ctx: NodeContext) -> Tensor:
     x = ctx.x()
     rank = ctx.rank()
-    if ctx.module is None:  # F.linear(input, weight, bias)
-        ba = ctx.arg(2, "bias", None)
-        return linear_op(ctx, x, ctx.tensor(ctx.arg(1, "weight")), ctx.tensor(ba) if ba is not None else None, rank)
+    if ctx.module is None:  # F.linear
+        kw = ctx.kw(weight=REQUIRED, bias=None)
+        b = ctx.tensor(kw["bias"]) if kw["bias"] is not None else None
+        return linear_op(ctx, x, ctx.tensor(kw["weight"]), b, rank)
     base, base_path, act, with_add, apq = _layer_module(ctx)
     w, b = ctx.quant.layer_params(ctx, base, base_path)
     y = linear_op(ctx, x, w, b, rank)

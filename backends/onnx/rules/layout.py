@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from qcompiler.backends.onnx.context import (
+    REQUIRED,
     NodeContext,
     Tensor,
     is_tensor,
@@ -203,9 +204,8 @@ def pad(ctx: NodeContext) -> Tensor:
     then all ends, first dim first."""
     x = ctx.x()
     rank = ctx.rank()
-    pads = [int(p) for p in ctx.arg(1, "pad")]
-    mode = ctx.arg(2, "mode", "constant")
-    value = ctx.arg(3, "value", None)
+    kw = ctx.kw(pad=REQUIRED, mode="constant", value=None)
+    pads, mode, value = [int(p) for p in kw["pad"]], kw["mode"], kw["value"]
     if any(p < 0 for p in pads):
         raise ctx.unsupported("negative padding (cropping)")
     begins, ends = [0] * rank, [0] * rank

@@ -13,8 +13,8 @@ from qcompiler.backends.onnx.rules.common import _norm_axis
 def mean(ctx: NodeContext):
     x = ctx.x()
     rank = ctx.rank()
-    dim = ctx.arg(1, "dim", None)
-    keepdim = bool(ctx.arg(2, "keepdim", False))
+    kw = ctx.kw(dim=None, keepdim=False, dtype=None)
+    dim, keepdim = kw["dim"], bool(kw["keepdim"])
     axes = list(range(rank)) if dim is None else [_norm_axis(int(d), rank) for d in (
         dim if isinstance(dim, (list, tuple)) else [dim])]
     if rank == 4 and sorted(axes) == [2, 3]:  # mean over H, W: a global average pool

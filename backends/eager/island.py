@@ -1,0 +1,74 @@
+"""A CPU island in eager torch, for what ONNX opset 11 cannot express.
+
+A CPU partition whose nodes the ONNX emitter cannot emit (an opaque leaf module, an op
+with no opset-11 form) still runs: its nodes are copied into a standalone
+``fx.GraphModule`` (the same modules and functions the converted model calls, so the
+island computes what the converted model computes, bit for bit) and called on the CPU.
+The runtime runs it through the same ``run(env) -> outputs`` interface as an
+:class:`~qcompiler.backends.ort.island.OrtIsland`.
+
+Such an island is Python code: an artifact cannot hold it without pickling, so
+``CompiledModel.save`` refuses it and ``export_onnx`` names it (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from qcompiler.errors import ConfigError
+
+TORCH = "torch"  # the step kind of an eager-torch island
+
+
+def island_module(gm: fx.GraphModule, nodes: Sequence[str], inputs: Sequence[str],
+                  outputs: Sequence[str]) -> fx.GraphModule:
+    """The nodes ``nodes`` of ``gm`` as a GraphModule taking ``inputs`` and returning the tuple ``outputs``
+    (values by FX name); it shares ``gm``'s submodules and attributes."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    missing = [n for n in (*nodes, *inputs) if n not in by_name]
+    if missing:
+        raise ConfigError(f"eager island: no node named {', '.join(repr(m) for m in missing)} in the graph")
+    wanted = set(nodes)
+    graph = fx.Graph()
+    values: dict[str, fx.Node] = {name: graph.placeholder(name) for name in inputs}
+
+    def arg(node: fx.Node) -> fx.Node:
+        if node.name not in values:
+            raise ConfigError(f"eager island: node reads '{node.name}', which is neither in the island "
+                              f"nor one of its inputs")
+        return values[node.name]
+
+    for node in gm.graph.nodes:  # graph order is a topological order
+        if node.name in wanted:
+            values[node.name] = graph.node_copy(node, arg)
+    graph.output(tuple(values[o] for o in outputs))
+    return fx.GraphModule(gm, graph, class_name="EagerIsland")
+
+
+class EagerIsland:
+    """Run one CPU island in eager torch: values in by FX name, values out by FX name."""
+
+    def __init__(self, name: str, module: fx.GraphModule, inputs: Sequence[str], outputs: Sequence[str],
+                 reason: str) -> None:
+        self.name, self.module, self.reason = name, module, reason
+        self.inputs, self.outputs = list(inputs), list(outputs)
+
+    @classmethod
+    def from_graph(cls, name: str, gm: fx.GraphModule, nodes: Sequence[str], inputs: Sequence[str],
+                   outputs: Sequence[str], reason: str) -> "EagerIsland":
+        return cls(name, island_module(gm, nodes, inputs, outputs), inputs, outputs, reason)
+
+    def run(self, env: dict[str, Any]) -> dict[str, Any]:
+        with torch.no_grad():
+            results = self.module(*[env[name] for name in self.inputs])
+        return dict(zip(self.outputs, results))
+
+    def code(self) -> str:
+        """The island's Python code (for dumps), headed by why it runs in torch."""
+        return f"# torch island {self.name}: {self.reason}\n{self.module.code.strip()}\n"
+
+
+__all__ = ["TORCH", "EagerIsland", "island_module"]

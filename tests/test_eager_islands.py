@@ -1,0 +1,136 @@
+"""CPU islands in eager torch: what ONNX opset 11 cannot express compiles and runs, is named
+in summaries and dumps, and is refused by save (no pickled code) and export (no ONNX form)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.backends.eager import TORCH
+from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
+from qcompiler.quantization import convert_fx, get_default_calib_qconfig, prepare_calibration_fx
+from qcompiler.runtime import Runtime, Step
+
+MARCHES = ("bayes", "bernoulli2")
+
+
+class Gate(nn.Module):
+    """Data-dependent Python: cannot be traced, and no ONNX form exists for the module."""
+
+    def forward(self, x):
+        if float(x.mean()) > 0:
+            return x * 2.0
+        return x - 1.0
+
+
+class WithLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.gate = Gate()
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(self.gate(torch.relu(self.conv1(x))))
+
+
+class WithGroupNorm(nn.Module):
+    """GroupNorm has no opset-11 rule (rules.NOT_EMITTED): its CPU island runs in torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)))
+
+
+LEAF = {"non_traceable_module_name": ["gate"]}
+X = torch.rand(2, 3, 8, 8)
+
+
+def _compile(model, march, **kw):
+    torch.manual_seed(0)
+    calib = [torch.rand(2, 3, 8, 8) for _ in range(3)]
+    return qcompiler.compile(model.eval(), (X,), march=march, calib_data=calib, progress=False, **kw)
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_a_leaf_module_runs_in_a_torch_island_bit_exact(march):
+    torch.manual_seed(0)
+    cm = _compile(WithLeaf(), march, prepare_custom_config_dict=LEAF)
+    assert [s.kind for s in cm.runtime.steps].count(TORCH) == 1
+    (name, reason), = cm.torch_islands().items()
+    assert "cannot emit node 'gate' (Gate" in reason
+    for x in (X, -X):  # both branches of the data-dependent Python
+        assert torch.equal(cm(x), cm.converted(x))
+    summary = cm.summary()
+    assert f"{name} runs in eager torch (placement 'torch'): cannot emit node 'gate'" in summary
+    assert any(p["placement"] == TORCH for p in cm.partitions)
+    assert cm.boundary_edges() == 2  # BPU -> torch island -> BPU
+
+
+def test_an_op_without_an_onnx_rule_runs_in_torch():
+    torch.manual_seed(0)
+    cm = _compile(WithGroupNorm(), "bayes")
+    (reason,) = cm.torch_islands().values()
+    assert "GroupNorm is not emitted yet" in reason
+    assert torch.equal(cm(X), cm.converted(X))
+
+
+def test_islands_onnx_can_express_stay_in_onnxruntime():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SELU(), nn.Conv2d(4, 4, 1)).eval()
+    cm = qcompiler.compile(model, (X,), march="bayes", progress=False)
+    assert cm.torch_islands() == {}
+    assert "cpu" in [s.kind for s in cm.runtime.steps]
+
+
+def test_save_refuses_a_torch_island_and_writes_nothing(tmp_path):
+    torch.manual_seed(0)
+    cm = _compile(WithLeaf(), "bayes", prepare_custom_config_dict=LEAF)
+    target = tmp_path / "m.qc"
+    with pytest.raises(ArtifactError, match=r"save: 1 CPU island\(s\) run in eager torch.*nodes gate\): "
+                                            r"cannot emit node 'gate'"):
+        cm.save(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_names_each_torch_island(tmp_path):
+    torch.manual_seed(0)
+    cm = _compile(WithLeaf(), "bayes", prepare_custom_config_dict=LEAF)
+    with pytest.raises(UnsupportedOpError, match=r"export_onnx: 1 CPU island\(s\) run in eager torch, which ONNX opset 11 "
+                                                  r"cannot express: cpu\d \(nodes gate\): cannot emit node 'gate' \(Gate\)"):
+        cm.export_onnx(tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dump_writes_the_islands_code(tmp_path):
+    torch.manual_seed(0)
+    cm = _compile(WithLeaf(), "bayes", prepare_custom_config_dict=LEAF)
+    files = cm.dump(tmp_path)
+    (code,) = [p for p in files if p.name.endswith(".torch.py.txt")]
+    text = code.read_text()
+    assert text.startswith(f"# torch island {code.name.split('.')[0]}: cannot emit node 'gate'")
+    assert "self.gate(" in text
+
+
+def test_staged_api_runs_the_leaf_too():
+    torch.manual_seed(0)
+    model = WithLeaf().eval()
+    cal = prepare_calibration_fx(model, {"": get_default_calib_qconfig()}, LEAF, hybrid=True, example_inputs=(X,))
+    cal(X)
+    q = convert_fx(cal)
+    y = q(X)
+    assert y.shape == (2, 4, 8, 8) and torch.isfinite(y).all()
+
+
+def test_an_unknown_step_kind_has_no_executor():
+    step = Step("gpu", "gpu0", ["x"], ["y"])
+    with pytest.raises(ConfigError, match=r"step 'gpu0' has kind 'gpu', which no executor runs; known kinds: "
+                                          r"bpu, cpu, torch"):
+        Runtime([step], ["x"], {"value": "y"}, {}, {})
