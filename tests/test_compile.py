@@ -143,7 +143,7 @@ def test_newer_format_says_so(artifact, tmp_path):
     with zipfile.ZipFile(newer, "w") as zf:
         for n, b in members.items():
             zf.writestr(n, b)
-    with pytest.raises(ArtifactError, match=r"newer qcompiler \(artifact format 99; this version reads format 1\)"):
+    with pytest.raises(ArtifactError, match=r"newer qcompiler \(artifact format 99; this version reads format 2\)"):
         qcompiler.load(newer)
 
 
