@@ -144,12 +144,18 @@ def load_artifact(path: PathLike):
     if stray:
         raise ArtifactError(f"{path}: {TENSORS} holds tensor {stray[0]!r} of no program")
     check_flow(manifest, programs, path)
+    tensor_inputs = {v.name for p in programs.values() for v in p.inputs}  # read as one tensor
     for step in manifest["steps"]:
         if step["kind"] == "cpu":
             try:
-                check_island(step["name"], islands[step["name"]], step["inputs"], step["outputs"])
+                feeds = check_island(step["name"], islands[step["name"]], step["inputs"], step["outputs"])
             except ArtifactError as exc:
                 raise ArtifactError(f"{path}: member 'islands/{step['name']}.onnx': {exc}") from None
+            tensor_inputs |= feeds
+    for name, sig in zip(manifest["inputs"], manifest.get("input_signature") or []):
+        if isinstance(sig, list) and name in tensor_inputs:
+            raise ArtifactError(f"{path}: {MANIFEST}: input_signature says input '{name}' is a tuple, but a "
+                                f"step reads it as one tensor")
     return manifest, programs, islands
 
 
@@ -249,7 +255,7 @@ def check_manifest(m: dict, path: Path) -> None:
             raise ArtifactError(f"{sw}: name {name!r} must be a distinct [A-Za-z0-9_.-] name")
         seen.add(name)
         for key in ("inputs", "outputs", "nodes"):
-            if not all(isinstance(v, str) for v in step.get(key, [])) or not isinstance(step.get(key, []), list):
+            if not isinstance(step.get(key, []), list) or not all(isinstance(v, str) for v in step.get(key, [])):
                 raise ArtifactError(f"{sw} ('{name}'): '{key}' must be a list of value names")
         if kind == "bpu" and name not in m["programs"]:
             raise ArtifactError(f"{sw}: BPU step '{name}' has no program (programs: "

@@ -23,12 +23,15 @@ class Edit:
             self.members = {n: zf.read(n) for n in zf.namelist()}
         self.manifest = json.loads(self.members[MANIFEST])
         self.tensors = st_load(self.members[TENSORS])
+        self.raw_tensors = None  # bytes to store instead of the (re-saved) tensors
 
     def write(self, path: Path, *, redeclare: bool = True, raw_tensors: bytes = None) -> Path:
         """Zip the members to ``path``; ``redeclare``: make the manifest agree with the edit
         (member sizes, and every tensor's dtype and shape)."""
         members = dict(self.members)
-        members[TENSORS] = raw_tensors if raw_tensors is not None else st_save(self.tensors)
+        raw_tensors = raw_tensors if raw_tensors is not None else self.raw_tensors
+        if TENSORS in members:  # (a test may have deleted it)
+            members[TENSORS] = raw_tensors if raw_tensors is not None else st_save(self.tensors)
         m = self.manifest
         if redeclare and isinstance(m, dict):
             for prog, meta in m.get("programs", {}).items():

@@ -255,6 +255,10 @@ MANIFEST_EDITS = {
                        r"outputs.*nested deeper than 32"),
     "signature of the wrong length": (lambda m: m.update(input_signature=[]),
                                       r"'input_signature' must list one entry per input"),
+    "step nodes not a list": (lambda m: m["steps"][0].update(nodes=float("nan")),
+                              r"steps\[0\] \('bpu0'\): 'nodes' must be a list of value names"),
+    "signature says tuple": (lambda m: m["input_signature"].__setitem__(0, []),
+                             r"input_signature says input 'input_1' is a tuple, but a step reads it as one tensor"),
     "older format": (lambda m: m.update(format_version=1), r"older qcompiler \(artifact format 1"),
 }
 

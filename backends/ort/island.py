@@ -69,9 +69,10 @@ def _unflatten(name: str, results: dict[str, np.ndarray]) -> Any:
     return tuple(items)
 
 
-def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: Sequence[str]) -> set[str]:
     """ArtifactError unless ``model_bytes`` is an ONNX model that carries all its data and whose
     graph reads and writes the step's values (``v`` or ``v.0``, ``v.1``... for tuples).
+    Returns the graph's input names.
 
     An initializer or constant with external data would make onnxruntime read a file named
     by the island (resolved against the current directory): islands must be self-contained.
@@ -96,6 +97,7 @@ def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: 
     for v in outputs:
         if not any(f == v or f.startswith(f"{v}.") for f in fetches):
             raise ArtifactError(f"island '{name}': the step's output '{v}' is not a graph output")
+    return feeds
 
 
 def _tensors(model):
