@@ -130,7 +130,7 @@ def load_artifact(path: PathLike):
         raise ArtifactError(f"{path}: corrupted (bad compressed data: {exc})") from None
     except (zipfile.BadZipFile, EOFError, NotImplementedError) as exc:
         raise ArtifactError(f"{path}: not a qcompiler artifact or truncated ({exc})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, OSError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, OverflowError, OSError) as exc:
         raise ArtifactError(f"{path}: corrupted ({type(exc).__name__}: {exc})") from None
     programs = {}
     for name, meta in manifest["programs"].items():

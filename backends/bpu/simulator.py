@@ -20,6 +20,8 @@ computes, bit for bit.  Two kernel sets are available:
       this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
       true value fits int32 is exact whatever the order), and only for layers
       whose int32 range is proven: ``128 * max_o sum_i |w[o, i]| < 2**31``.
+      Operands always reach it row-major (:func:`_gemm_operand`): with a
+      1-sized dim, a "contiguous" tensor can have strides it misreads.
     * otherwise (or ``int8_gemm=False``) float32 GEMMs with the reduction
       split into input-channel chunks whose every partial sum stays below
       2**24: the bound ``max|x| * max_o sum_{i in chunk} |w[o, i]|`` (an L1

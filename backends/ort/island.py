@@ -83,16 +83,17 @@ def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: 
     except Exception as exc:  # protobuf raises DecodeError / RuntimeError by implementation
         raise ArtifactError(f"island '{name}': not an ONNX model ({type(exc).__name__}: {exc})") from None
     if not model.HasField("graph"):
-        raise ArtifactError("not an ONNX model (no graph)")
+        raise ArtifactError(f"island '{name}': not an ONNX model (no graph)")
     for where, tensor in _tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
             location = next((e.value for e in tensor.external_data if e.key == "location"), "?")
-            raise ArtifactError(f"island '{name}': {where} '{tensor.name}' refers to external data (location {location!r}); "
-                              f"islands must be self-contained")
+            raise ArtifactError(f"island '{name}': {where} '{tensor.name}' refers to external data "
+                                f"(location {location!r}); islands must be self-contained")
     feeds = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
     for feed in feeds:
         if not any(feed == v or feed.startswith(f"{v}.") for v in inputs):
-            raise ArtifactError(f"island '{name}': graph input '{feed}' is none of the step's inputs ({', '.join(inputs)})")
+            raise ArtifactError(f"island '{name}': graph input '{feed}' is none of the step's inputs "
+                                f"({', '.join(inputs)})")
     fetches = {o.name for o in model.graph.output}
     for v in outputs:
         if not any(f == v or f.startswith(f"{v}.") for f in fetches):
