@@ -26,6 +26,7 @@ import re
 import tempfile
 import zipfile
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Any, Union
 
@@ -105,8 +106,8 @@ def load_artifact(path: PathLike):
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
-            if len(names) != len(set(names)):
-                dup = next(n for n in names if names.count(n) > 1)
+            dup = next((n for n, k in Counter(names).items() if k > 1), None)
+            if dup is not None:
                 raise ArtifactError(f"{path}: corrupted (member {dup!r} appears twice)")
             if MANIFEST not in names:
                 raise ArtifactError(f"{path}: not a qcompiler artifact (no {MANIFEST})")
