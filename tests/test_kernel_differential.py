@@ -2,8 +2,8 @@
 
 Random conv2d / linear layers -- 1-sized dims (K, N, M, channels, spatial), groups and
 depthwise, strides, padding, dilation, int8/int16 inputs, fused add, activations,
-high-precision output -- fed non-contiguous, strided, transposed and broadcast
-(stride-0) inputs.  Every kernel set of the simulator (``fast`` with int8 GEMMs, ``fast``
+high-precision output -- and max pools, fed non-contiguous, strided, transposed and
+broadcast (stride-0) inputs.  Every kernel set of the simulator (``fast`` with int8 GEMMs, ``fast``
 with float GEMMs, ``fixed_point``) must equal the slow int64 reference
 (``int_reference``) bit for bit (``torch.equal``), and whole random models compiled for
 both marches must equal their converted model.
@@ -238,6 +238,34 @@ def _conv_program(c: dict):
 def test_conv2d_kernels_agree(case):
     prog, inputs = _conv_program(case)
     _check_program(prog, inputs)
+
+
+# ---------------------------------------------------------------------------- max pool (the other fast kernel)
+
+
+@st.composite
+def pool_cases(draw):
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    ph, pw = draw(st.integers(0, kh // 2)), draw(st.integers(0, kw // 2))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 7))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 7))
+    return dict(N=draw(st.integers(1, 2)), C=draw(st.integers(1, 3)), H=H, W=W, k=(kh, kw),
+                stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), padding=(ph, pw), dilation=(dh, dw),
+                ceil=draw(st.booleans()), dtype=draw(st.sampled_from(["qint8", "qint16"])),
+                layout=draw(st.sampled_from(["plain", "channels_last", "transposed", "padded", "broadcast"])),
+                seed=draw(st.integers(0, 2 ** 16)))
+
+
+@SETTINGS
+@given(pool_cases())
+def test_max_pool_kernels_agree(c):
+    t = Tiny(seed=c["seed"])
+    x = t.input(_ints(t.gen, (c["N"], c["C"], c["H"], c["W"]), c["dtype"]), 0.05, c["dtype"])
+    pool = nn.MaxPool2d(c["k"], c["stride"], c["padding"], c["dilation"], ceil_mode=c["ceil"])
+    gm = t.build(t.same_scale("max_pool2d", x, module=pool, dtype=c["dtype"], name="pool"))
+    prog = lower_partition(gm, "bpu0")
+    _check_program(prog, {v.name: _layout(x_, c["layout"]) for v, x_ in zip(prog.inputs, t.inputs)})
 
 
 # ---------------------------------------------------------------------------- the int8 GEMM entry
