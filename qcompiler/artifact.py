@@ -35,6 +35,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from qcompiler.backends.bpu.program import BpuProgram
+from qcompiler.backends.bpu.program_check import ITEMSIZE, check_declaration, expect_keys, short
 from qcompiler.backends.ort.island import check_island
 from qcompiler.errors import ArtifactError
 
@@ -201,7 +202,7 @@ def _load_tensors(zf: zipfile.ZipFile, sizes: dict, programs: dict, path: Path) 
     for meta in programs.values():
         for op in meta["ops"]:
             for decl in op["tensors"]:
-                n = _ITEMSIZE[decl["dtype"]]
+                n = ITEMSIZE[decl["dtype"]]
                 for d in decl["shape"]:
                     n *= d
                 declared += n
@@ -217,7 +218,6 @@ def _load_tensors(zf: zipfile.ZipFile, sizes: dict, programs: dict, path: Path) 
         raise ArtifactError(f"{path}: member {TENSORS!r} is not a valid safetensors file ({exc})") from None
 
 
-_ITEMSIZE = {"int8": 1, "int16": 2, "int32": 4, "int64": 8}
 
 
 # ---------------------------------------------------------------------------- manifest checks
@@ -227,7 +227,7 @@ def check_manifest(m: dict, path: Path) -> None:
     """The manifest's form: every key ``load`` and the runtime read, with its type, before any
     other member is read.  (Programs are checked by ``BpuProgram.from_state``.)"""
     where = f"{path}: {MANIFEST}"
-    _expect(m, {"model": str, "march": str, "inputs": list, "steps": list, "programs": dict, "members": dict},
+    expect_keys(m, {"model": str, "march": str, "inputs": list, "steps": list, "programs": dict, "members": dict},
             where)
     if "outputs" not in m:
         raise ArtifactError(f"{where}: 'outputs' is missing")
@@ -237,18 +237,18 @@ def check_manifest(m: dict, path: Path) -> None:
     if sig is not None:
         if not isinstance(sig, list) or len(sig) != len(m["inputs"]):
             raise ArtifactError(f"{where}: 'input_signature' must list one entry per input "
-                                f"({len(m['inputs'])}), got {_short(sig)}")
+                                f"({len(m['inputs'])}), got {short(sig)}")
         for i, s in enumerate(sig):
             _check_signature(s, f"{where}: input_signature[{i}]", 0)
     for key, size in m["members"].items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ArtifactError(f"{where}: members[{key!r}] is {_short(size)}, expected a byte count")
+            raise ArtifactError(f"{where}: members[{key!r}] is {short(size)}, expected a byte count")
     if TENSORS not in m["members"]:
         raise ArtifactError(f"{where}: 'members' does not list {TENSORS}")
     seen: set[str] = set()
     for i, step in enumerate(m["steps"]):
         sw = f"{where}: steps[{i}]"
-        _expect(step, {"kind": str, "name": str, "inputs": list, "outputs": list}, sw)
+        expect_keys(step, {"kind": str, "name": str, "inputs": list, "outputs": list}, sw)
         kind, name = step["kind"], step["name"]
         if kind not in ("bpu", "cpu"):
             raise ArtifactError(f"{sw}: kind {kind!r} is not a step kind (bpu or cpu)")
@@ -268,17 +268,11 @@ def check_manifest(m: dict, path: Path) -> None:
         raise ArtifactError(f"{where}: program '{unused[0]}' belongs to no BPU step")
     for name, meta in m["programs"].items():
         pw = f"{where}: programs[{name!r}]"
-        _expect(meta, {"ops": list}, pw)
+        expect_keys(meta, {"ops": list}, pw)
         for j, op in enumerate(meta["ops"]):
-            _expect(op, {"tensors": list}, f"{pw} op {j}")
+            expect_keys(op, {"tensors": list}, f"{pw} op {j}")
             for decl in op["tensors"]:
-                _expect(decl, {"dtype": str, "shape": list}, f"{pw} op {j} tensor")
-                if decl["dtype"] not in _ITEMSIZE or not all(
-                        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 31)
-                        for d in decl["shape"]) or len(decl["shape"]) > 8:
-                    raise ArtifactError(f"{pw} op {j}: tensor {_short(decl.get('name'))} declares "
-                                        f"{_short(decl['dtype'])} {_short(decl['shape'])}; expected an integer "
-                                        f"dtype and at most 8 dims in [0, 2**31)")
+                check_declaration(decl, f"{pw} op {j}")
     _check_outputs(m["outputs"], f"{where}: outputs", 0)
 
 
@@ -320,16 +314,6 @@ def check_flow(m: dict, programs: dict, path: Path) -> None:
             raise ArtifactError(f"{where}: the model output '{v}' is made by no step or input")
 
 
-def _expect(d: Any, types: dict[str, type], where: str) -> None:
-    if not isinstance(d, dict):
-        raise ArtifactError(f"{where}: expected a JSON object, got {_short(d)}")
-    for key, typ in types.items():
-        if key not in d:
-            raise ArtifactError(f"{where}: '{key}' is missing")
-        if not isinstance(d[key], typ) or (isinstance(d[key], bool) and typ is not bool):
-            raise ArtifactError(f"{where}: '{key}' is {_short(d[key])}, expected a JSON {typ.__name__}")
-
-
 def _check_signature(s: Any, where: str, depth: int) -> None:
     if depth > MAX_NESTING:
         raise ArtifactError(f"{where}: nested deeper than {MAX_NESTING}")
@@ -339,10 +323,10 @@ def _check_signature(s: Any, where: str, depth: int) -> None:
         for i, x in enumerate(s):
             _check_signature(x, f"{where}[{i}]", depth + 1)
         return
-    _expect(s, {"dtype": str, "shape": list}, where)
+    expect_keys(s, {"dtype": str, "shape": list}, where)
     if s["dtype"] not in _SIGNATURE_DTYPES or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s["shape"]):
-        raise ArtifactError(f"{where}: {_short(s)} is not a tensor signature (dtype, shape of ints >= 0)")
+        raise ArtifactError(f"{where}: {short(s)} is not a tensor signature (dtype, shape of ints >= 0)")
 
 
 _SIGNATURE_DTYPES = {"float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool"}
@@ -352,7 +336,7 @@ def _check_outputs(spec: Any, where: str, depth: int) -> None:
     if depth > MAX_NESTING:
         raise ArtifactError(f"{where}: nested deeper than {MAX_NESTING}")
     if not isinstance(spec, dict) or len(spec) != 1:
-        raise ArtifactError(f"{where}: {_short(spec)} is not an output structure "
+        raise ArtifactError(f"{where}: {short(spec)} is not an output structure "
                             "({'value': name}, {'tuple': [...]}, {'list': [...]} or {'const': scalar})")
     (key, v), = spec.items()
     if key == "value" and isinstance(v, str):
@@ -363,7 +347,7 @@ def _check_outputs(spec: Any, where: str, depth: int) -> None:
         return
     if key == "const" and (v is None or isinstance(v, (bool, int, float, str))):
         return
-    raise ArtifactError(f"{where}: {_short(spec)} is not an output structure")
+    raise ArtifactError(f"{where}: {short(spec)} is not an output structure")
 
 
 def _output_values(spec: dict) -> list[str]:
@@ -373,11 +357,6 @@ def _output_values(spec: dict) -> list[str]:
     if key in ("tuple", "list"):
         return [name for x in v for name in _output_values(x)]
     return []
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_format(path: Path, manifest: dict) -> None:

@@ -201,7 +201,7 @@ def test_weight_shape_edited_in_the_tensors_member(artifact, tmp_path):
     ("1.M", lambda t: t[:1].contiguous(), r"op 1 '_0' \(conv2d\): tensor 'M' has shape \[1\], expected \[8\]"),
     ("1.bias", lambda t: t[:1].contiguous(), r"op 1 '_0' \(conv2d\): tensor 'bias' has shape \[1\], expected \[8\]"),
     ("1.weight", lambda t: t.float(),
-     r"op 1: tensor 'weight' declares 'float32' \[8, 3, 3, 3\]; expected an integer dtype"),
+     r"op 1: tensor 'weight' declares 'float32' \[8, 3, 3, 3\]; expected int8, int16, int32, int64"),
     ("1.weight", lambda t: t.long(), r"tensor 'weight' is int64, expected int8"),
     ("1.n", lambda t: t + 100, r"tensor 'n' holds values in \[\d+, \d+\], expected \[0, 62\]"),
     ("1.M", lambda t: t.int(), r"tensor 'M' is int32, expected int64"),

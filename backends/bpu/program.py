@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from qcompiler.backends.bpu.program_check import check_program
+from qcompiler.backends.bpu.program_check import check_declaration, check_program, expect_keys, short
 from qcompiler.errors import ArtifactError, ConfigError
 
 __all__ = [
@@ -266,19 +266,19 @@ class BpuProgram:
         where = f"BPU program '{name}'"
         for key in ("inputs", "outputs", "ops"):
             if not isinstance(meta.get(key), list):
-                raise ArtifactError(f"{where}: '{key}' is {_short(meta.get(key))}, expected a list")
+                raise ArtifactError(f"{where}: '{key}' is {short(meta.get(key))}, expected a list")
         used: set[str] = set()
         try:
             ops = []
             for i, d in enumerate(meta["ops"]):
                 op_where = f"{where} op {i}"
-                _check_keys(d, {"kind": str, "inputs": list, "output": str, "attrs": dict, "tensors": list},
+                expect_keys(d, {"kind": str, "inputs": list, "output": str, "attrs": dict, "tensors": list},
                             op_where)
                 if not all(isinstance(x, str) for x in d["inputs"]):
                     raise ArtifactError(f"{op_where}: 'inputs' must be a list of value names")
                 ts = {}
                 for decl in d["tensors"]:
-                    k = _check_declaration(decl, op_where)
+                    k = check_declaration(decl, op_where)
                     key = f"{i}.{k}"
                     if key not in tensors:
                         raise ArtifactError(f"{where}: tensor '{key}' is missing")
@@ -436,50 +436,18 @@ def decode_index(enc: Any) -> Any:
 
 # state checks (untrusted JSON)
 
-_DTYPES = {"int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
-
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _check_keys(d: Any, types: dict[str, type], where: str) -> None:
-    if not isinstance(d, dict):
-        raise ArtifactError(f"{where}: expected a JSON object, got {_short(d)}")
-    for key, typ in types.items():
-        if key not in d:
-            raise ArtifactError(f"{where}: '{key}' is missing")
-        if not isinstance(d[key], typ) or isinstance(d[key], bool) and typ is not bool:
-            raise ArtifactError(f"{where}: '{key}' is {_short(d[key])}, expected a {typ.__name__}")
-
-
-def _check_declaration(decl: Any, where: str) -> str:
-    """A tensor declaration ``{"name", "dtype", "shape"}``; returns the name."""
-    _check_keys(decl, {"name": str, "dtype": str, "shape": list}, f"{where} tensor declaration")
-    name = decl["name"]
-    if decl["dtype"] not in _DTYPES:
-        raise ArtifactError(f"{where}: tensor '{name}' declares dtype {_short(decl['dtype'])}; program tensors "
-                            f"are {', '.join(_DTYPES)}")
-    shape = decl["shape"]
-    if len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 31)
-                                 for d in shape):
-        raise ArtifactError(f"{where}: tensor '{name}' declares shape {_short(shape)}, expected at most 8 "
-                            f"dims, each an int in [0, 2**31)")
-    return name
-
-
 def _check_value_json(v: Any, where: str) -> None:
     """A ValueSpec as JSON: name, dtype, scale (float, list of floats, or null), axis (int or null)."""
-    _check_keys(v, {"name": str, "dtype": str}, f"{where} value")
+    expect_keys(v, {"name": str, "dtype": str}, f"{where} value")
     scale, axis = v.get("scale"), v.get("axis")
     ok_scale = scale is None or isinstance(scale, float) or (
         isinstance(scale, list) and all(isinstance(x, float) for x in scale))
     ok_axis = axis is None or (isinstance(axis, int) and not isinstance(axis, bool))
     if not (ok_scale and ok_axis):
-        raise ArtifactError(f"{where}: value '{v['name']}' has scale {_short(scale)} and axis {_short(axis)}; "
+        raise ArtifactError(f"{where}: value '{v['name']}' has scale {short(scale)} and axis {short(axis)}; "
                             f"expected a float or a list of floats, and an int axis")

@@ -20,7 +20,8 @@ import torch
 
 from qcompiler.errors import ArtifactError
 
-__all__ = ["check_program", "check_attrs", "ATTRS", "MAX_INT"]
+__all__ = ["check_program", "check_attrs", "check_declaration", "expect_keys", "short", "ATTRS", "MAX_INT",
+           "ITEMSIZE"]
 
 MAX_INT = 1 << 31  # every integer attr (sizes, strides, dims) lies in (-MAX_INT, MAX_INT)
 MAX_INDEX_DEPTH = 32
@@ -178,7 +179,7 @@ def check_attrs(op, where: str) -> None:
             raise ArtifactError(f"{where}: attr '{key}' is missing")
         err = check(op.attrs[key])
         if err is not None:
-            raise ArtifactError(f"{where}: attr '{key}' is {_short(op.attrs[key])}, expected {err}")
+            raise ArtifactError(f"{where}: attr '{key}' is {short(op.attrs[key])}, expected {err}")
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -209,21 +210,21 @@ def _weight_layer_rules(op, where: str) -> dict[str, _Spec]:
         if w.shape[0] % groups:
             raise ArtifactError(f"{where}: weight {list(w.shape)}: {w.shape[0]} input channels do not split "
                                 f"into groups={groups}")
-        O = w.shape[1] * groups
+        n_out = w.shape[1] * groups
     else:
-        O = w.shape[0]
-        if O % groups:
-            raise ArtifactError(f"{where}: weight {list(w.shape)}: {O} output channels do not split into "
+        n_out = w.shape[0]
+        if n_out % groups:
+            raise ArtifactError(f"{where}: weight {list(w.shape)}: {n_out} output channels do not split into "
                                 f"groups={groups}")
     rules = {"weight": _Spec((torch.int8,), tuple(w.shape)),
-             "bias": _Spec((torch.int32,), (O,), required=False)}
+             "bias": _Spec((torch.int32,), (n_out,), required=False)}
     if a.get("high_precision") is True:
-        if isinstance(a.get("out_scale"), list) and len(a["out_scale"]) != O:
+        if isinstance(a.get("out_scale"), list) and len(a["out_scale"]) != n_out:
             raise ArtifactError(f"{where}: attr 'out_scale' has {len(a['out_scale'])} per-channel scales, "
-                                f"expected {O} (the weight's output channels)")
+                                f"expected {n_out} (the weight's output channels)")
         return rules
-    rules["M"] = _Spec(_I64, (O,), values=(-_M_LIMIT + 1, _M_LIMIT - 1))
-    rules["n"] = _Spec(_I64, (O,), values=(0, _N_LIMIT))
+    rules["M"] = _Spec(_I64, (n_out,), values=(-_M_LIMIT + 1, _M_LIMIT - 1))
+    rules["n"] = _Spec(_I64, (n_out,), values=(0, _N_LIMIT))
     if a.get("with_add") is True:
         rules["Mb"], rules["nb"] = _SCALAR_M, _SCALAR_N
     return rules
@@ -359,9 +360,39 @@ def _check_value_spec(v, where: str) -> None:
         if not v.scale or any(_pos_float(s) for s in v.scale) or _int()(v.axis):
             raise ArtifactError(f"{where}: per-channel scales must be finite floats > 0 with an int axis")
     elif _pos_float(v.scale) is not None:
-        raise ArtifactError(f"{where}: scale is {_short(v.scale)}, expected a finite float > 0")
+        raise ArtifactError(f"{where}: scale is {short(v.scale)}, expected a finite float > 0")
 
 
-def _short(v: Any) -> str:
+# ---------------------------------------------------------------------------- JSON helpers (also for artifact.py)
+
+ITEMSIZE = {"int8": 1, "int16": 2, "int32": 4, "int64": 8}  # the dtypes program tensors may have
+
+
+def short(v: Any) -> str:
+    """``repr(v)`` cut to 60 characters, for messages about untrusted values."""
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def expect_keys(d: Any, types: dict[str, type], where: str) -> None:
+    """ArtifactError unless ``d`` is a JSON object with each key of ``types`` of that type
+    (a bool is not an int)."""
+    if not isinstance(d, dict):
+        raise ArtifactError(f"{where}: expected a JSON object, got {short(d)}")
+    for key, typ in types.items():
+        if key not in d:
+            raise ArtifactError(f"{where}: '{key}' is missing")
+        if not isinstance(d[key], typ) or (isinstance(d[key], bool) and typ is not bool):
+            raise ArtifactError(f"{where}: '{key}' is {short(d[key])}, expected a JSON {typ.__name__}")
+
+
+def check_declaration(decl: Any, where: str) -> str:
+    """A tensor declaration ``{"name", "dtype", "shape"}`` (an integer dtype, at most 8 dims,
+    each in [0, 2**31)); returns the name."""
+    expect_keys(decl, {"name": str, "dtype": str, "shape": list}, f"{where} tensor declaration")
+    name, dtype, shape = decl["name"], decl["dtype"], decl["shape"]
+    if dtype not in ITEMSIZE or len(shape) > 8 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_INT for d in shape):
+        raise ArtifactError(f"{where}: tensor {short(name)} declares {short(dtype)} {short(shape)}; expected "
+                            f"{', '.join(ITEMSIZE)} and at most 8 dims, each in [0, 2**31)")
+    return name
