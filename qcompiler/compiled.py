@@ -146,10 +146,16 @@ class CompiledModel:
 
 def load(path: Union[str, Path], *, ort_threads: int = 1) -> CompiledModel:
     """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed)."""
-    manifest, programs, islands = load_artifact(path)
+    if not isinstance(ort_threads, int) or isinstance(ort_threads, bool) or ort_threads < 1:
+        raise ConfigError(f"load: ort_threads must be a positive int, got {ort_threads!r}")
+    manifest, programs, islands = load_artifact(path)  # checked: form, sizes, tensors, data flow
     steps = [Step.from_json(s) for s in manifest["steps"]]
-    runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands, ort_threads=ort_threads,
-                      input_signature=manifest.get("input_signature"))
+    try:
+        runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands,
+                          ort_threads=ort_threads, input_signature=manifest.get("input_signature"))
+    except Exception as exc:  # a program the simulator cannot compile, an island onnxruntime refuses
+        raise ArtifactError(f"{path}: the runtime cannot be built from this file ({type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
     return CompiledModel(runtime, name=manifest["model"], march=manifest["march"])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 
+import int_reference as ref
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,6 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-import int_reference as ref
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.simulator import BpuSimulator, int8_gemm_available, run_partitioned
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT

@@ -143,7 +143,7 @@ def test_newer_format_says_so(artifact, tmp_path):
     with zipfile.ZipFile(newer, "w") as zf:
         for n, b in members.items():
             zf.writestr(n, b)
-    with pytest.raises(ArtifactError, match=r"newer qcompiler \(artifact format 99; this version reads format 1\)"):
+    with pytest.raises(ArtifactError, match=r"newer qcompiler \(artifact format 99; this version reads format 2\)"):
         qcompiler.load(newer)
 
 
@@ -305,8 +305,9 @@ def test_lstm_state_batch_is_its_dim_1_and_other_sizes_are_checked():
     (torch.rand(4, 3, 8, 8), r"calib_data must be an iterable of batches .*got one tensor"),
 ])
 def test_calib_data_is_checked_against_example_inputs_before_any_work(calib, message, monkeypatch):
-    import qcompiler.quantization as quantization
     from conftest import assert_untouched, snapshot
+
+    import qcompiler.quantization as quantization
 
     def not_reached(*_, **__):
         raise AssertionError("prepare ran before calib_data was checked")

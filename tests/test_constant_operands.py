@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_export_onnx import end_to_end_check, teacher_forced_check
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
@@ -34,7 +35,6 @@ from qcompiler.quantization import (
     prepare_qat_fx,
     set_state,
 )
-from test_export_onnx import end_to_end_check, teacher_forced_check
 
 CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
     [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])

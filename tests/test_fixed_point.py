@@ -6,7 +6,6 @@ so the fast kernels are checked bit for bit.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch

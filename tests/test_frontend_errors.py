@@ -3,11 +3,10 @@
 import pytest
 import torch
 import torch.nn as nn
+from conftest import assert_untouched, snapshot
 
 import qcompiler
 from qcompiler.errors import ConfigError, QCompilerWarning, TraceError
-
-from conftest import assert_untouched, snapshot
 
 X = torch.rand(1, 3, 16, 16)
 

@@ -1,12 +1,11 @@
 """Golden test: the heterogeneous-QAT guide's HybridModel, march bayes, the guide's hybrid_dict."""
 
 import torch
+from conftest import assert_untouched, snapshot
 
 import qcompiler
 from qcompiler.ir.partitions import partitions, summary_line
 from qcompiler.ir.printing import forward_sequence
-
-from conftest import assert_untouched, snapshot
 
 # The prepared forward of the guide, node for node (observers of BPU ops are
 # not graph nodes in our design; boundary observers are).

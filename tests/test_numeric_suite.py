@@ -6,7 +6,6 @@ import pytest
 import torch
 import train_mode_models as tm
 from conftest import assert_untouched, snapshot
-from qcompiler.tools import numeric_suite as ns
 from torch import nn
 
 from qcompiler import zoo
@@ -18,6 +17,7 @@ from qcompiler.quantization import (
     prepare_qat_fx,
     set_state,
 )
+from qcompiler.tools import numeric_suite as ns
 
 KW = {"resnet18": dict(image_size=32)}
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_untouched, snapshot
+from test_golden_hybrid import GOLDEN
 
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.ir.printing import forward_sequence
@@ -15,9 +17,6 @@ from qcompiler.quantization import (
     get_default_qat_qconfig,
 )
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
-
-from conftest import assert_untouched, snapshot
-from test_golden_hybrid import GOLDEN
 
 X = torch.rand(1, 3, 16, 16)
 

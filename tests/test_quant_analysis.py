@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+import train_mode_models as tm
+from conftest import assert_untouched, snapshot
 
 import qcompiler
 import qcompiler.zoo as zoo
-import train_mode_models as tm
-from conftest import assert_untouched, snapshot
 from qcompiler.errors import ConfigError
 from qcompiler.quantization import convert_fx, prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.tools.quant_analysis import COMPARE_COLUMNS, QuantAnalysis, compute_metric

@@ -13,10 +13,10 @@ import os
 
 import pytest
 import torch
-
-import qcompiler
 import train_mode_models as tm
 from conftest import assert_untouched, snapshot
+
+import qcompiler
 from qcompiler.frontend import partition
 from qcompiler.onnx import SIDECAR_SUFFIX, export_to_onnx
 from qcompiler.quantization.convert import convert_fx

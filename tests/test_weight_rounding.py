@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_untouched, snapshot
 
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.quantization import (
@@ -23,9 +24,6 @@ from qcompiler.quantization import (
 )
 from qcompiler.quantization import weight_rounding as wr
 from qcompiler.quantization.fixed_point import quantize
-
-from conftest import assert_untouched, snapshot
-
 
 # ---------------------------------------------------------------------------
 # helpers

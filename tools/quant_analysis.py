@@ -48,6 +48,7 @@ from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 from qcompiler.quantization.qtensor import QTensor
 from qcompiler.tools._eval_mode import evaluating, run_inspected
+from qcompiler.tools.case_file import case_bytes, load_case
 from qcompiler.tools.metrics import (
     _LARGER_IS_WORSE,
     COMPARE_COLUMNS,
@@ -381,21 +382,21 @@ class QuantAnalysis:
         self.bad_case_index = None
 
     def save_bad_case(self) -> Path:
-        """Write the bad case (plain tensors) to ``out_dir/badcase.pt``."""
+        """Write the bad case to ``out_dir/badcase.pt``: safetensors with the nesting as JSON
+        metadata (:mod:`qcompiler.tools.case_file`), never a pickle."""
         self._need_bad_case("save_bad_case")
-        buf = io.BytesIO()
-        torch.save(self.bad_case, buf)
         path = self.out_dir / BADCASE_FILE
-        write_file(path, buf.getvalue(), "save_bad_case")
+        write_file(path, case_bytes(self.bad_case), "save_bad_case")
         self._wrote(path)
         return path
 
     def load_bad_case(self, path: Optional[Union[str, Path]] = None) -> Any:
-        """Load the bad case from ``path`` (default ``out_dir/badcase.pt``)."""
+        """Load the bad case from ``path`` (default ``out_dir/badcase.pt``), written by
+        :meth:`save_bad_case`; nothing is unpickled (any other file is an ArtifactError)."""
         p = Path(path) if path is not None else self.out_dir / BADCASE_FILE
         if not p.is_file():
             raise ConfigError(f"no bad case file at {str(p)!r}; run auto_find_bad_case or save_bad_case first")
-        self.bad_case = torch.load(p, weights_only=True)
+        self.bad_case = load_case(p)
         return self.bad_case
 
     def _need_bad_case(self, who: str) -> tuple:

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from qcompiler.backends.bpu.program_check import check_declaration, check_program, expect_keys, short
 from qcompiler.errors import ArtifactError, ConfigError
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
     "decode_index",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each op declares its tensors' dtype and shape
 
 QUANT_DTYPES = ("qint8", "qint16", "qint32")
 FLOAT_DTYPE = "f32"
@@ -227,7 +228,8 @@ class BpuProgram:
                 tensors[f"{i}.{k}"] = t.detach().contiguous().clone()
             ops.append({"kind": op.kind, "inputs": list(op.inputs), "output": op.output,
                         "attrs": _jsonable(op.attrs, f"op '{op.output}' attrs"),
-                        "tensors": list(op.tensors)})
+                        "tensors": [{"name": k, "dtype": _dtype_name(t), "shape": list(t.shape)}
+                                    for k, t in op.tensors.items()]})
         meta = {
             "format": "qcompiler.bpu_program",
             "version": FORMAT_VERSION,
@@ -241,27 +243,65 @@ class BpuProgram:
 
     @classmethod
     def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict) -> "BpuProgram":
-        """Rebuild a program from :meth:`to_state` output; ArtifactError if it is not one."""
+        """Rebuild a program from :meth:`to_state` output; ArtifactError if it is not one.
+
+        ``meta`` and ``tensors`` are untrusted (they come from a file): the JSON's form, each
+        tensor against its declared dtype and shape, and every op's attrs and tensors
+        (:func:`~qcompiler.backends.bpu.program_check.check_program`) are checked, so anything
+        malformed is an ArtifactError naming the program, op and tensor.
+        """
         if not isinstance(meta, dict) or meta.get("format") != "qcompiler.bpu_program":
             raise ArtifactError("not a BPU program state (meta['format'] != 'qcompiler.bpu_program')")
         version = meta.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
             raise ArtifactError(f"BPU program format version {version!r} is newer than this qcompiler "
                                 f"supports ({FORMAT_VERSION}); upgrade qcompiler")
+        if version < FORMAT_VERSION:
+            raise ArtifactError(f"BPU program format version {version} is older than this qcompiler reads "
+                                f"({FORMAT_VERSION}: tensors declare their dtype and shape); compile and save "
+                                f"the model again")
+        name = meta.get("name")
+        if not isinstance(name, str):
+            raise ArtifactError(f"BPU program state: 'name' is {name!r}, expected a string")
+        where = f"BPU program '{name}'"
+        for key in ("inputs", "outputs", "ops"):
+            if not isinstance(meta.get(key), list):
+                raise ArtifactError(f"{where}: '{key}' is {short(meta.get(key))}, expected a list")
+        used: set[str] = set()
         try:
             ops = []
             for i, d in enumerate(meta["ops"]):
+                op_where = f"{where} op {i}"
+                expect_keys(d, {"kind": str, "inputs": list, "output": str, "attrs": dict, "tensors": list},
+                            op_where)
+                if not all(isinstance(x, str) for x in d["inputs"]):
+                    raise ArtifactError(f"{op_where}: 'inputs' must be a list of value names")
                 ts = {}
-                for k in d["tensors"]:
+                for decl in d["tensors"]:
+                    k = check_declaration(decl, op_where)
                     key = f"{i}.{k}"
                     if key not in tensors:
-                        raise ArtifactError(f"BPU program '{meta['name']}': tensor '{key}' is missing")
-                    ts[k] = tensors[key]
+                        raise ArtifactError(f"{where}: tensor '{key}' is missing")
+                    if k in ts:
+                        raise ArtifactError(f"{op_where}: tensor '{k}' is declared twice")
+                    t = tensors[key]
+                    if _dtype_name(t) != decl["dtype"] or list(t.shape) != decl["shape"]:
+                        raise ArtifactError(f"{where}: tensor '{key}' is {_dtype_name(t)} {list(t.shape)}, but "
+                                            f"the program declares {decl['dtype']} {decl['shape']}")
+                    ts[k] = t
+                    used.add(key)
                 ops.append(BpuOp(d["kind"], d["inputs"], d["output"], _from_jsonable(d["attrs"]), ts))
-            return cls(meta["name"], [ValueSpec.from_json(v) for v in meta["inputs"]],
-                       [ValueSpec.from_json(v) for v in meta["outputs"]], ops)
-        except (KeyError, TypeError) as e:
-            raise ArtifactError(f"BPU program state is malformed: {type(e).__name__}: {e}") from None
+            for v in meta["inputs"] + meta["outputs"]:
+                _check_value_json(v, where)
+            program = cls(name, [ValueSpec.from_json(v) for v in meta["inputs"]],
+                          [ValueSpec.from_json(v) for v in meta["outputs"]], ops)
+        except ConfigError as e:
+            raise ArtifactError(f"{where} is malformed: {e}") from None
+        extra = sorted(set(tensors) - used)
+        if extra:
+            raise ArtifactError(f"{where}: tensor '{extra[0]}' is not declared by any op")
+        check_program(program)
+        return program
 
     # ------------------------------------------------------------------ text
 
@@ -392,3 +432,22 @@ def decode_index(enc: Any) -> Any:
     if t == "list":
         return list(enc["v"])
     raise ArtifactError(f"unknown encoded index {enc!r}")
+
+
+# state checks (untrusted JSON)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _check_value_json(v: Any, where: str) -> None:
+    """A ValueSpec as JSON: name, dtype, scale (float, list of floats, or null), axis (int or null)."""
+    expect_keys(v, {"name": str, "dtype": str}, f"{where} value")
+    scale, axis = v.get("scale"), v.get("axis")
+    ok_scale = scale is None or isinstance(scale, float) or (
+        isinstance(scale, list) and all(isinstance(x, float) for x in scale))
+    ok_axis = axis is None or (isinstance(axis, int) and not isinstance(axis, bool))
+    if not (ok_scale and ok_axis):
+        raise ArtifactError(f"{where}: value '{v['name']}' has scale {short(scale)} and axis {short(axis)}; "
+                            f"expected a float or a list of floats, and an int axis")

@@ -20,6 +20,8 @@ computes, bit for bit.  Two kernel sets are available:
       this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
       true value fits int32 is exact whatever the order), and only for layers
       whose int32 range is proven: ``128 * max_o sum_i |w[o, i]| < 2**31``.
+      Operands always reach it row-major (:func:`_gemm_operand`): with a
+      1-sized dim, a "contiguous" tensor can have strides it misreads.
     * otherwise (or ``int8_gemm=False``) float32 GEMMs with the reduction
       split into input-channel chunks whose every partial sum stays below
       2**24: the bound ``max|x| * max_o sum_{i in chunk} |w[o, i]|`` (an L1
@@ -554,8 +556,10 @@ def int8_gemm_available() -> bool:
 
     Checked once per process on saturation-prone operands (products of
     127/-128 in every sign pattern: a kernel built on ``vpmaddubsw``, whose
-    int16 pair sums saturate, fails it) over several shapes, against exact
-    int64 products.  With non-saturating int32 arithmetic (VNNI, AMX) the
+    int16 pair sums saturate, fails it) over the shapes the lowering emits
+    (1-sized M, K and N included), each operand in every layout the kernels
+    hand over, through :func:`_int_mm` (the kernels' only entry), against
+    exact int64 products.  With non-saturating int32 arithmetic (VNNI, AMX) the
     result is exact whenever the true sum fits int32 (two's complement
     wrap-around cannot change an in-range result), which the fast kernels
     prove from the weights before using it.
@@ -566,13 +570,56 @@ def int8_gemm_available() -> bool:
     return _INT8_GEMM
 
 
+def _gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) in a layout ``torch._int_mm`` reads correctly for every shape: row-major with
+    unit column stride and a row stride of at least ``max(1, columns)``; else a row-major copy.
+
+    Contiguity is not enough: torch calls ``w.t()`` of a ``(10, 1)`` weight contiguous with
+    strides ``(1, 1)``, and ``_int_mm`` then reads the wrong memory (size-1 dims make strides
+    ambiguous to its transpose detection).
+    """
+    if t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1]):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def _int_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` (int8 x int8 -> int32) with every operand in a :func:`_gemm_operand` layout.
+
+    The only way the fast kernels call ``torch._int_mm``; :func:`int8_gemm_available` checks
+    exactly this function.
+    """
+    target = _gemm_operand(out)
+    torch._int_mm(_gemm_operand(a), _gemm_operand(b), out=target)
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+# (M, K, N) of the self-test: the shapes the lowering emits, 1-sized dims included (a linear
+# with one input or one output feature, one row, a 1x1 conv of one channel, one output position)
+_SELF_TEST_SHAPES = ((1, 1, 1), (1, 7, 3), (17, 1, 10), (17, 5, 1), (1, 5, 1), (3, 1, 1), (1, 1, 9),
+                     (5, 64, 17), (64, 576, 300), (130, 1152, 49), (33, 2304, 64))
+
+
+def _layouts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The same values as ``t`` in the layouts the kernels hand over: row-major, the transpose
+    of a transpose, a column slice of a wider matrix, and (for 1-sized dims) odd strides."""
+    R, C = t.shape
+    wide = torch.zeros(R, C + 5, dtype=t.dtype)
+    wide[:, 2:C + 2] = t
+    out = [t.contiguous(), t.t().contiguous().t(), wide[:, 2:C + 2]]
+    if R == 1 or C == 1:  # e.g. (10, 1).t().contiguous(): shape (1, 10), strides (1, 1)
+        out.append(torch.as_strided(t.contiguous().clone(), (R, C), (1, 1)))
+    return out
+
+
 def _int8_self_test() -> bool:
-    fn = getattr(torch, "_int_mm", None)
-    if fn is None:
+    if getattr(torch, "_int_mm", None) is None:
         return False
     g = torch.Generator().manual_seed(20240605)
     try:
-        for M, K, N in ((1, 7, 3), (5, 64, 17), (64, 576, 300), (130, 1152, 49), (33, 2304, 64)):
+        for M, K, N in _SELF_TEST_SHAPES:
             for va, vb in ((127, -128), (-128, 127), (-128, -128), (127, 127), (None, None)):
                 if va is None:
                     a = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
@@ -582,12 +629,15 @@ def _int8_self_test() -> bool:
                     b = torch.full((K, N), vb, dtype=torch.int8)
                     a[:, 1::3] = -va if va != -128 else 127
                 want = a.to(torch.int64) @ b.to(torch.int64)
-                wide = torch.zeros(K, N + 5, dtype=torch.int8)
-                wide[:, 2:N + 2] = b
-                for got in (fn(a, b), fn(a, torch.empty(N, K, dtype=torch.int8).t().copy_(b)),
-                            fn(a, wide[:, 2:N + 2]), fn(a, b, out=torch.empty(M, N, dtype=torch.int32))):
-                    if got.dtype != torch.int32 or not torch.equal(got.to(torch.int64), want):
-                        return False
+                small = M * K * N <= 4096  # every layout combination; large GEMMs test the arithmetic
+                outs = (torch.empty(M, N, dtype=torch.int32),) + (
+                    (torch.empty(N, M, dtype=torch.int32).t(),) if small else ())
+                for aa in _layouts(a) if small else (a,):
+                    for bb in _layouts(b):
+                        for out in outs:
+                            got = _int_mm(aa, bb, out)
+                            if not torch.equal(got.to(torch.int64), want):
+                                return False
     except (RuntimeError, TypeError, NotImplementedError):
         return False
     return True
@@ -835,7 +885,7 @@ class _FastConv:
         ws = self.ws
         if plan is None:  # int8 GEMM
             acc = ws.get("acc", (self.O, width), torch.int32)
-            torch._int_mm(self.w_mat, col, out=acc)
+            _int_mm(self.w_mat, col, acc)
             return acc
         dtype, chunks = plan
         xt = ws.get("xtile", (col.shape[0], width), dtype)
@@ -1019,7 +1069,7 @@ class _FastLinear:
         self.l1 = w.to(torch.int64).abs().numpy()  # (O, K)
         self.l1_row = int(self.l1.sum(axis=1).max(initial=0))
         self.int8 = int8_gemm and self.in_dtype == "qint8" and _AMAX["qint8"] * self.l1_row < _I32
-        self.wt_i8 = w.t().contiguous()  # (K, O)
+        self.wt_i8 = _gemm_operand(w.t())  # (K, O) row-major
         self._plans: dict = {}
         self._wcache: dict = {}
         self.with_add = bool(a["with_add"])
@@ -1059,7 +1109,7 @@ class _FastLinear:
             r1 = min(B, r0 + R)
             if plan is None:
                 acc = ws.get("acc", (r1 - r0, self.O), torch.int32)
-                torch._int_mm(x2[r0:r1], self.wt_i8, out=acc)
+                _int_mm(x2[r0:r1], self.wt_i8, acc)
             else:
                 dtype, chunks = plan
                 if plan not in self._wcache:

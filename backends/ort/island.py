@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ArtifactError, ConfigError
 
 
 def flatten_value(name: str, value: Any) -> dict[str, Any]:
@@ -66,3 +67,65 @@ def _unflatten(name: str, results: dict[str, np.ndarray]) -> Any:
     if not items:
         raise KeyError(name)
     return tuple(items)
+
+
+def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: Sequence[str]) -> set[str]:
+    """ArtifactError unless ``model_bytes`` is an ONNX model that carries all its data and whose
+    graph reads and writes the step's values (``v`` or ``v.0``, ``v.1``... for tuples).
+    Returns the graph's input names.
+
+    An initializer or constant with external data would make onnxruntime read a file named
+    by the island (resolved against the current directory): islands must be self-contained.
+    """
+    try:
+        model = onnx.ModelProto()
+        model.ParseFromString(model_bytes)
+    except Exception as exc:  # protobuf raises DecodeError / RuntimeError by implementation
+        raise ArtifactError(f"island '{name}': not an ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.HasField("graph"):
+        raise ArtifactError(f"island '{name}': not an ONNX model (no graph)")
+    for where, tensor in _tensors(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "?")
+            raise ArtifactError(f"island '{name}': {where} '{tensor.name}' refers to external data "
+                                f"(location {location!r}); islands must be self-contained")
+    feeds = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+    for feed in feeds:
+        if not any(feed == v or feed.startswith(f"{v}.") for v in inputs):
+            raise ArtifactError(f"island '{name}': graph input '{feed}' is none of the step's inputs "
+                                f"({', '.join(inputs)})")
+    fetches = {o.name for o in model.graph.output}
+    for v in outputs:
+        if not any(f == v or f.startswith(f"{v}.") for f in fetches):
+            raise ArtifactError(f"island '{name}': the step's output '{v}' is not a graph output")
+    return feeds
+
+
+def _tensors(model):
+    """(where, TensorProto) of every tensor in the model: initializers, sparse initializers and
+    tensor attributes, in the main graph, subgraphs and functions (iteratively: no recursion)."""
+    graphs = [("graph", model.graph)]
+    nodes = [("function", n) for f in model.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            where, g = graphs.pop()
+            for t in g.initializer:
+                yield f"{where} initializer", t
+            for st in g.sparse_initializer:
+                yield f"{where} sparse initializer", st.values
+                yield f"{where} sparse initializer", st.indices
+            nodes.extend((f"{where} node '{n.name}'", n) for n in g.node)
+            continue
+        where, n = nodes.pop()
+        for a in n.attribute:
+            if a.HasField("t"):
+                yield f"{where} attribute '{a.name}'", a.t
+            for t in a.tensors:
+                yield f"{where} attribute '{a.name}'", t
+            if a.HasField("sparse_tensor"):
+                yield f"{where} attribute '{a.name}'", a.sparse_tensor.values
+            for st in a.sparse_tensors:
+                yield f"{where} attribute '{a.name}'", st.values
+            if a.HasField("g"):
+                graphs.append((f"{where} subgraph", a.g))
+            graphs.extend((f"{where} subgraph", g) for g in a.graphs)

@@ -1,0 +1,369 @@
+"""Differential property tests of the BPU weight-layer kernels (hypothesis).
+
+Random conv2d / linear layers -- 1-sized dims (K, N, M, channels, spatial), groups and
+depthwise, strides, padding, dilation, int8/int16 inputs, fused add, activations,
+high-precision output -- and max pools, fed non-contiguous, strided, transposed and
+broadcast (stride-0) inputs.  Every kernel set of the simulator (``fast`` with int8 GEMMs, ``fast``
+with float GEMMs, ``fixed_point``) must equal the slow int64 reference
+(``int_reference``) bit for bit (``torch.equal``), and whole random models compiled for
+both marches must equal their converted model.
+
+The examples are derandomized (the same every run) and bounded to keep the file
+well under 30 s in CI.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import int_reference as ref
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_bpu_reference import Tiny, geometry, rand_scales, rand_w, weight_layer
+
+from qcompiler.backends.bpu import simulator as sim_mod
+from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.simulator import (
+    BpuSimulator,
+    int8_gemm_available,
+    run_partitioned,
+)
+from qcompiler.compiled import compile as qc_compile
+from qcompiler.quantization.qtensor import QTensor
+
+MARCHES = ("bayes", "bernoulli2")
+CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
+    [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
+
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+MODEL_SETTINGS = settings(SETTINGS, max_examples=20)
+
+SCALES = (0.05, 0.01, 0.5, 1.0, 0.003)  # powers of two make exact rounding ties
+QMAX = {"qint8": 127, "qint16": 2000}  # int16 inputs: wide, but no int32 overflow at these sizes
+
+
+def _ints(gen, shape, dtype: str) -> torch.Tensor:
+    hi = QMAX[dtype]
+    return torch.randint(-hi - 1 if dtype == "qint8" else -hi, hi + 1, shape, generator=gen)
+
+
+def _outputs(prog, inputs: dict) -> dict:
+    """Each kernel set's outputs (integers, or floats for f32) by config name."""
+    got = {}
+    for cfg in CONFIGS:
+        out = BpuSimulator(prog, **cfg).run(inputs)
+        got[f"{cfg['kernels']}/int8={cfg.get('int8_gemm')}"] = {
+            k: v.int_repr() if isinstance(v, QTensor) else v for k, v in out.items()}
+    return got
+
+
+def _check_program(prog, inputs: dict) -> None:
+    """All kernel sets equal to each other and to the int64 reference, bit for bit."""
+    got = _outputs(prog, inputs)
+    want = ref.run_program(prog, {k: v.numpy() for k, v in inputs.items()})
+    base = got["fixed_point/int8=None"]
+    for cfg, outs in got.items():
+        for spec in prog.outputs:
+            g, b = outs[spec.name], base[spec.name]
+            assert g.dtype == b.dtype and torch.equal(g, b), f"{cfg} != fixed_point for {spec.name}"
+    for spec in prog.outputs:
+        b = base[spec.name].numpy()
+        w = want[spec.name]
+        assert b.shape == w.shape, f"{spec.name}: shape {b.shape} != reference {w.shape}"
+        if b.dtype.kind == "f":
+            assert np.array_equal(b, w.astype(np.float32)), f"{spec.name}: reference differs"
+        else:
+            assert np.array_equal(b.astype(np.int64), w), f"{spec.name}: reference differs"
+
+
+def _layout(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as ``x`` in another memory layout (the simulator's float input)."""
+    if how == "transposed":  # last two dims swapped in memory
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() >= 2 else x
+    if how == "channels_last" and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    if how == "padded":  # a view into a wider buffer (row stride > row length)
+        wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 3, dtype=x.dtype)
+        wide[..., 1:x.shape[-1] + 1] = x
+        return wide[..., 1:x.shape[-1] + 1]
+    if how == "broadcast" and x.dim() >= 2:  # stride 0 on the leading dim
+        return x[:1].expand(x.shape)
+    return x
+
+
+# ---------------------------------------------------------------------------- linear
+
+
+@st.composite
+def linear_cases(draw):
+    case = dict(
+        K=draw(st.sampled_from([1, 2, 3, 5, 8, 17])),
+        O=draw(st.sampled_from([1, 2, 3, 7, 10])),
+        lead=draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=0, max_size=2)),
+        in_dtype=draw(st.sampled_from(["qint8", "qint8", "qint16"])),
+        out_dtype=draw(st.sampled_from(["qint8", "qint16"])),
+        in_scale=draw(st.sampled_from(SCALES)),
+        out_scale=draw(st.sampled_from(SCALES + (None,))),  # None: high-precision int32 output
+        bias=draw(st.booleans()),
+        act=draw(st.sampled_from([None, "relu", "relu6"])),
+        add=draw(st.booleans()),
+        weights=draw(st.sampled_from(["full", "small", "extreme"])),
+        layout=draw(st.sampled_from(["plain", "transposed", "padded", "broadcast", "strided", "permuted"])),
+        seed=draw(st.integers(0, 2 ** 16)),
+    )
+    if case["out_scale"] is None:
+        case.update(act=None, add=False, out_dtype="qint32")
+    return case
+
+
+def _weights(gen, shape, how: str) -> torch.Tensor:
+    if how == "small":
+        return rand_w(gen, shape, -3, 3)
+    if how == "extreme":  # +-127 everywhere: the largest sums the int32 bound admits
+        return torch.where(torch.rand(shape, generator=gen) < 0.5, -127, 127)
+    return rand_w(gen, shape)
+
+
+def _linear_program(c: dict):
+    t = Tiny(seed=c["seed"])
+    K, O, lead = c["K"], c["O"], list(c["lead"])
+    shape = lead + [K]
+    x_ints = _ints(t.gen, shape, c["in_dtype"])
+    layout = c["layout"]
+    if layout == "strided":  # program input twice as wide, sliced with step 2 on the last dim
+        x = t.input(_ints(t.gen, lead + [2 * K], c["in_dtype"]), c["in_scale"], c["in_dtype"])
+        x = t.same_scale("getitem", x, (Ellipsis, slice(None, None, 2)), function=operator.getitem,
+                         dtype=c["in_dtype"], name="strided")
+    elif layout == "permuted":  # program input (..., K, L) transposed inside the program
+        L = lead[-1] if lead else 2
+        x = t.input(_ints(t.gen, lead[:-1] + [K, L], c["in_dtype"]), c["in_scale"], c["in_dtype"])
+        x = t.same_scale("transpose", x, -1, -2, method="transpose", dtype=c["in_dtype"], name="permuted")
+        lead = lead[:-1] + [L]
+    else:
+        x = t.input(x_ints, c["in_scale"], c["in_dtype"])
+    w = _weights(t.gen, (O, K), c["weights"])
+    bias = torch.randn(O, generator=t.gen) if c["bias"] else None
+    other_scale = None
+    args = [x]
+    if c["add"]:
+        other_scale = 0.02
+        args.append(t.input(_ints(t.gen, lead + [O], "qint8"), other_scale))
+    layer = weight_layer("linear", w, rand_scales(t.gen, O), bias, c["in_scale"], c["out_scale"],
+                         out_dtype=c["out_dtype"] if c["out_scale"] is not None else "qint8", act=c["act"],
+                         other_scale=other_scale, name="fc")
+    gm = t.build(t.call(layer, *args, name="fc"))
+    prog = lower_partition(gm, "bpu0")
+    names = [v.name for v in prog.inputs]
+    inputs = {n: _layout(v, layout) for n, v in zip(names, t.inputs)}
+    return prog, inputs
+
+
+@SETTINGS
+@given(linear_cases())
+def test_linear_kernels_agree(case):
+    prog, inputs = _linear_program(case)
+    _check_program(prog, inputs)
+
+
+# ---------------------------------------------------------------------------- conv2d
+
+
+@st.composite
+def conv_cases(draw):
+    depthwise = draw(st.booleans())
+    g = draw(st.sampled_from([1, 1, 2, 3]))
+    cg, og = (1, 1) if depthwise else (draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 3])))
+    if depthwise:
+        g = draw(st.sampled_from([1, 2, 4, 5]))
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    ph, pw = draw(st.integers(0, kh // 2)), draw(st.integers(0, kw // 2))
+    eff_h, eff_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    H = draw(st.integers(max(1, eff_h - 2 * ph), max(1, eff_h - 2 * ph) + 4))
+    W = draw(st.integers(max(1, eff_w - 2 * pw), max(1, eff_w - 2 * pw) + 4))
+    case = dict(
+        N=draw(st.integers(1, 2)), Cin=g * cg, O=g * og, groups=g, k=(kh, kw), H=H, W=W,
+        stride=(draw(st.integers(1, 2)), draw(st.integers(1, 2))), padding=(ph, pw), dilation=(dh, dw),
+        in_dtype=draw(st.sampled_from(["qint8", "qint8", "qint16"])),
+        out_dtype=draw(st.sampled_from(["qint8", "qint16"])),
+        in_scale=draw(st.sampled_from(SCALES)),
+        out_scale=draw(st.sampled_from(SCALES + (None,))),
+        bias=draw(st.booleans()),
+        act=draw(st.sampled_from([None, "relu", "relu6"])),
+        add=draw(st.booleans()),
+        weights=draw(st.sampled_from(["full", "small", "extreme"])),
+        layout=draw(st.sampled_from(["plain", "channels_last", "transposed", "padded", "broadcast", "strided"])),
+        seed=draw(st.integers(0, 2 ** 16)),
+    )
+    if case["out_scale"] is None:
+        case.update(act=None, add=False, out_dtype="qint32")
+    return case
+
+
+def _conv_program(c: dict):
+    t = Tiny(seed=c["seed"])
+    N, Cin, O, (kh, kw), H, W = c["N"], c["Cin"], c["O"], c["k"], c["H"], c["W"]
+    if c["layout"] == "strided":  # every other row and column of a twice larger input
+        x = t.input(_ints(t.gen, (N, Cin, 2 * H, 2 * W), c["in_dtype"]), c["in_scale"], c["in_dtype"])
+        x = t.same_scale("getitem", x, (slice(None), slice(None), slice(None, None, 2), slice(None, None, 2)),
+                         function=operator.getitem, dtype=c["in_dtype"], name="strided")
+    else:
+        x = t.input(_ints(t.gen, (N, Cin, H, W), c["in_dtype"]), c["in_scale"], c["in_dtype"])
+    (sh, sw), (ph, pw), (dh, dw) = c["stride"], c["padding"], c["dilation"]
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    w = _weights(t.gen, (O, Cin // c["groups"], kh, kw), c["weights"])
+    bias = torch.randn(O, generator=t.gen) if c["bias"] else None
+    args, other_scale = [x], None
+    if c["add"]:
+        other_scale = 0.04
+        args.append(t.input(_ints(t.gen, (N, O, Ho, Wo), "qint8"), other_scale))
+    layer = weight_layer("conv2d", w, rand_scales(t.gen, O), bias, c["in_scale"], c["out_scale"],
+                         out_dtype=c["out_dtype"] if c["out_scale"] is not None else "qint8",
+                         geometry=geometry(c["stride"], c["padding"], c["dilation"], c["groups"]), act=c["act"],
+                         other_scale=other_scale, name="conv")
+    gm = t.build(t.call(layer, *args, name="conv"))
+    prog = lower_partition(gm, "bpu0")
+    inputs = {v.name: _layout(x_, c["layout"]) for v, x_ in zip(prog.inputs, t.inputs)}
+    return prog, inputs
+
+
+@SETTINGS
+@given(conv_cases())
+def test_conv2d_kernels_agree(case):
+    prog, inputs = _conv_program(case)
+    _check_program(prog, inputs)
+
+
+# ---------------------------------------------------------------------------- max pool (the other fast kernel)
+
+
+@st.composite
+def pool_cases(draw):
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    ph, pw = draw(st.integers(0, kh // 2)), draw(st.integers(0, kw // 2))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 7))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 7))
+    return dict(N=draw(st.integers(1, 2)), C=draw(st.integers(1, 3)), H=H, W=W, k=(kh, kw),
+                stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), padding=(ph, pw), dilation=(dh, dw),
+                ceil=draw(st.booleans()), dtype=draw(st.sampled_from(["qint8", "qint16"])),
+                layout=draw(st.sampled_from(["plain", "channels_last", "transposed", "padded", "broadcast"])),
+                seed=draw(st.integers(0, 2 ** 16)))
+
+
+@SETTINGS
+@given(pool_cases())
+def test_max_pool_kernels_agree(c):
+    t = Tiny(seed=c["seed"])
+    x = t.input(_ints(t.gen, (c["N"], c["C"], c["H"], c["W"]), c["dtype"]), 0.05, c["dtype"])
+    pool = nn.MaxPool2d(c["k"], c["stride"], c["padding"], c["dilation"], ceil_mode=c["ceil"])
+    gm = t.build(t.same_scale("max_pool2d", x, module=pool, dtype=c["dtype"], name="pool"))
+    prog = lower_partition(gm, "bpu0")
+    _check_program(prog, {v.name: _layout(x_, c["layout"]) for v, x_ in zip(prog.inputs, t.inputs)})
+
+
+# ---------------------------------------------------------------------------- the int8 GEMM entry
+
+
+@pytest.mark.skipif(not int8_gemm_available(), reason="no exact torch._int_mm on this machine")
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (17, 1, 10), (17, 5, 1), (1, 5, 3), (3, 1, 1), (1, 1, 9), (4, 6, 2)])
+def test_int_mm_entry_is_exact_in_every_layout(M, K, N):
+    """The kernels' one ``_int_mm`` entry: exact for 1-sized dims and any operand/output layout."""
+    g = torch.Generator().manual_seed(M * 100 + K * 10 + N)
+    a = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (K, N), dtype=torch.int8, generator=g)
+    want = a.to(torch.int64) @ b.to(torch.int64)
+    for aa in sim_mod._layouts(a):
+        for bb in sim_mod._layouts(b):
+            for out in (torch.empty(M, N, dtype=torch.int32), torch.empty(N, M, dtype=torch.int32).t()):
+                got = sim_mod._int_mm(aa, bb, out)
+                assert got is out and torch.equal(out.to(torch.int64), want), (aa.stride(), bb.stride())
+
+
+def test_self_test_catches_ambiguous_strides(monkeypatch):
+    """With operands passed as they come (the old fast linear), the widened self-test fails
+    wherever ``torch._int_mm`` misreads a (1, N) operand with strides (1, 1)."""
+    if getattr(torch, "_int_mm", None) is None:
+        pytest.skip("no torch._int_mm")
+    w = torch.arange(10, dtype=torch.int8).view(10, 1) - 5
+    x = torch.ones(3, 1, dtype=torch.int8)
+    raw_ok = torch.equal(torch._int_mm(x, w.t().contiguous()).to(torch.int64), x.long() @ w.t().long())
+    if raw_ok:
+        pytest.skip("this torch build reads (1, N) operands with strides (1, 1) correctly")
+    monkeypatch.setattr(sim_mod, "_gemm_operand", lambda t: t)
+    assert not sim_mod._int8_self_test()
+    monkeypatch.undo()
+    assert sim_mod._int8_self_test() == int8_gemm_available()
+
+
+# ---------------------------------------------------------------------------- whole models, both marches
+
+
+def _assert_compiled_exact(model: nn.Module, x: torch.Tensor, march: str) -> None:
+    cm = qc_compile(model, (x,), march=march, calib_data=[x], progress=False)
+    assert [s.kind for s in cm.runtime.steps] == ["bpu"], f"{march}: expected one BPU partition"
+    with torch.no_grad():
+        want = cm.converted(x)
+    first, second = cm(x), cm(x)
+    assert torch.equal(first, second), f"{march}: two calls on the same input differ"
+    assert torch.equal(first, want), f"{march}: compiled != converted, max |diff| {(first - want).abs().max()}"
+    (prog,) = cm.runtime.programs.values()
+    for cfg in CONFIGS:
+        assert torch.equal(run_partitioned(cm.converted, (x,), cm.runtime.programs, **cfg), want), cfg
+    (inp,) = prog.inputs
+    (out,) = prog.outputs
+    reference = ref.run_program(prog, {inp.name: x.contiguous().numpy()})[out.name]
+    assert np.array_equal(first.numpy(), reference.astype(np.float32)), f"{march}: reference differs"
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_linear_5_1_then_1_10_regression(march):
+    """Linear(5, 1) -> Linear(1, 10): the (10, 1) weight's transpose has strides (1, 1); the fast
+    linear's int8 GEMM read the wrong memory (garbage, different on every call)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 1), nn.Linear(1, 10)).eval()
+    x = torch.randn(64, 5)
+    _assert_compiled_exact(model, x, march)
+
+
+@st.composite
+def models(draw):
+    if draw(st.booleans()):
+        feats = draw(st.lists(st.sampled_from([1, 2, 3, 5, 10]), min_size=2, max_size=4))
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(feats, feats[1:])):
+            layers.append(nn.Linear(a, b, bias=draw(st.booleans())))
+            if draw(st.booleans()) and i < len(feats) - 2:
+                layers.append(nn.ReLU())
+        shape = (draw(st.sampled_from([1, 2, 7])), feats[0])
+    else:
+        chans = [draw(st.sampled_from([1, 2, 4]))]
+        layers = []
+        for _ in range(draw(st.integers(1, 2))):
+            cin = chans[-1]
+            g = draw(st.sampled_from([1, 2]))
+            g = g if cin % g == 0 else 1
+            cout = g * draw(st.sampled_from([1, 2, 3]))
+            k = draw(st.sampled_from([1, 3]))
+            layers.append(nn.Conv2d(cin, cout, k, stride=draw(st.sampled_from([1, 2])), padding=k // 2, groups=g))
+            chans.append(cout)
+        shape = (draw(st.sampled_from([1, 2])), chans[0], draw(st.integers(3, 6)), draw(st.integers(3, 6)))
+    layout = draw(st.sampled_from(["plain", "transposed", "channels_last", "padded"]))
+    return layers, shape, layout, draw(st.integers(0, 2 ** 16))
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@MODEL_SETTINGS
+@given(case=models())
+def test_random_models_compile_exactly(march, case):
+    layers, shape, layout, seed = case
+    torch.manual_seed(seed)
+    model = nn.Sequential(*layers).eval()
+    x = _layout(torch.randn(shape), layout)
+    _assert_compiled_exact(model, x, march)
