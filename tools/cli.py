@@ -1,7 +1,8 @@
 """The ``qcompiler`` command line.
 
-One subcommand per compiler phase (``partition`` today; ``compile`` and
-``report`` plug into the same sub-parser later).  User mistakes -- a bad
+One subcommand per compiler phase: ``partition`` (place, partition, dump),
+``compile`` (quantize, lower, package) and ``report`` (accuracy analysis with
+its HTML report).  User mistakes -- a bad
 flag value, an unknown march or module name, a model that cannot be
 imported -- print ``error: <message>`` to stderr and exit with status 2,
 never a traceback; the message comes from qcompiler's own errors, which
@@ -12,6 +13,8 @@ Examples::
     qcompiler partition zoo:hybrid --march bayes --hybrid-module-name conv3 --out dump/
     qcompiler partition zoo:resnet18 --input-shape 1,3,64,64 --march bernoulli2 --out dump/
     qcompiler partition my_models.py:build --input-shape 1,3,224,224 --out dump/
+    qcompiler compile zoo:resnet18 --input-shape 1,3,64,64 --calib-random 4 --out out/r18
+    qcompiler report zoo:hybrid --input-shape 1,3,64,64 --target-sqnr 30 --out out/qa
 """
 
 from __future__ import annotations
@@ -518,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
-            raise UsageError("a command is required: partition (see 'qcompiler --help')")
+            raise UsageError("a command is required: partition, compile or report (see 'qcompiler --help')")
         return args.func(args)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
