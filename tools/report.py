@@ -25,6 +25,7 @@ import matplotlib
 import torch.fx as fx
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from qcompiler.tools.graph_dump import partition_table, to_dot
 from qcompiler.tools.quant_analysis import _atomic_write, compute_metric
@@ -40,6 +41,7 @@ REPORT_SECTIONS = ("overview", "layer-errors", "sensitivity", "int16-advice", "g
 # one colour per quantized dtype of a layer output, and per placement
 DTYPE_COLORS = {"qint8": "#1f5fbf", "qint16": "#2e9e44", "qint32": "#7a3fbf"}
 FLOAT_COLOR = "#c26a00"
+CPU_BAND = "#ffe9cc"
 ADVICE_COLOR = "#d62728"
 
 _CSS = """
@@ -167,6 +169,12 @@ def _layer_error_chart(analysis, sqnr: Sequence[float]) -> str:
     shown = [min(v, SQNR_CAP) if not math.isnan(v) else float("nan") for v in sqnr]
     fig = Figure(figsize=(13.2, 5.6), dpi=100)
     ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1.3], "hspace": 0.08})
+    cpu = [layer.get("placement") == "cpu" for layer in analysis.layers]
+    for i in x:  # each run of CPU layers on one light orange band, as in the graph
+        if cpu[i] and (i == 0 or not cpu[i - 1]):
+            end = next((j for j in range(i, n) if not cpu[j]), n)
+            for a in (ax, ax2):
+                a.axvspan(i - 0.5, end - 0.5, color=CPU_BAND, zorder=0, linewidth=0)
     ax.plot(x, shown, color="#9aa4b2", linewidth=1, zorder=1)
     for dtype in sorted({_dtype_short(r["quant_dtype"]) for r in rows}):
         idx = [i for i in x if _dtype_short(rows[i]["quant_dtype"]) == dtype]
@@ -184,7 +192,11 @@ def _layer_error_chart(analysis, sqnr: Sequence[float]) -> str:
                    linewidths=1.8, zorder=4, label="int16 advice")
     ax.set_ylabel("SQNR vs float (dB)")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8, ncol=4, framealpha=0.9)
+    handles, labels = ax.get_legend_handles_labels()
+    if any(cpu):
+        handles.append(Patch(color=CPU_BAND, label="CPU layer"))
+        labels.append("CPU layer")
+    ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=5, framealpha=0.9)
     ax.set_title("Per-layer output SQNR along the graph order (higher is better)", fontsize=11, loc="left")
     cos = [r["Cosine"] for r in rows]
     ax2.plot(x, cos, color="#1f5fbf", marker=".", linewidth=1)
