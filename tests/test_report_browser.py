@@ -81,11 +81,18 @@ def report(tmp_path_factory):
     return qa, qa.report()
 
 
-def test_report_renders_in_chromium(report):
+@pytest.fixture(scope="module")
+def chromium():
+    """The browser binary; skips (before any work) saying why when there is none."""
     binary = find_chromium()
     if binary is None:
         pytest.skip("no Chromium on PATH (chromium, chromium-browser, google-chrome; or set QC_CHROMIUM): "
                     "bash scripts/setup.sh installs it with apt-get install chromium")
+    return binary
+
+
+def test_report_renders_in_chromium(chromium, report):
+    binary = chromium
     qa, page = report
     artifacts = _artifact_dir()
     kept = shutil.copy(page, artifacts / "report.html")
@@ -94,9 +101,16 @@ def test_report_renders_in_chromium(report):
         facts = json.loads(browser.evaluate(PAGE_FACTS))
         shot = browser.screenshot(artifacts / "report.png")
         problems = browser.problems()
+        # the probes can fail: an over-wide element shows in scrollWidth, a console error is caught
+        probe = browser.evaluate("(() => { const d = document.createElement('div'); d.style.width = '2000px';"
+                                 " d.style.height = '1px'; document.body.appendChild(d);"
+                                 " const w = document.documentElement.scrollWidth; d.remove();"
+                                 " console.error('probe error'); return w; })()")
+        caught = browser.problems()
     print(f"\nreport screenshot: {shot}\nreport page: {kept}")
 
     assert problems == []
+    assert probe > WIDTH and caught == ["console.error: probe error"]
     assert [sid for sid, _ in facts["sections"]] == list(REPORT_SECTIONS)
     assert all(height > 40 for _, height in facts["sections"]), facts["sections"]
     for chart in CHARTS:
