@@ -16,6 +16,7 @@ import os
 import select
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -50,6 +51,7 @@ class Chromium:
         self.events: list[dict] = []
         self._next_id = 0
         self._buffer = b""
+        self._log = tempfile.TemporaryFile()  # the browser's stderr (a pipe nobody reads could fill up)
         cmd_r, self._cmd_w = os.pipe()
         self._msg_r, msg_w = os.pipe()
         # the child sees the pipe ends as fds 3 and 4
@@ -57,7 +59,7 @@ class Chromium:
             [binary, "--headless", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
              "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
              "--disable-dev-shm-usage", f"--window-size={width},{height}", "about:blank"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
             pass_fds=(3, 4), preexec_fn=lambda: _as_fds_3_and_4(cmd_r, msg_w),
         )
         os.close(cmd_r)
@@ -75,8 +77,7 @@ class Chromium:
             if ready:
                 chunk = os.read(self._msg_r, 1 << 20)
                 if not chunk:
-                    err = self._proc.stderr.read().decode(errors="replace") if self._proc.poll() is not None else ""
-                    raise RuntimeError(f"Chromium closed the DevTools pipe; stderr: {err[-2000:]}")
+                    raise RuntimeError(f"Chromium closed the DevTools pipe; stderr: {self.stderr()[-2000:]}")
                 self._buffer += chunk
         raw, _, self._buffer = self._buffer.partition(b"\0")
         return json.loads(raw)
@@ -154,6 +155,11 @@ class Chromium:
         path.write_bytes(base64.b64decode(data))
         return path
 
+    def stderr(self) -> str:
+        """What the browser wrote to stderr so far."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
@@ -174,8 +180,7 @@ class Chromium:
                     os.close(fd)
                 except OSError:
                     pass
-            if self._proc.stderr:
-                self._proc.stderr.close()
+            self._log.close()
 
     def __enter__(self) -> "Chromium":
         return self
