@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,8 +43,6 @@ def test_readme_has_the_blocks_it_promises():
 
 @pytest.mark.slow
 def test_readme_python_blocks_run_as_written(tmp_path):
-    import json
-
     blocks = _fenced("python")
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MPLBACKEND="Agg")
@@ -59,8 +59,6 @@ def test_readme_python_blocks_run_as_written(tmp_path):
 
 
 def _has_dot() -> bool:
-    import shutil
-
     return shutil.which("dot") is not None
 
 

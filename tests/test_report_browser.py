@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from headless_chromium import Chromium, find_chromium
+
 from qcompiler import zoo
 from qcompiler.ir.partitions import boundary_edges
 from qcompiler.quantization.convert import convert_fx
-from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.fake_quantize import set_state
+from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.tools.quant_analysis import QuantAnalysis
 from qcompiler.tools.report import REPORT_SECTIONS
 
