@@ -49,6 +49,8 @@ from qcompiler.ir.meta import (
     META_SCOPE,
     META_STUB,
     META_TENSOR,
+    STUB_CONSTANT_QUANT,
+    STUB_OUTPUT_OBSERVER,
     ScopeEntry,
     placement,
     scope,
@@ -70,8 +72,8 @@ from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.qconfig import QConfig
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
-OUTPUT_OBSERVER = "output_observer"  # META_STUB of the graph-node observers this pass adds
-CONSTANT_QUANT = "constant_quant"  # META_STUB of the quantizer nodes of constant operands
+OUTPUT_OBSERVER = STUB_OUTPUT_OBSERVER  # META_STUB of the graph-node observers this pass adds
+CONSTANT_QUANT = STUB_CONSTANT_QUANT  # META_STUB of the quantizer nodes of constant operands
 CONSTANT_FAKE_QUANT = "constant_fake_quant"  # name suffix of those nodes
 # BPU ops that read a constant tensor operand through a constant quantizer
 CONSTANT_OPERAND_OPS = frozenset({"add", "sub", "mul"})

@@ -1,6 +1,9 @@
 """BPU generations ("marches") and the process-wide default march.
 
 Every entry point takes ``march=`` which overrides the global set here.
+March names are case-insensitive everywhere (``"Bayes"``, ``"BAYES"`` and
+``"bayes"`` are the same march: ``--march``, ``set_march``, ``march=`` of the
+API and ``March("Bayes")``); anything else is a ConfigError listing the marches.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ class March(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @classmethod
+    def _missing_(cls, value: object) -> "March":
+        """``March("Bayes")``: the same case-insensitive lookup as :func:`to_march` (ConfigError otherwise)."""
+        return to_march(value)  # type: ignore[arg-type]
 
 
 _DEFAULT_MARCH = March.BAYES

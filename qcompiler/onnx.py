@@ -89,7 +89,7 @@ def export_to_onnx(
         except onnx.checker.ValidationError as exc:
             raise QCompilerError(f"the exported ONNX model fails onnx.checker (an emitter bug; please "
                                  f"report it): {exc}") from exc
-    sidecar = emitter.quant.sidecar(emitter, partitions(gm))
+    sidecar = emitter.quant.sidecar(emitter, partitions(gm, quantizers=True))
     data = proto.SerializeToString()
     text = json.dumps(sidecar, sort_keys=True, indent=2) + "\n"
     _write(f, data, text)

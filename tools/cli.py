@@ -1,7 +1,8 @@
 """The ``qcompiler`` command line.
 
-One subcommand per compiler phase (``partition`` today; ``compile`` and
-``report`` plug into the same sub-parser later).  User mistakes -- a bad
+One subcommand per compiler phase: ``partition`` (place, partition, dump),
+``compile`` (quantize, lower, package) and ``report`` (accuracy analysis with
+its HTML report).  User mistakes -- a bad
 flag value, an unknown march or module name, a model that cannot be
 imported -- print ``error: <message>`` to stderr and exit with status 2,
 never a traceback; the message comes from qcompiler's own errors, which
@@ -12,6 +13,8 @@ Examples::
     qcompiler partition zoo:hybrid --march bayes --hybrid-module-name conv3 --out dump/
     qcompiler partition zoo:resnet18 --input-shape 1,3,64,64 --march bernoulli2 --out dump/
     qcompiler partition my_models.py:build --input-shape 1,3,224,224 --out dump/
+    qcompiler compile zoo:resnet18 --input-shape 1,3,64,64 --calib-random 4 --out out/r18
+    qcompiler report zoo:hybrid --input-shape 1,3,64,64 --target-sqnr 30 --out out/qa
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from qcompiler.batches import check_inputs, input_signature
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.partitions import partitions, summary_line
+from qcompiler.march import March, get_march
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
@@ -56,6 +60,7 @@ INPUT_SEED = 0
 ZOO_PREFIX = "zoo:"
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGICS = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first member, or an empty zip (np.savez of nothing)
+FACTORY_LIST_LIMIT = 20  # callables listed when a factory name is missing
 
 
 class UsageError(Exception):
@@ -185,6 +190,22 @@ def _import_module(name: str):
                 pass
 
 
+def _factory_hint(module, attr: str) -> str:
+    """`` Did you mean 'x'? Callables defined in it: a, b`` for a factory name the module lacks."""
+    own = str(getattr(module, "__name__", ""))
+
+    def defined_here(value) -> bool:  # not imported from elsewhere (a package's own submodules count)
+        where = str(getattr(value, "__module__", own) or "")
+        return where == own or where.startswith(own + ".")
+
+    public = sorted(n for n, v in vars(module).items() if not n.startswith("_") and callable(v) and defined_here(v))
+    close = difflib.get_close_matches(attr, public, n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    if not public:
+        return f"{hint} It defines no callable: add a function that returns the nn.Module"
+    return f"{hint} Callables defined in it: {_names(public, FACTORY_LIST_LIMIT)}"
+
+
 def load_factory_model(spec: str) -> nn.Module:
     """Build the model of ``module:factory`` or ``path/to/file.py:factory`` by calling ``factory()``."""
     target, sep, attr = spec.rpartition(":")
@@ -199,10 +220,7 @@ def load_factory_model(spec: str) -> nn.Module:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-            close = difflib.get_close_matches(attr, public, n=3, cutoff=0.6)
-            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise ConfigError(f"{target!r} has no attribute {attr!r}.{hint}") from None
+            raise ConfigError(f"{target!r} has no attribute {attr!r}.{_factory_hint(module, attr)}") from None
     if not callable(obj):
         raise ConfigError(f"{spec!r} is not callable: got {type(obj).__name__}")
     try:
@@ -305,16 +323,17 @@ def cmd_partition(args: argparse.Namespace) -> int:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The arguments every command that loads a model shares."""
     p.add_argument("model", metavar="MODEL",
-                   help="zoo:NAME (see qcompiler.zoo.names()), package.module:factory or path/to/file.py:factory; "
-                        "factory() must return an nn.Module")
+                   help=f"zoo:NAME (NAME one of {', '.join(zoo.names())}), package.module:factory or "
+                        "path/to/file.py:factory; factory() must return an nn.Module")
     p.add_argument("--input-shape", metavar="N,C,H,W", type=parse_shape, action="append",
                    help="shape of one positional input; repeat for multi-input models. Random seeded data is used. "
                         "Required unless MODEL is a zoo model (which has default inputs)")
     p.add_argument("--input-dtype", choices=sorted(INPUT_DTYPES), action="append",
                    help="dtype of the input at the same position as its --input-shape (default float32; "
                         f"int64 inputs are random in [0, {INT_INPUT_HIGH}))")
-    p.add_argument("--march", default=None,
-                   help="target BPU generation, e.g. bayes or bernoulli2 (default: qcompiler's current default)")
+    p.add_argument("--march", default=None, metavar="MARCH",
+                   help=f"target BPU generation: {' or '.join(m.value for m in March)}, in any letter case "
+                        f"(default: {get_march().value})")
     p.add_argument("--hybrid-module-name", metavar="NAME", action="append", default=[],
                    help="run this submodule (dotted path as in model.named_modules()) on the CPU; repeatable")
     p.add_argument("--hybrid-module-type", metavar="DOTTED.TYPE", action="append", default=[],
@@ -473,11 +492,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     qa.run()
     qa.compare_per_layer()
     ranked = qa.sensitivity(metric=args.metric)
+    missed = None
+    if args.target_sqnr is not None:
+        try:
+            qa.suggest_int16(args.target_sqnr)
+        except ConfigError as exc:  # the advice (every step) is kept and reported; the target is out of reach
+            missed = str(exc)
     qa.report()
     print(f"bad case: batch {qa.bad_case_index} ({args.metric} {qa.bad_case_metric:.6g})")
     print(f"{len(qa.compare_rows)} layers compared, {len(qa.advice)} advisor finding(s)")
     for row in ranked[:5]:
         print(f"  sensitive: {row[0]} ({row[1]}) {args.metric} {row[3]:.6g}")
+    print(qa.int16_advice_text() or "int16 advice: none (give --target-sqnr DB to get it)\n", end="")
+    if missed is not None:
+        print(f"note: {missed}", file=sys.stderr)
     print(f"wrote {len(qa.written)} files to {out}:")
     for path in qa.written:
         print(f"  {path}")
@@ -535,13 +563,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="accuracy report: float vs quantized per layer, advisor, sensitivity, HTML",
         description="Calibrate MODEL on --calib-random seeded random batches, convert it, pick the worst "
         "batch as the bad case and write into --out: compare_per_layer_out.txt/.csv, "
-        "abnormal_layer_advisor.txt, sensitive_ops.txt, badcase.pt and report.html.",
+        "abnormal_layer_advisor.txt, sensitive_ops.txt, badcase.pt and report.html (charts of the per-layer "
+        "error and the sensitivity, int16 advice with --target-sqnr, the partitioned graph).",
     )
     _add_model_args(p)
     p.add_argument("--calib-random", metavar="N", type=int, default=4,
                    help="calibrate (and search the bad case) on N seeded random batches (default 4)")
     p.add_argument("--metric", choices=["L1", "COSINE", "ATOL", "SQNR"], default="L1",
                    help="metric for the bad case search and the sensitivity ranking (default L1)")
+    p.add_argument("--target-sqnr", metavar="DB", type=float, default=None,
+                   help="also advise which quantizers to move to int16 (most sensitive first) for this output "
+                        "SQNR in dB, with the predicted gain (QuantAnalysis.suggest_int16); shown in the output "
+                        "and in report.html")
     p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func=cmd_report)
     return parser
@@ -570,7 +603,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
-            raise UsageError("a command is required: partition (see 'qcompiler --help')")
+            raise UsageError("a command is required: partition, compile or report (see 'qcompiler --help')")
         return args.func(args)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)

@@ -746,25 +746,49 @@ class QuantAnalysis:
         >= ``target_sqnr`` dB on ``data`` (default: the bad case).
 
         Returns ``(quantizer names switched, reached SQNR)``; the SQNR is measured by re-running.
-        Raises ConfigError when even every quantizer in int16 misses the target.
+        Every step is kept in :attr:`int16_advice` (the report and ``qcompiler report`` show it):
+        ``{"target_sqnr", "baseline_sqnr" (all int8), "steps": [(quantizer, op, SQNR after it)],
+        "quantizers", "reached_sqnr", "gain" (reached - baseline, dB), "met"}``.
+        Raises ConfigError when even every quantizer in int16 misses the target (the advice is kept).
         """
         args = as_args(data) if data is not None else self._need_bad_case("suggest_int16")
         if not self.sensitive_ops or getattr(self, "sensitivity_metric", None) is None:
             self.sensitivity()
         base_out = self._outputs("base", args)
-        order = list(self._sensitive_quantizers)
+        op_of = {q: row[0] for q, row in zip(self._sensitive_quantizers, self.sensitive_ops)}
         chosen: list[str] = []
         sqnr = compute_metric("SQNR", base_out, self._run_fq(self._int16_model([], args), args))
-        if sqnr >= target_sqnr:
-            return [], sqnr
-        for name in order:
+        advice = {"target_sqnr": float(target_sqnr), "baseline_sqnr": sqnr, "steps": [], "quantizers": [],
+                  "reached_sqnr": sqnr, "gain": 0.0, "met": sqnr >= target_sqnr}
+        self.int16_advice = advice
+        for name in self._sensitive_quantizers:
+            if advice["met"]:
+                break
             chosen.append(name)
             sqnr = compute_metric("SQNR", base_out, self._run_fq(self._int16_model(chosen, args), args))
-            if sqnr >= target_sqnr:
-                self.int16_suggestion = (list(chosen), sqnr)
-                return list(chosen), sqnr
-        raise ConfigError(f"suggest_int16: SQNR {sqnr:.2f} dB with every quantizer in int16 is still below the "
-                          f"target {target_sqnr} dB")
+            advice["steps"].append((name, op_of[name], sqnr))
+            advice.update(quantizers=list(chosen), reached_sqnr=sqnr, gain=sqnr - advice["baseline_sqnr"],
+                          met=sqnr >= target_sqnr)
+        if not advice["met"]:
+            raise ConfigError(f"suggest_int16: SQNR {sqnr:.2f} dB with every quantizer in int16 is still below "
+                              f"the target {target_sqnr} dB")
+        self.int16_suggestion = (list(chosen), sqnr)
+        return list(chosen), sqnr
+
+    def int16_advice_text(self) -> str:
+        """The int16 advice of the last :meth:`suggest_int16` as a few lines of text ("" before it)."""
+        adv = getattr(self, "int16_advice", None)
+        if not adv:
+            return ""
+        head = (f"int16 advice (target output SQNR {adv['target_sqnr']:.2f} dB): all int8 "
+                f"{adv['baseline_sqnr']:.2f} dB")
+        if not adv["steps"]:
+            return head + " already meets the target; nothing to move to int16\n"
+        verdict = "meets" if adv["met"] else "still misses"
+        lines = [f"{head}; moving {len(adv['quantizers'])} quantizer(s) to int16 gives {adv['reached_sqnr']:.2f} dB "
+                 f"(predicted gain {adv['gain']:+.2f} dB, {verdict} the target)"]
+        lines += [f"  {i}. {q} ({op}): {v:.2f} dB" for i, (q, op, v) in enumerate(adv["steps"], 1)]
+        return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ files
 

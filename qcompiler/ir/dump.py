@@ -120,7 +120,6 @@ def to_json(gm: fx.GraphModule) -> dict:
     """The dump as plain JSON-serialisable data, in graph/partition order (nothing re-sorted)."""
     parts = partitions(gm)
     table = partition_table(gm)
-    placed = [row["placement"] for row in table]
     edges = boundary_edges(gm)
     nodes = []
     for row, node in zip(table, gm.graph.nodes):
@@ -137,8 +136,9 @@ def to_json(gm: fx.GraphModule) -> dict:
             "bpu_partitions": sum(p.placement == BPU for p in parts),
             "cpu_partitions": sum(p.placement == CPU for p in parts),
             "nodes": len(table),
-            "bpu_nodes": placed.count(BPU),
-            "cpu_nodes": placed.count(CPU),
+            # the ops of the partitions (quantizer nodes left out), the count every output uses
+            "bpu_nodes": sum(len(p.nodes) for p in parts if p.placement == BPU),
+            "cpu_nodes": sum(len(p.nodes) for p in parts if p.placement == CPU),
             "boundary_edges": [[a, b] for a, b in edges],
         },
         "partitions": [p.to_dict() for p in parts],
@@ -207,15 +207,14 @@ def to_dot(gm: fx.GraphModule) -> str:
             attrs["tooltip"] = _dot_escape(f"{node.meta.get(META_PLACEMENT, '')}: {reason}")
         graph.node(node.name, label=label, **attrs)
 
-    by_name = {n.name: n for n in gm.graph.nodes}
     in_cluster: set[str] = set()
     for p in partitions(gm):
         with dot.subgraph(name=f"cluster_{p.name}") as sub:
             sub.attr(label=p.name, **_CLUSTER_STYLE.get(p.placement, {}))
-            for name in p.nodes:
-                if name in by_name:
-                    add_node(sub, by_name[name])
-                    in_cluster.add(name)
+            for node in gm.graph.nodes:  # the partition's ops and its observers, if any
+                if node.meta.get(META_PARTITION) == p.name and node.op not in ("placeholder", "output"):
+                    add_node(sub, node)
+                    in_cluster.add(node.name)
     for node in gm.graph.nodes:
         if node.name not in in_cluster:
             add_node(dot, node)

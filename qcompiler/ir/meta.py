@@ -25,8 +25,14 @@ META_REASON = "qc_reason"
 META_PARTITION = "qc_partition"
 # names of the original nodes a fused node replaced, in pattern order
 META_FUSED_FROM = "qc_fused_from"
-# what a node inserted by the stub pass is: "input_dequant" | "activation_post_process"
+# what a node inserted by the stub pass is: "input_dequant" | "activation_post_process";
+# by the observer pass: STUB_OUTPUT_OBSERVER | STUB_CONSTANT_QUANT
 META_STUB = "qc_stub"
+STUB_OUTPUT_OBSERVER = "output_observer"  # a graph-node observer ``<node>_activation_post_process``
+STUB_CONSTANT_QUANT = "constant_quant"  # the quantizer node of a constant operand
+# quantizer nodes that only record or fake-quantize a value (convert folds them into the ops):
+# not ops of a partition, so no node count includes them
+QUANTIZER_STUBS = frozenset({STUB_OUTPUT_OBSERVER, STUB_CONSTANT_QUANT})
 
 BPU = "bpu"
 CPU = "cpu"

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from qcompiler.ir.meta import BPU, CPU, META_PARTITION, carries_tensor, placement
+from qcompiler.ir.meta import BPU, CPU, META_PARTITION, META_STUB, QUANTIZER_STUBS, carries_tensor, placement
 
 GM_PARTITIONS = "qc_partitions"  # key in gm.meta
 
@@ -35,9 +35,45 @@ class Partition:
         }
 
 
-def partitions(gm: fx.GraphModule) -> list[Partition]:
-    """The partitions recorded on ``gm`` by the partition pass, in a topological order."""
-    return list(gm.meta.get(GM_PARTITIONS, []))
+def is_quantizer_node(node: fx.Node) -> bool:
+    """An observer / constant fake-quant node (``*_activation_post_process`` after an op): it only
+    records or fake-quantizes a value and convert folds it away, so it is not an op of a partition."""
+    return node.meta.get(META_STUB) in QUANTIZER_STUBS
+
+
+def partitions(gm: fx.GraphModule, *, quantizers: bool = False) -> list[Partition]:
+    """The partitions of ``gm`` in the order the partition pass recorded (a topological order).
+
+    Their contents are read from the graph as it is now, not from the pass's snapshot (later
+    passes add observers and convert removes them): ``nodes`` are the partition's ops in graph
+    order, quantizer nodes (:func:`is_quantizer_node`) left out, so every dump and
+    ``CompiledModel.summary()`` count the same ops; ``inputs``/``outputs`` are the values
+    crossing into/out of the partition, in graph order. Partitions left without a node are dropped.
+    ``quantizers=True`` keeps the quantizer nodes in ``nodes`` (the ONNX sidecar maps every
+    exported node, Q/DQ included, to its partition).
+    """
+    members: dict[str, set[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        part = node.meta.get(META_PARTITION)
+        if part is not None and node.op not in ("placeholder", "output"):
+            members.setdefault(part, set()).add(node)
+    result = []
+    for recorded in gm.meta.get(GM_PARTITIONS, []):
+        inside = members.get(recorded.name)
+        if not inside:
+            continue
+        p = Partition(recorded.name, recorded.placement)
+        crossing_in: set[fx.Node] = set()
+        for node in gm.graph.nodes:
+            if node in inside:
+                if quantizers or not is_quantizer_node(node):
+                    p.nodes.append(node.name)
+                crossing_in.update(a for a in node.all_input_nodes if a not in inside)
+                if any(u not in inside for u in node.users):
+                    p.outputs.append(node.name)
+        p.inputs = [n.name for n in gm.graph.nodes if n in crossing_in]
+        result.append(p)
+    return result
 
 
 def boundary_edges(gm: fx.GraphModule) -> list[tuple[str, str]]:
