@@ -134,3 +134,22 @@ def test_an_unknown_step_kind_has_no_executor():
     with pytest.raises(ConfigError, match=r"step 'gpu0' has kind 'gpu', which no executor runs; known kinds: "
                                           r"bpu, cpu, torch"):
         Runtime([step], ["x"], {"value": "y"}, {}, {})
+
+
+@pytest.mark.parametrize("fn", [torch.add, torch.mul, torch.sub, torch.div, torch.gt, torch.matmul,
+                                lambda a, b: torch.relu(a) + b], ids=["add", "mul", "sub", "div", "gt", "matmul",
+                                                                       "relu"])
+def test_a_0d_result_of_a_cpu_island_stays_0d(fn):
+    """onnxruntime hands back 0-d results; the runtime keeps them 0-d (np.ascontiguousarray made them (1,))."""
+
+    class M(nn.Module):
+        def forward(self, a, b):
+            return fn(a, b)
+
+    a, b = torch.tensor(1.5), torch.tensor(2.0)
+    if fn is torch.matmul:  # a dot product of two vectors is 0-d
+        a, b = torch.tensor([1.5, -2.0, 0.25]), torch.tensor([2.0, 1.0, 4.0])
+    cm = qcompiler.compile(M(), (a, b), progress=False)
+    assert [s.kind for s in cm.runtime.steps] == ["cpu"]
+    out = cm(a, b)
+    assert out.shape == () and torch.equal(out, fn(a, b))

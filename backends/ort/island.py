@@ -59,7 +59,8 @@ class OrtIsland:
 
 def _unflatten(name: str, results: dict[str, np.ndarray]) -> Any:
     if name in results:
-        return torch.from_numpy(np.ascontiguousarray(results[name]))
+        a = results[name]  # np.ascontiguousarray would make a 0-d result 1-d
+        return torch.from_numpy(a if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(a.shape))
     items, i = [], 0
     while any(k == f"{name}.{i}" or k.startswith(f"{name}.{i}.") for k in results):
         items.append(_unflatten(f"{name}.{i}", results))
