@@ -8,6 +8,8 @@ onnxruntime's recurrent kernels and reductions sum in another order than torch's
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -19,6 +21,9 @@ import torch.nn.functional as F
 import qcompiler
 from qcompiler.backends.onnx.emitter import emit_graph
 from qcompiler.errors import UnsupportedOpError
+from qcompiler.onnx import export_to_onnx, inference_session
+from qcompiler.quantization.convert import convert_fx
+from qcompiler.quantization.prepare import prepare_calibration_fx
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -359,12 +364,18 @@ class ConvGruBag(nn.Module):
         return out, h, self.bag(idx, offsets)
 
 
-@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
-def test_compile_conv_on_bpu_gru_and_bag_on_cpu(march):
+MARCHES = ["bayes", "bernoulli2"]
+
+
+def _conv_gru_bag():
     torch.manual_seed(9)
-    model = ConvGruBag().eval()
-    x = (torch.rand(2, 3, 4, 4), IDX1, OFFSETS)
     calib = [(torch.rand(2, 3, 4, 4), IDX1, OFFSETS) for _ in range(2)]
+    return ConvGruBag().eval(), (torch.rand(2, 3, 4, 4), IDX1, OFFSETS), calib
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_compile_conv_on_bpu_gru_and_bag_on_cpu(march, tmp_path):
+    model, x, calib = _conv_gru_bag()
     cm = qcompiler.compile(model, x, march=march, calib_data=calib, progress=False)
     placement = {p["name"]: p["placement"] for p in cm.partitions}
     assert "bpu" in placement.values() and "cpu" in placement.values()
@@ -376,3 +387,26 @@ def test_compile_conv_on_bpu_gru_and_bag_on_cpu(march):
     with torch.no_grad():  # and the GRU really saw the quantized conv: close to, but not, the float model
         float_out = model(*x)[0]
     assert 0 < (out[0] - float_out).abs().max() < 0.1
+    loaded = qcompiler.load(cm.save(tmp_path / "m.qc"))  # the islands survive save / load unchanged
+    assert all(torch.equal(a, b) for a, b in zip(flat(loaded(*x)), flat(out)))
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_staged_api_exports_the_cpu_gru_and_bag(march):
+    """prepare -> calibrate -> convert, and export_to_onnx of the calibrated model: the exported
+    graph (Q/DQ around the conv, float GRU and bag) gives the converted model's outputs."""
+    model, x, calib = _conv_gru_bag()
+    cal = prepare_calibration_fx(model, None, example_inputs=x, hybrid=True, march=march).eval()
+    with torch.no_grad():
+        for batch in calib:
+            cal(*batch)
+        ref = flat(convert_fx(cal)(*x))
+    f = io.BytesIO()
+    export_to_onnx(cal, x, f)
+    model_proto = onnx.load_from_string(f.getvalue())
+    assert {"GRU", "DequantizeLinear", "Gather", "ReduceMax"} <= {n.op_type for n in model_proto.graph.node}
+    sess = inference_session(model_proto)
+    outs = sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), flat(x))})
+    assert len(outs) == len(ref) == 3
+    for o, r in zip(outs, ref):
+        np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=RTOL)
