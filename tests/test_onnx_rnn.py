@@ -19,8 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qcompiler
-from qcompiler.backends.onnx.emitter import emit_graph
+from qcompiler.backends.onnx.emitter import emit_graph, emit_subgraph
 from qcompiler.errors import UnsupportedOpError
+from qcompiler.ir.partitions import partitions
 from qcompiler.onnx import export_to_onnx, inference_session
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.prepare import prepare_calibration_fx
@@ -295,6 +296,42 @@ def test_functional_embedding_bag_positional_mean_int32():
     check(M(), IDX1.int(), OFFSETS.int())
 
 
+class GruAndBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(IN, HID, num_layers=2, bidirectional=True, batch_first=True)
+        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="mean", padding_idx=0)
+
+    def forward(self, x, idx, offsets):
+        return self.gru(x), self.bag(idx, offsets)
+
+
+def test_islands_with_dynamic_sizes_run_other_batches_tokens_and_bags():
+    """The emitted ops read sizes from their inputs: an island declared with free boundary dims
+    runs another batch (GRU) and other numbers of tokens and bags (EmbeddingBag, empty bags too)."""
+    torch.manual_seed(10)
+    m = GruAndBag().eval()
+    gm = qcompiler.partition(m, (torch.randn(BATCH, SEQ_LEN, IN), IDX1, OFFSETS), march="bayes")
+    x, idx, offsets = torch.randn(5, SEQ_LEN + 2, IN), torch.tensor([0, 3, 3, 7, 1, 2, 0, 9, 0, 4, 4]), \
+        torch.tensor([0, 0, 2, 5, 5, 9])
+    feeds = {"x": x.numpy(), "idx": idx.numpy(), "offsets": offsets.numpy()}
+    with torch.no_grad():
+        out, h_n = m.gru(x)
+        ref = {"gru.0": out, "gru.1": h_n, "bag": m.bag(idx, offsets)}
+    assert ref["bag"].shape == (6, DIM)
+    got = {}
+    for p in partitions(gm):  # two independent CPU islands
+        model = emit_subgraph(gm, p.nodes, p.inputs, p.outputs, dynamic_batch=True)
+        onnx.checker.check_model(model, full_check=True)
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        got.update(zip(names, sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})))
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        assert got[name].shape == tuple(r.shape)
+        np.testing.assert_allclose(got[name], r.numpy(), atol=ATOL, rtol=RTOL)
+
+
 # ---------------------------------------------------------------------------
 # placement and errors
 
@@ -334,11 +371,31 @@ class MaxNormBag(nn.Module):
         return self.bag(idx, offsets)
 
 
+class NotAGru(nn.Module):
+    """A leaf module that calls itself a GRU (``qc_op``) without being one."""
+
+    qc_op, qc_leaf = "gru", True
+
+    def forward(self, x):
+        return x * 2
+
+
+class CallsNotAGru(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rec = NotAGru()
+
+    def forward(self, x):
+        return self.rec(x)
+
+
 @pytest.mark.parametrize("module,inputs,match", [
     (ProjLstm(), (torch.randn(SEQ_LEN, BATCH, IN),),
      r"cannot emit node 'lstm' \(LSTM, op 'lstm'\).*proj_size=2 .*use proj_size=0 and an nn.Linear"),
     (MaxNormBag(), (IDX1, OFFSETS), r"cannot emit node 'bag' \(EmbeddingBag, op 'embedding_bag'\).*max_norm"),
-], ids=["lstm_proj_size", "bag_max_norm"])
+    (CallsNotAGru(), (torch.randn(SEQ_LEN, BATCH, IN),),
+     r"cannot emit node 'rec' \(NotAGru, op 'gru'\).*only nn.GRU modules"),
+], ids=["lstm_proj_size", "bag_max_norm", "not_a_gru"])
 def test_unsupported_variants_name_the_node_and_why(module, inputs, match):
     gm = qcompiler.partition(module.eval(), inputs, march="bayes")
     with pytest.raises(UnsupportedOpError, match=match):
