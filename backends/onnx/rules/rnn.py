@@ -12,7 +12,7 @@ structure: ``(output, h_n)``, ``(output, (h_n, c_n))``, ``h'`` or ``(h', c')``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch.nn as nn
@@ -38,15 +38,14 @@ class RnnKind:
     cell: bool  # one step, weights without a layer suffix
 
 
-_LSTM, _GRU, _RNN = ("LSTM", (0, 3, 1, 2), 2), ("GRU", (1, 0, 2), 1), ("RNN", (0,), 1)
-# torch LSTM chunks (i, f, g, o) -> ONNX (i, o, f, c); GRU (r, z, n) -> (z, r, h); RNN: one gate
+# ONNX gate k is torch's chunk gate_order[k]: LSTM (i, f, g, o) -> (i, o, f, c); GRU (r, z, n) -> (z, r, h)
 KINDS: dict[str, RnnKind] = {
-    "lstm": RnnKind(nn.LSTM, *_LSTM, cell=False),
-    "gru": RnnKind(nn.GRU, *_GRU, cell=False),
-    "rnn": RnnKind(nn.RNN, *_RNN, cell=False),
-    "lstm_cell": RnnKind(nn.LSTMCell, *_LSTM, cell=True),
-    "gru_cell": RnnKind(nn.GRUCell, *_GRU, cell=True),
-    "rnn_cell": RnnKind(nn.RNNCell, *_RNN, cell=True),
+    "lstm": RnnKind(nn.LSTM, "LSTM", (0, 3, 1, 2), states=2, cell=False),
+    "gru": RnnKind(nn.GRU, "GRU", (1, 0, 2), states=1, cell=False),
+    "rnn": RnnKind(nn.RNN, "RNN", (0,), states=1, cell=False),
+    "lstm_cell": RnnKind(nn.LSTMCell, "LSTM", (0, 3, 1, 2), states=2, cell=True),
+    "gru_cell": RnnKind(nn.GRUCell, "GRU", (1, 0, 2), states=1, cell=True),
+    "rnn_cell": RnnKind(nn.RNNCell, "RNN", (0,), states=1, cell=True),
 }
 _ACTIVATION = {"tanh": "Tanh", "relu": "Relu"}  # nn.RNN / nn.RNNCell nonlinearity -> ONNX activation
 
@@ -71,13 +70,17 @@ def _weights(ctx: NodeContext, kind: RnnKind, m: nn.Module, layer: int, nd: int)
     return [ctx.initializer(f"{ctx.path}.{n}{tag}", a) for n, a in (("W", W), ("R", R), ("B", B))]
 
 
+# attributes beyond hidden_size and direction, per ONNX op: (module, directions) -> attrs
+_EXTRA_ATTRS: dict[str, Callable[[nn.Module, int], dict[str, Any]]] = {
+    "GRU": lambda m, nd: {"linear_before_reset": 1},  # torch resets after the recurrent matmul
+    "RNN": lambda m, nd: {"activations": [_ACTIVATION[m.nonlinearity]] * nd},
+}
+
+
 def _attrs(kind: RnnKind, m: nn.Module, nd: int) -> dict[str, Any]:
-    attrs: dict[str, Any] = {"hidden_size": m.hidden_size, "direction": "bidirectional" if nd == 2 else "forward"}
-    if kind.onnx_op == "GRU":
-        attrs["linear_before_reset"] = 1
-    if kind.onnx_op == "RNN":
-        attrs["activations"] = [_ACTIVATION[m.nonlinearity]] * nd
-    return attrs
+    extra = _EXTRA_ATTRS.get(kind.onnx_op)
+    return {"hidden_size": m.hidden_size, "direction": "bidirectional" if nd == 2 else "forward",
+            **(extra(m, nd) if extra else {})}
 
 
 def _lift_axes(kind: RnnKind, batched: bool) -> tuple[list[int], list[int]]:
