@@ -2,8 +2,9 @@
 
 Each variant is traced and partitioned (``qcompiler.partition``: the ops are no BPU ops, so
 they are placed on the CPU), emitted at opset 11, checked with ``onnx.checker`` (full
-check), run in onnxruntime and compared with torch within atol 1e-5 / rtol 1e-4 (float32:
-onnxruntime's recurrent kernels and reductions sum in another order than torch's).
+check), run in onnxruntime and compared with torch within atol = rtol = 1e-5 (float32:
+onnxruntime's recurrent kernels and reductions sum in another order than torch's; today every
+case also passes at atol 1e-6, the margin is for other CPUs' vector paths).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from qcompiler.onnx import export_to_onnx, inference_session
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.prepare import prepare_calibration_fx
 
-ATOL, RTOL = 1e-5, 1e-4
+ATOL, RTOL = 1e-5, 1e-5
 
 
 def flat(x):
