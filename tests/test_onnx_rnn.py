@@ -468,3 +468,45 @@ def test_staged_api_exports_the_cpu_gru_and_bag(march):
     assert len(outs) == len(ref) == 3
     for o, r in zip(outs, ref):
         np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=RTOL)
+
+
+class ConvThen(nn.Module):
+    """A conv (BPU) whose features feed one recurrent module of ``kind`` (CPU)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        cls, base = {**SEQ, **CELLS}[kind]
+        self.cell = kind in CELLS
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.rec = cls(4 * 2 * 2 if self.cell else 4, HID, **base)
+
+    def forward(self, img):
+        f = self.conv(img)  # [N, 4, 2, 2]
+        return self.rec(f.flatten(1) if self.cell else f.flatten(2).transpose(1, 2).transpose(0, 1))
+
+
+FAMILY = ["lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_cell_tanh", "rnn_cell_relu"]
+
+
+@pytest.mark.parametrize("kind", FAMILY)
+def test_every_kind_compiles_and_exports_after_a_bpu_conv(kind):
+    """compile (runtime vs converted model) and the staged API (export vs converted model), per kind."""
+    torch.manual_seed(11)
+    model, x = ConvThen(kind).eval(), (torch.rand(2, 3, 2, 2),)
+    calib = [(torch.rand(2, 3, 2, 2),) for _ in range(2)]
+    cm = qcompiler.compile(model, x, march="bayes", calib_data=calib, progress=False)
+    for a, b in zip(flat(cm(*x)), flat(cm.converted(*x))):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    cal = prepare_calibration_fx(model, None, example_inputs=x, hybrid=True, march="bernoulli2").eval()
+    with torch.no_grad():
+        for batch in calib:
+            cal(*batch)
+        ref = flat(convert_fx(cal)(*x))
+    f = io.BytesIO()
+    export_to_onnx(cal, x, f)
+    sess = inference_session(f.getvalue())
+    outs = sess.run(None, {sess.get_inputs()[0].name: x[0].numpy()})
+    # (out, h_n), LSTM's (out, (h_n, c_n)), a cell's h' or LSTMCell's (h', c'): flattened
+    assert len(outs) == len(ref) == {"lstm": 3, "lstm_cell": 2}.get(kind, 1 if kind in CELLS else 2)
+    for o, r in zip(outs, ref):
+        np.testing.assert_allclose(o, r.numpy(), atol=ATOL, rtol=RTOL)
