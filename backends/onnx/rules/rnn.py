@@ -163,15 +163,15 @@ def _rnn(kind_name: str):
     def rule(ctx: NodeContext):
         m, batched = _check(ctx, kind)
         x_axes, state_axes = _lift_axes(kind, batched)
-        time_major = batched and not kind.cell and m.batch_first
-        x = ctx.make("Transpose", [ctx.x()], tag="time_major", perm=[1, 0, 2]) if time_major else ctx.x()
+        batch_first = batched and not kind.cell and m.batch_first
+        x = ctx.make("Transpose", [ctx.x()], tag="time_major", perm=[1, 0, 2]) if batch_first else ctx.x()
         x = _reshape_axes(ctx, "Unsqueeze", x, x_axes, "lift_input")
         y, finals = _layers(ctx, kind, m, x, _states(ctx, kind, ctx.value(ctx.arg(1, "hx", None)), state_axes))
         finals = [_reshape_axes(ctx, "Squeeze", s, state_axes, f"state{i}_out") for i, s in enumerate(finals)]
         state = finals[0] if kind.states == 1 else tuple(finals)
         if kind.cell:
             return state
-        y = ctx.make("Transpose", [y], tag="batch_major", perm=[1, 0, 2]) if time_major else y
+        y = ctx.make("Transpose", [y], tag="batch_major", perm=[1, 0, 2]) if batch_first else y
         return _reshape_axes(ctx, "Squeeze", y, x_axes, "unlift_output"), state
 
     rule.__name__ = rule.__qualname__ = kind_name
