@@ -32,6 +32,7 @@ from qcompiler.ir.meta import (
     META_OP,
     META_PLACEMENT,
     META_REASON,
+    META_REWRITE,
     META_TENSOR,
     TensorInfo,
     placement,
@@ -85,6 +86,8 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
     def assign(n: fx.Node, where: str, reason: str) -> None:
         nonlocal changed
+        if n.meta.get(META_REWRITE):
+            reason = f"{reason} ({n.meta[META_REWRITE]})"
         changed |= n.meta.get(META_PLACEMENT) != where or n.meta.get(META_REASON) != reason
         set_placement(n, where, reason)
 
