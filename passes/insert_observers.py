@@ -101,6 +101,21 @@ def _require(qconfig: Optional[QConfig], node: fx.Node, boundary: bool = False) 
     )
 
 
+def _boundary_qconfig(resolver, src: fx.Node, observer: fx.Node, modules: dict) -> Optional[QConfig]:
+    """The qconfig quantizing a CPU value for the BPU: the producer's; for a producer kept float by a
+    module-level qconfig None (torch.ao's "not quantized"), the first BPU consumer's."""
+    qc = resolver.for_scope(scope(src))
+    if qc is not None and qc.activation is not None:
+        return qc
+    for user in observer.users:
+        if placement(user) == BPU:
+            module = modules.get(user.target) if user.op == "call_module" else None
+            user_qc = resolver.for_scope(scope(user), module)
+            if user_qc is not None and user_qc.activation is not None:
+                return user_qc
+    return qc
+
+
 def _previous_output_observers(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     """Output-observer nodes of an earlier run, by the node they observe (reused, keeping names)."""
     return {n.args[0]: n for n in gm.graph.nodes if n.meta.get(META_STUB) == OUTPUT_OBSERVER}
@@ -146,7 +161,7 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         module = modules.get(node.target) if node.op == "call_module" else None
         if node.meta.get(META_STUB) == ACTIVATION_POST_PROCESS:
             src = node.args[0]
-            qc = _require(resolver.for_scope(scope(src)), src, boundary=True)
+            qc = _require(_boundary_qconfig(resolver, src, node, modules), src, boundary=True)
             set_module(gm, node.target, qc.activation())
             continue
         if placement(node) != BPU or node.meta.get(META_STUB):

@@ -14,13 +14,14 @@ from qcompiler.passes.insert_observers import INSERT_OBSERVERS
 from qcompiler.passes.insert_stubs import INSERT_STUBS
 from qcompiler.passes.partition import PARTITION
 from qcompiler.passes.place import PLACE
+from qcompiler.passes.rewrite import REWRITE
 from qcompiler.passes.shape_prop import SHAPE_PROP
 
-ANALYZE = [SHAPE_PROP, PLACE]
+ANALYZE = [SHAPE_PROP, REWRITE, PLACE]
 OPTIMIZE = [FUSE]
 SPLIT = [INSERT_STUBS, PARTITION]
 
-# trace -> shapes -> placement -> fusion -> boundary stubs -> partitions
+# trace -> shapes -> rewrites -> placement -> fusion -> boundary stubs -> partitions
 PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
 # ... and observers / fake quants on the BPU ops, before grouping
 PREPARE_PIPELINE = ANALYZE + OPTIMIZE + [INSERT_STUBS, INSERT_OBSERVERS, PARTITION]

@@ -32,9 +32,11 @@ from qcompiler.ir.meta import (
     META_OP,
     META_PLACEMENT,
     META_REASON,
+    META_REWRITE,
     META_TENSOR,
     TensorInfo,
     placement,
+    scope,
     set_placement,
 )
 from qcompiler.ir.ops import LAYOUT_OPS, META_OPS, PASSTHROUGH_OPS, is_clamp, node_op
@@ -84,15 +86,23 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
     def assign(n: fx.Node, where: str, reason: str) -> None:
         nonlocal changed
+        if n.meta.get(META_REWRITE):
+            reason = f"{reason} ({n.meta[META_REWRITE]})"
         changed |= n.meta.get(META_PLACEMENT) != where or n.meta.get(META_REASON) != reason
         set_placement(n, where, reason)
 
+    resolver = ctx.options.get("qconfig_resolver")  # prepare's: a module-level qconfig None keeps an op float
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         op = node_op(node, modules)
         node.meta[META_OP] = op
-        forced = hybrid.match(node) if node.op != "get_attr" else None
+        forced = None
+        if node.op != "get_attr":
+            forced = hybrid.match(node)
+            if forced is None and resolver is not None and op not in ("quant", "dequant"):
+                forced = resolver.float_reason(scope(node), modules.get(node.target) if node.op == "call_module"
+                                               else None)
         if forced is not None:
             assign(node, CPU, forced)
         elif node.op == "get_attr" or op == "quant":

@@ -215,11 +215,12 @@ def test_qconfig_dict_errors(bad, match):
         parse_qconfig_dict(bad, Net())
 
 
-def test_torch_ao_qconfig_rejected_with_hint():
+def test_torch_ao_qconfig_is_translated_and_garbage_rejected():
     import torch.ao.quantization as taq
 
-    with pytest.raises(ConfigError, match="torch.ao QConfig is not accepted"):
-        parse_qconfig_dict({"": taq.get_default_qat_qconfig()}, Net())
+    r = parse_qconfig_dict({"": taq.get_default_qat_qconfig()}, Net())  # tests/test_torch_ao.py has the rest
+    assert r.global_qconfig == get_default_qat_qconfig()
+    assert "qconfig_dict['']" in r.translated
     model = Net()
     model.conv0.qconfig = "bad"
     r = parse_qconfig_dict({"": G}, model)

@@ -21,6 +21,8 @@ META_OP = "qc_op"
 # placement: "bpu" | "cpu"; and the human-readable reason for it
 META_PLACEMENT = "qc_placement"
 META_REASON = "qc_reason"
+# the note of the rewrite (passes/rewrite.py) that produced the node, shown with its placement reason
+META_REWRITE = "qc_rewrite"
 # partition name ("bpu0", "cpu1", ...)
 META_PARTITION = "qc_partition"
 # names of the original nodes a fused node replaced, in pattern order

@@ -42,7 +42,16 @@ _NOOP_OPS = ("quant", "dequant", "identity", "dropout")
 def _resolver(qconfig_dict: Optional[dict], model: nn.Module, kind: str):
     if qconfig_dict is None:
         qconfig_dict = {"": get_default_calib_qconfig() if kind == "calibration" else get_default_qat_qconfig()}
-    return parse_qconfig_dict(qconfig_dict, model)
+    return parse_qconfig_dict(qconfig_dict, model, kind)
+
+
+def _warn_translated(resolver, march) -> None:
+    """One warning listing every torch.ao qconfig translated to the march's scheme, and how."""
+    notes = resolver.translated
+    if notes:
+        listed = "\n".join(f"  {where}: {what}" for where, what in sorted(notes.items()))
+        warnings.warn(f"torch.ao quantization configs translated to the {resolve_march(march).value} scheme "
+                      f"(symmetric, zero point 0):\n{listed}", QCompilerWarning, stacklevel=4)
 
 
 def _check_hybrid_flag(hybrid: bool, hybrid_dict: Optional[dict]) -> None:
@@ -77,6 +86,7 @@ def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_gra
             "example_inputs is required to trace the model and propagate shapes: "
             "pass example_inputs=(tensor, ...) with the shapes the model is called with"
         )
+    resolver = _resolver(qconfig_dict, model, kind)
     gm = build_graph(
         model,
         example_inputs,
@@ -84,9 +94,10 @@ def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_gra
         hybrid_dict=hybrid_dict,
         prepare_custom_config_dict=prepare_custom_config_dict,
         passes=PREPARE_PIPELINE,
-        options={"qconfig_resolver": _resolver(qconfig_dict, model, kind), "optimize_graph": optimize_graph},
+        options={"qconfig_resolver": resolver, "optimize_graph": optimize_graph},
         inplace=inplace,
     )
+    _warn_translated(resolver, march)
     gm.meta[GM_KIND] = kind
     gm.meta[GM_HYBRID] = parse_hybrid_dict(hybrid_dict, model)
     assign_qc_names(gm, overwrite=True)  # errors name the observer by its path
@@ -171,12 +182,14 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
     }
     gm = calib if inplace else copy.deepcopy(calib)
     type(gm).__name__ = type(calib).__name__  # deepcopy renames the per-instance class
+    resolver = _resolver(qconfig_dict, gm, "qat")
     ctx = CompileContext(
         march=calib_march,
         hybrid_dict=placed_with,
-        options={"qconfig_resolver": _resolver(qconfig_dict, gm, "qat"), "optimize_graph": optimize_graph},
+        options={"qconfig_resolver": resolver, "optimize_graph": optimize_graph},
     )
     gm = PassManager(REQUANTIZE_PIPELINE).run(gm, ctx).gm
+    _warn_translated(resolver, calib_march)
     for path, m in gm.named_modules():
         if isinstance(m, FakeQuantize) and path in calibrated:
             m.set_qparams(calibrated[path])

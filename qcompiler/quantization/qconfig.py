@@ -31,6 +31,7 @@ import torch.nn as nn
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
+from qcompiler.quantization import torch_ao
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
 from qcompiler.quantization.observer import (
     OBSERVERS,
@@ -185,17 +186,44 @@ def get_default_qat_out_qconfig(weight_dtype="qint8") -> QConfig:
 _MISSING = object()
 
 
-def _check_qconfig(value: Any, where: str) -> Optional[QConfig]:
-    if value is None or isinstance(value, QConfig):
-        return value
-    hint = ""
-    if type(value).__module__.startswith("torch.ao"):
-        hint = " (a torch.ao QConfig is not accepted; use qcompiler's get_default_*_qconfig())"
-    raise ConfigError(f"{where} must be a qcompiler QConfig or None, got "
-                      f"{type(value).__name__}{hint}")
+class _Coercer:
+    """Checks qconfig values and translates torch.ao ones (:mod:`.torch_ao`) to the scheme of ``kind``,
+    once per object, recording what changed (``notes``, by where the config was found)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.notes: dict[str, str] = {}
+        self._cache: dict[int, tuple[Any, Optional[QConfig]]] = {}
+
+    def __call__(self, value: Any, where: str) -> Optional[QConfig]:
+        if value is None or isinstance(value, QConfig):
+            return value
+        if value is torch_ao.NOT_QUANTIZED:
+            self.notes[where] = "None in a torch.ao QConfigMapping (not quantized): the op stays float on the CPU"
+            return None
+        if not torch_ao.is_torch_ao_qconfig(value):
+            raise ConfigError(f"{where} must be a qcompiler QConfig or None (or a torch.ao QConfig, which is "
+                              f"translated), got {type(value).__name__}")
+        hit = self._cache.get(id(value))
+        if hit is None:
+            t = torch_ao.translate(value, where)
+            if t.observer == torch_ao.KEEP_FLOAT:
+                qc = None
+            elif self.kind == "calibration":
+                qc = get_default_calib_qconfig(dtype=t.dtype, observer=t.observer)
+            else:
+                qc = get_default_qat_qconfig(dtype=t.dtype)
+            hit = self._cache[id(value)] = (value, qc)  # keep value alive: ids stay unique
+            self.notes[where] = f"{torch_ao.describe(value)}: {'; '.join(t.changes)}"
+        return hit[1]
+
+    def rename(self, where: str, new: str) -> None:
+        """File the note made at ``where`` (an entry's index) under ``new`` (what it configures)."""
+        if where in self.notes:
+            self.notes[new] = self.notes.pop(where)
 
 
-def _pairs(value: Any, key: str, first: str) -> list[tuple[Any, Any]]:
+def _pairs(value: Any, key: str, first: str, coerce: "_Coercer") -> list[tuple[Any, Any]]:
     shape = f"qconfig_dict[{key!r}] must be a list of ({first}, QConfig or None) pairs"
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise ConfigError(f"{shape}, got {type(value).__name__}")
@@ -205,7 +233,7 @@ def _pairs(value: Any, key: str, first: str) -> list[tuple[Any, Any]]:
     for i, item in enumerate(value):
         if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
             raise ConfigError(f"{shape}; entry {i} is {item!r}")
-        out.append((item[0], _check_qconfig(item[1], f"qconfig_dict[{key!r}][{i}][1]")))
+        out.append((item[0], coerce(item[1], f"qconfig_dict[{key!r}][{i}][1]")))
     return out
 
 
@@ -225,11 +253,18 @@ class QConfigResolver:
 
     def __init__(self, model: nn.Module, global_qconfig: Optional[QConfig] = None,
                  module_type: Sequence[tuple[type, Optional[QConfig]]] = (),
-                 module_name: Optional[Mapping[str, Optional[QConfig]]] = None) -> None:
+                 module_name: Optional[Mapping[str, Optional[QConfig]]] = None, *,
+                 coerce: Optional[_Coercer] = None) -> None:
         self.model = model
         self.global_qconfig = global_qconfig
         self.module_type = tuple(module_type)
         self.module_name = dict(module_name or {})
+        self._coerce = coerce if coerce is not None else _Coercer("qat")
+
+    @property
+    def translated(self) -> dict[str, str]:
+        """torch.ao qconfigs met so far, by where they were found -> what the translation changed."""
+        return dict(self._coerce.notes)
 
     # -- look-ups ---------------------------------------------------------
     def _module_at(self, path: str) -> Optional[nn.Module]:
@@ -238,14 +273,13 @@ class QConfigResolver:
         except AttributeError:
             return None
 
-    @staticmethod
-    def _attr(module: Optional[nn.Module], where: str) -> Any:
+    def _attr(self, module: Optional[nn.Module], where: str) -> Any:
         if module is None:
             return _MISSING
         value = getattr(module, "qconfig", _MISSING)
         if value is _MISSING:
             return _MISSING
-        return _check_qconfig(value, f"{where}.qconfig")
+        return self._coerce(value, f"{where}.qconfig")
 
     def _type_match(self, typ: type) -> Any:
         for t, qc in self.module_type:
@@ -263,29 +297,54 @@ class QConfigResolver:
         ``module``: the module the node calls, if any; its ``qconfig``
         attribute counts as the innermost one.
         """
+        return self._lookup(scope_entries, module)[0]
+
+    def float_reason(self, scope_entries: Sequence[ScopeEntry], module: Optional[nn.Module] = None
+                     ) -> Optional[str]:
+        """Why the node stays float, when torch.ao's annotations say so: a module's ``qconfig = None``
+        attribute, a None entry of a QConfigMapping, or a torch.ao config with no BPU form (dynamic,
+        float16). None otherwise: a qcompiler qconfig_dict entry of None, or no global qconfig, is a
+        configuration error for a BPU op, reported where the qconfig is needed."""
+        qc, where = self._lookup(scope_entries, module)
+        if qc is not None or where is None:
+            return None
+        note = self._coerce.notes.get(where)
+        if note is not None:
+            return f"{where} is {note}"
+        if where.endswith(".qconfig"):
+            return f"{where} is None (not quantized): the op stays float on the CPU"
+        return None
+
+    def _lookup(self, scope_entries: Sequence[ScopeEntry], module: Optional[nn.Module]
+                ) -> tuple[Optional[QConfig], Optional[str]]:
+        """``(qconfig, where it came from)``; where is None for the global / root level."""
         entries = tuple(scope_entries)
         inner_first = entries[::-1]
         # module.qconfig attributes (non-root), innermost first
         if module is not None and module is not self.model:
-            qc = self._attr(module, f"module {type(module).__name__}")
+            inner = entries[-1] if entries else None
+            where = (f"module '{inner.path}'" if inner is not None and inner.path and inner.module_type is type(module)
+                     else f"module {type(module).__name__}")
+            qc = self._attr(module, where)
             if qc is not _MISSING:
-                return qc
+                return qc, f"{where}.qconfig"
         for e in inner_first:
             if e.path:
-                qc = self._attr(self._module_at(e.path), f"module '{e.path}'")
+                where = f"module '{e.path}'"
+                qc = self._attr(self._module_at(e.path), where)
                 if qc is not _MISSING:
-                    return qc
+                    return qc, f"{where}.qconfig"
         for e in inner_first:
             if e.path in self.module_name:
-                return self.module_name[e.path]
+                return self.module_name[e.path], f"qconfig_dict['module_name'] {e.path!r}"
         for e in inner_first:
             qc = self._type_match(e.module_type)
             if qc is not _MISSING:
-                return qc
+                return qc, f"qconfig_dict['module_type'] {e.module_type.__qualname__}"
         qc = self._attr(self.model, "the root model")
         if qc is not _MISSING:
-            return qc
-        return self.global_qconfig
+            return qc, None
+        return self.global_qconfig, None
 
     def scope_of(self, path: str) -> tuple[ScopeEntry, ...]:
         """The scope entries of the module at ``path`` (root first), built from the model."""
@@ -306,7 +365,7 @@ class QConfigResolver:
                 f"module_type={len(self.module_type)}, module_name={len(self.module_name)})")
 
 
-def parse_qconfig_dict(qconfig_dict: Optional[Mapping[str, Any]], model: nn.Module) -> QConfigResolver:
+def parse_qconfig_dict(qconfig_dict: Any, model: nn.Module, kind: str = "qat") -> QConfigResolver:
     """Validate a qconfig_dict against ``model`` and return its :class:`QConfigResolver`.
 
     Keys: ``""`` (global QConfig or None), ``"module_type"`` (list of
@@ -314,9 +373,17 @@ def parse_qconfig_dict(qconfig_dict: Optional[Mapping[str, Any]], model: nn.Modu
     (list of ``(dotted module path, QConfig or None)``).  Unknown keys,
     malformed values, duplicate entries and names not in ``model`` raise
     ConfigError.  None means an empty dict (nothing quantized).
+
+    torch.ao QConfigs (anywhere, and as ``module.qconfig`` attributes) are translated to the
+    scheme of ``kind`` (:mod:`.torch_ao`); a torch.ao ``QConfigMapping`` may stand for the dict.
     """
+    coerce = _Coercer(kind)
     if qconfig_dict is None:
         qconfig_dict = {}
+    if torch_ao.is_qconfig_mapping(qconfig_dict):
+        qconfig_dict, dropped = torch_ao.qconfig_mapping_to_dict(qconfig_dict)
+        for item in dropped:
+            coerce.notes[f"QConfigMapping {item}"] = "no qconfig_dict form: left out"
     if not isinstance(qconfig_dict, Mapping):
         raise ConfigError(f"qconfig_dict must be a dict with keys "
                           f"{', '.join(repr(k) for k in QCONFIG_DICT_KEYS)}, got {type(qconfig_dict).__name__}")
@@ -324,20 +391,22 @@ def parse_qconfig_dict(qconfig_dict: Optional[Mapping[str, Any]], model: nn.Modu
     if unknown:
         raise ConfigError(f"qconfig_dict: unknown key {unknown[0]!r}; allowed: "
                           + ", ".join(repr(k) for k in QCONFIG_DICT_KEYS))
-    global_qc = _check_qconfig(qconfig_dict.get(""), "qconfig_dict['']")
+    global_qc = coerce(qconfig_dict.get(""), "qconfig_dict['']")
 
     types: list[tuple[type, Optional[QConfig]]] = []
-    for i, (spec, qc) in enumerate(_pairs(qconfig_dict.get("module_type", []), "module_type", "module type")):
+    for i, (spec, qc) in enumerate(_pairs(qconfig_dict.get("module_type", []), "module_type", "module type", coerce)):
         typ = resolve_type(spec, f"qconfig_dict['module_type'][{i}]")
+        coerce.rename(f"qconfig_dict['module_type'][{i}][1]", f"qconfig_dict['module_type'] {typ.__qualname__}")
         if any(t is typ for t, _ in types):
             raise ConfigError(f"qconfig_dict['module_type']: {typ.__qualname__} is listed twice; keep one entry")
         types.append((typ, qc))
 
     names: dict[str, Optional[QConfig]] = {}
-    name_pairs = _pairs(qconfig_dict.get("module_name", []), "module_name", "module name")
+    name_pairs = _pairs(qconfig_dict.get("module_name", []), "module_name", "module name", coerce)
     check_module_names(model, [n for n, _ in name_pairs], "qconfig_dict['module_name']")
-    for name, qc in name_pairs:
+    for i, (name, qc) in enumerate(name_pairs):
+        coerce.rename(f"qconfig_dict['module_name'][{i}][1]", f"qconfig_dict['module_name'] {name!r}")
         if name in names:
             raise ConfigError(f"qconfig_dict['module_name']: {name!r} is listed twice; keep one entry")
         names[name] = qc
-    return QConfigResolver(model, global_qc, types, names)
+    return QConfigResolver(model, global_qc, types, names, coerce=coerce)

@@ -1,0 +1,225 @@
+"""Rewrites that keep work on the BPU: an op the march lacks, said as one it has.
+
+Each rewrite is a row of :data:`REWRITES`: a name, the canonical op (or getitem) it is
+rooted at, a ``match`` that returns what the rewrite needs or None to decline, a
+``replace`` that edits the graph, and the note that the placement shows as the reason
+(``node.meta[META_REWRITE]``). The pass runs the rows to a fixed point before placement,
+so the rewritten nodes are placed like any other; its verifier checks that no row still
+matches. Every row computes the same float values: bit for bit, except that a conv with the
+padding inside may sum its products in another order than torch's conv of the padded input
+(float32 rounding, a few ULPs; tests/test_rewrite.py states the tolerance).
+
+* ``F.pad`` with zeros (constant mode, value 0) before a conv or an average pool (counting
+  the padding) whose only caller it is: the padding moves into the conv / pool, when it is
+  the same on both sides of each dim and the march's constraints accept the new padding.
+* ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
+  the layout op "reshape" (a BPU op on bayes) instead of an index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch.fx as fx
+import torch.nn as nn
+
+from qcompiler.backends.bpu import op_table
+from qcompiler.backends.bpu.op_info import op_info
+from qcompiler.errors import PassError
+from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
+from qcompiler.ir.ops import node_op
+from qcompiler.passes.base import CompileContext, Pass, PassResult
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One row: ``match(node, gm, ctx) -> match data or None``; ``replace(node, data, gm) -> new node``."""
+
+    name: str
+    root: str
+    match: Callable[[fx.Node, fx.GraphModule, CompileContext], Any]
+    replace: Callable[[fx.Node, Any, fx.GraphModule], fx.Node]
+    note: str
+
+
+def _root(node: fx.Node, modules: dict) -> Optional[str]:
+    if node.op == "call_function" and getattr(node.target, "__name__", None) == "getitem":
+        return "getitem"
+    return node_op(node, modules) if node.op.startswith("call_") else None
+
+
+# --------------------------------------------------------------------------- F.pad(0) -> conv / pool padding
+
+
+def _zero_pad(node: fx.Node) -> Optional[tuple[int, int]]:
+    """``(pad_h, pad_w)`` of ``F.pad(x, (l, r, t, b))`` with zeros, the same on both sides; else None."""
+    if node.op != "call_function" or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
+        return None
+    pads = node.args[1]
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
+    if mode != "constant" or value not in (None, 0, 0.0) or len(pads) not in (2, 4):
+        return None
+    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
+        return None
+    l, r, *tb = pads
+    t, b = tb if tb else (0, 0)
+    if l != r or t != b:
+        return None
+    info = node.args[0].meta.get(META_TENSOR) if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(info, TensorInfo) or len(info.shape) != 4:
+        return None
+    return t, l
+
+
+def _padded_layer(user: fx.Node, gm: fx.GraphModule) -> Optional[nn.Module]:
+    """The conv / average pool module ``user`` calls, if the padding can move into it."""
+    if user.op != "call_module":
+        return None
+    m = gm.get_submodule(user.target)
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == user.target)
+    if calls != 1:
+        return None  # a shared module: its other calls are not padded
+    if type(m) is nn.Conv2d and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
+        return m
+    if type(m) is nn.AvgPool2d and m.count_include_pad and not m.ceil_mode and m.divisor_override is None:
+        return m
+    return None
+
+
+def _with_padding(m: nn.Module, pad: tuple[int, int]) -> tuple:
+    old = m.padding if isinstance(m.padding, tuple) else (m.padding, m.padding)
+    return (old[0] + pad[0], old[1] + pad[1])
+
+
+def _march_accepts(user: fx.Node, m: nn.Module, padding: tuple, gm: fx.GraphModule, ctx: CompileContext) -> bool:
+    """The march's constraints hold for the layer with ``padding`` (and it reads the pad's input)."""
+    if isinstance(m, nn.AvgPool2d):
+        k = m.kernel_size if isinstance(m.kernel_size, tuple) else (m.kernel_size, m.kernel_size)
+        if any(p > kk // 2 for p, kk in zip(padding, k)):  # torch: at most half the kernel
+            return False
+    old = m.padding
+    m.padding = padding
+    try:
+        op = node_op(user, dict(gm.named_modules()))
+        saved = user.args
+        user.args = (user.args[0].args[0],) + tuple(user.args[1:])  # the layer reads the unpadded input
+        try:
+            ok, _ = op_table(ctx.march).check(op_info(user, op, gm, dict(gm.named_modules())))
+        finally:
+            user.args = saved
+    finally:
+        m.padding = old
+    return ok
+
+
+def _match_pad(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
+    pad = _zero_pad(node)
+    if pad is None or len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    if not user.args or user.args[0] is not node:
+        return None
+    m = _padded_layer(user, gm)
+    if m is None:
+        return None
+    padding = _with_padding(m, pad)
+    return (user, m, padding) if _march_accepts(user, m, padding, gm, ctx) else None
+
+
+def _replace_pad(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
+    user, m, padding = data
+    m.padding = padding
+    user.args = (node.args[0],) + tuple(user.args[1:])
+    gm.graph.erase_node(node)
+    return user
+
+
+# --------------------------------------------------------------------------- x[:, None] -> unsqueeze
+
+
+def _match_index(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
+    """The output dims that ``None`` adds, if the index is only full slices, Nones and one Ellipsis."""
+    if len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
+        return None
+    info = node.args[0].meta.get(META_TENSOR)
+    if not isinstance(info, TensorInfo):
+        return None
+    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if None not in idx or sum(i is Ellipsis for i in idx) > 1:
+        return None
+    if not all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in idx):
+        return None
+    rank = len(info.shape)
+    covered = sum(isinstance(i, slice) for i in idx)
+    if covered > rank:
+        return None
+    dims, out = [], 0
+    for i in idx:
+        if i is None:
+            dims.append(out)
+            out += 1
+        elif i is Ellipsis:
+            out += rank - covered
+        else:
+            out += 1
+    return dims
+
+
+def _replace_index(node: fx.Node, dims, gm: fx.GraphModule) -> fx.Node:
+    value = node.args[0]
+    with gm.graph.inserting_before(node):
+        for d in dims:  # ascending output dims: each unsqueeze keeps the earlier ones in place
+            value = gm.graph.call_method("unsqueeze", (value, d))
+            value.meta[META_SCOPE] = node.meta.get(META_SCOPE)
+    value.meta[META_TENSOR] = node.meta.get(META_TENSOR)
+    node.replace_all_uses_with(value)
+    gm.graph.erase_node(node)
+    return value
+
+
+REWRITES: tuple[Rewrite, ...] = (
+    Rewrite("pad_into_layer", "pad", _match_pad, _replace_pad,
+            "F.pad with zeros folded into the padding of the conv / average pool after it"),
+    Rewrite("index_as_unsqueeze", "getitem", _match_index, _replace_index,
+            "x[:, None] indexing rewritten as unsqueeze (a reshape)"),
+)
+_BY_ROOT: dict[str, list[Rewrite]] = {}
+for _row in REWRITES:
+    _BY_ROOT.setdefault(_row.root, []).append(_row)
+
+
+def _first_match(gm: fx.GraphModule, ctx: CompileContext):
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        for row in _BY_ROOT.get(_root(node, modules), ()):
+            data = row.match(node, gm, ctx)
+            if data is not None:
+                return node, row, data
+    return None
+
+
+def rewrite(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    modified = False
+    while (found := _first_match(gm, ctx)) is not None:
+        node, row, data = found
+        new = row.replace(node, data, gm)
+        new.meta[META_REWRITE] = row.note
+        new.meta.pop(META_OP, None)
+        modified = True
+    if modified:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
+def verify_rewritten(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    found = _first_match(gm, ctx)
+    if found is not None:
+        raise PassError(f"rewrite: row '{found[1].name}' still matches node '{found[0].name}'")
+
+
+REWRITE = Pass("rewrite", rewrite, verify_rewritten)
+
+__all__ = ["Rewrite", "REWRITES", "REWRITE", "rewrite"]
