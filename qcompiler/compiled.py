@@ -16,6 +16,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from qcompiler.batches import as_args, check_inputs, input_signature
+from qcompiler.collectives import active as distributed_active
+from qcompiler.quantization.sync import require_batches
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU
 from qcompiler.ir.shape_prop import normalize_inputs
@@ -153,6 +155,7 @@ def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> l
                           f"{'one tensor' if isinstance(calib_data, torch.Tensor) else type(calib_data).__name__}"
                           "; pass [batch] for a single batch")
     batches = list(calib_data)
+    require_batches(len(batches), "calib_data")  # under torch.distributed: an empty shard fails on every rank
     if not batches:
         raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
     signature = input_signature(inputs)
@@ -182,6 +185,9 @@ def compile(
     float32). ``mode="qat"``: ``model`` is a trained ``prepare_qat_fx`` model; it is
     converted as it is. ``weight_rounding=True`` (PTQ only) re-rounds the BPU weights on
     the calibration data after calibrating (:func:`qcompiler.quantization.optimize_weight_rounding`).
+    Under ``torch.distributed`` pass each rank its own shard as ``calib_data``: the
+    observers are reduced over the ranks before convert, so every rank gets the model one
+    process would compile from all shards (docs/distributed.md).
     """
     from qcompiler.quantization import convert_fx, optimize_weight_rounding, prepare_calibration_fx, set_state
 
@@ -189,6 +195,9 @@ def compile(
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     if weight_rounding and mode != "ptq":
         raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
+    if weight_rounding and distributed_active():
+        raise ConfigError("compile: weight_rounding=True is not supported under torch.distributed yet (its "
+                          "statistics are not reduced over ranks); compile with weight_rounding on one process")
     inputs = normalize_inputs(example_inputs)
     if mode == "qat":
         if not (isinstance(model, fx.GraphModule) and model.meta.get("qc_kind") == "qat"):
