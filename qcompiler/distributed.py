@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import datetime
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -28,7 +32,27 @@ from qcompiler.errors import ConfigError
 from qcompiler.quantization.sync import DEFAULT_TIMEOUT, check_same_model, require_batches, sync_observers
 
 __all__ = ["sync_observers", "check_same_model", "require_batches", "shard", "evaluate", "is_main_process",
-           "DEFAULT_TIMEOUT"]
+           "join_torchrun", "DEFAULT_TIMEOUT"]
+
+
+def join_torchrun(timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Join the process group ``torchrun`` describes (WORLD_SIZE > 1 in the environment); True if it did.
+
+    gloo on CPU, NCCL when CUDA is present. Already initialized, or a single
+    process: nothing to do (False). The CLI calls it; scripts usually call
+    ``init_process_group`` themselves.
+    """
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: launch with "
+                          f"torchrun, or set the torch.distributed environment variables")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return True
 
 
 def is_main_process() -> bool:

@@ -141,3 +141,29 @@ def test_sharded_sensitivity_bad_case_and_evaluate_equal_one_process(tmp_path):
     assert r0["acc"] == one["acc"] and r1["acc"] is None
     assert_same(r0["logits"], one["logits"], "logits")
     assert one["files"] and r0["files"] == one["files"] and r1["files"] == []
+
+
+@pytest.mark.slow
+def test_cli_compile_under_torchrun_writes_the_single_process_bytes_on_rank_0_only(tmp_path):
+    import numpy as np
+
+    npz = tmp_path / "calib.npz"
+    np.savez(npz, np.random.default_rng(0).standard_normal((10, 3, 16, 16)).astype(np.float32) * 2)
+    common = ["compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-data", str(npz),
+              "--calib-batch-size", "3", "--hybrid-module-name", "conv3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    one = subprocess.run([sys.executable, "-m", "qcompiler.tools.cli", *common, "--out", str(tmp_path / "one")],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "qcompiler.tools.cli", *common, "--out", str(tmp_path / "two")],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert two.returncode == 0, two.stderr[-3000:]
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert len(files) >= 4
+    assert files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*") if p.is_file())
+    for f in files:
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+    # one summary (rank 0's), the same as the single process's
+    assert two.stdout.count("output SQNR vs float") == 1
+    assert two.stdout.replace(str(tmp_path / "two"), "OUT") == one.stdout.replace(str(tmp_path / "one"), "OUT")
