@@ -12,8 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+from qcompiler.quantization.observer import make_observer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -87,11 +90,9 @@ def test_two_ranks_calibrate_bit_identical_to_one_process_on_the_union(tmp_path)
 
 def test_one_rank_alone_differs_from_the_union(tmp_path):
     """The comparison above can fail: a rank that skipped the reduction has other ranges."""
-    import tests.distributed_worker as w  # noqa: PLC0415 - the worker module is test data
-
-    from qcompiler.quantization.observer import make_observer
-    full, half = make_observer("kl"), make_observer("kl")
-    for i, b in enumerate(w.batches()):
+    g = torch.Generator().manual_seed(1)
+    full, half = make_observer("histogram-mse"), make_observer("histogram-mse")
+    for i, b in enumerate(torch.randn(4, 1, 8, 8, generator=g) * (0.5 + i) for i in range(5)):
         full(b)
         if i % 2 == 0:
             half(b)
@@ -145,8 +146,6 @@ def test_sharded_sensitivity_bad_case_and_evaluate_equal_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_cli_compile_under_torchrun_writes_the_single_process_bytes_on_rank_0_only(tmp_path):
-    import numpy as np
-
     npz = tmp_path / "calib.npz"
     np.savez(npz, np.random.default_rng(0).standard_normal((10, 3, 16, 16)).astype(np.float32) * 2)
     common = ["compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-data", str(npz),

@@ -2,6 +2,10 @@
 
 import importlib.util
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,11 +69,6 @@ def test_ptq_fx_example_rejects_bad_arguments(ptq_fx):
 
 @pytest.mark.slow
 def test_qat_ddp_example_trains_on_two_ranks_with_equal_scales(tmp_path):
-    import os
-    import re
-    import subprocess
-    import sys
-
     pytest.importorskip("sklearn")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(EXAMPLES.parent))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -368,8 +368,8 @@ class PerChannelMinMaxObserver(ObserverBase):
                 f"another; every rank must run the same model"
             )
         if c == 0:
-            self.min_val = torch.full((most,), float("inf"))
-            self.max_val = torch.full((most,), float("-inf"))
+            self.min_val = torch.full((most,), float("inf"), device=self.min_val.device)
+            self.max_val = torch.full((most,), float("-inf"), device=self.max_val.device)
         self._reduce_range()
 
     def calculate_amax(self) -> torch.Tensor:

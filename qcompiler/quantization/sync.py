@@ -22,14 +22,13 @@ What is reduced, and when (docs/distributed.md):
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Optional
+from typing import Iterable
 
-import torch
 import torch.nn as nn
 
 from qcompiler import collectives
 from qcompiler.errors import ConfigError
-from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.observer import ObserverBase
 
 __all__ = ["sync_observers", "check_same_model", "require_batches", "DEFAULT_TIMEOUT"]
