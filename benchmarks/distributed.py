@@ -111,7 +111,7 @@ def launch(world: int, args: argparse.Namespace, out: Path) -> dict:
            "--observer", args.observer, "--worker", str(out)]
     procs = [subprocess.Popen(cmd, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                                            PYTHONPATH=str(ROOT)))
+                                            PYTHONPATH=str(ROOT), TQDM_DISABLE="1"))
              for r in range(world)]
     for p in procs:
         if p.wait(timeout=1800) != 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -150,6 +151,18 @@ def scenario_die() -> dict:
     if RANK == 1:
         os._exit(3)
     return {"error": _expect_error(lambda: convert_fx(cal))}
+
+
+def scenario_stall() -> dict:
+    """Rank 1 is stuck (alive, not dying) past the sync timeout; rank 0 must give up and say who is missing."""
+    cal = prepare_calibration_fx(net(), example_inputs=EXAMPLE)
+    with torch.no_grad():
+        for b in qd.shard(batches()):
+            cal(b)
+    if RANK == 1:
+        time.sleep(float(os.environ["STALL_SECONDS"]))
+    t = time.perf_counter()
+    return {"error": _expect_error(lambda: convert_fx(cal)), "waited": time.perf_counter() - t}
 
 
 def scenario_analysis() -> dict:

@@ -28,7 +28,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, world: int, out: Path, timeout: float = 150.0) -> list[subprocess.CompletedProcess]:
+def launch(scenario: str, world: int, out: Path, timeout: float = 150.0, **env_extra: str
+           ) -> list[subprocess.CompletedProcess]:
     """Run ``world`` ranks of ``scenario`` (world=1: no process group); every rank must end in time."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -36,7 +37,7 @@ def launch(scenario: str, world: int, out: Path, timeout: float = 150.0) -> list
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT))
+                   PYTHONPATH=str(ROOT), **env_extra)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
@@ -130,6 +131,19 @@ def test_a_rank_dying_mid_calibration_fails_the_others_in_bounded_time(tmp_path)
     assert runs[0].returncode == 0, runs[0].stderr[-3000:]
     err = torch.load(tmp_path / "rank0.pt", weights_only=False)["error"]
     assert err.startswith("CollectiveError") and "rank 0 of 2" in err and "sync_observers" in err
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_fails_every_rank_after_the_sync_timeout(tmp_path):
+    runs = launch("stall", 2, tmp_path, timeout=120, QCOMPILER_DIST_TIMEOUT="4", STALL_SECONDS="15")
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    # rank 0 gives up after the timeout (not after the stall), naming the rank it waited for
+    assert r0["error"].startswith("CollectiveError") and "rank 0 of 2" in r0["error"], r0
+    assert "Ranks 1 failed" in r0["error"] and r0["waited"] < 14.0, r0
+    # the stuck rank, arriving late, gets an error too instead of waiting forever
+    assert r1["error"].startswith("CollectiveError") and "rank 1 of 2" in r1["error"], r1
 
 
 @pytest.mark.slow

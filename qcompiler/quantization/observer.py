@@ -425,7 +425,9 @@ class HistogramObserver(ObserverBase):
     change size.
 
     ``calculate_amax()`` (recomputed on each call) works on the bins up to the
-    one holding ``max |x|`` (``bins`` to ``2*bins`` of them) and picks ``T``:
+    one holding ``max |x|`` (``bins`` to ``2*bins`` of them) and picks ``T``
+    (``mse`` and ``kl`` pick a bin edge and scale it by ``max|x| / last edge``,
+    so thresholds are not powers of two times small integers):
 
     * ``percentile``: the ``percentile``-th percentile of ``|x|``,
       interpolated linearly inside its bin;
@@ -550,10 +552,12 @@ class HistogramObserver(ObserverBase):
         h = self.histogram.detach().cpu().numpy().astype(np.float64)[:used]
         if self.method == "percentile":
             t = self._percentile_threshold(h, w)
-        elif self.method == "mse":
-            t = self._mse_threshold(h, w)
         else:
-            t = self._kl_threshold(h, w)
+            # a bin edge i * w, stretched so that the last used edge is max |x| (a change below
+            # 1 / bins): on the raw power-of-two grid the thresholds of two tensors would often
+            # have simple ratios (2x, 3/2x), which makes exact rounding ties in requantization common
+            edge = self._mse_threshold(h, w) if self.method == "mse" else self._kl_threshold(h, w)
+            t = edge * (top / (used * w))
         t = min(t, top)
         if not t > 0.0:
             t = top

@@ -22,6 +22,7 @@ What is reduced, and when (docs/distributed.md):
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Iterable
 
 import torch.nn as nn
@@ -34,7 +35,8 @@ from qcompiler.quantization.observer import ObserverBase
 __all__ = ["sync_observers", "check_same_model", "require_batches", "DEFAULT_TIMEOUT"]
 
 # seconds every rank waits for the others at a sync point before reporting the missing ones
-DEFAULT_TIMEOUT = 300.0
+# (QCOMPILER_DIST_TIMEOUT in the environment overrides it for every sync point, e.g. in compile)
+DEFAULT_TIMEOUT = float(os.environ.get("QCOMPILER_DIST_TIMEOUT", "300"))
 
 
 def _observers(model: nn.Module) -> list[tuple[str, ObserverBase]]:
