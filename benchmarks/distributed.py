@@ -11,9 +11,10 @@ variables (one thread per rank, a free port each time). Each rank:
 * sensitivity: ``QuantAnalysis.sensitivity`` on one bad case, one forward per
   quantizer, the quantizers split over the ranks (timed from a barrier).
 
-It checks that the 2-rank results equal the 1-rank ones (observer state bit for
-bit, the sensitivity table exactly) and prints the times and the ratios; the
-target is <= 0.65x with 2 ranks on a 2-core machine.
+The 1-rank and 2-rank runs alternate ``--repeats`` times (default 3) and the fastest
+time of each is kept, as the machine may be shared. It checks that the 2-rank results
+equal the 1-rank ones (observer state bit for bit, the sensitivity table exactly) and
+prints the times and the ratios; the target is <= 0.65x with 2 ranks on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--images", type=int, default=64, help="calibration images (batches of 4)")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--observer", default="histogram-mse")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="alternate 1-rank and 2-rank runs this many times, keep the fastest of each")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -124,9 +127,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.worker:
         worker(args)
         return {}
+    ones, twos = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        one = launch(1, args, Path(tmp) / "one.pt")
-        two = launch(2, args, Path(tmp) / "two.pt")
+        for r in range(args.repeats):
+            ones.append(launch(1, args, Path(tmp) / f"one{r}.pt"))
+            twos.append(launch(2, args, Path(tmp) / f"two{r}.pt"))
+    one, two = dict(ones[0]), dict(twos[0])
+    for best, runs in ((one, ones), (two, twos)):
+        best["calib"], best["sens"] = min(r["calib"] for r in runs), min(r["sens"] for r in runs)
     same_state = one["state"].keys() == two["state"].keys() and all(
         torch.equal(v, two["state"][k]) for k, v in one["state"].items())
     same_rows = one["rows"] == two["rows"]
@@ -136,7 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "same_observer_state": same_state, "same_sensitivity": same_rows,
     }
     print(f"resnet18 {args.image_size}x{args.image_size}, {args.images} calibration images in {one['batches']} "
-          f"batches, observer {args.observer}, {one['quantizers']} quantizers; 1 thread per rank")
+          f"batches, observer {args.observer}, {one['quantizers']} quantizers; 1 thread per rank, "
+          f"best of {args.repeats}")
     print(f"  calibration (forward + sync_observers): 1 rank {one['calib']:.2f} s, 2 ranks {two['calib']:.2f} s "
           f"-> {result['calibration_ratio']:.2f}x")
     print(f"  sensitivity (one forward per quantizer): 1 rank {one['sens']:.2f} s, 2 ranks {two['sens']:.2f} s "
