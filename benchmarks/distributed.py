@@ -59,13 +59,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _timed(fn):
+    """``(result, wall seconds, CPU seconds of the busiest rank)`` of ``fn`` run on every rank."""
     if dist.is_initialized():
         dist.barrier()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = fn()
+    cpu = torch.tensor([time.process_time() - c], dtype=torch.float64)
     if dist.is_initialized():
-        dist.barrier()
-    return out, time.perf_counter() - t
+        dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    return out, time.perf_counter() - t, float(cpu)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -91,17 +93,17 @@ def worker(args: argparse.Namespace) -> None:
                 cal(b)
         return sync_observers(cal)
 
-    _, t_calib = _timed(calibrate)
+    _, t_calib, c_calib = _timed(calibrate)
     state = {k: v for k, v in cal.state_dict().items()
              if any(k.startswith(p + ".") for p, m in cal.named_modules() if isinstance(m, ObserverBase))}
     fq = prepare_qat_fx(cal)
     set_state(fq, "validation")
     qa = QuantAnalysis(model, fq, "fake_quant", out_dir=tempfile.mkdtemp())
     qa.set_bad_case(batches[0])
-    rows, t_sens = _timed(lambda: qa.sensitivity("L1"))
+    rows, t_sens, c_sens = _timed(lambda: qa.sensitivity("L1"))
     if rank == 0:
-        torch.save({"calib": t_calib, "sens": t_sens, "state": state, "rows": rows,
-                    "quantizers": len(rows), "batches": len(batches)}, args.worker)
+        torch.save({"calib": t_calib, "sens": t_sens, "calib_cpu": c_calib, "sens_cpu": c_sens, "state": state,
+                    "rows": rows, "quantizers": len(rows), "batches": len(batches)}, args.worker)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -134,7 +136,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             twos.append(launch(2, args, Path(tmp) / f"two{r}.pt"))
     one, two = dict(ones[0]), dict(twos[0])
     for best, runs in ((one, ones), (two, twos)):
-        best["calib"], best["sens"] = min(r["calib"] for r in runs), min(r["sens"] for r in runs)
+        for key in ("calib", "sens", "calib_cpu", "sens_cpu"):
+            best[key] = min(r[key] for r in runs)
     same_state = one["state"].keys() == two["state"].keys() and all(
         torch.equal(v, two["state"][k]) for k, v in one["state"].items())
     same_rows = one["rows"] == two["rows"]
@@ -142,6 +145,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "calibration_s": [one["calib"], two["calib"]], "sensitivity_s": [one["sens"], two["sens"]],
         "calibration_ratio": two["calib"] / one["calib"], "sensitivity_ratio": two["sens"] / one["sens"],
         "same_observer_state": same_state, "same_sensitivity": same_rows,
+        "calibration_cpu_s": [one["calib_cpu"], two["calib_cpu"]],
+        "sensitivity_cpu_s": [one["sens_cpu"], two["sens_cpu"]],
     }
     print(f"resnet18 {args.image_size}x{args.image_size}, {args.images} calibration images in {one['batches']} "
           f"batches, observer {args.observer}, {one['quantizers']} quantizers; 1 thread per rank, "
@@ -150,6 +155,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"-> {result['calibration_ratio']:.2f}x")
     print(f"  sensitivity (one forward per quantizer): 1 rank {one['sens']:.2f} s, 2 ranks {two['sens']:.2f} s "
           f"-> {result['sensitivity_ratio']:.2f}x")
+    print(f"  CPU time of the busiest rank (what an idle core per rank would take): calibration "
+          f"{one['calib_cpu']:.2f} s vs {two['calib_cpu']:.2f} s -> {two['calib_cpu'] / one['calib_cpu']:.2f}x, "
+          f"sensitivity {one['sens_cpu']:.2f} s vs {two['sens_cpu']:.2f} s -> {two['sens_cpu'] / one['sens_cpu']:.2f}x")
     print(f"  2 ranks equal 1 rank: observer state bit for bit {same_state}, sensitivity table {same_rows}")
     print(json.dumps({k: v for k, v in result.items()}, default=float))
     return result
