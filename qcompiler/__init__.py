@@ -4,6 +4,7 @@ The top of the layering (docs/design.md, "Layers"): the public API re-exported f
 modules that define it, including the staged workflow (prepare / convert / export).
 """
 
+from qcompiler import distributed
 from qcompiler.compiled import CompiledModel, compile, load
 from qcompiler.errors import (
     ArtifactError,
@@ -43,6 +44,7 @@ __all__ = [
     "convert_fx",
     "optimize_weight_rounding",
     "export_to_onnx",
+    "distributed",
     "March",
     "QTensor",
     "QDType",

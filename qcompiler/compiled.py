@@ -25,6 +25,7 @@ from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_subgraph
 from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
+from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU
@@ -33,6 +34,7 @@ from qcompiler.onnx import export_to_onnx
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx
+from qcompiler.quantization.sync import require_batches
 from qcompiler.quantization.weight_rounding import optimize_weight_rounding
 from qcompiler.runtime import Runtime, Step, output_structure, plan_steps
 
@@ -201,6 +203,7 @@ def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> l
                           f"{'one tensor' if isinstance(calib_data, torch.Tensor) else type(calib_data).__name__}"
                           "; pass [batch] for a single batch")
     batches = list(calib_data)
+    require_batches(len(batches), "calib_data")  # under torch.distributed: an empty shard fails on every rank
     if not batches:
         raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
     out = []
@@ -242,11 +245,17 @@ def compile(
     float32). ``mode="qat"``: ``model`` is a trained ``prepare_qat_fx`` model; it is
     converted as it is. ``weight_rounding=True`` (PTQ only) re-rounds the BPU weights on
     the calibration data after calibrating (:func:`qcompiler.quantization.optimize_weight_rounding`).
+    Under ``torch.distributed`` pass each rank its own shard as ``calib_data``: the
+    observers are reduced over the ranks before convert, so every rank gets the model one
+    process would compile from all shards (docs/distributed.md).
     """
     if mode not in MODES:
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     if weight_rounding and mode != "ptq":
         raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
+    if weight_rounding and distributed_active():
+        raise ConfigError("compile: weight_rounding=True is not supported under torch.distributed yet (its "
+                          "statistics are not reduced over ranks); compile with weight_rounding on one process")
     inputs = normalize_inputs(example_inputs)
     if isinstance(model, nn.Module):
         check_has_data(model)

@@ -107,9 +107,9 @@ ops:
     0 quantize   quant <- input_1
       -> qint8 scale=0.00784324
     1 conv2d     conv0 <- quant
-      -> qint8 scale=0.00864248 stride=[1, 1] padding=[0, 0] dilation=[1, 1] groups=1 in_scale=0.00784324 weight:int8[3,3,1,1] bias:int32[3] M:int64[3] n:int64[3]
+      -> qint8 scale=0.00864149 stride=[1, 1] padding=[0, 0] dilation=[1, 1] groups=1 in_scale=0.00784324 weight:int8[3,3,1,1] bias:int32[3] M:int64[3] n:int64[3]
     2 identity   identity <- conv0
-      -> qint8 scale=0.00864248
+      -> qint8 scale=0.00864149
     3 dequantize prelu_input_dequant_0 <- identity"""
 
 

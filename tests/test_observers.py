@@ -146,18 +146,19 @@ def test_unobserved_qparams_raise():
 
 
 def test_histogram_rebinning_keeps_counts_and_total():
-    o = HistogramObserver(bins=8)
-    o(torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9, 1.0]))  # range [0, 1]: width 1/8
-    assert o.hist_max.item() == 1.0
+    o = HistogramObserver(bins=4)  # 8 bins over [0, 2**E), 2**E the power of two above max |x|
+    o(torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9, 1.0]))  # max 1.0 -> range [0, 2): width 1/4
+    assert o.hist_max.item() == 2.0
     before = o.histogram.clone()
-    assert torch.equal(before, torch.tensor([1.0, 0, 1, 0, 1, 1, 0, 2], dtype=torch.float64))
-    o(torch.tensor([3.5]))  # range grows x4 -> [0, 4] (width 0.5); 4 old bins merge into one new bin
-    assert o.hist_max.item() == 4.0
+    assert torch.equal(before, torch.tensor([1.0, 1, 2, 1, 1, 0, 0, 0], dtype=torch.float64))
+    o(torch.tensor([7.0]))  # range grows x4 -> [0, 8) (width 1); 4 old bins merge into one new bin
+    assert o.hist_max.item() == 8.0
     expect = torch.tensor([before[:4].sum(), before[4:].sum(), 0, 0, 0, 0, 0, 1], dtype=torch.float64)
     assert torch.equal(o.histogram, expect)
     assert o.histogram.sum().item() == 7
-    o(torch.tensor([1000.0]))  # grows past bins x the width: all old mass in bin 0
+    o(torch.tensor([1000.0]))  # grows past 8 x the width: all old mass in bin 0
     assert o.histogram[0].item() == 7 and o.histogram.sum().item() == 8
+    assert o.hist_max.item() == 1024.0
 
 
 def test_histogram_memory_fixed_over_growing_range():
@@ -170,9 +171,34 @@ def test_histogram_memory_fixed_over_growing_range():
         o(x)
         total += x.numel()
     assert {k: v.shape for k, v in o.state_dict().items()} == sizes
-    assert o.histogram.data_ptr() == ptr and o.histogram.numel() == 256
+    assert o.histogram.data_ptr() == ptr and o.histogram.numel() == 512
     assert o.histogram.sum().item() == total
-    assert o.hist_max.item() >= o.max_abs
+    assert o.max_abs < o.hist_max.item() <= 2 * o.max_abs
+
+
+@pytest.mark.parametrize("name", ["percentile", "histogram-mse", "kl"])
+def test_histogram_state_does_not_depend_on_batch_order_or_split(name):
+    # growing ranges (x 1.5 per batch), zeros, and a batch that only holds zeros
+    batches = [torch.randn(300, generator=gen(i)) * (1.5 ** i) for i in range(8)]
+    batches[2][:50] = 0.0
+    batches.insert(3, torch.zeros(10))
+    whole = make_observer(name)
+    whole(torch.cat(batches))
+    for order in (range(len(batches)), reversed(range(len(batches))), [4, 0, 8, 3, 1, 7, 2, 6, 5]):
+        o = make_observer(name)
+        for i in order:
+            o(batches[i])
+        assert torch.equal(o.histogram, whole.histogram) and torch.equal(o.hist_max, whole.hist_max)
+        assert torch.equal(o.calculate_amax(), whole.calculate_amax())
+
+
+def test_histogram_sync_without_a_process_group_is_a_no_op():
+    o = make_observer("kl")
+    o(torch.randn(1000, generator=gen(4)))
+    state = {k: v.clone() for k, v in o.state_dict().items()}
+    o.sync_ranks()
+    o.sync_ranks()
+    assert all(torch.equal(v, state[k]) for k, v in o.state_dict().items())
 
 
 def test_percentile_threshold_on_uniform_data():

@@ -222,7 +222,7 @@ def test_a_few_qat_steps_lower_the_loss():
     qat.train()
     opt = torch.optim.Adam(qat.parameters(), lr=0.01)
     losses = []
-    for _ in range(30):
+    for _ in range(40):  # the loss falls steadily but slowly here (-10% after ~33 steps)
         opt.zero_grad()
         loss = F.cross_entropy(qat(x), y)
         loss.backward()

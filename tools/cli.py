@@ -40,6 +40,7 @@ from tabulate import tabulate
 import qcompiler
 from qcompiler import zoo
 from qcompiler.batches import check_inputs, input_signature
+from qcompiler.distributed import is_main_process, join_torchrun, shard
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.partitions import partitions, summary_line
@@ -444,13 +445,30 @@ def output_sqnr(model: nn.Module, compiled, batches: Sequence[tuple]) -> float:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    """Compile a model end to end and write everything a user reviews or deploys."""
+    """Compile a model end to end and write everything a user reviews or deploys.
+
+    Under ``torchrun`` each rank calibrates every world-th batch, the observers are
+    reduced over the ranks (the result of one process on all batches), and rank 0
+    alone writes the outputs and prints the summary.
+    """
+    joined = join_torchrun()
+    try:
+        return _compile(args)
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
+
+
+def _compile(args: argparse.Namespace) -> int:
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
     hybrid_dict, custom = model_configs(args)
     batches = calibration_batches(args, inputs)
     model.eval()
-    compiled = qcompiler.compile(model, inputs, march=args.march, hybrid_dict=hybrid_dict, calib_data=batches,
-                                 prepare_custom_config_dict=custom, weight_rounding=args.weight_rounding)
+    compiled = qcompiler.compile(model, inputs, march=args.march, hybrid_dict=hybrid_dict,
+                                 calib_data=shard(batches), prepare_custom_config_dict=custom,
+                                 weight_rounding=args.weight_rounding, progress=is_main_process())
+    if not is_main_process():
+        return EXIT_OK
     out = Path(args.out)
     files = compiled.dump(out, name=name)
     onnx_path = out / f"{name}.onnx"

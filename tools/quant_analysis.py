@@ -39,6 +39,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from tqdm import tqdm
 
+from qcompiler import collectives
 from qcompiler.atomic_write import write_file
 from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
@@ -237,6 +238,11 @@ def _hooked_key(node: fx.Node, hook_paths: dict[str, str]) -> Optional[str]:
 # ----------------------------------------------------------------------------- the analysis
 
 
+def _is_worse(v: float, worst: Optional[float], larger_worse: bool) -> bool:
+    """Does ``v`` replace ``worst`` (None: nothing yet)? NaN loses to any number; ties keep the earlier."""
+    return worst is None or (not math.isnan(v) and (math.isnan(worst) or (v > worst if larger_worse else v < worst)))
+
+
 class QuantAnalysis:
     """Compare ``baseline_model`` (high precision) with ``analysis_model`` (the one losing accuracy).
 
@@ -336,7 +342,9 @@ class QuantAnalysis:
 
         Worst = largest L1/ATOL, smallest COSINE/SQNR; with ``custom_metric_func(base_out, analy_out)``
         the order is ``custom_metric_order_seq`` ("descending": larger is worse, "ascending": smaller is worse).
-        Writes ``badcase.pt``; returns ``{"index", "metric", "value"}``.
+        Writes ``badcase.pt``; returns ``{"index", "metric", "value"}``. Under ``torch.distributed``
+        every rank passes the same batches and runs every world-th one; all ranks get the same result
+        as one process, and rank 0 writes the file.
         """
         if custom_metric_func is not None:
             if custom_metric_order_seq not in ("ascending", "descending"):
@@ -349,7 +357,9 @@ class QuantAnalysis:
             larger_worse = _LARGER_IS_WORSE[metric_name]
         if num_steps is not None and num_steps < 1:
             raise ConfigError(f"num_steps must be at least 1, got {num_steps}")
-        worst, worst_i, worst_batch, values = None, None, None, []
+        # under torch.distributed, batch i runs on rank i % world; every rank iterates the same generator
+        rank, world = collectives.rank(), collectives.world_size()
+        worst, worst_i, worst_batch, mine = None, None, None, []
         total = num_steps
         if total is None:
             try:
@@ -359,19 +369,28 @@ class QuantAnalysis:
         for i, batch in enumerate(tqdm(data_generator, total=total, desc="auto_find_bad_case", leave=False)):
             if num_steps is not None and i >= num_steps:
                 break
+            if i % world != rank:
+                continue
             args = as_args(batch)
             b, a = self._outputs("base", args), self._outputs("analy", args)
             v = float(custom_metric_func(b, a)) if custom_metric_func is not None else compute_metric(metric_name, b, a)
-            values.append(v)
-            is_worse = worst is None or (not math.isnan(v) and (math.isnan(worst) or
-                                         (v > worst if larger_worse else v < worst)))
-            if is_worse:
+            mine.append((i, v))
+            if _is_worse(v, worst, larger_worse):
                 worst, worst_i, worst_batch = v, i, _detach_batch(batch)
-        if worst_i is None:
+        values = [v for _, v in sorted(p for part in collectives.all_gather_object(
+            mine, "auto_find_bad_case: gathering the metrics") for p in part)]
+        if not values:
             raise ConfigError("auto_find_bad_case: the data generator produced no data")
+        worst_i, worst = None, None
+        for i, v in enumerate(values):
+            if _is_worse(v, worst, larger_worse):
+                worst, worst_i = v, i
+        worst_batch = collectives.broadcast_object(worst_batch if worst_i % world == rank else None,
+                                                   worst_i % world, "auto_find_bad_case: sharing the bad case")
         self.bad_case, self.bad_case_index, self.bad_case_metric = worst_batch, worst_i, worst
         self.case_metrics = values
-        self.save_bad_case()
+        if collectives.rank() == 0:
+            self.save_bad_case()
         return {"index": worst_i, "metric": metric_name, "value": worst}
 
     def set_bad_case(self, data: Any) -> None:
@@ -666,7 +685,8 @@ class QuantAnalysis:
 
         Returns (and writes to ``sensitive_ops.txt``) rows
         ``[op_name, sensitive_type, op_type, metric value, quant_dtype, flops, flops_share]``,
-        most sensitive first.
+        most sensitive first. Under ``torch.distributed`` the quantizers are split over the ranks;
+        every rank returns the rows one process would, and rank 0 writes the file.
         """
         metric = _check_metric(metric)
         fq_model = self._need_fake_quant("sensitivity")
@@ -684,14 +704,19 @@ class QuantAnalysis:
         total_flops = sum(flops.values())
         mods = dict(model.named_modules())
         rows = []
-        for name, q in tqdm(quantizers, desc="sensitivity", leave=False):
-            if not enabled[name]:
-                continue
+        todo = [(name, q) for name, q in quantizers if enabled[name]]
+        # under torch.distributed each rank measures every world-th quantizer; all ranks get all values
+        mine = {}
+        for name, q in tqdm(todo[collectives.rank()::collectives.world_size()], desc="sensitivity", leave=False):
             q.enable_fake_quant()
             try:
-                value = compute_metric(metric, base_out, self._run_fq(model, args))
+                mine[name] = compute_metric(metric, base_out, self._run_fq(model, args))
             finally:
                 q.disable_fake_quant()
+        values = {k: v for part in collectives.all_gather_object(mine, "sensitivity: gathering the metrics")
+                  for k, v in part.items()}
+        for name, q in todo:
+            value = values[name]
             op, kind = _op_of_quantizer(name)
             f = flops.get(op, 0)
             rows.append([op, kind, _type_name(type(mods.get(op, q))), value, str(q.dtype), f,
@@ -703,8 +728,9 @@ class QuantAnalysis:
         self.sensitivity_metric = metric
         table = tabulate([[r[0], r[1], r[2], f"{r[3]:.7g}", r[4], f"{r[5]}({r[6]:.2%})"] for r in rows],
                          headers=["op_name", "sensitive_type", "op_type", metric, "quant_dtype", "flops"])
-        write_file(self.out_dir / SENSITIVE_FILE, (table + "\n").encode("utf-8"), "sensitivity")
-        self._wrote(self.out_dir / SENSITIVE_FILE)
+        if collectives.rank() == 0:  # under torch.distributed rank 0 writes
+            write_file(self.out_dir / SENSITIVE_FILE, (table + "\n").encode("utf-8"), "sensitivity")
+            self._wrote(self.out_dir / SENSITIVE_FILE)
         return self.sensitive_ops
 
     # ------------------------------------------------------------------ int16 suggestion

@@ -15,6 +15,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.convert import CONVERT
 from qcompiler.quantization.prepare import GM_KIND
+from qcompiler.quantization.sync import sync_observers
 
 CONVERT_CUSTOM_KEYS = ("preserved_attributes",)
 
@@ -24,7 +25,9 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
     """Fixed-point model from a ``prepare_calibration_fx`` / ``prepare_qat_fx`` model.
 
     Raises CalibrationError naming the observers that never ran. The prepared
-    model is not modified unless ``inplace=True``.
+    model is not modified unless ``inplace=True``. Under ``torch.distributed``
+    the observers are first reduced over all ranks (:func:`qcompiler.distributed.sync_observers`),
+    so every rank converts the model one process would get from all shards.
     """
     if not isinstance(graph_module, fx.GraphModule) or graph_module.meta.get(GM_KIND) not in ("calibration", "qat"):
         raise ConfigError(
@@ -38,6 +41,7 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
                               + ", ".join(CONVERT_CUSTOM_KEYS))
     gm = graph_module if inplace else copy.deepcopy(graph_module)
     type(gm).__name__ = type(graph_module).__name__
+    sync_observers(gm)
     ctx = CompileContext(march=graph_module.meta.get("qc_march"))
     gm = PassManager([CONVERT]).run(gm, ctx).gm
     for attr in config.get("preserved_attributes", []):

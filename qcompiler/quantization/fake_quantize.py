@@ -209,6 +209,9 @@ class FakeQuantize(FakeQuantizeBase):
                               f"{observer.dtype!r}; build the observer with dtype={dtype!r}")
         if ch_axis is not None:
             self.ch_axis = ch_axis
+        # under torch.distributed (QAT with DDP) each batch's range is reduced over the ranks,
+        # so the scales stay identical on every rank; every rank must run the same steps
+        observer.sync_each_batch = True
         self.register_buffer("fake_quant_enabled", torch.tensor([1], dtype=torch.uint8))
         self.register_buffer("scale", torch.tensor([1.0], dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor([0], dtype=torch.int64))

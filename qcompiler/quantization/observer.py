@@ -22,6 +22,15 @@ saw data for its qparams raises :class:`CalibrationError` too.
 picks its clipping threshold by percentile, by minimum expected squared error
 (``histogram-mse``) or by TensorRT-style KL divergence (``kl``); see its
 docstring.  ``OBSERVERS`` maps the user-facing names to factories.
+
+Scale-out: every observer's state is a function of the *multiset* of values
+it saw, not of their order or split, and ``sync_ranks()`` reduces it exactly
+over the ranks of the default ``torch.distributed`` group (min/max: MIN/MAX;
+histograms: integer counts on a power-of-two grid, SUM).  So calibrating
+shards on N ranks and syncing gives bit for bit the state of one process on
+the union (docs/distributed.md).  A min/max observer with
+``sync_each_batch = True`` (set by QAT's ``FakeQuantize``) reduces each batch's
+extremes before using them, so a moving average stays identical on every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
@@ -106,6 +116,8 @@ class ObserverBase(nn.Module):
         self.quant_min, self.quant_max = qrange(self.dtype)
         self._ch_axis = ch_axis
         self.qc_name = ""
+        # reduce each batch's statistics over the ranks before using them (QAT under DDP)
+        self.sync_each_batch = False
 
     # -- attributes -------------------------------------------------------
     @property
@@ -140,6 +152,30 @@ class ObserverBase(nn.Module):
 
     def _observe(self, x: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def sync_ranks(self) -> None:
+        """Reduce the statistics over every rank of the default process group, exactly.
+
+        Afterwards every rank holds the state one process would have after
+        seeing all ranks' data. Idempotent. A no-op without a group (or with
+        one rank). Every rank must call it, on the same observers, in the
+        same order.
+        """
+        raise NotImplementedError
+
+    def _batch_extremes(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's min/max, reduced over the ranks when ``sync_each_batch`` is set."""
+        if not (self.sync_each_batch and collectives.active()):
+            return lo, hi
+        both = collectives.all_reduce(torch.stack([-lo.float(), hi.float()]), collectives.MAX,
+                                      f"the batch range of observer {self._display_name()!r}")
+        return -both[0], both[1]
+
+    def _reduce_range(self) -> None:
+        """``min_val``/``max_val`` (scalars or per channel) to their extremes over the ranks."""
+        both = collectives.all_reduce(torch.stack([-self.min_val, self.max_val]), collectives.MAX,
+                                      f"the range of observer {self._display_name()!r}")
+        self.min_val, self.max_val = -both[0], both[1]
 
     # -- results ----------------------------------------------------------
     def _require_data(self) -> None:
@@ -193,9 +229,12 @@ class MinMaxObserver(ObserverBase):
         return bool(self.min_val <= self.max_val)
 
     def _observe(self, x: torch.Tensor) -> None:
-        lo, hi = torch.aminmax(x)
+        lo, hi = self._batch_extremes(*torch.aminmax(x))
         self.min_val = torch.minimum(self.min_val, lo.float())
         self.max_val = torch.maximum(self.max_val, hi.float())
+
+    def sync_ranks(self) -> None:
+        self._reduce_range()
 
     def calculate_amax(self) -> torch.Tensor:
         self._require_data()
@@ -231,7 +270,7 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         self.averaging_constant = float(averaging_constant)
 
     def _observe(self, x: torch.Tensor) -> None:
-        lo, hi = torch.aminmax(x)
+        lo, hi = self._batch_extremes(*torch.aminmax(x))
         lo, hi = lo.float(), hi.float()
         if not self.has_observed:
             self.min_val, self.max_val = lo.clone(), hi.clone()
@@ -298,7 +337,7 @@ class PerChannelMinMaxObserver(ObserverBase):
                 f"but {self.min_val.numel()} before; one per-channel observer per tensor"
             )
         lo, hi = torch.aminmax(y, dim=1)
-        return lo.float(), hi.float()
+        return self._batch_extremes(lo.float(), hi.float())
 
     def _observe(self, x: torch.Tensor) -> None:
         mm = self._batch_minmax(x)
@@ -314,6 +353,24 @@ class PerChannelMinMaxObserver(ObserverBase):
         """Fold one batch's per-channel min/max into the running ones: the overall extremes."""
         self.min_val = torch.minimum(self.min_val, lo)
         self.max_val = torch.maximum(self.max_val, hi)
+
+    def sync_ranks(self) -> None:
+        who = f"the channel count of observer {self._display_name()!r}"
+        c = self.min_val.numel()
+        counts = collectives.all_reduce(torch.tensor([c, -c if c else -(1 << 62)], dtype=torch.int64),
+                                        collectives.MAX, who)
+        most, fewest = int(counts[0]), -int(counts[1])
+        if most == 0:
+            return
+        if fewest != most:
+            raise CalibrationError(
+                f"observer {self._display_name()!r} saw {fewest} channels on one rank and {most} on "
+                f"another; every rank must run the same model"
+            )
+        if c == 0:
+            self.min_val = torch.full((most,), float("inf"), device=self.min_val.device)
+            self.max_val = torch.full((most,), float("-inf"), device=self.max_val.device)
+        self._reduce_range()
 
     def calculate_amax(self) -> torch.Tensor:
         self._require_data()
@@ -353,16 +410,24 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
 class HistogramObserver(ObserverBase):
     """One-pass, fixed-memory histogram of ``|x|``; the clipping threshold is searched.
 
-    Memory: ``histogram`` is ``bins`` float64 counts over ``[0, hist_max]``
-    (bin ``i`` covers ``[i*w, (i+1)*w)``, ``w = hist_max / bins``, the last
-    bin also holds ``hist_max`` itself).  The first non-zero batch sets
-    ``hist_max`` to its ``max |x|``.  When a later batch exceeds the range,
-    the range grows by the smallest power of two ``f = 2**k`` that covers it,
-    and old bin ``i`` is merged into new bin ``i // f`` (old bins nest exactly
-    in new ones, so counts and the total are preserved; ``f >= bins`` puts
-    everything into bin 0).  The buffers never change size.
+    Memory: ``histogram`` is ``2 * bins`` float64 counts over ``[0, hist_max)``
+    where ``hist_max = 2**E`` is the smallest power of two *above* every
+    ``|x|`` seen (0 while only zeros were seen; they sit in bin 0).  Bin ``i``
+    covers ``[i*w, (i+1)*w)``, ``w = hist_max / (2*bins)``; values are binned
+    as float32 ``|x|``, so ``|x| * (2*bins) / 2**E`` is exact.  Because
+    ``max |x| >= hist_max / 2``, at least ``bins`` bins cover ``[0, max |x|]``.
+    When a batch needs a larger ``E``, bins merge by the factor ``2**k``
+    (old bin ``i`` -> ``i // 2**k``), and ``floor(floor(y) / 2**k) ==
+    floor(y / 2**k)``, so the counts are exactly those of binning everything on
+    the new grid from the start.  The state is therefore a function of the
+    multiset of values seen, not of batch order or of how the data was split,
+    and two histograms merge exactly (:meth:`sync_ranks`).  The buffers never
+    change size.
 
-    ``calculate_amax()`` (recomputed on each call) picks the threshold ``T``:
+    ``calculate_amax()`` (recomputed on each call) works on the bins up to the
+    one holding ``max |x|`` (``bins`` to ``2*bins`` of them) and picks ``T``
+    (``mse`` and ``kl`` pick a bin edge and scale it by ``max|x| / last edge``,
+    so thresholds are not powers of two times small integers):
 
     * ``percentile``: the ``percentile``-th percentile of ``|x|``,
       interpolated linearly inside its bin;
@@ -374,38 +439,42 @@ class HistogramObserver(ObserverBase):
       per element otherwise; the minimiser wins (computed with prefix sums,
       O(bins));
     * ``kl``: TensorRT's entropy calibration adapted to symmetric ``|x|``:
-      for each candidate ``i`` from ``levels`` to ``bins`` (``levels = qmax+1``:
-      128 for qint8, 32768 for qint16), the reference ``P`` is the first ``i``
-      bins with the outliers added to the last one, ``Q`` merges those ``i``
-      bins into ``levels`` groups and spreads each group's mass evenly over
-      its non-empty bins; both are smoothed and the ``i`` minimising
-      ``KL(P || Q)`` gives ``T = i * w``.  With ``bins <= levels`` (qint16
-      with the default 2048 bins) the histogram is coarser than the integer
-      grid, nothing can be gained by clipping and ``T = max |x|``.
+      for each candidate ``i`` from ``levels`` to the number of bins ``n``
+      (``levels = qmax+1``: 128 for qint8, 32768 for qint16), the reference
+      ``P`` is the first ``i`` bins with the outliers added to the last one,
+      ``Q`` merges those ``i`` bins into ``levels`` groups and spreads each
+      group's mass evenly over its non-empty bins; both are smoothed and the
+      ``i`` minimising ``KL(P || Q)`` gives ``T = i * w``.  With
+      ``n <= levels`` (qint16 with the default 2048 bins) the histogram is
+      coarser than the integer grid, nothing can be gained by clipping and
+      ``T = max |x|``.
 
     The threshold never exceeds the largest ``|x|`` seen.
     """
 
     METHODS = ("mse", "kl", "percentile")
+    MAX_BINS = 1 << 20  # keeps |x| * 2 * bins exact in float64 for float32 |x|
 
     def __init__(self, method: str = "mse", bins: int = 2048, percentile: float = 99.99,
                  dtype="qint8") -> None:
         if method not in self.METHODS:
             raise ConfigError(f"HistogramObserver: unknown method {method!r}; allowed: "
                               + ", ".join(repr(m) for m in self.METHODS))
-        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 2:
-            raise ConfigError(f"HistogramObserver: bins must be an int >= 2, got {bins!r}")
+        if not isinstance(bins, int) or isinstance(bins, bool) or not 2 <= bins <= self.MAX_BINS:
+            raise ConfigError(f"HistogramObserver: bins must be an int in [2, {self.MAX_BINS}], got {bins!r}")
         if not (isinstance(percentile, (int, float)) and 0 < percentile <= 100):
             raise ConfigError(f"HistogramObserver: percentile must be in (0, 100], got {percentile!r}")
         super().__init__(dtype, ch_axis=-1)
         self.method = method
         self.bins = bins
         self.percentile = float(percentile)
-        self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
-        # upper edge of the histogram's range; 0 until a non-zero value is seen
+        self.register_buffer("histogram", torch.zeros(2 * bins, dtype=torch.float64))
+        # 2**E above every |x| seen; 0 until a non-zero value is seen
         self.register_buffer("hist_max", torch.tensor(0.0, dtype=torch.float64))
         self.register_buffer("min_val", torch.tensor(float("inf")))
         self.register_buffer("max_val", torch.tensor(float("-inf")))
+        # the histogram as of the last sync_ranks() (what all ranks already share)
+        self._synced: torch.Tensor | None = None
 
     @property
     def has_observed(self) -> bool:
@@ -419,39 +488,56 @@ class HistogramObserver(ObserverBase):
         return max(abs(float(self.min_val)), abs(float(self.max_val)))
 
     # -- observing --------------------------------------------------------
-    def _rebin(self, factor: int) -> None:
-        """Merge ``factor`` (a power of two) adjacent bins into one, in place."""
-        h = self.histogram
-        if factor >= self.bins:
-            total = h.sum()
-            h.zero_()
-            h[0] = total
+    @staticmethod
+    def _rebinned(h: torch.Tensor, old_max: float, new_max: float) -> torch.Tensor:
+        """``h`` (range ``[0, old_max)``) on the grid of ``[0, new_max)``; both powers of two or 0."""
+        if old_max == new_max or old_max == 0.0:
+            return h  # equal grids; or only zeros so far, all in bin 0 on any grid
+        n = h.numel()
+        factor = int(round(new_max / old_max))
+        if factor >= n:
+            out = torch.zeros_like(h)
+            out[0] = h.sum()
+            return out
+        return torch.zeros_like(h).index_add_(0, torch.arange(n, device=h.device) // factor, h)
+
+    def _grow(self, new_max: float) -> None:
+        """Widen the range to ``new_max`` (a power of two >= ``hist_max``), merging bins exactly."""
+        old = float(self.hist_max)
+        if new_max <= old:
             return
-        merged = torch.zeros_like(h).index_add_(
-            0, torch.arange(self.bins, device=h.device) // factor, h)
-        h.copy_(merged)
+        self.histogram.copy_(self._rebinned(self.histogram, old, new_max))
+        if self._synced is not None:
+            self._synced = self._rebinned(self._synced, old, new_max)
+        self.hist_max.fill_(new_max)
 
     def _observe(self, x: torch.Tensor) -> None:
         lo, hi = torch.aminmax(x)
         self.min_val = torch.minimum(self.min_val, lo.float())
         self.max_val = torch.maximum(self.max_val, hi.float())
-        a = x.abs().flatten().double()
+        a = x.float().abs().flatten().double()
         amax = float(a.max())
+        if amax > 0.0:
+            self._grow(math.ldexp(1.0, math.frexp(amax)[1]))  # amax < 2**E <= 2 * amax
         r = float(self.hist_max)
-        if r == 0.0:
-            r = amax  # stays 0 while only zeros were seen: they all sit in bin 0
-        elif amax > r:
-            k = max(1, math.ceil(math.log2(amax / r)))
-            while r * 2.0 ** k < amax:
-                k += 1
-            self._rebin(2 ** k)
-            r = r * 2.0 ** k
-        self.hist_max.fill_(r)
         if r == 0.0:
             self.histogram[0] += a.numel()
             return
-        idx = torch.floor(a * (self.bins / r)).long().clamp_(0, self.bins - 1)
-        self.histogram += torch.bincount(idx, minlength=self.bins).double()
+        n = self.histogram.numel()
+        idx = torch.floor(a * (n / r)).long()  # exact: n / r = n * 2**-E, a float32 value
+        self.histogram += torch.bincount(idx, minlength=n).double()
+
+    def sync_ranks(self) -> None:
+        who = f"the histogram of observer {self._display_name()!r}"
+        self._reduce_range()
+        self._grow(float(collectives.all_reduce(self.hist_max, collectives.MAX, who)))
+        if not collectives.active():
+            return
+        shared = self._synced if self._synced is not None else torch.zeros_like(self.histogram)
+        # counts are integers in float64 (exact below 2**53): the sum does not depend on the order
+        news = collectives.all_reduce(self.histogram - shared, collectives.SUM, who)
+        self.histogram.copy_(shared + news)
+        self._synced = self.histogram.detach().clone()
 
     # -- thresholds -------------------------------------------------------
     def calculate_amax(self) -> torch.Tensor:
@@ -460,14 +546,18 @@ class HistogramObserver(ObserverBase):
         r = float(self.hist_max)
         if top == 0.0 or r == 0.0:
             return torch.zeros(1)
-        h = self.histogram.detach().cpu().numpy().astype(np.float64)
-        w = r / self.bins
+        n = self.histogram.numel()
+        w = r / n
+        used = min(int(math.floor(top * (n / r))) + 1, n)  # up to the bin holding max |x|
+        h = self.histogram.detach().cpu().numpy().astype(np.float64)[:used]
         if self.method == "percentile":
             t = self._percentile_threshold(h, w)
-        elif self.method == "mse":
-            t = self._mse_threshold(h, w)
         else:
-            t = self._kl_threshold(h, w)
+            # a bin edge i * w, stretched so that the last used edge is max |x| (a change below
+            # 1 / bins): on the raw power-of-two grid the thresholds of two tensors would often
+            # have simple ratios (2x, 3/2x), which makes exact rounding ties in requantization common
+            edge = self._mse_threshold(h, w) if self.method == "mse" else self._kl_threshold(h, w)
+            t = edge * (top / (used * w))
         t = min(t, top)
         if not t > 0.0:
             t = top

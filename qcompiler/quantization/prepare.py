@@ -33,6 +33,7 @@ from qcompiler.quantization.qconfig import (
     get_default_qat_qconfig,
     parse_qconfig_dict,
 )
+from qcompiler.quantization.sync import sync_observers
 
 GM_KIND = "qc_kind"  # gm.meta: "calibration" | "qat"
 GM_HYBRID = "qc_hybrid"  # gm.meta: the HybridConfig the model was placed with
@@ -152,7 +153,8 @@ def prepare_qat_fx(
 
     ``model`` is a float model (``example_inputs`` required) or a model from
     ``prepare_calibration_fx``, whose graph is reused and whose calibrated
-    ranges start every fake quant at the same place. ``qconfig_dict``
+    ranges start every fake quant at the same place (under ``torch.distributed``,
+    the ranges reduced over all ranks). ``qconfig_dict``
     defaults to ``{"": get_default_qat_qconfig()}``.
     """
     if isinstance(model, fx.GraphModule) and model.meta.get(GM_KIND) == "calibration":
@@ -175,13 +177,14 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
         raise ConfigError(
             f"march {resolve_march(march).value!r} differs from the calibration model's {calib_march.value!r}"
         )
-    calibrated = {
-        path: m.calculate_qparams()[0]
-        for path, m in calib.named_modules()
-        if isinstance(m, CalibFakeQuantize) and m.has_observed
-    }
     gm = calib if inplace else copy.deepcopy(calib)
     type(gm).__name__ = type(calib).__name__  # deepcopy renames the per-instance class
+    sync_observers(gm)  # every rank starts QAT from the ranges of all ranks' calibration data
+    calibrated = {
+        path: m.calculate_qparams()[0]
+        for path, m in gm.named_modules()
+        if isinstance(m, CalibFakeQuantize) and m.has_observed
+    }
     resolver = _resolver(qconfig_dict, gm, "qat")
     ctx = CompileContext(
         march=calib_march,

@@ -1,0 +1,163 @@
+"""qcompiler on ``torch.distributed``: calibration, QAT, evaluation and analysis across processes.
+
+Launch with ``torchrun`` and call ``torch.distributed.init_process_group``
+(gloo on CPU, NCCL on GPU); qcompiler joins the default group and never
+starts one.  Without a group, or with one rank, everything here is the
+single-process code path.  docs/distributed.md has the whole story.
+
+* :func:`sync_observers` reduces every observer over the ranks, exactly; the
+  result equals one process calibrating on the union of the shards, so it
+  cannot depend on the number of ranks.  ``convert_fx``, ``prepare_qat_fx``
+  (from a calibration model) and ``compile`` call it for you.
+* :func:`shard` gives this rank its share of a list (calibration batches).
+* :func:`evaluate` runs a model over a DataLoader's dataset split by a
+  ``DistributedSampler`` and computes the metric on rank 0 over all samples,
+  in dataset order: the value one process would compute.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from qcompiler import collectives
+from qcompiler.errors import ConfigError
+from qcompiler.quantization.sync import DEFAULT_TIMEOUT, check_same_model, require_batches, sync_observers
+
+__all__ = ["sync_observers", "check_same_model", "require_batches", "shard", "evaluate", "is_main_process",
+           "join_torchrun", "DEFAULT_TIMEOUT"]
+
+
+def join_torchrun(timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Join the process group ``torchrun`` describes (WORLD_SIZE > 1 in the environment); True if it did.
+
+    gloo on CPU, NCCL when CUDA is present. Already initialized, or a single
+    process: nothing to do (False). The CLI calls it; scripts usually call
+    ``init_process_group`` themselves.
+    """
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: launch with "
+                          f"torchrun, or set the torch.distributed environment variables")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return True
+
+
+def is_main_process() -> bool:
+    """Rank 0 (or no process group): the process that writes files and reports."""
+    return collectives.rank() == 0
+
+
+def shard(items, rank: Optional[int] = None, world: Optional[int] = None) -> list:
+    """This rank's share of ``items``: every ``world``-th item from ``rank`` on (all of them without a group)."""
+    rank = collectives.rank() if rank is None else rank
+    world = collectives.world_size() if world is None else world
+    return list(items)[rank::world]
+
+
+def _model_device(model: Any) -> Optional[torch.device]:
+    if isinstance(model, nn.Module):
+        for t in model.parameters():
+            return t.device
+        for t in model.buffers():
+            return t.device
+    return None
+
+
+def _to(x: Any, device: Optional[torch.device]) -> Any:
+    if device is None or device.type == "cpu":
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to(v, device) for v in x)
+    return x
+
+
+def _as_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_as_cpu(v) for v in x)
+    return x
+
+
+def _rows(x: Any, n: int) -> list:
+    """Split a batched output (a tensor, or a tuple of tensors) into ``n`` per-sample rows."""
+    if isinstance(x, torch.Tensor):
+        return list(x.unbind(0)) if x.dim() else [x] * n
+    if isinstance(x, (tuple, list)):
+        cols = [_rows(v, n) for v in x]
+        return [type(x)(c[i] for c in cols) for i in range(n)]
+    raise ConfigError(f"evaluate: model outputs must be tensors or tuples of tensors, got {type(x).__name__}")
+
+
+def _stack(rows: list) -> Any:
+    first = rows[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(rows)
+    return type(first)(_stack([r[i] for r in rows]) for i in range(len(first)))
+
+
+def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], Any], *,
+             timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """``metric(outputs, targets)`` over every sample of ``loader.dataset``; the value on rank 0, None elsewhere.
+
+    ``model``: a float, fake-quant, converted (``convert_fx``) or compiled
+    (``qcompiler.compile``) model. ``loader``: a DataLoader over a map-style
+    dataset of ``(input, target)`` items; its ``batch_size`` and
+    ``collate_fn`` are kept, its sampler is replaced by a
+    ``DistributedSampler`` (no shuffle) so each rank runs its share. Rank 0
+    gathers the per-sample outputs and targets, puts them back in dataset
+    order (the sampler's padding dropped) and computes the metric once: the
+    value one process computes. Inputs go to the model's device; outputs come
+    back to the CPU.
+    """
+    if not isinstance(loader, DataLoader):
+        raise ConfigError(f"evaluate: loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    if not callable(metric):
+        raise ConfigError("evaluate: metric must be a callable metric(outputs, targets)")
+    dataset, n = loader.dataset, len(loader.dataset)
+    world, rank = collectives.world_size(), collectives.rank()
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False)
+    mine = [i for k, i in enumerate(sampler) if rank + k * world < n]  # drop the sampler's padding
+    require_batches(len(mine), "evaluate", timeout=timeout)
+    device = _model_device(model)
+    was_training = getattr(model, "training", False)
+    if isinstance(model, nn.Module):
+        model.eval()
+    outs, targets, bs = [], [], loader.batch_size or 1
+    try:
+        with torch.no_grad():
+            for start in range(0, len(mine), bs):
+                batch = loader.collate_fn([dataset[i] for i in mine[start:start + bs]])
+                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                    raise ConfigError("evaluate: dataset items must be (input, target) pairs")
+                x, y = batch
+                out = model(*_to(x, device)) if isinstance(x, (tuple, list)) else model(_to(x, device))
+                k = len(mine[start:start + bs])
+                outs += _rows(_as_cpu(out), k)
+                targets += _rows(_as_cpu(y), k)
+    finally:
+        if isinstance(model, nn.Module):
+            model.train(was_training)
+    gathered = collectives.all_gather_object((mine, outs, targets), "evaluate: gathering the outputs")
+    if rank != 0:
+        return None
+    by_index: dict[int, tuple] = {}
+    for idx, o_list, t_list in gathered:
+        for i, o, t in zip(idx, o_list, t_list):
+            by_index[i] = (o, t)
+    keys = sorted(by_index)
+    return metric(_stack([by_index[i][0] for i in keys]), _stack([by_index[i][1] for i in keys]))
