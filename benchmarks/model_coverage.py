@@ -56,6 +56,7 @@ from benchmarks._data import sqnr_db  # noqa: E402
 from qcompiler.compiled import compile as qc_compile  # noqa: E402
 from qcompiler.compiled import load  # noqa: E402
 from qcompiler.errors import ArtifactError, QCompilerError, UnsupportedOpError  # noqa: E402
+from qcompiler.ir.meta import BPU  # noqa: E402
 from qcompiler.onnx import inference_session  # noqa: E402
 
 try:
@@ -388,6 +389,7 @@ def run_case(case: Case, march: str, workdir: Path, fx: Optional[dict] = None) -
         row["seconds"] = time.perf_counter() - t0
         return row
     row["islands"] = len(cm.torch_islands())
+    row["bpu"] = sum(p["placement"] == BPU for p in cm.partitions)
 
     try:
         with _quiet():
@@ -518,6 +520,8 @@ def counts(rows: Sequence[dict], marches: Sequence[str]) -> list[tuple[str, str]
             (f"{march}: compile OK (classes, every variant / any variant)",
              f"{len(cls_all_ok)}/{len(cls_all)} / {len(cls_ok)}/{len(cls_all)}"),
             (f"{march}: compiled model runs", f"{sum(r['call'] == 'ok' for r in ok)}/{len(ok)}"),
+            (f"{march}: no BPU partition (the whole model stays float on the CPU)",
+             f"{sum(r.get('bpu') == 0 for r in ok)}/{len(ok)}"),
             (f"{march}: with eager-torch islands", f"{sum(bool(r['islands']) for r in ok)}/{len(ok)}"),
             (f"{march}: export + checker + onnxruntime OK",
              f"{sum(r['export'] == 'ok' for r in ok)}/{len(ok)} "
@@ -575,7 +579,8 @@ def table_rows(rows: Sequence[dict]) -> list[list[str]]:
         first_error = r["errors"][0][0] if r["errors"] else ""
         out.append([
             r["model"], r["march"], r["fx"] or "", r["compile"], r["call"],
-            "" if r["islands"] is None else str(r["islands"]), r["export"],
+            "" if r.get("bpu") is None else str(r["bpu"]), "" if r["islands"] is None else str(r["islands"]),
+            r["export"],
             "" if r["export_match"] is None else ("yes" if r["export_match"] else f"no ({r['export_diff']:.2g})"
                                                   if r["export_diff"] is not None else "no"),
             r["saveload"], _fmt_db(r["sqnr_float"]), _fmt_db(r["sqnr_fx"]),
@@ -584,7 +589,7 @@ def table_rows(rows: Sequence[dict]) -> list[list[str]]:
     return out
 
 
-HEADERS = ["model", "march", "ao FX", "compile", "call", "torch islands", "export", "exported==compiled",
+HEADERS = ["model", "march", "ao FX", "compile", "call", "BPU parts", "torch islands", "export", "exported==compiled",
            "save/load", "SQNR vs float (dB)", "SQNR vs ao FX (dB)", "first failure"]
 
 
@@ -633,6 +638,11 @@ def markdown(rows: Sequence[dict], marches: Sequence[str], seconds: float, argv:
         "a `QCompilerError`.",
         "",
         tabulate(environment() + [("run time", f"{seconds:.0f} s")], headers=["", ""], tablefmt="github"),
+        "",
+        "Reading the table: *SQNR vs float* above ~100 dB (or inf) means no op was quantized (no BPU "
+        "partition: the model ran in float on the CPU); *n/a (output ~0)*: the float output is numerically "
+        "zero everywhere, so no SQNR is meaningful. *ao FX* is torch.ao's own FX PTQ of the same model "
+        "(`fail`: torch.ao cannot quantize it either; its errors are listed below).",
         "",
         "## Counts",
         "",

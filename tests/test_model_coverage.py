@@ -49,20 +49,33 @@ def test_a_linear_model_passes_every_check_on_both_marches(tmp_path):
     for row in rows:
         assert row["errors"] == []
         assert (row["compile"], row["call"], row["export"], row["saveload"]) == ("ok", "ok", "ok", "ok")
-        assert row["islands"] == 0 and row["export_match"] is True and row["export_diff"] < 1e-4
+        assert row["islands"] == 0 and row["bpu"] == 1 and row["export_match"] is True and row["export_diff"] < 1e-4
         assert 25 < row["sqnr_float"] < math.inf and row["sqnr_fx"] > 25  # int8 on a 5x5 linear + relu
     lines = dict(counts(rows, ["bayes", "bernoulli2"]))
     assert lines["bayes: compile OK (cases)"] == "1/1"
+    assert lines["bayes: no BPU partition (the whole model stays float on the CPU)"] == "0/1"
     assert lines["raw errors (not a QCompilerError), all stages and marches"] == "0"
     assert "| TestHelperModules.LinearReluModel | bayes" in markdown(rows, ["bayes", "bernoulli2"], 1.0, [])
 
 
+class _Bessel(nn.Module):
+    """A linear on the BPU, then an op ONNX opset 11 has no form for: an eager-torch island."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.special.bessel_j0(self.fc(x))
+
+
 def test_torch_island_refusals_are_counted_apart_from_failures(tmp_path):
-    row = run_case(_case("RNNCellDynamicModel[GRUCell]"), "bayes", tmp_path)
-    assert (row["compile"], row["call"]) == ("ok", "ok")
-    assert row["islands"] >= 1
+    row = run_case(Case("Bessel", _Bessel, inputs=lambda: (torch.randn(2, 4),)), "bayes", tmp_path)
+    assert (row["compile"], row["call"], row["bpu"], row["islands"]) == ("ok", "ok", 1, 1)
     assert (row["export"], row["saveload"]) == ("refused", "refused")
-    assert row["errors"] == []
+    assert row["errors"] == [] and row["sqnr_float"] > 25
+    lines = dict(counts([row], ["bayes"]))
+    assert lines["bayes: export + checker + onnxruntime OK"] == "0/1 (refused, torch islands: 1; failed: 0)"
 
 
 class _Broken(nn.Module):
