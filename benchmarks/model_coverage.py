@@ -29,6 +29,7 @@ import copy
 import datetime
 import inspect
 import io
+import json
 import math
 import os
 import platform
@@ -691,6 +692,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--models", nargs="+", metavar="NAME", help="only these classes or cases")
     parser.add_argument("--march", nargs="+", choices=MARCHES, default=list(MARCHES), help="marches to compile for")
     parser.add_argument("--markdown", metavar="FILE", help="also write the report as markdown to FILE ('-': stdout)")
+    parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON to FILE (to diff two runs)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args(argv)
     cases = select(all_cases(), args.models)
@@ -706,6 +708,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(tabulate(counts(rows, args.march)))
     print()
     print(tabulate(failure_categories(rows), headers=["n", "category", "raw", "cases [marches]"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": dict(environment()), "rows": rows}, indent=1))
     if args.markdown:
         passed = list(argv if argv is not None else sys.argv[1:])
         text = markdown(rows, args.march, seconds, passed)
