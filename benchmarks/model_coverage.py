@@ -520,7 +520,7 @@ def counts(rows: Sequence[dict], marches: Sequence[str]) -> list[tuple[str, str]
             (f"{march}: compile OK (cases)", f"{len(ok)}/{n}"),
             (f"{march}: compile OK (classes, every variant / any variant)",
              f"{len(cls_all_ok)}/{len(cls_all)} / {len(cls_ok)}/{len(cls_all)}"),
-            (f"{march}: compiled model runs", f"{sum(r['call'] == 'ok' for r in ok)}/{len(ok)}"),
+            (f"{march}: compiled model runs (output shapes as the float model's)", f"{sum(r['call'] == 'ok' for r in ok)}/{len(ok)}"),
             (f"{march}: no BPU partition (the whole model stays float on the CPU)",
              f"{sum(r.get('bpu') == 0 for r in ok)}/{len(ok)}"),
             (f"{march}: with eager-torch islands", f"{sum(bool(r['islands']) for r in ok)}/{len(ok)}"),
