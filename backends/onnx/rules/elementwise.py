@@ -331,8 +331,10 @@ def round_(ctx: NodeContext) -> Tensor:
     does (``round(x * 10^d) / 10^d``, ``round(x / 10^-d) * 10^-d`` for d < 0)."""
     decimals = ctx.kw(decimals=0)["decimals"]
     x = ctx.x()
-    if ctx.dtype(x) not in FLOAT_TYPES or not decimals:
-        return rounding("Round")(ctx)
+    if ctx.dtype(x) not in FLOAT_TYPES:
+        return ctx.identity(x)
+    if not decimals:
+        return ctx.make("Round", [x])
     if not isinstance(decimals, int):
         raise ctx.unsupported(f"round decimals={decimals!r} (give a Python int)")
     dt = ctx.dtype(x)
@@ -426,7 +428,7 @@ def softsign(ctx: NodeContext) -> Tensor:
 @emits("celu", since=11)
 def celu(ctx: NodeContext) -> Tensor:
     """celu(x, a) = a * elu(x / a) (Celu is opset 12)."""
-    alpha = float(ctx.kw(alpha=1.0)["alpha"])
+    alpha = float(ctx.kw(alpha=1.0, inplace=False)["alpha"])
     if alpha == 0:
         raise ctx.unsupported("celu with alpha=0 (torch divides by alpha)")
     x = ctx.x()
@@ -439,7 +441,7 @@ def celu(ctx: NodeContext) -> Tensor:
 @emits("threshold", since=11)
 def threshold(ctx: NodeContext) -> Tensor:
     """x where x > threshold, else value."""
-    kw = ctx.kw(threshold=REQUIRED, value=REQUIRED)
+    kw = ctx.kw(threshold=REQUIRED, value=REQUIRED, inplace=False)
     x = ctx.x()
     dt = ctx.dtype(x)
     above = ctx.make("Greater", [x, _as_tensor(ctx, kw["threshold"], dt, "threshold")], tag="above",
