@@ -249,8 +249,15 @@ NORM_CASES = [
     ("F.normalize p=3 dim 2", Fn(lambda x: F.normalize(x, 3, 2)), X),
     ("F.normalize p=inf", Fn(lambda x: F.normalize(x, p=math.inf, dim=1)), X),
     ("F.normalize zero rows (eps)", Fn(lambda x: F.normalize(x, dim=1, eps=1e-3)), X * (X > 1)),
+    ("InstanceNorm1d unbatched", nn.InstanceNorm1d(4), X3[0]),
+    ("InstanceNorm2d unbatched, affine, running stats",
+     _randomized(nn.InstanceNorm2d(4, affine=True, track_running_stats=True)), X[0]),
+    ("InstanceNorm2d unbatched, affine", _randomized(nn.InstanceNorm2d(4, affine=True)), X[0]),
     ("LocalResponseNorm", nn.LocalResponseNorm(3), X),
     ("F.local_response_norm 3-d", Fn(lambda x: F.local_response_norm(x, 5, alpha=1e-2, beta=0.5, k=2.0)), X3),
+    ("LocalResponseNorm even size", nn.LocalResponseNorm(4, alpha=0.5, beta=0.6, k=1.5), X),
+    ("F.local_response_norm even size, 5-d", Fn(lambda x: F.local_response_norm(x, 2, alpha=0.3)), X5),
+    ("F.local_response_norm odd size, 5-d", Fn(lambda x: F.local_response_norm(x, 3, alpha=0.3)), X5),
 ]
 
 
@@ -276,15 +283,13 @@ def test_these_ops_are_placed_on_the_cpu_with_the_reason():
 # what is refused: an UnsupportedOpError naming the node, the op and why
 
 REFUSED = [
-    ("lrn even size", nn.LocalResponseNorm(4), X,
-     r"node 'm' \(LocalResponseNorm, op 'local_response_norm'\).*even size \(4\)"),
-    ("lrn rank 5", Fn(lambda x: F.local_response_norm(x, 3)), X5,
-     r"node 'local_response_norm' .*rank-5 input"),
-    ("normalize p=0", Fn(lambda x: F.normalize(x, p=0)), X, r"node 'normalize' .*p=0 \(p must be > 0\)"),
-    ("unbatched instance norm", nn.InstanceNorm1d(4), X3[0],
-     r"node 'm' \(InstanceNorm1d, op 'instance_norm'\).*unsqueeze an unbatched input"),
+    ("normalize p=0", Fn(lambda x: F.normalize(x, p=0)), X, r"node 'normalize' \(F.normalize, op 'normalize'\).*"
+                                                            r"p=0 \(p must be > 0\)"),
+    ("normalize p<0", Fn(lambda x: F.normalize(x, p=-1.0)), X, r"node 'normalize' .*p=-1.0 \(p must be > 0\)"),
     ("integer clamp, tensor bounds", Fn2(lambda a, b: a.clamp_max(b)), (INTS, INTS.flip(1)),
      r"node 'clamp_max' \(\.clamp_max, op 'clamp'\).*integer tensor with tensor bounds"),
+    ("log_softmax to bfloat16", Fn(lambda x: x.log_softmax(1, torch.bfloat16)), X,
+     r"node 'log_softmax' \(\.log_softmax, op 'log_softmax'\).*dtype torch.bfloat16"),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from qcompiler.backends.onnx.context import (
     REQUIRED,
@@ -139,22 +140,36 @@ def instance_norm(ctx: NodeContext) -> Tensor:
     call says ``use_input_stats=False`` (BatchNormalization)."""
     kw = ctx.kw(running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True, momentum=0.1,
                 eps=1e-5)
+    x, shape = ctx.x(), ctx.shape()
+    if shape is None:
+        raise ctx.unsupported("instance_norm needs an input of known shape (run shape propagation first)")
     if ctx.module is not None:  # eval: a module that tracks running statistics normalizes with them
         kw["use_input_stats"] = not ctx.module.track_running_stats
-    x, shape = ctx.x(), ctx.shape()
-    if shape is None or len(shape) < 3:
-        raise ctx.unsupported("instance_norm needs a batched input of known shape (N, C, L, ...); "
-                              "unsqueeze an unbatched input to add N")
+        unbatched = next((r for cls, r in _UNBATCHED_RANK.items() if isinstance(ctx.module, cls)), None)
+        if len(shape) == unbatched:  # (C, ...): a batch of one
+            y = _instance_norm(ctx, ctx.make("Unsqueeze", [x], tag="batched", axes=[0]), (1, *shape), kw, "normalized")
+            return ctx.make("Squeeze", [y], axes=[0])
+    if len(shape) < 3:
+        raise ctx.unsupported(f"instance_norm of a rank-{len(shape)} input (it takes (N, C, L, ...))")
+    return _instance_norm(ctx, x, shape, kw)
+
+
+def _instance_norm(ctx: NodeContext, x: str, shape, kw: dict, tag=None) -> Tensor:
     rank, c = len(shape), shape[1]
+    affine = kw["weight"] is not None or kw["bias"] is not None
     if kw["use_input_stats"]:
-        return _affine(ctx, _instance_normalization(ctx, x, c, kw["eps"], tag="normalized" if (
-            kw["weight"] is not None or kw["bias"] is not None) else None), kw["weight"], kw["bias"], rank)
+        return _affine(ctx, _instance_normalization(ctx, x, c, kw["eps"], tag="normalized" if affine else tag),
+                       kw["weight"], kw["bias"], rank)
     if kw["running_mean"] is None or kw["running_var"] is None:
         raise ctx.unsupported("instance_norm with use_input_stats=False needs running_mean and running_var")
     scale = ctx.tensor(kw["weight"]) if kw["weight"] is not None else _filled_n(ctx, "scale", c, 1.0)
     bias = ctx.tensor(kw["bias"]) if kw["bias"] is not None else _filled_n(ctx, "bias", c, 0.0)
     return ctx.make("BatchNormalization", [x, scale, bias, ctx.tensor(kw["running_mean"]),
-                                           ctx.tensor(kw["running_var"])], epsilon=float(kw["eps"]))
+                                           ctx.tensor(kw["running_var"])], tag=tag, epsilon=float(kw["eps"]))
+
+
+# InstanceNorm module -> the rank of an unbatched input (C, L...), which torch normalizes as a batch of one
+_UNBATCHED_RANK = {nn.InstanceNorm1d: 2, nn.InstanceNorm2d: 3, nn.InstanceNorm3d: 4}
 
 
 # p -> ONNX reduction that computes the p-norm in one node
@@ -184,17 +199,32 @@ def normalize(ctx: NodeContext) -> Tensor:
 
 @emits("local_response_norm", since=11)
 def local_response_norm(ctx: NodeContext) -> Tensor:
-    """LRN: ``x / (k + alpha / size * sum of squares over size channels) ^ beta``. torch centres an even
-    window one channel lower than LRN, so only odd sizes are emitted; a 3-d input gets a unit dim."""
+    """``x / (k + alpha / size * sum of x^2 over a window of size channels) ^ beta``, per position.
+    An odd size is ONNX LRN (4-d: the spatial dims are flattened to one); torch centres an even
+    window one channel lower than LRN does, so that is summed here as torch does."""
     kw = ctx.kw(size=REQUIRED, alpha=1e-4, beta=0.75, k=1.0)
-    size, x, rank = int(kw["size"]), ctx.x(), ctx.rank()
+    size, x, shape = int(kw["size"]), ctx.x(), ctx.shape()
+    alpha, beta, k = float(kw["alpha"]), float(kw["beta"]), float(kw["k"])
+    if shape is None or len(shape) < 3:
+        raise ctx.unsupported("local_response_norm needs an input of known shape (N, C, L, ...)")
     if size % 2 == 0:
-        raise ctx.unsupported(f"local_response_norm with an even size ({size}): ONNX LRN centres the window "
-                              f"differently from torch; use an odd size")
-    if rank not in (3, 4):
-        raise ctx.unsupported(f"local_response_norm of a rank-{rank} input (emitted for 3-d and 4-d inputs)")
-    attrs = dict(size=size, alpha=float(kw["alpha"]), beta=float(kw["beta"]), bias=float(kw["k"]))
-    if rank == 4:
-        return ctx.make("LRN", [x], **attrs)
-    x4 = ctx.make("Unsqueeze", [x], tag="to_4d", axes=[3])
-    return ctx.make("Squeeze", [ctx.make("LRN", [x4], tag="lrn", **attrs)], axes=[3])
+        return _even_window_lrn(ctx, x, shape[1], size, alpha, beta, k)
+    if len(shape) == 4:
+        return ctx.make("LRN", [x], size=size, alpha=alpha, beta=beta, bias=k)
+    x4 = ctx.make("Reshape", [x, ctx.const("flat_shape", [0, 0, -1, 1], I64)], tag="to_4d")
+    y = ctx.make("LRN", [x4], tag="lrn", size=size, alpha=alpha, beta=beta, bias=k)
+    return ctx.make("Reshape", [y, ctx.make("Shape", [x], tag="shape", dtype=I64)])
+
+
+def _even_window_lrn(ctx: NodeContext, x: str, c: int, size: int, alpha: float, beta: float, k: float) -> Tensor:
+    """torch's form: x^2 as (N, 1, C, S), zero-padded by size // 2 channels before and (size - 1) // 2
+    after, averaged over windows of ``size`` channels; ``x / (k + alpha * mean) ^ beta``."""
+    sq = ctx.make("Reshape", [ctx.make("Mul", [x, x], tag="square"), ctx.const("window_shape", [0, 1, c, -1], I64)],
+                  tag="channels_as_h")
+    pads = ctx.const("window_pads", [0, 0, size // 2, 0, 0, 0, (size - 1) // 2, 0], I64)
+    avg = ctx.make("AveragePool", [ctx.make("Pad", [sq, pads], tag="pad", mode="constant")], tag="window_mean",
+                   kernel_shape=[size, 1])
+    avg = ctx.make("Reshape", [avg, ctx.make("Shape", [x], tag="shape", dtype=I64)], tag="back")
+    div = ctx.make("Pow", [ctx.make("Add", [ctx.make("Mul", [avg, ctx.const("alpha", alpha)], tag="scaled"),
+                                            ctx.const("k", k)], tag="plus_k"), ctx.const("beta", beta)], tag="div")
+    return ctx.make("Div", [x, div])
