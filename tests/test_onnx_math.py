@@ -283,8 +283,8 @@ def test_these_ops_are_placed_on_the_cpu_with_the_reason():
 # what is refused: an UnsupportedOpError naming the node, the op and why
 
 REFUSED = [
-    ("normalize p=0", Fn(lambda x: F.normalize(x, p=0)), X, r"node 'normalize' \(F.normalize, op 'normalize'\).*"
-                                                            r"p=0 \(p must be > 0\)"),
+    ("normalize p=0", Fn(lambda x: F.normalize(x, p=0)), X,
+     r"node 'normalize' \(F.normalize, op 'normalize'\).*p=0 \(p must be > 0\)"),
     ("normalize p<0", Fn(lambda x: F.normalize(x, p=-1.0)), X, r"node 'normalize' .*p=-1.0 \(p must be > 0\)"),
     ("integer clamp, tensor bounds", Fn2(lambda a, b: a.clamp_max(b)), (INTS, INTS.flip(1)),
      r"node 'clamp_max' \(\.clamp_max, op 'clamp'\).*integer tensor with tensor bounds"),
