@@ -84,6 +84,7 @@ X = torch.randn(2, 4, 5, 6, generator=g) * 2           # any real
 POS = torch.rand(2, 4, 5, 6, generator=g) * 5 + 0.05  # log / sqrt / rsqrt domain
 Y = torch.randn(2, 4, 5, 6, generator=g)
 ROW = torch.randn(1, 4, 1, 6, generator=g)              # broadcasts against X
+UNIT = torch.tanh(X) * 0.95                             # asin / acos / atanh domain
 AWAY = X.sign() * (X.abs() + 0.1)                       # reciprocal: away from 0
 # log1p where 1 + x loses x's digits in float32 (the naive Log(1 + x) is off by up to 6e-2 relative)
 TINY = torch.tensor([[1e-7, -1e-7, 3e-6, 1e-4, -5e-4, 0.0, 0.3, 2.0, 50.0, -0.9, 1e-30, math.inf]])
@@ -118,6 +119,19 @@ UNARY_CASES = {
                    nn.Threshold(0.2, -1.0)], X),
     "glu": ([F.glu, lambda x: F.glu(x, dim=1), lambda x: F.glu(x, -1),
              nn.GLU(1)], X),
+    "asin": ([torch.asin, lambda x: x.asin()], UNIT),
+    "acos": ([torch.acos, lambda x: x.acos()], UNIT),
+    "atan": ([torch.atan, lambda x: x.atan()], X),
+    "sinh": ([torch.sinh, lambda x: x.sinh()], X),
+    "cosh": ([torch.cosh, lambda x: x.cosh()], X),
+    "asinh": ([torch.asinh, lambda x: x.asinh()], X),
+    "acosh": ([torch.acosh, lambda x: x.acosh()], POS + 1),
+    "atanh": ([torch.atanh, lambda x: x.atanh()], UNIT),
+    "log2": ([torch.log2, lambda x: x.log2()], POS),
+    "log10": ([torch.log10, lambda x: x.log10()], POS),
+    "exp2": ([torch.exp2, lambda x: x.exp2()], X),
+    "square": ([torch.square, lambda x: x.square()], X),
+    "trunc": ([torch.trunc, lambda x: x.trunc(), torch.fix, lambda x: x.fix()], HALVES),
     "clamp_min / clamp_max": ([lambda x: torch.clamp_max(x, 0.3), lambda x: x.clamp_max(-0.2),
                                lambda x: x.clamp_min(0.4), lambda x: torch.clamp_min(x, -1)], X),
 }
@@ -145,9 +159,11 @@ def test_round_is_half_to_even_and_takes_decimals():
 
 def test_integer_inputs_follow_torch_dtypes():
     """floor / ceil / round are the identity on integers; sqrt of an integer is float32; int ** int stays int."""
-    for fn in (torch.floor, torch.ceil, torch.round, torch.sign, lambda x: x ** 2, lambda x: x * 0 + 3 ** x.abs()):
+    for fn in (torch.floor, torch.ceil, torch.round, torch.trunc, torch.sign, torch.square, lambda x: x ** 2,
+               lambda x: x * 0 + 3 ** x.abs()):
         check(Fn(fn), INTS, atol=0, rtol=0)
     check(Fn(torch.sqrt), INTS.abs())
+    check(Fn(torch.log2), INTS.abs() + 1)
 
 
 BINARY_CASES = [

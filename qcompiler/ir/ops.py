@@ -200,6 +200,20 @@ FUNCTION_OPS: dict[object, str] = {
     F.instance_norm: "instance_norm",
     F.normalize: "normalize",
     F.local_response_norm: "local_response_norm",
+    torch.asin: "asin",
+    torch.acos: "acos",
+    torch.atan: "atan",
+    torch.sinh: "sinh",
+    torch.cosh: "cosh",
+    torch.asinh: "asinh",
+    torch.acosh: "acosh",
+    torch.atanh: "atanh",
+    torch.log2: "log2",
+    torch.log10: "log10",
+    torch.exp2: "exp2",
+    torch.square: "square",
+    torch.trunc: "trunc",
+    torch.fix: "trunc",
     # --- end of element-wise math block
 }
 
@@ -256,6 +270,20 @@ METHOD_OPS: dict[str, str] = {
     "minimum": "minimum",
     "maximum": "maximum",
     "log_softmax": "log_softmax",
+    "asin": "asin",
+    "acos": "acos",
+    "atan": "atan",
+    "sinh": "sinh",
+    "cosh": "cosh",
+    "asinh": "asinh",
+    "acosh": "acosh",
+    "atanh": "atanh",
+    "log2": "log2",
+    "log10": "log10",
+    "exp2": "exp2",
+    "square": "square",
+    "trunc": "trunc",
+    "fix": "trunc",
     # --- end of element-wise math block
 }
 

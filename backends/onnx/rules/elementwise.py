@@ -2,7 +2,7 @@
 softmax family.
 
 Families that differ only in the ONNX op type are rows of :data:`UNARY`, :data:`FLOAT_UNARY`,
-:data:`ROUNDING`, :data:`BINARY`, :data:`EXTREMUM`, :data:`COMPARE` and :data:`SOFTMAX`,
+:data:`LOG_BASE`, :data:`ROUNDING`, :data:`BINARY`, :data:`EXTREMUM`, :data:`COMPARE` and :data:`SOFTMAX`,
 registered in a loop."""
 
 from __future__ import annotations
@@ -344,6 +344,37 @@ def round_(ctx: NodeContext) -> Tensor:
     return ctx.make(unscale, [r, ten])
 
 
+def log_base(base: float):
+    def rule(ctx: NodeContext) -> Tensor:
+        x = _float_input(ctx)
+        return ctx.make("Div", [ctx.make("Log", [x], tag="ln"), ctx.const("ln_base", math.log(base), ctx.dtype(x))])
+    rule.__name__ = f"log{base:g}"
+    return rule
+
+
+@emits("exp2", since=11)
+def exp2(ctx: NodeContext) -> Tensor:
+    x = _float_input(ctx)
+    return ctx.make("Pow", [ctx.const("two", 2.0, ctx.dtype(x)), x])
+
+
+@emits("square", since=11)
+def square(ctx: NodeContext) -> Tensor:
+    """x * x (torch.square of an integer stays an integer)."""
+    x = ctx.x()
+    return ctx.make("Mul", [x, x])
+
+
+@emits("trunc", since=11)
+def trunc(ctx: NodeContext) -> Tensor:
+    """Round toward zero (opset 11 has no Trunc): sign(x) * floor(|x|), exact; the identity on integers."""
+    x = ctx.x()
+    if ctx.dtype(x) not in FLOAT_TYPES:
+        return ctx.identity(x)
+    floor_abs = ctx.make("Floor", [ctx.make("Abs", [x], tag="abs")], tag="floor_abs")
+    return ctx.make("Mul", [ctx.make("Sign", [x], tag="sign"), floor_abs])
+
+
 @emits("rsqrt", since=11)
 def rsqrt(ctx: NodeContext) -> Tensor:
     return ctx.make("Reciprocal", [ctx.make("Sqrt", [_float_input(ctx)], tag="sqrt")])
@@ -468,7 +499,11 @@ def glu(ctx: NodeContext) -> Tensor:
 UNARY = {"sigmoid": "Sigmoid", "tanh": "Tanh", "exp": "Exp", "erf": "Erf", "neg": "Neg", "abs": "Abs",
          "sign": "Sign"}
 # op -> ONNX op type of a function of floats (an integer input is cast to float32 first, as torch)
-FLOAT_UNARY = {"sqrt": "Sqrt", "log": "Log", "sin": "Sin", "cos": "Cos", "tan": "Tan", "reciprocal": "Reciprocal"}
+FLOAT_UNARY = {"sqrt": "Sqrt", "log": "Log", "sin": "Sin", "cos": "Cos", "tan": "Tan", "reciprocal": "Reciprocal",
+               "asin": "Asin", "acos": "Acos", "atan": "Atan", "sinh": "Sinh", "cosh": "Cosh", "asinh": "Asinh",
+               "acosh": "Acosh", "atanh": "Atanh"}
+# op -> base: log_b(x) = Log(x) / ln(b)
+LOG_BASE = {"log2": 2.0, "log10": 10.0}
 # op -> ONNX op type that rounds floats (the identity on integers)
 ROUNDING = {"floor": "Floor", "ceil": "Ceil"}
 # op -> (ONNX op type on floats, comparison that picks the first operand on integers)
@@ -490,6 +525,8 @@ for _op, (_onnx_op, _negate) in COMPARE.items():
     register(_op, compare(_onnx_op, negate=_negate))
 for _op, _onnx_op in FLOAT_UNARY.items():
     register(_op, float_unary(_onnx_op))
+for _op, _base in LOG_BASE.items():
+    register(_op, log_base(_base))
 for _op, _onnx_op in ROUNDING.items():
     register(_op, rounding(_onnx_op))
 for _op, (_onnx_op, _compare) in EXTREMUM.items():
