@@ -71,6 +71,22 @@ MODULE_OPS: dict[type, str] = {
     nn.Dropout2d: "dropout",
     taq.QuantStub: "quant",
     taq.DeQuantStub: "dequant",
+    # --- element-wise math, log-softmax and normalization on the CPU (ONNX rules: onnx/rules/elementwise.py,
+    # norm.py; issue 13). Not BPU ops: placement sends them to the CPU.
+    nn.Softplus: "softplus",
+    nn.Mish: "mish",
+    nn.GLU: "glu",
+    nn.LogSigmoid: "logsigmoid",
+    nn.Softsign: "softsign",
+    nn.CELU: "celu",
+    nn.Threshold: "threshold",
+    nn.LogSoftmax: "log_softmax",
+    nn.Softmin: "softmin",
+    nn.InstanceNorm1d: "instance_norm",
+    nn.InstanceNorm2d: "instance_norm",
+    nn.InstanceNorm3d: "instance_norm",
+    nn.LocalResponseNorm: "local_response_norm",
+    # --- end of element-wise math block
 }
 
 # call_function targets -> op
@@ -149,6 +165,56 @@ FUNCTION_OPS: dict[object, str] = {
     torch.le: "le",
     torch.eq: "eq",
     torch.ne: "ne",
+    # --- element-wise math, log-softmax and normalization on the CPU (ONNX rules: onnx/rules/elementwise.py,
+    # norm.py; issue 13). Not BPU ops: placement sends them to the CPU.
+    torch.sqrt: "sqrt",
+    torch.rsqrt: "rsqrt",
+    torch.log: "log",
+    torch.log1p: "log1p",
+    torch.sin: "sin",
+    torch.cos: "cos",
+    torch.tan: "tan",
+    torch.pow: "pow",
+    operator.pow: "pow",
+    torch.reciprocal: "reciprocal",
+    torch.floor: "floor",
+    torch.ceil: "ceil",
+    torch.round: "round",
+    torch.sign: "sign",
+    torch.minimum: "minimum",
+    torch.maximum: "maximum",
+    F.mish: "mish",
+    F.softplus: "softplus",
+    F.glu: "glu",
+    F.logsigmoid: "logsigmoid",
+    F.softsign: "softsign",
+    F.celu: "celu",
+    torch.celu: "celu",
+    F.threshold: "threshold",
+    torch.threshold: "threshold",
+    F.log_softmax: "log_softmax",
+    torch.log_softmax: "log_softmax",
+    F.softmin: "softmin",
+    F.group_norm: "group_norm",
+    torch.group_norm: "group_norm",
+    F.instance_norm: "instance_norm",
+    F.normalize: "normalize",
+    F.local_response_norm: "local_response_norm",
+    torch.asin: "asin",
+    torch.acos: "acos",
+    torch.atan: "atan",
+    torch.sinh: "sinh",
+    torch.cosh: "cosh",
+    torch.asinh: "asinh",
+    torch.acosh: "acosh",
+    torch.atanh: "atanh",
+    torch.log2: "log2",
+    torch.log10: "log10",
+    torch.exp2: "exp2",
+    torch.square: "square",
+    torch.trunc: "trunc",
+    torch.fix: "trunc",
+    # --- end of element-wise math block
 }
 
 # call_method names -> op
@@ -185,6 +251,40 @@ METHOD_OPS: dict[str, str] = {
     "le": "le",
     "eq": "eq",
     "ne": "ne",
+    # --- element-wise math, log-softmax and normalization on the CPU (ONNX rules: onnx/rules/elementwise.py,
+    # norm.py; issue 13). Not BPU ops: placement sends them to the CPU.
+    "sqrt": "sqrt",
+    "rsqrt": "rsqrt",
+    "log": "log",
+    "log1p": "log1p",
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "erf": "erf",
+    "pow": "pow",
+    "reciprocal": "reciprocal",
+    "floor": "floor",
+    "ceil": "ceil",
+    "round": "round",
+    "sign": "sign",
+    "minimum": "minimum",
+    "maximum": "maximum",
+    "log_softmax": "log_softmax",
+    "asin": "asin",
+    "acos": "acos",
+    "atan": "atan",
+    "sinh": "sinh",
+    "cosh": "cosh",
+    "asinh": "asinh",
+    "acosh": "acosh",
+    "atanh": "atanh",
+    "log2": "log2",
+    "log10": "log10",
+    "exp2": "exp2",
+    "square": "square",
+    "trunc": "trunc",
+    "fix": "trunc",
+    # --- end of element-wise math block
 }
 
 # clamp spellings: call_function target / call_method name -> (lower, upper) bound
@@ -193,12 +293,14 @@ _CLAMP_FUNCTIONS: dict[object, tuple[tuple[str, object], ...]] = {
     torch.clamp: (("min", None), ("max", None)),
     torch.clip: (("min", None), ("max", None)),
     torch.clamp_min: (("min", None),),
+    torch.clamp_max: (("max", None),),
     F.hardtanh: (("min_val", -1.0), ("max_val", 1.0)),
 }
 _CLAMP_METHODS: dict[str, tuple[tuple[str, object], ...]] = {
     "clamp": (("min", None), ("max", None)),
     "clip": (("min", None), ("max", None)),
     "clamp_min": (("min", None),),
+    "clamp_max": (("max", None),),
 }
 
 
@@ -219,9 +321,12 @@ def clamp_op(lower: object, upper: object) -> Optional[str]:
 def _clamp_bounds(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[tuple[object, object]]:
     if len(node.args) > 1 + len(params) or set(node.kwargs) - {name for name, _ in params} - {"inplace"}:
         return None
-    bounds = [node.args[1 + i] if 1 + i < len(node.args) else node.kwargs.get(name, default)
-              for i, (name, default) in enumerate(params)]
-    return bounds[0], (bounds[1] if len(bounds) > 1 else None)
+    bounds = {name: node.args[1 + i] if 1 + i < len(node.args) else node.kwargs.get(name, default)
+              for i, (name, default) in enumerate(params)}
+    # a parameter named min* is the lower bound, max* the upper (clamp_max has only the upper)
+    lower = next((v for name, v in bounds.items() if name.startswith("min")), None)
+    upper = next((v for name, v in bounds.items() if name.startswith("max")), None)
+    return lower, upper
 
 
 def _clamp_node_op(node: fx.Node, params: tuple[tuple[str, object], ...]) -> Optional[str]:

@@ -23,8 +23,6 @@ from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register
 # Canonical ops (qcompiler.ir.ops) no rule emits yet, and why: the emitter's error says it, and
 # tests/test_onnx_registry.py checks that every canonical op is emitted or listed here.
 NOT_EMITTED: dict[str, str] = {
-    "group_norm": "GroupNorm is not emitted yet (opset 11 has no GroupNormalization: it needs a "
-                  "reshape to (N, G, -1) around InstanceNormalization)",
     "multihead_attention": "MultiheadAttention is not emitted yet (opset 11 has no attention op: it needs "
                            "a decomposition into MatMul / Softmax)",
 }
