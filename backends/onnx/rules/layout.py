@@ -1,4 +1,5 @@
-"""Layout rules: reshape / view / squeeze / unsqueeze, flatten, permute, transpose, sizes, split, pad, cat."""
+"""Layout rules: reshape / view / squeeze / unsqueeze, flatten, permute, transpose, sizes, split, pad, cat,
+stack, expand, repeat, t / T / mT, flip, roll, pixel (un)shuffle, unbind, narrow, movedim."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from qcompiler.backends.onnx.context import (
+    INT64_MAX,
     REQUIRED,
     NodeContext,
     Tensor,
@@ -165,13 +167,15 @@ def size(ctx: NodeContext):
 
 @emits("getattr")
 def getattr_(ctx: NodeContext):
-    """``x.shape`` (Shape), ``x.dtype`` / ``x.ndim`` (folded)."""
+    """``x.shape`` (Shape), ``x.dtype`` / ``x.ndim`` (folded), ``x.T`` / ``x.mT`` (Transpose)."""
     attr = ctx.call.args[1]
     obj = ctx.call.args[0]
     if attr == "shape":
         return ctx.make("Shape", [ctx.tensor(obj)], dtype=I64)
     if attr == "ndim":
         return ctx.rank(obj)
+    if attr in ("T", "mT"):
+        return _attr_transpose(ctx, obj, attr)
     if attr in ("dtype", "device", "is_cuda", "requires_grad"):
         info = obj.meta.get("qc_tensor") if isinstance(obj, fx.Node) else None
         if attr == "dtype" and info is not None:
@@ -221,3 +225,207 @@ def pad(ctx: NodeContext) -> Tensor:
     if onnx_mode == "constant" and value:
         ins.append(ctx.const("value", float(value), ctx.dtype(x)))
     return ctx.make("Pad", ins, mode=onnx_mode)
+
+
+# ---------------------------------------------------------------------------
+# stack, expand, repeat, transposes, flip, roll, pixel (un)shuffle, unbind, narrow, movedim
+
+
+def _static_shape(ctx: NodeContext, what: str) -> tuple[int, ...]:
+    shape = ctx.shape()
+    if shape is None:
+        raise ctx.unsupported(f"{what} of a tensor of unknown shape")
+    return tuple(shape)
+
+
+@emits("stack", since=11)
+def stack(ctx: NodeContext) -> Tensor:
+    """Unsqueeze each input at ``dim``, Concat."""
+    tensors = ctx.arg(0, "tensors")
+    if isinstance(tensors, fx.Node):  # a node whose value is the tuple
+        raise ctx.unsupported("stack of a tuple-valued node (index it: torch.stack([t[0], t[1]]))")
+    rank = ctx.rank(tensors[0])
+    axis = _norm_axis(int(ctx.arg(1, "dim", 0)), rank + 1)
+    parts = [ctx.make("Unsqueeze", [ctx.tensor(t)], tag=f"unsqueeze{i}", axes=[axis]) for i, t in enumerate(tensors)]
+    return ctx.make("Concat", parts, axis=axis)
+
+
+@emits("expand", since=11)
+def expand(ctx: NodeContext) -> Tensor:
+    """Expand-11 broadcasts both ways, so torch's ``-1`` (keep this size) is a 1."""
+    x = ctx.x()
+    dims = _dims_args(ctx, 1, "size")
+    dims = [1 if isinstance(d, int) and d == -1 else d for d in dims]
+    return ctx.make("Expand", [x, shape_tensor(ctx, dims)])
+
+
+@emits("expand_as", since=11)
+def expand_as(ctx: NodeContext) -> Tensor:
+    x = ctx.x()
+    other = ctx.tensor(ctx.arg(1, "other"))
+    return ctx.make("Expand", [x, ctx.make("Shape", [other], tag="shape", dtype=I64)])
+
+
+@emits("repeat", since=11)
+def repeat(ctx: NodeContext) -> Tensor:
+    """Tile; more repeats than dims first add leading dims of size 1 (as torch)."""
+    x = ctx.x()
+    rank = ctx.rank()
+    reps = _dims_args(ctx, 1, "repeats")
+    if not all(isinstance(r, (int, np.integer)) for r in reps):
+        raise ctx.unsupported("repeat counts that are tensors")
+    if len(reps) < rank:
+        raise ctx.unsupported(f"{len(reps)} repeat counts for a {rank}-D tensor (torch needs at least {rank})")
+    if len(reps) > rank:
+        x = ctx.make("Unsqueeze", [x], tag="lead", axes=list(range(len(reps) - rank)))
+    return ctx.make("Tile", [x, ctx.const("repeats", [int(r) for r in reps], I64)])
+
+
+@emits("t", since=11)
+def t(ctx: NodeContext) -> Tensor:
+    """``x.t()`` / ``torch.t``: the transpose of a 2-D tensor, a 0-D or 1-D one unchanged."""
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank > 2:
+        raise ctx.unsupported(f"t() of a {rank}-D tensor (torch takes at most 2-D)")
+    return ctx.make("Transpose", [x], perm=[1, 0]) if rank == 2 else ctx.identity(x)
+
+
+def _attr_transpose(ctx: NodeContext, obj: Any, attr: str) -> Tensor:
+    """``x.T`` (all dims reversed) and ``x.mT`` (the last two swapped)."""
+    x = ctx.tensor(obj)
+    rank = ctx.rank(obj)
+    if attr == "T":
+        perm = list(reversed(range(rank)))
+    else:
+        if rank < 2:
+            raise ctx.unsupported(f"x.mT of a {rank}-D tensor (torch needs at least 2-D)")
+        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    if perm == list(range(rank)):
+        return ctx.identity(x)
+    return ctx.make("Transpose", [x], perm=perm)
+
+
+@emits("flip", since=11)
+def flip(ctx: NodeContext) -> Tensor:
+    """Slice with step -1 along each flipped dim."""
+    x = ctx.x()
+    rank = ctx.rank()
+    axes = sorted({_norm_axis(int(d), rank) for d in _dims_args(ctx, 1, "dims")})
+    if not axes:
+        return ctx.identity(x)
+    k = len(axes)
+    return ctx.make("Slice", [x, ctx.const("starts", [-1] * k, I64), ctx.const("ends", [-INT64_MAX - 1] * k, I64),
+                              ctx.const("axes", axes, I64), ctx.const("steps", [-1] * k, I64)])
+
+
+def _roll_axis(ctx: NodeContext, x: str, axis: int, shift: int, size: int, tag: str) -> str:
+    s = shift % size if size else 0
+    if s == 0:
+        return x
+    ax = ctx.const(f"{tag}_axis", [axis], I64)
+    tail = ctx.make("Slice", [x, ctx.const(f"{tag}_tail_start", [size - s], I64),
+                              ctx.const(f"{tag}_tail_end", [size], I64), ax], tag=f"{tag}_tail")
+    head = ctx.make("Slice", [x, ctx.const(f"{tag}_head_start", [0], I64),
+                              ctx.const(f"{tag}_head_end", [size - s], I64), ax], tag=f"{tag}_head")
+    return ctx.make("Concat", [tail, head], tag=tag, axis=axis)
+
+
+@emits("roll", since=11)
+def roll(ctx: NodeContext) -> Tensor:
+    """Per rolled dim: the last ``shift`` elements, then the rest (Slice + Concat); no dims
+    rolls the flattened tensor."""
+    x = ctx.x()
+    shape = _static_shape(ctx, "roll")
+    kw = ctx.kw(shifts=REQUIRED, dims=None)
+    shifts = kw["shifts"] if isinstance(kw["shifts"], (list, tuple)) else [kw["shifts"]]
+    dims = kw["dims"]
+    if not all(isinstance(s, int) for s in shifts):
+        raise ctx.unsupported("shifts that are tensors")
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        if len(shifts) != 1:
+            raise ctx.unsupported("several shifts without dims")
+        n = int(np.prod(shape)) if shape else 1
+        flat = ctx.make("Reshape", [x, ctx.const("flat", [-1], I64)], tag="flatten")
+        y = _roll_axis(ctx, flat, 0, shifts[0], n, "roll0")
+        return ctx.make("Reshape", [y, ctx.const("shape", list(shape), I64)])
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    if len(dims) != len(shifts):
+        raise ctx.unsupported(f"{len(shifts)} shifts for {len(dims)} dims")
+    y = x
+    for i, (s, d) in enumerate(zip(shifts, dims)):
+        axis = _norm_axis(int(d), len(shape))
+        y = _roll_axis(ctx, y, axis, int(s), shape[axis], f"roll{i}")
+    return ctx.identity(y) if y == x else y
+
+
+@emits("pixel_shuffle", since=11)
+def pixel_shuffle(ctx: NodeContext) -> Tensor:
+    """DepthToSpace in CRD mode is torch's channel order."""
+    x = ctx.x()
+    r = int(ctx.kw(upscale_factor=REQUIRED)["upscale_factor"])
+    if ctx.rank() != 4:
+        raise ctx.unsupported(f"pixel_shuffle of a {ctx.rank()}-D tensor (4-D N, C, H, W is emitted)")
+    return ctx.make("DepthToSpace", [x], blocksize=r, mode="CRD")
+
+
+@emits("pixel_unshuffle", since=11)
+def pixel_unshuffle(ctx: NodeContext) -> Tensor:
+    """(N, C, H*r, W*r) -> (N, C, H, r, W, r) -> (N, C, r, r, H, W) -> (N, C*r*r, H, W): torch's
+    channel order (SpaceToDepth orders the block before the channel)."""
+    x = ctx.x()
+    r = int(ctx.kw(downscale_factor=REQUIRED)["downscale_factor"])
+    shape = _static_shape(ctx, "pixel_unshuffle")
+    if len(shape) != 4:
+        raise ctx.unsupported(f"pixel_unshuffle of a {len(shape)}-D tensor (4-D N, C, H, W is emitted)")
+    _, c, h, w = shape
+    six = ctx.make("Reshape", [x, ctx.const("blocks", [0, c, h // r, r, w // r, r], I64)], tag="blocks")
+    moved = ctx.make("Transpose", [six], tag="move", perm=[0, 1, 3, 5, 2, 4])
+    return ctx.make("Reshape", [moved, ctx.const("shape", [0, c * r * r, h // r, w // r], I64)])
+
+
+@emits("unbind", since=11)
+def unbind(ctx: NodeContext):
+    """A tuple of the slices along ``dim``: Split into pieces of 1, each squeezed."""
+    x = ctx.x()
+    shape = _static_shape(ctx, "unbind")
+    axis = _norm_axis(int(ctx.kw(dim=0)["dim"]), len(shape))
+    n = shape[axis]
+    if n == 0:
+        return ()
+    pieces = [x] if n == 1 else ctx.make("Split", [x], tag="split", outputs=n, axis=axis, split=[1] * n)
+    return tuple(ctx.make("Squeeze", [p], tag=f"squeeze{i}", axes=[axis]) for i, p in enumerate(pieces))
+
+
+@emits("narrow", since=11)
+def narrow(ctx: NodeContext) -> Tensor:
+    x = ctx.x()
+    shape = _static_shape(ctx, "narrow")
+    kw = ctx.kw(dim=REQUIRED, start=REQUIRED, length=REQUIRED)
+    if not all(isinstance(kw[k], int) for k in ("dim", "start", "length")):
+        raise ctx.unsupported("narrow with tensor arguments (python ints are emitted)")
+    axis = _norm_axis(kw["dim"], len(shape))
+    start = kw["start"] + shape[axis] if kw["start"] < 0 else kw["start"]
+    return ctx.make("Slice", [x, ctx.const("starts", [start], I64), ctx.const("ends", [start + kw["length"]], I64),
+                              ctx.const("axes", [axis], I64)])
+
+
+@emits("movedim", since=11)
+def movedim(ctx: NodeContext) -> Tensor:
+    """Transpose: each source dim to its destination, the other dims in order in the free places."""
+    x = ctx.x()
+    rank = ctx.rank()
+    kw = ctx.kw(source=REQUIRED, destination=REQUIRED)
+    src = kw["source"] if isinstance(kw["source"], (list, tuple)) else [kw["source"]]
+    dst = kw["destination"] if isinstance(kw["destination"], (list, tuple)) else [kw["destination"]]
+    src, dst = [_norm_axis(int(s), rank) for s in src], [_norm_axis(int(d), rank) for d in dst]
+    if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise ctx.unsupported(f"source {src} and destination {dst} must be distinct dims of the same count")
+    perm: list[int] = [-1] * rank
+    for s, d in zip(src, dst):
+        perm[d] = s
+    rest = iter(i for i in range(rank) if i not in src)
+    perm = [p if p >= 0 else next(rest) for p in perm]
+    if perm == list(range(rank)):
+        return ctx.identity(x)
+    return ctx.make("Transpose", [x], perm=perm)
