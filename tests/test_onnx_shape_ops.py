@@ -134,6 +134,9 @@ REDUCTIONS = [
     ("torch.var correction=0", lambda x: torch.var(x, dim=1, correction=0), (X,)),
     ("x.var correction=2 keepdim", lambda x: x.var(-1, correction=2, keepdim=True), (X,)),
     ("torch.var unbiased kw", lambda x: torch.var(x, dim=0, unbiased=True), (M,)),
+    ("torch.std_mean", lambda x: torch.std_mean(x), (X,)),
+    ("torch.var_mean dim keepdim", lambda x: torch.var_mean(x, 1, keepdim=True), (X,)),
+    ("torch.std_mean dims correction", lambda x: torch.std_mean(x, (0, 2), correction=0), (X,)),
     ("torch.norm", lambda x: torch.norm(x), (X,)),
     ("torch.norm p=1 dim", lambda x: torch.norm(x, p=1, dim=1), (X,)),
     ("torch.norm fro dims keepdim", lambda x: torch.norm(x, "fro", (2, 3), True), (X,)),
@@ -193,6 +196,8 @@ LAYOUT = [
     ("x.repeat", lambda x: x.repeat(2, 3), (M,)),
     ("x.repeat more dims", lambda x: x.repeat(2, 1, 1, 2, 1), (X,)),
     ("x.repeat tuple", lambda x: x.repeat((1, 2)), (I,)),
+    ("torch.tile fewer dims", lambda x: torch.tile(x, (2,)), (X,)),
+    ("x.tile more dims", lambda x: x.tile(2, 1, 3), (M,)),
     ("x.T 2-D", lambda x: x.T, (M,)),
     ("x.T 4-D", lambda x: x.T + 0.0, (X,)),
     ("x.t()", lambda x: x.t(), (M,)),
@@ -219,6 +224,7 @@ LAYOUT = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:The use of `x.T` on tensors of dimension other than 2:UserWarning")
 @pytest.mark.parametrize("fn, inputs", [c[1:] for c in LAYOUT], ids=[c[0] for c in LAYOUT])
 def test_layout(fn, inputs):
     check(Fn(fn), *inputs)

@@ -1,5 +1,5 @@
 """Layout rules: reshape / view / squeeze / unsqueeze, flatten, permute, transpose, sizes, split, pad, cat,
-stack, expand, repeat, t / T / mT, flip, roll, pixel (un)shuffle, unbind, narrow, movedim."""
+stack, expand, repeat / tile, t / T / mT, flip, roll, pixel (un)shuffle, unbind, narrow, movedim."""
 
 from __future__ import annotations
 
@@ -266,14 +266,17 @@ def expand_as(ctx: NodeContext) -> Tensor:
     return ctx.make("Expand", [x, ctx.make("Shape", [other], tag="shape", dtype=I64)])
 
 
-@emits("repeat", since=11)
+@emits("repeat", "tile", since=11)
 def repeat(ctx: NodeContext) -> Tensor:
-    """Tile; more repeats than dims first add leading dims of size 1 (as torch)."""
+    """``x.repeat`` / ``torch.tile``: Tile; more repeats than dims first add leading dims of size 1
+    (as torch); ``tile`` with fewer repeats than dims repeats the leading dims once."""
     x = ctx.x()
     rank = ctx.rank()
-    reps = _dims_args(ctx, 1, "repeats")
+    reps = _dims_args(ctx, 1, "dims" if ctx.op == "tile" else "repeats")
     if not all(isinstance(r, (int, np.integer)) for r in reps):
         raise ctx.unsupported("repeat counts that are tensors")
+    if ctx.op == "tile" and len(reps) < rank:
+        reps = [1] * (rank - len(reps)) + list(reps)
     if len(reps) < rank:
         raise ctx.unsupported(f"{len(reps)} repeat counts for a {rank}-D tensor (torch needs at least {rank})")
     if len(reps) > rank:

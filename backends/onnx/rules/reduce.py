@@ -1,5 +1,5 @@
 """Reduction rules: sum / mean / prod, max / min (with indices), amax / amin, argmax / argmin,
-std / var, norms, cumsum, logsumexp, all / any.
+std / var (and their ``_mean`` pairs), norms, cumsum, logsumexp, all / any.
 
 torch's conventions kept: ``dim=None`` (or ``()``) reduces every dim to a 0-d result; integer
 and bool inputs of ``sum`` / ``prod`` / ``cumsum`` accumulate in int64; indices are int64.
@@ -193,9 +193,10 @@ def _var_args(ctx: NodeContext) -> tuple[Any, float, bool]:
     return kwargs.get("dim"), float(correction), bool(kwargs.get("keepdim", False))
 
 
-@emits("std", "var", since=11)
-def std_var(ctx: NodeContext) -> Tensor:
-    """Two-pass: ``sum((x - mean)^2) / max(0, n - correction)`` (sqrt for std)."""
+@emits("std", "var", "std_mean", "var_mean", since=11)
+def std_var(ctx: NodeContext):
+    """Two-pass: ``sum((x - mean)^2) / max(0, n - correction)`` (sqrt for std); ``std_mean`` /
+    ``var_mean`` give ``(std or var, mean)``."""
     dim, correction, keep = _var_args(ctx)
     shape = ctx.shape()
     if shape is None:
@@ -210,10 +211,14 @@ def std_var(ctx: NodeContext) -> Tensor:
     sq = ctx.make("Mul", [d, d], tag="square")
     s = _reduce(ctx, "ReduceSum", sq, axes, keep, tag="sum_squares")
     denom = ctx.const("denominator", max(0.0, n - correction), ctx.dtype(x))
-    if ctx.op == "var":
-        return ctx.make("Div", [s, denom])
-    v = ctx.make("Div", [s, denom], tag="var")
-    return ctx.make("Sqrt", [v])
+    with_mean = ctx.op.endswith("_mean")
+    if ctx.op.startswith("var"):
+        out = ctx.make("Div", [s, denom], tag="var" if with_mean else None)
+    else:
+        out = ctx.make("Sqrt", [ctx.make("Div", [s, denom], tag="var")], tag="std" if with_mean else None)
+    if not with_mean:
+        return out
+    return out, (m if keep else ctx.make("Squeeze", [m], tag="mean_out", axes=axes))
 
 
 @emits("norm", "vector_norm", since=11)
