@@ -112,6 +112,7 @@ REDUCTIONS = [
     ("x.max dim keepdim", lambda x: x.max(dim=-1, keepdim=True), (X,)),
     ("x.max dim [0]", lambda x: x.max(2)[0] + 1, (X,)),
     ("torch.max other", lambda x: torch.max(x, x[:, :1]), (X,)),
+    ("torch.max dim .values .indices", lambda x: (torch.max(x, 1).values * 2.0, torch.max(x, 1).indices), (X,)),
     ("torch.min", lambda x: torch.min(x), (M,)),
     ("torch.min dim", lambda x: torch.min(x, 0), (M,)),
     ("x.min dim int", lambda x: x.min(1), (I,)),
@@ -188,6 +189,7 @@ LAYOUT = [
     ("torch.stack", lambda x: torch.stack([x, x * 2.0, x + 1.0]), (M,)),
     ("torch.stack dim=-1", lambda x: torch.stack((x, -x), dim=-1), (X,)),
     ("torch.stack dim=1", lambda x: torch.stack([x, x], 1), (M,)),
+    ("torch.stack of a tuple value", lambda x: torch.stack(x.unbind(1), dim=2), (X,)),
     ("x.expand", lambda x: x[:, :1].expand(3, 7), (M,)),
     ("x.expand -1 and new dims", lambda x: x[:1].expand(4, -1, 3, -1, -1), (X,)),
     ("x.expand sizes tuple", lambda x: x[:, :1].expand((3, 5)), (M,)),
@@ -292,6 +294,8 @@ SORTING = [
     ("torch.sort", lambda x: torch.sort(x)),
     ("x.sort descending dim", lambda x: x.sort(0, descending=True)),
     ("torch.sort stable", lambda x: torch.sort(x, stable=True, dim=1)),
+    ("x.topk .indices", lambda x: x.topk(2, 0).indices),
+    ("x.sort .values", lambda x: x.sort(1).values - 1.0),
     ("torch.argsort", lambda x: torch.argsort(x, dim=1)),
     ("x.argsort descending stable", lambda x: x.argsort(descending=True, stable=True)),
 ]
@@ -374,6 +378,8 @@ REFUSED = [
     ("topk k from a tensor", lambda x: x.topk(x.size(0)), M, r"node 'topk'.*k=.* \(a python int is emitted\)"),
     ("pixel_shuffle 3-D", lambda x: F.pixel_shuffle(x, 2), torch.randn(8, 2, 2),
      r"node 'pixel_shuffle'.*pixel_shuffle of a 3-D tensor"),
+    ("narrow at a tensor start", lambda x: x.narrow(1, x[0].argmin(), 1), M,
+     r"node 'narrow'.*narrow with tensor arguments"),
     ("logsumexp of ints", lambda x: torch.logsumexp(x, 1), I, r"node 'logsumexp'.*non-float tensor"),
 ]
 

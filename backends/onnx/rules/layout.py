@@ -165,9 +165,14 @@ def size(ctx: NodeContext):
     return out
 
 
+# the fields of torch's (values, indices) return types (torch.return_types.max, topk, sort...)
+_RETURN_FIELDS = {"values": 0, "indices": 1}
+
+
 @emits("getattr")
 def getattr_(ctx: NodeContext):
-    """``x.shape`` (Shape), ``x.dtype`` / ``x.ndim`` (folded), ``x.T`` / ``x.mT`` (Transpose)."""
+    """``x.shape`` (Shape), ``x.dtype`` / ``x.ndim`` (folded), ``x.T`` / ``x.mT`` (Transpose), the
+    ``.values`` / ``.indices`` of a (values, indices) result."""
     attr = ctx.call.args[1]
     obj = ctx.call.args[0]
     if attr == "shape":
@@ -176,6 +181,10 @@ def getattr_(ctx: NodeContext):
         return ctx.rank(obj)
     if attr in ("T", "mT"):
         return _attr_transpose(ctx, obj, attr)
+    if attr in _RETURN_FIELDS:  # torch.max(x, 1).values, x.topk(k).indices, x.sort().values
+        v = ctx.value(obj)
+        if isinstance(v, (tuple, list)) and len(v) == 2:
+            return v[_RETURN_FIELDS[attr]]
     if attr in ("dtype", "device", "is_cuda", "requires_grad"):
         info = obj.meta.get("qc_tensor") if isinstance(obj, fx.Node) else None
         if attr == "dtype" and info is not None:
@@ -242,11 +251,15 @@ def _static_shape(ctx: NodeContext, what: str) -> tuple[int, ...]:
 def stack(ctx: NodeContext) -> Tensor:
     """Unsqueeze each input at ``dim``, Concat."""
     tensors = ctx.arg(0, "tensors")
-    if isinstance(tensors, fx.Node):  # a node whose value is the tuple
-        raise ctx.unsupported("stack of a tuple-valued node (index it: torch.stack([t[0], t[1]]))")
-    rank = ctx.rank(tensors[0])
+    if isinstance(tensors, fx.Node):  # a node whose value is the tuple: torch.stack(x.unbind(1))
+        infos = tensors.meta.get("qc_tensor")
+        if not isinstance(infos, (tuple, list)) or not infos or not hasattr(infos[0], "shape"):
+            raise ctx.unsupported(f"stack of '{tensors.name}', whose value is not a recorded tuple of tensors")
+        names, rank = list(ctx.value(tensors)), len(infos[0].shape)
+    else:
+        names, rank = [ctx.tensor(t) for t in tensors], ctx.rank(tensors[0])
     axis = _norm_axis(int(ctx.arg(1, "dim", 0)), rank + 1)
-    parts = [ctx.make("Unsqueeze", [ctx.tensor(t)], tag=f"unsqueeze{i}", axes=[axis]) for i, t in enumerate(tensors)]
+    parts = [ctx.make("Unsqueeze", [t], tag=f"unsqueeze{i}", axes=[axis]) for i, t in enumerate(names)]
     return ctx.make("Concat", parts, axis=axis)
 
 
