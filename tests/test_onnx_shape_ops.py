@@ -240,8 +240,9 @@ def test_pixel_shuffle_modules(module, x):
     check(Wrap(module), x)
 
 
-def test_roll_is_slice_and_concat():
-    assert set(op_types(check(Fn(lambda x: torch.roll(x, 1, 0)), M))) == {"Slice", "Concat"}
+def test_roll_is_slice_and_concat_at_a_shift_mod_the_run_time_size():
+    assert op_types(check(Fn(lambda x: torch.roll(x, 1, 0)), M)) == ["Shape", "Gather", "Mod", "Neg", "Slice",
+                                                                       "Slice", "Concat"]
 
 
 # ---------------------------------------------------------------------------
@@ -419,7 +420,9 @@ class ConvThenShapes(nn.Module):
         s = torch.sum(p, dim=(2, 3))
         v, i = torch.max(p.flatten(1), 1)
         t = torch.stack([s.T, s.t()], 0).repeat(1, 1, 2)
-        return t, v + s.norm(dim=1), i, torch.topk(s, 3)[1]
+        # sizes along the batch dim are read at run time: std's count, roll's shift, sort's k, narrow
+        b = s.std(0) + torch.roll(s, 1, 0).sum(0) + s.roll(3).narrow(0, -1, 1)[0] + s.sort(0).values[-1]
+        return t, v + s.norm(dim=1), i, torch.topk(s, 3)[1], b
 
 
 def test_compile_runs_a_bpu_conv_into_an_onnx_cpu_island():
@@ -431,11 +434,12 @@ def test_compile_runs_a_bpu_conv_into_an_onnx_cpu_island():
     kinds = [s.kind for s in cm.runtime.steps]
     assert "cpu" in kinds and "torch" not in kinds and "bpu" in kinds, kinds
     assert cm.torch_islands() == {}
-    got, ref = flat(cm(x)), flat(cm.converted(x))
-    assert len(got) == len(ref) == 4
-    for g, r in zip(got, ref):
-        assert g.dtype == r.dtype and g.shape == r.shape
-        if r.dtype == torch.int64:
-            assert torch.equal(g, r)
-        else:
-            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    for batch in (x, torch.randn(5, 3, 5, 5)):  # the example's batch size and another
+        got, ref = flat(cm(batch)), flat(cm.converted(batch))
+        assert len(got) == len(ref) == 5
+        for g, r in zip(got, ref):
+            assert g.dtype == r.dtype and g.shape == r.shape
+            if r.dtype == torch.int64:
+                assert torch.equal(g, r)
+            else:
+                torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)

@@ -211,9 +211,10 @@ def scatter(ctx: NodeContext) -> Tensor:
     return ctx.make("ScatterElements", [x, index, updates], axis=axis)
 
 
-def _topk(ctx: NodeContext, x: str, k: int, axis: int, largest: bool, tag=None) -> list[Tensor]:
-    return ctx.make("TopK", [x, ctx.const("k", [k], I64)], tag=tag, outputs=2, axis=axis, largest=int(largest),
-                    sorted=1)
+def _topk(ctx: NodeContext, x: str, k: Any, axis: int, largest: bool, tag=None) -> list[Tensor]:
+    """TopK; ``k`` a python int or a 1-D int64 tensor of one element."""
+    kt = ctx.const("k", [k], I64) if isinstance(k, int) else k
+    return ctx.make("TopK", [x, kt], tag=tag, outputs=2, axis=axis, largest=int(largest), sorted=1)
 
 
 def _typed_indices(ctx: NodeContext, pair: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -235,15 +236,18 @@ def topk(ctx: NodeContext):
     return _typed_indices(ctx, _topk(ctx, x, k, _norm_axis(_int_arg(ctx, kw, "dim"), rank), bool(kw["largest"])))
 
 
-def _sort_args(ctx: NodeContext) -> tuple[str, int, int, bool]:
+def _sort_args(ctx: NodeContext) -> tuple[str, int, Tensor, bool]:
+    """(input, axis, k = the size of that axis read at run time, descending)."""
     # torch.sort(input, dim=-1, descending=False, *, stable=False) / torch.sort(input, *, stable, dim, descending)
     kw = ctx.kw(dim=-1, descending=False, stable=False)
     x = ctx.x()
-    shape = ctx.shape()
-    if shape is None or len(shape) == 0:
-        raise ctx.unsupported("sort of a 0-d tensor or of unknown shape")
-    axis = _norm_axis(_int_arg(ctx, kw, "dim"), len(shape))
-    return x, axis, shape[axis], bool(kw["descending"])
+    rank = ctx.rank()
+    if rank == 0:
+        raise ctx.unsupported("sort of a 0-d tensor")
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), rank)
+    k = ctx.make("Gather", [ctx.make("Shape", [x], tag="shape", dtype=I64), ctx.const("axis", [axis], I64)],
+                 tag="k", dtype=I64, axis=0)
+    return x, axis, k, bool(kw["descending"])
 
 
 @emits("sort", since=11)

@@ -335,15 +335,16 @@ def flip(ctx: NodeContext) -> Tensor:
                               ctx.const("axes", axes, I64), ctx.const("steps", [-1] * k, I64)])
 
 
-def _roll_axis(ctx: NodeContext, x: str, axis: int, shift: int, size: int, tag: str) -> str:
-    s = shift % size if size else 0
-    if s == 0:
-        return x
-    ax = ctx.const(f"{tag}_axis", [axis], I64)
-    tail = ctx.make("Slice", [x, ctx.const(f"{tag}_tail_start", [size - s], I64),
-                              ctx.const(f"{tag}_tail_end", [size], I64), ax], tag=f"{tag}_tail")
-    head = ctx.make("Slice", [x, ctx.const(f"{tag}_head_start", [0], I64),
-                              ctx.const(f"{tag}_head_end", [size - s], I64), ax], tag=f"{tag}_head")
+def _roll_axis(ctx: NodeContext, x: str, axis: int, shift: int, tag: str) -> str:
+    """``cat(x[-k:], x[:-k])`` along ``axis`` with ``k = shift mod size``, the size read at run time
+    (a compiled model takes other batch sizes); ``k = 0`` gives ``cat(x, [])``, ``x`` itself."""
+    size = ctx.make("Gather", [ctx.make("Shape", [x], tag=f"{tag}_shape", dtype=I64),
+                               ctx.const(f"{tag}_axis", [axis], I64)], tag=f"{tag}_size", dtype=I64, axis=0)
+    k = ctx.make("Mod", [ctx.const(f"{tag}_shift", [shift], I64), size], tag=f"{tag}_k", dtype=I64)
+    neg_k = ctx.make("Neg", [k], tag=f"{tag}_neg_k", dtype=I64)
+    ax = ctx.const(f"{tag}_axes", [axis], I64)
+    tail = ctx.make("Slice", [x, neg_k, ctx.const(f"{tag}_end", [INT64_MAX], I64), ax], tag=f"{tag}_tail")
+    head = ctx.make("Slice", [x, ctx.const(f"{tag}_zero", [0], I64), neg_k, ax], tag=f"{tag}_head")
     return ctx.make("Concat", [tail, head], tag=tag, axis=axis)
 
 
@@ -352,7 +353,7 @@ def roll(ctx: NodeContext) -> Tensor:
     """Per rolled dim: the last ``shift`` elements, then the rest (Slice + Concat); no dims
     rolls the flattened tensor."""
     x = ctx.x()
-    shape = _static_shape(ctx, "roll")
+    rank = ctx.rank()
     kw = ctx.kw(shifts=REQUIRED, dims=None)
     shifts = kw["shifts"] if isinstance(kw["shifts"], (list, tuple)) else [kw["shifts"]]
     dims = kw["dims"]
@@ -361,18 +362,16 @@ def roll(ctx: NodeContext) -> Tensor:
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         if len(shifts) != 1:
             raise ctx.unsupported("several shifts without dims")
-        n = int(np.prod(shape)) if shape else 1
         flat = ctx.make("Reshape", [x, ctx.const("flat", [-1], I64)], tag="flatten")
-        y = _roll_axis(ctx, flat, 0, shifts[0], n, "roll0")
-        return ctx.make("Reshape", [y, ctx.const("shape", list(shape), I64)])
+        y = _roll_axis(ctx, flat, 0, shifts[0], "roll0")
+        return ctx.make("Reshape", [y, ctx.make("Shape", [x], tag="shape", dtype=I64)])
     dims = dims if isinstance(dims, (list, tuple)) else [dims]
     if len(dims) != len(shifts):
         raise ctx.unsupported(f"{len(shifts)} shifts for {len(dims)} dims")
     y = x
     for i, (s, d) in enumerate(zip(shifts, dims)):
-        axis = _norm_axis(int(d), len(shape))
-        y = _roll_axis(ctx, y, axis, int(s), shape[axis], f"roll{i}")
-    return ctx.identity(y) if y == x else y
+        y = _roll_axis(ctx, y, _norm_axis(int(d), rank), int(s), f"roll{i}")
+    return y
 
 
 @emits("pixel_shuffle", since=11)
@@ -421,8 +420,10 @@ def narrow(ctx: NodeContext) -> Tensor:
     if not all(isinstance(kw[k], int) for k in ("dim", "start", "length")):
         raise ctx.unsupported("narrow with tensor arguments (python ints are emitted)")
     axis = _norm_axis(kw["dim"], len(shape))
-    start = kw["start"] + shape[axis] if kw["start"] < 0 else kw["start"]
-    return ctx.make("Slice", [x, ctx.const("starts", [start], I64), ctx.const("ends", [start + kw["length"]], I64),
+    start, end = kw["start"], kw["start"] + kw["length"]
+    if start < 0 <= end:  # counted from the end (kept so: the size may differ at run time)
+        end = INT64_MAX
+    return ctx.make("Slice", [x, ctx.const("starts", [start], I64), ctx.const("ends", [end], I64),
                               ctx.const("axes", [axis], I64)])
 
 

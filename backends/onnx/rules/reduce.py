@@ -196,21 +196,24 @@ def _var_args(ctx: NodeContext) -> tuple[Any, float, bool]:
 @emits("std", "var", "std_mean", "var_mean", since=11)
 def std_var(ctx: NodeContext):
     """Two-pass: ``sum((x - mean)^2) / max(0, n - correction)`` (sqrt for std); ``std_mean`` /
-    ``var_mean`` give ``(std or var, mean)``."""
+    ``var_mean`` give ``(std or var, mean)``. ``n`` is read from the input's shape at run time
+    (a compiled model takes other batch sizes)."""
     dim, correction, keep = _var_args(ctx)
-    shape = ctx.shape()
-    if shape is None:
-        raise ctx.unsupported("std / var of a tensor of unknown shape")
+    rank = ctx.rank()
     x = _float_input(ctx, ctx.op)
-    rank = len(shape)
     axes = _axes(ctx, dim, rank)
     axes = list(range(rank)) if axes is None else axes
-    n = math.prod(shape[a] for a in axes)
     m = _reduce(ctx, "ReduceMean", x, axes, True, tag="mean")
     d = ctx.make("Sub", [x, m], tag="centered")
     sq = ctx.make("Mul", [d, d], tag="square")
     s = _reduce(ctx, "ReduceSum", sq, axes, keep, tag="sum_squares")
-    denom = ctx.const("denominator", max(0.0, n - correction), ctx.dtype(x))
+    dt = ctx.dtype(x)
+    sizes = ctx.make("Gather", [ctx.make("Shape", [x], tag="shape", dtype=I64), ctx.const("axes", axes, I64)],
+                     tag="reduced_sizes", dtype=I64, axis=0)
+    n = ctx.make("Cast", [_reduce(ctx, "ReduceProd", sizes, None, False, tag="count")], tag="count_float",
+                 to=dt, dtype=dt)
+    denom = ctx.make("Max", [ctx.make("Sub", [n, ctx.const("correction", correction, dt)], tag="dof"),
+                             ctx.const("zero", 0.0, dt)], tag="denominator")
     with_mean = ctx.op.endswith("_mean")
     if ctx.op.startswith("var"):
         out = ctx.make("Div", [s, denom], tag="var" if with_mean else None)
