@@ -169,6 +169,16 @@ def test_reductions(fn, inputs):
     check(Fn(fn), *inputs, mode=CLOSE)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # std() of one element: "degrees of freedom is <= 0"
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.var_mean(x, False), lambda x: x.std(), lambda x: torch.var(x, correction=0, keepdim=True),
+    lambda x: torch.linalg.vector_norm(x, ord=0), lambda x: torch.norm(x, 3), lambda x: (x.sum(), x.amax(),
+    torch.max(x, 0), x.argmin(), x.cumsum(0), x.logsumexp(()), x.any(), x.prod()),
+], ids=["var_mean", "std", "var keepdim", "vector_norm ord=0", "norm p=3", "sum amax max argmin cumsum lse any prod"])
+def test_reductions_of_a_zero_d_tensor(fn):
+    check(Fn(fn), torch.tensor(0.75), mode=CLOSE)
+
+
 def test_zero_d_results_stay_zero_d():
     model = check(Fn(lambda x: (x.sum(), torch.argmax(x), x.max(), torch.norm(x))), M, mode=CLOSE)
     assert all(not o.type.tensor_type.shape.dim for o in model.graph.output)
@@ -333,6 +343,9 @@ POOLS = [
     ("nn.AdaptiveMaxPool2d 1x1", nn.AdaptiveMaxPool2d(1), X33),
     ("nn.AdaptiveMaxPool2d divides", nn.AdaptiveMaxPool2d((2, 1)), torch.randn(1, 2, 6, 5)),
     ("nn.AdaptiveAvgPool1d 3 over 7", nn.AdaptiveAvgPool1d(3), torch.randn(2, 3, 7)),
+    ("nn.AdaptiveAvgPool2d unbatched", nn.AdaptiveAvgPool2d((2, 4)), torch.randn(3, 5, 4)),
+    ("nn.AdaptiveMaxPool2d unbatched divides", nn.AdaptiveMaxPool2d(2), torch.randn(3, 4, 4)),
+    ("nn.AdaptiveMaxPool1d unbatched 1", nn.AdaptiveMaxPool1d(1), torch.randn(3, 5)),
     ("nn.AdaptiveMaxPool1d 4 over 10", nn.AdaptiveMaxPool1d(4), torch.randn(2, 3, 10)),
     ("nn.MaxPool1d", nn.MaxPool1d(3, 2, padding=1), torch.randn(2, 3, 10)),
     ("nn.MaxPool1d ceil dilation", nn.MaxPool1d(2, 2, ceil_mode=True, dilation=2), torch.randn(2, 3, 9)),
@@ -381,6 +394,8 @@ REFUSED = [
      r"node 'pixel_shuffle'.*pixel_shuffle of a 3-D tensor"),
     ("narrow at a tensor start", lambda x: x.narrow(1, x[0].argmin(), 1), M,
      r"node 'narrow'.*narrow with tensor arguments"),
+    ("gather of a 0-d tensor", lambda x: torch.gather(x[0, 0], 0, x[0, :1].argmax()), M,
+     r"node 'gather'.*gather of a 0-d tensor"),
     ("logsumexp of ints", lambda x: torch.logsumexp(x, 1), I, r"node 'logsumexp'.*non-float tensor"),
 ]
 

@@ -144,12 +144,19 @@ def _int_arg(ctx: NodeContext, kw: dict, name: str) -> int:
     return v
 
 
+def _rank_1(ctx: NodeContext, what: str) -> int:
+    rank = ctx.rank()
+    if rank == 0:
+        raise ctx.unsupported(f"{what} of a 0-d tensor (Gather needs at least 1-D data)")
+    return rank
+
+
 @emits("gather", since=11)
 def gather(ctx: NodeContext) -> Tensor:
     """``torch.gather(x, dim, index)``: GatherElements."""
     kw = ctx.kw(dim=REQUIRED, index=REQUIRED, sparse_grad=False)
     x = ctx.x()
-    axis = _norm_axis(_int_arg(ctx, kw, "dim"), ctx.rank())
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), _rank_1(ctx, "gather"))
     return ctx.make("GatherElements", [x, _index_input(ctx, kw["index"])], axis=axis)
 
 
@@ -158,7 +165,7 @@ def index_select(ctx: NodeContext) -> Tensor:
     """Gather along ``dim``; a 0-d index keeps the dim (size 1), as torch."""
     kw = ctx.kw(dim=REQUIRED, index=REQUIRED)
     x = ctx.x()
-    axis = _norm_axis(_int_arg(ctx, kw, "dim"), ctx.rank())
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), _rank_1(ctx, "index_select"))
     index = _index_input(ctx, kw["index"])
     if ctx.shape(kw["index"]) == ():
         index = ctx.make("Unsqueeze", [index], tag="index_1d", axes=[0])

@@ -82,18 +82,35 @@ def avg_pool2d(ctx: NodeContext) -> Tensor:
                     kw["count_include_pad"], n=1 if ctx.op == "avg_pool1d" else 2)
 
 
-def _adaptive_sizes(ctx: NodeContext, n: int) -> tuple[list[int], list[int]]:
-    """(input spatial sizes, output sizes) of an adaptive pool (``None`` in output_size keeps the size)."""
+def _adaptive_sizes(ctx: NodeContext, n: int) -> tuple[list[int], list[int], bool]:
+    """(input spatial sizes, output sizes, unbatched) of an adaptive pool (``None`` in output_size
+    keeps the size; an unbatched input is (C, spatial...))."""
     kw = ctx.kw(output_size=REQUIRED, return_indices=False)
     if kw["return_indices"]:
         raise ctx.unsupported("return_indices=True")
     out = kw["output_size"]
     out = list(out) if isinstance(out, (list, tuple)) else [out] * n
     shape = ctx.shape()
-    if shape is None or len(shape) != n + 2 or len(out) != n:
-        raise ctx.unsupported(f"an adaptive {n}-D pool needs an input (N, C, {n} spatial dims) of known shape")
-    spatial = list(shape[2:])
-    return spatial, [s if o is None else int(o) for s, o in zip(spatial, out)]
+    if shape is None or len(shape) not in (n + 1, n + 2) or len(out) != n:
+        raise ctx.unsupported(f"an adaptive {n}-D pool needs an input ([N,] C, {n} spatial dims) of known shape")
+    spatial = list(shape[-n:])
+    return spatial, [s if o is None else int(o) for s, o in zip(spatial, out)], len(shape) == n + 1
+
+
+def _adaptive(ctx: NodeContext, n: int, global_op: str, pool, reduce_op: str) -> Tensor:
+    """Global pool for 1x1, a pool whose kernel = stride where the windows tile the input, else
+    the separable windows; an unbatched input gets a batch of one around it."""
+    spatial, out, unbatched = _adaptive_sizes(ctx, n)
+    x = ctx.x()
+    if unbatched:
+        x = ctx.make("Unsqueeze", [x], tag="batch", axes=[0])
+    if all(o == 1 for o in out):
+        y = ctx.make(global_op, [x], tag="pool" if unbatched else None)
+    elif all(s % o == 0 for s, o in zip(spatial, out)):
+        y = pool(x, [s // o for s, o in zip(spatial, out)], "pool" if unbatched else None)
+    else:
+        y = _adaptive_separable(ctx, x, spatial, out, reduce_op)
+    return ctx.make("Squeeze", [y], axes=[0]) if unbatched else y
 
 
 def adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
@@ -127,27 +144,15 @@ def _adaptive_separable(ctx: NodeContext, x: str, spatial: list[int], out: list[
 @emits("adaptive_avg_pool1d", "adaptive_avg_pool2d")
 def adaptive_avg_pool2d(ctx: NodeContext) -> Tensor:
     n = 1 if ctx.op == "adaptive_avg_pool1d" else 2
-    spatial, out = _adaptive_sizes(ctx, n)
-    x = ctx.x()
-    if all(o == 1 for o in out):
-        return ctx.make("GlobalAveragePool", [x])
-    if all(s % o == 0 for s, o in zip(spatial, out)):
-        k = [s // o for s, o in zip(spatial, out)]
-        return avg_pool(ctx, x, k, k, 0, n=n)
-    return _adaptive_separable(ctx, x, spatial, out, "ReduceMean")
+    return _adaptive(ctx, n, "GlobalAveragePool", lambda x, k, tag: avg_pool(ctx, x, k, k, 0, tag=tag, n=n),
+                     "ReduceMean")
 
 
 @emits("adaptive_max_pool1d", "adaptive_max_pool2d")
 def adaptive_max_pool2d(ctx: NodeContext) -> Tensor:
     n = 1 if ctx.op == "adaptive_max_pool1d" else 2
-    spatial, out = _adaptive_sizes(ctx, n)
-    x = ctx.x()
-    if all(o == 1 for o in out):
-        return ctx.make("GlobalMaxPool", [x])
-    if all(s % o == 0 for s, o in zip(spatial, out)):
-        k = [s // o for s, o in zip(spatial, out)]
-        return ctx.make("MaxPool", [x], kernel_shape=k, strides=k)
-    return _adaptive_separable(ctx, x, spatial, out, "ReduceMax")
+    return _adaptive(ctx, n, "GlobalMaxPool",
+                     lambda x, k, tag: ctx.make("MaxPool", [x], tag=tag, kernel_shape=k, strides=k), "ReduceMax")
 
 
 @emits("interpolate")

@@ -203,6 +203,8 @@ def std_var(ctx: NodeContext):
     x = _float_input(ctx, ctx.op)
     axes = _axes(ctx, dim, rank)
     axes = list(range(rank)) if axes is None else axes
+    if rank == 0:  # one element, as a 1-D tensor reduced to 0-d again
+        x, axes, keep = ctx.make("Unsqueeze", [x], tag="as_1d", axes=[0]), [0], False
     m = _reduce(ctx, "ReduceMean", x, axes, True, tag="mean")
     d = ctx.make("Sub", [x, m], tag="centered")
     sq = ctx.make("Mul", [d, d], tag="square")
@@ -250,9 +252,9 @@ def norm(ctx: NodeContext) -> Tensor:
     if ctx.dtype(x) not in FLOAT_TYPES:
         raise ctx.unsupported("the norm of a non-float tensor")
     axes = _axes(ctx, kw["dim"], rank)
-    if rank == 0:
-        return ctx.make("Abs", [x])
     keep = kw["keepdim"]
+    if rank == 0:  # one element, as a 1-D tensor reduced to 0-d again
+        x, axes, keep = ctx.make("Unsqueeze", [x], tag="as_1d", axes=[0]), [0], False
     if p == 1:
         return _reduce(ctx, "ReduceL1", x, axes, keep)
     if p == 2:
