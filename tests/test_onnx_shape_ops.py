@@ -396,6 +396,8 @@ REFUSED = [
      r"node 'narrow'.*narrow with tensor arguments"),
     ("gather of a 0-d tensor", lambda x: torch.gather(x[0, 0], 0, x[0, :1].argmax()), M,
      r"node 'gather'.*gather of a 0-d tensor"),
+    ("var_mean of an empty tensor", lambda x: torch.var_mean(x[:, :0], 1), M, r"node 'var_mean'.*of an empty tensor"),
+    ("roll of an empty tensor", lambda x: x[:0].roll(1, 0), M, r"node 'roll'.*roll of an empty tensor"),
     ("logsumexp of ints", lambda x: torch.logsumexp(x, 1), I, r"node 'logsumexp'.*non-float tensor"),
 ]
 

@@ -354,6 +354,8 @@ def roll(ctx: NodeContext) -> Tensor:
     rolls the flattened tensor."""
     x = ctx.x()
     rank = ctx.rank()
+    if 0 in ctx.shape():
+        raise ctx.unsupported("roll of an empty tensor")
     kw = ctx.kw(shifts=REQUIRED, dims=None)
     shifts = kw["shifts"] if isinstance(kw["shifts"], (list, tuple)) else [kw["shifts"]]
     dims = kw["dims"]
@@ -391,6 +393,8 @@ def pixel_unshuffle(ctx: NodeContext) -> Tensor:
     x = ctx.x()
     r = int(ctx.kw(downscale_factor=REQUIRED)["downscale_factor"])
     shape = _static_shape(ctx, "pixel_unshuffle")
+    if 0 in shape:
+        raise ctx.unsupported("pixel_unshuffle of an empty tensor")
     if len(shape) != 4:
         raise ctx.unsupported(f"pixel_unshuffle of a {len(shape)}-D tensor (4-D N, C, H, W is emitted)")
     _, c, h, w = shape

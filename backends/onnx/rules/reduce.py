@@ -200,6 +200,8 @@ def std_var(ctx: NodeContext):
     (a compiled model takes other batch sizes)."""
     dim, correction, keep = _var_args(ctx)
     rank = ctx.rank()
+    if 0 in ctx.shape():
+        raise ctx.unsupported(f"{ctx.op} of an empty tensor")
     x = _float_input(ctx, ctx.op)
     axes = _axes(ctx, dim, rank)
     axes = list(range(rank)) if axes is None else axes
