@@ -87,6 +87,15 @@ MODULE_OPS: dict[type, str] = {
     nn.InstanceNorm3d: "instance_norm",
     nn.LocalResponseNorm: "local_response_norm",
     # --- end of element-wise math block
+    # --- shape / reduction / index / pool ops the CPU islands emit (ops-shape branch) ---
+    nn.PixelShuffle: "pixel_shuffle",
+    nn.PixelUnshuffle: "pixel_unshuffle",
+    nn.MaxPool1d: "max_pool1d",
+    nn.AvgPool1d: "avg_pool1d",
+    nn.AdaptiveAvgPool1d: "adaptive_avg_pool1d",
+    nn.AdaptiveMaxPool1d: "adaptive_max_pool1d",
+    nn.AdaptiveMaxPool2d: "adaptive_max_pool2d",
+    # --- end ops-shape ---
 }
 
 # call_function targets -> op
@@ -215,6 +224,49 @@ FUNCTION_OPS: dict[object, str] = {
     torch.trunc: "trunc",
     torch.fix: "trunc",
     # --- end of element-wise math block
+    # --- shape / reduction / index / pool ops the CPU islands emit (ops-shape branch) ---
+    torch.sum: "sum",
+    torch.prod: "prod",
+    torch.max: "max",  # torch.max(x, dim) and torch.max(x, other) (element-wise): one rule reads which
+    torch.min: "min",
+    torch.amax: "amax",
+    torch.amin: "amin",
+    torch.argmax: "argmax",
+    torch.argmin: "argmin",
+    torch.std: "std",
+    torch.var: "var",
+    torch.std_mean: "std_mean",
+    torch.var_mean: "var_mean",
+    torch.norm: "norm",
+    torch.linalg.vector_norm: "vector_norm",
+    torch.cumsum: "cumsum",
+    torch.logsumexp: "logsumexp",
+    torch.all: "all",
+    torch.any: "any",
+    torch.stack: "stack",
+    torch.tile: "tile",
+    torch.t: "t",
+    torch.flip: "flip",
+    torch.roll: "roll",
+    F.pixel_shuffle: "pixel_shuffle",
+    F.pixel_unshuffle: "pixel_unshuffle",
+    torch.unbind: "unbind",
+    torch.narrow: "narrow",
+    torch.movedim: "movedim",
+    torch.moveaxis: "movedim",
+    torch.gather: "gather",
+    torch.index_select: "index_select",
+    torch.masked_fill: "masked_fill",
+    torch.scatter: "scatter",
+    torch.topk: "topk",
+    torch.sort: "sort",
+    torch.argsort: "argsort",
+    F.max_pool1d: "max_pool1d",
+    F.avg_pool1d: "avg_pool1d",
+    F.adaptive_avg_pool1d: "adaptive_avg_pool1d",
+    F.adaptive_max_pool1d: "adaptive_max_pool1d",
+    F.adaptive_max_pool2d: "adaptive_max_pool2d",
+    # --- end ops-shape ---
 }
 
 # call_method names -> op
@@ -285,6 +337,41 @@ METHOD_OPS: dict[str, str] = {
     "trunc": "trunc",
     "fix": "trunc",
     # --- end of element-wise math block
+    # --- shape / reduction / index ops the CPU islands emit (ops-shape branch) ---
+    "sum": "sum",
+    "prod": "prod",
+    "max": "max",
+    "min": "min",
+    "amax": "amax",
+    "amin": "amin",
+    "argmax": "argmax",
+    "argmin": "argmin",
+    "std": "std",
+    "var": "var",
+    "norm": "norm",
+    "cumsum": "cumsum",
+    "logsumexp": "logsumexp",
+    "all": "all",
+    "any": "any",
+    "expand": "expand",
+    "expand_as": "expand_as",
+    "repeat": "repeat",
+    "tile": "tile",
+    "t": "t",
+    "flip": "flip",
+    "roll": "roll",
+    "unbind": "unbind",
+    "narrow": "narrow",
+    "movedim": "movedim",
+    "moveaxis": "movedim",
+    "gather": "gather",
+    "index_select": "index_select",
+    "masked_fill": "masked_fill",
+    "scatter": "scatter",
+    "topk": "topk",
+    "sort": "sort",
+    "argsort": "argsort",
+    # --- end ops-shape ---
 }
 
 # clamp spellings: call_function target / call_method name -> (lower, upper) bound

@@ -1,4 +1,5 @@
-"""Indexing rules: ``x[...]`` with ints, slices, None, Ellipsis and index tensors (``getitem``)."""
+"""Indexing rules: ``x[...]`` with ints, slices, None, Ellipsis and index tensors (``getitem``); gather,
+index_select, masked_fill, scatter; topk, sort and argsort (TopK)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.fx as fx
+from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
     INT64_MAX,
+    REQUIRED,
     NodeContext,
     Tensor,
     is_tensor,
 )
 from qcompiler.backends.onnx.registry import emits
-from qcompiler.backends.onnx.rules.common import I64
+from qcompiler.backends.onnx.rules.common import I64, _norm_axis
 
 
 @emits("getitem")
@@ -122,3 +125,148 @@ def _index_tensor(ctx: NodeContext, x: str, idx: Any) -> Tensor:
             return out
         raise ctx.unsupported("indexing a tensor of unknown shape")
     return _apply_index(ctx, x, _plan_index(ctx, items, len(shape)))
+
+
+# ---------------------------------------------------------------------------
+# gather, index_select, masked_fill, scatter, topk, sort, argsort
+
+
+def _index_input(ctx: NodeContext, a: Any) -> Tensor:
+    if not isinstance(a, fx.Node):
+        raise ctx.unsupported(f"index {a!r} (an index tensor is emitted)")
+    return ctx.tensor(a, I64)
+
+
+def _int_arg(ctx: NodeContext, kw: dict, name: str) -> int:
+    v = kw[name]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ctx.unsupported(f"{name}={v!r} (a python int is emitted)")
+    return v
+
+
+def _rank_1(ctx: NodeContext, what: str) -> int:
+    rank = ctx.rank()
+    if rank == 0:
+        raise ctx.unsupported(f"{what} of a 0-d tensor (Gather needs at least 1-D data)")
+    return rank
+
+
+@emits("gather", since=11)
+def gather(ctx: NodeContext) -> Tensor:
+    """``torch.gather(x, dim, index)``: GatherElements."""
+    kw = ctx.kw(dim=REQUIRED, index=REQUIRED, sparse_grad=False)
+    x = ctx.x()
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), _rank_1(ctx, "gather"))
+    return ctx.make("GatherElements", [x, _index_input(ctx, kw["index"])], axis=axis)
+
+
+@emits("index_select", since=11)
+def index_select(ctx: NodeContext) -> Tensor:
+    """Gather along ``dim``; a 0-d index keeps the dim (size 1), as torch."""
+    kw = ctx.kw(dim=REQUIRED, index=REQUIRED)
+    x = ctx.x()
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), _rank_1(ctx, "index_select"))
+    index = _index_input(ctx, kw["index"])
+    if ctx.shape(kw["index"]) == ():
+        index = ctx.make("Unsqueeze", [index], tag="index_1d", axes=[0])
+    return ctx.make("Gather", [x, index], axis=axis)
+
+
+@emits("masked_fill", since=11)
+def masked_fill(ctx: NodeContext) -> Tensor:
+    """``Where(mask, value, x)``; the value (a number or a 0-d tensor) in the input's dtype."""
+    kw = ctx.kw(mask=REQUIRED, value=REQUIRED)
+    x = ctx.x()
+    if not isinstance(kw["mask"], fx.Node):
+        raise ctx.unsupported("a mask that is not a tensor")
+    mask = ctx.tensor(kw["mask"], TensorProto.BOOL)
+    value = kw["value"]
+    if isinstance(value, fx.Node) and ctx.shape(value) not in ((), None):
+        raise ctx.unsupported("a value tensor that is not 0-d (torch takes a number or a 0-d tensor)")
+    v = ctx.tensor(value, ctx.dtype(x))
+    return ctx.make("Where", [mask, v, x], dtype=ctx.dtype(x))
+
+
+@emits("scatter", since=11)
+def scatter(ctx: NodeContext) -> Tensor:
+    """``x.scatter(dim, index, src)`` / ``(dim, index, value)``: ScatterElements (no reduction in
+    opset 11); a source larger than the index is cut to the index's shape, as torch reads it."""
+    kw = ctx.kw(dim=REQUIRED, index=REQUIRED, src=None, value=None, reduce=None)
+    if kw["reduce"] is not None:
+        raise ctx.unsupported(f"reduce={kw['reduce']!r} (ScatterElements-11 has no reduction)")
+    x = ctx.x()
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), ctx.rank())
+    index = _index_input(ctx, kw["index"])
+    src = kw["src"] if kw["src"] is not None else kw["value"]
+    if src is None:
+        raise ctx.unsupported("scatter without src or value")
+    ishape = ctx.shape(kw["index"])
+    if isinstance(src, fx.Node):
+        updates = ctx.tensor(src, ctx.dtype(x))
+        sshape = ctx.shape(src)
+        if ishape is None or sshape is None:
+            raise ctx.unsupported("scatter of tensors of unknown shape")
+        if tuple(sshape) != tuple(ishape):
+            n = len(ishape)
+            updates = ctx.make("Slice", [updates, ctx.const("src_starts", [0] * n, I64),
+                                         ctx.const("src_ends", list(ishape), I64),
+                                         ctx.const("src_axes", list(range(n)), I64)], tag="src")
+    else:
+        filled = ctx.tensor(src, ctx.dtype(x))
+        updates = ctx.make("Expand", [filled, ctx.make("Shape", [index], tag="index_shape", dtype=I64)],
+                           tag="src")
+    return ctx.make("ScatterElements", [x, index, updates], axis=axis)
+
+
+def _topk(ctx: NodeContext, x: str, k: Any, axis: int, largest: bool, tag=None) -> list[Tensor]:
+    """TopK; ``k`` a python int or a 1-D int64 tensor of one element."""
+    kt = ctx.const("k", [k], I64) if isinstance(k, int) else k
+    return ctx.make("TopK", [x, kt], tag=tag, outputs=2, axis=axis, largest=int(largest), sorted=1)
+
+
+def _typed_indices(ctx: NodeContext, pair: list[Tensor]) -> tuple[Tensor, Tensor]:
+    values, indices = pair
+    ctx.b.dtypes[indices] = I64
+    return values, indices
+
+
+@emits("topk", since=11)
+def topk(ctx: NodeContext):
+    """TopK -> (values, int64 indices). ``sorted=False`` gets the sorted result (torch leaves
+    that order unspecified: any order is a correct answer, the sorted one is deterministic)."""
+    kw = ctx.kw(k=REQUIRED, dim=-1, largest=True, sorted=True)
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank == 0:
+        raise ctx.unsupported("topk of a 0-d tensor")
+    k = _int_arg(ctx, kw, "k")
+    return _typed_indices(ctx, _topk(ctx, x, k, _norm_axis(_int_arg(ctx, kw, "dim"), rank), bool(kw["largest"])))
+
+
+def _sort_args(ctx: NodeContext) -> tuple[str, int, Tensor, bool]:
+    """(input, axis, k = the size of that axis read at run time, descending)."""
+    # torch.sort(input, dim=-1, descending=False, *, stable=False) / torch.sort(input, *, stable, dim, descending)
+    kw = ctx.kw(dim=-1, descending=False, stable=False)
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank == 0:
+        raise ctx.unsupported("sort of a 0-d tensor")
+    axis = _norm_axis(_int_arg(ctx, kw, "dim"), rank)
+    k = ctx.make("Gather", [ctx.make("Shape", [x], tag="shape", dtype=I64), ctx.const("axis", [axis], I64)],
+                 tag="k", dtype=I64, axis=0)
+    return x, axis, k, bool(kw["descending"])
+
+
+@emits("sort", since=11)
+def sort(ctx: NodeContext):
+    """TopK over the whole dim; equal values keep their order (TopK-11 puts the lower index
+    first), which is torch's ``stable=True`` and one of the orders ``stable=False`` allows."""
+    x, axis, n, descending = _sort_args(ctx)
+    return _typed_indices(ctx, _topk(ctx, x, n, axis, descending))
+
+
+@emits("argsort", since=11)
+def argsort(ctx: NodeContext) -> Tensor:
+    x, axis, n, descending = _sort_args(ctx)
+    _, indices = _typed_indices(ctx, _topk(ctx, x, n, axis, descending, tag="topk"))
+    return ctx.identity(indices)

@@ -1,4 +1,5 @@
-"""Pooling and resize rules: max / average / adaptive average pooling, interpolate."""
+"""Pooling and resize rules: max / average pooling (1-D, 2-D), adaptive average / max pooling (1-D, 2-D,
+any output size), interpolate."""
 
 from __future__ import annotations
 
@@ -17,26 +18,28 @@ from qcompiler.backends.onnx.rules.common import I64, _ntuple
 from qcompiler.quantization.fixed_point import max_pool_out_size
 
 
-@emits("max_pool2d")
+@emits("max_pool1d", "max_pool2d")
 def max_pool2d(ctx: NodeContext) -> Tensor:
+    n = 1 if ctx.op == "max_pool1d" else 2
     kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False)
     if kw["return_indices"]:
         raise ctx.unsupported("return_indices=True")
-    k, s, ceil = _ntuple(kw["kernel_size"], 2), kw["stride"], kw["ceil_mode"]
-    s = _ntuple(s if s not in (None, [], ()) else k, 2)
-    p, d = _ntuple(kw["padding"], 2), _ntuple(kw["dilation"], 2)
+    k, s, ceil = _ntuple(kw["kernel_size"], n), kw["stride"], kw["ceil_mode"]
+    s = _ntuple(s if s not in (None, [], ()) else k, n)
+    p, d = _ntuple(kw["padding"], n), _ntuple(kw["dilation"], n)
     trim = _ceil_trim(ctx, ceil, k, s, p, d)
     y = ctx.make("MaxPool", [ctx.x()], kernel_shape=k, strides=s, pads=p + p, dilations=d,
                  ceil_mode=int(bool(ceil)), tag="max_pool" if trim else None)
     return _trimmed(ctx, y, trim)
 
 
-def _ceil_trim(ctx: NodeContext, ceil: bool, k, s, p, d=(1, 1)) -> list[tuple[int, int]]:
+def _ceil_trim(ctx: NodeContext, ceil: bool, k, s, p, d=None) -> list[tuple[int, int]]:
     """(axis, torch length) where a ceil-mode pool's ONNX output is one longer than torch's:
     torch drops a last window that would start in the right padding, ONNX keeps it."""
     shape = ctx.shape()
-    if not ceil or shape is None or len(shape) != 4:
+    if not ceil or shape is None or len(shape) != len(k) + 2:
         return []
+    d = d if d is not None else [1] * len(k)
     trim = []
     for axis, size in enumerate(shape[2:]):
         want = max_pool_out_size(size, k[axis], s[axis], p[axis], d[axis], True)
@@ -55,41 +58,101 @@ def _trimmed(ctx: NodeContext, y: Tensor, trim: list[tuple[int, int]]) -> Tensor
 
 
 def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False, count_include_pad=True,
-             tag: Optional[str] = None) -> Tensor:
-    k = _ntuple(kernel, 2)
-    s = _ntuple(stride if stride not in (None, [], ()) else k, 2)
-    p = _ntuple(padding, 2)
+             tag: Optional[str] = None, n: int = 2) -> Tensor:
+    k = _ntuple(kernel, n)
+    s = _ntuple(stride if stride not in (None, [], ()) else k, n)
+    p = _ntuple(padding, n)
     trim = _ceil_trim(ctx, ceil_mode, k, s, p)
     y = ctx.make("AveragePool", [x], tag=tag or ("average_pool" if trim else None), kernel_shape=k, strides=s,
                  pads=p + p, ceil_mode=int(bool(ceil_mode)), count_include_pad=int(bool(count_include_pad)))
     return _trimmed(ctx, y, trim)
 
 
-@emits("avg_pool2d")
+@emits("avg_pool1d", "avg_pool2d")
 def avg_pool2d(ctx: NodeContext) -> Tensor:
-    kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-                divisor_override=None)
+    if ctx.op == "avg_pool1d":  # F.avg_pool1d has no divisor_override
+        kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, ceil_mode=False, count_include_pad=True)
+        kw["divisor_override"] = None
+    else:
+        kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+                    divisor_override=None)
     if kw["divisor_override"] is not None:
         raise ctx.unsupported("divisor_override")
     return avg_pool(ctx, ctx.x(), kw["kernel_size"], kw["stride"], kw["padding"], kw["ceil_mode"],
-                    kw["count_include_pad"])
+                    kw["count_include_pad"], n=1 if ctx.op == "avg_pool1d" else 2)
 
 
-@emits("adaptive_avg_pool2d")
-def adaptive_avg_pool2d(ctx: NodeContext) -> Tensor:
-    out = ctx.kw(output_size=REQUIRED)["output_size"]
-    out = list(out) if isinstance(out, (list, tuple)) else [out, out]
+def _adaptive_sizes(ctx: NodeContext, n: int) -> tuple[list[int], list[int], bool]:
+    """(input spatial sizes, output sizes, unbatched) of an adaptive pool (``None`` in output_size
+    keeps the size; an unbatched input is (C, spatial...))."""
+    kw = ctx.kw(output_size=REQUIRED, return_indices=False)
+    if kw["return_indices"]:
+        raise ctx.unsupported("return_indices=True")
+    out = kw["output_size"]
+    out = list(out) if isinstance(out, (list, tuple)) else [out] * n
     shape = ctx.shape()
-    if shape is None or len(shape) != 4:
-        raise ctx.unsupported("adaptive_avg_pool2d needs a 4-D input of known shape")
-    h, w = shape[2], shape[3]
-    oh, ow = (h if out[0] is None else out[0]), (w if out[1] is None else out[1])
+    if shape is None or len(shape) not in (n + 1, n + 2) or len(out) != n:
+        raise ctx.unsupported(f"an adaptive {n}-D pool needs an input ([N,] C, {n} spatial dims) of known shape")
+    spatial = list(shape[-n:])
+    return spatial, [s if o is None else int(o) for s, o in zip(spatial, out)], len(shape) == n + 1
+
+
+def _adaptive(ctx: NodeContext, n: int, global_op: str, pool, reduce_op: str) -> Tensor:
+    """Global pool for 1x1, a pool whose kernel = stride where the windows tile the input, else
+    the separable windows; an unbatched input gets a batch of one around it."""
+    spatial, out, unbatched = _adaptive_sizes(ctx, n)
     x = ctx.x()
-    if (oh, ow) == (1, 1):
-        return ctx.make("GlobalAveragePool", [x])
-    if h % oh == 0 and w % ow == 0:
-        return avg_pool(ctx, x, (h // oh, w // ow), (h // oh, w // ow), 0)
-    raise ctx.unsupported(f"adaptive output {oh}x{ow} does not divide the input {h}x{w}")
+    if unbatched:
+        x = ctx.make("Unsqueeze", [x], tag="batch", axes=[0])
+    if all(o == 1 for o in out):
+        y = ctx.make(global_op, [x], tag="pool" if unbatched else None)
+    elif all(s % o == 0 for s, o in zip(spatial, out)):
+        y = pool(x, [s // o for s, o in zip(spatial, out)], "pool" if unbatched else None)
+    else:
+        y = _adaptive_separable(ctx, x, spatial, out, reduce_op)
+    return ctx.make("Squeeze", [y], axes=[0]) if unbatched else y
+
+
+def adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
+    """torch's adaptive pooling windows along one dim: ``[floor(i*size/out), ceil((i+1)*size/out))``."""
+    return [((i * size) // out, -(-((i + 1) * size) // out)) for i in range(out)]
+
+
+def _adaptive_separable(ctx: NodeContext, x: str, spatial: list[int], out: list[int], reduce_op: str) -> Tensor:
+    """An adaptive pool whose windows do not tile the input: one dim at a time, a Slice + Reduce per
+    output index, Concat. (A mean / max over a window box is the mean / max over one dim of the
+    mean / max over the other, so ``oh + ow`` reductions make the ``oh * ow`` cells.)"""
+    y = x
+    for i, (size, o) in enumerate(zip(spatial, out)):
+        axis = i + 2
+        if size == o:
+            continue
+        wins = adaptive_windows(size, o)
+        if o == 1:
+            y = ctx.make(reduce_op, [y], tag=f"reduce_axis{axis}", axes=[axis], keepdims=1)
+            continue
+        ax = ctx.const(f"axis{axis}", [axis], I64)
+        cells = [ctx.make(reduce_op, [ctx.make("Slice", [y, ctx.const(f"start{axis}_{j}", [s], I64),
+                                                         ctx.const(f"end{axis}_{j}", [e], I64), ax],
+                                               tag=f"window{axis}_{j}")],
+                          tag=f"reduce{axis}_{j}", axes=[axis], keepdims=1)
+                 for j, (s, e) in enumerate(wins)]
+        y = ctx.make("Concat", cells, tag=f"cells_axis{axis}", axis=axis)
+    return ctx.identity(y)
+
+
+@emits("adaptive_avg_pool1d", "adaptive_avg_pool2d")
+def adaptive_avg_pool2d(ctx: NodeContext) -> Tensor:
+    n = 1 if ctx.op == "adaptive_avg_pool1d" else 2
+    return _adaptive(ctx, n, "GlobalAveragePool", lambda x, k, tag: avg_pool(ctx, x, k, k, 0, tag=tag, n=n),
+                     "ReduceMean")
+
+
+@emits("adaptive_max_pool1d", "adaptive_max_pool2d")
+def adaptive_max_pool2d(ctx: NodeContext) -> Tensor:
+    n = 1 if ctx.op == "adaptive_max_pool1d" else 2
+    return _adaptive(ctx, n, "GlobalMaxPool",
+                     lambda x, k, tag: ctx.make("MaxPool", [x], tag=tag, kernel_shape=k, strides=k), "ReduceMax")
 
 
 @emits("interpolate")
