@@ -169,11 +169,13 @@ def _match_index(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
 
 def _replace_index(node: fx.Node, dims, gm: fx.GraphModule) -> fx.Node:
     value = node.args[0]
+    info = value.meta[META_TENSOR]
     with gm.graph.inserting_before(node):
         for d in dims:  # ascending output dims: each unsqueeze keeps the earlier ones in place
             value = gm.graph.call_method("unsqueeze", (value, d))
             value.meta[META_SCOPE] = node.meta.get(META_SCOPE)
-    value.meta[META_TENSOR] = node.meta.get(META_TENSOR)
+            info = TensorInfo(info.shape[:d] + (1,) + info.shape[d:], info.dtype)
+            value.meta[META_TENSOR] = info  # every step has its shape (the emitter reads ranks)
     node.replace_all_uses_with(value)
     gm.graph.erase_node(node)
     return value

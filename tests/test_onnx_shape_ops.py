@@ -460,3 +460,34 @@ def test_compile_runs_a_bpu_conv_into_an_onnx_cpu_island():
                 assert torch.equal(g, r)
             else:
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+class _Rank3And5(nn.Module):
+    """ConvTranspose1d and BatchNorm3d have op names of their own (not the 2-D ones the BPU runs),
+    and an adaptive pool's None output size keeps the input's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.pool = nn.AdaptiveAvgPool2d((3, None))
+        self.up = nn.ConvTranspose1d(4, 2, 3, stride=2)
+        self.bn = nn.BatchNorm3d(2)
+
+    def forward(self, x):
+        y = self.up(self.pool(self.conv(x)).flatten(2))
+        return self.bn(y[:, :, None, None, :])
+
+
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+def test_conv_transpose1d_batch_norm3d_and_a_none_output_size_run_in_onnx(march):
+    torch.manual_seed(0)
+    m = _Rank3And5().eval()
+    m.bn.running_mean.uniform_()
+    m.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.rand(1, 3, 8, 8)
+    cm = qcompiler.compile(m, (x,), march=march, progress=False)
+    assert cm.torch_islands() == {}
+    nodes = {n.name: n for n in cm.converted.graph.nodes}
+    assert nodes["up"].meta["qc_placement"] == "cpu" and nodes["bn"].meta["qc_placement"] == "cpu"
+    assert nodes["pool"].meta["qc_reason"].startswith("adaptive_avg_pool2d: adaptive_avg_pool2d to 3x6 is not a global pool")
+    torch.testing.assert_close(cm(x), cm.converted(x), atol=1e-5, rtol=1e-5)  # the CPU part: onnxruntime vs torch

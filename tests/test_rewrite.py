@@ -173,3 +173,22 @@ def test_the_verifier_names_a_row_that_still_matches():
     propagate_shapes(gm, (X,))
     with pytest.raises(PassError, match=r"rewrite: row 'pad_into_layer' still matches node 'pad'"):
         rw.verify_rewritten(gm, CompileContext(march=March.BAYES, example_inputs=(X,)))
+
+
+def test_each_unsqueeze_step_has_its_shape_for_the_emitter():
+    """x[:, :, None, None] becomes two unsqueezes; both carry their shapes, so the CPU island is ONNX."""
+
+    class TwoNones(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(3, 2, 1)
+
+        def forward(self, x):
+            return self.conv(x.flatten(2))[:, :, None, None, :].sigmoid()
+
+    gm, _, result = _run(TwoNones())
+    shapes = [n.meta["qc_tensor"].shape for n in gm.graph.nodes if n.op == "call_method" and n.target == "unsqueeze"]
+    assert result.modified and shapes == [(2, 2, 1, 64), (2, 2, 1, 1, 64)]
+    cm = qcompiler.compile(TwoNones().eval(), (X,), march="bernoulli2", progress=False)
+    assert cm.torch_islands() == {}
+    torch.testing.assert_close(cm(X), cm.converted(X), atol=1e-6, rtol=1e-6)  # onnxruntime vs torch floats

@@ -125,8 +125,14 @@ def _dim_attr(node: fx.Node, gm: fx.GraphModule) -> dict:
 
 
 def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
+    """``output_size`` as (h, w); a None entry keeps the input's size along that dim (torch's meaning)."""
     size = module.output_size if module is not None else _normalized(node, gm).get("output_size")
-    return {"output_size": _pair(size) if size is not None else None}
+    if size is None:
+        return {"output_size": None}
+    h, w = (size[0], size[-1]) if isinstance(size, (tuple, list)) else (size, size)
+    src = node.args[0].meta.get(META_TENSOR) if node.args and isinstance(node.args[0], fx.Node) else None
+    in_hw = tuple(src.shape[-2:]) if isinstance(src, TensorInfo) and len(src.shape) >= 2 else (None, None)
+    return {"output_size": (in_hw[0] if h is None else int(h), in_hw[1] if w is None else int(w))}
 
 
 # functional ops whose argument at this index is a parameter (a weight), not an operand: it is

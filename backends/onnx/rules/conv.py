@@ -131,7 +131,7 @@ def conv2d(ctx: NodeContext) -> Tensor:
     return _finish_layer(ctx, y, act, with_add, apq, ctx.path, base)
 
 
-@emits("conv_transpose2d")
+@emits("conv_transpose1d", "conv_transpose2d")
 def conv_transpose2d(ctx: NodeContext) -> Tensor:
     x = ctx.x()
     if ctx.module is None:  # F.conv_transpose2d

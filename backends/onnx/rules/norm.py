@@ -45,7 +45,7 @@ def layer_norm(ctx: NodeContext) -> Tensor:
     return ctx.make("Add", [y, b])
 
 
-@emits("batch_norm", "batch_norm1d")
+@emits("batch_norm", "batch_norm1d", "batch_norm3d")
 def batch_norm(ctx: NodeContext) -> Tensor:
     """Inference BatchNormalization with the running statistics (export is eval); a BPU
     BatchNorm2d of a prepared model, quantized, is the depthwise 1x1 conv the BPU computes."""
