@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from onnx_modules import Fn, Fn2, Wrap, flat, op_types
 
 import qcompiler
 import qcompiler.zoo as zoo
@@ -26,12 +27,6 @@ from qcompiler.ir.partitions import partitions
 from qcompiler.zoo.hybrid import _SeluModule
 
 GUIDE_HYBRID_DICT = {"module_name": ["conv1.conv", "conv3"], "module_type": [_SeluModule]}
-
-
-def flat(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    return [t for v in x for t in flat(v)]
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -60,35 +55,6 @@ def check(module: nn.Module, *inputs, march="bayes", **partition_kw) -> onnx.Mod
         assert o.shape == tuple(r.shape)
         np.testing.assert_allclose(o, r.numpy(), atol=1e-5, rtol=1e-5)
     return model
-
-
-def op_types(model: onnx.ModelProto) -> set[str]:
-    return {n.op_type for n in model.graph.node}
-
-
-class Wrap(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(x)
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``fn`` (functional ops traced as call_function/call_method)."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-class Fn2(Fn):
-    def forward(self, x, y):
-        return self.fn(x, y)
 
 
 torch.manual_seed(0)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from onnx_modules import Fn, Fn2, Wrap, op_types
 
 import qcompiler
 from qcompiler.backends.onnx.emitter import emit_graph
@@ -25,33 +26,6 @@ from qcompiler.errors import UnsupportedOpError
 from qcompiler.ir.meta import META_PLACEMENT, META_REASON
 
 ATOL = RTOL = 1e-5
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``fn`` of its inputs (functional spellings trace as calls)."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-class Fn2(Fn):
-    def forward(self, x, y):
-        return self.fn(x, y)
-
-
-class Wrap(nn.Module):
-    """Keeps a torch.nn layer a leaf inside a traced root."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(x)
 
 
 def emit(module: nn.Module, *inputs) -> onnx.ModelProto:
@@ -73,10 +47,6 @@ def check(module: nn.Module, *inputs, atol=ATOL, rtol=RTOL) -> onnx.ModelProto:
     assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.shape, ref.dtype)
     np.testing.assert_allclose(got, ref, atol=atol, rtol=rtol)
     return model
-
-
-def op_types(model: onnx.ModelProto) -> set[str]:
-    return {n.op_type for n in model.graph.node}
 
 
 g = torch.Generator().manual_seed(0)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from onnx_modules import Fn, Fn2, Wrap, flat, op_list
 
 import qcompiler
 from qcompiler.backends.onnx.emitter import emit_graph
@@ -25,37 +26,6 @@ from qcompiler.backends.onnx.rules.pool import adaptive_windows
 from qcompiler.errors import UnsupportedOpError
 
 EXACT, CLOSE = "exact", "close"
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``fn`` (functional ops traced as FX calls)."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-class Fn2(Fn):
-    def forward(self, x, y):
-        return self.fn(x, y)
-
-
-class Wrap(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(x)
-
-
-def flat(v):
-    if isinstance(v, torch.Tensor):
-        return [v]
-    return [t for e in v for t in flat(e)]
 
 
 def emit(module: nn.Module, inputs: tuple) -> onnx.ModelProto:
@@ -81,10 +51,6 @@ def check(module: nn.Module, *inputs, mode: str = EXACT, atol: float = 1e-5, rto
         else:
             np.testing.assert_allclose(o, r, atol=atol, rtol=rtol)
     return model
-
-
-def op_types(model: onnx.ModelProto) -> list[str]:
-    return [n.op_type for n in model.graph.node]
 
 
 torch.manual_seed(0)
@@ -186,7 +152,7 @@ def test_zero_d_results_stay_zero_d():
 
 def test_max_with_dim_is_a_values_indices_pair():
     model = check(Fn(lambda x: torch.max(x, 1)), X)
-    assert op_types(model) == ["ReduceMax", "ArgMax"]
+    assert op_list(model) == ["ReduceMax", "ArgMax"]
     assert [o.type.tensor_type.elem_type for o in model.graph.output] == [onnx.TensorProto.FLOAT,
                                                                           onnx.TensorProto.INT64]
 
@@ -251,7 +217,7 @@ def test_pixel_shuffle_modules(module, x):
 
 
 def test_roll_is_slice_and_concat_at_a_shift_mod_the_run_time_size():
-    assert op_types(check(Fn(lambda x: torch.roll(x, 1, 0)), M)) == ["Shape", "Gather", "Mod", "Neg", "Slice",
+    assert op_list(check(Fn(lambda x: torch.roll(x, 1, 0)), M)) == ["Shape", "Gather", "Mod", "Neg", "Slice",
                                                                        "Slice", "Concat"]
 
 
@@ -374,8 +340,8 @@ def test_functional_pools(fn, x):
 
 def test_an_adaptive_pool_that_does_not_divide_needs_no_average_pool():
     model = check(Wrap(nn.AdaptiveAvgPool2d(2)), X33, mode=CLOSE)
-    assert "AveragePool" not in op_types(model)
-    assert op_types(model).count("ReduceMean") == 4  # 2 + 2 separable windows for the 2x2 cells
+    assert "AveragePool" not in op_list(model)
+    assert op_list(model).count("ReduceMean") == 4  # 2 + 2 separable windows for the 2x2 cells
 
 
 # ---------------------------------------------------------------------------
