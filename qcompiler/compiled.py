@@ -10,6 +10,7 @@ lower BPU partitions to programs and CPU partitions to ONNX islands.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -26,9 +27,9 @@ from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_subgraph
 from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
 from qcompiler.collectives import active as distributed_active
-from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
+from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.dump import dump_partitioned
-from qcompiler.ir.meta import BPU
+from qcompiler.ir.meta import BPU, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.onnx import export_to_onnx
 from qcompiler.quantization.convert import convert_fx
@@ -222,6 +223,17 @@ def check_has_data(model: nn.Module) -> None:
                               "its weights first, e.g. model.to_empty(device='cpu') then model.load_state_dict(...)")
 
 
+def _warn_if_float(converted: fx.GraphModule, runtime: Runtime, name: str) -> None:
+    """A model none of whose ops runs on the BPU compiles to a float CPU model: say so, with the reasons."""
+    if any(step.kind == BPU for step in runtime.steps):
+        return
+    reasons = [f"{n.name}: {n.meta[META_REASON]}" for n in converted.graph.nodes
+               if n.op.startswith("call_") and n.meta.get(META_REASON)]
+    listed = "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else "")
+    warnings.warn(f"compile: no op of {name} runs on the BPU, so the compiled model computes in float on the CPU "
+                  f"({listed})", QCompilerWarning, stacklevel=3)
+
+
 def compile(
     model: nn.Module,
     example_inputs: Any,
@@ -281,5 +293,6 @@ def compile(
     converted = convert_fx(prepared, inplace=True)  # ``prepared`` is compile's own copy
     runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs)
     march_value = converted.meta.get("qc_march")
+    _warn_if_float(converted, runtime, name)
     return CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),
                          converted=converted, example_inputs=inputs)

@@ -3,14 +3,16 @@
 import json
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import pytest
 import torch
+import torch.nn as nn
 
 import qcompiler
 import qcompiler.zoo as zoo
-from qcompiler.errors import ArtifactError, ConfigError
+from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning
 
 SMALL = {"resnet18": dict(image_size=32), "mobilenet_v2": dict(image_size=32)}
 
@@ -327,3 +329,24 @@ def test_float64_calib_data_calibrates_like_float32():
     a = qcompiler.compile(model, X8, calib_data=data, progress=False)
     b = qcompiler.compile(model, X8, calib_data=[d.double() for d in data], progress=False)
     assert torch.equal(a(X8), b(X8))
+
+
+def test_a_model_with_nothing_on_the_bpu_says_so():
+    """Functional linear with parameter weights has no BPU form: the compiled model is float, and compile warns."""
+
+    class FunctionalLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+            self.b = nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w, self.b)
+
+    with pytest.warns(QCompilerWarning, match=r"compile: no op of FunctionalLinear runs on the BPU, so the compiled "
+                                              r"model computes in float on the CPU \(linear: "):
+        cm = qcompiler.compile(FunctionalLinear().eval(), (torch.randn(2, 4),), progress=False)
+    assert [s.kind for s in cm.runtime.steps] == ["cpu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QCompilerWarning)  # a model with a BPU part: no such warning
+        qcompiler.compile(nn.Sequential(nn.Conv2d(3, 4, 3)).eval(), (torch.rand(1, 3, 8, 8),), progress=False)
