@@ -1,6 +1,7 @@
 """QuantAnalysis: bad-case search, per-layer comparison, advisor, sensitivity, int16 suggestion, errors."""
 
 import csv
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -377,3 +378,23 @@ def test_train_mode_restored_when_a_run_fails(tmp_path):
             qa.run()
         assert_untouched(f_train, snaps[0])
         assert_untouched(qat_train, snaps[1])
+
+
+def test_sensitivity_of_an_attention_block_measures_every_quantizer(tmp_path):
+    """A softmax on the CPU feeds a BPU matmul: its quantizer on alone gave float64 values against the
+    float32 ones of the quantizers left off, and the matmul failed (``qcompiler report zoo:transformer_block``)."""
+    model = zoo.get("transformer_block")
+    x = zoo.example_inputs("transformer_block")
+    cal = prepare_calibration_fx(model, None, example_inputs=x, hybrid=True, march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        cal(*x)
+    fq = prepare_qat_fx(cal, hybrid=True)
+    set_state(fq, "validation")
+    fq.eval()
+    qa = QuantAnalysis(model, fq, "fake_quant", out_dir=tmp_path)
+    qa.set_bad_case(x)
+    rows = qa.sensitivity()
+    names = {r[0] for r in rows}
+    assert "softmax_activation_post_process" in names  # the quantizer that failed alone
+    assert all(math.isfinite(r[3]) for r in rows)

@@ -84,6 +84,12 @@ QSCALE_DIFF_HIGH = 8.0      # outputs differ by more than 8 quantization steps
 # ----------------------------------------------------------------------------- helpers
 
 
+def _same_dtype_as_input(module: nn.Module, inputs: tuple, output: Any) -> Any:
+    """Forward hook: the output in the dtype of the first input (a fake quant measured alone)."""
+    x = inputs[0] if inputs else None
+    return output.to(x.dtype) if isinstance(output, torch.Tensor) and isinstance(x, torch.Tensor) else output
+
+
 def _detach_batch(batch: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.detach().clone()
@@ -709,9 +715,13 @@ class QuantAnalysis:
         mine = {}
         for name, q in tqdm(todo[collectives.rank()::collectives.world_size()], desc="sensitivity", leave=False):
             q.enable_fake_quant()
+            # alone, an eval-mode fake quant's exact float64 grid values would meet float32 values of the
+            # quantizers left off (a matmul of the two fails): give its values back in its input's dtype
+            cast = q.register_forward_hook(_same_dtype_as_input)
             try:
                 mine[name] = compute_metric(metric, base_out, self._run_fq(model, args))
             finally:
+                cast.remove()
                 q.disable_fake_quant()
         values = {k: v for part in collectives.all_gather_object(mine, "sensitivity: gathering the metrics")
                   for k, v in part.items()}
