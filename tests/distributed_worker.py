@@ -193,5 +193,10 @@ if __name__ == "__main__":
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     result = globals()[f"scenario_{sys.argv[1]}"]()
     torch.save(result, Path(sys.argv[2]) / f"rank{RANK}.pt")
-    if WORLD > 1:
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is saved and every collective of the scenario has completed on this rank: leave
+    # without tearing the gloo group down. Its teardown (destroy_process_group / interpreter exit)
+    # has, rarely, aborted a rank after a successful run ("terminate called without an active
+    # exception", exit -6), which made the tests flaky; nothing here depends on it.
+    os._exit(0)
