@@ -102,11 +102,11 @@ def _march_accepts(user: fx.Node, m: nn.Module, padding: tuple, gm: fx.GraphModu
     old = m.padding
     m.padding = padding
     try:
-        op = node_op(user, dict(gm.named_modules()))
+        modules = dict(gm.named_modules())
         saved = user.args
         user.args = (user.args[0].args[0],) + tuple(user.args[1:])  # the layer reads the unpadded input
         try:
-            ok, _ = op_table(ctx.march).check(op_info(user, op, gm, dict(gm.named_modules())))
+            ok, _ = op_table(ctx.march).check(op_info(user, node_op(user, modules), gm, modules))
         finally:
             user.args = saved
     finally:

@@ -16,7 +16,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.quantization import convert_fx, prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.tools.quant_analysis import COMPARE_COLUMNS, QuantAnalysis, compute_metric
 
-SHAPE = {"hybrid": (1, 3, 32, 32), "resnet18": (1, 3, 32, 32)}
+SHAPE = {"hybrid": (1, 3, 32, 32), "resnet18": (1, 3, 32, 32), "transformer_block": (1, 16, 64)}
 MISSCALED = {"hybrid": "conv2", "resnet18": "layer2.0.conv1"}
 
 
@@ -383,17 +383,9 @@ def test_train_mode_restored_when_a_run_fails(tmp_path):
 def test_sensitivity_of_an_attention_block_measures_every_quantizer(tmp_path):
     """A softmax on the CPU feeds a BPU matmul: its quantizer on alone gave float64 values against the
     float32 ones of the quantizers left off, and the matmul failed (``qcompiler report zoo:transformer_block``)."""
-    model = zoo.get("transformer_block")
-    x = zoo.example_inputs("transformer_block")
-    cal = prepare_calibration_fx(model, None, example_inputs=x, hybrid=True, march="bayes")
-    cal.eval()
-    with torch.no_grad():
-        cal(*x)
-    fq = prepare_qat_fx(cal, hybrid=True)
-    set_state(fq, "validation")
-    fq.eval()
+    model, fq = build("transformer_block")
     qa = QuantAnalysis(model, fq, "fake_quant", out_dir=tmp_path)
-    qa.set_bad_case(x)
+    qa.set_bad_case(batches("transformer_block", n=1)[0])
     rows = qa.sensitivity()
     names = {r[0] for r in rows}
     assert "softmax_activation_post_process" in names  # the quantizer that failed alone
