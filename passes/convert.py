@@ -3,7 +3,10 @@
 Each BPU node becomes a module of ``qcompiler.nn.quantized`` working on
 QTensors with the scales its observers / fake quants settled on; the
 graph-node output observers fold into the op before them; CPU nodes stay
-float. QuantStubs and boundary observers quantize, DeQuantStubs dequantize.
+float. QuantStubs and boundary observers quantize, DeQuantStubs dequantize; a
+QuantStub (or boundary observer) on a value that is already quantized, directly
+or through a DeQuantStub, requantizes it, or disappears when the scale and
+dtype are the same.
 """
 
 from __future__ import annotations
@@ -172,9 +175,14 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             if quantizer is None:
                 quantizer = module
             qp[node] = _qparams_of(quantizer, where)
-            _install(gm, node, qnn.Quantize(qp[node].scale, qp[node].dtype))
+            _convert_quant(gm, node, qp)
             continue
         if op == "dequant":
+            src = node.args[0] if node.args else None
+            if isinstance(src, fx.Node) and src.meta.get(META_OP) == "dequant":
+                node.replace_all_uses_with(src)  # a DeQuantStub of a dequantized value: the identity
+                gm.graph.erase_node(node)
+                continue
             _install(gm, node, qnn.DeQuantize())
             continue
         if op in META_OPS:
@@ -205,6 +213,32 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     gm.delete_all_unused_submodules()
     gm.recompile()
     return PassResult(gm, True)
+
+
+def _quantized_source(src, qp: dict) -> Optional[fx.Node]:
+    """The quantized BPU value behind ``src`` (itself, or the input of a DeQuantStub of one), or None
+    when ``src`` is a float."""
+    if isinstance(src, fx.Node) and src.meta.get(META_OP) == "dequant" and placement(src) == BPU and src.args:
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and src in qp else None
+
+
+def _convert_quant(gm: fx.GraphModule, node: fx.Node, qp: dict) -> None:
+    """A quantizer node: Quantize a float; a QuantStub or quantizer on a value that is already
+    quantized (directly, or through a DeQuantStub) is a Requantize from that value's grid, or
+    nothing at all when the grids are the same."""
+    out = qp[node]
+    src = _quantized_source(node.args[0] if node.args else None, qp)
+    if src is None:
+        _install(gm, node, qnn.Quantize(out.scale, out.dtype))
+        return
+    if (qp[src].scale, qp[src].dtype) == (out.scale, out.dtype):
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        del qp[node]
+        return
+    node.args, node.kwargs = (src,), {}
+    _install(gm, node, qnn.Requantize(qp[src].scale, qp[src].dtype, out.scale, out.dtype))
 
 
 def _same_scale(node: fx.Node, module: Optional[nn.Module], dtype: str) -> qnn.QuantizedSameScale:

@@ -4,8 +4,9 @@
   called just before the CPU node (one call per BPU producer, nodes
   ``<cpu_node>_input_dequant_<k>``). BPU values that reach the model output
   are dequantized the same way by ``output_input_dequant``.
-* After a float source feeding BPU nodes (a CPU node, or a graph input not
-  behind a QuantStub): an activation observer ``<node>_activation_post_process``;
+* After a float source feeding BPU nodes (a CPU node, a graph input not
+  behind a QuantStub, or a DeQuantStub whose value a BPU op reads): an
+  activation observer ``<node>_activation_post_process``;
   only the BPU-bound users are rewired to it. A CPU identity/dropout whose
   users are all BPU-bound is looked through: it is rewired too and then
   follows the observer onto the BPU side.
@@ -42,7 +43,14 @@ ACTIVATION_POST_PROCESS = "activation_post_process"
 
 
 def _is_float_source(node: fx.Node) -> bool:
-    return node.op == "placeholder" or (placement(node) == CPU and node.op != "get_attr")
+    """A value that is float where BPU ops read it: a graph input, a CPU value, a dequantized BPU value.
+
+    A BPU op that reads a DeQuantStub (e.g. a layer after a ``QuantWrapper``) gets a quantizer like
+    any float source; convert then reads the DeQuantStub's input and requantizes (or drops both
+    when the scales agree), so no float value is computed inside a BPU partition."""
+    if node.op == "placeholder":
+        return True
+    return node.op != "get_attr" and (placement(node) == CPU or node.meta.get(META_OP) == "dequant")
 
 
 def _bpu_bound(user: fx.Node) -> bool:
@@ -116,7 +124,9 @@ def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
             META_OP: "quant",
             META_STUB: ACTIVATION_POST_PROCESS,
         })
-        what = "model input" if source.op == "placeholder" else "float output of"
+        what = {"placeholder": "model input"}.get(source.op, "float output of")
+        if source.meta.get(META_OP) == "dequant" and placement(source) == BPU:
+            what = "dequantized value"
         set_placement(obs, BPU, f"quantizes {what} '{source.name}' for the BPU")
         for user in bound:
             user.replace_input_with(source, obs)

@@ -2,7 +2,9 @@
 
 Order of decisions for a call node:
 
-1. ``hybrid_dict`` forces it to the CPU (the user's word wins over support);
+1. ``hybrid_dict`` forces it to the CPU (the user's word wins over support), and so
+   does a float region: a node on a path from a DeQuantStub to a QuantStub (the user
+   said the values in between are float, as in eager-mode PyTorch quantization);
 2. stubs, identities, container ``getitem`` and size queries compute nothing:
    they follow their producer (a QuantStub or a follower of a graph input
    follows its consumers instead, decided in a backward sweep);
@@ -77,6 +79,34 @@ def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tup
     return (BPU if ok else CPU), reason
 
 
+def _float_regions(gm: fx.GraphModule, ops: dict[fx.Node, Optional[str]]) -> dict[fx.Node, str]:
+    """Nodes between a DeQuantStub and a QuantStub, each with its CPU reason.
+
+    A node is in a float region when it is reached from a DeQuantStub without passing a QuantStub
+    and reaches a QuantStub without passing a DeQuantStub. A DeQuantStub whose value reaches the
+    model output (or nothing) without a QuantStub opens no region: ops after it are placed as
+    usual, and a BPU op among them reads its value through a quantizer (``insert_stubs``).
+    """
+    opened: dict[fx.Node, fx.Node] = {}  # node -> the DeQuantStub it is reached from
+    for node in gm.graph.nodes:
+        if ops.get(node) == "quant":
+            continue
+        for src in node.all_input_nodes:
+            start = src if ops.get(src) == "dequant" else opened.get(src)
+            if start is not None and ops.get(node) != "dequant":
+                opened.setdefault(node, start)
+    closed: dict[fx.Node, fx.Node] = {}  # node -> the QuantStub it reaches
+    for node in reversed(gm.graph.nodes):
+        if ops.get(node) == "dequant":
+            continue
+        for user in node.users:
+            end = user if ops.get(user) == "quant" else closed.get(user)
+            if end is not None and ops.get(node) != "quant":
+                closed.setdefault(node, end)
+    return {n: (f"between DeQuantStub '{opened[n].name}' and QuantStub '{closed[n].name}': a float region, "
+                f"on the CPU") for n in opened if n in closed and n.op != "placeholder"}
+
+
 def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     table = op_table(ctx.march)
     hybrid: HybridConfig = ctx.hybrid_dict or HybridConfig()
@@ -92,14 +122,16 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         set_placement(n, where, reason)
 
     resolver = ctx.options.get("qconfig_resolver")  # prepare's: a module-level qconfig None keeps an op float
+    ops = {n: node_op(n, modules) for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+    regions = _float_regions(gm, ops)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        op = node_op(node, modules)
+        op = ops[node]
         node.meta[META_OP] = op
         forced = None
         if node.op != "get_attr":
-            forced = hybrid.match(node)
+            forced = hybrid.match(node) or regions.get(node)
             if forced is None and resolver is not None and op not in ("quant", "dequant"):
                 forced = resolver.float_reason(scope(node), modules.get(node.target) if node.op == "call_module"
                                                else None)

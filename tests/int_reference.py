@@ -408,6 +408,8 @@ def run_op(op, args: Sequence[np.ndarray], specs: dict) -> np.ndarray:
         return ref_dequantize(args[0], s.scale, s.axis)
     if k in ("conv2d", "conv_transpose2d", "linear"):
         return ref_weight_layer(op, *args)
+    if k == "requantize":
+        return ref_requantize(np.asarray(args[0], dtype=np.int64), int(T["M"]), int(T["n"]), out_dtype)
     if k == "matmul":
         acc = check_int32(ref_matmul(*args), op.output)
         return ref_requantize(acc, int(T["M"]), int(T["n"]), out_dtype)

@@ -215,7 +215,7 @@ class _Lowering:
             raise self.fail(node, "not a converted fixed-point module; no BPU op kind for it "
                                   "(was the model converted with convert_fx?)")
         for cls, fn in (
-            (qnn.Quantize, self._quantize), (qnn.DeQuantize, self._dequantize),
+            (qnn.Quantize, self._quantize), (qnn.DeQuantize, self._dequantize), (qnn.Requantize, self._requantize),
             (qnn.QuantizedWeightLayer, self._weight_layer), (qnn.QuantizedAdd, self._add),
             (qnn.QuantizedMul, self._mul), (qnn.QuantizedConstantOperand, self._constant_operand),
             (qnn.QuantizedDiv, self._div), (qnn.QuantizedConstant, self._constant),
@@ -242,6 +242,15 @@ class _Lowering:
         src = node.args[0] if node.args else None
         self.quantized(node, src)
         return BpuOp("dequantize", [src.name], node.name, {})
+
+    def _requantize(self, node, m: qnn.Requantize) -> BpuOp:
+        x = node.args[0] if node.args else None
+        spec = self.per_tensor(node, x)
+        if (spec.scale, spec.dtype) != (m.in_scale, _dtype_name(m.in_dtype)):
+            raise self.fail(node, f"input {spec.describe()} differs from the module's (scale {m.in_scale!r}, "
+                                  f"{m.in_dtype})")
+        return BpuOp("requantize", [x.name], node.name, {"in_scale": m.in_scale, **self.out(self.specs.of(node))},
+                     {"M": m.M.reshape(()), "n": m.n.reshape(())})
 
     def _weight_layer(self, node, m: qnn.QuantizedWeightLayer) -> BpuOp:
         x = node.args[0] if node.args else None

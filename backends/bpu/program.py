@@ -56,6 +56,8 @@ FLOAT_DTYPE = "f32"
 OP_KINDS: dict[str, str] = {
     "quantize": "float -> integers: clamp(round_half_even(x / out_scale)) (fixed_point.quantize)",
     "dequantize": "integers -> float32: float32(q) * float32(scale)",
+    "requantize": "integers -> integers on another grid: requant(q, M, n) with M/2^n ~= in_scale/out_scale "
+                  "(a QuantStub on a quantized value)",
     "conv2d": "int8 conv2d (+bias) (+add) -> requantize (+relu/relu6) | int32 high-precision output",
     "conv_transpose2d": "int8 transposed conv2d, same epilogue as conv2d",
     "linear": "int8 linear, same epilogue as conv2d (channel axis -1)",

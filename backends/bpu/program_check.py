@@ -123,6 +123,7 @@ _POOL = {"kernel_size": _pair(1), "stride": _pair(1), "padding": _pair(0)}
 ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "quantize": {},
     "dequantize": {},
+    "requantize": {"in_scale": _pos_float},
     "conv2d": {**_WEIGHT_LAYER, **_CONV},
     "conv_transpose2d": {**_WEIGHT_LAYER, **_CONV, "output_padding": _pair(0)},
     "linear": dict(_WEIGHT_LAYER),
@@ -235,7 +236,7 @@ def _tensor_rules(op, where: str) -> dict[str, _Spec]:
     k, a = op.kind, op.attrs
     if k in ("conv2d", "conv_transpose2d", "linear"):
         return _weight_layer_rules(op, where)
-    if k in ("matmul", "avg_pool2d"):
+    if k in ("matmul", "avg_pool2d", "requantize"):
         return {"M": _SCALAR_M, "n": _SCALAR_N}
     const = _Spec((torch.int8, torch.int16, torch.int32), required=False, rank=(0, 6))
     if k in ("add", "sub"):

@@ -297,6 +297,12 @@ def _dequantize_kernel(k: KernelSpec) -> Callable:
     return _dequantize(k.in_specs[0])
 
 
+@_kernel(REFERENCE, "requantize")
+def _requantize(k: KernelSpec) -> Callable:
+    M, n, name, out_dtype = k.tensors["M"], k.tensors["n"], k.name, k.out_dtype
+    return lambda x: fp.requantize(x, M, n, out_dtype, op=name)
+
+
 @_kernel(REFERENCE, "matmul")
 def _matmul(k: KernelSpec) -> Callable:
     M, n, name, out_dtype = k.tensors["M"], k.tensors["n"], k.name, k.out_dtype

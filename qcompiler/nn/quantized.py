@@ -74,6 +74,27 @@ class DeQuantize(QuantizedModule):
         return x.dequantize() if isinstance(x, QTensor) else x
 
 
+class Requantize(QuantizedModule):
+    """QTensor -> QTensor on another grid: ``clamp(round_half_even(q * M / 2**n))`` with
+    ``M / 2**n ~= s_in / s_out``. A QuantStub (or a quantizer after a DeQuantStub) applied to a
+    value that is already quantized; the integers of the BPU's ``requantize`` op."""
+
+    qc_op = "requantize"
+
+    def __init__(self, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.in_scale, self.in_dtype = float(in_scale), in_dtype
+        self.out_scale, self.out_dtype = float(out_scale), out_dtype
+        self.M, self.n = _params(self.in_scale / self.out_scale)
+
+    def forward(self, x: QTensor) -> QTensor:
+        return _q(fp.requantize(x.int_repr(), self.M, self.n, self.out_dtype, op="requantize"), self.out_scale)
+
+    def extra_repr(self) -> str:
+        return (f"in_scale={self.in_scale:.6g} ({self.in_dtype}), out_scale={self.out_scale:.6g}, "
+                f"dtype={self.out_dtype}")
+
+
 class QuantizedWeightLayer(QuantizedModule):
     """conv2d / conv_transpose2d / linear (+add) (+relu|relu6) with int8 weights and int32 bias.
 

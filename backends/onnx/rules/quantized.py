@@ -99,6 +99,14 @@ def converted_quantize(ctx: NodeContext) -> Tensor:
     return ctx.quant.quantize_point(ctx, ctx.x(), m.scale, m.dtype, ctx.path, always_node=True)
 
 
+@emits_module(qnn.Requantize)
+def converted_requantize(ctx: NodeContext) -> Tensor:
+    """Requantize: the dequantized input quantized again at the output scale (float Q/DQ, which
+    rounds where the BPU multiplies by M / 2**n)."""
+    m = ctx.module
+    return ctx.quant.quantize_point(ctx, ctx.x(), m.out_scale, m.out_dtype, ctx.path, always_node=True)
+
+
 @emits_module(qnn.QuantizedWeightLayer)
 def converted_weight_layer(ctx: NodeContext) -> Tensor:
     m: qnn.QuantizedWeightLayer = ctx.module
