@@ -4,7 +4,8 @@ Order of decisions for a call node:
 
 1. ``hybrid_dict`` forces it to the CPU (the user's word wins over support), and so
    does a float region: a node on a path from a DeQuantStub to a QuantStub (the user
-   said the values in between are float, as in eager-mode PyTorch quantization);
+   said the values in between are float, as in eager-mode PyTorch quantization), and a
+   module the tracer could not trace (``META_AUTO_LEAF``: its Python runs as a whole);
 2. stubs, identities, container ``getitem`` and size queries compute nothing:
    they follow their producer (a QuantStub or a follower of a graph input
    follows its consumers instead, decided in a backward sweep);
@@ -31,6 +32,7 @@ from qcompiler.hybrid import HybridConfig
 from qcompiler.ir.meta import (
     BPU,
     CPU,
+    META_AUTO_LEAF,
     META_OP,
     META_PLACEMENT,
     META_REASON,
@@ -131,7 +133,7 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         node.meta[META_OP] = op
         forced = None
         if node.op != "get_attr":
-            forced = hybrid.match(node) or regions.get(node)
+            forced = hybrid.match(node) or node.meta.get(META_AUTO_LEAF) or regions.get(node)
             if forced is None and resolver is not None and op not in ("quant", "dequant"):
                 forced = resolver.float_reason(scope(node), modules.get(node.target) if node.op == "call_module"
                                                else None)

@@ -15,13 +15,17 @@ import torch.nn as nn
 
 from qcompiler.errors import ConfigError
 from qcompiler.hybrid import parse_hybrid_dict
+from qcompiler.ir.auto_leaf import trace_or_fallback
 from qcompiler.ir.shape_prop import normalize_inputs
-from qcompiler.ir.tracer import trace
 from qcompiler.march import MarchLike, resolve_march
 from qcompiler.passes.base import CompileContext, Pass, PassManager
 from qcompiler.passes.pipeline import PARTITION_PIPELINE
 
-PREPARE_CUSTOM_KEYS = ("preserved_attributes", "non_traceable_module_name", "non_traceable_module_class")
+PREPARE_CUSTOM_KEYS = ("preserved_attributes", "non_traceable_module_name", "non_traceable_module_class",
+                       "strict_tracing")
+# keys whose value is a flag, not a list: strict_tracing=True raises a TraceError where tracing fails,
+# instead of running the untraceable module as a whole in eager torch (qcompiler.ir.auto_leaf)
+FLAG_KEYS = ("strict_tracing",)
 
 
 def parse_prepare_custom_config(config: Optional[dict]) -> dict:
@@ -35,7 +39,10 @@ def parse_prepare_custom_config(config: Optional[dict]) -> dict:
             raise ConfigError(
                 f"prepare_custom_config_dict: unknown key {key!r}; allowed keys: {', '.join(PREPARE_CUSTOM_KEYS)}"
             )
-        if not isinstance(value, (list, tuple)):
+        if key in FLAG_KEYS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"prepare_custom_config_dict[{key!r}] must be True or False, got {value!r}")
+        elif not isinstance(value, (list, tuple)):
             raise ConfigError(f"prepare_custom_config_dict[{key!r}] must be a list, got {type(value).__name__}")
     return dict(config)
 
@@ -69,11 +76,12 @@ def build_graph(
         if not hasattr(model, attr):
             raise ConfigError(f"prepare_custom_config_dict['preserved_attributes']: model has no attribute {attr!r}")
     work = model if inplace else copy.deepcopy(model)
-    gm = trace(
+    gm = trace_or_fallback(  # untraceable code runs as a whole in torch, with a warning (unless strict)
         work,
         leaf_module_names=custom.get("non_traceable_module_name", ()),
         leaf_module_types=custom.get("non_traceable_module_class", ()),
         example_inputs=ctx.example_inputs,  # defaulted forward args they leave out: constants
+        strict=custom.get("strict_tracing", False),
     )
     for attr in preserved:
         setattr(gm, attr, getattr(work, attr))

@@ -68,9 +68,20 @@ def test_untraceable_code_names_module_and_suggests_leaf():
             return self.gate(self.conv(x))
 
     m = M()
-    check(m, TraceError, r"module 'gate' \(Gate\).*non_traceable_module_name")
+    check(m, TraceError, r"module 'gate' \(Gate\).*non_traceable_module_name",
+          prepare_custom_config_dict={"strict_tracing": True})
     gm = qcompiler.partition(m, X, prepare_custom_config_dict={"non_traceable_module_name": ["gate"]})
     assert torch.equal(gm(X), m(X))
+    # without strict_tracing the same leaf is made automatically, with a warning naming it
+    with pytest.warns(QCompilerWarning, match=r"cannot trace module 'gate' \(Gate\).*Done automatically: 'gate' "
+                                              r"is a leaf that runs as a whole in eager torch"):
+        auto = qcompiler.partition(m, X)
+    assert torch.equal(auto(X), m(X))
+
+
+def test_strict_tracing_must_be_a_flag(hybrid_model):
+    check(hybrid_model, ConfigError, r"prepare_custom_config_dict\['strict_tracing'\] must be True or False, got 'yes'",
+          prepare_custom_config_dict={"strict_tracing": "yes"})
 
 
 def test_prepare_custom_config_errors(hybrid_model):

@@ -23,6 +23,9 @@ META_PLACEMENT = "qc_placement"
 META_REASON = "qc_reason"
 # the note of the rewrite (passes/rewrite.py) that produced the node, shown with its placement reason
 META_REWRITE = "qc_rewrite"
+# why a module the tracer could not trace runs as a whole (an automatic leaf, qcompiler.ir.auto_leaf):
+# placement keeps such a node on the CPU with this reason
+META_AUTO_LEAF = "qc_auto_leaf"
 # partition name ("bpu0", "cpu1", ...)
 META_PARTITION = "qc_partition"
 # names of the original nodes a fused node replaced, in pattern order

@@ -258,4 +258,6 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception, inputs_given
         message = f"cannot trace {where}{line}: {reason}. {fix}"
     err = TraceError(message)
     err.module_path = path
+    err.reason = reason  # torch's message, first line
+    err.code_error = isinstance(exc, (NameError, ImportError))  # the forward fails eagerly too
     return err
