@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.errors import PassError
 from qcompiler.ir.meta import (
     BPU,
     CPU,
@@ -56,7 +57,8 @@ def _is_float_source(node: fx.Node) -> bool:
 def _bpu_bound(user: fx.Node) -> bool:
     """True if a float value flowing into ``user`` ends up only on the BPU."""
     if placement(user) == BPU:
-        return user.meta.get(META_OP) != "quant"  # a QuantStub quantizes by itself
+        # a QuantStub quantizes by itself; a DeQuantStub after a DeQuantStub passes a float on
+        return user.meta.get(META_OP) not in ("quant", "dequant")
     if placement(user) == CPU and user.meta.get(META_OP) in PASSTHROUGH_OPS and user.users:
         return all(_bpu_bound(u) for u in user.users)
     return False
@@ -166,9 +168,11 @@ def verify_boundaries(gm: fx.GraphModule, ctx: CompileContext) -> None:
             if not carries_tensor(src):
                 continue
             if placement(src) == BPU and (placement(node) == CPU or node.op == "output"):
-                assert src.meta.get(META_OP) == "dequant", f"BPU->CPU edge {src.name}->{node.name} without DeQuantStub"
+                if src.meta.get(META_OP) != "dequant":
+                    raise PassError(f"insert_stubs: BPU->CPU edge {src.name}->{node.name} without DeQuantStub")
             if _is_float_source(src) and placement(node) == BPU:
-                assert node.meta.get(META_OP) == "quant", f"float->BPU edge {src.name}->{node.name} without observer"
+                if node.meta.get(META_OP) not in ("quant", "dequant"):
+                    raise PassError(f"insert_stubs: float->BPU edge {src.name}->{node.name} without observer")
 
 
 INSERT_STUBS = Pass("insert_stubs", insert_stubs, verify_boundaries)

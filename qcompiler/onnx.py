@@ -12,7 +12,8 @@ tensor name (see ``qcompiler.backends.onnx.quant``).
 Run an exported model with :func:`inference_session` (or pass
 ``disabled_optimizers=ORT_DISABLED_OPTIMIZERS`` to onnxruntime yourself): one
 onnxruntime optimization re-quantizes the stored weights per tensor, another replaces
-Q/DQ-wrapped ops by integer kernels that compute differently.
+Q/DQ-wrapped ops by integer kernels that compute differently, a third merges the two
+roundings of a requantize into one.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def export_to_onnx(
 # DequantizeLinear -> op -> QuantizeLinear into QLinear* kernels: their integer arithmetic is not
 # the graph's (QLinearAveragePool treats ceil-mode edge windows differently: 21% of outputs off
 # by up to 0.17 for a CPU avg_pool2d(ceil_mode=True) between BPU parts).
-ORT_DISABLED_OPTIMIZERS = ("WeightBiasQuantization", "QDQSelectorActionTransformer")
+# DoubleQDQPairsRemover folds Q(s1) -> DQ(s1) -> Q(s2) -> DQ(s2) (a requantize: a QuantStub on a quantized
+# value) into one Q/DQ, dropping the first rounding (10% of a requantized conv's outputs one LSB off).
+ORT_DISABLED_OPTIMIZERS = ("WeightBiasQuantization", "QDQSelectorActionTransformer", "DoubleQDQPairsRemover")
 
 
 def inference_session(model: Union[onnx.ModelProto, bytes, str, os.PathLike], sess_options=None,
