@@ -81,6 +81,21 @@ def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tup
     return (BPU if ok else CPU), reason
 
 
+def _reached(order, neighbours, opens: str, stops: str, ops: dict) -> dict[fx.Node, fx.Node]:
+    """node -> the ``opens`` stub it is reached from through ``neighbours`` (inputs, or users walking
+    backwards), without passing a ``stops`` stub; ``order`` visits neighbours first."""
+    found: dict[fx.Node, fx.Node] = {}
+    for node in order:
+        if ops.get(node) in (opens, stops):
+            continue
+        for other in neighbours(node):
+            start = other if ops.get(other) == opens else found.get(other)
+            if start is not None:
+                found.setdefault(node, start)
+                break
+    return found
+
+
 def _float_regions(gm: fx.GraphModule, ops: dict[fx.Node, Optional[str]]) -> dict[fx.Node, str]:
     """Nodes between a DeQuantStub and a QuantStub, each with its CPU reason.
 
@@ -89,22 +104,8 @@ def _float_regions(gm: fx.GraphModule, ops: dict[fx.Node, Optional[str]]) -> dic
     model output (or nothing) without a QuantStub opens no region: ops after it are placed as
     usual, and a BPU op among them reads its value through a quantizer (``insert_stubs``).
     """
-    opened: dict[fx.Node, fx.Node] = {}  # node -> the DeQuantStub it is reached from
-    for node in gm.graph.nodes:
-        if ops.get(node) == "quant":
-            continue
-        for src in node.all_input_nodes:
-            start = src if ops.get(src) == "dequant" else opened.get(src)
-            if start is not None and ops.get(node) != "dequant":
-                opened.setdefault(node, start)
-    closed: dict[fx.Node, fx.Node] = {}  # node -> the QuantStub it reaches
-    for node in reversed(gm.graph.nodes):
-        if ops.get(node) == "dequant":
-            continue
-        for user in node.users:
-            end = user if ops.get(user) == "quant" else closed.get(user)
-            if end is not None and ops.get(node) != "quant":
-                closed.setdefault(node, end)
+    opened = _reached(gm.graph.nodes, lambda n: n.all_input_nodes, "dequant", "quant", ops)
+    closed = _reached(reversed(gm.graph.nodes), lambda n: n.users, "quant", "dequant", ops)
     return {n: (f"between DeQuantStub '{opened[n].name}' and QuantStub '{closed[n].name}': a float region, "
                 f"on the CPU") for n in opened if n in closed and n.op != "placeholder"}
 

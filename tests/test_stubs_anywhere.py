@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.ao.quantization as taq
 import torch.nn as nn
+from test_eager_islands import Gate  # data-dependent Python: torch.fx cannot trace it
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_partition
@@ -397,15 +398,6 @@ def test_lowering_refuses_a_requantize_whose_input_grid_changed():
 
 
 # -------------------------------------------------------------------------- untraceable code
-
-
-class Gate(nn.Module):
-    """Data-dependent Python: torch.fx cannot trace it."""
-
-    def forward(self, x):
-        if float(x.mean()) > 0:
-            return x * 2.0
-        return x - 1.0
 
 
 class WithGate(nn.Module):
