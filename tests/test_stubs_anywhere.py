@@ -41,6 +41,7 @@ from qcompiler.onnx import export_to_onnx, inference_session
 from qcompiler.quantization import (
     QuantStub,
     convert_fx,
+    get_default_calib_out_qconfig,
     get_default_calib_qconfig,
     prepare_calibration_fx,
     prepare_qat_fx,
@@ -350,6 +351,30 @@ def test_dequant_into_bpu_golden():
         [("quantize", "quant"), ("conv2d", "conv1"), ("dequantize", "dequant"), ("conv2d", "conv2")],
         [("quantize", "selu_activation_post_process"), ("cat", "cat"), ("dequantize", "output_input_dequant_0")],
     ]
+
+
+def test_a_high_precision_output_through_a_dequant_stub_into_a_bpu_conv(tmp_path):
+    """An int32 (high-precision) output has no grid to requantize from: the quantizer after the
+    DeQuantStub quantizes its float value again, inside the BPU program."""
+
+    class HighPrecision(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = taq.QuantStub(), taq.DeQuantStub()
+            self.conv1, self.conv2 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 2, 1)
+
+        def forward(self, x):
+            return self.conv2(self.dequant(self.conv1(self.quant(x))))
+
+    torch.manual_seed(0)
+    qconfig = {"": get_default_calib_qconfig(), "module_name": [("conv1", get_default_calib_out_qconfig())]}
+    cm = _compile(HighPrecision().eval(), "bayes", qconfig)
+    (program,) = cm.runtime.programs.values()
+    assert [(op.kind, op.output) for op in program.ops] == [
+        ("quantize", "quant"), ("conv2d", "conv1"), ("dequantize", "dequant"),
+        ("quantize", "dequant_activation_post_process"), ("conv2d", "conv2"), ("dequantize", "output_input_dequant_0")]
+    assert program.ops[1].attrs["high_precision"] is True
+    _check_compiled(cm, tmp_path)
 
 
 def test_region_with_a_stub_pair_but_no_op_between_is_a_requantize_or_nothing():
