@@ -300,7 +300,11 @@ def test_nested_with_other_scales_requantizes():
     cm = _compile(model, "bayes", qconfig)
     assert torch.equal(cm(X), converted(X))
     (program,) = cm.runtime.programs.values()
-    assert [op.kind for op in program.ops].count("requantize") >= 2
+    assert [(op.kind, op.output) for op in program.ops] == [
+        ("quantize", "quant"), ("conv2d", "conv0"), ("requantize", "inner_quant"), ("conv2d", "inner_conv"),
+        ("requantize", "wrapped_quant"),  # to the minmax scale, then back to the default config's
+        ("requantize", "wrapped_module_quant"), ("conv2d", "wrapped_module_conv"), ("conv2d", "conv2"),
+        ("dequantize", "dequant")]
 
 
 def test_requantize_golden():
