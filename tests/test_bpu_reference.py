@@ -353,6 +353,23 @@ def test_relu6_with_its_own_output_scale(in_scale, out_scale):
     check_all(t.build(t.call(m, x, name="relu6")), t)
 
 
+@pytest.mark.parametrize("in_scale, in_dtype, out_scale, out_dtype", [
+    (0.05, "qint8", 0.03, "qint8"), (0.02, "qint8", 0.05, "qint8"), (0.05, "qint8", 0.1, "qint8"),
+    (0.05, "qint8", 0.0005, "qint16"), (0.0005, "qint16", 0.01, "qint8")],
+    ids=["finer", "coarser", "half_ties", "to_int16", "from_int16_saturating"])
+def test_requantize(in_scale, in_dtype, out_scale, out_dtype):
+    """A QuantStub on a quantized value: simulator == converted == the integer reference, exact ties
+    (factor 1/2: every odd q) round half to even."""
+    t = Tiny(seed=15)
+    x = t.rand_input((2, 3, 4, 4), in_scale, in_dtype)
+    gm = t.build(t.call(qnn.Requantize(in_scale, in_dtype, out_scale, out_dtype), x, name="requant", op="quant"))
+    check_all(gm, t)
+    if out_scale == 2 * in_scale:
+        q = torch.arange(-5, 6, dtype=torch.int8)  # q / 2: -2.5 -2 -1.5 -1 -0.5 0 0.5 1 1.5 2 2.5
+        y = qnn.Requantize(in_scale, in_dtype, out_scale, out_dtype)(QTensor(q, in_scale, 0)).int_repr()
+        assert y.tolist() == [-2, -2, -2, -1, 0, 0, 0, 1, 2, 2, 2]
+
+
 @pytest.mark.parametrize("in_dtype", ["qint8", "qint16"])
 def test_lut(in_dtype):
     t = Tiny(seed=13)
