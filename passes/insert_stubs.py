@@ -48,7 +48,8 @@ def _is_float_source(node: fx.Node) -> bool:
 
     A BPU op that reads a DeQuantStub (e.g. a layer after a ``QuantWrapper``) gets a quantizer like
     any float source; convert then reads the DeQuantStub's input and requantizes (or drops both
-    when the scales agree), so no float value is computed inside a BPU partition."""
+    when the scales agree), so no float value is computed inside a BPU partition (but after a
+    high-precision int32 output, which has no grid to requantize from)."""
     if node.op == "placeholder":
         return True
     return node.op != "get_attr" and (placement(node) == CPU or node.meta.get(META_OP) == "dequant")
@@ -126,9 +127,8 @@ def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
             META_OP: "quant",
             META_STUB: ACTIVATION_POST_PROCESS,
         })
-        what = {"placeholder": "model input"}.get(source.op, "float output of")
-        if source.meta.get(META_OP) == "dequant" and placement(source) == BPU:
-            what = "dequantized value"
+        what = ("model input" if source.op == "placeholder" else "dequantized value"
+                if source.meta.get(META_OP) == "dequant" and placement(source) == BPU else "float output of")
         set_placement(obs, BPU, f"quantizes {what} '{source.name}' for the BPU")
         for user in bound:
             user.replace_input_with(source, obs)
