@@ -23,7 +23,14 @@ import qcompiler.distributed as qd
 from qcompiler.errors import QCompilerError
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import FakeQuantize, set_state
-from qcompiler.quantization.observer import OBSERVERS, ObserverBase
+from qcompiler.quantization.observer import (
+    OBSERVERS,
+    MinMaxObserver,
+    ObserverBase,
+    PerChannelMinMaxObserver,
+    make_observer,
+    reduce_observers,
+)
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qconfig import get_default_calib_qconfig, get_default_qat_qconfig
 from qcompiler.tools.quant_analysis import QuantAnalysis
@@ -91,7 +98,24 @@ def scenario_calib() -> dict:
         assert all(torch.equal(again[k], v) for k, v in out[name]["observers"].items())
     cm = qcompiler.compile(net(), EXAMPLE, calib_data=mine, progress=False)
     out["compiled"] = cm(TEST)
+    out["bare"] = bare_observers()
     return out
+
+
+def bare_observers() -> dict:
+    """reduce_observers on a mixed list: a per-channel observer only rank 0 feeds, one nobody feeds."""
+    obs = [MinMaxObserver(), PerChannelMinMaxObserver(), make_observer("kl"), PerChannelMinMaxObserver(),
+           make_observer("percentile", dtype="qint16")]
+    for i, b in enumerate(batches()):
+        if i % WORLD != RANK:
+            continue
+        obs[0](b)
+        if i == 0:  # batch 0 is rank 0's: rank 1 holds an empty per-channel state
+            obs[1](b.transpose(0, 1))
+        obs[2](b)
+        obs[4](b * 3)
+    reduce_observers(obs)
+    return {f"{i}.{k}": v.clone() for i, o in enumerate(obs) for k, v in o.state_dict().items()}
 
 
 def scenario_qat() -> dict:
@@ -138,6 +162,9 @@ def scenario_errors() -> dict:
     out["config"] = _expect_error(lambda: convert_fx(calibrated(0, "minmax" if RANK == 0 else "kl")))
     out["empty"] = _expect_error(lambda: qcompiler.compile(net(), EXAMPLE, calib_data=mine if RANK == 0 else [],
                                                            progress=False))
+    pc = PerChannelMinMaxObserver()
+    pc(torch.randn(3 + RANK, 5))
+    out["channels"] = _expect_error(lambda: reduce_observers([MinMaxObserver(), pc]))
     out["ok"] = _expect_error(lambda: convert_fx(calibrated(0, "minmax")))  # the group still works
     return out
 

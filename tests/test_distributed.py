@@ -87,6 +87,11 @@ def test_two_ranks_calibrate_bit_identical_to_one_process_on_the_union(tmp_path)
         assert_same(r0[name], one[name], f"2 ranks vs 1 process {name}")
     assert_same(r0["compiled"], one["compiled"], "compile")
     assert_same(r1["compiled"], one["compiled"], "compile")
+    # reduce_observers on bare observers (one per-channel fed by rank 0 only, one by nobody)
+    assert one["bare"]["1.min_val"].numel() == 1 and one["bare"]["3.min_val"].numel() == 0
+    assert one["bare"]["4.histogram"].sum() > 0
+    assert_same(r0["bare"], one["bare"], "reduce_observers, rank 0 vs 1 process")
+    assert_same(r1["bare"], one["bare"], "reduce_observers, rank 1 vs 1 process")
 
 
 def test_one_rank_alone_differs_from_the_union(tmp_path):
@@ -121,6 +126,7 @@ def test_bad_input_gives_a_clear_error_on_every_rank(tmp_path):
         assert r["weights"].startswith("ConfigError") and "rank 1 has other weights" in r["weights"]
         assert r["config"].startswith("ConfigError") and "rank 1 has other observers" in r["config"]
         assert r["empty"].startswith("ConfigError") and "rank 1 of 2 got no batch" in r["empty"]
+        assert r["channels"].startswith("CalibrationError") and "saw 3 channels on one rank and 4" in r["channels"]
         assert r["ok"] == "no error"
 
 

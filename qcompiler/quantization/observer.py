@@ -59,6 +59,7 @@ __all__ = [
     "PercentileObserver",
     "OBSERVERS",
     "make_observer",
+    "reduce_observers",
 ]
 
 # the activation/weight dtypes a qconfig may ask for
@@ -159,9 +160,32 @@ class ObserverBase(nn.Module):
         Afterwards every rank holds the state one process would have after
         seeing all ranks' data. Idempotent. A no-op without a group (or with
         one rank). Every rank must call it, on the same observers, in the
-        same order.
+        same order. :func:`reduce_observers` does the same for many
+        observers with three collectives in all.
         """
-        raise NotImplementedError
+        reduce_observers([self])
+
+    # The reduction in three rounds, each one all_reduce over every observer's part
+    # (reduce_observers): channel counts (MAX), extremes (MAX), histogram counts (SUM).
+    def _sync_channels(self) -> int | None:
+        """Round 0: this rank's channel count, for observers whose state is per channel."""
+        return None
+
+    def _sync_extremes(self) -> torch.Tensor:
+        """Round 1 (MAX): ``[-min_val, max_val]`` flattened, float64 (exact for float32 values)."""
+        return torch.cat([-self.min_val.detach().double().reshape(-1), self.max_val.detach().double().reshape(-1)])
+
+    def _apply_extremes(self, t: torch.Tensor) -> None:
+        n = self.min_val.numel()
+        self.min_val = (-t[:n]).to(self.min_val.dtype).reshape(self.min_val.shape)
+        self.max_val = t[n:2 * n].to(self.max_val.dtype).reshape(self.max_val.shape)
+
+    def _sync_counts(self) -> torch.Tensor | None:
+        """Round 2 (SUM): counts to add up over the ranks, float64 holding integers."""
+        return None
+
+    def _apply_counts(self, t: torch.Tensor) -> None:
+        pass
 
     def _batch_extremes(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch's min/max, reduced over the ranks when ``sync_each_batch`` is set."""
@@ -170,12 +194,6 @@ class ObserverBase(nn.Module):
         both = collectives.all_reduce(torch.stack([-lo.float(), hi.float()]), collectives.MAX,
                                       f"the batch range of observer {self._display_name()!r}")
         return -both[0], both[1]
-
-    def _reduce_range(self) -> None:
-        """``min_val``/``max_val`` (scalars or per channel) to their extremes over the ranks."""
-        both = collectives.all_reduce(torch.stack([-self.min_val, self.max_val]), collectives.MAX,
-                                      f"the range of observer {self._display_name()!r}")
-        self.min_val, self.max_val = -both[0], both[1]
 
     # -- results ----------------------------------------------------------
     def _require_data(self) -> None:
@@ -232,9 +250,6 @@ class MinMaxObserver(ObserverBase):
         lo, hi = self._batch_extremes(*torch.aminmax(x))
         self.min_val = torch.minimum(self.min_val, lo.float())
         self.max_val = torch.maximum(self.max_val, hi.float())
-
-    def sync_ranks(self) -> None:
-        self._reduce_range()
 
     def calculate_amax(self) -> torch.Tensor:
         self._require_data()
@@ -354,23 +369,8 @@ class PerChannelMinMaxObserver(ObserverBase):
         self.min_val = torch.minimum(self.min_val, lo)
         self.max_val = torch.maximum(self.max_val, hi)
 
-    def sync_ranks(self) -> None:
-        who = f"the channel count of observer {self._display_name()!r}"
-        c = self.min_val.numel()
-        counts = collectives.all_reduce(torch.tensor([c, -c if c else -(1 << 62)], dtype=torch.int64),
-                                        collectives.MAX, who)
-        most, fewest = int(counts[0]), -int(counts[1])
-        if most == 0:
-            return
-        if fewest != most:
-            raise CalibrationError(
-                f"observer {self._display_name()!r} saw {fewest} channels on one rank and {most} on "
-                f"another; every rank must run the same model"
-            )
-        if c == 0:
-            self.min_val = torch.full((most,), float("inf"), device=self.min_val.device)
-            self.max_val = torch.full((most,), float("-inf"), device=self.max_val.device)
-        self._reduce_range()
+    def _sync_channels(self) -> int | None:
+        return self.min_val.numel()
 
     def calculate_amax(self) -> torch.Tensor:
         self._require_data()
@@ -527,16 +527,22 @@ class HistogramObserver(ObserverBase):
         idx = torch.floor(a * (n / r)).long()  # exact: n / r = n * 2**-E, a float32 value
         self.histogram += torch.bincount(idx, minlength=n).double()
 
-    def sync_ranks(self) -> None:
-        who = f"the histogram of observer {self._display_name()!r}"
-        self._reduce_range()
-        self._grow(float(collectives.all_reduce(self.hist_max, collectives.MAX, who)))
-        if not collectives.active():
-            return
+    def _sync_extremes(self) -> torch.Tensor:
+        return torch.cat([super()._sync_extremes(), self.hist_max.detach().double().reshape(1)])
+
+    def _apply_extremes(self, t: torch.Tensor) -> None:
+        super()._apply_extremes(t[:-1])
+        self._grow(float(t[-1]))  # every rank on the widest grid: bins then add up exactly
+
+    def _sync_counts(self) -> torch.Tensor:
+        # only what this rank saw since the last sync: a second sync adds nothing
+        shared = self._synced if self._synced is not None else torch.zeros_like(self.histogram)
+        return self.histogram.detach() - shared
+
+    def _apply_counts(self, t: torch.Tensor) -> None:
         shared = self._synced if self._synced is not None else torch.zeros_like(self.histogram)
         # counts are integers in float64 (exact below 2**53): the sum does not depend on the order
-        news = collectives.all_reduce(self.histogram - shared, collectives.SUM, who)
-        self.histogram.copy_(shared + news)
+        self.histogram.copy_(shared + t)
         self._synced = self.histogram.detach().clone()
 
     # -- thresholds -------------------------------------------------------
@@ -675,3 +681,54 @@ def make_observer(name: str, dtype="qint8") -> ObserverBase:
     if factory is None:
         raise ConfigError(f"unknown observer {name!r}; allowed: " + ", ".join(repr(k) for k in OBSERVERS))
     return factory(dtype=dtype)
+
+
+# ---------------------------------------------------------------------------
+# scale-out
+
+
+def _all_reduce_parts(parts: list[torch.Tensor], op: str, what: str) -> list[torch.Tensor]:
+    """Every part reduced over the ranks with one all_reduce of their concatenation."""
+    if not parts:
+        return []
+    flat = collectives.all_reduce(torch.cat([p.reshape(-1) for p in parts]), op, what)
+    return list(torch.split(flat, [p.numel() for p in parts]))
+
+
+def reduce_observers(observers: list[ObserverBase]) -> None:
+    """Reduce the state of ``observers`` over every rank, exactly, in three collectives.
+
+    Every rank must pass the same observers in the same order (``sync_observers``
+    checks the models agree first). Round 0 compares per-channel observers' channel
+    counts (a rank that saw no data takes the others'), round 1 takes the extremes
+    (min/max and histogram ranges, MAX), round 2 adds the histogram counts (SUM).
+    One all_reduce per round keeps the cost independent of the number of
+    observers (44 on resnet18). A no-op without a process group.
+    """
+    if not collectives.active() or not observers:
+        return
+    n = len(observers)
+    chans = [(o, c) for o in observers if (c := o._sync_channels()) is not None]
+    idle = set()
+    if chans:
+        sizes = torch.tensor([[c, -c if c else -(1 << 62)] for _, c in chans], dtype=torch.int64)
+        sizes = collectives.all_reduce(sizes, collectives.MAX, f"the channel counts of {len(chans)} observers")
+        for (o, c), (most, neg_fewest) in zip(chans, sizes.tolist()):
+            if most == 0:
+                idle.add(id(o))  # no rank saw data: nothing to reduce
+            elif -neg_fewest != most:
+                raise CalibrationError(
+                    f"observer {o._display_name()!r} saw {-neg_fewest} channels on one rank and {most} on "
+                    f"another; every rank must run the same model"
+                )
+            elif c == 0:
+                o.min_val = torch.full((most,), float("inf"), device=o.min_val.device)
+                o.max_val = torch.full((most,), float("-inf"), device=o.max_val.device)
+    live = [o for o in observers if id(o) not in idle]
+    for o, t in zip(live, _all_reduce_parts([o._sync_extremes() for o in live], collectives.MAX,
+                                            f"the ranges of {n} observers")):
+        o._apply_extremes(t)
+    counted = [(o, p) for o in live if (p := o._sync_counts()) is not None]
+    for (o, _), t in zip(counted, _all_reduce_parts([p for _, p in counted], collectives.SUM,
+                                                    f"the histograms of {n} observers")):
+        o._apply_counts(t)

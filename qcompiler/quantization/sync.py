@@ -30,7 +30,7 @@ import torch.nn as nn
 from qcompiler import collectives
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.fake_quantize import FakeQuantize
-from qcompiler.quantization.observer import ObserverBase
+from qcompiler.quantization.observer import ObserverBase, reduce_observers
 
 __all__ = ["sync_observers", "check_same_model", "require_batches", "DEFAULT_TIMEOUT"]
 
@@ -49,7 +49,7 @@ def _observers(model: nn.Module) -> list[tuple[str, ObserverBase]]:
     return out
 
 
-def _digest(parts: Iterable[bytes]) -> str:
+def _digest(parts: Iterable) -> str:
     h = hashlib.sha256()
     for p in parts:
         h.update(p)
@@ -62,7 +62,7 @@ def _fingerprint(model: nn.Module, observers: list[tuple[str, ObserverBase]]) ->
     code = getattr(model, "code", None) or type(model).__qualname__
     obs = [f"{p}:{type(o).__name__}:{o.dtype}:{o.ch_axis}:{getattr(o, 'method', '')}:"
            f"{getattr(o, 'bins', '')}:{getattr(o, 'percentile', '')}" for p, o in observers]
-    weights = (p.detach().cpu().contiguous().numpy().tobytes() for _, p in model.named_parameters())
+    weights = (memoryview(p.detach().cpu().contiguous().numpy()).cast("B") for _, p in model.named_parameters())
     return {"graph": _digest([code.encode()]), "observers": _digest(s.encode() for s in obs),
             "weights": _digest(weights)}
 
@@ -97,8 +97,7 @@ def sync_observers(model: nn.Module, *, timeout: float = DEFAULT_TIMEOUT) -> nn.
         return model
     collectives.barrier(timeout, "sync_observers")
     check_same_model(model)
-    for _, obs in _observers(model):
-        obs.sync_ranks()
+    reduce_observers([obs for _, obs in _observers(model)])
     for m in model.modules():  # QAT fake quants refresh their scale from the reduced observer
         if isinstance(m, FakeQuantize) and m.observer_enabled[0] == 1 and m.has_observed:
             m._store(m.activation_post_process.calculate_qparams()[0])
