@@ -3,12 +3,15 @@
 Each family registers its rules with :mod:`qcompiler.backends.onnx.registry` (``@emits`` /
 ``@emits_module`` / table rows through ``register``). The families import each other only
 downward: ``common`` <- ``elementwise`` <- ``conv`` <- ``norm``; ``pool``, ``layout``,
-``reduce``, ``index``, ``embedding``, ``rnn``; ``quantized`` (the converted modules) last.
+``reduce``, ``index``, ``embedding``, ``rnn``; ``arith`` (<- ``elementwise``), ``creation`` and ``views``
+(<- ``layout``); ``quantized`` (the converted modules) last.
 """
 
 from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register their rules)
+    arith,
     common,
     conv,
+    creation,
     elementwise,
     embedding,
     index,
@@ -18,6 +21,7 @@ from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register
     quantized,
     reduce,
     rnn,
+    views,
 )
 
 # Canonical ops (qcompiler.ir.ops) no rule emits yet, and why: the emitter's error says it, and
@@ -27,4 +31,5 @@ NOT_EMITTED: dict[str, str] = {
                            "a decomposition into MatMul / Softmax)",
 }
 
-FAMILIES = ("elementwise", "conv", "norm", "pool", "reduce", "layout", "index", "embedding", "rnn", "quantized")
+FAMILIES = ("elementwise", "conv", "norm", "pool", "reduce", "layout", "index", "embedding", "rnn", "arith",
+            "creation", "views", "quantized")

@@ -1,0 +1,129 @@
+"""More layout and selection rules (the op-catalogue benchmark's): reshape_as / view_as, broadcast_to,
+atleast_1d/2d/3d, hstack / vstack, constant_pad_nd, select (one index of a dim), take (flat indices) and
+masked_select (Compress of the flattened, broadcast input)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch.fx as fx
+from onnx import TensorProto
+
+from qcompiler.backends.onnx.context import REQUIRED, NodeContext, Tensor
+from qcompiler.backends.onnx.registry import emits, register
+from qcompiler.backends.onnx.rules.common import I64, _norm_axis
+from qcompiler.backends.onnx.rules.layout import shape_tensor
+
+
+@emits("reshape_as", since=11)
+def reshape_as(ctx: NodeContext) -> Tensor:
+    other = ctx.tensor(ctx.arg(1, "other"))
+    return ctx.make("Reshape", [ctx.x(), ctx.make("Shape", [other], tag="shape", dtype=I64)])
+
+
+@emits("broadcast_to", since=11)
+def broadcast_to(ctx: NodeContext) -> Tensor:
+    """Expand to ``size`` (torch's ``-1`` keeps that dim: 1 for Expand-11, which broadcasts both ways)."""
+    size = ctx.kw(size=REQUIRED)["size"]
+    dims = [1 if isinstance(d, int) and d == -1 else ctx.value(d) for d in size]
+    return ctx.make("Expand", [ctx.x(), shape_tensor(ctx, dims)])
+
+
+def _atleast(ctx: NodeContext, t: Any, rank: int, n: int, tag: str) -> Tensor:
+    """torch.atleast_{n}d of one tensor of rank ``rank``: a 0-d becomes (1,...); a 1-D (k,) becomes
+    (1, k) / (1, k, 1); a 2-D (a, b) becomes (a, b, 1) for n = 3."""
+    x = ctx.tensor(t)
+    if rank >= n:
+        return ctx.make("Identity", [x], tag=tag)
+    axes = {(0, 1): [0], (0, 2): [0, 1], (0, 3): [0, 1, 2], (1, 2): [0], (1, 3): [0, 2], (2, 3): [2]}[(rank, n)]
+    return ctx.make("Unsqueeze", [x], tag=tag, axes=axes)
+
+
+def atleast(n: int):
+    def rule(ctx: NodeContext):
+        args = ctx.call.args
+        if len(args) == 1 and isinstance(args[0], (list, tuple)):
+            args = args[0]
+        outs = tuple(_atleast(ctx, a, ctx.rank(a), n, f"t{i}") for i, a in enumerate(args))
+        return outs[0] if len(outs) == 1 and not isinstance(ctx.call.args[0], (list, tuple)) else outs
+    rule.__name__ = f"atleast_{n}d"
+    return rule
+
+
+for _n in (1, 2, 3):
+    register(f"atleast_{_n}d", atleast(_n))
+
+
+def stack_along(kind: str):
+    """hstack: Concat along dim 1 (dim 0 for 1-D inputs); vstack: atleast_2d, then Concat along dim 0."""
+    def rule(ctx: NodeContext) -> Tensor:
+        tensors = ctx.arg(0, "tensors")
+        if isinstance(tensors, fx.Node):
+            raise ctx.unsupported(f"{kind} of a tuple value (pass a list of tensors)")
+        ranks = [ctx.rank(t) for t in tensors]
+        if kind == "hstack":
+            names = [_atleast(ctx, t, r, 1, f"t{i}") for i, (t, r) in enumerate(zip(tensors, ranks))]
+            axis = 0 if max(ranks) <= 1 else 1
+        else:
+            names = [_atleast(ctx, t, r, 2, f"t{i}") for i, (t, r) in enumerate(zip(tensors, ranks))]
+            axis = 0
+        return ctx.make("Concat", names, axis=axis)
+    rule.__name__ = kind
+    return rule
+
+
+register("hstack", stack_along("hstack"))
+register("vstack", stack_along("vstack"))
+
+
+@emits("constant_pad_nd", since=11)
+def constant_pad_nd(ctx: NodeContext) -> Tensor:
+    """torch.constant_pad_nd(x, pad, value): F.pad's constant mode; negative pads crop (a Slice)."""
+    kw = ctx.kw(pad=REQUIRED, value=0)
+    x, rank = ctx.x(), ctx.rank()
+    pads = [int(p) for p in kw["pad"]]
+    begins, ends = [0] * rank, [0] * rank
+    for i in range(len(pads) // 2):
+        begins[rank - 1 - i], ends[rank - 1 - i] = pads[2 * i], pads[2 * i + 1]
+    if any(p < 0 for p in pads):
+        axes = [d for d in range(rank) if begins[d] < 0 or ends[d] < 0]
+        starts = [max(0, -begins[d]) for d in axes]
+        stops = [ends[d] if ends[d] < 0 else 2 ** 62 for d in axes]
+        x = ctx.make("Slice", [x, ctx.const("crop_starts", starts, I64), ctx.const("crop_ends", stops, I64),
+                               ctx.const("crop_axes", axes, I64)], tag="crop")
+        begins, ends = [max(0, p) for p in begins], [max(0, p) for p in ends]
+    value = ctx.const("value", kw["value"], ctx.dtype(x))
+    return ctx.make("Pad", [x, ctx.const("pads", begins + ends, I64), value], mode="constant")
+
+
+@emits("select", since=11)
+def select(ctx: NodeContext) -> Tensor:
+    """x.select(dim, index): Gather with a 0-d index drops the dim."""
+    kw = ctx.kw(dim=REQUIRED, index=REQUIRED)
+    rank = ctx.rank()
+    index = ctx.value(kw["index"])
+    if not isinstance(index, int):
+        raise ctx.unsupported("a tensor index (give a Python int)")
+    return ctx.make("Gather", [ctx.x(), ctx.const("index", index, I64)], axis=_norm_axis(int(kw["dim"]), rank))
+
+
+@emits("take", since=11)
+def take(ctx: NodeContext) -> Tensor:
+    """x.take(index): the flattened input gathered at ``index`` (negative indices count from the end)."""
+    flat = ctx.make("Reshape", [ctx.x(), ctx.const("flat", [-1], I64)], tag="flat")
+    return ctx.make("Gather", [flat, ctx.tensor(ctx.arg(1, "index"), I64)], axis=0)
+
+
+@emits("masked_select", since=11)
+def masked_select(ctx: NodeContext) -> Tensor:
+    """The elements of x where mask is true, flattened: both broadcast to one shape, then Compress."""
+    x = ctx.x()
+    mask = ctx.tensor(ctx.arg(1, "mask"), TensorProto.BOOL)
+    zeros = ctx.make("Mul", [ctx.make("Cast", [x], tag="x_float", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
+                             ctx.const("zero", np.float32(0))], tag="x_zeros")
+    mask_f = ctx.make("Cast", [mask], tag="mask_float", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT)
+    shape = ctx.make("Shape", [ctx.make("Add", [zeros, mask_f], tag="broadcast")], tag="shape", dtype=I64)
+    xb = ctx.make("Expand", [x, shape], tag="x_expanded")
+    mb = ctx.make("Expand", [mask, shape], tag="mask_expanded", dtype=TensorProto.BOOL)
+    return ctx.make("Compress", [xb, mb])
