@@ -311,8 +311,9 @@ class Row:
 
 def eager_reference(case: Case, timeout: float) -> tuple[Optional[list[torch.Tensor]], bool]:
     """The eager outputs (None if the sample fails eagerly or returns something other than tensors) and
-    whether the op is random: two seeds give different outputs, or OpInfo wraps it in ``wrapper_set_seed``
-    (it seeds torch's generator inside the call, a side effect no traced graph keeps)."""
+    whether the op is random: two seeds give different outputs, OpInfo wraps it in ``wrapper_set_seed``
+    (it seeds torch's generator inside the call, a side effect no traced graph keeps), or it is an
+    ``empty*`` op (uninitialized memory: no value is wrong)."""
     outs, random = [], False
     try:
         with guard(timeout), torch.no_grad():
@@ -322,6 +323,7 @@ def eager_reference(case: Case, timeout: float) -> tuple[Optional[list[torch.Ten
     except Exception:  # noqa: BLE001  (a sample eager torch cannot run is not a sample)
         return None, False
     random |= "wrapper_set_seed" in getattr(getattr(case.fn, "__code__", None), "co_names", ())
+    random |= "empty" in case.name  # empty, new_empty, empty_strided...: the values are unspecified
     if outs[0] is None or any(t.layout != torch.strided for t in (*case.inputs, *outs[0])):
         return None, False  # not tensors, or sparse ones (neither ONNX nor the islands take sparse tensors)
     random = random or any(a.shape != b.shape or not torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -4,7 +4,7 @@ Each family registers its rules with :mod:`qcompiler.backends.onnx.registry` (``
 ``@emits_module`` / table rows through ``register``). The families import each other only
 downward: ``common`` <- ``elementwise`` <- ``conv`` <- ``norm``; ``pool``, ``layout``,
 ``reduce``, ``index``, ``embedding``, ``rnn``; ``arith`` (<- ``elementwise``), ``creation`` and ``views``
-(<- ``layout``); ``quantized`` (the converted modules) last.
+(<- ``layout``), ``loss``; ``quantized`` (the converted modules) last.
 """
 
 from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register their rules)
@@ -16,6 +16,7 @@ from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register
     embedding,
     index,
     layout,
+    loss,
     norm,
     pool,
     quantized,
@@ -32,4 +33,4 @@ NOT_EMITTED: dict[str, str] = {
 }
 
 FAMILIES = ("elementwise", "conv", "norm", "pool", "reduce", "layout", "index", "embedding", "rnn", "arith",
-            "creation", "views", "quantized")
+            "creation", "views", "loss", "quantized")

@@ -1,7 +1,8 @@
 """Arithmetic beyond the four operations, logic and casts (rules the op-catalogue benchmark asked for):
 fmod / remainder / floor_divide, atan2, the reversed operators (``2 - x`` as ``x.__rsub__(2)``), lerp,
-addcmul / addcdiv, logit, nan_to_num, the shrink family, the logical ops, isnan / isinf / isfinite and
-dtype casts (``x.long()``, ``x.to(dtype)``).
+addcmul / addcdiv, logit, nan_to_num, the shrink family, the logical ops, isnan / isinf / isfinite,
+dtype casts (``x.long()``, ``x.to(dtype)``), copysign, deg2rad / rad2deg, fmax / fmin, frac, logaddexp(2),
+heaviside, xlogy / xlog1py, entr, ndtr, ldexp, hypot, float_power and isclose.
 
 Torch's type promotion is read from shape propagation (``ctx.out_dtype()``): operands are cast to the
 result type first, as torch computes them."""
@@ -13,7 +14,7 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from qcompiler.backends.onnx.context import FLOAT_TYPES, NodeContext, Tensor, is_tensor
+from qcompiler.backends.onnx.context import FLOAT_TYPES, REQUIRED, NodeContext, Tensor, is_tensor
 from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import F32, _as_tensor
 from qcompiler.backends.onnx.rules.elementwise import _operands, _result_dtype
@@ -268,3 +269,178 @@ def cast(ctx: NodeContext) -> Tensor:
     if to == ctx.dtype(x):
         return ctx.identity(x)
     return ctx.make("Cast", [x], to=to, dtype=to)
+
+
+# --- more element-wise functions of two operands or of floats ---------------------------------------------
+
+def _floats(ctx: NodeContext, names=("input", "other")) -> tuple[Tensor, ...]:
+    """The operands as tensors of the (float) result dtype."""
+    vals = [ctx.value(ctx.arg(i, n)) for i, n in enumerate(names)]
+    dt = ctx.out_dtype()
+    if dt not in FLOAT_TYPES:
+        dt = F32
+    return tuple(_as_tensor(ctx, v, dt, n) for v, n in zip(vals, names)) + (dt,)
+
+
+@emits("copysign", since=11)
+def copysign(ctx: NodeContext) -> Tensor:
+    """|a| with b's sign bit (-0.0 counts as negative: 1 / -0.0 < 0)."""
+    a, b, dt = _floats(ctx)
+    zero = ctx.const("zero", 0.0, dt)
+    mag = ctx.make("Abs", [a], tag="abs")
+    neg_zero = ctx.make("And", [ctx.make("Equal", [b, zero], tag="b_zero", dtype=BOOL),
+                                ctx.make("Less", [ctx.make("Div", [ctx.const("one", 1.0, dt), b], tag="inv_b"), zero],
+                                         tag="inv_neg", dtype=BOOL)], tag="neg_zero", dtype=BOOL)
+    neg = ctx.make("Or", [ctx.make("Less", [b, zero], tag="b_neg", dtype=BOOL), neg_zero], tag="neg", dtype=BOOL)
+    return ctx.make("Where", [neg, ctx.make("Neg", [mag], tag="minus"), mag], dtype=dt)
+
+
+def scaled(factor: float):
+    """deg2rad / rad2deg: a constant factor (integers computed in float32, as torch)."""
+    def rule(ctx: NodeContext) -> Tensor:
+        (x, dt) = _floats(ctx, ("input",))
+        return ctx.make("Mul", [x, ctx.const("factor", factor, dt)])
+    return rule
+
+
+register("deg2rad", scaled(math.pi / 180.0))
+register("rad2deg", scaled(180.0 / math.pi))
+
+
+def nan_ignoring(onnx_op: str):
+    """fmax / fmin: Max / Min, except that a NaN operand yields the other one."""
+    def rule(ctx: NodeContext) -> Tensor:
+        a, b, dt = _floats(ctx)
+        m = ctx.make(onnx_op, [a, b], tag=onnx_op.lower())
+        m = ctx.make("Where", [ctx.make("IsNaN", [b], tag="b_nan", dtype=BOOL), a, m], tag="b_nan_pick", dtype=dt)
+        return ctx.make("Where", [ctx.make("IsNaN", [a], tag="a_nan", dtype=BOOL), b, m], dtype=dt)
+    rule.__name__ = "f" + onnx_op.lower()
+    return rule
+
+
+register("fmax", nan_ignoring("Max"))
+register("fmin", nan_ignoring("Min"))
+
+
+@emits("frac", since=11)
+def frac(ctx: NodeContext) -> Tensor:
+    """x - trunc(x), trunc(x) = sign(x) * floor(|x|)."""
+    x = ctx.x()
+    t = ctx.make("Mul", [ctx.make("Sign", [x], tag="sign"),
+                         ctx.make("Floor", [ctx.make("Abs", [x], tag="abs")], tag="floor_abs")], tag="trunc")
+    return ctx.make("Sub", [x, t])
+
+
+def logaddexp_base(base: float):
+    """log(e^a + e^b) (base e) / log2(2^a + 2^b): m + log(1 + base^-(|a - b|)), m = max(a, b); a == b gives
+    a + log(2) (so that inf and -inf stay themselves)."""
+    def rule(ctx: NodeContext) -> Tensor:
+        a, b, dt = _floats(ctx)
+        ln_base = math.log(base)
+        m = ctx.make("Max", [a, b], tag="max")
+        d = ctx.make("Neg", [ctx.make("Abs", [ctx.make("Sub", [a, b], tag="diff")], tag="abs")], tag="neg_abs")
+        e = ctx.make("Exp", [ctx.make("Mul", [d, ctx.const("ln_base", ln_base, dt)], tag="scaled")], tag="exp")
+        tail = ctx.make("Div", [ctx.make("Log", [ctx.make("Add", [e, ctx.const("one", 1.0, dt)], tag="one_plus")],
+                                         tag="log"), ctx.const("ln_base_div", ln_base, dt)], tag="tail")
+        general = ctx.make("Add", [m, tail], tag="general")
+        same = ctx.make("Add", [a, ctx.const("log_2", math.log(2.0) / ln_base, dt)], tag="same")
+        return ctx.make("Where", [ctx.make("Equal", [a, b], tag="equal", dtype=BOOL), same, general], dtype=dt)
+    return rule
+
+
+register("logaddexp", logaddexp_base(math.e))
+register("logaddexp2", logaddexp_base(2.0))
+
+
+@emits("heaviside", since=11)
+def heaviside(ctx: NodeContext) -> Tensor:
+    """values where x == 0, else 1 for x > 0 and 0 below (and for NaN)."""
+    x, values, dt = _floats(ctx, ("input", "values"))
+    zero = ctx.const("zero", 0.0, dt)
+    step = ctx.make("Cast", [ctx.make("Greater", [x, zero], tag="positive", dtype=BOOL)], tag="step", to=dt, dtype=dt)
+    return ctx.make("Where", [ctx.make("Equal", [x, zero], tag="is_zero", dtype=BOOL), values, step], dtype=dt)
+
+
+def x_log(log1p: bool):
+    """xlogy(x, y) = x * log(y), special.xlog1py(x, y) = x * log1p(y): 0 where x == 0 (unless y is NaN)."""
+    def rule(ctx: NodeContext) -> Tensor:
+        x, y, dt = _floats(ctx)
+        arg = ctx.make("Add", [y, ctx.const("one", 1.0, dt)], tag="one_plus") if log1p else y
+        prod = ctx.make("Mul", [x, ctx.make("Log", [arg], tag="log")], tag="x_log")
+        zero = ctx.const("zero", 0.0, dt)
+        y_nan = ctx.make("IsNaN", [y], tag="y_nan", dtype=BOOL)
+        x_zero = ctx.make("And", [ctx.make("Equal", [x, zero], tag="x_zero", dtype=BOOL),
+                                  ctx.make("Not", [y_nan], tag="y_number", dtype=BOOL)], tag="zero_out", dtype=BOOL)
+        return ctx.make("Where", [x_zero, zero, prod], dtype=dt)
+    return rule
+
+
+register("xlogy", x_log(False))
+register("xlog1py", x_log(True))
+
+
+@emits("entr", since=11)
+def entr(ctx: NodeContext) -> Tensor:
+    """-x ln x for x > 0, 0 at 0, -inf below 0 (NaN stays NaN)."""
+    (x, dt) = _floats(ctx, ("input",))
+    zero = ctx.const("zero", 0.0, dt)
+    val = ctx.make("Neg", [ctx.make("Mul", [x, ctx.make("Log", [x], tag="log")], tag="x_log")], tag="value")
+    val = ctx.make("Where", [ctx.make("Equal", [x, zero], tag="is_zero", dtype=BOOL), zero, val], tag="at_zero",
+                   dtype=dt)
+    return ctx.make("Where", [ctx.make("Less", [x, zero], tag="negative", dtype=BOOL),
+                              ctx.const("minus_inf", -math.inf, dt), val], dtype=dt)
+
+
+@emits("ndtr", since=11)
+def ndtr(ctx: NodeContext) -> Tensor:
+    """The standard normal CDF: (1 + erf(x / sqrt 2)) / 2."""
+    (x, dt) = _floats(ctx, ("input",))
+    e = ctx.make("Erf", [ctx.make("Mul", [x, ctx.const("rsqrt2", 1.0 / math.sqrt(2.0), dt)], tag="scaled")],
+                 tag="erf")
+    return ctx.make("Mul", [ctx.make("Add", [e, ctx.const("one", 1.0, dt)], tag="one_plus"),
+                            ctx.const("half", 0.5, dt)])
+
+
+@emits("ldexp", since=11)
+def ldexp(ctx: NodeContext) -> Tensor:
+    """x * 2^e."""
+    x, e, dt = _floats(ctx)
+    return ctx.make("Mul", [x, ctx.make("Pow", [ctx.const("two", 2.0, dt), e], tag="pow2")])
+
+
+@emits("hypot", since=11)
+def hypot(ctx: NodeContext) -> Tensor:
+    a, b, dt = _floats(ctx)
+    return ctx.make("Sqrt", [ctx.make("Add", [ctx.make("Mul", [a, a], tag="a2"), ctx.make("Mul", [b, b], tag="b2")],
+                                      tag="sum")])
+
+
+@emits("float_power", since=11)
+def float_power(ctx: NodeContext) -> Tensor:
+    """Pow in double (torch.float_power's result is float64)."""
+    a, b = _operands(ctx, ("input", "exponent"))
+    d = TensorProto.DOUBLE
+    return ctx.make("Pow", [_as_tensor(ctx, a, d, "base"), _as_tensor(ctx, b, d, "exponent")], dtype=d)
+
+
+@emits("isclose", since=11)
+def isclose(ctx: NodeContext) -> Tensor:
+    """|a - b| <= atol + rtol |b|, or a == b (infinities); NaNs equal only with equal_nan."""
+    kw = ctx.kw(other=REQUIRED, rtol=1e-5, atol=1e-8, equal_nan=False)
+    a, b = ctx.value(ctx.arg(0, "input")), ctx.value(kw["other"])
+    dt = ctx.dtype(a) if is_tensor(a) and ctx.dtype(a) in FLOAT_TYPES else F32
+    a, b = _as_tensor(ctx, a, dt, "a"), _as_tensor(ctx, b, dt, "b")
+    tol = ctx.make("Add", [ctx.const("atol", kw["atol"], dt),
+                           ctx.make("Mul", [ctx.const("rtol", kw["rtol"], dt), ctx.make("Abs", [b], tag="abs_b")],
+                                    tag="rel")], tag="tol")
+    diff = ctx.make("Abs", [ctx.make("Sub", [a, b], tag="diff")], tag="abs_diff")
+    close = ctx.make("Not", [ctx.make("Greater", [diff, tol], tag="far", dtype=BOOL)], tag="within", dtype=BOOL)
+    close = ctx.make("And", [close, ctx.make("Not", [ctx.make("IsNaN", [diff], tag="diff_nan", dtype=BOOL)],
+                                             tag="diff_number", dtype=BOOL)], tag="close", dtype=BOOL)
+    out = ctx.make("Or", [close, ctx.make("Equal", [a, b], tag="equal", dtype=BOOL)],
+                   tag=None if not kw["equal_nan"] else "close_or_equal", dtype=BOOL)
+    if kw["equal_nan"]:
+        both = ctx.make("And", [ctx.make("IsNaN", [a], tag="a_nan", dtype=BOOL),
+                                ctx.make("IsNaN", [b], tag="b_nan", dtype=BOOL)], tag="both_nan", dtype=BOOL)
+        out = ctx.make("Or", [out, both], dtype=BOOL)
+    return out

@@ -57,6 +57,31 @@ def addmm(ctx: NodeContext) -> Tensor:
     return ctx.make("Add", [x, y])
 
 
+@emits("addbmm", "addr", since=11)
+def addbmm_addr(ctx: NodeContext) -> Tensor:
+    """addbmm: beta * input + alpha * sum_b(b1[b] @ b2[b]); addr: beta * input + alpha * outer(v1, v2)."""
+    if ctx.op == "addbmm":
+        kw = ctx.kw(batch1=REQUIRED, batch2=REQUIRED, beta=1, alpha=1)
+        prod = ctx.make("MatMul", [ctx.tensor(kw["batch1"]), ctx.tensor(kw["batch2"])], tag="bmm")
+        y = ctx.make("ReduceSum", [prod], tag="sum", axes=[0], keepdims=0)
+    else:
+        kw = ctx.kw(vec1=REQUIRED, vec2=REQUIRED, beta=1, alpha=1)
+        col = ctx.make("Unsqueeze", [ctx.tensor(kw["vec1"])], tag="col", axes=[1])
+        row = ctx.make("Unsqueeze", [ctx.tensor(kw["vec2"])], tag="row", axes=[0])
+        y = ctx.make("Mul", [col, row], tag="outer")
+    if not all(isinstance(kw[k], (int, float)) for k in ("alpha", "beta")):
+        raise ctx.unsupported("alpha / beta that are tensors (give Python numbers)")
+    dt = ctx.dtype(y)
+    if kw["alpha"] != 1:
+        y = ctx.make("Mul", [y, ctx.const("alpha", kw["alpha"], dt)], tag="alpha")
+    if kw["beta"] == 0:
+        return ctx.make("Identity", [y])
+    x = ctx.x()
+    if kw["beta"] != 1:
+        x = ctx.make("Mul", [x, ctx.const("beta", kw["beta"], dt)], tag="beta")
+    return ctx.make("Add", [x, y])
+
+
 def weight_layer_parts(module: nn.Module):
     """(base layer, activation op name or None, with_add, output quantizer) of a weight layer."""
     apq = getattr(module, "activation_post_process", None)

@@ -68,7 +68,7 @@ def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False,
     return _trimmed(ctx, y, trim)
 
 
-@emits("avg_pool1d", "avg_pool2d")
+@emits("avg_pool1d", "avg_pool2d", "avg_pool3d")
 def avg_pool2d(ctx: NodeContext) -> Tensor:
     if ctx.op == "avg_pool1d":  # F.avg_pool1d has no divisor_override
         kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, ceil_mode=False, count_include_pad=True)
@@ -79,7 +79,7 @@ def avg_pool2d(ctx: NodeContext) -> Tensor:
     if kw["divisor_override"] is not None:
         raise ctx.unsupported("divisor_override")
     return avg_pool(ctx, ctx.x(), kw["kernel_size"], kw["stride"], kw["padding"], kw["ceil_mode"],
-                    kw["count_include_pad"], n=1 if ctx.op == "avg_pool1d" else 2)
+                    kw["count_include_pad"], n={"avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3}[ctx.op])
 
 
 def _adaptive_sizes(ctx: NodeContext, n: int) -> tuple[list[int], list[int], bool]:

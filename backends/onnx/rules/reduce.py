@@ -274,6 +274,39 @@ def norm(ctx: NodeContext) -> Tensor:
     return ctx.make("Pow", [s, ctx.const("inv_p", 1.0 / float(p), ctx.dtype(x))])
 
 
+@emits("aminmax", since=11)
+def aminmax(ctx: NodeContext):
+    """(min, max) over ``dim`` (every element without it)."""
+    kw = ctx.kw(dim=None, keepdim=False)
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank == 0:
+        return ctx.identity(x), ctx.make("Identity", [x], tag="max")
+    axes = _axes(ctx, kw["dim"], rank)
+    return (_reduce(ctx, "ReduceMin", x, axes, kw["keepdim"], tag="min"),
+            _reduce(ctx, "ReduceMax", x, axes, kw["keepdim"], tag="max"))
+
+
+@emits("linalg_norm", "matrix_norm", since=11)
+def linalg_norm(ctx: NodeContext) -> Tensor:
+    """torch.linalg.norm with ord None (the 2-norm of the flattened input, or of ``dim``) or 'fro', and
+    torch.linalg.matrix_norm with 'fro' (over the last two dims): ReduceL2. Other orders (singular values,
+    max row sums) are refused."""
+    if ctx.op == "matrix_norm":
+        kw = ctx.kw(ord="fro", dim=(-2, -1), keepdim=False, dtype=None)
+    else:
+        kw = ctx.kw(ord=None, dim=None, keepdim=False, dtype=None)
+    if kw["ord"] not in (None, "fro"):
+        raise ctx.unsupported(f"ord={kw['ord']!r} (None and 'fro' are emitted)")
+    x = _input(ctx, kw["dtype"])
+    if ctx.dtype(x) not in FLOAT_TYPES:
+        raise ctx.unsupported("the norm of a non-float tensor")
+    rank = ctx.rank()
+    if rank == 0:
+        return ctx.make("Abs", [x])
+    return _reduce(ctx, "ReduceL2", x, _axes(ctx, kw["dim"], rank), kw["keepdim"])
+
+
 @emits("cumsum", since=11)
 def cumsum(ctx: NodeContext) -> Tensor:
     kw = ctx.kw(dim=REQUIRED, dtype=None)

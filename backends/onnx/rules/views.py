@@ -1,6 +1,7 @@
 """More layout and selection rules (the op-catalogue benchmark's): reshape_as / view_as, broadcast_to,
-atleast_1d/2d/3d, hstack / vstack, constant_pad_nd, select (one index of a dim), take (flat indices) and
-masked_select (Compress of the flattened, broadcast input)."""
+atleast_1d/2d/3d, hstack / vstack, constant_pad_nd, select (one index of a dim), take (flat indices),
+masked_select (Compress of the flattened, broadcast input), fliplr / flipud, diff, cross,
+broadcast_tensors and aten.slice."""
 
 from __future__ import annotations
 
@@ -127,3 +128,100 @@ def masked_select(ctx: NodeContext) -> Tensor:
     xb = ctx.make("Expand", [x, shape], tag="x_expanded")
     mb = ctx.make("Expand", [mask, shape], tag="mask_expanded", dtype=TensorProto.BOOL)
     return ctx.make("Compress", [xb, mb])
+
+
+def flip_dim(axis: int):
+    """fliplr (dim 1) / flipud (dim 0): Slice with step -1."""
+    def rule(ctx: NodeContext) -> Tensor:
+        return ctx.make("Slice", [ctx.x(), ctx.const("starts", [-1], I64), ctx.const("ends", [-(2 ** 63)], I64),
+                                  ctx.const("axes", [axis], I64), ctx.const("steps", [-1], I64)])
+    return rule
+
+
+register("fliplr", flip_dim(1))
+register("flipud", flip_dim(0))
+
+
+def _slice1(ctx: NodeContext, x: Tensor, axis: int, start: int, end: int, tag: str) -> Tensor:
+    return ctx.make("Slice", [x, ctx.const(f"{tag}_start", [start], I64), ctx.const(f"{tag}_end", [end], I64),
+                              ctx.const(f"{tag}_axis", [axis], I64)], tag=tag)
+
+
+@emits("diff", since=11)
+def diff(ctx: NodeContext) -> Tensor:
+    """x[1:] - x[:-1] along ``dim``, ``n`` times, after concatenating ``prepend`` / ``append``."""
+    kw = ctx.kw(n=1, dim=-1, prepend=None, append=None)
+    rank = ctx.rank()
+    axis = _norm_axis(int(kw["dim"]), rank)
+    x = ctx.x()
+    parts = [ctx.tensor(kw["prepend"])] if kw["prepend"] is not None else []
+    parts += [x] + ([ctx.tensor(kw["append"])] if kw["append"] is not None else [])
+    if len(parts) > 1:
+        if any(ctx.rank(a) != rank for a in (kw["prepend"], kw["append"]) if a is not None):
+            raise ctx.unsupported("prepend / append of another rank than the input (give tensors of its rank)")
+        x = ctx.make("Concat", parts, tag="joined", axis=axis)
+    for i in range(int(kw["n"])):
+        hi, lo = _slice1(ctx, x, axis, 1, 2 ** 62, f"hi{i}"), _slice1(ctx, x, axis, 0, -1, f"lo{i}")
+        dt = ctx.dtype(x)
+        x = ctx.make("Xor" if dt == TensorProto.BOOL else "Sub", [hi, lo], tag=f"diff{i}",
+                     dtype=dt)
+    return ctx.make("Identity", [x])
+
+
+@emits("cross", since=11)
+def cross(ctx: NodeContext) -> Tensor:
+    """a x b along ``dim`` (size 3): a[1,2,0] b[2,0,1] - a[2,0,1] b[1,2,0] (Gather along the dim)."""
+    kw = ctx.kw(other=REQUIRED, dim=None)
+    a, b = ctx.x(), ctx.tensor(kw["other"])
+    shape = ctx.out_shape()
+    if shape is None:
+        raise ctx.unsupported("cross of tensors of unknown shape")
+    if kw["dim"] is None:
+        if ctx.op == "linalg_cross":
+            kw["dim"] = -1
+        else:
+            kw["dim"] = next((d for d, n in enumerate(shape) if n == 3), None)
+            if kw["dim"] is None:
+                raise ctx.unsupported("no dim of size 3")
+    axis = _norm_axis(int(kw["dim"]), len(shape))
+
+    def rot(t: Tensor, idx: list[int], tag: str) -> Tensor:
+        return ctx.make("Gather", [t, ctx.const(f"{tag}_idx", idx, I64)], tag=tag, axis=axis)
+    first = ctx.make("Mul", [rot(a, [1, 2, 0], "a120"), rot(b, [2, 0, 1], "b201")], tag="first")
+    second = ctx.make("Mul", [rot(a, [2, 0, 1], "a201"), rot(b, [1, 2, 0], "b120")], tag="second")
+    return ctx.make("Sub", [first, second])
+
+
+register("linalg_cross", cross)
+
+
+@emits("broadcast_tensors", since=11)
+def broadcast_tensors(ctx: NodeContext):
+    """Every input expanded to the common shape (read at run time from a sum of zeros of each)."""
+    args = ctx.call.args
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = args[0]
+    names = [ctx.tensor(a) for a in args]
+    acc = None
+    for i, t in enumerate(names):
+        z = ctx.make("Mul", [ctx.make("Cast", [t], tag=f"f{i}", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
+                             ctx.const(f"zero{i}", 0.0)], tag=f"zeros{i}")
+        acc = z if acc is None else ctx.make("Add", [acc, z], tag=f"acc{i}")
+    shape = ctx.make("Shape", [acc], tag="shape", dtype=I64)
+    return tuple(ctx.make("Expand", [t, shape], tag=f"out{i}") for i, t in enumerate(names))
+
+
+@emits("slice", since=11)
+def slice_(ctx: NodeContext) -> Tensor:
+    """aten.slice(x, dim, start, end, step): Slice (None bounds are the whole dim)."""
+    kw = ctx.kw(dim=0, start=None, end=None, step=1)
+    vals = [ctx.value(kw[k]) for k in ("start", "end", "step")]
+    if any(v is not None and not isinstance(v, int) for v in vals):
+        raise ctx.unsupported("slice bounds that are tensors")
+    start, end, step = vals
+    step = 1 if step is None else step
+    start = 0 if start is None else start
+    end = 2 ** 62 if end is None else min(end, 2 ** 62)
+    axis = _norm_axis(int(kw["dim"]), ctx.rank())
+    return ctx.make("Slice", [ctx.x(), ctx.const("starts", [start], I64), ctx.const("ends", [end], I64),
+                              ctx.const("axes", [axis], I64), ctx.const("steps", [step], I64)])
