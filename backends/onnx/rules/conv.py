@@ -137,6 +137,8 @@ def conv_transpose(ctx: NodeContext, x: str, w: str, b: Optional[str], weight_sh
         # derive output_padding from the recorded output size (covers forward(x, output_size))
         base = [(in_shape[2 + i] - 1) * st[i] - 2 * p[i] + dil[i] * (kernel[i] - 1) + 1 for i in range(n)]
         op_ = [out_shape[2 + i] - base[i] for i in range(n)]
+    if any(o >= s for o, s in zip(op_, st)):  # torch allows it up to the dilation; ConvTranspose-11 does not
+        raise ctx.unsupported(f"output_padding {op_} not below the stride {st} (ONNX ConvTranspose requires it)")
     ins = [x, w] + ([b] if b else [])
     return ctx.make("ConvTranspose", ins, tag=tag, kernel_shape=kernel, strides=st, pads=p + p, dilations=dil,
                     group=int(groups), output_padding=op_)

@@ -14,7 +14,7 @@ from onnx import TensorProto
 from qcompiler.backends.onnx.context import REQUIRED, NodeContext, Tensor
 from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis
-from qcompiler.backends.onnx.rules.layout import shape_tensor
+from qcompiler.backends.onnx.rules.layout import _dims_args, shape_tensor
 
 
 @emits("reshape_as", since=11)
@@ -26,8 +26,7 @@ def reshape_as(ctx: NodeContext) -> Tensor:
 @emits("broadcast_to", since=11)
 def broadcast_to(ctx: NodeContext) -> Tensor:
     """Expand to ``size`` (torch's ``-1`` keeps that dim: 1 for Expand-11, which broadcasts both ways)."""
-    size = ctx.kw(size=REQUIRED)["size"]
-    dims = [1 if isinstance(d, int) and d == -1 else ctx.value(d) for d in size]
+    dims = [1 if isinstance(d, int) and d == -1 else d for d in _dims_args(ctx, 1, "size")]
     return ctx.make("Expand", [ctx.x(), shape_tensor(ctx, dims)])
 
 
