@@ -2,7 +2,8 @@
 fmod / remainder / floor_divide, atan2, the reversed operators (``2 - x`` as ``x.__rsub__(2)``), lerp,
 addcmul / addcdiv, logit, nan_to_num, the shrink family, the logical ops, isnan / isinf / isfinite,
 dtype casts (``x.long()``, ``x.to(dtype)``), copysign, deg2rad / rad2deg, fmax / fmin, frac, logaddexp(2),
-heaviside, xlogy / xlog1py, entr, ndtr, ldexp, hypot, float_power and isclose.
+heaviside, xlogy / xlog1py, entr, ndtr, ldexp, hypot, float_power, isclose, expm1, erfc, sinc, signbit,
+isposinf / isneginf and isreal.
 
 Torch's type promotion is read from shape propagation (``ctx.out_dtype()``): operands are cast to the
 result type first, as torch computes them."""
@@ -444,3 +445,65 @@ def isclose(ctx: NodeContext) -> Tensor:
                                 ctx.make("IsNaN", [b], tag="b_nan", dtype=BOOL)], tag="both_nan", dtype=BOOL)
         out = ctx.make("Or", [out, both], dtype=BOOL)
     return out
+
+
+@emits("expm1", since=11)
+def expm1(ctx: NodeContext) -> Tensor:
+    (x, dt) = _floats(ctx, ("input",))
+    return ctx.make("Sub", [ctx.make("Exp", [x], tag="exp"), ctx.const("one", 1.0, dt)])
+
+
+@emits("erfc", since=11)
+def erfc(ctx: NodeContext) -> Tensor:
+    (x, dt) = _floats(ctx, ("input",))
+    return ctx.make("Sub", [ctx.const("one", 1.0, dt), ctx.make("Erf", [x], tag="erf")])
+
+
+@emits("sinc", since=11)
+def sinc(ctx: NodeContext) -> Tensor:
+    """sin(pi x) / (pi x), 1 at x = 0."""
+    (x, dt) = _floats(ctx, ("input",))
+    px = ctx.make("Mul", [x, ctx.const("pi", math.pi, dt)], tag="pi_x")
+    ratio = ctx.make("Div", [ctx.make("Sin", [px], tag="sin"), px], tag="ratio")
+    zero = ctx.make("Equal", [x, ctx.const("zero", 0.0, dt)], tag="is_zero", dtype=BOOL)
+    return ctx.make("Where", [zero, ctx.const("one", 1.0, dt), ratio], dtype=dt)
+
+
+@emits("signbit", since=11)
+def signbit(ctx: NodeContext) -> Tensor:
+    """x < 0, or x is -0.0 (1 / x < 0); integers: x < 0."""
+    x = ctx.x()
+    dt = ctx.dtype(x)
+    zero = ctx.const("zero", 0, dt)
+    neg = ctx.make("Less", [x, zero], tag="negative" if dt in FLOAT_TYPES else None, dtype=BOOL)
+    if dt not in FLOAT_TYPES:
+        return neg
+    neg_zero = ctx.make("And", [ctx.make("Equal", [x, zero], tag="is_zero", dtype=BOOL),
+                                ctx.make("Less", [ctx.make("Div", [ctx.const("one", 1.0, dt), x], tag="inv"), zero],
+                                         tag="inv_neg", dtype=BOOL)], tag="neg_zero", dtype=BOOL)
+    return ctx.make("Or", [neg, neg_zero], dtype=BOOL)
+
+
+def inf_side(positive: bool):
+    """isposinf / isneginf: IsInf for one side (false on integers)."""
+    def rule(ctx: NodeContext) -> Tensor:
+        x = ctx.x()
+        if ctx.dtype(x) not in FLOAT_TYPES:
+            return ctx.make("Not", [ctx.make("Equal", [x, x], tag="same", dtype=BOOL)], dtype=BOOL)
+        return ctx.make("IsInf", [x], dtype=BOOL, detect_positive=int(positive), detect_negative=int(not positive))
+    return rule
+
+
+register("isposinf", inf_side(True))
+register("isneginf", inf_side(False))
+
+
+@emits("isreal", since=11)
+def isreal(ctx: NodeContext) -> Tensor:
+    """Every element of a real tensor is real."""
+    x = ctx.x()
+    dt = ctx.dtype(x)
+    if dt not in FLOAT_TYPES:
+        return ctx.make("Equal", [x, x], dtype=BOOL)
+    return ctx.make("Or", [ctx.make("Equal", [x, x], tag="same", dtype=BOOL),
+                           ctx.make("IsNaN", [x], tag="nan", dtype=BOOL)], dtype=BOOL)

@@ -1,5 +1,6 @@
-"""Loss functions and similarities as element-wise graphs plus a reduction: mse_loss, l1_loss,
-soft_margin_loss, margin_ranking_loss, binary_cross_entropy_with_logits, kl_div, cosine_similarity.
+"""Loss functions, distances and similarities as element-wise graphs plus a reduction: mse_loss, l1_loss,
+soft_margin_loss, margin_ranking_loss, binary_cross_entropy_with_logits, kl_div, huber_loss,
+smooth_l1_loss, poisson_nll_loss, hinge_embedding_loss; cosine_similarity, pairwise_distance, dist.
 
 ``reduction`` is ``'mean'`` (ReduceMean over every dim, a 0-d result), ``'sum'`` or ``'none'``; the
 deprecated ``size_average`` / ``reduce`` flags are refused (the island runs them in torch)."""
@@ -123,3 +124,90 @@ def cosine_similarity(ctx: NodeContext) -> Tensor:
     denom = ctx.make("Sqrt", [ctx.make("Max", [ctx.make("Mul", [n1, n2], tag="n1n2"), eps2], tag="clamped")],
                      tag="denom")
     return ctx.make("Div", [dot, denom])
+
+
+@emits("huber_loss", "smooth_l1_loss", since=11)
+def huber_loss(ctx: NodeContext) -> Tensor:
+    """|d| < delta: 0.5 d^2 (/ beta for smooth_l1), else delta (|d| - 0.5 delta) (|d| - 0.5 beta), reduced."""
+    if ctx.op == "huber_loss":
+        kw = ctx.kw(target=REQUIRED, reduction="mean", delta=1.0, weight=None)
+        t, scale = float(kw["delta"]), None
+    else:
+        kw = ctx.kw(target=REQUIRED, size_average=None, reduce=None, reduction="mean", beta=1.0)
+        t, scale = float(kw["beta"]), 1.0 / float(kw["beta"]) if float(kw["beta"]) > 0 else None
+    if kw.get("weight") is not None or t <= 0:
+        raise ctx.unsupported("a weight, or a threshold <= 0")
+    d = ctx.make("Abs", [ctx.make("Sub", [_float(ctx, ctx.arg(0, "input"), "input"), _float(ctx, kw["target"],
+                                                                                        "target")], tag="diff")],
+                 tag="abs")
+    dt = ctx.dtype(d)
+    quad = ctx.make("Mul", [ctx.make("Mul", [d, d], tag="sq"), ctx.const("half", 0.5 * (scale or 1.0), dt)],
+                    tag="quadratic")
+    lin = ctx.make("Sub", [d, ctx.const("half_t", 0.5 * t, dt)], tag="linear")
+    if ctx.op == "huber_loss":
+        lin = ctx.make("Mul", [lin, ctx.const("delta", t, dt)], tag="linear_scaled")
+    small = ctx.make("Less", [d, ctx.const("t", t, dt)], tag="small", dtype=TensorProto.BOOL)
+    return _reduced(ctx, ctx.make("Where", [small, quad, lin], tag="loss", dtype=dt), kw)
+
+
+@emits("pairwise_distance", since=11)
+def pairwise_distance(ctx: NodeContext) -> Tensor:
+    """||x1 - x2 + eps||_p over the last dim (p = 1, 2 or inf)."""
+    kw = ctx.kw(x2=REQUIRED, p=2.0, eps=1e-6, keepdim=False)
+    p = float(kw["p"])
+    d = ctx.make("Add", [ctx.make("Sub", [_float(ctx, ctx.arg(0, "x1"), "x1"), _float(ctx, kw["x2"], "x2")],
+                                  tag="diff"), ctx.const("eps", float(kw["eps"]))], tag="diff_eps")
+    keep = int(bool(kw["keepdim"]))
+    if p == 2:
+        return ctx.make("ReduceL2", [d], axes=[-1], keepdims=keep)
+    if p == 1:
+        return ctx.make("ReduceL1", [d], axes=[-1], keepdims=keep)
+    if p == float("inf"):
+        return ctx.make("ReduceMax", [ctx.make("Abs", [d], tag="abs")], axes=[-1], keepdims=keep)
+    raise ctx.unsupported(f"p={kw['p']!r} (1, 2 or inf)")
+
+
+@emits("poisson_nll_loss", since=11)
+def poisson_nll_loss(ctx: NodeContext) -> Tensor:
+    """exp(x) - y x (log_input), else x - y log(x + eps); full=False only; reduced."""
+    kw = ctx.kw(target=REQUIRED, log_input=True, full=False, size_average=None, eps=1e-8, reduce=None,
+                reduction="mean")
+    if kw["full"]:
+        raise ctx.unsupported("full=True (the Stirling term)")
+    x, y = _float(ctx, ctx.arg(0, "input"), "input"), _float(ctx, kw["target"], "target")
+    if kw["log_input"]:
+        loss = ctx.make("Sub", [ctx.make("Exp", [x], tag="exp"), ctx.make("Mul", [y, x], tag="yx")], tag="loss")
+    else:
+        log = ctx.make("Log", [ctx.make("Add", [x, ctx.const("eps", float(kw["eps"]))], tag="x_eps")], tag="log")
+        loss = ctx.make("Sub", [x, ctx.make("Mul", [y, log], tag="y_log")], tag="loss")
+    return _reduced(ctx, loss, kw)
+
+
+@emits("hinge_embedding_loss", since=11)
+def hinge_embedding_loss(ctx: NodeContext) -> Tensor:
+    """x where y == 1, max(0, margin - x) where y == -1 (both terms, as torch, for other y), reduced."""
+    kw = ctx.kw(target=REQUIRED, margin=1.0, size_average=None, reduce=None, reduction="mean")
+    x, y = _float(ctx, ctx.arg(0, "input"), "input"), _float(ctx, kw["target"], "target")
+    dt = ctx.dtype(x)
+    zero = ctx.const("zero", 0.0, dt)
+    hinge = ctx.make("Relu", [ctx.make("Sub", [ctx.const("margin", float(kw["margin"]), dt), x], tag="m_minus_x")],
+                     tag="hinge")
+    pos = ctx.make("Where", [ctx.make("Equal", [y, ctx.const("one", 1.0, dt)], tag="is_pos", dtype=TensorProto.BOOL),
+                             x, zero], tag="pos", dtype=dt)
+    neg = ctx.make("Where", [ctx.make("Equal", [y, ctx.const("minus_one", -1.0, dt)], tag="is_neg",
+                                      dtype=TensorProto.BOOL), hinge, zero], tag="neg", dtype=dt)
+    return _reduced(ctx, ctx.make("Add", [pos, neg], tag="loss"), kw)
+
+
+@emits("dist", since=11)
+def dist(ctx: NodeContext) -> Tensor:
+    """||a - b||_p over every element (p = 1, 2 or inf), a 0-d result."""
+    kw = ctx.kw(other=REQUIRED, p=2)
+    p = float(kw["p"])
+    d = ctx.make("Sub", [_float(ctx, ctx.arg(0, "input"), "input"), _float(ctx, kw["other"], "other")], tag="diff")
+    op = {1.0: "ReduceL1", 2.0: "ReduceL2"}.get(p)
+    if op is not None:
+        return ctx.make(op, [d], keepdims=0)
+    if p == float("inf"):
+        return ctx.make("ReduceMax", [ctx.make("Abs", [d], tag="abs")], keepdims=0)
+    raise ctx.unsupported(f"p={kw['p']!r} (1, 2 or inf)")

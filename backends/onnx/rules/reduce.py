@@ -19,7 +19,7 @@ from qcompiler.backends.onnx.context import (
     NodeContext,
     Tensor,
 )
-from qcompiler.backends.onnx.registry import emits
+from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis, _onnx_dtype
 
 BOOL = TensorProto.BOOL
@@ -354,3 +354,59 @@ def all_any(ctx: NodeContext) -> Tensor:
     out = ctx.out_dtype() or BOOL
     return ctx.make("Cast", [r], to=out, dtype=out)
 
+
+
+def nan_reduction(kind: str):
+    """nansum / nanmean: NaNs count as 0 (nansum) or are left out (nanmean: the sum over the count)."""
+    def rule(ctx: NodeContext) -> Tensor:
+        kw = ctx.kw(dim=None, keepdim=False, dtype=None)
+        x = _input(ctx, kw["dtype"])
+        rank = ctx.rank()
+        if ctx.dtype(x) not in FLOAT_TYPES or rank == 0:
+            raise ctx.unsupported(f"{kind} of a non-float or 0-d tensor")
+        dt = ctx.dtype(x)
+        axes = _axes(ctx, kw["dim"], rank)
+        nan = ctx.make("IsNaN", [x], tag="nan", dtype=BOOL)
+        clean = ctx.make("Where", [nan, ctx.const("zero", 0.0, dt), x], tag="clean", dtype=dt)
+        s = _reduce(ctx, "ReduceSum", clean, axes, kw["keepdim"], tag=None if kind == "nansum" else "sum")
+        if kind == "nansum":
+            return s
+        count = ctx.make("Cast", [ctx.make("Not", [nan], tag="number", dtype=BOOL)], tag="ones", to=dt, dtype=dt)
+        return ctx.make("Div", [s, _reduce(ctx, "ReduceSum", count, axes, kw["keepdim"], tag="count")])
+    rule.__name__ = kind
+    return rule
+
+
+register("nansum", nan_reduction("nansum"))
+register("nanmean", nan_reduction("nanmean"))
+
+
+@emits("count_nonzero", since=11)
+def count_nonzero(ctx: NodeContext) -> Tensor:
+    kw = ctx.kw(dim=None)
+    x = ctx.x()
+    rank = ctx.rank()
+    nz = ctx.make("Not", [ctx.make("Equal", [x, ctx.const("zero", 0, ctx.dtype(x))], tag="is_zero", dtype=BOOL)],
+                  tag="nonzero", dtype=BOOL)
+    ones = ctx.make("Cast", [nz], tag="ones", to=I64, dtype=I64)
+    if rank == 0:
+        return ctx.identity(ones)
+    return _reduce(ctx, "ReduceSum", ones, _axes(ctx, kw["dim"], rank) or list(range(rank)), False)
+
+
+@emits("logcumsumexp", since=11)
+def logcumsumexp(ctx: NodeContext) -> Tensor:
+    """log(cumsum(exp(x - m))) + m along ``dim``, m the max over the dim (finite: -inf rows stay -inf)."""
+    dim = ctx.kw(dim=REQUIRED)["dim"]
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank == 0 or ctx.dtype(x) not in FLOAT_TYPES:
+        raise ctx.unsupported("logcumsumexp of a 0-d or non-float tensor")
+    axis = _norm_axis(int(dim), rank)
+    dt = ctx.dtype(x)
+    m = ctx.make("ReduceMax", [x], tag="max", axes=[axis], keepdims=1)
+    m = ctx.make("Where", [ctx.make("IsInf", [m], tag="max_inf", dtype=BOOL), ctx.const("zero", 0.0, dt), m],
+                 tag="shift", dtype=dt)
+    e = ctx.make("Exp", [ctx.make("Sub", [x, m], tag="shifted")], tag="exp")
+    c = ctx.make("CumSum", [e, ctx.const("axis", axis, I64)], tag="cumsum")
+    return ctx.make("Add", [ctx.make("Log", [c], tag="log"), m])

@@ -1,7 +1,7 @@
 """More layout and selection rules (the op-catalogue benchmark's): reshape_as / view_as, broadcast_to,
 atleast_1d/2d/3d, hstack / vstack, constant_pad_nd, select (one index of a dim), take (flat indices),
 masked_select (Compress of the flattened, broadcast input), fliplr / flipud, diff, cross,
-broadcast_tensors and aten.slice."""
+broadcast_tensors, aten.slice, tril / triu, trace, ravel, outer, nonzero / argwhere and unique."""
 
 from __future__ import annotations
 
@@ -224,3 +224,100 @@ def slice_(ctx: NodeContext) -> Tensor:
     axis = _norm_axis(int(kw["dim"]), ctx.rank())
     return ctx.make("Slice", [ctx.x(), ctx.const("starts", [start], I64), ctx.const("ends", [end], I64),
                               ctx.const("axes", [axis], I64), ctx.const("steps", [step], I64)])
+
+
+def _row_col(ctx: NodeContext, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column indices of the last two dims as (R, 1) and (1, C) int64 tensors, from the run-time
+    shape (no size is baked in: a CPU island keeps its dynamic batch)."""
+    shape = ctx.make("Shape", [x], tag="shape", dtype=I64)
+    zero, one = ctx.const("zero", 0, I64), ctx.const("one", 1, I64)
+
+    def size(i: int, tag: str) -> Tensor:
+        return ctx.make("Squeeze", [ctx.make("Slice", [shape, ctx.const(f"{tag}_at", [i], I64),
+                                                        ctx.const(f"{tag}_end", [i + 1 if i != -1 else 2 ** 62],
+                                                                  I64)], tag=f"{tag}_slice", dtype=I64)],
+                        tag=f"{tag}_size", axes=[0], dtype=I64)
+    rows = ctx.make("Range", [zero, size(-2, "rows"), one], tag="rows", dtype=I64)
+    cols = ctx.make("Range", [zero, size(-1, "cols"), one], tag="cols", dtype=I64)
+    return (ctx.make("Unsqueeze", [rows], tag="row", axes=[1], dtype=I64),
+            ctx.make("Unsqueeze", [cols], tag="col", axes=[0], dtype=I64))
+
+
+def triangle(upper: bool):
+    """tril / triu: x where col - row <= diagonal (tril) / >= diagonal (triu), else 0."""
+    def rule(ctx: NodeContext) -> Tensor:
+        diagonal = ctx.kw(diagonal=0)["diagonal"]
+        if not isinstance(diagonal, int):
+            raise ctx.unsupported("a diagonal that is not a Python int")
+        x = ctx.x()
+        if ctx.rank() < 2:
+            raise ctx.unsupported("an input of fewer than 2 dims")
+        row, col = _row_col(ctx, x)
+        offset = ctx.make("Sub", [col, row], tag="offset", dtype=I64)
+        k = ctx.const("diagonal", diagonal, I64)
+        drop = ctx.make("Less" if upper else "Greater", [offset, k], tag="drop", dtype=TensorProto.BOOL)
+        zero = ctx.make("Cast", [ctx.const("zero_value", 0, I64)], tag="zero_x", to=ctx.dtype(x), dtype=ctx.dtype(x))
+        return ctx.make("Where", [drop, zero, x], dtype=ctx.dtype(x))
+    return rule
+
+
+register("tril", triangle(False))
+register("triu", triangle(True))
+
+
+@emits("trace", since=11)
+def trace(ctx: NodeContext) -> Tensor:
+    """The sum of the diagonal of a 2-D tensor (integers sum in int64, as torch)."""
+    x = ctx.x()
+    if ctx.rank() != 2:
+        raise ctx.unsupported("trace of a tensor that is not 2-D")
+    row, col = _row_col(ctx, x)
+    dt = ctx.out_dtype() or ctx.dtype(x)
+    x = x if ctx.dtype(x) == dt else ctx.make("Cast", [x], tag="cast", to=dt, dtype=dt)
+    zero = ctx.make("Cast", [ctx.const("zero_value", 0, I64)], tag="zero_x", to=dt, dtype=dt)
+    diag = ctx.make("Where", [ctx.make("Equal", [row, col], tag="on_diagonal", dtype=TensorProto.BOOL), x, zero],
+                    tag="diagonal", dtype=dt)
+    return ctx.make("ReduceSum", [diag], keepdims=0)
+
+
+@emits("ravel", since=11)
+def ravel(ctx: NodeContext) -> Tensor:
+    return ctx.make("Reshape", [ctx.x(), ctx.const("flat", [-1], I64)])
+
+
+@emits("outer", since=11)
+def outer(ctx: NodeContext) -> Tensor:
+    """outer(a, b) = a[:, None] * b[None, :]."""
+    a, b = ctx.x(), ctx.tensor(ctx.arg(1, "vec2"))
+    return ctx.make("Mul", [ctx.make("Unsqueeze", [a], tag="col", axes=[1]),
+                            ctx.make("Unsqueeze", [b], tag="row", axes=[0])])
+
+
+@emits("nonzero", since=11)
+def nonzero(ctx: NodeContext) -> Tensor:
+    """torch.nonzero / argwhere: (n, ndim) int64 indices = NonZero's (ndim, n), transposed."""
+    if ctx.kw(out=None, as_tuple=False)["as_tuple"]:
+        raise ctx.unsupported("as_tuple=True")
+    x = ctx.x()
+    if ctx.rank() == 0:
+        raise ctx.unsupported("a 0-d input")
+    return ctx.make("Transpose", [ctx.make("NonZero", [x], tag="nonzero", dtype=I64)], perm=[1, 0], dtype=I64)
+
+
+@emits("unique", since=11)
+def unique(ctx: NodeContext):
+    """torch.unique(x, sorted=True, return_inverse, return_counts) of the flattened input: Unique-11
+    (sorted); the inverse indices take the input's shape."""
+    kw = ctx.kw(sorted=True, return_inverse=False, return_counts=False, dim=None)
+    if kw["dim"] is not None or not kw["sorted"]:
+        raise ctx.unsupported("dim= or sorted=False (torch's unsorted order is not ONNX's first-occurrence order)")
+    x = ctx.x()
+    y, first, inverse, counts = ctx.make("Unique", [x], outputs=4, sorted=1)
+    ctx.b.dtypes[first], ctx.b.dtypes[inverse], ctx.b.dtypes[counts] = I64, I64, I64
+    out = [y]
+    if kw["return_inverse"]:
+        out.append(ctx.make("Reshape", [inverse, ctx.make("Shape", [x], tag="shape", dtype=I64)], tag="inverse",
+                            dtype=I64))
+    if kw["return_counts"]:
+        out.append(counts)
+    return y if len(out) == 1 else tuple(out)
