@@ -250,9 +250,13 @@ def compare(ref: list[torch.Tensor], got: Any, random: bool) -> Optional[str]:
     return None
 
 
+ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
 def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` with this checkout's path left out (the table is the same on every machine)."""
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:240] if lines else ''}"
+    return f"{type(exc).__name__}: {lines[0][:240].replace(ROOT, '') if lines else ''}"
 
 
 def _outcome(run: Callable[[], Any], ref: list[torch.Tensor], random: bool, timeout: float) -> tuple[str, str]:
@@ -334,6 +338,13 @@ def eager_reference(case: Case, timeout: float) -> tuple[Optional[list[torch.Ten
     return outs[0], random
 
 
+def _collect(result: tuple[Any, list], into: list) -> Any:
+    """run_ours' output, its island kinds appended to ``into``."""
+    out, kinds = result
+    into.extend(kinds)
+    return out
+
+
 def run_case(case: Case, *, timeout: float = TIMEOUT, sides: Sequence[str] = ("ours", "theirs"),
              report: Callable[[str, Optional[tuple]], None] = lambda side, result: None) -> Optional[Row]:
     """The given sides of one sample, in this process, or None if eager torch cannot run it. ``report(side,
@@ -347,15 +358,8 @@ def run_case(case: Case, *, timeout: float = TIMEOUT, sides: Sequence[str] = ("o
     for side in sides:
         report(side, None)
         torch.manual_seed(0)
-        kinds: list[str] = []
-        if side == "ours":
-            def call() -> Any:
-                out, ks = run_ours(case)
-                kinds.extend(ks)
-                return out
-        else:
-            def call() -> Any:
-                return run_theirs(case)
+        kinds: list[tuple[str, str]] = []
+        call = (lambda ks=kinds: _collect(run_ours(case), ks)) if side == "ours" else (lambda: run_theirs(case))
         outcome, detail = _outcome(call, ref, random, timeout)
         backend = "+".join(sorted({"onnx" if k == "cpu" else k for k, _ in kinds if k != "bpu"}))
         why_torch = next((reason for k, reason in kinds if k == "torch"), "")
@@ -543,6 +547,15 @@ def markdown(rows: Sequence[Row], seconds: float, argv: Sequence[str], samples: 
         "## Counts",
         "",
         tabulate(_md(counts(rows)), headers=["", "samples"], tablefmt="github"),
+        "",
+        "Reading the counts: *correct* counts every CPU island; the like-for-like comparison with torch.onnx "
+        "is *correct, all in onnxruntime* (the sample's ONNX form ran), while *with a torch island* means "
+        "the emitter has no opset-11 form for a node (or its form failed `onnx.checker`), so that island ran "
+        "in eager torch: right values, but no ONNX export for it. The *documented* errors are of two kinds: "
+        "`TraceError` (torch.fx cannot trace the op's Python wrapper: data-dependent control flow, "
+        "`Tensor.__radd__` called on a proxy, in-place random fills; the error names the module and line and "
+        "says how to mark it a leaf, which then runs in torch) and `ConfigError` for samples with a batch of "
+        "0 (compile calibrates on the example inputs and refuses an empty batch).",
         "",
         "## qcompiler: samples not correct",
         "",

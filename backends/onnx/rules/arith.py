@@ -411,7 +411,7 @@ def ldexp(ctx: NodeContext) -> Tensor:
 
 @emits("hypot", since=11)
 def hypot(ctx: NodeContext) -> Tensor:
-    a, b, dt = _floats(ctx)
+    a, b, _ = _floats(ctx)
     return ctx.make("Sqrt", [ctx.make("Add", [ctx.make("Mul", [a, a], tag="a2"), ctx.make("Mul", [b, b], tag="b2")],
                                       tag="sum")])
 
