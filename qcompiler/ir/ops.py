@@ -404,6 +404,7 @@ FUNCTION_OPS: dict[object, str] = {
     F.poisson_nll_loss: "poisson_nll_loss",
     F.hinge_embedding_loss: "hinge_embedding_loss",
     torch.dist: "dist",
+    torch.native_layer_norm: "native_layer_norm",
     # --- end op catalogue ---
 }
 

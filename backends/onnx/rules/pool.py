@@ -167,7 +167,8 @@ def resize(ctx: NodeContext, x: str, mode: str, align_corners, *, size=None, sca
            antialias=False, tag: Optional[str] = None) -> Tensor:
     """Resize-11. nearest: asymmetric + floor (torch's ``floor(dst * in/out)``); nearest-exact:
     half_pixel + round_prefer_ceil; (bi/tri)linear: half_pixel (align_corners=False, torch clamps
-    negative source coordinates to 0 as onnxruntime does) or align_corners."""
+    negative source coordinates to 0 as onnxruntime does) or align_corners; bicubic: cubic with
+    torch's coefficient -0.75."""
     if antialias:
         raise ctx.unsupported("antialias=True")
     in_shape = ctx.shape()
@@ -180,6 +181,9 @@ def resize(ctx: NodeContext, x: str, mode: str, align_corners, *, size=None, sca
         attrs = dict(mode="nearest", coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil")
     elif mode in ("linear", "bilinear", "trilinear"):
         attrs = dict(mode="linear", coordinate_transformation_mode="align_corners" if align_corners else "half_pixel")
+    elif mode == "bicubic":  # torch's cubic convolution uses a = -0.75 and replicates the border
+        attrs = dict(mode="cubic", cubic_coeff_a=-0.75,
+                     coordinate_transformation_mode="align_corners" if align_corners else "half_pixel")
     else:
         raise ctx.unsupported(f"interpolate mode={mode!r}")
     roi = ctx.const("roi", np.zeros(0, np.float32))
