@@ -405,6 +405,11 @@ FUNCTION_OPS: dict[object, str] = {
     F.hinge_embedding_loss: "hinge_embedding_loss",
     torch.dist: "dist",
     torch.native_layer_norm: "native_layer_norm",
+    F.max_pool3d: "max_pool3d",
+    torch.max_pool3d: "max_pool3d",
+    F.max_pool1d_with_indices: "max_pool1d_with_indices",
+    F.max_pool2d_with_indices: "max_pool2d_with_indices",
+    F.max_pool3d_with_indices: "max_pool3d_with_indices",
     # --- end op catalogue ---
 }
 

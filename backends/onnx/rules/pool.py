@@ -18,19 +18,37 @@ from qcompiler.backends.onnx.rules.common import I64, _ntuple
 from qcompiler.quantization.fixed_point import max_pool_out_size
 
 
-@emits("max_pool1d", "max_pool2d")
-def max_pool2d(ctx: NodeContext) -> Tensor:
-    n = 1 if ctx.op == "max_pool1d" else 2
+@emits("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+       "max_pool3d_with_indices")
+def max_pool2d(ctx: NodeContext):
+    """MaxPool; with indices (``return_indices=True`` / ``F.max_poolNd_with_indices``) also its Indices,
+    which count over the whole (N, C, ...) input: torch's count within one plane is that mod the plane size."""
+    n = int(ctx.op[len("max_pool")])
     kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False)
-    if kw["return_indices"]:
-        raise ctx.unsupported("return_indices=True")
+    with_indices = bool(kw["return_indices"]) or ctx.op.endswith("_with_indices")
     k, s, ceil = _ntuple(kw["kernel_size"], n), kw["stride"], kw["ceil_mode"]
     s = _ntuple(s if s not in (None, [], ()) else k, n)
     p, d = _ntuple(kw["padding"], n), _ntuple(kw["dilation"], n)
     trim = _ceil_trim(ctx, ceil, k, s, p, d)
-    y = ctx.make("MaxPool", [ctx.x()], kernel_shape=k, strides=s, pads=p + p, dilations=d,
-                 ceil_mode=int(bool(ceil)), tag="max_pool" if trim else None)
-    return _trimmed(ctx, y, trim)
+    attrs = dict(kernel_shape=k, strides=s, pads=p + p, dilations=d, ceil_mode=int(bool(ceil)))
+    if not with_indices:
+        return _trimmed(ctx, ctx.make("MaxPool", [ctx.x()], tag="max_pool" if trim else None, **attrs), trim)
+    shape = ctx.shape()
+    if shape is None or len(shape) != n + 2:
+        raise ctx.unsupported("indices of a pool whose input is not (N, C, spatial...)")
+    y, idx = ctx.make("MaxPool", [ctx.x()], tag="max_pool", outputs=2, **attrs)
+    ctx.b.dtypes[idx] = I64
+    plane = ctx.const("plane", int(np.prod(shape[2:])), I64)
+    idx = ctx.make("Mod", [idx, plane], tag="plane_index", dtype=I64)
+    if trim:
+        return _trimmed(ctx, y, trim), ctx.make("Identity", [_trimmed_indices(ctx, idx, trim)], dtype=I64)
+    return ctx.make("Identity", [y]), idx
+
+
+def _trimmed_indices(ctx: NodeContext, y: Tensor, trim: list[tuple[int, int]]) -> Tensor:
+    return ctx.make("Slice", [y, ctx.const("i_starts", [0] * len(trim), I64),
+                              ctx.const("i_ends", [e for _, e in trim], I64),
+                              ctx.const("i_axes", [a for a, _ in trim], I64)], tag="indices_trim", dtype=I64)
 
 
 def _ceil_trim(ctx: NodeContext, ceil: bool, k, s, p, d=None) -> list[tuple[int, int]]:
