@@ -594,13 +594,14 @@ HEADERS = ["model", "march", "ao FX", "compile", "call", "BPU parts", "torch isl
            "save/load", "SQNR vs float (dB)", "SQNR vs ao FX (dB)", "first failure"]
 
 
-def environment() -> list[tuple[str, str]]:
+def environment(report: str = "docs/model_coverage.md") -> list[tuple[str, str]]:
+    """Date, commit (flagged when the checkout has uncommitted changes other than ``report``), machine, versions."""
     root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":!docs/model_coverage.md"], cwd=root,  # the report itself does not count
+                                f":!{report}"], cwd=root,  # the report itself does not count
                                capture_output=True, text=True, check=True).stdout.strip()
         commit += " (with uncommitted changes)" if dirty else ""
     except (OSError, subprocess.CalledProcessError):

@@ -24,7 +24,7 @@ from qcompiler.artifact import load_artifact, save_artifact
 from qcompiler.atomic_write import write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
-from qcompiler.backends.onnx.emitter import emit_subgraph
+from qcompiler.backends.onnx.emitter import emit_island
 from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
@@ -175,8 +175,8 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
         if step.kind == BPU:
             continue
         try:
-            model = emit_subgraph(converted, step.nodes, step.inputs, step.outputs, dynamic_batch=True)
-        except UnsupportedOpError as exc:  # no opset-11 form: the island runs in eager torch
+            model = emit_island(converted, step.name, step.nodes, step.inputs, step.outputs)
+        except UnsupportedOpError as exc:  # no (valid) opset-11 form: the island runs in eager torch
             step.kind, step.reason = TORCH, str(exc)
             eager[step.name] = EagerIsland.from_graph(step.name, converted, step.nodes, step.inputs, step.outputs,
                                                       step.reason)

@@ -478,8 +478,32 @@ def emit_subgraph(gm: fx.GraphModule, node_names: Sequence[str], inputs: Sequenc
     return em.emit_subgraph(node_names, inputs, outputs, dynamic_batch=dynamic_batch).model
 
 
+def emit_island(gm: fx.GraphModule, name: str, node_names: Sequence[str], inputs: Sequence[str],
+                outputs: Sequence[str]) -> onnx.ModelProto:
+    """The CPU island ``name`` as ONNX (:func:`emit_subgraph` with a dynamic batch), checked the way
+    onnxruntime loads it (``onnx.checker`` full check: strict shape and type inference).
+
+    Any failure is an :class:`UnsupportedOpError` that says why, which lowering answers by running the
+    island in eager torch: a rule's refusal as it is, and else (a model the checker rejects, a rule that
+    fails on arguments it did not foresee) one naming the island, so that a gap in the emitter costs speed,
+    never a compile or a wrong answer (the reason shows in dumps and ``summary()``).
+    """
+    try:
+        model = emit_subgraph(gm, node_names, inputs, outputs, dynamic_batch=True)
+        onnx.checker.check_model(model, full_check=True)
+    except UnsupportedOpError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (any emitter or checker failure: the island runs in torch)
+        lines = str(exc).strip().splitlines()
+        raise UnsupportedOpError(
+            f"CPU island {name} (nodes {', '.join(node_names)}): its ONNX form failed "
+            f"({type(exc).__name__}: {lines[0][:300] if lines else ''})") from exc
+    return model
+
+
 __all__ = [
     "emit_graph",
+    "emit_island",
     "emit_subgraph",
     "OnnxEmitter",
     "NodeContext",

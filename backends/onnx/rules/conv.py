@@ -24,6 +24,64 @@ def matmul(ctx: NodeContext) -> Tensor:
     return ctx.make("MatMul", [ctx.x(), ctx.tensor(other)])
 
 
+@emits("dot", since=11)
+def dot(ctx: NodeContext) -> Tensor:
+    """torch.dot (1-D . 1-D -> 0-d) and torch.mv (2-D . 1-D): MatMul, numpy's rules (the ``mat2`` of mm
+    is ``vec`` / ``tensor`` here)."""
+    other = ctx.call.kwargs.get("vec", ctx.call.kwargs.get("tensor", _arg_or_none(ctx, 1)))
+    return ctx.make("MatMul", [ctx.x(), ctx.tensor(other)])
+
+
+@emits("addmm", since=11)
+def addmm(ctx: NodeContext) -> Tensor:
+    """addmm / baddbmm / addmv: beta * input + alpha * (a @ b), input broadcast (MatMul, Mul, Add; Gemm
+    would need a 2-D input of the output's shape)."""
+    kw = ctx.kw(a=REQUIRED, b=REQUIRED, beta=1, alpha=1)
+    for name in ("mat1", "batch1", "mat"):
+        if name in ctx.call.kwargs:
+            kw["a"] = ctx.call.kwargs[name]
+    for name in ("mat2", "batch2", "vec"):
+        if name in ctx.call.kwargs:
+            kw["b"] = ctx.call.kwargs[name]
+    if not all(isinstance(kw[k], (int, float)) for k in ("alpha", "beta")):
+        raise ctx.unsupported("alpha / beta that are tensors (give Python numbers)")
+    dt = ctx.out_dtype() or ctx.dtype(ctx.x())
+    y = ctx.make("MatMul", [ctx.tensor(kw["a"]), ctx.tensor(kw["b"])], tag="matmul")
+    if kw["alpha"] != 1:
+        y = ctx.make("Mul", [y, ctx.const("alpha", kw["alpha"], dt)], tag="alpha")
+    if kw["beta"] == 0:  # torch ignores input (even NaN) when beta is 0
+        return ctx.make("Identity", [y])
+    x = ctx.x()
+    if kw["beta"] != 1:
+        x = ctx.make("Mul", [x, ctx.const("beta", kw["beta"], dt)], tag="beta")
+    return ctx.make("Add", [x, y])
+
+
+@emits("addbmm", "addr", since=11)
+def addbmm_addr(ctx: NodeContext) -> Tensor:
+    """addbmm: beta * input + alpha * sum_b(b1[b] @ b2[b]); addr: beta * input + alpha * outer(v1, v2)."""
+    if ctx.op == "addbmm":
+        kw = ctx.kw(batch1=REQUIRED, batch2=REQUIRED, beta=1, alpha=1)
+        prod = ctx.make("MatMul", [ctx.tensor(kw["batch1"]), ctx.tensor(kw["batch2"])], tag="bmm")
+        y = ctx.make("ReduceSum", [prod], tag="sum", axes=[0], keepdims=0)
+    else:
+        kw = ctx.kw(vec1=REQUIRED, vec2=REQUIRED, beta=1, alpha=1)
+        col = ctx.make("Unsqueeze", [ctx.tensor(kw["vec1"])], tag="col", axes=[1])
+        row = ctx.make("Unsqueeze", [ctx.tensor(kw["vec2"])], tag="row", axes=[0])
+        y = ctx.make("Mul", [col, row], tag="outer")
+    if not all(isinstance(kw[k], (int, float)) for k in ("alpha", "beta")):
+        raise ctx.unsupported("alpha / beta that are tensors (give Python numbers)")
+    dt = ctx.dtype(y)
+    if kw["alpha"] != 1:
+        y = ctx.make("Mul", [y, ctx.const("alpha", kw["alpha"], dt)], tag="alpha")
+    if kw["beta"] == 0:
+        return ctx.make("Identity", [y])
+    x = ctx.x()
+    if kw["beta"] != 1:
+        x = ctx.make("Mul", [x, ctx.const("beta", kw["beta"], dt)], tag="beta")
+    return ctx.make("Add", [x, y])
+
+
 def weight_layer_parts(module: nn.Module):
     """(base layer, activation op name or None, with_add, output quantizer) of a weight layer."""
     apq = getattr(module, "activation_post_process", None)
@@ -79,6 +137,8 @@ def conv_transpose(ctx: NodeContext, x: str, w: str, b: Optional[str], weight_sh
         # derive output_padding from the recorded output size (covers forward(x, output_size))
         base = [(in_shape[2 + i] - 1) * st[i] - 2 * p[i] + dil[i] * (kernel[i] - 1) + 1 for i in range(n)]
         op_ = [out_shape[2 + i] - base[i] for i in range(n)]
+    if any(o >= s for o, s in zip(op_, st)):  # torch allows it up to the dilation; ConvTranspose-11 does not
+        raise ctx.unsupported(f"output_padding {op_} not below the stride {st} (ONNX ConvTranspose requires it)")
     ins = [x, w] + ([b] if b else [])
     return ctx.make("ConvTranspose", ins, tag=tag, kernel_shape=kernel, strides=st, pads=p + p, dilations=dil,
                     group=int(groups), output_padding=op_)
@@ -131,7 +191,7 @@ def conv2d(ctx: NodeContext) -> Tensor:
     return _finish_layer(ctx, y, act, with_add, apq, ctx.path, base)
 
 
-@emits("conv_transpose1d", "conv_transpose2d")
+@emits("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 def conv_transpose2d(ctx: NodeContext) -> Tensor:
     x = ctx.x()
     if ctx.module is None:  # F.conv_transpose2d

@@ -260,6 +260,9 @@ def binary(onnx_op: str, py_op):
         q = ctx.make("Div", [ta, tb], tag="div")
         if rounding == "floor":
             return ctx.make("Floor", [q])
+        if rounding == "trunc":  # sign(q) * floor(|q|) (opset 11 has no Trunc)
+            floor_abs = ctx.make("Floor", [ctx.make("Abs", [q], tag="abs")], tag="floor_abs")
+            return ctx.make("Mul", [ctx.make("Sign", [q], tag="sign"), floor_abs])
         raise ctx.unsupported(f"rounding_mode={rounding!r} on floats")
     rule.__name__ = onnx_op.lower()
     return rule

@@ -157,6 +157,9 @@ def gather(ctx: NodeContext) -> Tensor:
     kw = ctx.kw(dim=REQUIRED, index=REQUIRED, sparse_grad=False)
     x = ctx.x()
     axis = _norm_axis(_int_arg(ctx, kw, "dim"), _rank_1(ctx, "gather"))
+    if ctx.shape(kw["index"]) is None or len(ctx.shape(kw["index"])) != len(ctx.shape()):
+        raise ctx.unsupported("an index of another rank than the input (torch allows it for an empty index; "
+                              "GatherElements does not)")
     return ctx.make("GatherElements", [x, _index_input(ctx, kw["index"])], axis=axis)
 
 

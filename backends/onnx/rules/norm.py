@@ -228,3 +228,42 @@ def _even_window_lrn(ctx: NodeContext, x: str, c: int, size: int, alpha: float, 
     div = ctx.make("Pow", [ctx.make("Add", [ctx.make("Mul", [avg, ctx.const("alpha", alpha)], tag="scaled"),
                                             ctx.const("k", k)], tag="plus_k"), ctx.const("beta", beta)], tag="div")
     return ctx.make("Div", [x, div])
+
+
+@emits("rms_norm", since=11)
+def rms_norm(ctx: NodeContext) -> Tensor:
+    """x / sqrt(mean(x^2 over the last len(normalized_shape) dims) + eps) * weight; eps None is the
+    dtype's machine epsilon (as torch)."""
+    kw = ctx.kw(normalized_shape=REQUIRED, weight=None, eps=None)
+    shape = kw["normalized_shape"]
+    k = len(shape) if isinstance(shape, (list, tuple)) else 1
+    x = ctx.x()
+    eps = kw["eps"] if kw["eps"] is not None else float(np.finfo(np.float32).eps)
+    ms = ctx.make("ReduceMean", [ctx.make("Mul", [x, x], tag="square")], tag="mean_square", axes=list(range(-k, 0)),
+                  keepdims=1)
+    rms = ctx.make("Sqrt", [ctx.make("Add", [ms, ctx.const("eps", float(eps))], tag="plus_eps")], tag="rms")
+    if kw["weight"] is None:
+        return ctx.make("Div", [x, rms])
+    return ctx.make("Mul", [ctx.make("Div", [x, rms], tag="normalized"), ctx.tensor(kw["weight"])])
+
+
+@emits("native_layer_norm", since=11)
+def native_layer_norm(ctx: NodeContext):
+    """torch.native_layer_norm(x, shape, weight, bias, eps) -> (y, mean, rstd), mean and rstd kept over
+    the normalized dims (size 1 there), as torch returns them."""
+    kw = ctx.kw(normalized_shape=REQUIRED, weight=None, bias=None, eps=REQUIRED)
+    shape = kw["normalized_shape"]
+    k = len(shape) if isinstance(shape, (list, tuple)) else 1
+    x = ctx.x()
+    axes = list(range(-k, 0))
+    mean = ctx.make("ReduceMean", [x], tag="mean", axes=axes, keepdims=1)
+    d = ctx.make("Sub", [x, mean], tag="centered")
+    var = ctx.make("ReduceMean", [ctx.make("Mul", [d, d], tag="squared")], tag="var", axes=axes, keepdims=1)
+    rstd = ctx.make("Reciprocal", [ctx.make("Sqrt", [ctx.make("Add", [var, ctx.const("eps", float(kw["eps"]))],
+                                                                 tag="var_eps")], tag="std")], tag="rstd")
+    y = ctx.make("Mul", [d, rstd], tag="normalized")
+    if kw["weight"] is not None:
+        y = ctx.make("Mul", [y, ctx.tensor(kw["weight"])], tag="scaled")
+    if kw["bias"] is not None:
+        y = ctx.make("Add", [y, ctx.tensor(kw["bias"])], tag="shifted")
+    return ctx.make("Identity", [y]), mean, rstd

@@ -18,19 +18,37 @@ from qcompiler.backends.onnx.rules.common import I64, _ntuple
 from qcompiler.quantization.fixed_point import max_pool_out_size
 
 
-@emits("max_pool1d", "max_pool2d")
-def max_pool2d(ctx: NodeContext) -> Tensor:
-    n = 1 if ctx.op == "max_pool1d" else 2
+@emits("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+       "max_pool3d_with_indices")
+def max_pool2d(ctx: NodeContext):
+    """MaxPool; with indices (``return_indices=True`` / ``F.max_poolNd_with_indices``) also its Indices,
+    which count over the whole (N, C, ...) input: torch's count within one plane is that mod the plane size."""
+    n = int(ctx.op[len("max_pool")])
     kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False)
-    if kw["return_indices"]:
-        raise ctx.unsupported("return_indices=True")
+    with_indices = bool(kw["return_indices"]) or ctx.op.endswith("_with_indices")
     k, s, ceil = _ntuple(kw["kernel_size"], n), kw["stride"], kw["ceil_mode"]
     s = _ntuple(s if s not in (None, [], ()) else k, n)
     p, d = _ntuple(kw["padding"], n), _ntuple(kw["dilation"], n)
     trim = _ceil_trim(ctx, ceil, k, s, p, d)
-    y = ctx.make("MaxPool", [ctx.x()], kernel_shape=k, strides=s, pads=p + p, dilations=d,
-                 ceil_mode=int(bool(ceil)), tag="max_pool" if trim else None)
-    return _trimmed(ctx, y, trim)
+    attrs = dict(kernel_shape=k, strides=s, pads=p + p, dilations=d, ceil_mode=int(bool(ceil)))
+    if not with_indices:
+        return _trimmed(ctx, ctx.make("MaxPool", [ctx.x()], tag="max_pool" if trim else None, **attrs), trim)
+    shape = ctx.shape()
+    if shape is None or len(shape) != n + 2:
+        raise ctx.unsupported("indices of a pool whose input is not (N, C, spatial...)")
+    y, idx = ctx.make("MaxPool", [ctx.x()], tag="max_pool", outputs=2, **attrs)
+    ctx.b.dtypes[idx] = I64
+    plane = ctx.const("plane", int(np.prod(shape[2:])), I64)
+    idx = ctx.make("Mod", [idx, plane], tag="plane_index", dtype=I64)
+    if trim:
+        return _trimmed(ctx, y, trim), ctx.make("Identity", [_trimmed_indices(ctx, idx, trim)], dtype=I64)
+    return ctx.make("Identity", [y]), idx
+
+
+def _trimmed_indices(ctx: NodeContext, y: Tensor, trim: list[tuple[int, int]]) -> Tensor:
+    return ctx.make("Slice", [y, ctx.const("i_starts", [0] * len(trim), I64),
+                              ctx.const("i_ends", [e for _, e in trim], I64),
+                              ctx.const("i_axes", [a for a, _ in trim], I64)], tag="indices_trim", dtype=I64)
 
 
 def _ceil_trim(ctx: NodeContext, ceil: bool, k, s, p, d=None) -> list[tuple[int, int]]:
@@ -68,7 +86,7 @@ def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False,
     return _trimmed(ctx, y, trim)
 
 
-@emits("avg_pool1d", "avg_pool2d")
+@emits("avg_pool1d", "avg_pool2d", "avg_pool3d")
 def avg_pool2d(ctx: NodeContext) -> Tensor:
     if ctx.op == "avg_pool1d":  # F.avg_pool1d has no divisor_override
         kw = ctx.kw(kernel_size=REQUIRED, stride=None, padding=0, ceil_mode=False, count_include_pad=True)
@@ -79,7 +97,7 @@ def avg_pool2d(ctx: NodeContext) -> Tensor:
     if kw["divisor_override"] is not None:
         raise ctx.unsupported("divisor_override")
     return avg_pool(ctx, ctx.x(), kw["kernel_size"], kw["stride"], kw["padding"], kw["ceil_mode"],
-                    kw["count_include_pad"], n=1 if ctx.op == "avg_pool1d" else 2)
+                    kw["count_include_pad"], n={"avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3}[ctx.op])
 
 
 def _adaptive_sizes(ctx: NodeContext, n: int) -> tuple[list[int], list[int], bool]:
@@ -167,7 +185,8 @@ def resize(ctx: NodeContext, x: str, mode: str, align_corners, *, size=None, sca
            antialias=False, tag: Optional[str] = None) -> Tensor:
     """Resize-11. nearest: asymmetric + floor (torch's ``floor(dst * in/out)``); nearest-exact:
     half_pixel + round_prefer_ceil; (bi/tri)linear: half_pixel (align_corners=False, torch clamps
-    negative source coordinates to 0 as onnxruntime does) or align_corners."""
+    negative source coordinates to 0 as onnxruntime does) or align_corners; bicubic: cubic with
+    torch's coefficient -0.75."""
     if antialias:
         raise ctx.unsupported("antialias=True")
     in_shape = ctx.shape()
@@ -180,6 +199,9 @@ def resize(ctx: NodeContext, x: str, mode: str, align_corners, *, size=None, sca
         attrs = dict(mode="nearest", coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil")
     elif mode in ("linear", "bilinear", "trilinear"):
         attrs = dict(mode="linear", coordinate_transformation_mode="align_corners" if align_corners else "half_pixel")
+    elif mode == "bicubic":  # torch's cubic convolution uses a = -0.75 and replicates the border
+        attrs = dict(mode="cubic", cubic_coeff_a=-0.75,
+                     coordinate_transformation_mode="align_corners" if align_corners else "half_pixel")
     else:
         raise ctx.unsupported(f"interpolate mode={mode!r}")
     roi = ctx.const("roi", np.zeros(0, np.float32))

@@ -19,7 +19,7 @@ from qcompiler.backends.onnx.context import (
     NodeContext,
     Tensor,
 )
-from qcompiler.backends.onnx.registry import emits
+from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis, _onnx_dtype
 
 BOOL = TensorProto.BOOL
@@ -274,6 +274,39 @@ def norm(ctx: NodeContext) -> Tensor:
     return ctx.make("Pow", [s, ctx.const("inv_p", 1.0 / float(p), ctx.dtype(x))])
 
 
+@emits("aminmax", since=11)
+def aminmax(ctx: NodeContext):
+    """(min, max) over ``dim`` (every element without it)."""
+    kw = ctx.kw(dim=None, keepdim=False)
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank == 0:
+        return ctx.identity(x), ctx.make("Identity", [x], tag="max")
+    axes = _axes(ctx, kw["dim"], rank)
+    return (_reduce(ctx, "ReduceMin", x, axes, kw["keepdim"], tag="min"),
+            _reduce(ctx, "ReduceMax", x, axes, kw["keepdim"], tag="max"))
+
+
+@emits("linalg_norm", "matrix_norm", since=11)
+def linalg_norm(ctx: NodeContext) -> Tensor:
+    """torch.linalg.norm with ord None (the 2-norm of the flattened input, or of ``dim``) or 'fro', and
+    torch.linalg.matrix_norm with 'fro' (over the last two dims): ReduceL2. Other orders (singular values,
+    max row sums) are refused."""
+    if ctx.op == "matrix_norm":
+        kw = ctx.kw(ord="fro", dim=(-2, -1), keepdim=False, dtype=None)
+    else:
+        kw = ctx.kw(ord=None, dim=None, keepdim=False, dtype=None)
+    if kw["ord"] not in (None, "fro"):
+        raise ctx.unsupported(f"ord={kw['ord']!r} (None and 'fro' are emitted)")
+    x = _input(ctx, kw["dtype"])
+    if ctx.dtype(x) not in FLOAT_TYPES:
+        raise ctx.unsupported("the norm of a non-float tensor")
+    rank = ctx.rank()
+    if rank == 0:
+        return ctx.make("Abs", [x])
+    return _reduce(ctx, "ReduceL2", x, _axes(ctx, kw["dim"], rank), kw["keepdim"])
+
+
 @emits("cumsum", since=11)
 def cumsum(ctx: NodeContext) -> Tensor:
     kw = ctx.kw(dim=REQUIRED, dtype=None)
@@ -321,3 +354,59 @@ def all_any(ctx: NodeContext) -> Tensor:
     out = ctx.out_dtype() or BOOL
     return ctx.make("Cast", [r], to=out, dtype=out)
 
+
+
+def nan_reduction(kind: str):
+    """nansum / nanmean: NaNs count as 0 (nansum) or are left out (nanmean: the sum over the count)."""
+    def rule(ctx: NodeContext) -> Tensor:
+        kw = ctx.kw(dim=None, keepdim=False, dtype=None)
+        x = _input(ctx, kw["dtype"])
+        rank = ctx.rank()
+        if ctx.dtype(x) not in FLOAT_TYPES or rank == 0:
+            raise ctx.unsupported(f"{kind} of a non-float or 0-d tensor")
+        dt = ctx.dtype(x)
+        axes = _axes(ctx, kw["dim"], rank)
+        nan = ctx.make("IsNaN", [x], tag="nan", dtype=BOOL)
+        clean = ctx.make("Where", [nan, ctx.const("zero", 0.0, dt), x], tag="clean", dtype=dt)
+        s = _reduce(ctx, "ReduceSum", clean, axes, kw["keepdim"], tag=None if kind == "nansum" else "sum")
+        if kind == "nansum":
+            return s
+        count = ctx.make("Cast", [ctx.make("Not", [nan], tag="number", dtype=BOOL)], tag="ones", to=dt, dtype=dt)
+        return ctx.make("Div", [s, _reduce(ctx, "ReduceSum", count, axes, kw["keepdim"], tag="count")])
+    rule.__name__ = kind
+    return rule
+
+
+register("nansum", nan_reduction("nansum"))
+register("nanmean", nan_reduction("nanmean"))
+
+
+@emits("count_nonzero", since=11)
+def count_nonzero(ctx: NodeContext) -> Tensor:
+    kw = ctx.kw(dim=None)
+    x = ctx.x()
+    rank = ctx.rank()
+    nz = ctx.make("Not", [ctx.make("Equal", [x, ctx.const("zero", 0, ctx.dtype(x))], tag="is_zero", dtype=BOOL)],
+                  tag="nonzero", dtype=BOOL)
+    ones = ctx.make("Cast", [nz], tag="ones", to=I64, dtype=I64)
+    if rank == 0:
+        return ctx.identity(ones)
+    return _reduce(ctx, "ReduceSum", ones, _axes(ctx, kw["dim"], rank) or list(range(rank)), False)
+
+
+@emits("logcumsumexp", since=11)
+def logcumsumexp(ctx: NodeContext) -> Tensor:
+    """log(cumsum(exp(x - m))) + m along ``dim``, m the max over the dim (finite: -inf rows stay -inf)."""
+    dim = ctx.kw(dim=REQUIRED)["dim"]
+    x = ctx.x()
+    rank = ctx.rank()
+    if rank == 0 or ctx.dtype(x) not in FLOAT_TYPES:
+        raise ctx.unsupported("logcumsumexp of a 0-d or non-float tensor")
+    axis = _norm_axis(int(dim), rank)
+    dt = ctx.dtype(x)
+    m = ctx.make("ReduceMax", [x], tag="max", axes=[axis], keepdims=1)
+    m = ctx.make("Where", [ctx.make("IsInf", [m], tag="max_inf", dtype=BOOL), ctx.const("zero", 0.0, dt), m],
+                 tag="shift", dtype=dt)
+    e = ctx.make("Exp", [ctx.make("Sub", [x, m], tag="shifted")], tag="exp")
+    c = ctx.make("CumSum", [e, ctx.const("axis", axis, I64)], tag="cumsum")
+    return ctx.make("Add", [ctx.make("Log", [c], tag="log"), m])
