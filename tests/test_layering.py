@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,3 +263,24 @@ def test_checks_catch_a_package_init_cycle(tmp_path, monkeypatch):
                                           "q.py": "from qcompiler.p.leaf import y\n"})
     _, _, g = build_graph()
     assert cycles(g) == [["qcompiler.p", "qcompiler.q"]]
+
+
+def _declared_packages() -> tuple[list[str], dict[str, str]]:
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return setup["packages"], setup["package-dir"]
+
+
+def test_pyproject_lists_every_package_and_its_folder():
+    """A wheel holds only the packages pyproject.toml names: every folder with an __init__.py is listed."""
+    packages, dirs = _declared_packages()
+    assert {k: str(ROOT / v) for k, v in dirs.items()} == {k: str(v) for k, v in PACKAGE_DIRS.items()}
+    found = set()
+    for pkg, folder in PACKAGE_DIRS.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
+            name = ".".join((pkg, *rel.parts))
+            # a worktree's qcompiler/passes symlink is the passes folder, found under its own mapping
+            owner = max((p for p in PACKAGE_DIRS if name == p or name.startswith(p + ".")), key=len)
+            if owner == pkg:
+                found.add(name)
+    assert sorted(found) == sorted(packages)
