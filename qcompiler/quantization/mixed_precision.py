@@ -42,14 +42,14 @@ from qcompiler.passes.insert_observers import CONSTANT_QUANT, OUTPUT_OBSERVER, S
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, set_state
 from qcompiler.quantization.observer import observer_name
-from qcompiler.quantization.prepare import GM_KIND, prepare_qat_fx
+from qcompiler.quantization.prepare import GM_HYBRID, GM_KIND, prepare_qat_fx
 from qcompiler.quantization.qconfig import (
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
     get_default_qat_qconfig,
 )
 
-__all__ = ["auto_int16", "activation_quantizers", "INT16_META"]
+__all__ = ["auto_int16", "activation_quantizers", "fake_quant_twin", "quantizer_scopes", "INT16_META"]
 
 INT16_META = "qc_int16"  # calib_model.meta: the record of the last auto_int16 (chosen set, steps, SQNRs)
 
@@ -102,17 +102,31 @@ def activation_quantizers(gm: fx.GraphModule) -> dict[str, str]:
     return out
 
 
-def _groups(gm: fx.GraphModule, user_paths: set[str]) -> list[_Group]:
-    """Candidates in graph order: quantizers grouped by the module scope their qconfig comes from."""
-    owner: dict[str, fx.Node] = {}  # quantizer -> the node whose scope decides its qconfig
+def quantizer_owners(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """``{activation quantizer path: the node whose module scope decides its qconfig}`` of a prepared
+    model: the layer holding it, or for a graph-node observer the producer of the value it observes."""
+    owner: dict[str, fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         stub = node.meta.get(META_STUB)
         if stub in (OUTPUT_OBSERVER, ACTIVATION_POST_PROCESS) and isinstance(node.args[0], fx.Node):
-            owner[str(node.target)] = node.args[0]  # the observed value's producer
+            owner[str(node.target)] = node.args[0]
         elif placement(node) == BPU and not stub:
             owner[f"{node.target}.activation_post_process"] = node
+    return owner
+
+
+def quantizer_scopes(gm: fx.GraphModule) -> dict[str, str]:
+    """``{activation quantizer path: module path its qconfig is resolved at}`` ("" = the root, i.e. the
+    global qconfig): the key a qconfig_dict ``module_name`` entry (or a hybrid_dict one) needs."""
+    paths = {p for p, _ in gm.named_modules() if p}
+    return {q: _innermost_path(n, paths) for q, n in quantizer_owners(gm).items()}
+
+
+def _groups(gm: fx.GraphModule, user_paths: set[str]) -> list[_Group]:
+    """Candidates in graph order: quantizers grouped by the module scope their qconfig comes from."""
+    owner = quantizer_owners(gm)
     groups: dict[str, _Group] = {}
     for tensor, quantizer in activation_quantizers(gm).items():
         src = owner.get(quantizer)
@@ -124,17 +138,40 @@ def _groups(gm: fx.GraphModule, user_paths: set[str]) -> list[_Group]:
     return list(groups.values())
 
 
+def fake_quant_twin(cal: fx.GraphModule) -> fx.GraphModule:
+    """The fake-quant model of a calibrated ``prepare_calibration_fx`` model, frozen at its scales
+    (``prepare_qat_fx`` from it, validation state, eval): it computes what ``convert_fx`` would, in
+    float, up to rare 1-LSB ties, and its quantizers can be switched one by one. Each quantizer keeps
+    its calibrated dtype; layers with a high-precision output keep it. ``cal`` is not modified."""
+    if not isinstance(cal, fx.GraphModule) or cal.meta.get(GM_KIND) != "calibration":
+        raise ConfigError(f"fake_quant_twin takes a prepare_calibration_fx model, got {type(cal).__name__}")
+    entries = []
+    for n in cal.graph.nodes:
+        if n.op != "call_module" or placement(n) != BPU or n.meta.get(META_STUB):
+            continue
+        m = cal.get_submodule(n.target)
+        if hasattr(m, "weight_fake_quant") and getattr(m, "activation_post_process", 0) is None:
+            entries.append((str(n.target), get_default_qat_out_qconfig()))  # a high-precision output stays one
+    qc: dict[str, Any] = {"": get_default_qat_qconfig()}
+    if entries:
+        qc["module_name"] = entries
+    placed = cal.meta.get(GM_HYBRID)
+    hybrid_dict = ({"module_name": list(placed.module_names), "module_type": list(placed.module_types)}
+                   if placed is not None and (placed.module_names or placed.module_types) else None)
+    model = set_state(prepare_qat_fx(cal, qc, hybrid=True, hybrid_dict=hybrid_dict), "validation").eval()
+    for path, m in cal.named_modules():  # int16 tensors stay int16 (frozen at the calibrated scale)
+        if isinstance(m, CalibFakeQuantize) and m.dtype != "qint8" and m.has_observed:
+            fq = model.get_submodule(path)
+            fq.activation_post_process.set_dtype(m.dtype)
+            fq.set_qparams(m.calculate_qparams()[0])
+    return model
+
+
 class _Measure:
     """Output SQNR of the fake-quant twin of a calibration model with some quantizers at int16."""
 
     def __init__(self, cal: fx.GraphModule, batches: list[tuple], quantizers: list[str]) -> None:
-        qc = {"": get_default_qat_qconfig()}
-        high = [(str(n.target), get_default_qat_out_qconfig()) for n in cal.graph.nodes
-                if n.op == "call_module" and placement(n) == BPU and hasattr(cal.get_submodule(n.target), "weight_fake_quant")
-                and getattr(cal.get_submodule(n.target), "activation_post_process", 0) is None]
-        if high:  # layers with a high-precision output keep it
-            qc["module_name"] = high
-        self.model = set_state(prepare_qat_fx(cal, qc), "validation").eval()
+        self.model = fake_quant_twin(cal)
         self.batches = batches
         with torch.no_grad():
             self.ref = torch.cat([_flat_out(cal(*b)) for b in batches])
@@ -246,7 +283,7 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
     tensors that reach it (all of them if none do). The chosen observers are re-typed to qint16 in
     ``calib_model`` (run ``optimize_weight_rounding`` after this, then ``convert_fx``), and the
     record of the search is kept in ``calib_model.meta["qc_int16"]``: ``chosen`` (tensors),
-    ``quantizers``, ``tensors`` (count), ``steps`` ``[(quantizers, SQNR)]``, ``baseline_sqnr``,
+    ``quantizers``, ``tensors`` (count), ``steps`` ``[(quantizers, SQNR after the step, tensors it moves)]``, ``baseline_sqnr``,
     ``reached_sqnr``, ``evaluations``, ``qconfig_dict``. Deterministic.
     """
     data = _check_args(calib_model, batches, budget, target_sqnr)
@@ -290,7 +327,7 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
         chosen.append(best)
         remaining.remove(best)
         current = current + best.gain
-        steps.append((list(best.quantizers), current))
+        steps.append((list(best.quantizers), current, len(best.tensors)))
     bar.close()
     for name in quantizers(chosen):
         calib_model.get_submodule(name).activation_post_process.set_dtype("qint16")
