@@ -153,6 +153,9 @@ def test_cli_report_apply_then_compile_with_the_file(capsys, tmp_path):
     assert "root cause on the bad case" in out and "best:" in out and f"fixes written to {fix}" in out
     cfg = json.loads(fix.read_text())
     assert set(cfg) == {"qconfig", "hybrid"}
+    html = (tmp_path / "rep" / "report.html").read_text()
+    first = out.split("root cause on the bad case")[1].splitlines()[1].split()[1]  # "  1. <layer> (..."
+    assert "Root cause: fixes for the worst layers" in html and f'<td class="l nw">{first}</td>' in html
     code = main(["compile", "zoo:hybrid", "--march", "bayes", "--calib-random", "2", "--qconfig", str(fix),
                  "--hybrid", str(fix), "--int16-budget", "0.2", "--out", str(tmp_path / "c")])
     out, err = capsys.readouterr()
