@@ -31,8 +31,9 @@ from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, Unsup
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU, META_PLACEMENT, META_QDTYPE, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
-from qcompiler.quantization.mixed_precision import INT16_META, auto_int16
+from qcompiler.quantization.mixed_precision import INT16_META, auto_int16, check_budget, require_int16
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx
@@ -280,9 +281,12 @@ def compile(
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     if weight_rounding and mode != "ptq":
         raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
-    if int16_budget is not None and mode != "ptq":
-        raise ConfigError("compile: int16_budget is a PTQ step (mode='ptq'); for QAT give the int16 qconfig "
-                          "to prepare_qat_fx")
+    if int16_budget is not None:
+        if mode != "ptq":
+            raise ConfigError("compile: int16_budget is a PTQ step (mode='ptq'); for QAT give the int16 qconfig "
+                              "to prepare_qat_fx")
+        check_budget(int16_budget, "compile: int16_budget")
+        require_int16(resolve_march(march), "compile(int16_budget=...)")
     if weight_rounding and distributed_active():
         raise ConfigError("compile: weight_rounding=True is not supported under torch.distributed yet (its "
                           "statistics are not reduced over ranks); compile with weight_rounding on one process")

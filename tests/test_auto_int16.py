@@ -149,8 +149,10 @@ def test_target_sqnr_takes_the_fewest_and_stops():
 
 def test_bernoulli2_has_no_int16():
     m, data = model_and_data()
-    with pytest.raises(ConfigError, match="bernoulli2"):
+    with pytest.raises(ConfigError, match=r"compile\(int16_budget=...\): march 'bernoulli2' has no int16"):
         qcompiler.compile(m, (data[0][:1],), march="bernoulli2", calib_data=data, int16_budget=0.1, progress=False)
+    with pytest.raises(ConfigError, match="int16_budget must be a fraction"):
+        qcompiler.compile(m, (data[0][:1],), march="bayes", calib_data=data, int16_budget=-0.1, progress=False)
     with pytest.raises(ConfigError, match="march 'bernoulli2' has no int16"):
         prepare_calibration_fx(m, {"": get_default_calib_qconfig(dtype="qint16")}, example_inputs=(data[0][:1],),
                                march="bernoulli2")
@@ -160,7 +162,7 @@ def test_bernoulli2_has_no_int16():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({}, "give budget"), ({"budget": 1.5}, "budget must be a fraction"), ({"budget": True}, "budget"),
+    ({}, "give budget"), ({"budget": 1.5}, "budget must be a fraction in"), ({"budget": True}, "budget"),
     ({"target_sqnr": float("nan")}, "target_sqnr"),
 ])
 def test_bad_arguments(kw, match):

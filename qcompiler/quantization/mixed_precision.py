@@ -38,6 +38,7 @@ from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_OP, META_SCOPE, META_STUB, placement
 from qcompiler.ir.ops import META_OPS
+from qcompiler.march import to_march
 from qcompiler.passes.insert_observers import CONSTANT_QUANT, OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, set_state
@@ -212,20 +213,28 @@ def _flat_out(out: Any) -> torch.Tensor:
     raise ConfigError(f"auto_int16: cannot compare model outputs of type {type(out).__name__}")
 
 
+def require_int16(march: Any, who: str) -> None:
+    """ConfigError naming the march when it has no int16 activations (bernoulli2)."""
+    if not op_table(march).has_int16:
+        raise ConfigError(f"{who}: march {to_march(march).value!r} has no int16 activations (int8 only); "
+                          f"mixed precision needs a march with int16, e.g. bayes")
+
+
+def check_budget(budget: Any, what: str) -> None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not 0.0 <= budget <= 1.0):
+        raise ConfigError(f"{what} must be a fraction in [0, 1] of the BPU activation tensors, got {budget!r}")
+
+
 def _check_args(calib_model: Any, batches: Any, budget: Any, target_sqnr: Any) -> list[tuple]:
     if not isinstance(calib_model, fx.GraphModule) or calib_model.meta.get(GM_KIND) != "calibration":
         raise ConfigError("auto_int16 takes the calibrated model returned by prepare_calibration_fx, got "
                           f"{type(calib_model).__name__}")
-    march = calib_model.meta.get("qc_march")
-    if not op_table(march).has_int16:
-        raise ConfigError(f"auto_int16: march {march.value!r} has no int16 activations (int8 only); "
-                          f"mixed precision needs a march with int16, e.g. bayes")
+    require_int16(calib_model.meta.get("qc_march"), "auto_int16")
     if budget is None and target_sqnr is None:
         raise ConfigError("auto_int16: give budget (the largest fraction of BPU activation tensors in int16, "
                           "e.g. 0.1) or target_sqnr (dB), or both")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                               or not 0.0 <= budget <= 1.0):
-        raise ConfigError(f"auto_int16: budget must be a fraction in [0, 1], got {budget!r}")
+    check_budget(budget, "auto_int16: budget")
     if target_sqnr is not None and (isinstance(target_sqnr, bool) or not isinstance(target_sqnr, (int, float))
                                     or not math.isfinite(target_sqnr)):
         raise ConfigError(f"auto_int16: target_sqnr must be a finite number of dB, got {target_sqnr!r}")
