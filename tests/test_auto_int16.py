@@ -174,3 +174,18 @@ def test_bad_arguments(kw, match):
         auto_int16(m, data, budget=0.1)
     with pytest.raises(ConfigError, match="empty"):
         auto_int16(cal, [], budget=0.1)
+
+
+def test_incremental_measurement_equals_a_full_run():
+    """The search re-runs the graph only from the first node a candidate changes; same SQNR as a full run."""
+    from qcompiler.quantization.mixed_precision import _groups, _Measure
+
+    m, data = model_and_data()
+    cal = calibrated(m, data)
+    qs = [q for g in _groups(cal, {p for p, _ in cal.named_modules() if p}) for q in g.quantizers]
+    measure = _Measure(cal, [(x,) for x in data], qs)
+    for base, extra in [((), qs[:1]), ((), qs[-1:]), (qs[:1], qs[2:3]), (qs[1:3], qs[:1]), (qs[2:], qs[:1])]:
+        fast = measure.sqnr(list(base) + list(extra), base=list(base))
+        measure._cache = None
+        slow = measure.sqnr(list(base) + list(extra))  # from the first node (the input quantizer) on
+        assert fast == slow, (base, extra)
