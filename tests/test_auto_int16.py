@@ -13,6 +13,7 @@ from qcompiler.quantization import (
     CalibFakeQuantize,
     auto_int16,
     convert_fx,
+    get_default_calib_out_qconfig,
     get_default_calib_qconfig,
     prepare_calibration_fx,
 )
@@ -189,3 +190,18 @@ def test_incremental_measurement_equals_a_full_run():
         measure._cache = None
         slow = measure.sqnr(list(base) + list(extra))  # from the first node (the input quantizer) on
         assert fast == slow, (base, extra)
+
+
+def test_returned_qconfig_dict_keeps_the_users_own_entries():
+    m, data = model_and_data()
+    user = {"": get_default_calib_qconfig(), "module_name": [("fc", get_default_calib_out_qconfig())]}
+    cal = prepare_calibration_fx(m, user, example_inputs=(data[0][:1],), march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    qd = auto_int16(cal, data, budget=0.3)
+    assert dict(qd["module_name"])["fc"] is user["module_name"][0][1]  # the high-precision output stays
+    again = prepare_calibration_fx(m, qd, example_inputs=(data[0][:1],))
+    assert again.get_submodule("fc").activation_post_process is None
+    assert int16_quantizers(again) == sorted(cal.meta[INT16_META]["quantizers"])

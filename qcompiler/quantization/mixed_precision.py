@@ -43,7 +43,7 @@ from qcompiler.passes.insert_observers import CONSTANT_QUANT, OUTPUT_OBSERVER, S
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, set_state
 from qcompiler.quantization.observer import observer_name
-from qcompiler.quantization.prepare import GM_HYBRID, GM_KIND, prepare_qat_fx
+from qcompiler.quantization.prepare import GM_HYBRID, GM_KIND, GM_QCONFIG_DICT, prepare_qat_fx
 from qcompiler.quantization.qconfig import (
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
@@ -315,9 +315,15 @@ def _qconfig_dict(cal: fx.GraphModule, groups: list[_Group], chosen: list[_Group
     for g in sorted(groups, key=lambda g: g.key.count(".")):
         if g.key and g.key not in picked and (effective(g.key) == "qint16" or obs_of[g.key] != base):
             entries[g.key] = qc(g.key, "qint8")
-    result: dict[str, Any] = {"": glob}
-    if entries:
-        result["module_name"] = sorted(entries.items())
+    # the user's own entries (module types, other module names, e.g. a high-precision output) stay
+    user = cal.meta.get(GM_QCONFIG_DICT)
+    user = dict(user) if isinstance(user, dict) else {}
+    result: dict[str, Any] = {"": glob if "" in picked or user.get("") is None else user[""]}
+    if user.get("module_type"):
+        result["module_type"] = list(user["module_type"])
+    kept = [(name, q) for name, q in user.get("module_name", []) if name not in entries]
+    if entries or kept:
+        result["module_name"] = kept + sorted(entries.items())
     return result
 
 
