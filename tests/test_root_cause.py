@@ -171,3 +171,16 @@ def test_cli_report_apply_then_compile_with_the_file(capsys, tmp_path):
                  "--out", str(tmp_path / "c2")])
     out, err = capsys.readouterr()
     assert code != 0 and "'nope'" in err and "Traceback" not in err
+
+
+def test_uncalibrated_calibration_model_says_to_calibrate(tmp_path):
+    m, _, data = setup()
+    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march="bayes")
+    qa = QuantAnalysis(m, convert_fx(setup()[1]), "quantized", out_dir=tmp_path, fake_quant_model=cal)
+    qa.set_bad_case(data[0])
+    with pytest.raises(ConfigError, match="no calibrated FakeQuantize; run calibration batches"):
+        qa.sensitivity()
+    with pytest.raises(ConfigError, match="advise: top_k must be a positive int"):
+        qa.advise(top_k=0)
+    with pytest.raises(ConfigError, match="call advise"):
+        qa.apply_advice(tmp_path / "f.json")

@@ -718,7 +718,8 @@ class QuantAnalysis:
         model = copy.deepcopy(fq_model).eval()
         quantizers = [(n, q) for n, q in _fake_quants(model) if getattr(q, "_has_qparams", False)]
         if not quantizers:
-            raise ConfigError("sensitivity: the fake-quant model has no calibrated FakeQuantize")
+            raise ConfigError("sensitivity: the fake-quant model has no calibrated FakeQuantize; run calibration "
+                              "batches through the prepare_calibration_fx model (eval, no_grad) before the analysis")
         enabled = {n: bool(q.fake_quant_enabled[0]) for n, q in quantizers}
         for _, q in _fake_quants(model):
             q.disable_fake_quant()
