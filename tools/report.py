@@ -36,7 +36,8 @@ __all__ = ["write_report", "graph_svg", "layer_sqnr", "REPORT_SECTIONS"]
 WORST_ROWS = 5
 SENSITIVITY_BARS = 25       # most sensitive quantizers drawn in the bar chart
 SQNR_CAP = 80.0             # dB; an exact layer (infinite SQNR) is drawn at the cap
-REPORT_SECTIONS = ("overview", "layer-errors", "sensitivity", "int16-advice", "graph", "layer-table", "advisor")
+REPORT_SECTIONS = ("overview", "layer-errors", "sensitivity", "int16-advice", "root-cause", "graph", "layer-table",
+                   "advisor")
 """``id`` of every section, in page order (the browser test checks them)."""
 
 # one colour per quantized dtype of a layer output, and per placement
