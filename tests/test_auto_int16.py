@@ -1,6 +1,5 @@
 """Automatic mixed precision (auto_int16 / compile(int16_budget=...)): choice, budget, numerics, export."""
 
-import io
 import math
 
 import pytest
