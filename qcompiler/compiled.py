@@ -286,6 +286,10 @@ def compile(
             raise ConfigError("compile: int16_budget is a PTQ step (mode='ptq'); for QAT give the int16 qconfig "
                               "to prepare_qat_fx")
         check_budget(int16_budget, "compile: int16_budget")
+        if distributed_active():
+            raise ConfigError("compile: int16_budget is not supported under torch.distributed yet (each rank "
+                              "would choose on its own shard); run auto_int16 on one process and compile every "
+                              "rank with the qconfig_dict it returns")
         require_int16(resolve_march(march), "compile(int16_budget=...)")
     if weight_rounding and distributed_active():
         raise ConfigError("compile: weight_rounding=True is not supported under torch.distributed yet (its "

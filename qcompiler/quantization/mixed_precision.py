@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
+from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
 from qcompiler.batches import as_args
 from qcompiler.errors import ConfigError
@@ -273,6 +274,10 @@ def _check_args(calib_model: Any, batches: Any, budget: Any, target_sqnr: Any) -
         raise ConfigError("auto_int16 takes the calibrated model returned by prepare_calibration_fx, got "
                           f"{type(calib_model).__name__}")
     require_int16(calib_model.meta.get("qc_march"), "auto_int16")
+    if collectives.active():
+        raise ConfigError("auto_int16 is not supported under torch.distributed yet (each rank would measure on "
+                          "its own shard and could choose differently); run it on one process and pass the "
+                          "qconfig_dict it returns to every rank")
     if budget is None and target_sqnr is None:
         raise ConfigError("auto_int16: give budget (the largest fraction of BPU activation tensors in int16, "
                           "e.g. 0.1) or target_sqnr (dB), or both")
