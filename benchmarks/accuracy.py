@@ -80,6 +80,7 @@ import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks._data import SmoothNoise, reestimate_bn, sqnr_db, stack  # noqa: E402
 from qcompiler.quantization import (  # noqa: E402
     FakeQuantize,
+    auto_int16,
     convert_fx,
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
@@ -329,6 +330,134 @@ def part_zoo(args, tmp: str) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# (c) mixed precision: SQNR against the share of int16 activation tensors
+
+SHARES = (0.0, 0.02, 0.05, 0.10, 0.20)
+DIGITS_SHARES = SHARES + (0.34, 0.5)  # the digits CNN has 6 tensors: below 1/6 nothing moves
+
+
+def ours_mixed(model: nn.Module, calib: Sequence[torch.Tensor], share: float,
+               observer: str = "histogram-mse") -> tuple[Callable, Callable, dict, float]:
+    """Our PTQ with auto_int16 at this share of int16 tensors: (with weight rounding, without, the
+    search record, its seconds). The search runs once per share (a budget that cannot take the next
+    greedy pick takes a cheaper one, so smaller budgets are not prefixes of larger ones)."""
+    cal = _calibrated(model, calib, observer, rounding=False)
+    t = time.perf_counter()
+    auto_int16(cal, calib, budget=share)
+    secs = time.perf_counter() - t
+    rec = cal.meta["qc_int16"]
+    plain = convert_fx(cal)
+    optimize_weight_rounding(cal, calib)
+    rounded = convert_fx(cal)
+    return (lambda x: rounded(x).float()), (lambda x: plain(x).float()), rec, secs
+
+
+def part_int16(args, tmp: str) -> dict:
+    """resnet18 (64 more held-out images) and digits: output / logit SQNR vs the int16 share, and the peers."""
+    size = args.image_size
+    out: dict = {}
+    model = zoo.get("resnet18")
+    images = SmoothNoise(32 + 8 + 160, size=size, seed=1)
+    calib = list(stack(images, 0, 32).split(8))
+    test_more = stack(SmoothNoise(64, size=size, seed=2))
+    reestimate_bn(model, stack(images, 40).split(8))
+    with torch.no_grad():
+        ref = model(test_more)
+    curve, recs, secs = {}, {}, {}
+    for share in SHARES:
+        run, run8, recs[share], secs[share] = ours_mixed(model, calib, share)
+        with torch.no_grad():
+            curve[share] = (sqnr_db(ref, run(test_more)), len(recs[share]["chosen"]), sqnr_db(ref, run8(test_more)))
+    n = recs[SHARES[0]]["tensors"]
+    float_onnx = export_onnx(model, calib[0][:1], os.path.join(tmp, "r18_int16.onnx"))
+    peers = {}
+    with torch.no_grad():
+        for method in ("MinMax", "Percentile"):
+            peers[ORT.format(method)] = sqnr_db(ref, ort_ptq(float_onnx, calib, method, args.threads)(test_more))
+            peers[ORT_SYM.format(method)] = sqnr_db(
+                ref, ort_ptq(float_onnx, calib, method, args.threads, symmetric_activations=True)(test_more))
+        peers[AO] = sqnr_db(ref, torch_ao_ptq(model, calib)(test_more))
+    rows = [[f"ours, {100 * s:.0f}% int16 budget", f"{u} of {n}", f"{curve[s][2]:.2f}", f"{curve[s][0]:.2f}"]
+            for s, (_, u, _) in curve.items()]
+    rows += [[label, "-", "-", f"{v:.2f}"] for label, v in peers.items()]
+    print(f"\n(c) resnet18 {size}x{size}, histogram-mse, 64 more held-out images: output SQNR (dB) vs the share of "
+          f"BPU activation tensors in int16 (auto_int16 per share: "
+          + ", ".join(f"{100 * k:.0f}%: {recs[k]['evaluations']} evaluations, {v:.0f} s" for k, v in secs.items())
+          + ")")
+    print(tabulate(rows, headers=["method", "int16 tensors", "no weight rounding", "+ weight rounding"],
+                   tablefmt="github", disable_numparse=True))
+    for share in SHARES:
+        print(f"  {100 * share:.0f}%: " + ("; ".join(f"{'+'.join(q)} ({c} tensor(s)) -> {v:.2f} dB (calib)"
+                                                   for q, v, c in recs[share]["steps"]) or "all int8"))
+    best_asym = max(peers[ORT.format(m)] for m in ("MinMax", "Percentile"))
+    at10 = curve[0.10][0]
+    print(f"  at 10%: {at10:.2f} dB vs onnxruntime's best asymmetric int8 {best_asym:.2f} dB: "
+          f"{at10 - best_asym:+.2f} dB (target +3.00)")
+    out["resnet18"] = {"curve": curve, "peers": peers, "tensors": n, "steps": {k: r["steps"] for k, r in recs.items()}}
+    if getattr(args, "plot", None):
+        plot_curve(curve, peers, n, args.plot)
+    out["digits"] = digits_int16(args, tmp)
+    return out
+
+
+def digits_int16(args, tmp: str) -> dict:
+    Xtr, ytr, Xte, yte = digits_data()
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    train(model, Xtr, ytr, epochs=args.digits_epochs, lr=1e-2, seed=0)
+    calib = list(Xtr[:256].split(32))
+    with torch.no_grad():
+        ref = model(Xte)
+    rows, res = [], {}
+    with torch.no_grad():
+        for share in DIGITS_SHARES:
+            run, _, rec, _ = ours_mixed(model, calib, share)
+            used, n = len(rec["chosen"]), rec["tensors"]
+            o = run(Xte)
+            res[share] = (sqnr_db(ref, o), float((o.argmax(1) == yte).float().mean()), used)
+            rows.append([f"ours, {100 * share:.0f}% int16 budget (+ weight rounding)", f"{used} of {n}",
+                         f"{100 * res[share][1]:.2f}", f"{res[share][0]:.2f}"])
+        float_onnx = export_onnx(model, calib[0][:1], os.path.join(tmp, "digits_int16.onnx"))
+        for method in ("MinMax", "Percentile"):
+            o = ort_ptq(float_onnx, calib, method, args.threads)(Xte)
+            rows.append([ORT.format(method), "-", f"{100 * float((o.argmax(1) == yte).float().mean()):.2f}",
+                         f"{sqnr_db(ref, o):.2f}"])
+        rows.append(["float", "-", f"{100 * float((ref.argmax(1) == yte).float().mean()):.2f}", "-"])
+    print("\n(c) digits: logit SQNR and top-1 vs the int16 share")
+    print(tabulate(rows, headers=["method", "int16 tensors", "top-1 %", "logit SQNR dB"], tablefmt="github",
+                   disable_numparse=True))
+    return res
+
+
+def plot_curve(curve: dict, peers: dict, n: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    xs = [100 * s for s in curve]
+    ax.plot(xs, [v[0] for v in curve.values()], "o-", label="ours, auto int16 + weight rounding")
+    ax.plot(xs, [v[2] for v in curve.values()], "o--", label="ours, auto int16 (no weight rounding)")
+    styles = iter(["-", "--", ":", "-.", (0, (1, 1))])
+    for i, (label, v) in enumerate(sorted(peers.items(), key=lambda kv: kv[1])):
+        ax.axhline(v, linestyle=next(styles), color="grey", linewidth=1)
+        ax.annotate(label.replace("onnxruntime QDQ", "ORT").replace("ref: ", ""), (xs[-1] if i % 2 else xs[0], v),
+                    fontsize=6, ha="right" if i % 2 else "left", va="bottom" if i % 2 else "top")
+    best = max(v for k, v in peers.items() if k.startswith("onnxruntime") and "symmetric" not in k)
+    ax.axhline(best + 3, color="tab:red", linestyle=":", linewidth=1)
+    ax.annotate("target: best asymmetric ORT + 3 dB", (xs[0], best + 3), fontsize=6, color="tab:red",
+                ha="left", va="bottom")
+    ax.set_xlabel(f"share of BPU activation tensors in int16 (% of {n})")
+    ax.set_ylabel("output SQNR, dB (64 held-out)")
+    ax.set_title("resnet18 64x64: SQNR vs int16 share", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, 0.93))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ---------------------------------------------------------------------------
 # (b) sklearn digits
 
 
@@ -453,7 +582,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="smaller run: 32x32 zoo inputs, 10 training / 1 QAT epochs on digits")
-    p.add_argument("--part", choices=("all", "zoo", "digits"), default="all")
+    p.add_argument("--part", choices=("all", "zoo", "digits", "int16"), default="all",
+                   help="int16: (c) only, SQNR against the int16 share (not part of 'all')")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="with --part int16: write the curve")
     p.add_argument("--threads", type=int, default=2, help="torch / onnxruntime intra-op threads")
     args = p.parse_args(argv)
     args.image_size = 32 if args.quick else 64
@@ -473,7 +604,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
         versions.append(f"scikit-learn {sklearn.__version__}")
     except ImportError:
-        if args.part in ("all", "digits"):
+        if args.part in ("all", "digits", "int16"):
             sys.exit("benchmarks/accuracy.py needs scikit-learn for the digits part: pip install scikit-learn "
                      "(or run --part zoo)")
     print(f"accuracy benchmark, {datetime.date.today().isoformat()}, {platform.machine()} "
@@ -486,6 +617,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             out["zoo"] = part_zoo(args, tmp)
         if args.part in ("all", "digits"):
             out["digits"] = part_digits(args, tmp)
+        if args.part == "int16":
+            out["int16"] = part_int16(args, tmp)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s")
     return out
 

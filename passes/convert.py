@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qcompiler.errors import CalibrationError, ConfigError, UnsupportedOpError
-from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
+from qcompiler.ir.meta import BPU, META_OP, META_QDTYPE, META_STUB, placement, shape
 from qcompiler.ir.modules import free_name, set_module
 from qcompiler.ir.ops import META_OPS, is_number
 from qcompiler.nn import fused
@@ -209,6 +209,9 @@ def convert(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         qp[node] = out
         out_obs.replace_all_uses_with(node)
         gm.graph.erase_node(out_obs)
+    for node, q in qp.items():  # CompiledModel.activation_dtypes reads them
+        if node.meta.get(META_STUB) != CONSTANT_QUANT:
+            node.meta[META_QDTYPE] = q.dtype
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()

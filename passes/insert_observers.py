@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qcompiler.backends.bpu import op_table
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
     BPU,
@@ -57,6 +58,7 @@ from qcompiler.ir.meta import (
     set_placement,
 )
 from qcompiler.ir.modules import free_name, set_module
+from qcompiler.march import to_march
 from qcompiler.nn import qat
 from qcompiler.nn.fused import FusedModule
 from qcompiler.nn.qat import (
@@ -99,6 +101,15 @@ def _require(qconfig: Optional[QConfig], node: fx.Node, boundary: bool = False) 
         f"{what}: set a global qconfig, e.g. qconfig_dict={{'': get_default_qat_qconfig()}}, "
         f"or run the op on the CPU with hybrid_dict={{'module_name': [...]}}"
     )
+
+
+def _check_int16(qconfig: QConfig, node: fx.Node, march) -> QConfig:
+    """A march without int16 (bernoulli2) refuses a qconfig asking for it, naming the node and the march."""
+    if march is not None and "qint16" in (qconfig.dtype, qconfig.weight_dtype) and not op_table(march).has_int16:
+        raise ConfigError(
+            f"node '{node.name}': its qconfig asks for qint16, but march {to_march(march).value!r} has no int16 "
+            f"(int8 only); use an int8 qconfig here, or compile for a march with int16 (bayes)")
+    return qconfig
 
 
 def _boundary_qconfig(resolver, src: fx.Node, observer: fx.Node, modules: dict) -> Optional[QConfig]:
@@ -161,7 +172,8 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         module = modules.get(node.target) if node.op == "call_module" else None
         if node.meta.get(META_STUB) == ACTIVATION_POST_PROCESS:
             src = node.args[0]
-            qc = _require(_boundary_qconfig(resolver, src, node, modules), src, boundary=True)
+            qc = _check_int16(_require(_boundary_qconfig(resolver, src, node, modules), src, boundary=True), src,
+                              ctx.march)
             set_module(gm, node.target, qc.activation())
             continue
         if placement(node) != BPU or node.meta.get(META_STUB):
@@ -171,7 +183,7 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             set_module(gm, node.target, DeQuantStub())  # ours returns float32 at the BPU exit
         if op in SCALE_PRESERVING_OPS:
             continue
-        qc = _require(resolver.for_scope(scope(node), module), node)
+        qc = _check_int16(_require(resolver.for_scope(scope(node), module), node), node, ctx.march)
         if module is not None and type(module) in DTYPE_FOLLOWING:
             module = follow_input_dtype(module)
             set_module(gm, node.target, module)

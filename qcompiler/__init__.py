@@ -18,6 +18,7 @@ from qcompiler.errors import (
 from qcompiler.frontend import partition
 from qcompiler.march import March, get_march, set_march
 from qcompiler.onnx import export_to_onnx
+from qcompiler.quantization.mixed_precision import auto_int16
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qtensor import (
@@ -43,6 +44,7 @@ __all__ = [
     "prepare_qat_fx",
     "convert_fx",
     "optimize_weight_rounding",
+    "auto_int16",
     "export_to_onnx",
     "distributed",
     "March",

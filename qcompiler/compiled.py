@@ -29,9 +29,11 @@ from qcompiler.batches import as_args, check_inputs, input_signature, require_sa
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.dump import dump_partitioned
-from qcompiler.ir.meta import BPU, META_REASON
+from qcompiler.ir.meta import BPU, META_PLACEMENT, META_QDTYPE, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
+from qcompiler.quantization.mixed_precision import INT16_META, auto_int16, check_budget, require_int16
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx
@@ -55,10 +57,19 @@ class CompiledModel:
                  example_inputs: tuple = ()) -> None:
         self.runtime, self.name, self.march = runtime, name, march
         self.converted, self.example_inputs = converted, example_inputs
+        self.int16: Optional[dict] = None  # compile(int16_budget=...): the auto_int16 record
 
     def __call__(self, *args: Any) -> Any:
         with torch.no_grad():
             return self.runtime(*args)
+
+    @property
+    def activation_dtypes(self) -> dict[str, str]:
+        """Every BPU activation tensor (node name, graph order) -> its integer type (``"qint8"`` /
+        ``"qint16"``; ``"qint32"`` for a high-precision output). Needs the compiled graph."""
+        graph = self._need_graph("activation_dtypes")
+        return {n.name: n.meta[META_QDTYPE] for n in graph.graph.nodes
+                if n.meta.get(META_PLACEMENT) == BPU and META_QDTYPE in n.meta}
 
     @property
     def partitions(self) -> list[dict]:
@@ -247,6 +258,7 @@ def compile(
     ort_threads: int = 1,
     progress: bool = True,
     weight_rounding: bool = False,
+    int16_budget: Optional[float] = None,
 ) -> CompiledModel:
     """Quantize and lower ``model`` for ``march``; returns a runnable :class:`CompiledModel`.
 
@@ -257,6 +269,10 @@ def compile(
     float32). ``mode="qat"``: ``model`` is a trained ``prepare_qat_fx`` model; it is
     converted as it is. ``weight_rounding=True`` (PTQ only) re-rounds the BPU weights on
     the calibration data after calibrating (:func:`qcompiler.quantization.optimize_weight_rounding`).
+    ``int16_budget`` (PTQ on a march with int16): at most this fraction of the BPU activation tensors
+    becomes int16, the ones whose int16 gains most output SQNR on the calibration data
+    (:func:`qcompiler.quantization.mixed_precision`; the choice and its ``qconfig_dict`` are in
+    ``CompiledModel.int16``; per tensor: ``activation_dtypes``).
     Under ``torch.distributed`` pass each rank its own shard as ``calib_data``: the
     observers are reduced over the ranks before convert, so every rank gets the model one
     process would compile from all shards (docs/distributed.md).
@@ -265,6 +281,16 @@ def compile(
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     if weight_rounding and mode != "ptq":
         raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
+    if int16_budget is not None:
+        if mode != "ptq":
+            raise ConfigError("compile: int16_budget is a PTQ step (mode='ptq'); for QAT give the int16 qconfig "
+                              "to prepare_qat_fx")
+        check_budget(int16_budget, "compile: int16_budget")
+        if distributed_active():
+            raise ConfigError("compile: int16_budget is not supported under torch.distributed yet (each rank "
+                              "would choose on its own shard); run auto_int16 on one process and compile every "
+                              "rank with the qconfig_dict it returns")
+        require_int16(resolve_march(march), "compile(int16_budget=...)")
     if weight_rounding and distributed_active():
         raise ConfigError("compile: weight_rounding=True is not supported under torch.distributed yet (its "
                           "statistics are not reduced over ranks); compile with weight_rounding on one process")
@@ -287,6 +313,8 @@ def compile(
         with torch.no_grad():
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
                 prepared(*batch)
+        if int16_budget is not None:  # before weight rounding: it rounds for the int16 input scales
+            auto_int16(prepared, batches, budget=int16_budget, progress=progress)
         if weight_rounding:
             optimize_weight_rounding(prepared, batches, progress=progress)
         name = type(model).__name__
@@ -294,5 +322,7 @@ def compile(
     runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs)
     march_value = converted.meta.get("qc_march")
     _warn_if_float(converted, runtime, name)
-    return CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),
-                         converted=converted, example_inputs=inputs)
+    compiled = CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),
+                             converted=converted, example_inputs=inputs)
+    compiled.int16 = prepared.meta.get(INT16_META)
+    return compiled

@@ -48,6 +48,7 @@ from qcompiler.march import March, get_march
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+from qcompiler.tools.config_file import read_hybrid_file, read_qconfig_file
 from qcompiler.tools.quant_analysis import QuantAnalysis
 
 EXIT_OK = 0
@@ -459,14 +460,27 @@ def cmd_compile(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
+def _file_configs(args: argparse.Namespace, hybrid_dict: Optional[dict]) -> tuple[Optional[dict], Optional[dict]]:
+    """``(qconfig_dict, hybrid_dict)`` with the ``--qconfig`` / ``--hybrid`` JSON files (tools/config_file.py)
+    merged in: the file's hybrid entries join the --hybrid-module-* flags."""
+    qconfig_dict = read_qconfig_file(args.qconfig) if args.qconfig else None
+    if args.hybrid:
+        extra = read_hybrid_file(args.hybrid)
+        base = hybrid_dict or {"module_name": [], "module_type": []}
+        hybrid_dict = {k: list(dict.fromkeys(base.get(k, []) + extra[k])) for k in ("module_name", "module_type")}
+    return qconfig_dict, hybrid_dict
+
+
 def _compile(args: argparse.Namespace) -> int:
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
     hybrid_dict, custom = model_configs(args)
+    qconfig_dict, hybrid_dict = _file_configs(args, hybrid_dict)
     batches = calibration_batches(args, inputs)
     model.eval()
-    compiled = qcompiler.compile(model, inputs, march=args.march, hybrid_dict=hybrid_dict,
+    compiled = qcompiler.compile(model, inputs, march=args.march, qconfig_dict=qconfig_dict, hybrid_dict=hybrid_dict,
                                  calib_data=shard(batches), prepare_custom_config_dict=custom,
-                                 weight_rounding=args.weight_rounding, progress=is_main_process())
+                                 weight_rounding=args.weight_rounding, int16_budget=args.int16_budget,
+                                 progress=is_main_process())
     if not is_main_process():
         return EXIT_OK
     out = Path(args.out)
@@ -480,6 +494,11 @@ def _compile(args: argparse.Namespace) -> int:
     for part in compiled.partitions:
         ops[part["placement"]] = ops.get(part["placement"], 0) + part["ops"]
     print("ops per placement: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+    if compiled.int16 is not None:
+        rec = compiled.int16
+        print(f"int16: {len(rec['chosen'])} of {rec['tensors']} BPU activation tensors "
+              f"({', '.join(rec['chosen']) or 'none'}); calibration-data SQNR {rec['baseline_sqnr']:.2f} -> "
+              f"{rec['reached_sqnr']:.2f} dB")
     print(f"output SQNR vs float on the calibration inputs: {output_sqnr(model, compiled, batches):.2f} dB")
     print(f"wrote {len(files)} files to {out}")
     return EXIT_OK
@@ -491,6 +510,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     hybrid_dict, custom = model_configs(args)
     if args.calib_random < 1:
         raise UsageError("--calib-random must be at least 1")
+    if args.advise < 0 or (args.apply and not args.advise):
+        raise UsageError("--advise K needs K >= 1 with --apply (the fixes come from the advice), K >= 0 otherwise")
     args.calib_data = None
     batches = calibration_batches(args, inputs)
     model.eval()
@@ -516,12 +537,20 @@ def cmd_report(args: argparse.Namespace) -> int:
             qa.suggest_int16(args.target_sqnr)
         except ConfigError as exc:  # the advice (every step) is kept and reported; the target is out of reach
             missed = str(exc)
+    if args.advise:
+        qa.advise(top_k=args.advise)
+        if args.apply:
+            qa.apply_advice(args.apply)
     qa.report()
     print(f"bad case: batch {qa.bad_case_index} ({args.metric} {qa.bad_case_metric:.6g})")
     print(f"{len(qa.compare_rows)} layers compared, {len(qa.advice)} advisor finding(s)")
     for row in ranked[:5]:
         print(f"  sensitive: {row[0]} ({row[1]}) {args.metric} {row[3]:.6g}")
     print(qa.int16_advice_text() or "int16 advice: none (give --target-sqnr DB to get it)\n", end="")
+    print(qa.fix_advice_text(), end="")
+    if args.apply:
+        print(f"fixes written to {args.apply}: qcompiler compile {args.model} --qconfig {args.apply} "
+              f"--hybrid {args.apply} ... applies them")
     if missed is not None:
         print(f"note: {missed}", file=sys.stderr)
     print(f"wrote {len(qa.written)} files to {out}:")
@@ -573,6 +602,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-rounding", action="store_true",
                    help="after calibrating, re-round the BPU weights to minimize each layer's output error "
                         "on the calibration data (GPTQ-style; one pass over the data per layer)")
+    p.add_argument("--qconfig", metavar="FILE.json", default=None,
+                   help="qconfig file: {\"global\": {\"dtype\", \"observer\"}, \"module_name\": {path: {...}}} or a "
+                        "file with a \"qconfig\" section (what 'qcompiler report --apply' writes)")
+    p.add_argument("--hybrid", metavar="FILE.json", default=None,
+                   help="hybrid file: {\"module_name\": [...], \"module_type\": [...]} (or a \"hybrid\" section), "
+                        "run on the CPU in addition to --hybrid-module-*")
+    p.add_argument("--int16-budget", metavar="FRACTION", type=float, default=None,
+                   help="move at most this fraction of the BPU activation tensors to int16, those that gain most "
+                        "output SQNR on the calibration data (bayes only; e.g. 0.1)")
     p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func=cmd_compile)
 
@@ -593,6 +631,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also advise which quantizers to move to int16 (most sensitive first) for this output "
                         "SQNR in dB, with the predicted gain (QuantAnalysis.suggest_int16); shown in the output "
                         "and in report.html")
+    p.add_argument("--advise", metavar="K", type=int, default=3,
+                   help="for the K worst layers, measure each fix (int16, CPU via hybrid_dict, a clipping observer) "
+                        "on the bad case and print its gain (default 3; 0: skip)")
+    p.add_argument("--apply", metavar="FILE.json", default=None,
+                   help="write the best fix of each advised layer as a config file for "
+                        "'qcompiler compile --qconfig FILE --hybrid FILE'")
     p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func=cmd_report)
     return parser

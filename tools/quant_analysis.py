@@ -46,9 +46,14 @@ from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
+from qcompiler.quantization.mixed_precision import fake_quant_twin, quantizer_scopes
 from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+from qcompiler.quantization.prepare import GM_KIND
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.quantization.stubs import QuantStub
+from qcompiler.tools.root_cause import fixes_json, layer_fixes
 from qcompiler.tools._eval_mode import evaluating, run_inspected
+from qcompiler.tools.config_file import write_config_file
 from qcompiler.tools.case_file import case_bytes, load_case
 from qcompiler.tools.metrics import (
     _LARGER_IS_WORSE,
@@ -71,6 +76,7 @@ COMPARE_CSV = "compare_per_layer_out.csv"
 ADVISOR_FILE = "abnormal_layer_advisor.txt"
 SENSITIVE_FILE = "sensitive_ops.txt"
 REPORT_FILE = "report.html"
+ROOT_CAUSE_FILE = "root_cause.txt"
 
 # advisor thresholds
 SATURATION_RATIO = 1.5      # base |max| above 1.5 * qscale * qmax: clipping
@@ -244,6 +250,10 @@ def _hooked_key(node: fx.Node, hook_paths: dict[str, str]) -> Optional[str]:
 # ----------------------------------------------------------------------------- the analysis
 
 
+def _is_calibration(model: Any) -> bool:
+    return isinstance(model, fx.GraphModule) and model.meta.get(GM_KIND) == "calibration"
+
+
 def _is_worse(v: float, worst: Optional[float], larger_worse: bool) -> bool:
     """Does ``v`` replace ``worst`` (None: nothing yet)? NaN loses to any number; ties keep the earlier."""
     return worst is None or (not math.isnan(v) and (math.isnan(worst) or (v > worst if larger_worse else v < worst)))
@@ -252,9 +262,11 @@ def _is_worse(v: float, worst: Optional[float], larger_worse: bool) -> bool:
 class QuantAnalysis:
     """Compare ``baseline_model`` (high precision) with ``analysis_model`` (the one losing accuracy).
 
-    ``analysis_model_type``: ``"fake_quant"`` (a prepared GraphModule), ``"quantized"``
+    ``analysis_model_type``: ``"fake_quant"`` (a prepared GraphModule; a calibrated
+    ``prepare_calibration_fx`` model stands for its fake-quant twin at the calibrated scales, so PTQ
+    users get sensitivity and int16 advice without ``prepare_qat_fx``), ``"quantized"``
     (a converted GraphModule) or ``"compiled"`` (a :class:`qcompiler.CompiledModel`).
-    ``fake_quant_model``: the prepared model a quantized/compiled model came from
+    ``fake_quant_model``: the prepared (QAT, or calibrated calibration) model a quantized/compiled model came from
     (needed by :meth:`sensitivity` and :meth:`suggest_int16`; also supplies the
     quantizer scales and the float twin).  ``post_process`` is applied to both
     models' outputs before any metric.  Files go to ``out_dir`` (default
@@ -275,6 +287,11 @@ class QuantAnalysis:
         self.post_process = post_process
         self.out_dir = Path(out_dir if out_dir is not None else "quant_analysis")
 
+        # a calibration model (the PTQ path) stands for its fake-quant twin, frozen at the calibrated scales
+        if _is_calibration(analysis_model) and analysis_model_type == "fake_quant":
+            analysis_model = self.analysis_model = fake_quant_twin(analysis_model)
+        if _is_calibration(fake_quant_model):
+            fake_quant_model = fake_quant_twin(fake_quant_model)
         if analysis_model_type == "fake_quant":
             if not isinstance(analysis_model, fx.GraphModule):
                 raise ConfigError("analysis_model_type='fake_quant' needs a prepared GraphModule "
@@ -701,7 +718,8 @@ class QuantAnalysis:
         model = copy.deepcopy(fq_model).eval()
         quantizers = [(n, q) for n, q in _fake_quants(model) if getattr(q, "_has_qparams", False)]
         if not quantizers:
-            raise ConfigError("sensitivity: the fake-quant model has no calibrated FakeQuantize")
+            raise ConfigError("sensitivity: the fake-quant model has no calibrated FakeQuantize; run calibration "
+                              "batches through the prepare_calibration_fx model (eval, no_grad) before the analysis")
         enabled = {n: bool(q.fake_quant_enabled[0]) for n, q in quantizers}
         for _, q in _fake_quants(model):
             q.disable_fake_quant()
@@ -825,6 +843,79 @@ class QuantAnalysis:
                  f"(predicted gain {adv['gain']:+.2f} dB, {verdict} the target)"]
         lines += [f"  {i}. {q} ({op}): {v:.2f} dB" for i, (q, op, v) in enumerate(adv["steps"], 1)]
         return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ one-step root cause
+
+    def advise(self, top_k: int = 3) -> list[dict]:
+        """From the bad case to the worst layers to a measured fix for each.
+
+        The layers are ranked by :meth:`sensitivity` (run with ``"SQNR"`` if not run yet); for each of
+        the ``top_k`` worst, every fix of :mod:`qcompiler.tools.root_cause` (int16 for its output, the op
+        to the CPU through hybrid_dict, a clipping observer) is applied alone and the output SQNR on the
+        bad case measured. Returns (and writes to ``root_cause.txt``) rows ``{"rank", "layer" (module
+        path a config entry names), "quantizers", "sensitivity", "metric", "base_sqnr", "fixes"
+        (best first), "best"}``; :meth:`apply_advice` writes the best fixes as a config file.
+        """
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ConfigError(f"advise: top_k must be a positive int, got {top_k!r}")
+        fq_model = self._need_fake_quant("advise")
+        args = self._need_bad_case("advise")
+        if not self.sensitive_ops or getattr(self, "sensitivity_metric", None) is None:
+            self.sensitivity(metric="SQNR")
+        base_out = self._outputs("base", args)
+        model = copy.deepcopy(fq_model).eval()
+        for _, q in _fake_quants(model):
+            q.disable_observer()
+
+        def run(m: nn.Module) -> float:
+            return compute_metric("SQNR", base_out, self._run_fq(m, args))
+
+        base = run(model)
+        scopes = quantizer_scopes(model)
+        paths = {p for p, _ in model.named_modules() if p}
+        by_op: dict[str, dict] = {}
+        for row, q in zip(self.sensitive_ops, self._sensitive_quantizers):
+            entry = by_op.setdefault(row[0], {"sensitivity": row[3], "activation": None, "weight": None})
+            entry[row[1]] = q
+        rows = []
+        for op, entry in list(by_op.items())[:top_k]:
+            act, weight = entry["activation"], entry["weight"]
+            target = scopes.get(act, "") if act else (op if op in paths else "")
+            stub = target in paths and isinstance(model.get_submodule(target), QuantStub)
+            fixes = layer_fixes(model, act, weight, target, run, base, model, cpu=not stub)
+            rows.append({"rank": len(rows) + 1, "layer": target or op, "quantizers": [q for q in (act, weight) if q],
+                         "sensitivity": entry["sensitivity"], "metric": self.sensitivity_metric, "base_sqnr": base,
+                         "fixes": fixes, "best": fixes[0] if fixes else None})
+        self.fix_advice = rows
+        if collectives.rank() == 0:
+            write_file(self.out_dir / ROOT_CAUSE_FILE, self.fix_advice_text().encode("utf-8"), "advise")
+            self._wrote(self.out_dir / ROOT_CAUSE_FILE)
+        return rows
+
+    def fix_advice_text(self) -> str:
+        """The last :meth:`advise` as text ("" before it)."""
+        rows = getattr(self, "fix_advice", None)
+        if not rows:
+            return ""
+        where = f"batch {self.bad_case_index}" if self.bad_case_index is not None else "the given bad case"
+        lines = [f"root cause on the bad case ({where}; output SQNR {rows[0]['base_sqnr']:.2f} dB), worst layers first:"]
+        for r in rows:
+            lines.append(f"  {r['rank']}. {r['layer']} (sensitivity {r['metric']} {r['sensitivity']:.4g}, "
+                         f"quantizers {', '.join(r['quantizers'])})")
+            if not r["fixes"]:
+                lines.append("     no config entry can name this tensor (the model input): add a QuantStub module")
+            for i, f in enumerate(r["fixes"]):
+                lines.append(f"     {'best: ' if i == 0 else '      '}{f.describe()}")
+        return "\n".join(lines) + "\n"
+
+    def apply_advice(self, path: Union[str, Path]) -> Path:
+        """Write the best fix (positive gain) of each advised layer as a JSON config file for
+        ``qcompiler compile --qconfig FILE --hybrid FILE`` (:mod:`qcompiler.tools.config_file`)."""
+        if not getattr(self, "fix_advice", None):
+            raise ConfigError("apply_advice needs the fixes of advise(); call advise() first")
+        p = write_config_file(path, fixes_json(self.fix_advice))
+        self._wrote(p)
+        return p
 
     # ------------------------------------------------------------------ files
 

@@ -36,7 +36,8 @@ __all__ = ["write_report", "graph_svg", "layer_sqnr", "REPORT_SECTIONS"]
 WORST_ROWS = 5
 SENSITIVITY_BARS = 25       # most sensitive quantizers drawn in the bar chart
 SQNR_CAP = 80.0             # dB; an exact layer (infinite SQNR) is drawn at the cap
-REPORT_SECTIONS = ("overview", "layer-errors", "sensitivity", "int16-advice", "graph", "layer-table", "advisor")
+REPORT_SECTIONS = ("overview", "layer-errors", "sensitivity", "int16-advice", "root-cause", "graph", "layer-table",
+                   "advisor")
 """``id`` of every section, in page order (the browser test checks them)."""
 
 # one colour per quantized dtype of a layer output, and per placement
@@ -315,6 +316,27 @@ def _int16_section(analysis) -> list[str]:
     return out
 
 
+def _root_cause_section(analysis) -> list[str]:
+    rows = getattr(analysis, "fix_advice", None)
+    if not rows:
+        return ['<p class="note">No root-cause advice yet: run <code>qa.advise()</code> before '
+                "<code>qa.report()</code> (<code>qcompiler report</code> does).</p>"]
+    out = [f'<p class="note">Each fix applied alone, output SQNR measured on the bad case (all int8: '
+           f'{rows[0]["base_sqnr"]:.2f} dB); best first. <code>qa.apply_advice(FILE)</code> / '
+           "<code>qcompiler report --apply FILE</code> writes the best ones for "
+           "<code>qcompiler compile --qconfig FILE --hybrid FILE</code>.</p>",
+           '<table><tr><th>rank</th><th class="l">layer</th><th class="l">fix</th><th>output SQNR (dB)</th>'
+           "<th>gain (dB)</th></tr>"]
+    for r in rows:
+        for i, f in enumerate(r["fixes"]):
+            what = f"{f.kind} ({f.observer})" if f.observer else f.kind
+            out.append(f'<tr class="{"worst" if i == 0 and f.gain > 0 else ""}"><td>{r["rank"] if i == 0 else ""}</td>'
+                       f'<td class="l nw">{_e(r["layer"]) if i == 0 else ""}</td><td class="l">{_e(what)}</td>'
+                       f"<td>{f.sqnr:.2f}</td><td>{f.gain:+.2f}</td></tr>")
+    out.append("</table>")
+    return out
+
+
 def _layer_table(analysis, sqnr: Sequence[float]) -> list[str]:
     rows = analysis.compare_rows
     finite = [(r["Cosine"], r["index"]) for r in rows if not math.isnan(r["Cosine"])]
@@ -396,6 +418,7 @@ def write_report(analysis, path: Union[str, Path], title: Optional[str] = None) 
         _section("layer-errors", "Per-layer error", [f'<div class="chart">{_layer_error_chart(analysis, sqnr)}</div>']),
         _section("sensitivity", "Sensitivity", _sensitivity_section(analysis)),
         _section("int16-advice", "int16 advice", _int16_section(analysis)),
+        _section("root-cause", "Root cause: fixes for the worst layers", _root_cause_section(analysis)),
         _section("graph", "Partitioned graph", _graph_section(analysis.analysis_graph)),
         _section("layer-table", "Per-layer errors (table)", _layer_table(analysis, sqnr)),
         _section("advisor", "Abnormal layer advisor", _advisor_table(analysis)),

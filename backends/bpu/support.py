@@ -38,6 +38,11 @@ class OpTable:
                 return False, f"{info.op}: {reason} on {self.march.value}"
         return True, f"{info.op} supported on {self.march.value}"
 
+    @property
+    def has_int16(self) -> bool:
+        """Does this march run any op on int16 activations? (bayes: yes; bernoulli2: int8 only)."""
+        return any(rule.int16 for rule in self.rules.values())
+
     def supports(self, op: str) -> bool:
         return op in self.rules
 

@@ -30,6 +30,8 @@ META_AUTO_LEAF = "qc_auto_leaf"
 META_PARTITION = "qc_partition"
 # names of the original nodes a fused node replaced, in pattern order
 META_FUSED_FROM = "qc_fused_from"
+# after convert: the integer type ("qint8" / "qint16" / "qint32") of a BPU node's quantized output
+META_QDTYPE = "qc_qdtype"
 # what a node inserted by the stub pass is: "input_dequant" | "activation_post_process";
 # by the observer pass: STUB_OUTPUT_OBSERVER | STUB_CONSTANT_QUANT
 META_STUB = "qc_stub"

@@ -62,6 +62,7 @@ WORKFLOW = {
     "optimize_weight_rounding": "qcompiler.quantization.weight_rounding",
     "LayerRounding": "qcompiler.quantization.weight_rounding",
     "RoundingReport": "qcompiler.quantization.weight_rounding",
+    "auto_int16": "qcompiler.quantization.mixed_precision",
 }
 
 

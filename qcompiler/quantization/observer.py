@@ -59,6 +59,7 @@ __all__ = [
     "PercentileObserver",
     "OBSERVERS",
     "make_observer",
+    "observer_name",
     "reduce_observers",
 ]
 
@@ -211,6 +212,16 @@ class ObserverBase(nn.Module):
         """``(scale, zero_point)``: ``amax / qmax`` (float32, floored at eps) and int64 zeros."""
         scale = symmetric_scale(self.calculate_amax(), self.dtype).reshape(-1)
         return scale, torch.zeros(scale.shape, dtype=torch.int64)
+
+    def set_dtype(self, dtype) -> "ObserverBase":
+        """Re-target the integer type (``qint8`` <-> ``qint16``) keeping the statistics seen.
+
+        The statistics of every observer here do not depend on the dtype (only the
+        threshold search does), so the result equals observing the same data with
+        ``dtype`` from the start: mixed precision re-types calibrated observers in place."""
+        self.dtype = check_dtype(dtype)
+        self.quant_min, self.quant_max = qrange(self.dtype)
+        return self
 
     def _dtype_repr(self) -> str:
         return "" if self.dtype == "qint8" else f", dtype={self.dtype}"
@@ -673,6 +684,16 @@ OBSERVERS: dict[str, Callable[..., ObserverBase]] = {
     "histogram-mse": functools.partial(HistogramObserver, method="mse"),
     "kl": functools.partial(HistogramObserver, method="kl"),
 }
+
+
+def observer_name(observer: ObserverBase) -> str:
+    """The :data:`OBSERVERS` name an activation observer was made by (``"minmax"``, ``"kl"``...);
+    a MinMax family or unknown observer counts as ``"minmax"``."""
+    if isinstance(observer, PercentileObserver):
+        return "percentile"
+    if isinstance(observer, HistogramObserver):
+        return {"mse": "histogram-mse", "kl": "kl", "percentile": "percentile"}.get(observer.method, "histogram-mse")
+    return "minmax"
 
 
 def make_observer(name: str, dtype="qint8") -> ObserverBase:

@@ -37,6 +37,7 @@ from qcompiler.quantization.sync import sync_observers
 
 GM_KIND = "qc_kind"  # gm.meta: "calibration" | "qat"
 GM_HYBRID = "qc_hybrid"  # gm.meta: the HybridConfig the model was placed with
+GM_QCONFIG_DICT = "qc_qconfig_dict"  # gm.meta: the qconfig_dict the model was prepared with
 _NOOP_OPS = ("quant", "dequant", "identity", "dropout")
 
 
@@ -101,6 +102,7 @@ def _prepare(kind, model, qconfig_dict, prepare_custom_config_dict, optimize_gra
     _warn_translated(resolver, march)
     gm.meta[GM_KIND] = kind
     gm.meta[GM_HYBRID] = parse_hybrid_dict(hybrid_dict, model)
+    gm.meta[GM_QCONFIG_DICT] = qconfig_dict  # as given (None: the default); auto_int16 builds on it
     assign_qc_names(gm, overwrite=True)  # errors name the observer by its path
     _warn_cpu_ops_without_hybrid(gm, hybrid)
     _warn_model_check(gm)

@@ -1,0 +1,206 @@
+"""Automatic mixed precision (auto_int16 / compile(int16_budget=...)): choice, budget, numerics, export."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.errors import ConfigError
+from qcompiler.quantization import (
+    CalibFakeQuantize,
+    auto_int16,
+    convert_fx,
+    get_default_calib_out_qconfig,
+    get_default_calib_qconfig,
+    prepare_calibration_fx,
+)
+from qcompiler.quantization.mixed_precision import INT16_META, activation_quantizers
+
+
+class Net(nn.Module):
+    """conv-bn-relu, a residual block, a wide-range branch (an outlier-heavy tensor), pool, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.relu2 = nn.ReLU()
+        self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        y = self.relu1(self.bn1(self.conv1(x)))
+        y = self.relu2(self.conv2(y) + y)
+        y = self.conv3(y)
+        return self.fc(torch.flatten(self.pool(y), 1))
+
+
+def model_and_data(seed=0):
+    torch.manual_seed(seed)
+    m = Net().eval()
+    with torch.no_grad():
+        m.conv3.weight[0] *= 30  # one channel far wider than the rest: its tensor wants int16
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randn(4, 3, 12, 12, generator=g) for _ in range(3)]
+    return m, data
+
+
+def calibrated(m, data, march="bayes"):
+    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march=march)
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    return cal
+
+
+def sqnr(ref, out):
+    return float(20 * torch.log10(ref.norm() / (ref - out).norm()))
+
+
+def int16_quantizers(gm):
+    return sorted(p for p, m in gm.named_modules()
+                  if isinstance(m, CalibFakeQuantize) and m.dtype == "qint16" and not p.endswith("weight_fake_quant"))
+
+
+def test_budget_choice_is_deterministic_and_reproduced_by_its_qconfig_dict():
+    m, data = model_and_data()
+    a, b = calibrated(m, data), calibrated(m, data)
+    qa, qb = auto_int16(a, data, budget=0.3), auto_int16(b, data, budget=0.3)
+    assert a.meta[INT16_META]["quantizers"] == b.meta[INT16_META]["quantizers"]
+    assert a.meta[INT16_META]["steps"] == b.meta[INT16_META]["steps"]
+    assert repr(qa) == repr(qb)
+    chosen = sorted(a.meta[INT16_META]["quantizers"])
+    assert chosen and int16_quantizers(a) == chosen
+    # the returned qconfig_dict gives the same int16 set from the float model
+    again = prepare_calibration_fx(m, qa, example_inputs=(data[0][:1],))
+    assert int16_quantizers(again) == chosen
+    # and the same scales once calibrated on the same data
+    with torch.no_grad():
+        for x in data:
+            again.eval()(x)
+    for q in chosen:
+        assert torch.equal(again.get_submodule(q).calculate_qparams()[0], a.get_submodule(q).calculate_qparams()[0])
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.1, 0.25, 0.5])
+def test_budget_is_respected_and_int16_helps(budget):
+    m, data = model_and_data()
+    cm = qcompiler.compile(m, (data[0][:1],), march="bayes", calib_data=data, int16_budget=budget, progress=False)
+    dtypes = cm.activation_dtypes
+    n16 = sum(d == "qint16" for d in dtypes.values())
+    assert n16 <= math.floor(budget * len(dtypes) + 1e-9)
+    assert set(dtypes.values()) <= {"qint8", "qint16"}
+    assert len(dtypes) == cm.int16["tensors"] == len(activation_quantizers(calibrated(m, data)))
+    assert sorted(k for k, v in dtypes.items() if v == "qint16") == sorted(cm.int16["chosen"])
+    if budget >= 0.25:
+        assert n16 > 0
+        int8 = qcompiler.compile(m, (data[0][:1],), march="bayes", calib_data=data, progress=False)
+        test = torch.randn(16, 3, 12, 12, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            ref = m(test)
+            assert sqnr(ref, cm(test)) > sqnr(ref, int8(test)) + 1.0
+
+
+def test_simulator_bit_exact_with_int16_tensors_and_export_carries_int16_scales(tmp_path):
+    m, data = model_and_data()
+    cm = qcompiler.compile(m, (data[0][:1],), march="bayes", calib_data=data, int16_budget=0.5, progress=False)
+    chosen = cm.int16["chosen"]
+    assert chosen
+    x = torch.randn(5, 3, 12, 12, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(cm(x), cm.converted(x).float())
+    sidecar = cm.export_onnx(tmp_path / "m.onnx")
+    acts = sidecar["activations"]
+    int16_in_sidecar = {k for k, v in acts.items() if v["dtype"] == "qint16"}
+    assert int16_in_sidecar and int16_in_sidecar <= set(cm.activation_dtypes) | set(acts)
+    for name in int16_in_sidecar:
+        assert acts[name]["zero_point"] == 0 and acts[name]["scale"] > 0
+    # the int16 scales are those of the converted model's int16 values
+    cal = calibrated(m, data)
+    auto_int16(cal, data, budget=0.5)
+    scales16 = {float(cal.get_submodule(q).calculate_qparams()[0]) for q in cal.meta[INT16_META]["quantizers"]}
+    for k in int16_in_sidecar:
+        assert any(abs(acts[k]["scale"] - s) <= 1e-6 * s for s in scales16), k
+
+
+def test_target_sqnr_takes_the_fewest_and_stops():
+    m, data = model_and_data()
+    cal = calibrated(m, data)
+    auto_int16(cal, data, target_sqnr=-100.0)
+    rec = cal.meta[INT16_META]
+    assert rec["chosen"] == [] and rec["reached_sqnr"] == rec["baseline_sqnr"]
+    cal = calibrated(m, data)
+    target = rec["baseline_sqnr"] + 3.0
+    auto_int16(cal, data, target_sqnr=target)
+    rec = cal.meta[INT16_META]
+    assert rec["reached_sqnr"] >= target and rec["steps"]
+    assert rec["steps"][-2][1] < target if len(rec["steps"]) > 1 else True  # one fewer misses it
+    with torch.no_grad():
+        ref = torch.cat([m(x) for x in data])
+        out = torch.cat([convert_fx(cal)(x).float() for x in data])
+    assert sqnr(ref, out) > rec["baseline_sqnr"]
+
+
+def test_bernoulli2_has_no_int16():
+    m, data = model_and_data()
+    with pytest.raises(ConfigError, match=r"compile\(int16_budget=...\): march 'bernoulli2' has no int16"):
+        qcompiler.compile(m, (data[0][:1],), march="bernoulli2", calib_data=data, int16_budget=0.1, progress=False)
+    with pytest.raises(ConfigError, match="int16_budget must be a fraction"):
+        qcompiler.compile(m, (data[0][:1],), march="bayes", calib_data=data, int16_budget=-0.1, progress=False)
+    with pytest.raises(ConfigError, match="march 'bernoulli2' has no int16"):
+        prepare_calibration_fx(m, {"": get_default_calib_qconfig(dtype="qint16")}, example_inputs=(data[0][:1],),
+                               march="bernoulli2")
+    cal = calibrated(m, data, march="bernoulli2")
+    with pytest.raises(ConfigError, match="bernoulli2"):
+        auto_int16(cal, data, budget=0.1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({}, "give budget"), ({"budget": 1.5}, "budget must be a fraction in"), ({"budget": True}, "budget"),
+    ({"target_sqnr": float("nan")}, "target_sqnr"),
+])
+def test_bad_arguments(kw, match):
+    m, data = model_and_data()
+    cal = calibrated(m, data)
+    with pytest.raises(ConfigError, match=match):
+        auto_int16(cal, data, **kw)
+    with pytest.raises(ConfigError, match="prepare_calibration_fx"):
+        auto_int16(m, data, budget=0.1)
+    with pytest.raises(ConfigError, match="empty"):
+        auto_int16(cal, [], budget=0.1)
+
+
+def test_incremental_measurement_equals_a_full_run():
+    """The search re-runs the graph only from the first node a candidate changes; same SQNR as a full run."""
+    from qcompiler.quantization.mixed_precision import _groups, _Measure
+
+    m, data = model_and_data()
+    cal = calibrated(m, data)
+    qs = [q for g in _groups(cal, {p for p, _ in cal.named_modules() if p}) for q in g.quantizers]
+    measure = _Measure(cal, [(x,) for x in data], qs)
+    for base, extra in [((), qs[:1]), ((), qs[-1:]), (qs[:1], qs[2:3]), (qs[1:3], qs[:1]), (qs[2:], qs[:1])]:
+        fast = measure.sqnr(list(base) + list(extra), base=list(base))
+        measure._cache = None
+        slow = measure.sqnr(list(base) + list(extra))  # from the first node (the input quantizer) on
+        assert fast == slow, (base, extra)
+
+
+def test_returned_qconfig_dict_keeps_the_users_own_entries():
+    m, data = model_and_data()
+    user = {"": get_default_calib_qconfig(), "module_name": [("fc", get_default_calib_out_qconfig())]}
+    cal = prepare_calibration_fx(m, user, example_inputs=(data[0][:1],), march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    qd = auto_int16(cal, data, budget=0.3)
+    assert dict(qd["module_name"])["fc"] is user["module_name"][0][1]  # the high-precision output stays
+    again = prepare_calibration_fx(m, qd, example_inputs=(data[0][:1],))
+    assert again.get_submodule("fc").activation_post_process is None
+    assert int16_quantizers(again) == sorted(cal.meta[INT16_META]["quantizers"])

@@ -1,0 +1,186 @@
+"""PTQ sensitivity (from the calibration model), QuantAnalysis.advise, --apply config files and their round trip."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.errors import ConfigError
+from qcompiler.quantization import (
+    convert_fx,
+    get_default_calib_qconfig,
+    prepare_calibration_fx,
+    prepare_qat_fx,
+    set_state,
+)
+from qcompiler.tools.cli import main
+from qcompiler.tools.config_file import read_hybrid_file, read_qconfig_file
+from qcompiler.tools.quant_analysis import QuantAnalysis
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.relu2 = nn.ReLU()
+        self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        y = self.relu1(self.conv1(x))
+        y = self.relu2(self.conv2(y))
+        return self.fc(torch.flatten(self.pool(self.conv3(y)), 1))
+
+
+def setup(broken=None, seed=0):
+    """A calibrated model; ``broken``: that layer's minmax observer also 'saw' an outlier 60x its range."""
+    torch.manual_seed(seed)
+    m = Net().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randn(4, 3, 10, 10, generator=g) for _ in range(3)]
+    qc = {"": get_default_calib_qconfig()}
+    if broken:
+        qc["module_name"] = [(broken, get_default_calib_qconfig(observer="minmax"))]
+    cal = prepare_calibration_fx(m, qc, example_inputs=(data[0][:1],), march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    if broken:
+        obs = cal.get_submodule(f"{broken}.activation_post_process").activation_post_process
+        obs.max_val.mul_(60)
+    return m, cal, data
+
+
+def test_sensitivity_and_suggest_int16_from_the_calibration_model(tmp_path):
+    m, cal, data = setup()
+    ptq = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path / "ptq")
+    ptq.auto_find_bad_case(data, metric="SQNR")
+    rows = ptq.sensitivity(metric="SQNR")
+    # the same ranking and values as from the fake-quant model the user would build by hand
+    fq = set_state(prepare_qat_fx(cal), "validation").eval()
+    qat = QuantAnalysis(m, fq, "fake_quant", out_dir=tmp_path / "qat")
+    qat.set_bad_case(ptq.bad_case)
+    assert [r[:2] for r in rows] == [r[:2] for r in qat.sensitivity(metric="SQNR")]
+    assert [r[3] for r in rows] == pytest.approx([r[3] for r in qat.sensitivity(metric="SQNR")], abs=1e-9)
+    target = ptq.bad_case_metric + 1.0  # the bad case's SQNR of this (twin) model, + 1 dB
+    names, reached = ptq.suggest_int16(target)
+    assert names and reached >= target
+    # converted model analysed with the calibration model as its fake-quant model
+    q = QuantAnalysis(m, convert_fx(cal), "quantized", out_dir=tmp_path / "q", fake_quant_model=cal)
+    q.set_bad_case(ptq.bad_case)
+    assert [r[0] for r in q.sensitivity(metric="SQNR")] == [r[0] for r in rows]
+
+
+@pytest.mark.parametrize("broken", ["conv2", "conv1"])
+def test_advise_names_the_broken_layer_first_with_a_fix_that_repairs_it(tmp_path, broken):
+    m, cal, data = setup(broken)
+    qa = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path)
+    qa.auto_find_bad_case(data, metric="SQNR")
+    rows = qa.advise(top_k=2)
+    assert rows[0]["layer"] == broken and rows[0]["rank"] == 1
+    kinds = {f.kind for f in rows[0]["fixes"]}
+    assert kinds == {"int16", "cpu", "observer"}
+    best = rows[0]["best"]
+    assert best.gain > 6.0  # a 60x too coarse scale: the fixes win back most of the lost bits
+    assert rows[0]["fixes"] == sorted(rows[0]["fixes"], key=lambda f: -f.gain)
+    text = (tmp_path / "root_cause.txt").read_text()
+    assert text.splitlines()[1].startswith(f"  1. {broken} ")
+    assert "dB" in text and "best:" in text
+    # a healthy model's top layer gains far less from any fix
+    m2, cal2, data2 = setup()
+    healthy = QuantAnalysis(m2, cal2, "fake_quant", out_dir=tmp_path / "h")
+    healthy.auto_find_bad_case(data2, metric="SQNR")
+    assert healthy.advise(top_k=1)[0]["best"].gain < best.gain - 3.0
+
+
+def test_apply_round_trip_through_the_config_files(tmp_path):
+    m, cal, data = setup("conv2")
+    qa = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path)
+    qa.auto_find_bad_case(data, metric="SQNR")
+    best = qa.advise(top_k=1)[0]["best"]
+    path = qa.apply_advice(tmp_path / "fix.json")
+    cfg = json.loads(path.read_text())
+    qd, hd = read_qconfig_file(path), read_hybrid_file(path)
+    if best.kind == "cpu":
+        assert hd["module_name"] == ["conv2"] and cfg["qconfig"]["module_name"] == {}
+    else:
+        assert [n for n, _ in qd["module_name"]] == ["conv2"] and hd["module_name"] == []
+    cm = qcompiler.compile(m, (data[0][:1],), march="bayes", qconfig_dict=qd, hybrid_dict=hd, calib_data=data,
+                           progress=False)
+    if best.kind == "int16":
+        assert cm.activation_dtypes["conv2"] == "qint16"
+    elif best.kind == "cpu":
+        assert "conv2" not in cm.activation_dtypes
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not valid JSON"),
+    ('{"qconfig": {"modules": {}}}', "unknown key 'modules'"),
+    ('{"module_name": {"conv2": {"dtype": "qint4"}}}', r"\['module_name'\]\['conv2'\]\['dtype'\]"),
+    ('{"module_name": {"conv2": {"observer": "best"}}}', "'best' is not one of"),
+    ('{"module_name": {"conv2": {"bits": 16}}}', "unknown field 'bits'"),
+    ('[1]', "must hold a JSON object"),
+])
+def test_qconfig_file_errors_name_the_file_and_key(tmp_path, text, match):
+    p = tmp_path / "q.json"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=match) as e:
+        read_qconfig_file(p)
+    assert str(p) in str(e.value)
+
+
+def test_hybrid_file_errors(tmp_path):
+    p = tmp_path / "h.json"
+    p.write_text('{"hybrid": {"module_name": "conv2"}}')
+    with pytest.raises(ConfigError, match=r"h.json: \['module_name'\] must be a list of strings"):
+        read_hybrid_file(p)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_hybrid_file(tmp_path / "missing.json")
+
+
+def test_cli_report_apply_then_compile_with_the_file(capsys, tmp_path):
+    fix = tmp_path / "fix.json"
+    code = main(["report", "zoo:hybrid", "--march", "bayes", "--calib-random", "2", "--advise", "2",
+                 "--apply", str(fix), "--out", str(tmp_path / "rep")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "root cause on the bad case" in out and "best:" in out and f"fixes written to {fix}" in out
+    cfg = json.loads(fix.read_text())
+    assert set(cfg) == {"qconfig", "hybrid"}
+    html = (tmp_path / "rep" / "report.html").read_text()
+    first = out.split("root cause on the bad case")[1].splitlines()[1].split()[1]  # "  1. <layer> (..."
+    assert "Root cause: fixes for the worst layers" in html and f'<td class="l nw">{first}</td>' in html
+    code = main(["compile", "zoo:hybrid", "--march", "bayes", "--calib-random", "2", "--qconfig", str(fix),
+                 "--hybrid", str(fix), "--int16-budget", "0.2", "--out", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "int16: " in out and " BPU activation tensors" in out
+    table = (tmp_path / "c" / "hybrid.table.txt").read_text()
+    assert cfg["hybrid"]["module_name"] or cfg["qconfig"]["module_name"]  # the advice proposes something
+    for name in cfg["hybrid"]["module_name"]:
+        assert f'hybrid_dict module_name "{name}"' in table
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"qconfig": {"module_name": {"nope": {"dtype": "qint16"}}}}')
+    code = main(["compile", "zoo:hybrid", "--march", "bayes", "--calib-random", "1", "--qconfig", str(bad),
+                 "--out", str(tmp_path / "c2")])
+    out, err = capsys.readouterr()
+    assert code != 0 and "'nope'" in err and "Traceback" not in err
+
+
+def test_uncalibrated_calibration_model_says_to_calibrate(tmp_path):
+    m, _, data = setup()
+    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march="bayes")
+    qa = QuantAnalysis(m, convert_fx(setup()[1]), "quantized", out_dir=tmp_path, fake_quant_model=cal)
+    qa.set_bad_case(data[0])
+    with pytest.raises(ConfigError, match="no calibrated FakeQuantize; run calibration batches"):
+        qa.sensitivity()
+    with pytest.raises(ConfigError, match="advise: top_k must be a positive int"):
+        qa.advise(top_k=0)
+    with pytest.raises(ConfigError, match="call advise"):
+        qa.apply_advice(tmp_path / "f.json")
