@@ -47,8 +47,13 @@ import qcompiler.zoo as zoo
 from qcompiler.errors import QCompilerWarning
 from qcompiler.ir.partitions import summary_line
 from qcompiler.march import March
-from qcompiler.quantization import (OBSERVERS, convert_fx, get_default_calib_qconfig, optimize_weight_rounding,
-                                    prepare_calibration_fx)
+from qcompiler.quantization import (
+    OBSERVERS,
+    convert_fx,
+    get_default_calib_qconfig,
+    optimize_weight_rounding,
+    prepare_calibration_fx,
+)
 
 IMAGE_MODELS = ("resnet18", "resnet50", "mobilenet_v2", "unet", "hybrid")
 

@@ -18,8 +18,8 @@ from qcompiler.errors import (
 from qcompiler.frontend import partition
 from qcompiler.march import March, get_march, set_march
 from qcompiler.onnx import export_to_onnx
-from qcompiler.quantization.mixed_precision import auto_int16
 from qcompiler.quantization.convert import convert_fx
+from qcompiler.quantization.mixed_precision import auto_int16
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qtensor import (
     QDType,

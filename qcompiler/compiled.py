@@ -33,9 +33,9 @@ from qcompiler.ir.meta import BPU, META_PLACEMENT, META_QDTYPE, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
-from qcompiler.quantization.mixed_precision import INT16_META, auto_int16, check_budget, require_int16
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
+from qcompiler.quantization.mixed_precision import INT16_META, auto_int16, check_budget, require_int16
 from qcompiler.quantization.prepare import prepare_calibration_fx
 from qcompiler.quantization.sync import require_batches
 from qcompiler.quantization.weight_rounding import optimize_weight_rounding

@@ -51,10 +51,9 @@ from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObse
 from qcompiler.quantization.prepare import GM_KIND
 from qcompiler.quantization.qtensor import QTensor
 from qcompiler.quantization.stubs import QuantStub
-from qcompiler.tools.root_cause import fixes_json, layer_fixes
 from qcompiler.tools._eval_mode import evaluating, run_inspected
-from qcompiler.tools.config_file import write_config_file
 from qcompiler.tools.case_file import case_bytes, load_case
+from qcompiler.tools.config_file import write_config_file
 from qcompiler.tools.metrics import (
     _LARGER_IS_WORSE,
     COMPARE_COLUMNS,
@@ -65,6 +64,7 @@ from qcompiler.tools.metrics import (
     compute_metric,
 )
 from qcompiler.tools.report import write_report
+from qcompiler.tools.root_cause import fixes_json, layer_fixes
 
 __all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
 
