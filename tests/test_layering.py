@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("workflow", ("qcompiler.frontend", "qcompiler.quantization.prepare", "qcompiler.quantization.convert",
                   "qcompiler.quantization.weight_rounding", "qcompiler.quantization.model_check")),
     ("lowering", ("qcompiler.backends.bpu.lower", "qcompiler.backends.bpu.program",
-                  "qcompiler.backends.bpu.simulator", "qcompiler.backends.onnx", "qcompiler.backends.ort",
+                  "qcompiler.backends.bpu.simulator", "qcompiler.backends.bpu.onednn_conv", "qcompiler.backends.onnx", "qcompiler.backends.ort",
                   "qcompiler.backends.eager", "qcompiler.runtime")),
     ("facade", ("qcompiler.compiled", "qcompiler.onnx", "qcompiler.artifact", "qcompiler.distributed")),
     ("tools", ("qcompiler.tools", "qcompiler.__init__")),
