@@ -221,6 +221,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="fast", choices=("fast", "fixed_point"))
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
+    # torch.ao's quantized cat warns at every call that its inputs' scales differ (unet)
+    warnings.filterwarnings("ignore", message="All inputs of this cat operator")
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     print(environment())

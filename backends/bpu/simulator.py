@@ -11,10 +11,21 @@ computes, bit for bit.  Two kernel sets are available:
     construction).
 
 ``kernels="fast"`` (default)
-    conv2d / linear / max_pool2d use faster kernels that are *provably*
-    exact (and are tested bit-exact against ``fixed_point`` and a
-    pure-integer reference):
+    conv2d / linear / max_pool2d / cat / nearest resize use faster kernels
+    that are *provably* exact (and are tested bit-exact against
+    ``fixed_point`` and a pure-integer reference):
 
+    * int8 convs (any groups) go to oneDNN's int8 convolution when
+      :func:`~qcompiler.backends.bpu.onednn_conv.onednn_conv_available`
+      verified it once (``onednn=``): float32 accumulators exact below 2**24
+      (proven per chunk of input channels), requantized in float64 in
+      channels-last memory with no tie check (proven statically; see
+      ``backends/bpu/onednn_conv.py``).  Layers whose epilogue is not
+      proven exact that way, and int16 inputs, use the kernels below.
+    * int8 max pools are torch's quantized max pool on the same bytes; cat
+      copies or requantizes each input into its output slice in float64
+      (exact for int8/int16 inputs); nearest resize requantizes the input,
+      then selects bytes.
     * int8 x int8 -> int32 GEMMs (``torch._int_mm``, oneDNN) when
       :func:`int8_gemm_available` verified once that they do not saturate on
       this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
@@ -50,8 +61,8 @@ computes, bit for bit.  Two kernel sets are available:
     * max pool is the running maximum of the strided windows of a
       qmin-padded copy (equal to ``F.max_pool2d``).
 
-    Everything else (add, cat, avg pools, LUTs, matmul, ...) uses the
-    fixed_point functions in both modes.
+    Everything else (add, avg pools, LUTs, matmul, bilinear resize, ...) uses
+    the fixed_point functions in both modes.
 
 Accumulator overflow is never silent: every accumulating op either proves its
 int32 range statically or checks it on the data, raising
