@@ -415,11 +415,21 @@ def _fast_cat(k: KernelSpec) -> Callable:
             if f is None:
                 dst.copy_(x)
                 continue
-            t = _like(ws, "cat", x, torch.float64)
-            torch.mul(x, f, out=t)
-            dst.copy_(t.round_().clamp_(lo, hi))
+            # in slices along a dim other than the cat dim, so the float64 temporaries stay in cache
+            e = next((i for i in range(x.dim()) if i != d and x.shape[i] > 1), None)
+            step = max(1, _CAT_CHUNK * (x.shape[e] if e is not None else 1) // max(1, x.numel()))
+            for i0 in range(0, x.shape[e] if e is not None else 1, step):
+                xv = x if e is None else x.narrow(e, i0, min(step, x.shape[e] - i0))
+                dv = dst if e is None else dst.narrow(e, i0, xv.shape[e])
+                t = _like(ws, "cat", xv, torch.float64)
+                torch.mul(xv, f, out=t)
+                dv.copy_(t.round_().clamp_(lo, hi))
         return out
     return cat
+
+
+# elements of one float64 slice of the fast cat (512 KiB)
+_CAT_CHUNK = 1 << 16
 
 
 @_kernel(FAST, "resize_nearest")
