@@ -307,6 +307,21 @@ def test_cat_kernels_agree(c):
     _check_program(prog, {v.name: _layout(x_, c["layout"]) for v, x_ in zip(prog.inputs, t.inputs)})
 
 
+@pytest.mark.parametrize("shape,dim,layout", [((1, 3, 200, 190), 1, "channels_last"), ((3, 2, 150, 160), 1, "plain"),
+                                              ((2, 3, 170, 200), 2, "transposed")])
+def test_cat_in_slices_equals_fixed_point(shape, dim, layout):
+    """Inputs larger than one slice of the fast cat (several float64 slices per input) give the
+    fixed_point kernel's result (itself equal to the int64 reference above), ties included."""
+    t = Tiny(seed=sum(shape))
+    xs = [t.input(_ints(t.gen, shape, "qint8"), s) for s in (0.05, 0.025)]  # 0.05 / 0.04: exact ties
+    prog = lower_partition(t.build(t.call(qnn.QuantizedCat([0.05, 0.025], 0.04, "qint8"), xs, dim=dim,
+                                          name="cat")), "bpu0")
+    inputs = {v.name: _layout(x_, layout) for v, x_ in zip(prog.inputs, t.inputs)}
+    got = _outputs(prog, inputs)
+    base = got.pop("fixed_point/int8=None/onednn=None")
+    assert all(torch.equal(g["cat"], base["cat"]) for g in got.values())
+
+
 @SETTINGS
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 6), st.integers(1, 6), st.integers(1, 13),
        st.integers(1, 13), st.sampled_from(SCALES), st.sampled_from(SCALES + ("same",)),
