@@ -6,7 +6,8 @@ reads channels-last uint8 activations and does the im2col inside the kernel.  As
 **float32 output at scale 1** (input scale 1, weight scales 1, output scale 1), it returns
 ``float32(acc + bias)``, which is the exact integer when ``|acc + bias| < 2**24``.  Every
 such sum is bounded statically by ``128 * max_o sum |w[o]| + max |bias|`` (the L1 bound of
-the simulator's other kernels); layers over that bound use the other kernels.
+the simulator's other kernels); a layer over that bound is split into input-channel chunks
+that each fit (:class:`OnednnConv`).
 
 The simulator's activations are int8 with zero point 0; oneDNN wants uint8 activations.
 ``q + 128`` (an XOR with 0x80 of the int8 bits) with zero point 128 is the same value, and
@@ -169,7 +170,8 @@ class NhwcRequant:
     ``clamp(round_half_even(acc * M[c] / 2**n[c] [+ other * Mb / 2**nb]))`` (+ relu / relu6),
     written as integers; or ``acc`` as int32 for a high-precision output.
 
-    Evaluated in float64 in four passes (multiply, fused add, round, clamp) and a cast; exact by
+    Evaluated in float64 -- multiply, round and clamp in three passes through ``MAGIC`` without a
+    fused add; multiply, add, round, clamp and a cast with one -- exact by
     :func:`exact_in_float64`, which the caller checks with :meth:`applies`.
     """
 
