@@ -1192,7 +1192,10 @@ class _FastMaxPool:
         if 2 * ph > kh or 2 * pw > kw:  # torch rejects this; let it say so
             return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
         if x.dtype == torch.int8 and x.numel() and C >= _QUANTIZED_POOL_MIN_CHANNELS:
-            return self._qint8(x)
+            try:
+                return self._qint8(x)
+            except (AttributeError, NotImplementedError, RuntimeError):
+                pass  # a torch without (this form of) quantized tensors: the running maximum below
         Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
         need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
         Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
