@@ -273,6 +273,19 @@ def test_max_pool_kernels_agree(c, min_channels):
         _check_pool(c)
 
 
+def test_max_pool_without_quantized_tensors(monkeypatch):
+    """Where torch has no quantized tensors (deprecated), 64-channel int8 pools take the running
+    maximum and stay exact."""
+    def gone(*a, **k):
+        raise AttributeError("no quantized tensors in this torch")
+    t = Tiny(seed=5)
+    x = t.input(_ints(t.gen, (1, 64, 5, 6), "qint8"), 0.05)
+    gm = t.build(t.same_scale("max_pool2d", x, module=nn.MaxPool2d(3, 2, 1), name="pool"))
+    prog = lower_partition(gm, "bpu0")
+    monkeypatch.setattr(torch, "_make_per_tensor_quantized_tensor", gone)
+    _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
+
+
 def _windows_see_input(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> bool:
     """Every pooling window along one axis holds at least one real element (not only padding)."""
     out = fp.max_pool_out_size(size, k, s, p, d, ceil)
