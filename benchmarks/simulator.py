@@ -1,66 +1,136 @@
-"""BPU simulator speed vs float eager torch on the same inputs.
+"""BPU simulator speed vs the int8 runtimes a user would otherwise evaluate with, in one run.
 
-    python benchmarks/simulator.py [--models resnet18,mobilenet_v2] [--batches 1,8] [--size 224]
-                                   [--repeat 10] [--threads N] [--no-profile]
+    python benchmarks/simulator.py [--models resnet18,mobilenet_v2,unet] [--batches 1,8]
+                                   [--threads 1,2] [--size 224] [--repeat 10] [--no-profile]
+                                   [--kernels fast|fixed_point]
 
-For each zoo model: calibrate + QAT-prepare + ``convert_fx`` (on 224x224
-inputs by default), lower every BPU partition, and time on the same input:
+For each zoo model, the same float weights are quantized three ways on the same
+calibration batches (smooth-noise images, ``benchmarks/_data.py``), and timed on the
+same input (``zoo.example_inputs``):
 
-* ``float``      the float zoo model, eager torch (``torch.no_grad``);
-* ``converted``  the converted fixed-point model (``qcompiler.nn.quantized``), eager;
-* ``sim fast``   ``PartitionedRunner`` (all BPU partitions in the simulator with the
-  fast exact kernels + the CPU nodes in torch); int8 x int8 -> int32 GEMMs where
-  ``int8_gemm_available()`` (printed);
-* ``sim f32``    the fast kernels with float32 GEMMs only (``int8_gemm=False``: what a
-  machine without exact int8 GEMMs gets);
-* ``sim fp``     ``kernels="fixed_point"`` (the fixed_point functions exactly as the
-  converted modules call them).
+* ``ours``     the qcompiler simulator: ``PartitionedRunner`` (every BPU partition in
+  the bit-exact fast simulator, any CPU node in torch).  Its output must be
+  ``torch.equal`` to the converted model's (the ``exact`` column; a mismatch stops the run);
+* ``ort``      onnxruntime int8: the float model exported to ONNX, then
+  ``onnxruntime.quantization.quantize_static`` (QDQ, uint8 activations, int8 per-channel
+  weights, MinMax calibration on the same batches), ``intra_op_num_threads`` = the thread
+  count, all graph optimizations;
+* ``torch.ao`` torch.ao FX int8: ``prepare_fx`` with the ``x86`` default qconfig mapping,
+  the same calibration, ``convert_fx`` (the ``x86`` quantized engine);
+* ``float``    the float model in eager torch.
 
-Times are the best of ``--repeat`` runs after one warm-up (``time.perf_counter``), the
-contenders run in rotation (the slow ``converted`` / ``sim fp`` get a third of the repeats);
-the torch thread count is fixed and printed.  Every simulator output is
-checked equal (``torch.equal``) to the converted model's.  With profiling on,
-the fast simulator's time per op kind and the top aten kernels are printed for
-the largest batch.
+Each peer has its own accuracy (onnxruntime's and torch.ao's quantization differ from
+ours); the point is speed on the same work.  ``torch.set_num_threads`` and onnxruntime's
+``intra_op_num_threads`` are set to the same count.  Times are the best of ``--repeat``
+calls after a warm-up, the four contenders in rotation, so a change of machine load hits
+all of them alike; the ratio ``ours / min(ort, torch.ao)`` is what the goal is measured on
+(<= 1.0).  With profiling on, the simulator's time per op kind (each op timed alone with
+``perf_counter``) is printed for every model and batch at the first thread count.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
+import os
+import platform
+import subprocess
+import tempfile
 import time
+import warnings
 from collections import defaultdict
 from functools import partial
 
+import numpy as np
 import torch
 from tabulate import tabulate
 
 import qcompiler.zoo as zoo
+from benchmarks._data import SmoothNoise, stack
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.quantization.convert import convert_fx
 
+CALIB_BATCHES, CALIB_BATCH = 4, 4
 
-def converted_model(name: str, size: int, march: str = "bayes"):
-    kw = dict(image_size=size)
-    cal = prepare_calibration_fx(zoo.get(name), None, example_inputs=zoo.example_inputs(name, **kw),
+
+def calibration_batches(size: int) -> list[torch.Tensor]:
+    ds = SmoothNoise(CALIB_BATCHES * CALIB_BATCH, size=size, seed=7)
+    return [stack(ds, i * CALIB_BATCH, (i + 1) * CALIB_BATCH) for i in range(CALIB_BATCHES)]
+
+
+def converted_model(name: str, size: int, calib: list[torch.Tensor], march: str = "bayes"):
+    cal = prepare_calibration_fx(zoo.get(name), None, example_inputs=zoo.example_inputs(name, image_size=size),
                                  hybrid=True, march=march)
     cal.eval()
     with torch.no_grad():
-        for b in range(2):
-            cal(zoo.example_inputs(name, batch=2, **kw)[0] + 0.1 * b)
+        for x in calib:
+            cal(x)
     qat = prepare_qat_fx(cal, hybrid=True)
     set_state(qat, "validation")
     qat.eval()
     return convert_fx(qat)
 
 
-def best_times(fns: dict, repeat: int) -> dict:
-    """Best-of-``repeat`` seconds of each callable, run in rotation (one warm-up each first).
+def torch_ao_model(model: torch.nn.Module, x: torch.Tensor, calib: list[torch.Tensor]):
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx as ao_convert
+    from torch.ao.quantization.quantize_fx import prepare_fx
 
-    Rotating rather than timing one contender after the other keeps a change
-    of machine load from favouring whichever ran in the quiet phase.
-    """
+    torch.backends.quantized.engine = "x86"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(copy.deepcopy(model).eval(), get_default_qconfig_mapping("x86"), (x,))
+        with torch.no_grad():
+            for b in calib:
+                prepared(b)
+        return ao_convert(prepared)
+
+
+class _Reader:
+    """onnxruntime's CalibrationDataReader over the calibration batches."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self._it = iter([{"x": b.numpy()} for b in batches])
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def ort_int8_model(model: torch.nn.Module, x: torch.Tensor, calib: list[torch.Tensor], folder: str):
+    """Path of the QDQ u8s8 per-channel statically quantized ONNX model."""
+    import onnxruntime.quantization as oq
+
+    fp32 = os.path.join(folder, "float.onnx")
+    pre = os.path.join(folder, "float_pre.onnx")
+    q8 = os.path.join(folder, "int8.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(copy.deepcopy(model).eval(), (x,), fp32, input_names=["x"], output_names=["y"],
+                          dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, opset_version=17, dynamo=False)
+        oq.quant_pre_process(fp32, pre, skip_symbolic_shape=True)
+        oq.quantize_static(pre, q8, _Reader(calib), quant_format=oq.QuantFormat.QDQ,
+                           activation_type=oq.QuantType.QUInt8, weight_type=oq.QuantType.QInt8,
+                           per_channel=True, calibrate_method=oq.CalibrationMethod.MinMax)
+    return q8
+
+
+def ort_session(path: str, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return lambda xn: sess.run(None, {"x": xn})[0]
+
+
+def best_times(fns: dict, repeat: int) -> dict:
+    """Best-of-``repeat`` seconds of each callable, run in rotation (one warm-up each first)."""
     for fn in fns.values():
         fn()
     best = {k: float("inf") for k in fns}
@@ -81,83 +151,127 @@ def _timed(fn, kind: str, totals: dict):
     return timed
 
 
-def op_kind_profile(runner: PartitionedRunner, x: torch.Tensor) -> dict[str, float]:
-    """Seconds per BPU op kind over one run (each op timed with perf_counter)."""
-    totals: dict[str, float] = defaultdict(float)
-    originals = {}
-    for sim in runner.simulators.values():
-        steps = []
-        originals[sim] = sim._steps
-        for (fn, ins, out, free), op in zip(sim._steps, sim.program.ops):
-            kind = op.kind + ("+add" if op.attrs.get("with_add") else "") + (
-                "(dw)" if op.kind == "conv2d" and op.attrs.get("groups", 1) > 1 else "")
-            steps.append((_timed(fn, kind, totals), ins, out, free))
-        sim._steps = steps
+def op_kind(op) -> str:
+    a = op.attrs
+    kind = op.kind
+    if kind == "conv2d":
+        w = op.tensors["weight"]
+        if int(a.get("groups", 1)) > 1:
+            kind += "(dw)" if w.shape[1] == 1 else "(grouped)"
+        else:
+            kind += f"({w.shape[2]}x{w.shape[3]})"
+    return kind + ("+add" if a.get("with_add") else "")
+
+
+def op_kind_profile(runner: PartitionedRunner, x: torch.Tensor, repeat: int = 3) -> dict[str, float]:
+    """Seconds per BPU op kind (best total of ``repeat`` runs), each op timed with perf_counter;
+    '(outside ops)' is the rest of the run (CPU nodes, boundary conversion, dispatch)."""
+    best: dict[str, float] = {}
+    originals = {sim: sim._steps for sim in runner.simulators.values()}
     try:
-        t0 = time.perf_counter()
-        runner(x)
-        totals["(total)"] = time.perf_counter() - t0
+        for _ in range(repeat):
+            totals: dict[str, float] = defaultdict(float)
+            for sim in runner.simulators.values():
+                sim._steps = [(_timed(fn, op_kind(op), totals), ins, out, free)
+                              for (fn, ins, out, free), op in zip(originals[sim], sim.program.ops)]
+            t0 = time.perf_counter()
+            runner(x)
+            total = time.perf_counter() - t0
+            totals["(outside ops)"] = total - sum(totals.values())
+            totals["(total)"] = total
+            if not best or total < best["(total)"]:
+                best = dict(totals)
     finally:
         for sim, steps in originals.items():
             sim._steps = steps
-    return dict(totals)
+    return best
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+def environment() -> str:
+    import onnxruntime
+
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {_commit()}, "
+            f"{cpu} ({os.cpu_count()} cpus, {torch.backends.cpu.get_cpu_capability()}), "
+            f"python {platform.python_version()}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+            f"numpy {np.__version__}; exact int8 GEMM: {int8_gemm_available()}; load average at start {load:.2f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="resnet18,mobilenet_v2")
+    ap.add_argument("--models", default="resnet18,mobilenet_v2,unet")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--threads", default="1,2")
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--kernels", default="fast", choices=("fast", "fixed_point"))
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, input {args.size}x{args.size}, "
-          f"best of {args.repeat}, exact int8 GEMM available: {int8_gemm_available()}")
+    # torch.ao's quantized cat warns at every call that its inputs' scales differ (unet)
+    warnings.filterwarnings("ignore", message="All inputs of this cat operator")
+    threads = [int(t) for t in args.threads.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    print(environment())
+    print(f"input {args.size}x{args.size}, threads {threads}, best of {args.repeat} in rotation, "
+          f"calibration {CALIB_BATCHES} batches of {CALIB_BATCH}")
     rows, profiles = [], {}
-    for name in args.models.split(","):
-        t0 = time.perf_counter()
-        q = converted_model(name, args.size)
-        programs = lower_bpu_partitions(q)
-        fast = PartitionedRunner(q, programs, kernels="fast")
-        f32 = PartitionedRunner(q, programs, kernels="fast", int8_gemm=False)
-        slow = PartitionedRunner(q, programs, kernels="fixed_point")
-        print(f"{name}: converted + lowered in {time.perf_counter() - t0:.1f}s; BPU programs: "
-              + ", ".join(f"{k} ({len(p.ops)} ops)" for k, p in programs.items()))
-        f = zoo.get(name).eval()
-        batches = [int(b) for b in args.batches.split(",")]
-        for b in batches:
-            x = zoo.example_inputs(name, batch=b, image_size=args.size)[0]
-            with torch.no_grad():
-                ref = q(x)
-                for runner, label in ((fast, "fast"), (f32, "fast/f32"), (slow, "fixed_point")):
-                    if not torch.equal(runner(x), ref):
-                        raise SystemExit(f"{name} b{b}: simulator ({label}) output != converted model output")
-                t = best_times({"float": partial(f, x), "fast": partial(fast, x), "f32": partial(f32, x)},
-                               args.repeat)
-                t.update(best_times({"conv": partial(q, x), "fp": partial(slow, x)}, max(2, args.repeat // 3)))
-                t_float, t_conv, t_fast, t_f32, t_fp = t["float"], t["conv"], t["fast"], t["f32"], t["fp"]
-            rows.append([name, b, f"{t_float * 1e3:.1f}", f"{t_conv * 1e3:.1f}", f"{t_fast * 1e3:.1f}",
-                         f"{t_f32 * 1e3:.1f}", f"{t_fp * 1e3:.1f}", f"{t_fast / t_float:.2f}",
-                         f"{t_f32 / t_float:.2f}", f"{t_fp / t_float:.2f}", f"{t_conv / t_float:.2f}"])
-            if not args.no_profile and b == max(batches):
-                with torch.no_grad():
-                    kinds = op_kind_profile(fast, x)
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                        fast(x)
-                profiles[(name, b)] = (kinds, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    calib = calibration_batches(args.size)
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.models.split(","):
+            t0 = time.perf_counter()
+            torch.set_num_threads(max(threads))
+            q = converted_model(name, args.size, calib)
+            programs = lower_bpu_partitions(q)
+            ours = PartitionedRunner(q, programs, kernels=args.kernels)
+            f = zoo.get(name).eval()
+            x1 = zoo.example_inputs(name, image_size=args.size)[0]
+            ao = torch_ao_model(f, x1, calib)
+            os.makedirs(os.path.join(folder, name))
+            onnx_path = ort_int8_model(f, x1, calib, os.path.join(folder, name))
+            print(f"{name}: prepared in {time.perf_counter() - t0:.1f}s; BPU programs: "
+                  + ", ".join(f"{k} ({len(p.ops)} ops)" for k, p in programs.items()))
+            for t in threads:
+                torch.set_num_threads(t)
+                ort_run = ort_session(onnx_path, t)
+                for b in batches:
+                    x = zoo.example_inputs(name, batch=b, image_size=args.size)[0]
+                    xn = x.numpy()
+                    with torch.no_grad():
+                        exact = torch.equal(ours(x), q(x))
+                        if not exact:
+                            raise SystemExit(f"{name} batch {b}: simulator output != converted model output")
+                        tm = best_times({"ours": partial(ours, x), "ort": partial(ort_run, xn),
+                                         "ao": partial(ao, x), "float": partial(f, x)}, args.repeat)
+                        if not args.no_profile and t == threads[0]:
+                            profiles[(name, b)] = op_kind_profile(ours, x)
+                    peer = min(tm["ort"], tm["ao"])
+                    rows.append([name, b, t, f"{tm['ours'] * 1e3:.1f}", f"{tm['ort'] * 1e3:.1f}",
+                                 f"{tm['ao'] * 1e3:.1f}", f"{tm['float'] * 1e3:.1f}", f"{tm['ours'] / peer:.2f}",
+                                 f"{tm['ours'] / tm['float']:.2f}", "yes" if exact else "NO"])
+                    print("  " + "  ".join(str(c) for c in rows[-1]), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "batch", "float ms", "converted ms", "sim fast ms", "sim f32 ms",
-                                  "sim fp ms", "fast/float", "f32/float", "fp/float", "converted/float"],
+    print(tabulate(rows, headers=["model", "batch", "threads", "ours ms", "ort int8 ms", "torch.ao int8 ms",
+                                  "float ms", "ours / faster int8", "ours / float", "exact"],
                    tablefmt="github"))
-    for (name, b), (kinds, table) in profiles.items():
+    for (name, b), kinds in profiles.items():
         total = kinds.pop("(total)")
-        print(f"\n{name} batch {b}: fast simulator time per BPU op kind (run total {total * 1e3:.1f} ms)")
+        print(f"\n{name} batch {b}, {threads[0]} thread(s): simulator time per op kind (run total {total * 1e3:.1f} ms)")
         print(tabulate(sorted(([k, f"{v * 1e3:.1f}", f"{v / total:.0%}"] for k, v in kinds.items()),
                               key=lambda r: -float(r[1])), headers=["op kind", "ms", "share"], tablefmt="github"))
-        print(f"\n{name} batch {b}: top aten kernels (torch.profiler, fast simulator)")
-        print(table)
 
 
 if __name__ == "__main__":

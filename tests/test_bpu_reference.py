@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
 from qcompiler.backends.bpu.simulator import BpuSimulator, int8_gemm_available, run_partitioned
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT
 from qcompiler.nn import quantized as qnn
@@ -27,8 +28,9 @@ from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
 # every kernel set: fixed_point calls, the fast kernels with float GEMMs, and with int8 GEMMs
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
-    [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
+CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
+    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
+    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 
 class Tiny:

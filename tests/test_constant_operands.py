@@ -21,6 +21,7 @@ from test_export_onnx import end_to_end_check, teacher_forced_check
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
+from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
 from qcompiler.backends.bpu.simulator import int8_gemm_available, run_partitioned
 from qcompiler.compiled import lower
 from qcompiler.errors import QCompilerWarning
@@ -36,8 +37,9 @@ from qcompiler.quantization import (
     set_state,
 )
 
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
-    [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
+CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
+    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
+    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 
 class Net(nn.Module):

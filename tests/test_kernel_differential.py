@@ -21,23 +21,27 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_bpu_reference import Tiny, geometry, rand_scales, rand_w, weight_layer
 
 from qcompiler.backends.bpu import simulator as sim_mod
 from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.onednn_conv import NhwcRequant, exact_in_float64, onednn_conv_available
 from qcompiler.backends.bpu.simulator import (
     BpuSimulator,
     int8_gemm_available,
     run_partitioned,
 )
 from qcompiler.compiled import compile as qc_compile
+from qcompiler.nn import quantized as qnn
+from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
 MARCHES = ("bayes", "bernoulli2")
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False)] + (
-    [dict(kernels="fast", int8_gemm=True)] if int8_gemm_available() else [])
+CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
+    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
+    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -57,7 +61,7 @@ def _outputs(prog, inputs: dict) -> dict:
     got = {}
     for cfg in CONFIGS:
         out = BpuSimulator(prog, **cfg).run(inputs)
-        got[f"{cfg['kernels']}/int8={cfg.get('int8_gemm')}"] = {
+        got[f"{cfg['kernels']}/int8={cfg.get('int8_gemm')}/onednn={cfg.get('onednn')}"] = {
             k: v.int_repr() if isinstance(v, QTensor) else v for k, v in out.items()}
     return got
 
@@ -66,7 +70,7 @@ def _check_program(prog, inputs: dict) -> None:
     """All kernel sets equal to each other and to the int64 reference, bit for bit."""
     got = _outputs(prog, inputs)
     want = ref.run_program(prog, {k: v.numpy() for k, v in inputs.items()})
-    base = got["fixed_point/int8=None"]
+    base = got["fixed_point/int8=None/onednn=None"]
     for cfg, outs in got.items():
         for spec in prog.outputs:
             g, b = outs[spec.name], base[spec.name]
@@ -240,7 +244,7 @@ def test_conv2d_kernels_agree(case):
     _check_program(prog, inputs)
 
 
-# ---------------------------------------------------------------------------- max pool (the other fast kernel)
+# ---------------------------------------------------------------------------- max pool (int8: torch's quantized max pool)
 
 
 @st.composite
@@ -257,15 +261,166 @@ def pool_cases(draw):
                 seed=draw(st.integers(0, 2 ** 16)))
 
 
+@pytest.mark.parametrize("min_channels", [None, 1], ids=["default", "quantized_always"])
 @SETTINGS
-@given(pool_cases())
-def test_max_pool_kernels_agree(c):
+@given(c=pool_cases())
+def test_max_pool_kernels_agree(c, min_channels):
+    """int8 pools take torch's quantized max pool from 64 channels, the running maximum below;
+    ``quantized_always`` forces the quantized path for every channel count."""
+    with pytest.MonkeyPatch.context() as mp:
+        if min_channels is not None:
+            mp.setattr(sim_mod, "_QUANTIZED_POOL_MIN_CHANNELS", min_channels)
+        _check_pool(c)
+
+
+def test_max_pool_without_quantized_tensors(monkeypatch):
+    """Where torch has no quantized tensors (deprecated), 64-channel int8 pools take the running
+    maximum and stay exact."""
+    def gone(*a, **k):
+        raise AttributeError("no quantized tensors in this torch")
+    t = Tiny(seed=5)
+    x = t.input(_ints(t.gen, (1, 64, 5, 6), "qint8"), 0.05)
+    gm = t.build(t.same_scale("max_pool2d", x, module=nn.MaxPool2d(3, 2, 1), name="pool"))
+    prog = lower_partition(gm, "bpu0")
+    monkeypatch.setattr(torch, "_make_per_tensor_quantized_tensor", gone)
+    _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
+
+
+def _windows_see_input(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> bool:
+    """Every pooling window along one axis holds at least one real element (not only padding)."""
+    out = fp.max_pool_out_size(size, k, s, p, d, ceil)
+    return all(any(0 <= o * s - p + i * d < size for i in range(k)) for o in range(out))
+
+
+def _check_pool(c):
+    # a window of padding only has no defined integer maximum (the int64 reference refuses it)
+    assume(all(_windows_see_input(c[dim], c["k"][a], c["stride"][a], c["padding"][a], c["dilation"][a], c["ceil"])
+               for a, dim in enumerate(("H", "W"))))
     t = Tiny(seed=c["seed"])
     x = t.input(_ints(t.gen, (c["N"], c["C"], c["H"], c["W"]), c["dtype"]), 0.05, c["dtype"])
     pool = nn.MaxPool2d(c["k"], c["stride"], c["padding"], c["dilation"], ceil_mode=c["ceil"])
     gm = t.build(t.same_scale("max_pool2d", x, module=pool, dtype=c["dtype"], name="pool"))
     prog = lower_partition(gm, "bpu0")
     _check_program(prog, {v.name: _layout(x_, c["layout"]) for v, x_ in zip(prog.inputs, t.inputs)})
+
+
+# ---------------------------------------------------------------------------- cat and nearest resize
+
+
+@st.composite
+def cat_cases(draw):
+    k = draw(st.integers(1, 3))
+    return dict(
+        N=draw(st.integers(1, 2)), C=[draw(st.integers(1, 4)) for _ in range(k)], H=draw(st.integers(1, 4)),
+        W=draw(st.integers(1, 4)), dim=draw(st.sampled_from([1, 1, 0, 2, 3, -1])),
+        dtypes=[draw(st.sampled_from(["qint8", "qint8", "qint16"])) for _ in range(k)],
+        scales=[draw(st.sampled_from(SCALES)) for _ in range(k)],
+        out_scale=draw(st.sampled_from(SCALES)), out_dtype=draw(st.sampled_from(["qint8", "qint16"])),
+        layout=draw(st.sampled_from(["plain", "channels_last", "transposed", "padded", "broadcast"])),
+        seed=draw(st.integers(0, 2 ** 16)),
+    )
+
+
+@SETTINGS
+@given(cat_cases())
+def test_cat_kernels_agree(c):
+    """The fast cat (copy at factor 1, float64 requantization else) equals the int64 reference,
+    inputs at the output scale included (the copy), and concatenation along every dim."""
+    t = Tiny(seed=c["seed"])
+    d = c["dim"] % 4
+    xs = []
+    for i, (C, dtype, scale) in enumerate(zip(c["C"], c["dtypes"], c["scales"])):
+        shape = [c["N"], C, c["H"], c["W"]] if d == 1 else [c["N"], c["C"][0], c["H"], c["W"]]
+        if d != 1:
+            shape[d] += i  # other sizes along the cat dim
+        xs.append(t.input(_ints(t.gen, shape, dtype), c["out_scale"] if i == 0 else scale, dtype))
+    scales = [c["out_scale"]] + c["scales"][1:]
+    cat = t.call(qnn.QuantizedCat(scales, c["out_scale"], c["out_dtype"]), xs, dim=c["dim"], name="cat")
+    prog = lower_partition(t.build(cat), "bpu0")
+    _check_program(prog, {v.name: _layout(x_, c["layout"]) for v, x_ in zip(prog.inputs, t.inputs)})
+
+
+@pytest.mark.parametrize("shape,dim,layout", [((1, 3, 200, 190), 1, "channels_last"), ((3, 2, 150, 160), 1, "plain"),
+                                              ((2, 3, 170, 200), 2, "transposed")])
+def test_cat_in_slices_equals_fixed_point(shape, dim, layout):
+    """Inputs larger than one slice of the fast cat (several float64 slices per input) give the
+    fixed_point kernel's result (itself equal to the int64 reference above), ties included."""
+    t = Tiny(seed=sum(shape))
+    xs = [t.input(_ints(t.gen, shape, "qint8"), s) for s in (0.05, 0.025)]  # 0.05 / 0.04: exact ties
+    prog = lower_partition(t.build(t.call(qnn.QuantizedCat([0.05, 0.025], 0.04, "qint8"), xs, dim=dim,
+                                          name="cat")), "bpu0")
+    inputs = {v.name: _layout(x_, layout) for v, x_ in zip(prog.inputs, t.inputs)}
+    got = _outputs(prog, inputs)
+    base = got.pop("fixed_point/int8=None/onednn=None")
+    assert all(torch.equal(g["cat"], base["cat"]) for g in got.values())
+
+
+@SETTINGS
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 6), st.integers(1, 6), st.integers(1, 13),
+       st.integers(1, 13), st.sampled_from(SCALES), st.sampled_from(SCALES + ("same",)),
+       st.sampled_from(["qint8", "qint16"]),
+       st.sampled_from(["plain", "channels_last", "transposed", "padded", "broadcast"]), st.integers(0, 2 ** 16))
+def test_nearest_resize_kernels_agree(N, C, H, W, Ho, Wo, in_scale, out_scale, in_dtype, layout, seed):
+    """The fast nearest resize (requantize the input, then select bytes) equals the reference:
+    up- and down-sampling to any size, at the same scale (no requantization) or another."""
+    t = Tiny(seed=seed)
+    x = t.input(_ints(t.gen, (N, C, H, W), in_dtype), in_scale, in_dtype)
+    out_scale = in_scale if out_scale == "same" else out_scale
+    y = t.call(qnn.QuantizedResize("nearest", in_scale, out_scale, "qint8", (Ho, Wo), None), x, name="resize")
+    prog = lower_partition(t.build(y), "bpu0")
+    _check_program(prog, {v.name: _layout(x_, layout) for v, x_ in zip(prog.inputs, t.inputs)})
+
+
+# ---------------------------------------------------------------------------- oneDNN convolutions
+
+
+@pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
+@pytest.mark.parametrize("cin,k,weights", [(1100, 1, "extreme"), (700, 1, "extreme"), (300, 3, "full"),
+                                           (40, 3, "extreme")])
+def test_onednn_conv_splits_input_channels(cin, k, weights):
+    """Layers whose L1 bound passes 2**24 run as several oneDNN convolutions over input-channel
+    chunks (summed in float64); the result equals the int64 reference.  +-127 weights over 1100
+    channels are the worst case of one chunk per ~1030 channels."""
+    t = Tiny(seed=cin)
+    x = t.input(_ints(t.gen, (1, cin, 3, 3), "qint8"), 0.05)
+    w = _weights(t.gen, (3, cin, k, k), weights)
+    layer = weight_layer("conv2d", w, rand_scales(t.gen, 3), torch.randn(3, generator=t.gen), 0.05, 0.5,
+                         geometry=geometry(1, k // 2, 1, 1), act="relu", name="conv")
+    prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
+    conv_op = next(op for op in prog.ops if op.kind == "conv2d")
+    kernel = next(s[0] for s in BpuSimulator(prog, onednn=True)._steps if isinstance(s[0], sim_mod._OnednnConvLayer))
+    bound = 128 * int(w.abs().sum(dim=(1, 2, 3)).max()) + int(conv_op.tensors["bias"].abs().max())
+    assert (len(kernel.conv.chunks) > 1) == (bound >= 2 ** 24)
+    _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
+
+
+def test_float64_epilogue_exactness_rule():
+    """Where the float64 epilogue is exact: n <= 53 - b without a fused add; with one, also the
+    other term's magnitude and shift count.  Outside, oneDNN layers use the tie-checking epilogue."""
+    assert exact_in_float64(46, 7) and not exact_in_float64(47, 7)
+    assert exact_in_float64(38, 15) and not exact_in_float64(39, 15)
+    assert exact_in_float64(40, 7, other_max=128.0, nb=40)
+    assert not exact_in_float64(45, 7, other_max=128.0, nb=30)  # 2**7 + 1 + 128 > 2**8
+    assert not exact_in_float64(30, 7, other_max=1.0, nb=46)  # the sum's grid is 2**-46
+    assert NhwcRequant.applies(torch.tensor([40, 41]), "qint8")
+    assert not NhwcRequant.applies(torch.tensor([40, 50]), "qint8")
+    assert not NhwcRequant.applies(torch.tensor([10]), "qint32")
+
+
+@pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
+def test_onednn_layer_falls_back_when_the_epilogue_is_not_proven():
+    """A shift past 53 - b makes the builder pick the tie-checking kernel; results stay exact."""
+    t = Tiny(seed=3)
+    x = t.input(_ints(t.gen, (1, 4, 5, 5), "qint8"), 0.05)
+    w = _weights(t.gen, (3, 4, 3, 3), "full")
+    # a tiny real multiplier: n = 31 + ~20 > 46
+    layer = weight_layer("conv2d", w, torch.full((3,), 1e-7), None, 0.05, 1.0, geometry=geometry(1, 1, 1, 1),
+                         name="conv")
+    prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
+    assert int(next(op for op in prog.ops if op.kind == "conv2d").tensors["n"].max()) > 46
+    kinds = [type(s[0]).__name__ for s in BpuSimulator(prog, onednn=True)._steps]
+    assert "_OnednnConvLayer" not in kinds and "_FastConv" in kinds
+    _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
 
 
 # ---------------------------------------------------------------------------- the int8 GEMM entry

@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "qcompiler.quantization.weight_rounding", "qcompiler.quantization.model_check",
                   "qcompiler.quantization.mixed_precision")),
     ("lowering", ("qcompiler.backends.bpu.lower", "qcompiler.backends.bpu.program",
-                  "qcompiler.backends.bpu.simulator", "qcompiler.backends.onnx", "qcompiler.backends.ort",
+                  "qcompiler.backends.bpu.simulator", "qcompiler.backends.bpu.onednn_conv", "qcompiler.backends.onnx", "qcompiler.backends.ort",
                   "qcompiler.backends.eager", "qcompiler.runtime")),
     ("facade", ("qcompiler.compiled", "qcompiler.onnx", "qcompiler.artifact", "qcompiler.distributed")),
     ("tools", ("qcompiler.tools", "qcompiler.__init__")),

@@ -11,10 +11,21 @@ computes, bit for bit.  Two kernel sets are available:
     construction).
 
 ``kernels="fast"`` (default)
-    conv2d / linear / max_pool2d use faster kernels that are *provably*
-    exact (and are tested bit-exact against ``fixed_point`` and a
-    pure-integer reference):
+    conv2d / linear / max_pool2d / cat / nearest resize use faster kernels
+    that are *provably* exact (and are tested bit-exact against
+    ``fixed_point`` and a pure-integer reference):
 
+    * int8 convs (any groups) go to oneDNN's int8 convolution when
+      :func:`~qcompiler.backends.bpu.onednn_conv.onednn_conv_available`
+      verified it once (``onednn=``): float32 accumulators exact below 2**24
+      (proven per chunk of input channels), requantized in float64 in
+      channels-last memory with no tie check (proven statically; see
+      ``backends/bpu/onednn_conv.py``).  Layers whose epilogue is not
+      proven exact that way, and int16 inputs, use the kernels below.
+    * int8 max pools are torch's quantized max pool on the same bytes; cat
+      copies or requantizes each input into its output slice in float64
+      (exact for int8/int16 inputs); nearest resize requantizes the input,
+      then selects bytes.
     * int8 x int8 -> int32 GEMMs (``torch._int_mm``, oneDNN) when
       :func:`int8_gemm_available` verified once that they do not saturate on
       this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
@@ -50,8 +61,8 @@ computes, bit for bit.  Two kernel sets are available:
     * max pool is the running maximum of the strided windows of a
       qmin-padded copy (equal to ``F.max_pool2d``).
 
-    Everything else (add, cat, avg pools, LUTs, matmul, ...) uses the
-    fixed_point functions in both modes.
+    Everything else (add, avg pools, LUTs, matmul, bilinear resize, ...) uses
+    the fixed_point functions in both modes.
 
 Accumulator overflow is never silent: every accumulating op either proves its
 int32 range statically or checks it on the data, raising
@@ -66,6 +77,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -75,6 +87,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
+from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
@@ -134,7 +147,8 @@ class BpuSimulator:
     not run in two threads at once (it reuses scratch buffers).
     """
 
-    def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None) -> None:
+    def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None,
+                 onednn: Optional[bool] = None) -> None:
         if kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         program.validate()
@@ -143,7 +157,11 @@ class BpuSimulator:
             int8_gemm = kernels == "fast" and int8_gemm_available()
         elif int8_gemm and not int8_gemm_available():
             raise ConfigError("int8_gemm=True but torch._int_mm is not exact (or missing) on this machine")
-        self.int8_gemm = bool(int8_gemm)
+        if onednn is None:
+            onednn = kernels == "fast" and onednn_conv_available()
+        elif onednn and not onednn_conv_available():
+            raise ConfigError("onednn=True but oneDNN's int8 convolution is not exact (or missing) on this machine")
+        self.int8_gemm, self.onednn = bool(int8_gemm), bool(onednn)
         self.specs = program.value_specs()
         self._ws = _Workspace()
         self._steps: list[tuple[Callable, tuple[str, ...], str, tuple[str, ...]]] = []
@@ -153,7 +171,8 @@ class BpuSimulator:
                 last_use[name] = i
         keep = {v.name for v in program.outputs}
         for i, op in enumerate(program.ops):
-            fn = _compile(op, self.specs, f"{program.name}/{op.output}", kernels, self._ws, self.int8_gemm)
+            fn = _compile(op, self.specs, f"{program.name}/{op.output}", kernels, self._ws, self.int8_gemm,
+                          self.onednn)
             free = tuple(n for n in dict.fromkeys(op.inputs) if last_use.get(n) == i and n not in keep)
             self._steps.append((fn, tuple(op.inputs), op.output, free))
         self._in_checks = [(v, _input_check(v, program.name)) for v in program.inputs]
@@ -221,13 +240,14 @@ def _output_wrap(spec: ValueSpec) -> Callable[[torch.Tensor], Any]:
 @dataclass(frozen=True)
 class KernelSpec:
     """What a kernel builder gets: the op, its inputs' specs, a name for errors, the scratch
-    buffers and whether the exact int8 GEMM may be used."""
+    buffers and whether the exact int8 GEMM / oneDNN int8 convolution may be used."""
 
     op: BpuOp
     in_specs: list[ValueSpec]
     name: str
     ws: _Workspace
     int8_gemm: bool
+    onednn: bool = False
 
     @property
     def attrs(self) -> dict:
@@ -261,18 +281,22 @@ def _kernel(table: dict[str, KernelBuilder], *kinds: str) -> Callable[[KernelBui
 
 
 def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws: _Workspace,
-             int8_gemm: bool = False) -> Callable:
+             int8_gemm: bool = False, onednn: bool = False) -> Callable:
     """The kernel of one op: the ``FAST`` overlay's with ``kernels="fast"``, else the ``REFERENCE`` one."""
     build = FAST.get(op.kind) if kernels == "fast" else None
     if build is None:
         build = REFERENCE.get(op.kind)
     if build is None:
         raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {op.kind!r}")
-    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm))
+    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn))
 
 
 @_kernel(FAST, "conv2d")
 def _fast_conv(k: KernelSpec) -> Callable:
+    if k.onednn:
+        layer = _OnednnConvLayer.build(k)
+        if layer is not None:
+            return layer
     return _FastConv(k.op, k.in_specs, k.name, k.ws, k.int8_gemm)
 
 
@@ -353,6 +377,86 @@ def _cat(k: KernelSpec) -> Callable:
         return torch.cat([fp.requantize(x, M, n, out_dtype, op=f"{name}[{i}]")
                           for i, (x, (M, n)) in enumerate(zip(xs, params))], dim=dim)
     return cat
+
+
+def _like(ws: _Workspace, key: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A scratch buffer of ``x``'s shape in its memory format (channels-last or contiguous), so
+    element-wise passes between them run at unit stride."""
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        N, C, H, W = x.shape
+        return ws.get(key, (N, H, W, C), dtype).permute(0, 3, 1, 2)
+    return ws.get(key, x.shape, dtype)
+
+
+@_kernel(FAST, "cat")
+def _fast_cat(k: KernelSpec) -> Callable:
+    """Each input requantized straight into its slice of the output: a copy when its factor is 1
+    and its dtype the output's, else ``clamp(round(q * (M * 2**-n)))`` in float64, exact for
+    int8/int16 inputs (``q * M`` is an integer below 2**53 and the power of two scales it exactly;
+    ``torch.round`` breaks ties to even like ``fixed_point.requantize``).  Channels-last inputs give a channels-last output."""
+    Ms, ns, dim = k.tensors["M"].tolist(), k.tensors["n"].tolist(), int(k.attrs["dim"])
+    bits = {"qint8": 7, "qint16": 15}
+    if any(bits.get(s.dtype) is None for s in k.in_specs):
+        return REFERENCE["cat"](k)
+    out_dtype = k.out_dtype
+    lo, hi = fp.qrange(out_dtype)
+    st = fp.storage_dtype(out_dtype)
+    plans = []
+    for spec, M, n in zip(k.in_specs, Ms, ns):
+        f = math.ldexp(float(M), -int(n))  # exact
+        plans.append(None if f == 1.0 and spec.dtype == out_dtype else torch.tensor([f], dtype=torch.float64))
+    ws = k.ws
+
+    def cat(*xs):
+        d = dim % xs[0].dim()
+        shape = list(xs[0].shape)
+        shape[d] = sum(x.shape[d] for x in xs)
+        cl = xs[0].dim() == 4 and xs[0].is_contiguous(memory_format=torch.channels_last) and \
+            not xs[0].is_contiguous()
+        out = torch.empty(shape, dtype=st, memory_format=torch.channels_last if cl else torch.contiguous_format)
+        off = 0
+        for x, f in zip(xs, plans):
+            dst = out.narrow(d, off, x.shape[d])
+            off += x.shape[d]
+            if f is None:
+                dst.copy_(x)
+                continue
+            # in slices along a dim other than the cat dim, so the float64 temporaries stay in cache
+            e = next((i for i in range(x.dim()) if i != d and x.shape[i] > 1), None)
+            step = max(1, _CAT_CHUNK * (x.shape[e] if e is not None else 1) // max(1, x.numel()))
+            for i0 in range(0, x.shape[e] if e is not None else 1, step):
+                xv = x if e is None else x.narrow(e, i0, min(step, x.shape[e] - i0))
+                dv = dst if e is None else dst.narrow(e, i0, xv.shape[e])
+                t = _like(ws, "cat", xv, torch.float64)
+                torch.mul(xv, f, out=t)
+                dv.copy_(t.round_().clamp_(lo, hi))
+        return out
+    return cat
+
+
+# elements of one float64 slice of the fast cat (512 KiB)
+_CAT_CHUNK = 1 << 16
+
+
+@_kernel(FAST, "resize_nearest")
+def _fast_resize_nearest(k: KernelSpec) -> Callable:
+    """Nearest resize of int8 values: the reference's per-element requantization
+    ``clamp(round(float64(q) * ratio))`` on the (smaller) input, then torch's nearest resize of
+    the bytes (a selection: the same source element per output position as in float64)."""
+    a, out_dtype = k.attrs, k.out_dtype
+    size, ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
+    lo, hi = fp.qrange(out_dtype)
+    st = fp.storage_dtype(out_dtype)
+    reference = REFERENCE["resize_nearest"](k)
+    if st != torch.int8 or k.in_specs[0].dtype not in ("qint8", "qint16"):
+        return reference
+
+    def resize(x):
+        if x.dim() != 4 or not x.numel():
+            return reference(x)
+        small = x if ratio == 1.0 and x.dtype == st else torch.round(x.double() * ratio).clamp_(lo, hi).to(st)
+        return F.interpolate(small.view(torch.uint8), size=size, mode="nearest").view(st)
+    return resize
 
 
 @_kernel(REFERENCE, "relu")
@@ -1022,6 +1126,59 @@ class _FastConv:
             self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check, fold)
 
 
+class _OnednnConvLayer:
+    """conv2d of int8 inputs as oneDNN's exact int8 convolution (float32 accumulator with the bias,
+    channels-last) and the float64 epilogue :class:`NhwcRequant`; the output stays channels-last.
+
+    Built only when both steps are proven exact for the layer (``build`` returns None otherwise):
+    ``128 * max_o sum |w[o]| + max |bias| < 2**24`` over each chunk of input channels (several
+    chunks only without groups) and ``NhwcRequant.applies``.
+    """
+
+    def __init__(self, conv: OnednnConv, epi: NhwcRequant, ws: _Workspace, fallback: Callable) -> None:
+        self.conv, self.epi, self.ws, self.fallback = conv, epi, ws, fallback
+
+    @staticmethod
+    def build(k: KernelSpec) -> Optional["_OnednnConvLayer"]:
+        a, T = k.attrs, k.tensors
+        if k.in_specs[0].dtype != "qint8":
+            return None
+        w, bias = T["weight"], T.get("bias")
+        groups = int(a["groups"])
+        max_bias = 0 if bias is None else int(bias.to(torch.int64).abs().max())
+        # input-channel chunks whose partial sums (+ the bias, added to the first) stay below 2**24
+        l1 = w.to(torch.int64).abs().sum(dim=(2, 3)).numpy()
+        chunks = _chunks(l1, _AMAX["qint8"], F32_EXACT - max_bias)
+        if chunks is None or (len(chunks) > 1 and groups != 1):
+            return None
+        if a["high_precision"]:
+            epi = NhwcRequant(None, None, torch.int32)
+        else:
+            out_dtype = a["out_dtype"]
+            add = (int(T["Mb"]), int(T["nb"])) if a["with_add"] else None
+            other_amax = _AMAX[k.in_specs[1].dtype] if add else 0
+            if not NhwcRequant.applies(T["n"], out_dtype, other_amax, add):
+                return None
+            lo, hi = fp.qrange(out_dtype)
+            if a["act"] == "relu":
+                lo = 0
+            elif a["act"] == "relu6":
+                lo, hi = 0, int(a["act_max"])
+            epi = NhwcRequant(T["M"], T["n"], _STORAGE[out_dtype], lo, hi, add)
+        conv = OnednnConv(w, bias, a["stride"], a["padding"], a["dilation"], groups, chunks, k.ws)
+        return _OnednnConvLayer(conv, epi, k.ws, _fixed_point_weight_layer(k.op, k.name))
+
+    def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dim() != 4 or x.dtype != torch.int8:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        return self.epi(self.conv(x), other, self.ws)
+
+
+# torch's quantized max pool vectorizes over channels: faster than the running maximum from
+# 64 channels (resnet18's 3x3 pool: 1.5 -> 0.3 ms), slower with 16-32 (unet's 2x2 pools)
+_QUANTIZED_POOL_MIN_CHANNELS = 64
+
+
 class _FastMaxPool:
     """Integer max pool as the running maximum of the kh*kw strided windows of a qmin-padded copy.
 
@@ -1040,6 +1197,11 @@ class _FastMaxPool:
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.k, self.s, self.p, self.d
         if 2 * ph > kh or 2 * pw > kw:  # torch rejects this; let it say so
             return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
+        if x.dtype == torch.int8 and x.numel() and C >= _QUANTIZED_POOL_MIN_CHANNELS:
+            try:
+                return self._qint8(x)
+            except (AttributeError, NotImplementedError, RuntimeError):
+                pass  # a torch without (this form of) quantized tensors: the running maximum below
         Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
         need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
         Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
@@ -1058,6 +1220,16 @@ class _FastMaxPool:
                 out = win.clone(memory_format=torch.contiguous_format) if out is None else \
                     torch.maximum(out, win, out=out)
         return out.permute(1, 0, 2, 3)
+
+    def _qint8(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's quantized max pool on the int8 values viewed as a qint8 tensor (scale 1, zero
+        point 0, no copy): the same integer maxima (padding never wins, as above), in one
+        vectorized channels-last pass.  torch warns that quantized tensors are deprecated."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch._make_per_tensor_quantized_tensor(x, 1.0, 0)
+            y = F.max_pool2d(q, self.k, self.s, self.p, self.d, ceil_mode=self.ceil)
+        return y.int_repr()
 
 
 class _FastLinear:
@@ -1153,10 +1325,10 @@ class PartitionedRunner:
     """
 
     def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
-                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None) -> None:
+                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None) -> None:
         self.gm = converted_gm
         self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
-        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm)
+        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn)
                            for name, p in self.programs.items()}
         by_name = {n.name: n for n in converted_gm.graph.nodes}
         self._node = by_name
@@ -1225,7 +1397,7 @@ class PartitionedRunner:
 
 def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], torch.Tensor],
                     programs: Optional[dict[str, BpuProgram]] = None, *, kernels: str = "fast",
-                    int8_gemm: Optional[bool] = None) -> Any:
+                    int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None) -> Any:
     """Run a converted model with BPU partitions in the simulator and CPU nodes in torch.
 
     ``inputs`` are the model's positional inputs (a tuple/list, or one tensor).
@@ -1234,4 +1406,4 @@ def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], t
     """
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm)(*inputs)
+    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn)(*inputs)
