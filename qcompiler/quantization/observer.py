@@ -142,16 +142,30 @@ class ObserverBase(nn.Module):
             d = x.detach()
             if not d.is_floating_point():
                 d = d.float()
-            if not bool(torch.isfinite(d).all()):
-                raise CalibrationError(
-                    f"observer {self._display_name()!r} saw NaN/Inf in its input; "
-                    f"check the data or the preceding layer"
-                )
             self._observe(d)
         return x
 
     def _observe(self, x: torch.Tensor) -> None:
+        """Record ``x``; call :meth:`_check_finite` on the extremes computed from it first."""
         raise NotImplementedError
+
+    def _check_finite(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """CalibrationError unless the extremes ``lo``/``hi`` of the input (overall or per channel) are finite.
+
+        ``torch.aminmax`` propagates NaN, so this is the input's NaN/Inf check without another
+        pass over it (``torch.isfinite(x).all()`` cost more than the observing).
+        """
+        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            raise CalibrationError(
+                f"observer {self._display_name()!r} saw NaN/Inf in its input; "
+                f"check the data or the preceding layer"
+            )
+
+    def _extremes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.aminmax(x)``, checked finite."""
+        lo, hi = torch.aminmax(x)
+        self._check_finite(lo, hi)
+        return lo, hi
 
     def sync_ranks(self) -> None:
         """Reduce the statistics over every rank of the default process group, exactly.
@@ -229,7 +243,7 @@ class MinMaxObserver(ObserverBase):
         return bool(self.min_val <= self.max_val)
 
     def _observe(self, x: torch.Tensor) -> None:
-        lo, hi = self._batch_extremes(*torch.aminmax(x))
+        lo, hi = self._batch_extremes(*self._extremes(x))
         self.min_val = torch.minimum(self.min_val, lo.float())
         self.max_val = torch.maximum(self.max_val, hi.float())
 
@@ -270,7 +284,7 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         self.averaging_constant = float(averaging_constant)
 
     def _observe(self, x: torch.Tensor) -> None:
-        lo, hi = self._batch_extremes(*torch.aminmax(x))
+        lo, hi = self._batch_extremes(*self._extremes(x))
         lo, hi = lo.float(), hi.float()
         if not self.has_observed:
             self.min_val, self.max_val = lo.clone(), hi.clone()
@@ -337,6 +351,7 @@ class PerChannelMinMaxObserver(ObserverBase):
                 f"but {self.min_val.numel()} before; one per-channel observer per tensor"
             )
         lo, hi = torch.aminmax(y, dim=1)
+        self._check_finite(lo, hi)
         return self._batch_extremes(lo.float(), hi.float())
 
     def _observe(self, x: torch.Tensor) -> None:
@@ -405,6 +420,9 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
 
 # ---------------------------------------------------------------------------
 # histogram family
+
+
+_F32_TINY, _F32_HUGE = 2.0 ** -126, 2.0 ** 127  # the normal float32 powers of two
 
 
 class HistogramObserver(ObserverBase):
@@ -512,20 +530,33 @@ class HistogramObserver(ObserverBase):
         self.hist_max.fill_(new_max)
 
     def _observe(self, x: torch.Tensor) -> None:
-        lo, hi = torch.aminmax(x)
-        self.min_val = torch.minimum(self.min_val, lo.float())
-        self.max_val = torch.maximum(self.max_val, hi.float())
-        a = x.float().abs().flatten().double()
-        amax = float(a.max())
+        lo, hi = self._extremes(x)
+        lo, hi = lo.float(), hi.float()
+        self.min_val = torch.minimum(self.min_val, lo)
+        self.max_val = torch.maximum(self.max_val, hi)
+        amax = max(-float(lo), float(hi))  # max |x| of the float32 values
         if amax > 0.0:
             self._grow(math.ldexp(1.0, math.frexp(amax)[1]))  # amax < 2**E <= 2 * amax
         r = float(self.hist_max)
         if r == 0.0:
-            self.histogram[0] += a.numel()
+            self.histogram[0] += x.numel()
             return
         n = self.histogram.numel()
-        idx = torch.floor(a * (n / r)).long()  # exact: n / r = n * 2**-E, a float32 value
-        self.histogram += torch.bincount(idx, minlength=n).double()
+        self.histogram += torch.bincount(self._bin_index(x, n / r), minlength=n).double()
+
+    @staticmethod
+    def _bin_index(x: torch.Tensor, per_unit: float) -> torch.Tensor:
+        """``floor(|x| * per_unit)`` of the float32 values ``x``, exactly; ``per_unit = n / 2**E``.
+
+        With ``n`` a power of two (the default 2 * 2048 bins) ``per_unit`` is a power of two (a
+        normal float32 unless the range is extreme, e.g. ``|x| < 2**-115``), so the float32 product is exact (below 1 it may round, but stays below 1: bin 0) and
+        truncating to int32 is the floor of a non-negative value: one pass in float32 instead of
+        a float64 copy. Otherwise the product is formed in float64 (24 + 21 bits, exact).
+        """
+        a = x.float().abs()
+        exact_in_float32 = math.frexp(per_unit)[0] == 0.5 and _F32_TINY <= per_unit <= _F32_HUGE
+        a = a.mul_(per_unit) if exact_in_float32 else a.double().mul_(per_unit)
+        return a.flatten().to(torch.int32 if exact_in_float32 else torch.int64)
 
     def sync_ranks(self) -> None:
         who = f"the histogram of observer {self._display_name()!r}"

@@ -1,0 +1,105 @@
+"""The observers' fast paths against the slow exact code they replaced (hypothesis, torch.equal).
+
+* ``HistogramObserver`` bins ``|x|`` in float32 (power-of-two bin counts) instead of a float64
+  copy; the reference below is the previous float64 code, verbatim.
+* Every observer checks NaN/Inf on the extremes it computes (``torch.aminmax`` propagates NaN)
+  instead of ``torch.isfinite(x).all()``: a NaN/Inf anywhere in a large tensor must still raise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qcompiler.errors import CalibrationError
+from qcompiler.quantization.observer import (
+    HistogramObserver,
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PercentileObserver,
+    PerChannelMinMaxObserver,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None)
+
+
+class ReferenceHistogram(HistogramObserver):
+    """The float64 binning the fast path replaced."""
+
+    def _observe(self, x: torch.Tensor) -> None:
+        lo, hi = torch.aminmax(x)
+        self.min_val = torch.minimum(self.min_val, lo.float())
+        self.max_val = torch.maximum(self.max_val, hi.float())
+        a = x.float().abs().flatten().double()
+        amax = float(a.max())
+        if amax > 0.0:
+            self._grow(math.ldexp(1.0, math.frexp(amax)[1]))
+        r = float(self.hist_max)
+        if r == 0.0:
+            self.histogram[0] += a.numel()
+            return
+        n = self.histogram.numel()
+        idx = torch.floor(a * (n / r)).long()
+        self.histogram += torch.bincount(idx, minlength=n).double()
+
+
+@st.composite
+def batches(draw):
+    out = []
+    for k in range(draw(st.integers(1, 4))):
+        n = draw(st.integers(1, 3000))
+        exponent = draw(st.integers(-140, 120))  # subnormals to near the float32 maximum
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+        x = torch.randn(n, generator=g) * 2.0 ** exponent
+        if draw(st.booleans()):  # exact bin edges and zeros
+            x = torch.round(x * 2.0 ** -exponent * 8) / 8 * 2.0 ** exponent
+        if draw(st.booleans()):
+            x = x.relu()
+        dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64, torch.float16]))
+        out.append(x.to(dtype))
+    return out
+
+
+@SETTINGS
+@given(batches(), st.sampled_from([2048, 1024, 2, 3, 1000, 2047]))
+def test_histogram_binning_equals_the_float64_reference(xs, bins):
+    fast, ref = HistogramObserver(bins=bins), ReferenceHistogram(bins=bins)
+    for x in xs:
+        if not bool(torch.isfinite(x.float()).all()):  # float16 overflow of the drawn values
+            return
+        fast(x)
+        ref(x)
+    for name in ("histogram", "hist_max", "min_val", "max_val"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert torch.equal(fast.calculate_amax(), ref.calculate_amax())
+
+
+def test_histogram_fast_path_is_taken_for_the_default_bins():
+    # the reference pins the results; this pins that the default takes the float32 path
+    x = torch.randn(1000)
+    assert HistogramObserver._bin_index(x, 4096 / 4.0).dtype == torch.int32
+    assert HistogramObserver._bin_index(x, 2000 / 4.0).dtype == torch.int64
+
+
+OBSERVERS = [MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver,
+             MovingAveragePerChannelMinMaxObserver, HistogramObserver, PercentileObserver]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("make", OBSERVERS, ids=lambda c: c.__name__)
+def test_one_bad_value_anywhere_in_a_large_tensor_raises(make, bad):
+    # vectorized reductions: the bad value at the start, in the middle, in the tail of a chunk
+    for where in (0, 12345, 4 * 64 * 64 * 16 - 1):
+        o = make()
+        x = torch.randn(4, 64, 64, 16)
+        x.view(-1)[where] = bad
+        with pytest.raises(CalibrationError, match="saw NaN/Inf"):
+            o(x)
+        assert not o.has_observed
+        o(torch.randn(4, 64, 64, 16))  # and good data still goes in afterwards
+        assert o.has_observed
