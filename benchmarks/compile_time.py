@@ -13,7 +13,8 @@ Both sides calibrate on the same batches (``--calib-batches`` smooth-noise image
   activations, per-channel min/max weights), the same calibration, ``convert_fx``;
 * float: the float model's eval forward over the same batches (what calibration is compared to).
 
-Times are best of ``--repeat`` per stage (each stage's minimum over the runs). Peak memory is
+Times are best of ``--repeat`` per stage (each stage's minimum over the runs), the sides run in
+turn in each round after one warm-up round. Peak memory is
 each side's whole compile in a fresh subprocess: ``ru_maxrss`` (peak resident set, torch's
 allocations included) after importing both libraries and building the model and data, so the
 two processes start from the same baseline; "compile peak" is the peak minus the RSS just
@@ -93,11 +94,6 @@ def float_forward(model, data: list) -> float:
         for b in data:
             model(b)
     return time.perf_counter() - t0
-
-
-def best_stages(repeat: int, run) -> dict[str, float]:
-    runs = [run() for _ in range(repeat)]
-    return {k: min(r[k] for r in runs) for k in runs[0]}
 
 
 def memory_child(side: str, name: str, image_size: int, batches: int, batch: int, threads: int) -> None:
@@ -212,10 +208,14 @@ def main(argv=None):
         x = zoo.example_inputs(name, image_size=args.image_size)
         data = calib_data(name, args.image_size, args.calib_batches, args.batch)
         float_model = zoo.get(name).eval()
-        float_forward(float_model, data[:1])  # warm-up
-        o = best_stages(args.repeat, lambda: ours(zoo.get(name), x, data))
-        p = best_stages(args.repeat, lambda: peer(zoo.get(name), x, data))
-        f = min(float_forward(float_model, data) for _ in range(args.repeat))
+        float_forward(float_model, data[:1])  # warm-up: first calls of each side's code paths
+        ours(zoo.get(name), x, data[:1])
+        peer(zoo.get(name), x, data[:1])
+        rounds = [(ours(zoo.get(name), x, data), peer(zoo.get(name), x, data), float_forward(float_model, data))
+                  for _ in range(args.repeat)]  # interleaved: a burst of load from elsewhere hits all sides
+        o = {k: min(r[0][k] for r in rounds) for k in rounds[0][0]}
+        p = {k: min(r[1][k] for r in rounds) for k in rounds[0][1]}
+        f = min(r[2] for r in rounds)
         for stage in ("prepare", "calibrate", "convert", "lower"):
             rows.append((name, stage, f"{o[stage]:.3f}", f"{p[stage]:.3f}" if stage != "lower" else "-",
                          f"{o[stage] / p[stage]:.2f}x" if stage != "lower" else "-"))

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcompiler.errors import CalibrationError
+from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization.observer import (
     HistogramObserver,
     MinMaxObserver,
@@ -66,7 +67,7 @@ def batches(draw):
 
 
 @SETTINGS
-@given(batches(), st.sampled_from([2048, 1024, 2, 3, 1000, 2047]))
+@given(batches(), st.sampled_from([2048, 1024, 2, 3, 1000, 2047, 1 << 14, 1 << 15]))
 def test_histogram_binning_equals_the_float64_reference(xs, bins):
     fast, ref = HistogramObserver(bins=bins), ReferenceHistogram(bins=bins)
     for x in xs:
@@ -82,8 +83,9 @@ def test_histogram_binning_equals_the_float64_reference(xs, bins):
 def test_histogram_fast_path_is_taken_for_the_default_bins():
     # the reference pins the results; this pins that the default takes the float32 path
     x = torch.randn(1000)
-    assert HistogramObserver._bin_index(x, 4096 / 4.0).dtype == torch.int32
-    assert HistogramObserver._bin_index(x, 2000 / 4.0).dtype == torch.int64
+    assert HistogramObserver._bin_index(x, 4096, 8.0).dtype == torch.int16
+    assert HistogramObserver._bin_index(x, 2 ** 16, 8.0).dtype == torch.int32
+    assert HistogramObserver._bin_index(x, 2000, 8.0).dtype == torch.int64
 
 
 OBSERVERS = [MinMaxObserver, MovingAverageMinMaxObserver, PerChannelMinMaxObserver,
@@ -103,3 +105,18 @@ def test_one_bad_value_anywhere_in_a_large_tensor_raises(make, bad):
         assert not o.has_observed
         o(torch.randn(4, 64, 64, 16))  # and good data still goes in afterwards
         assert o.has_observed
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bincount_split_over_two_threads_is_exact(threads):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for numel in (observer_module._SPLIT_BINCOUNT - 1, observer_module._SPLIT_BINCOUNT, 3_000_001):
+            index = torch.randint(0, 4096, (numel,), generator=g).to(torch.int16)
+            index[-1] = 4095  # the tail of the second half
+            index[0] = 0
+            assert torch.equal(observer_module._bincount(index, 4096), torch.bincount(index, minlength=4096))
+    finally:
+        torch.set_num_threads(saved)

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -423,6 +424,25 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
 
 
 _F32_TINY, _F32_HUGE = 2.0 ** -126, 2.0 ** 127  # the normal float32 powers of two
+_SPLIT_BINCOUNT = 1 << 19  # elements from which a bincount is split over two threads
+_bincount_helper: Optional[ThreadPoolExecutor] = None
+
+
+def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount(index, minlength=n)`` (1-d), on two threads for large inputs when torch may use two.
+
+    torch's CPU bincount runs on one thread; the two halves are counted at once (the op releases
+    the GIL) and added: integer counts, so the sum is exactly the one-thread result.
+    """
+    global _bincount_helper
+    if index.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
+        return torch.bincount(index, minlength=n)
+    if _bincount_helper is None:
+        _bincount_helper = ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount")
+    half = index.numel() // 2
+    first = _bincount_helper.submit(torch.bincount, index[:half], None, n)
+    second = torch.bincount(index[half:], minlength=n)
+    return first.result() + second
 
 
 class HistogramObserver(ObserverBase):
@@ -542,21 +562,29 @@ class HistogramObserver(ObserverBase):
             self.histogram[0] += x.numel()
             return
         n = self.histogram.numel()
-        self.histogram += torch.bincount(self._bin_index(x, n / r), minlength=n).double()
+        index = self._bin_index(x, n, r, nonnegative=float(lo) >= 0.0)
+        self.histogram += _bincount(index, n).double()
 
     @staticmethod
-    def _bin_index(x: torch.Tensor, per_unit: float) -> torch.Tensor:
-        """``floor(|x| * per_unit)`` of the float32 values ``x``, exactly; ``per_unit = n / 2**E``.
+    def _bin_index(x: torch.Tensor, n: int, r: float, nonnegative: bool = False) -> torch.Tensor:
+        """``floor(|x| * per_unit)``, ``per_unit = n / r``, of the float32 values ``x`` (all ``|x| < r = 2**E``), exactly.
 
         With ``n`` a power of two (the default 2 * 2048 bins) ``per_unit`` is a power of two (a
-        normal float32 unless the range is extreme, e.g. ``|x| < 2**-115``), so the float32 product is exact (below 1 it may round, but stays below 1: bin 0) and
-        truncating to int32 is the floor of a non-negative value: one pass in float32 instead of
-        a float64 copy. Otherwise the product is formed in float64 (24 + 21 bits, exact).
+        normal float32 unless the range is extreme, e.g. ``|x| < 2**-115``), so the float32 product
+        is exact (below 1 it may round, but stays below 1: bin 0) and truncating it to an integer
+        is the floor of a non-negative value: one pass in float32 instead of a float64 copy, and
+        int16 indices (below ``n <= 2**15``; bincount reads them several times faster than int32).
+        ``nonnegative`` (no value below zero, e.g. after a ReLU) skips the ``abs``. Otherwise the
+        product is formed in float64 (24 + 21 bits, exact).
         """
-        a = x.float().abs()
+        a = x.float()
+        per_unit = n / r
         exact_in_float32 = math.frexp(per_unit)[0] == 0.5 and _F32_TINY <= per_unit <= _F32_HUGE
-        a = a.mul_(per_unit) if exact_in_float32 else a.double().mul_(per_unit)
-        return a.flatten().to(torch.int32 if exact_in_float32 else torch.int64)
+        if not exact_in_float32:
+            return a.abs().double().mul_(per_unit).flatten().to(torch.int64)
+        a = torch.mul(a, per_unit) if nonnegative else a.abs().mul_(per_unit)
+        return a.flatten().to(torch.int16 if n <= 1 << 15 else torch.int32)
+
 
     def sync_ranks(self) -> None:
         who = f"the histogram of observer {self._display_name()!r}"
