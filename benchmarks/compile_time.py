@@ -15,8 +15,8 @@ Both sides calibrate on the same batches (``--calib-batches`` smooth-noise image
 
 Times are best of ``--repeat`` per stage (each stage's minimum over the runs), the sides run in
 turn in each round after one warm-up round. Peak memory is
-each side's whole compile in a fresh subprocess: ``ru_maxrss`` (peak resident set, torch's
-allocations included) after importing both libraries and building the model and data, so the
+each side's whole compile in a fresh subprocess: VmHWM (the peak resident set, as ``ru_maxrss``
+but per process image; torch's allocations included) after importing both libraries and building the model and data, so the
 two processes start from the same baseline; "compile peak" is the peak minus the RSS just
 before compiling.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -103,9 +102,8 @@ def memory_child(side: str, name: str, image_size: int, batches: int, batch: int
     x = zoo.example_inputs(name, image_size=image_size)
     data = calib_data(name, image_size, batches, batch)
     model = zoo.get(name).eval()
-    kib = 1024
     rss_before = _current_rss()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
+    peak_before = _peak_rss()
     if side == "ours":
         qcompiler.compile(model, x, calib_data=data, progress=False)
     else:
@@ -114,8 +112,18 @@ def memory_child(side: str, name: str, image_size: int, batches: int, batch: int
             for b in data:
                 prepared(b)
         ao_convert_fx(prepared)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
+    peak = _peak_rss()
     print(json.dumps({"rss_before": rss_before, "peak_before": peak_before, "peak": peak}))
+
+
+def _peak_rss() -> int:
+    """VmHWM: this process's peak resident set. (``ru_maxrss`` would do, but Linux carries the parent's
+    peak over fork + exec into it, so a child of a large parent reports the parent's peak.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _current_rss() -> int:
@@ -235,7 +243,7 @@ def main(argv=None):
         mo, mp = measure_memory("ours", args), measure_memory("torch.ao", args)
         mib = 2 ** 20
         print()
-        print("peak memory of one compile of resnet18, each side in a fresh subprocess (ru_maxrss: peak resident "
+        print("peak memory of one compile of resnet18, each side in a fresh subprocess (VmHWM: peak resident "
               "set incl. torch's allocations; baseline = RSS after imports, model and data)")
         print(tabulate([
             ("peak RSS (MiB)", f"{mo['peak'] / mib:.0f}", f"{mp['peak'] / mib:.0f}", f"{mo['peak'] / mp['peak']:.2f}x"),

@@ -156,7 +156,9 @@ class ObserverBase(nn.Module):
         ``torch.aminmax`` propagates NaN, so this is the input's NaN/Inf check without another
         pass over it (``torch.isfinite(x).all()`` cost more than the observing).
         """
-        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+        finite = (math.isfinite(float(lo)) and math.isfinite(float(hi)) if lo.numel() == 1
+                  else bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()))
+        if not finite:
             raise CalibrationError(
                 f"observer {self._display_name()!r} saw NaN/Inf in its input; "
                 f"check the data or the preceding layer"
@@ -554,7 +556,8 @@ class HistogramObserver(ObserverBase):
         lo, hi = lo.float(), hi.float()
         self.min_val = torch.minimum(self.min_val, lo)
         self.max_val = torch.maximum(self.max_val, hi)
-        amax = max(-float(lo), float(hi))  # max |x| of the float32 values
+        low = float(lo)
+        amax = max(-low, float(hi))  # max |x| of the float32 values
         if amax > 0.0:
             self._grow(math.ldexp(1.0, math.frexp(amax)[1]))  # amax < 2**E <= 2 * amax
         r = float(self.hist_max)
@@ -562,7 +565,7 @@ class HistogramObserver(ObserverBase):
             self.histogram[0] += x.numel()
             return
         n = self.histogram.numel()
-        index = self._bin_index(x, n, r, nonnegative=float(lo) >= 0.0)
+        index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
 
     @staticmethod
