@@ -120,3 +120,21 @@ def test_bincount_split_over_two_threads_is_exact(threads):
             assert torch.equal(observer_module._bincount(index, 4096), torch.bincount(index, minlength=4096))
     finally:
         torch.set_num_threads(saved)
+
+
+def test_split_bincount_makes_its_own_helper_after_a_fork(monkeypatch):
+    # a forked child inherits the parent's pool object but not its thread: a pool recorded under
+    # another pid must be replaced, not used (simulated: a shut-down pool under a foreign pid)
+    from concurrent.futures import ThreadPoolExecutor
+
+    dead = ThreadPoolExecutor(1)
+    dead.shutdown()
+    monkeypatch.setattr(observer_module, "_bincount_helper", (-1, dead))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        index = torch.randint(0, 4096, (observer_module._SPLIT_BINCOUNT,)).to(torch.int16)
+        assert torch.equal(observer_module._bincount(index, 4096), torch.bincount(index, minlength=4096))
+        assert observer_module._bincount_helper[1] is not dead
+    finally:
+        torch.set_num_threads(saved)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -427,7 +428,7 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
 
 _F32_TINY, _F32_HUGE = 2.0 ** -126, 2.0 ** 127  # the normal float32 powers of two
 _SPLIT_BINCOUNT = 1 << 19  # elements from which a bincount is split over two threads
-_bincount_helper: Optional[ThreadPoolExecutor] = None
+_bincount_helper: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid, pool): a forked child makes its own
 
 
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -439,10 +440,10 @@ def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
     global _bincount_helper
     if index.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
         return torch.bincount(index, minlength=n)
-    if _bincount_helper is None:
-        _bincount_helper = ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount")
+    if _bincount_helper is None or _bincount_helper[0] != os.getpid():  # a fork copies no threads
+        _bincount_helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount"))
     half = index.numel() // 2
-    first = _bincount_helper.submit(torch.bincount, index[:half], None, n)
+    first = _bincount_helper[1].submit(torch.bincount, index[:half], None, n)
     second = torch.bincount(index[half:], minlength=n)
     return first.result() + second
 
