@@ -138,3 +138,16 @@ def test_split_bincount_makes_its_own_helper_after_a_fork(monkeypatch):
         assert observer_module._bincount_helper[1] is not dead
     finally:
         torch.set_num_threads(saved)
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(0, 3), st.integers(0, 2**31 - 1))
+def test_per_channel_extremes_equal_aminmax_along_the_channel(shape, axis, seed):
+    # amin / amax replace torch.aminmax(dim=1), which is ~100x slower on CPU
+    axis = axis % len(shape)
+    g = torch.Generator().manual_seed(seed)
+    o = PerChannelMinMaxObserver(ch_axis=axis)
+    x = torch.randn(*shape, generator=g)
+    o(x)
+    lo, hi = torch.aminmax(x.movedim(axis, 0).reshape(shape[axis], -1), dim=1)
+    assert torch.equal(o.min_val, lo) and torch.equal(o.max_val, hi)

@@ -354,7 +354,7 @@ class PerChannelMinMaxObserver(ObserverBase):
                 f"observer {self._display_name()!r} saw {y.shape[0]} channels along axis {ax} "
                 f"but {self.min_val.numel()} before; one per-channel observer per tensor"
             )
-        lo, hi = torch.aminmax(y, dim=1)
+        lo, hi = y.amin(1), y.amax(1)  # torch.aminmax(y, dim=1) is ~100x slower on CPU (torch 2.13)
         self._check_finite(lo, hi)
         return self._batch_extremes(lo.float(), hi.float())
 
