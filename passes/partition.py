@@ -8,8 +8,8 @@
    the lowest level its users allow, joining the group it feeds (inputs or
    constants that feed a later group no longer start groups of their own).
 3. Merge: two groups of one placement joined by an edge are merged when no
-   other path connects them (which would become a cycle); reachability is
-   kept as bitsets over the group DAG.
+   other path connects them (which would become a cycle); the group DAG keeps
+   a dynamic topological numbering that bounds each path search.
 
 Partitions are ordered topologically (ties by first node in graph order) and
 named per placement in that order: ``bpu0, cpu0, bpu1, ...``. The result is
