@@ -89,6 +89,7 @@ def _insert_dequants(gm: fx.GraphModule) -> bool:
         module = DeQuantStub()
         mod_name = free_name(gm, f"{prefix}_{INPUT_DEQUANT}")
         gm.add_submodule(mod_name, module)
+        replaced = {}
         for k, producer in enumerate(producers):
             with gm.graph.inserting_before(consumer):
                 dq = gm.graph.create_node("call_module", mod_name, (producer,), {}, name=f"{mod_name}_{k}")
@@ -100,9 +101,18 @@ def _insert_dequants(gm: fx.GraphModule) -> bool:
             })
             set_placement(dq, BPU, f"dequantizes BPU output '{producer.name}' for CPU op '{consumer.name}'"
                           if consumer.op != "output" else f"dequantizes BPU output '{producer.name}' for the model output")
-            consumer.replace_input_with(producer, dq)
-            changed = True
+            replaced[producer] = dq
+        _replace_inputs(consumer, replaced)
+        changed = True
     return changed
+
+
+def _replace_inputs(node: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:
+    """``node.replace_input_with(old, new)`` for every pair of ``replaced`` in one rewrite of its
+    arguments: one call per pair scans all arguments each time, quadratic for an output node
+    with thousands of values."""
+    node.args = fx.map_arg(node.args, lambda n: replaced.get(n, n))
+    node.kwargs = fx.map_arg(node.kwargs, lambda n: replaced.get(n, n))
 
 
 def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:

@@ -8,8 +8,8 @@
    the lowest level its users allow, joining the group it feeds (inputs or
    constants that feed a later group no longer start groups of their own).
 3. Merge: two groups of one placement joined by an edge are merged when no
-   other path connects them (which would become a cycle); reachability is
-   kept as bitsets over the group DAG.
+   other path connects them (which would become a cycle); the group DAG keeps
+   a dynamic topological numbering that bounds each path search.
 
 Partitions are ordered topologically (ties by first node in graph order) and
 named per placement in that order: ``bpu0, cpu0, bpu1, ...``. The result is
@@ -17,6 +17,8 @@ data on ``gm.meta`` (list of ``Partition``) plus ``META_PARTITION`` per node.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import networkx as nx
 import torch.fx as fx
@@ -49,6 +51,11 @@ def _placed_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 def group_nodes(nodes: list[fx.Node]) -> list[list[int]]:
     """Indices of ``nodes`` (topologically ordered, all placed) grouped into partitions."""
+    return _merge_groups(*initial_groups(nodes))
+
+
+def initial_groups(nodes: list[fx.Node]) -> tuple[_UnionFind, list[list[int]], list, list[int]]:
+    """Steps 1 and 2: the same-placement, same-level groups (union-find), inputs, sides and levels."""
     index = {n: i for i, n in enumerate(nodes)}
     side = [placement(n) for n in nodes]
     preds = [[index[p] for p in n.all_input_nodes if p in index] for n in nodes]
@@ -72,31 +79,41 @@ def group_nodes(nodes: list[fx.Node]) -> list[list[int]]:
         for p in ps:
             if side[p] == side[i] and level[p] == level[i]:
                 uf.union(p, i)
-    return _merge_groups(uf, preds, side, level)
+    return uf, preds, side, level
 
 
 def _merge_groups(uf: _UnionFind, preds, side, level) -> list[list[int]]:
-    """Merge adjacent same-placement groups wherever that creates no cycle."""
+    """Step 3: merge adjacent same-placement groups wherever that creates no cycle.
+
+    The candidates are the group edges ``a -> b`` in a fixed order (``a`` by
+    level, then ``b``); each merges the current groups of ``a`` and ``b`` unless
+    another path joins them. The contracted group graph stays a DAG and keeps a
+    topological numbering ``pos`` (Pearce-Kelly style): a path from ``ra`` to
+    ``rb`` only visits positions between theirs, so the cycle check searches that
+    window only, and a merge renumbers only the window's nodes that lie on paths
+    from ``ra`` or to ``rb``. Adjacency sets are merged small into large. This is
+    near-linear where the level order is close to the final order (the usual
+    case); the old all-pairs bitset version (quadratic) is kept in
+    tests/partition_reference.py and must give the same groups.
+    """
     n = len(side)
     roots = sorted({uf.find(i) for i in range(n)}, key=lambda r: (level[r], r))
     gid = {r: k for k, r in enumerate(roots)}  # groups numbered in a topological order (by level)
+    g_of = [gid[uf.find(i)] for i in range(n)]
     g_side = [side[r] for r in roots]
     g_succ: list[set[int]] = [set() for _ in roots]
     for i, ps in enumerate(preds):
-        gi = gid[uf.find(i)]
+        gi = g_of[i]
         for p in ps:
-            gp = gid[uf.find(p)]
+            gp = g_of[p]
             if gp != gi:
                 g_succ[gp].add(gi)
-    # reach[g]: bitset of groups reachable from g by a path of length >= 1
-    reach = [0] * len(roots)
-    for g in range(len(roots) - 1, -1, -1):
-        bits = 0
-        for s in g_succ[g]:
-            bits |= (1 << s) | reach[s]
-        reach[g] = bits
-    gbits = [1 << g for g in range(len(roots))]  # per representative: bitset of its original groups
-    rsucc = [set(x) for x in g_succ]  # per representative: successors (original ids) of its members
+    succ = [set(s) for s in g_succ]  # the contracted graph, over representatives
+    pred: list[set[int]] = [set() for _ in roots]
+    for g, ss in enumerate(g_succ):
+        for s in ss:
+            pred[s].add(g)
+    pos = list(range(len(roots)))
     alias = list(range(len(roots)))
 
     def find(g: int) -> int:
@@ -105,40 +122,53 @@ def _merge_groups(uf: _UnionFind, preds, side, level) -> list[list[int]]:
             g = alias[g]
         return g
 
+    def window(start: int, edges: list[set[int]], inside, stop: int = -1) -> Optional[list[int]]:
+        """Nodes reached from ``start`` (not itself) through ``inside`` positions; None if one links to ``stop``."""
+        seen, todo = set(), [x for x in edges[start] if x != stop and inside(pos[x])]
+        seen.update(todo)
+        while todo:
+            x = todo.pop()
+            if stop in edges[x]:
+                return None
+            for y in edges[x]:
+                if y not in seen and inside(pos[y]):
+                    seen.add(y)
+                    todo.append(y)
+        return list(seen)
+
     for a in range(len(roots)):
         for b in sorted(g_succ[a]):
             ra, rb = find(a), find(b)
             if ra == rb or g_side[ra] != g_side[rb]:
                 continue
-            a_bits, b_bits = gbits[ra], gbits[rb]
-            both = a_bits | b_bits
-            # another path ra -> ... -> rb leaves ra through a successor outside both groups
-            other = 0
-            for s in rsucc[ra]:
-                if not (both >> s) & 1:
-                    other |= (1 << s) | reach[s]
-            if other & b_bits:
-                continue
-            alias[rb] = ra
-            gbits[ra] = both
-            rsucc[ra] = {x for x in rsucc[ra] | rsucc[rb] if not (both >> x) & 1}
-            merged_reach = (reach[ra] | reach[rb]) & ~both
-            # ancestors of ra already reach rb and all it reaches (ra -> rb); only groups that
-            # reach rb but not ra gain something: ra and what ra reaches
-            gained = (a_bits | reach[ra]) & ~(b_bits | reach[rb])
-            m = both
-            while m:
-                low = m & -m
-                reach[low.bit_length() - 1] = merged_reach
-                m ^= low
-            if gained:
-                for g in range(len(roots)):
-                    r = reach[g]
-                    if r & b_bits and not r & a_bits and not (both >> g) & 1:
-                        reach[g] = r | gained | a_bits
+            lo, hi = pos[ra], pos[rb]
+            after_a = window(ra, succ, lambda p: p < hi, stop=rb)
+            if after_a is None:
+                continue  # another path ra -> ... -> rb: merging would make a cycle
+            before_b = window(rb, pred, lambda p: p > lo)
+            keep, drop = (ra, rb) if len(succ[ra]) + len(pred[ra]) >= len(succ[rb]) + len(pred[rb]) else (rb, ra)
+            # renumber the window: what reaches rb, then the merged group, then what ra reaches
+            slots = sorted([lo, hi] + [pos[x] for x in after_a] + [pos[x] for x in before_b])
+            new_order = sorted(before_b, key=pos.__getitem__) + [keep] + sorted(after_a, key=pos.__getitem__)
+            for x, p in zip(new_order, slots):
+                pos[x] = p
+            for y in succ[drop]:
+                pred[y].discard(drop)
+                if y != keep:
+                    pred[y].add(keep)
+            for y in pred[drop]:
+                succ[y].discard(drop)
+                if y != keep:
+                    succ[y].add(keep)
+            succ[keep] |= succ[drop]
+            pred[keep] |= pred[drop]
+            succ[keep] -= {ra, rb}
+            pred[keep] -= {ra, rb}
+            succ[drop] = pred[drop] = set()
+            alias[drop] = keep
     out: dict[int, list[int]] = {}
     for i in range(n):
-        out.setdefault(find(gid[uf.find(i)]), []).append(i)
+        out.setdefault(find(g_of[i]), []).append(i)
     return list(out.values())
 
 
@@ -170,27 +200,29 @@ def partition(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         counters[where] = counters.get(where, 0) + 1
         name_of[k] = name
         result.append(Partition(name, where, [nodes[i].name for i in sorted(groups[k])]))
-    by_name = {p.name: p for p in result}
 
     changed = False
     for node in nodes:
         name = name_of[owner[node]]
         changed |= node.meta.get(META_PARTITION) != name
         node.meta[META_PARTITION] = name
+    # the values crossing each partition's boundary, as sets (a partition may have thousands)
+    ins: dict[str, set[str]] = {p.name: set() for p in result}
+    outs: dict[str, set[str]] = {p.name: set() for p in result}
     for node in gm.graph.nodes:
         mine = node.meta.get(META_PARTITION) if node in owner else None
         for src in node.all_input_nodes:
             theirs = src.meta.get(META_PARTITION) if src in owner else None
             if theirs == mine:
                 continue
-            if theirs is not None and src.name not in by_name[theirs].outputs:
-                by_name[theirs].outputs.append(src.name)
-            if mine is not None and src.name not in by_name[mine].inputs:
-                by_name[mine].inputs.append(src.name)
+            if theirs is not None:
+                outs[theirs].add(src.name)
+            if mine is not None:
+                ins[mine].add(src.name)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     for p in result:  # documented as graph order, not order of first use
-        p.inputs.sort(key=order.__getitem__)
-        p.outputs.sort(key=order.__getitem__)
+        p.inputs[:] = sorted(ins[p.name], key=order.__getitem__)
+        p.outputs[:] = sorted(outs[p.name], key=order.__getitem__)
     gm.meta[GM_PARTITIONS] = result
     return PassResult(gm, changed)
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.errors import ConfigError
@@ -111,7 +113,7 @@ def _stack(rows: list) -> Any:
 
 
 def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], Any], *,
-             timeout: float = DEFAULT_TIMEOUT) -> Any:
+             timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> Any:
     """``metric(outputs, targets)`` over every sample of ``loader.dataset``; the value on rank 0, None elsewhere.
 
     ``model``: a float, fake-quant, converted (``convert_fx``) or compiled
@@ -123,6 +125,12 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
     order (the sampler's padding dropped) and computes the metric once: the
     value one process computes. Inputs go to the model's device; outputs come
     back to the CPU.
+
+    Throughput: a background thread reads and collates the next batch while the model
+    runs the current one (the model's torch ops release the GIL), and the model computes
+    with torch's intra-op threads (``torch.get_num_threads()``, all cores by default), so
+    a compiled model evaluates at about its single-call speed per sample
+    (benchmarks/throughput.py). ``progress``: a tqdm bar on rank 0.
     """
     if not isinstance(loader, DataLoader):
         raise ConfigError(f"evaluate: loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
@@ -137,19 +145,30 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
     was_training = getattr(model, "training", False)
     if isinstance(model, nn.Module):
         model.eval()
-    outs, targets, bs = [], [], loader.batch_size or 1
-    try:
+    bs = loader.batch_size or 1
+    chunks = [mine[start:start + bs] for start in range(0, len(mine), bs)]
+    outs, targets = [], []
+
+    def load(indices: list[int]) -> tuple[Any, Any]:  # runs in the reader thread (no_grad is per thread)
         with torch.no_grad():
-            for start in range(0, len(mine), bs):
-                batch = loader.collate_fn([dataset[i] for i in mine[start:start + bs]])
-                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                    raise ConfigError("evaluate: dataset items must be (input, target) pairs")
-                x, y = batch
+            batch = loader.collate_fn([dataset[i] for i in indices])
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError("evaluate: dataset items must be (input, target) pairs")
+        return batch[0], batch[1]
+
+    bar = tqdm(total=len(mine), desc="evaluating", unit="sample", disable=not progress or rank != 0, leave=False)
+    try:
+        with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-evaluate") as reader:
+            upcoming = reader.submit(load, chunks[0]) if chunks else None
+            for k, indices in enumerate(chunks):
+                x, y = upcoming.result()  # the reader's exception, if any, is raised here
+                upcoming = reader.submit(load, chunks[k + 1]) if k + 1 < len(chunks) else None
                 out = model(*_to(x, device)) if isinstance(x, (tuple, list)) else model(_to(x, device))
-                k = len(mine[start:start + bs])
-                outs += _rows(_as_cpu(out), k)
-                targets += _rows(_as_cpu(y), k)
+                outs += _rows(_as_cpu(out), len(indices))
+                targets += _rows(_as_cpu(y), len(indices))
+                bar.update(len(indices))
     finally:
+        bar.close()
         if isinstance(model, nn.Module):
             model.train(was_training)
     gathered = collectives.all_gather_object((mine, outs, targets), "evaluate: gathering the outputs")

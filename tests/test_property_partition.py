@@ -24,11 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qcompiler
+from benchmarks.partition_scaling import GRAPHS
 from qcompiler.ir.meta import (
     BPU,
     CPU,
     META_OP,
     META_PARTITION,
+    META_PLACEMENT,
     META_REASON,
     META_STUB,
     carries_tensor,
@@ -36,7 +38,13 @@ from qcompiler.ir.meta import (
 )
 from qcompiler.ir.ops import PASSTHROUGH_OPS
 from qcompiler.ir.partitions import partitions
+from qcompiler.march import March
+from qcompiler.passes.base import CompileContext
+from qcompiler.passes.insert_stubs import insert_stubs
+from qcompiler.passes.partition import group_nodes, initial_groups
+from qcompiler.passes.place import place
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
+from partition_reference import group_nodes_reference
 
 C, H, W = 4, 8, 8
 MARCHES = ("bayes", "bernoulli2")
@@ -451,3 +459,52 @@ def test_partition_inputs_outputs_in_graph_order():
         ("cpu0", ["selu_input_dequant_0"], ["selu"]),
         ("bpu1", ["a", "selu"], ["output_input_dequant_0"]),
     ]
+
+
+# ---------------------------------------------------------------- merge step vs the slow reference
+
+
+def _placed_graph(inputs: list[tuple[int, ...]], sides: list[str]) -> list[fx.Node]:
+    """Call nodes ``i`` reading the values ``inputs[i]`` (0 = the graph input, k = node k-1), placed ``sides[i]``."""
+    g = fx.Graph()
+    values = [g.placeholder("x")]
+    for args, where in zip(inputs, sides):
+        node = g.call_function(torch.add, tuple(values[k] for k in args))
+        node.meta[META_PLACEMENT] = where
+        values.append(node)
+    g.output(values[-1])
+    return [n for n in g.nodes if n.op == "call_function"]
+
+
+@st.composite
+def placed_dags(draw, max_nodes: int = 60):
+    n = draw(st.integers(1, max_nodes))
+    cpu_share = draw(st.sampled_from([0.1, 0.3, 0.5]))
+    inputs, sides = [], []
+    for i in range(n):
+        # mostly recent values (chains), sometimes any earlier one (long skips, fan-out)
+        pick = st.one_of(st.integers(max(0, i - 2), i), st.integers(0, i))
+        inputs.append(tuple(draw(st.lists(pick, min_size=1, max_size=3))))
+        sides.append(CPU if draw(st.floats(0, 1)) < cpu_share else BPU)
+    return inputs, sides
+
+
+@settings(SETTINGS, max_examples=200)
+@given(placed_dags())
+def test_merge_step_equals_the_slow_reference(dag):
+    nodes = _placed_graph(*dag)
+    assert group_nodes(nodes) == group_nodes_reference(nodes)
+
+
+@pytest.mark.parametrize("graph", sorted(GRAPHS))
+@pytest.mark.parametrize("size", [200, 1000])
+def test_merge_step_equals_the_slow_reference_on_benchmark_graphs(graph, size):
+    gm = place(GRAPHS[graph](size, seed=size) if graph == "mixed" else GRAPHS[graph](size),
+               CompileContext(march=March.BAYES)).gm
+    gm = insert_stubs(gm, CompileContext(march=March.BAYES)).gm
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    groups = group_nodes(nodes)
+    assert groups == group_nodes_reference(nodes)
+    if graph == "merge-heavy":  # at least one merge per block of 8 ops: the case the merge step is for
+        uf = initial_groups(nodes)[0]
+        assert len({uf.find(i) for i in range(len(nodes))}) - len(groups) >= size // 8
