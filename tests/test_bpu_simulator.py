@@ -11,8 +11,8 @@ import torch.nn as nn
 
 import qcompiler.zoo as zoo
 from qcompiler.backends.bpu.lower import bpu_partition_names, lower_bpu_partitions, lower_partition
-from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
 from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
+from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
 from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, int8_gemm_available, run_partitioned
 from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from partition_reference import group_nodes_reference
 
 import qcompiler
 from benchmarks.partition_scaling import GRAPHS
@@ -44,7 +45,6 @@ from qcompiler.passes.insert_stubs import insert_stubs
 from qcompiler.passes.partition import group_nodes, initial_groups
 from qcompiler.passes.place import place
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
-from partition_reference import group_nodes_reference
 
 C, H, W = 4, 8, 8
 MARCHES = ("bayes", "bernoulli2")
