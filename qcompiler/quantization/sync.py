@@ -13,8 +13,10 @@ What is reduced, and when (docs/distributed.md):
   ``convert_fx``) -- first checks that every rank holds the same graph,
   observers and weights, then reduces every observer exactly (min/max with
   MIN/MAX, histograms as integer counts on a shared power-of-two grid with
-  SUM).  The result is bit for bit what one process calibrating on the union
-  of the shards holds, whatever the number of ranks or the split.
+  SUM), with three all-reduces for all observers together
+  (:func:`~qcompiler.quantization.observer.reduce_observers`).  The result is
+  bit for bit what one process calibrating on the union of the shards holds,
+  whatever the number of ranks or the split.
 * QAT fake quants reduce each batch's min/max before their moving average
   (``sync_each_batch``), so scales stay identical on every rank at every step.
 """
