@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -37,11 +38,14 @@ from torch.ao.quantization import get_default_qconfig_mapping
 from torch.ao.quantization.quantize_fx import convert_fx as ao_convert_fx
 from torch.ao.quantization.quantize_fx import prepare_fx as ao_prepare_fx
 
-import qcompiler
-import qcompiler.zoo as zoo
-from benchmarks._data import SmoothNoise
-from qcompiler.compiled import calibration_batches, lower
-from qcompiler.quantization import convert_fx, prepare_calibration_fx
+if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompiler" importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import qcompiler  # noqa: E402
+import qcompiler.zoo as zoo  # noqa: E402
+from benchmarks._data import SmoothNoise  # noqa: E402
+from qcompiler.compiled import calibration_batches, lower  # noqa: E402
+from qcompiler.quantization import convert_fx, prepare_calibration_fx  # noqa: E402
 
 MODELS = ("resnet18", "mobilenet_v2")
 

@@ -36,22 +36,27 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
 from collections import defaultdict
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 from tabulate import tabulate
 
-import qcompiler.zoo as zoo
-from benchmarks._data import SmoothNoise, stack
-from qcompiler.backends.bpu.lower import lower_bpu_partitions
-from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available
-from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
-from qcompiler.quantization.convert import convert_fx
+if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompiler" importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import qcompiler.zoo as zoo  # noqa: E402
+from benchmarks._data import SmoothNoise, stack  # noqa: E402
+from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
+from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available  # noqa: E402
+from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state  # noqa: E402
+from qcompiler.quantization.convert import convert_fx  # noqa: E402
 
 CALIB_BATCHES, CALIB_BATCH = 4, 4
 

@@ -20,15 +20,19 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
 from torch.utils.data import DataLoader, TensorDataset
 
-import qcompiler
-import qcompiler.zoo as zoo
-from benchmarks._data import SmoothNoise
-from qcompiler.distributed import evaluate
+if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompiler" importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import qcompiler  # noqa: E402
+import qcompiler.zoo as zoo  # noqa: E402
+from benchmarks._data import SmoothNoise  # noqa: E402
+from qcompiler.distributed import evaluate  # noqa: E402
 
 
 def top1(outputs: torch.Tensor, targets: torch.Tensor) -> float:
