@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from simulator_configs import CONFIGS
 
 from qcompiler.backends.bpu.lower import lower_partition
-from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
-from qcompiler.backends.bpu.simulator import BpuSimulator, int8_gemm_available, run_partitioned
+from qcompiler.backends.bpu.simulator import BpuSimulator, run_partitioned
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT
 from qcompiler.nn import quantized as qnn
 from qcompiler.passes.convert import _same_scale
@@ -28,9 +28,6 @@ from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
 # every kernel set: fixed_point calls, the fast kernels with float GEMMs, and with int8 GEMMs
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
-    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
-    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 
 class Tiny:

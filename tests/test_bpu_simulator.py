@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from simulator_configs import CONFIGS
 
 import qcompiler.zoo as zoo
 from qcompiler.backends.bpu.lower import bpu_partition_names, lower_bpu_partitions, lower_partition
-from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
-from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, int8_gemm_available, run_partitioned
+from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, run_partitioned
 from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.quantization.convert import convert_fx
@@ -22,9 +22,6 @@ from qcompiler.quantization.qtensor import QTensor
 SMALL = {"resnet18": dict(image_size=32), "mobilenet_v2": dict(image_size=32)}
 MODELS = ["resnet18", "mobilenet_v2", "unet", "transformer_block", "lstm_seq", "hybrid"]
 SLOW = {"resnet18", "mobilenet_v2"}  # a few seconds each to calibrate and convert
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
-    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
-    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 
 @functools.cache

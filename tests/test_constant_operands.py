@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from simulator_configs import CONFIGS
 from test_export_onnx import end_to_end_check, teacher_forced_check
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
-from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
-from qcompiler.backends.bpu.simulator import int8_gemm_available, run_partitioned
+from qcompiler.backends.bpu.simulator import run_partitioned
 from qcompiler.compiled import lower
 from qcompiler.errors import QCompilerWarning
 from qcompiler.ir.meta import META_PLACEMENT, META_REASON
@@ -36,10 +36,6 @@ from qcompiler.quantization import (
     prepare_qat_fx,
     set_state,
 )
-
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
-    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
-    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 
 class Net(nn.Module):

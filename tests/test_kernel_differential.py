@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from simulator_configs import CONFIGS
 from test_bpu_reference import Tiny, geometry, rand_scales, rand_w, weight_layer
 
 from qcompiler.backends.bpu import simulator as sim_mod
@@ -39,9 +40,6 @@ from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
 MARCHES = ("bayes", "bernoulli2")
-CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
-    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
-    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

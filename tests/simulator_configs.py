@@ -1,0 +1,16 @@
+"""The simulator's kernel configurations that the exactness tests run, as available on this machine.
+
+Every configuration must give the same integers: ``fixed_point`` (the functions the converted
+modules call), the fast kernels with float32 GEMMs only, with exact int8 GEMMs
+(``torch._int_mm``) and with oneDNN's int8 convolution, the last two where this machine has
+them exact (their self-tests decide).
+"""
+
+from __future__ import annotations
+
+from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
+from qcompiler.backends.bpu.simulator import int8_gemm_available
+
+CONFIGS = [dict(kernels="fixed_point"), dict(kernels="fast", int8_gemm=False, onednn=False)] + (
+    [dict(kernels="fast", int8_gemm=True, onednn=False)] if int8_gemm_available() else []) + (
+    [dict(kernels="fast", onednn=True)] if onednn_conv_available() else [])
