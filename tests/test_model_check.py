@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from qcompiler.errors import QCompilerWarning
 from qcompiler.quantization import FakeQuantize
 from qcompiler.quantization.observer import MinMaxObserver
+from qcompiler.quantization.qconfig import get_default_calib_qconfig
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.tools.model_check import RESULT_FILE, check_qat_model
 from qcompiler.zoo.hybrid import _SeluModule
@@ -133,6 +134,29 @@ def test_prepare_warns_for_unfused_model_not_for_resnet18():
         warnings.simplefilter("always")
         prepare_qat_fx(get("resnet18"), hybrid=True, example_inputs=torch.rand(1, 3, 32, 32))
     assert not [x for x in w if issubclass(x.category, QCompilerWarning) and "model check" in str(x.message)]
+
+
+class TwoConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_int16_boundary_is_in_the_report_but_prepare_does_not_warn():
+    """An int16 qconfig on one layer makes an int8/int16 boundary: listed, but asked for (no warning)."""
+    qconfig = {"": get_default_calib_qconfig(), "module_name": [("a", get_default_calib_qconfig(dtype="qint16"))]}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cal = prepare_calibration_fx(TwoConvs().eval(), qconfig, example_inputs=X, march="bayes")
+    assert not [x for x in w if issubclass(x.category, QCompilerWarning) and "model check" in str(x.message)]
+    result = check_qat_model(cal, X, verbose=False)
+    assert [(a.where, a.kind, a.message) for a in result.abnormal] == [
+        ("a", "mixed_dtype", "qint8 input, qint16 output: an int8/int16 boundary"),
+        ("b", "mixed_dtype", "qint16 input, qint8 output: an int8/int16 boundary")]
 
 
 class ConvAdds(nn.Module):
