@@ -23,6 +23,7 @@ import qcompiler.distributed as qd
 from qcompiler.errors import QCompilerError
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import FakeQuantize, set_state
+from qcompiler.quantization.mixed_precision import auto_int16
 from qcompiler.quantization.observer import (
     OBSERVERS,
     MinMaxObserver,
@@ -165,6 +166,11 @@ def scenario_errors() -> dict:
     pc = PerChannelMinMaxObserver()
     pc(torch.randn(3 + RANK, 5))
     out["channels"] = _expect_error(lambda: reduce_observers([MinMaxObserver(), pc]))
+    # refused before any collective, on every rank: each rank would choose on its own shard
+    out["auto_int16"] = _expect_error(lambda: auto_int16(
+        prepare_calibration_fx(net(), example_inputs=EXAMPLE, march="bayes"), mine, budget=0.1))
+    out["int16_budget"] = _expect_error(lambda: qcompiler.compile(net(), EXAMPLE, calib_data=mine, march="bayes",
+                                                                  int16_budget=0.1, progress=False))
     out["ok"] = _expect_error(lambda: convert_fx(calibrated(0, "minmax")))  # the group still works
     return out
 

@@ -127,6 +127,8 @@ def test_bad_input_gives_a_clear_error_on_every_rank(tmp_path):
         assert r["config"].startswith("ConfigError") and "rank 1 has other observers" in r["config"]
         assert r["empty"].startswith("ConfigError") and "rank 1 of 2 got no batch" in r["empty"]
         assert r["channels"].startswith("CalibrationError") and "saw 3 channels on one rank and 4" in r["channels"]
+        assert r["auto_int16"].startswith("ConfigError: auto_int16 is not supported under torch.distributed")
+        assert r["int16_budget"].startswith("ConfigError: compile: int16_budget is not supported under torch")
         assert r["ok"] == "no error"
 
 
