@@ -551,11 +551,11 @@ def markdown(rows: Sequence[Row], seconds: float, argv: Sequence[str], samples: 
         "Reading the counts: *correct* counts every CPU island; the like-for-like comparison with torch.onnx "
         "is *correct, all in onnxruntime* (the sample's ONNX form ran), while *with a torch island* means "
         "the emitter has no opset-11 form for a node (or its form failed `onnx.checker`), so that island ran "
-        "in eager torch: right values, but no ONNX export for it. The *documented* errors are of two kinds: "
-        "`TraceError` (torch.fx cannot trace the op's Python wrapper: data-dependent control flow, "
-        "`Tensor.__radd__` called on a proxy, in-place random fills; the error names the module and line and "
-        "says how to mark it a leaf, which then runs in torch) and `ConfigError` for samples with a batch of "
-        "0 (compile calibrates on the example inputs and refuses an empty batch).",
+        "in eager torch: right values, but no ONNX export for it. An op whose Python wrapper torch.fx cannot "
+        "trace (data-dependent control flow, `Tensor.__radd__` called on a proxy, in-place random fills) "
+        "runs whole in a torch island, with a warning (docs/stubs_and_tracing.md). The *documented* errors "
+        "below are listed with their messages (e.g. a `ConfigError` for a sample with a batch of 0: compile "
+        "calibrates on the example inputs and refuses an empty batch).",
         "",
         "## qcompiler: samples not correct",
         "",
