@@ -5,9 +5,12 @@ Signature after the hybrid-QAT guide's ``horizon_plugin_pytorch.utils.onnx_helpe
 ops only, constant folding, stripped doc strings). The graph is emitted by the
 project's one ONNX emitter (``qcompiler.backends.onnx``) from the GraphModule
 itself; the model is never run or modified. Quantization: per-tensor int8
-activations as QuantizeLinear/DequantizeLinear, per-channel weights as their
-dequantized int8 values, and a sidecar JSON with every scale keyed by ONNX
-tensor name (see ``qcompiler.backends.onnx.quant``).
+activations as QuantizeLinear/DequantizeLinear; a converted model's conv / linear
+layers on integers (ConvInteger / MatMulInteger on int8 codes, int32 bias, the BPU's
+requantization: bit for bit the compiled model); a prepared model's weights (and
+the layers opset 11 cannot do on integers, e.g. transposed convs) as their
+dequantized int8 values; and a sidecar JSON with every scale and requantization
+keyed by ONNX tensor name (see ``qcompiler.backends.onnx.quant``, docs/onnx_export.md).
 
 Run an exported model with :func:`inference_session` (or pass
 ``disabled_optimizers=ORT_DISABLED_OPTIMIZERS`` to onnxruntime yourself): one
@@ -99,9 +102,11 @@ def export_to_onnx(
 
 # onnxruntime's level-1 "WeightBiasQuantization" assumes a float Conv/Gemm weight between a
 # DequantizeLinear and a QuantizeLinear is *unquantized* and quantizes it per tensor (int8).
-# Our weights are already the dequantized per-channel int8 values (opset 11 has no per-channel
-# Q/DQ): re-quantizing them per tensor loses most of their precision (UNet: errors of several
-# LSB on most outputs). Sessions for exported models must disable it. Also the fusion of
+# The float-form weights (prepared models, transposed convs) are already the dequantized
+# per-channel int8 values (opset 11 has no per-channel Q/DQ): re-quantizing them per tensor
+# loses most of their precision (UNet: errors of several LSB on most outputs). Sessions for
+# exported models must disable it. (The integer layers of a converted model are left alone by
+# every onnxruntime rewrite: tests/test_export_exact.py runs them with all of them on.) Also the fusion of
 # DequantizeLinear -> op -> QuantizeLinear into QLinear* kernels: their integer arithmetic is not
 # the graph's (QLinearAveragePool treats ceil-mode edge windows differently: 21% of outputs off
 # by up to 0.17 for a CPU avg_pool2d(ceil_mode=True) between BPU parts).

@@ -121,6 +121,13 @@ def test_simulator_bit_exact_with_int16_tensors_and_export_carries_int16_scales(
     assert int16_in_sidecar and int16_in_sidecar <= set(cm.activation_dtypes) | set(acts)
     for name in int16_in_sidecar:
         assert acts[name]["zero_point"] == 0 and acts[name]["scale"] > 0
+    # weight layers that read or write int16 keep the float form (ConvInteger reads 8-bit integers), listed
+    # with why; the others are integer-exact
+    layers = {n.name for n in cm.converted.graph.nodes if n.op == "call_module"
+              and type(cm.converted.get_submodule(n.target)).__name__ == "QuantizedWeightLayer"}
+    floats = {k.split("/")[-1]: why for k, why in sidecar["float_layers"].items()}
+    assert floats and all("8-bit integers" in why for why in floats.values())
+    assert set(floats) | set(sidecar["integer_layers"]) == layers and not set(floats) & set(sidecar["integer_layers"])
     # the int16 scales are those of the converted model's int16 values
     cal = calibrated(m, data)
     auto_int16(cal, data, budget=0.5)

@@ -7,6 +7,9 @@ How the outputs are compared, and why this way:
   rounding tie can therefore round the other way in one of them: one LSB at
   that quantization point, which later layers spread (a conv mixes it into its
   neighbourhood). That is inherent to a float32 graph, not an export error.
+* The integer weight layers of a converted model's export (ConvInteger / MatMulInteger and the
+  BPU's requantization; tests/test_export_exact.py) have no such ties: given identical inputs
+  they must agree exactly.
 * So the strict check is *teacher-forced*: every quantization point of the
   graph (every DequantizeLinear output, found through the sidecar) is exposed as
   an output; the fake-quant model is run with the value of each such point
@@ -204,6 +207,8 @@ def teacher_forced_check(gm: fx.GraphModule, model: onnx.ModelProto, sidecar: di
                 forced = (q * torch.tensor(scale, dtype=torch.float64)).to(r.dtype)
             err = float((ref - o).abs().max()) if ref.numel() else 0.0
             assert err <= _tolerance(scale), f"quantization point '{n.name}': {err / scale:.3f} LSB"
+            if n.name in sidecar.get("integer_layers", {}):  # computed on integers: exactly the BPU's
+                assert err == 0.0, f"integer layer '{n.name}': {err / scale:.3f} LSB off"
             checked.append(n.name)
             return forced
 
@@ -327,12 +332,15 @@ def test_hybrid_guide_flow_with_high_precision_output(tmp_path):
     assert {"bpu0/conv0", "cpu0/prelu", "cpu1/conv3", "bpu2/conv4", "cpu2/selu_2"} <= {n.name for n in model.graph.node}
     teacher_forced_check(qat, model, sidecar, x)
     end_to_end_check(qat, model, sidecar, x)
-    # the converted model: conv4 emits its int32 accumulator, float in the graph, listed too
+    # the converted model: conv4 emits its int32 accumulator, float in the graph, listed too ...
     q = convert_fx(qat)
     buf = io.BytesIO()
     q_sidecar = export_to_onnx(q, x, buf)
     assert q_sidecar["high_precision_outputs"] == ["conv4"]
     assert q_sidecar["weights"]["conv4.bias"]["dtype"] == "qint32"
+    # ... computed on integers (ConvInteger + int32 bias), dequantized as QTensor.dequantize
+    assert q_sidecar["integer_layers"]["conv4"]["evaluated_in"] is None
+    assert q_sidecar["integer_layers"]["conv4"]["accumulator"] == "conv4/bias"
     teacher_forced_check(q, onnx.load_from_string(buf.getvalue()), q_sidecar, x)
     # dynamic batch: another batch size runs and matches
     xb = (torch.rand(3, 3, 32, 32),)

@@ -49,11 +49,12 @@ def test_a_linear_model_passes_every_check_on_both_marches(tmp_path):
     for row in rows:
         assert row["errors"] == []
         assert (row["compile"], row["call"], row["export"], row["saveload"]) == ("ok", "ok", "ok", "ok")
-        assert row["islands"] == 0 and row["bpu"] == 1 and row["export_match"] is True and row["export_diff"] < 1e-4
+        assert row["islands"] == 0 and row["bpu"] == 1 and row["export_match"] is True and row["export_diff"] == 0.0
         assert 25 < row["sqnr_float"] < math.inf and row["sqnr_fx"] > 25  # int8 on a 5x5 linear + relu
     lines = dict(counts(rows, ["bayes", "bernoulli2"]))
     assert lines["bayes: compile OK (cases)"] == "1/1"
     assert lines["bayes: no BPU partition (the whole model stays float on the CPU)"] == "0/1"
+    assert lines["bayes: exported bit-identical to compiled (max diff 0)"] == "1/1"  # integer-exact linear
     assert lines["raw errors (not a QCompilerError), all stages and marches"] == "0"
     assert "| TestHelperModules.LinearReluModel | bayes" in markdown(rows, ["bayes", "bernoulli2"], 1.0, [])
 

@@ -1,4 +1,4 @@
-"""Quantization in the ONNX export: Q/DQ pairs, dequantized weights, the sidecar table.
+"""Quantization in the ONNX export: Q/DQ pairs, integer weight layers, the sidecar table.
 
 What opset 11 can say and what it cannot, and how the export bridges it:
 
@@ -6,9 +6,24 @@ What opset 11 can say and what it cannot, and how the export bridges it:
   numerics: symmetric, zero point 0) become ``QuantizeLinear`` +
   ``DequantizeLinear`` (opset 10+) with the quantizer's scale and an int8 zero
   point 0. onnxruntime rounds half to even, as the fake-quant model does.
-* **Per-channel weights** cannot be Q/DQ in opset 11 (per-axis QuantizeLinear
-  arrived in opset 13): each weight is stored as its dequantized int8 values
-  (a float initializer equal to ``q_w * s_w``), its scales go to the sidecar.
+* **Converted weight layers are integer-exact.** A converted model's conv2d
+  (grouped, depthwise) / linear with an int8 input and an int8 output (fused add,
+  relu, relu6 included) is ``ConvInteger`` / ``MatMulInteger`` on the int8 input
+  codes (the int8 tensor before the input's DequantizeLinear) and **int8 weight
+  codes** (initializer ``<path>.weight``, dtype int8), an int32 bias ``Add``, and the
+  BPU's requantization ``clamp(round_half_even(acc * M / 2**n [+ other * Mb / 2**nb]))``
+  (in float64 where provably exact, else in int64), then ``DequantizeLinear(codes,
+  s_out, 0)``: bit for bit the compiled model (``rules/integer_layer.py`` says how and
+  why; a float32 Conv over dequantized values rounds near-ties the other way). A
+  high-precision output is ``float32(acc) * acc_scale``, as ``QTensor.dequantize``.
+* **Layers left in float form**: a converted transposed conv (opset 11 has no
+  ConvTransposeInteger), int16 inputs / outputs / add operands (ConvInteger and
+  QuantizeLinear-10 hold 8-bit integers only), and every weight layer of a *prepared*
+  (calibration / QAT) model, whose fake quants compute in float anyway. They are a
+  float Conv / ConvTranspose / Gemm on the dequantized input with float weights
+  ``q_w * s_w`` (per-channel weights cannot be Q/DQ in opset 11: per-axis QuantizeLinear
+  arrived in opset 13): an approximation of the BPU (one LSB at near-ties). Converted
+  ones are listed under ``float_layers`` with the reason.
 * **Weight scales** are listed one per output channel (or one per tensor), with
   ``axis`` the weight dim of the output channel: 0 for conv / linear
   ``(out, in/groups, ...)``, 1 for a transposed conv ``(in, out/groups, ...)``.
@@ -16,26 +31,37 @@ What opset 11 can say and what it cannot, and how the export bridges it:
   ``o = g * (out/groups) + j`` is column ``j`` of the rows of group ``g``
   (rows ``g * (in/groups)`` to ``(g + 1) * (in/groups) - 1``), so scale ``o``
   applies there (see :func:`weight_scale_grid`).
-* **Bias** is put on the int32 grid ``s_in * s_w`` the BPU adds it on (as
-  ``qcompiler.nn.qat._Observed._qbias`` does in eval mode), then stored float;
-  its grid goes to the sidecar as a ``qint32`` entry.
+* **Bias** is on the int32 grid ``s_in * s_w`` the BPU adds it on (as
+  ``qcompiler.nn.qat._Observed._qbias`` does in eval mode): an int32 initializer of
+  the codes (shape ``(1, out, 1, 1)`` for a conv: ``axis`` 1) in an integer layer,
+  else stored float ``b_int * s_in * s_w``; its grid goes to the sidecar as a ``qint32`` entry.
 * **int16 activations** cannot be expressed: opset-11 QuantizeLinear produces
   int8/uint8 only. They stay float in the graph (no Q/DQ) and are recorded in
   the sidecar with dtype ``qint16``; a mapper that reads the sidecar can apply them.
 * **High-precision outputs** (a BPU layer emitting its int32 accumulator) are
   float in the graph and listed under ``high_precision_outputs``.
-
-A converted model (``convert_fx``) is exported with the same structure from its
-integer parameters (``q_weight * w_scale``, ``bias * acc_scale``, the modules'
-output scales), so onnxruntime approximates the fixed-point model: the float
-ops between Q/DQ pairs round once where the BPU requantizes.
+* Other converted ops (requantize, add / mul / cat / avg pool / resize of feature maps,
+  lookup tables, prelu) are the float op between Q/DQ pairs, which rounds once where
+  the BPU requantizes: equal to the compiled model on every model of
+  ``benchmarks/model_coverage.py``, not proven equal in general.
 
 The sidecar (``QuantState.sidecar``) keys every scale by ONNX tensor name::
 
     {"activations": {tensor: {"scale": s, "dtype": "qint8", "zero_point": 0}},
      "weights": {initializer: {"scales": [...], "axis": 0, "dtype": "qint8"}},
      "high_precision_outputs": [tensor, ...],
+     "integer_layers": {tensor: {"kind": "conv2d", "input": int8 tensor, "weight": int8 initializer,
+                                 "bias": int32 initializer or null, "accumulator": int32 tensor,
+                                 "multiplier": [M...], "shift": [n...], "axis": 1,
+                                 "other": int8 tensor or null, "add": {"multiplier": Mb, "shift": nb} or null,
+                                 "clamp": [lo, hi], "rounding": "half_to_even",
+                                 "evaluated_in": "float64" | "int64", "output": int8 tensor}},
+     "float_layers": {onnx node: reason},
      "partitions": {"bpu0": {"placement": "bpu", "nodes": [...], "inputs": [...], "outputs": [...]}}}
+
+``integer_layers`` is keyed by the layer's dequantized output (also in ``activations``);
+``multiplier`` / ``shift`` are per output channel along ``axis`` of the accumulator
+(1 for a conv, -1 for a linear).
 """
 
 from __future__ import annotations
@@ -76,10 +102,14 @@ class QuantState:
         self.weights: dict[str, dict] = {}
         self.high_precision: list[str] = []
         self.grid: dict[str, tuple[float, str]] = {}  # tensor -> (scale, dtype) it is quantized at
+        self.codes: dict[str, Tensor] = {}  # dequantized int8 tensor -> the int8 tensor it came from
+        self.integer_layers: dict[str, dict] = {}  # output tensor -> the layer's integer parameters
+        self.float_layers: dict[str, str] = {}  # ONNX node of a weight layer left float -> why
 
     def renamed(self, old: str, new: str) -> None:
-        if old in self.grid:
-            self.grid[new] = self.grid.pop(old)
+        for table in (self.grid, self.codes, self.integer_layers):
+            if old in table:
+                table[new] = table.pop(old)
 
     # -- reading quantizers
     def qparams(self, quantizer: nn.Module, where: str) -> Optional[tuple[float, str]]:
@@ -122,17 +152,47 @@ class QuantState:
                        always_node: bool = False) -> Tensor:
         if not self.quantize:
             return ctx.identity(x) if always_node else x
-        if dtype in Q_DTYPES:
-            elem, np_dtype = Q_DTYPES[dtype]
-            s = ctx.initializer(f"{path}.scale", np.array(scale, np.float32))
-            z = ctx.initializer(f"{path}.zero_point", np.array(0, np_dtype))
-            q = ctx.make("QuantizeLinear", [x, s, z], tag="quantize", dtype=elem)
-            y = ctx.make("DequantizeLinear", [q, s, z], tag="dequantize", dtype=TensorProto.FLOAT)
-        else:  # int16: opset-11 QuantizeLinear has no int16; float in the graph, scale in the sidecar
+        if dtype not in Q_DTYPES:  # int16: opset-11 QuantizeLinear has no int16; float, scale in the sidecar
             y = ctx.identity(x) if always_node else x
+            self._record(y, scale, dtype)
+            return y
+        s, z = self._qparam_initializers(ctx, scale, dtype, path)
+        q = ctx.make("QuantizeLinear", [x, s, z], tag="quantize", dtype=Q_DTYPES[dtype][0])
+        return self.dequantize_codes(ctx, q, scale, dtype, path)
+
+    def dequantize_codes(self, ctx: NodeContext, q: str, scale: float, dtype: str, path: str) -> Tensor:
+        """``DequantizeLinear(q, scale, 0)`` of the int8 tensor ``q``: a quantization point (its scale
+        in the sidecar) whose integers later integer layers read from ``q`` (:meth:`codes_of`)."""
+        s, z = self._qparam_initializers(ctx, scale, dtype, path)
+        y = ctx.make("DequantizeLinear", [q, s, z], tag="dequantize", dtype=TensorProto.FLOAT)
+        self._record(y, scale, dtype)
+        self.codes[y] = Tensor(q)
+        return y
+
+    def _qparam_initializers(self, ctx: NodeContext, scale: float, dtype: str, path: str) -> tuple[Tensor, Tensor]:
+        return (ctx.initializer(f"{path}.scale", np.array(scale, np.float32)),
+                ctx.initializer(f"{path}.zero_point", np.array(0, Q_DTYPES[dtype][1])))
+
+    def _record(self, y: str, scale: float, dtype: str) -> None:
         self.activations[y] = {"scale": _f32(scale), "dtype": dtype, "zero_point": 0}
         self.grid[y] = (float(scale), dtype)
-        return y
+
+    def codes_of(self, ctx: NodeContext, x: str, path: str) -> Optional[Tensor]:
+        """The int8 tensor holding the integers of the quantized value ``x``, or None (not int8).
+
+        A DequantizeLinear output gives its input. A value the graph computed from one with a
+        float op that keeps the grid (max pool, reshape, relu of a dequantized tensor: every element
+        is some ``float32(q * s)``) is quantized again at that scale: ``float32(q * s) / s`` is
+        within ``|q| * 2**-23`` of ``q``, so QuantizeLinear gives back exactly ``q``."""
+        if x in self.codes:
+            return self.codes[x]
+        scale, dtype = self.grid.get(x, (None, None))
+        if dtype not in Q_DTYPES:
+            return None
+        s, z = self._qparam_initializers(ctx, scale, dtype, path)
+        q = ctx.make("QuantizeLinear", [x, s, z], tag="codes", dtype=Q_DTYPES[dtype][0])
+        self.codes[x] = q
+        return q
 
     def high_precision_output(self, ctx: NodeContext, y: str) -> None:
         if self.quantize:
@@ -215,8 +275,16 @@ class QuantState:
             "activations": {fin(k): v for k, v in self.activations.items()},
             "weights": {fin(k): v for k, v in self.weights.items()},
             "high_precision_outputs": [fin(k) for k in self.high_precision],
+            "integer_layers": {fin(k): {f: fin(v) if f in _TENSOR_FIELDS and v is not None else v
+                                        for f, v in entry.items()}
+                               for k, entry in self.integer_layers.items()},
+            "float_layers": dict(self.float_layers),
             "partitions": parts,
         }
+
+
+# fields of an integer_layers entry that name tensors (final names in the sidecar)
+_TENSOR_FIELDS = ("input", "other", "weight", "bias", "accumulator", "output")
 
 
 def _flat_names(values) -> list[str]:

@@ -133,6 +133,17 @@ class QuantizedWeightLayer(QuantizedModule):
     def channel_axis(self) -> int:
         return 1 if self.kind != "linear" else -1
 
+    def output_clamp(self) -> tuple[int, int]:
+        """The integer range ``[lo, hi]`` of the output: the out dtype's, narrowed by the fused
+        relu (``lo = 0``) or relu6 (``hi`` = fixed_point.relu6's top), as ``forward`` clamps."""
+        lo, hi = fp.qrange(self.out_dtype)
+        if self.act == "relu":
+            return int(fp.relu(torch.tensor(lo))), hi
+        if self.act == "relu6":
+            top = fp.relu6(torch.tensor([hi], dtype=torch.int64), self.out_scale, self.out_dtype)
+            return int(fp.relu(torch.tensor(lo))), int(top[0])
+        return lo, hi
+
     def _accumulate(self, q: torch.Tensor) -> torch.Tensor:
         g = self.geometry
         if self.kind == "conv2d":

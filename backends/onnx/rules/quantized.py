@@ -18,6 +18,7 @@ from qcompiler.backends.onnx.context import (
 from qcompiler.backends.onnx.registry import emits, emits_module, op_rule
 from qcompiler.backends.onnx.rules.conv import conv, conv_transpose, linear_op
 from qcompiler.backends.onnx.rules.elementwise import clip, identity, prelu_slope_shape
+from qcompiler.backends.onnx.rules.integer_layer import float_form_reason, integer_weight_layer
 from qcompiler.backends.onnx.rules.pool import avg_pool, resize
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase
@@ -109,7 +110,14 @@ def converted_requantize(ctx: NodeContext) -> Tensor:
 
 @emits_module(qnn.QuantizedWeightLayer)
 def converted_weight_layer(ctx: NodeContext) -> Tensor:
+    """Quantizing: integer-exact (``rules/integer_layer.py``) where opset 11 can express it, else
+    (and in a float view) the float layer on the dequantized input, listed under ``float_layers``."""
     m: qnn.QuantizedWeightLayer = ctx.module
+    if ctx.quant.quantize:
+        why = float_form_reason(ctx, m)
+        if why is None:
+            return integer_weight_layer(ctx, m)
+        ctx.quant.float_layers[ctx.prefix] = why
     axis = 1 if m.kind == "conv_transpose2d" else 0
     q, g = m.q_weight, m.geometry
     w = ctx.quant._store_weight(ctx, ctx.path, q, m.w_scale, axis, g.get("groups", 1), "qint8")
