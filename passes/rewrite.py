@@ -9,9 +9,13 @@ matches. Every row computes the same float values: bit for bit, except that a co
 padding inside may sum its products in another order than torch's conv of the padded input
 (float32 rounding, a few ULPs; tests/test_rewrite.py states the tolerance).
 
-* ``F.pad`` with zeros (constant mode, value 0) before a conv or an average pool (counting
-  the padding) whose only caller it is: the padding moves into the conv / pool, when it is
-  the same on both sides of each dim and the march's constraints accept the new padding.
+* ``F.pad`` with zeros (constant mode, value 0), read by nothing else, before a conv or an
+  average pool (counting the padding) whose only caller it is: the padding moves into the
+  conv / pool when the march's constraints accept the new padding. The sides may differ
+  (TF-style "same" padding, ``F.pad(x, (0, 1, 0, 1))`` before a stride-2 conv): the layer then
+  holds four sides ``(top, left, bottom, right)`` (``fixed_point.pads4``; the conv with
+  ``padding_mode="constant"``, the pool as ``PaddedAvgPool2d``: ``qcompiler.nn.fused``), which
+  every later stage reads. Never into a max pool: its padding is -inf, not zeros.
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
 """

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import qcompiler
 from qcompiler.backends.bpu.op_info import op_info
+from qcompiler.backends.bpu.program_check import ATTRS
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import PassError
 from qcompiler.ir.dump import partition_table
@@ -23,6 +24,7 @@ from qcompiler.march import March
 from qcompiler.passes import rewrite as rw
 from qcompiler.nn.fused import PaddedAvgPool2d
 from qcompiler.passes.base import CompileContext
+from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.qtensor import QTensor
 from test_export_exact import assert_export_is_compiled  # noqa: E402
@@ -347,9 +349,11 @@ def test_same_padded_model_is_one_bpu_partition_bit_exact_everywhere(march, tmp_
     cm = qcompiler.compile(model, (x,), march=march, calib_data=[(torch.rand(2, 3, 32, 32),)], progress=False)
     assert [s.kind for s in cm.runtime.steps] == ["bpu"]
     (program,) = cm.runtime.programs.values()
-    pads = {op.kind: op.attrs["padding"] for op in program.ops if op.kind in ("conv2d", "avg_pool2d")
-            and len(op.attrs["padding"]) == 4}
-    assert pads == {"conv2d": [0, 0, 1, 1], "avg_pool2d": [0, 0, 1, 1]}
+    # conv + BN + relu fused into one op that pads four sides; the symmetric pad keeps its pair
+    assert [(op.kind, op.attrs.get("padding"), op.attrs.get("act")) for op in program.ops] == [
+        ("quantize", None, None), ("conv2d", [0, 0, 1, 1], "relu"), ("conv2d", [1, 1], "relu"),
+        ("avg_pool2d", [0, 0, 1, 1], None), ("dequantize", None, None)]
+    assert cm.converted.get_submodule("c1").geometry["padding"] == (0, 0, 1, 1)
     y = cm(x)
     assert torch.equal(_deq(y), _deq(cm.converted(x)))
     sim_in = {program.inputs[0].name: x}
@@ -414,3 +418,51 @@ def test_qat_layers_pad_four_sides_and_compile(tmp_path):
     cm = qcompiler.compile(qat, (x,), mode="qat", progress=False)
     assert [s.kind for s in cm.runtime.steps] == ["bpu"]
     assert torch.equal(_deq(cm(x)), _deq(qcompiler.convert_fx(qat)(x)))
+
+
+def test_four_sided_layers_forced_to_the_cpu_are_onnx_islands(tmp_path):
+    """hybrid_dict keeps the folded conv and pool on the CPU: onnxruntime runs them (Conv / AveragePool
+    with four-sided pads), no torch island, the same values as the converted graph's torch layers."""
+    torch.manual_seed(0)
+    x = torch.rand(1, 3, 32, 32)
+    cm = qcompiler.compile(SamePadded().eval(), (x,), march="bayes", hybrid_dict={"module_name": ["c1", "p"]},
+                           progress=False)
+    assert [s.kind for s in cm.runtime.steps] == ["cpu", "bpu", "cpu"] and cm.torch_islands() == {}
+    assert isinstance(cm.converted.get_submodule("p"), PaddedAvgPool2d)
+    y = cm(x)
+    torch.testing.assert_close(y, cm.converted(x), atol=1e-7, rtol=1e-6)  # onnxruntime vs torch floats
+    cm.save(tmp_path / "m.qc")
+    assert torch.equal(qcompiler.load(tmp_path / "m.qc")(x), y)
+
+
+@pytest.mark.parametrize("kind,padding", [("conv2d", [0, 0, 1]), ("conv2d", [0, 0, 1, -1]), ("avg_pool2d", [1]),
+                                          ("max_pool2d", [0, 0, 1, 1]), ("conv_transpose2d", [0, 0, 1, 1])])
+def test_an_artifact_with_a_malformed_padding_is_refused(kind, padding):
+    """The artifact check (ArtifactError at load) takes four sides only where a folded pad puts them
+    (conv2d, avg_pool2d), as two or four ints >= 0."""
+    assert ATTRS[kind]["padding"](padding) is not None
+    assert ATTRS[kind]["padding"]([1, 2]) is None
+
+
+@pytest.mark.parametrize("kind", ["conv2d", "avg_pool2d"])
+def test_four_sides_are_a_well_formed_padding(kind):
+    assert ATTRS[kind]["padding"]([0, 0, 1, 1]) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(pads=st.tuples(*[st.integers(0, 3)] * 4), k=st.integers(1, 4), stride=st.integers(1, 3),
+       dilation=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_four_sided_fixed_point_kernels_equal_torch_on_the_zero_padded_codes(pads, k, stride, dilation, seed):
+    """fixed_point.int_conv2d / int_avg_pool2d with (t, l, b, r): torch (float64, exact on these integers)
+    on the codes explicitly zero-padded, then unpadded."""
+    g = torch.Generator().manual_seed(seed)
+    t, l, b, r = pads
+    q = torch.randint(-128, 128, (2, 3, 9, 8), generator=g, dtype=torch.int8)  # fits k=4 at dilation 2
+    w = torch.randint(-128, 128, (4, 3, k, k), generator=g, dtype=torch.int8)
+    padded = F.pad(q.double(), (l, r, t, b))
+    want = F.conv2d(padded, w.double(), None, stride, 0, dilation).to(torch.int64)
+    assert torch.equal(fp.int_conv2d(q, w, None, stride, pads, dilation), want)
+    if max(t, b) <= k // 2 and max(l, r) <= k // 2:
+        sums = F.avg_pool2d(padded, k, stride, 0, divisor_override=1).to(torch.int64)
+        got = fp.int_avg_pool2d(q, k, stride, pads, in_scale=1.0, out_scale=1.0, out_dtype="qint16")
+        assert torch.equal(got, fp.requantize(sums, *fp.requant_params(1.0 / (k * k)), "qint16"))
