@@ -122,11 +122,12 @@ def _geometry(base: nn.Module, node: fx.Node) -> dict:
     if isinstance(base, nn.Linear):
         return {}
     mode = getattr(base, "padding_mode", "zeros")
-    if mode != "zeros" and any(base._reversed_padding_repeated_twice):
+    if mode not in fused.ZERO_PADDING_MODES and any(base._reversed_padding_repeated_twice):
         # placement keeps these off the BPU (constraints.zero_padding); a forced one must not zero-pad silently
         raise UnsupportedOpError(f"node '{node.name}': padding_mode='{mode}' has no fixed-point lowering (the BPU "
                                  f"pads with zeros); run this conv on CPU (hybrid_dict)")
-    g = {"stride": base.stride, "padding": base.padding, "dilation": base.dilation, "groups": base.groups}
+    padding = base.padding if isinstance(base, nn.ConvTranspose2d) else tuple(fp.padding_attr(base.padding))
+    g = {"stride": base.stride, "padding": padding, "dilation": base.dilation, "groups": base.groups}
     if isinstance(base, nn.ConvTranspose2d):
         g["output_padding"] = base.output_padding
     return g

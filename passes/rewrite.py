@@ -9,9 +9,13 @@ matches. Every row computes the same float values: bit for bit, except that a co
 padding inside may sum its products in another order than torch's conv of the padded input
 (float32 rounding, a few ULPs; tests/test_rewrite.py states the tolerance).
 
-* ``F.pad`` with zeros (constant mode, value 0) before a conv or an average pool (counting
-  the padding) whose only caller it is: the padding moves into the conv / pool, when it is
-  the same on both sides of each dim and the march's constraints accept the new padding.
+* ``F.pad`` with zeros (constant mode, value 0), read by nothing else, before a conv or an
+  average pool (counting the padding) whose only caller it is: the padding moves into the
+  conv / pool when the march's constraints accept the new padding. The sides may differ
+  (TF-style "same" padding, ``F.pad(x, (0, 1, 0, 1))`` before a stride-2 conv): the layer then
+  holds four sides ``(top, left, bottom, right)`` (``fixed_point.pads4``; the conv with
+  ``padding_mode="constant"``, the pool as ``PaddedAvgPool2d``: ``qcompiler.nn.fused``), which
+  every later stage reads. Never into a max pool: its padding is -inf, not zeros.
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
 """
@@ -28,8 +32,11 @@ from qcompiler.backends.bpu import op_table
 from qcompiler.backends.bpu.op_info import op_info
 from qcompiler.errors import PassError
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
+from qcompiler.ir.modules import set_module
 from qcompiler.ir.ops import node_op
+from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.quantization.fixed_point import pads4
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,8 @@ def _root(node: fx.Node, modules: dict) -> Optional[str]:
 # --------------------------------------------------------------------------- F.pad(0) -> conv / pool padding
 
 
-def _zero_pad(node: fx.Node) -> Optional[tuple[int, int]]:
-    """``(pad_h, pad_w)`` of ``F.pad(x, (l, r, t, b))`` with zeros, the same on both sides; else None."""
+def _zero_pad(node: fx.Node) -> Optional[tuple[int, int, int, int]]:
+    """``(top, left, bottom, right)`` of ``F.pad(x, (l, r[, t, b]))`` with zeros on a 4-D value; else None."""
     if node.op != "call_function" or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
         return None
     pads = node.args[1]
@@ -65,12 +72,10 @@ def _zero_pad(node: fx.Node) -> Optional[tuple[int, int]]:
         return None
     l, r, *tb = pads
     t, b = tb if tb else (0, 0)
-    if l != r or t != b:
-        return None
     info = node.args[0].meta.get(META_TENSOR) if isinstance(node.args[0], fx.Node) else None
     if not isinstance(info, TensorInfo) or len(info.shape) != 4:
         return None
-    return t, l
+    return t, l, b, r
 
 
 def _padded_layer(user: fx.Node, gm: fx.GraphModule) -> Optional[nn.Module]:
@@ -81,36 +86,32 @@ def _padded_layer(user: fx.Node, gm: fx.GraphModule) -> Optional[nn.Module]:
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == user.target)
     if calls != 1:
         return None  # a shared module: its other calls are not padded
-    if type(m) is nn.Conv2d and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
+    if type(m) is nn.Conv2d and m.padding_mode in ZERO_PADDING_MODES and isinstance(m.padding, tuple):
         return m
-    if type(m) is nn.AvgPool2d and m.count_include_pad and not m.ceil_mode and m.divisor_override is None:
+    if type(m) in (nn.AvgPool2d, PaddedAvgPool2d) and m.count_include_pad and not m.ceil_mode \
+            and m.divisor_override is None:
         return m
     return None
 
 
-def _with_padding(m: nn.Module, pad: tuple[int, int]) -> tuple:
-    old = m.padding if isinstance(m.padding, tuple) else (m.padding, m.padding)
-    return (old[0] + pad[0], old[1] + pad[1])
+def _with_padding(m: nn.Module, pad: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    return tuple(a + b for a, b in zip(pads4(m.padding), pad))
 
 
-def _march_accepts(user: fx.Node, m: nn.Module, padding: tuple, gm: fx.GraphModule, ctx: CompileContext) -> bool:
-    """The march's constraints hold for the layer with ``padding`` (and it reads the pad's input)."""
-    if isinstance(m, nn.AvgPool2d):
-        k = m.kernel_size if isinstance(m.kernel_size, tuple) else (m.kernel_size, m.kernel_size)
-        if any(p > kk // 2 for p, kk in zip(padding, k)):  # torch: at most half the kernel
+def _march_accepts(user: fx.Node, new: nn.Module, gm: fx.GraphModule, ctx: CompileContext) -> bool:
+    """The march's constraints hold for the layer ``new`` in place of ``user``'s, reading the pad's input."""
+    if isinstance(new, nn.AvgPool2d):
+        k = new.kernel_size if isinstance(new.kernel_size, tuple) else (new.kernel_size, new.kernel_size)
+        t, l, b, r = pads4(new.padding)
+        if max(t, b) > k[0] // 2 or max(l, r) > k[1] // 2:  # torch: at most half the kernel (either side)
             return False
-    old = m.padding
-    m.padding = padding
+    modules = {**dict(gm.named_modules()), user.target: new}
+    saved = user.args
+    user.args = (user.args[0].args[0],) + tuple(user.args[1:])  # the layer reads the unpadded input
     try:
-        modules = dict(gm.named_modules())
-        saved = user.args
-        user.args = (user.args[0].args[0],) + tuple(user.args[1:])  # the layer reads the unpadded input
-        try:
-            ok, _ = op_table(ctx.march).check(op_info(user, node_op(user, modules), gm, modules))
-        finally:
-            user.args = saved
+        ok, _ = op_table(ctx.march).check(op_info(user, node_op(user, modules), gm, modules))
     finally:
-        m.padding = old
+        user.args = saved
     return ok
 
 
@@ -124,13 +125,13 @@ def _match_pad(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
     m = _padded_layer(user, gm)
     if m is None:
         return None
-    padding = _with_padding(m, pad)
-    return (user, m, padding) if _march_accepts(user, m, padding, gm, ctx) else None
+    new = with_zero_padding(m, _with_padding(m, pad))
+    return (user, new) if _march_accepts(user, new, gm, ctx) else None
 
 
 def _replace_pad(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
-    user, m, padding = data
-    m.padding = padding
+    user, new = data
+    set_module(gm, user.target, new)
     user.args = (node.args[0],) + tuple(user.args[1:])
     gm.graph.erase_node(node)
     return user

@@ -265,7 +265,7 @@ class _Lowering:
         g = m.geometry
         attrs: dict[str, Any] = {}
         if m.kind in ("conv2d", "conv_transpose2d"):
-            attrs.update(stride=list(fp._pair(g["stride"])), padding=list(fp._pair(g["padding"])),
+            attrs.update(stride=list(fp._pair(g["stride"])), padding=fp.padding_attr(g["padding"]),
                          dilation=list(fp._pair(g["dilation"])), groups=int(g["groups"]))
             if m.kind == "conv_transpose2d":
                 attrs["output_padding"] = list(fp._pair(g["output_padding"]))
@@ -386,7 +386,7 @@ class _Lowering:
         M, n = fp.requant_params(fp._f64(m.in_scale, "in_scale") / (kh * kw * fp._f64(m.out_scale, "out_scale")),
                                  mult_bits=qnn.MULT_BITS, max_shift=qnn.MAX_SHIFT)
         return BpuOp("avg_pool2d", [x.name], node.name,
-                     {"kernel_size": [kh, kw], "stride": list(stride), "padding": list(fp._pair(m.padding)), **out},
+                     {"kernel_size": [kh, kw], "stride": list(stride), "padding": fp.padding_attr(m.padding), **out},
                      {"M": M.reshape(()), "n": n.reshape(())})
 
     def _resize(self, node, m: qnn.QuantizedResize) -> BpuOp:

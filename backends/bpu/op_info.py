@@ -10,6 +10,8 @@ import torch.nn as nn
 
 from qcompiler.ir.meta import META_TENSOR, TensorInfo
 from qcompiler.ir.ops import is_number
+from qcompiler.nn.fused import ZERO_PADDING_MODES
+from qcompiler.quantization.fixed_point import padding_attr
 
 
 @dataclass
@@ -33,6 +35,11 @@ def _pair(v) -> tuple[int, int]:
     if isinstance(v, (tuple, list)):
         return (int(v[0]), int(v[-1]))
     return (int(v), int(v))
+
+
+def _padding(v) -> tuple[int, ...]:
+    """``(h, w)``, or ``(t, l, b, r)`` for a four-sided padding whose sides differ (fixed_point.pads4)."""
+    return tuple(padding_attr(v)) if isinstance(v, (tuple, list)) and len(v) == 4 else _pair(v)
 
 
 def _flat_infos(info) -> list[TensorInfo]:
@@ -65,10 +72,10 @@ def _conv_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule, 
             "out_channels": conv.out_channels,
             "kernel": _pair(conv.kernel_size),
             "stride": _pair(conv.stride),
-            "padding": _pair(conv.padding) if not isinstance(conv.padding, str) else (0, 0),
+            "padding": _padding(conv.padding) if not isinstance(conv.padding, str) else (0, 0),
             "dilation": _pair(conv.dilation),
             "groups": conv.groups,
-            "padding_mode": conv.padding_mode,
+            "padding_mode": "zeros" if conv.padding_mode in ZERO_PADDING_MODES else conv.padding_mode,
             "padded": any(conv._reversed_padding_repeated_twice),  # also for padding="same"
         }
     kw = _normalized(node, gm)
@@ -107,7 +114,7 @@ def _pool_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) 
     kernel = _pair(kernel)
     stride = _pair(stride) if stride not in (None, [], ()) else kernel
     options["dilation"] = _pair(options["dilation"])
-    return {"kernel": kernel, "stride": stride, "padding": _pair(padding), **options}
+    return {"kernel": kernel, "stride": stride, "padding": _padding(padding), **options}
 
 
 def _interp_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:

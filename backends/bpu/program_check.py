@@ -51,6 +51,12 @@ def _pair(lo: int) -> Callable[[Any], Optional[str]]:
     return check
 
 
+def _padding(v) -> Optional[str]:
+    """[h, w], or the four sides [top, left, bottom, right] (fixed_point.pads4) of a folded F.pad."""
+    ok = isinstance(v, list) and len(v) in (2, 4) and all(_int(0)(x) is None for x in v)
+    return None if ok else "a list of two ints >= 0 (h, w) or four (top, left, bottom, right)"
+
+
 def _bool(v) -> Optional[str]:
     return None if isinstance(v, bool) else "true or false"
 
@@ -124,7 +130,7 @@ ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "quantize": {},
     "dequantize": {},
     "requantize": {"in_scale": _pos_float},
-    "conv2d": {**_WEIGHT_LAYER, **_CONV},
+    "conv2d": {**_WEIGHT_LAYER, **_CONV, "padding": _padding},
     "conv_transpose2d": {**_WEIGHT_LAYER, **_CONV, "output_padding": _pair(0)},
     "linear": dict(_WEIGHT_LAYER),
     "matmul": {},
@@ -139,7 +145,7 @@ ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "prelu": {"axis": _optional(_int())},
     "leaky_relu": {"axis": _optional(_int())},
     "max_pool2d": {**_POOL, "dilation": _pair(1), "ceil_mode": _bool},
-    "avg_pool2d": dict(_POOL),
+    "avg_pool2d": {**_POOL, "padding": _padding},
     "global_avg_pool": {"in_scale": _pos_float, "keepdim": _bool},
     "resize_nearest": {"size": _pair(1), "in_scale": _pos_float},
     "resize_bilinear": {"size": _pair(1), "in_scale": _pos_float, "align_corners": _bool},

@@ -78,7 +78,7 @@ from __future__ import annotations
 import heapq
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -288,7 +288,17 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         build = REFERENCE.get(op.kind)
     if build is None:
         raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {op.kind!r}")
+    padding = op.attrs.get("padding")
+    if op.kind in _FOUR_SIDED and len(padding) == 4:
+        # a folded F.pad: the symmetric kernel on the codes zero-padded by the excess (code 0 is 0.0)
+        t, l, b, r = padding
+        op = replace(op, attrs={**op.attrs, "padding": [min(t, b), min(l, r)]})
+        kernel = build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn))
+        return lambda x, *rest: kernel(fp.pad_excess(x, padding)[0], *rest)
     return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn))
+
+
+_FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top, left, bottom, right]
 
 
 @_kernel(FAST, "conv2d")

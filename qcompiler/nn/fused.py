@@ -14,6 +14,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from qcompiler.quantization.fixed_point import pads4
 
 __all__ = [
     "FusedModule",
@@ -22,6 +25,9 @@ __all__ = [
     "FusedLinear",
     "fold_bn",
     "build_fused",
+    "ZERO_PADDING_MODES",
+    "PaddedAvgPool2d",
+    "with_zero_padding",
 ]
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d)
@@ -201,3 +207,45 @@ def build_fused(
     names += ("add",) if with_add else ()
     names += (act,) if act is not None else ()
     return fused_type(op, act_module, with_add, names)
+
+
+# ---------------------------------------------------------------------------- four-sided zero padding
+# A zero F.pad folded into the conv / average pool after it (passes/rewrite.py) may pad each side by
+# another amount. The layer then holds ``padding = (top, left, bottom, right)``
+# (fixed_point.pads4), which every later stage reads; torch's layers pad both sides alike, so:
+# * nn.Conv2d keeps its class, with ``padding_mode="constant"``: torch's own ``_conv_forward`` then
+#   zero-pads by ``_reversed_padding_repeated_twice`` (left, right, top, bottom) before a conv with
+#   padding 0, in the float layer, its fused copies and its QAT layer alike;
+# * nn.AvgPool2d becomes a :class:`PaddedAvgPool2d`.
+
+ZERO_PADDING_MODES = ("zeros", "constant")  # conv padding modes that pad with zeros
+
+
+class PaddedAvgPool2d(nn.AvgPool2d):
+    """nn.AvgPool2d counting the padding, with four-sided zero ``padding = (t, l, b, r)``:
+    ``avg_pool2d(F.pad(x, (l, r, t, b)))``, the same float ops as the graph it replaces."""
+
+    qc_leaf = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, l, b, r = self.padding
+        return F.avg_pool2d(F.pad(x, (l, r, t, b)), self.kernel_size, self.stride, 0, self.ceil_mode, True,
+                            self.divisor_override)
+
+
+def with_zero_padding(layer: nn.Module, padding) -> nn.Module:
+    """A copy of ``layer`` (an nn.Conv2d with zero padding, or an nn.AvgPool2d counting its padding;
+    parameters shared) that zero-pads by ``padding`` (a pair or ``(t, l, b, r)``)."""
+    t, l, b, r = pads4(padding)
+    symmetric = (t, l) == (b, r)
+    if isinstance(layer, nn.AvgPool2d):
+        cls = nn.AvgPool2d if symmetric else PaddedAvgPool2d
+        return cls(layer.kernel_size, layer.stride, (t, l) if symmetric else (t, l, b, r), layer.ceil_mode,
+                   True, layer.divisor_override)
+    if not isinstance(layer, nn.Conv2d) or layer.padding_mode not in ZERO_PADDING_MODES:
+        raise TypeError(f"with_zero_padding: expected a zero-padded nn.Conv2d or an nn.AvgPool2d, got {layer!r}")
+    new = _shallow_param_copy(layer)
+    new.padding = (t, l) if symmetric else (t, l, b, r)
+    new.padding_mode = "zeros" if symmetric else "constant"
+    new._reversed_padding_repeated_twice = (l, r, t, b)
+    return new

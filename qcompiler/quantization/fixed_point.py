@@ -51,6 +51,9 @@ __all__ = [
     "requant_params",
     "requantize",
     "check_accumulator",
+    "pads4",
+    "padding_attr",
+    "pad_excess",
     "int_conv2d",
     "int_linear",
     "int_matmul",
@@ -447,6 +450,39 @@ def _exact_bilinear(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a:
     raise ConfigError(f"unknown kernel mode {mode!r}")  # pragma: no cover
 
 
+# A padding is an int, a pair (h, w) (the same on both sides of each dim, as torch's convs and
+# pools take it) or four sides (top, left, bottom, right) -- ONNX's ``pads`` order -- which a
+# zero F.pad folded into a conv / average pool gives (passes/rewrite.py). Four sides are kept only
+# when they differ (:func:`padding_attr`), so symmetric layers keep their pair everywhere.
+
+
+def pads4(padding) -> tuple[int, int, int, int]:
+    """``(top, left, bottom, right)`` of an int, a pair ``(h, w)`` or four sides ``(t, l, b, r)``."""
+    if isinstance(padding, int):
+        return padding, padding, padding, padding
+    p = tuple(int(i) for i in padding)
+    if len(p) == 2:
+        return p[0], p[1], p[0], p[1]
+    if len(p) != 4:
+        raise ConfigError(f"expected a padding int, pair (h, w) or four sides (t, l, b, r), got {p!r}")
+    return p
+
+
+def padding_attr(padding) -> list[int]:
+    """The padding as stored in geometry / program attrs: ``[h, w]`` if symmetric, else ``[t, l, b, r]``."""
+    t, l, b, r = pads4(padding)
+    return [t, l] if (t, l) == (b, r) else [t, l, b, r]
+
+
+def pad_excess(x: torch.Tensor, padding) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``(x zero-padded by the asymmetric excess, the symmetric (h, w) rest)``: a symmetric kernel
+    run on them computes the four-sided zero padding exactly (code 0 is the value 0)."""
+    t, l, b, r = pads4(padding)
+    ph, pw = min(t, b), min(l, r)
+    extra = (l - pw, r - pw, t - ph, b - ph)
+    return (F.pad(x, extra) if any(extra) else x), (ph, pw)
+
+
 def _conv_geometry(x_shape, w_shape, stride, padding, dilation, groups, op):
     sh, sw = _pair(stride)
     ph, pw = _pair(padding)
@@ -510,12 +546,13 @@ def int_conv2d(q_in: torch.Tensor, q_weight: torch.Tensor, bias: torch.Tensor | 
     fastest provably exact arithmetic (float32, float64 or int64) chosen from
     the bound ``k * max|q_in| * max|q_w|`` on every partial sum,
     ``k = Cin/groups * kh * kw`` (see the comment above).  Zero padding
-    only.  The bias is added in int64.  Checking the int32 range is the
+    only: a pair, or four sides ``(t, l, b, r)``.  The bias is added in int64.  Checking the int32 range is the
     caller's choice (:func:`check_accumulator`).
     """
     x, w = _as_int(q_in), _as_int(q_weight)
     if x.dim() != 4 or w.dim() != 4:
         raise ConfigError(f"{op}: expected 4-D input and weight, got {tuple(x.shape)} and {tuple(w.shape)}")
+    x, padding = pad_excess(x, padding)  # four sides: the excess as explicit zeros
     st, pad, dil, Ho, Wo = _conv_geometry(x.shape, w.shape, stride, padding, dilation, groups, op)
     k = w.shape[1] * w.shape[2] * w.shape[3]
     out = _exact_bilinear(_conv_fn(st, pad, dil, groups, Ho, Wo), x, w, k, op)
@@ -713,11 +750,11 @@ def int_avg_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None
                    op: str = "avg_pool2d") -> torch.Tensor:
     """Average pool: exact integer window sum, then requantize by ``s_in / (kh*kw*s_out)``.
 
-    ``count_include_pad=True`` semantics (the divisor is always ``kh*kw``);
-    ``ceil_mode`` is not supported.  Rounding: half to even (:func:`requantize`).
+    ``count_include_pad=True`` semantics (the divisor is always ``kh*kw``; the padding may be
+    four-sided); ``ceil_mode`` is not supported.  Rounding: half to even (:func:`requantize`).
     """
     kh, kw = _pair(kernel_size)
-    x = _as_int64(q)
+    x, padding = pad_excess(_as_int64(q), padding)  # four sides: the excess as explicit (counted) zeros
     # float64 window sums of at most kh*kw ints < 2**31 each are exact
     if _extreme(x) * kh * kw >= _F64_EXACT:
         raise AccumulatorOverflow(op, _extreme(x) * kh * kw, _F64_EXACT, what="window sum")

@@ -16,6 +16,7 @@ from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _arg_or_none, _circular_pad, _ntuple
 from qcompiler.backends.onnx.rules.elementwise import clip
 from qcompiler.nn import fused
+from qcompiler.quantization.fixed_point import pads4
 
 
 @emits("matmul")
@@ -100,6 +101,8 @@ def _pads(ctx: NodeContext, padding: Any, kernel: Sequence[int], dilation: Seque
             total = [d * (k - 1) for k, d in zip(kernel, dilation)]
             return [t // 2 for t in total] + [t - t // 2 for t in total]
         raise ctx.unsupported(f"padding={padding!r}")
+    if n == 2 and isinstance(padding, (list, tuple)) and len(padding) == 4:
+        return list(pads4(padding))  # four sides (t, l, b, r): ONNX's order (begins, then ends)
     p = _ntuple(padding, n)
     return p + p
 
@@ -113,7 +116,7 @@ def conv(ctx: NodeContext, x: str, w: str, b: Optional[str], weight_shape: Seque
     if padding_mode == "circular":
         x = _circular_pad(ctx, x, [0, 0] + pads[:n], [0, 0] + pads[n:])
         pads = [0] * (2 * n)
-    elif padding_mode != "zeros":
+    elif padding_mode not in fused.ZERO_PADDING_MODES:
         mode = {"reflect": "reflect", "replicate": "edge"}.get(padding_mode)
         if mode is None:
             raise ctx.unsupported(f"padding_mode={padding_mode!r} (zeros, reflect, replicate or circular)")

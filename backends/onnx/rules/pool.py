@@ -15,7 +15,7 @@ from qcompiler.backends.onnx.context import (
 )
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _ntuple
-from qcompiler.quantization.fixed_point import max_pool_out_size
+from qcompiler.quantization.fixed_point import max_pool_out_size, pads4
 
 
 @emits("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
@@ -79,10 +79,16 @@ def avg_pool(ctx: NodeContext, x: str, kernel, stride, padding, ceil_mode=False,
              tag: Optional[str] = None, n: int = 2) -> Tensor:
     k = _ntuple(kernel, n)
     s = _ntuple(stride if stride not in (None, [], ()) else k, n)
-    p = _ntuple(padding, n)
+    if n == 2 and isinstance(padding, (list, tuple)) and len(padding) == 4:  # four sides (t, l, b, r)
+        if ceil_mode:
+            raise ctx.unsupported("ceil_mode with a four-sided padding")
+        pads, p = list(pads4(padding)), None
+    else:
+        p = _ntuple(padding, n)
+        pads = p + p
     trim = _ceil_trim(ctx, ceil_mode, k, s, p)
     y = ctx.make("AveragePool", [x], tag=tag or ("average_pool" if trim else None), kernel_shape=k, strides=s,
-                 pads=p + p, ceil_mode=int(bool(ceil_mode)), count_include_pad=int(bool(count_include_pad)))
+                 pads=pads, ceil_mode=int(bool(ceil_mode)), count_include_pad=int(bool(count_include_pad)))
     return _trimmed(ctx, y, trim)
 
 
