@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcompiler.errors import CalibrationError
+from qcompiler.native.build import disabled, native_enabled
 from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization.observer import (
     HistogramObserver,
@@ -66,15 +68,20 @@ def batches(draw):
     return out
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @SETTINGS
-@given(batches(), st.sampled_from([2048, 1024, 2, 3, 1000, 2047, 1 << 14, 1 << 15]))
-def test_histogram_binning_equals_the_float64_reference(xs, bins):
+@given(xs=batches(), bins=st.sampled_from([2048, 1024, 2, 3, 1000, 2047, 1 << 14, 1 << 15]))
+def test_histogram_binning_equals_the_float64_reference(native, xs, bins):
+    """Both binning paths: the native one pass (when it builds here) and torch's."""
+    if native and not native_enabled():
+        pytest.skip("native kernels are off on this machine")
     fast, ref = HistogramObserver(bins=bins), ReferenceHistogram(bins=bins)
-    for x in xs:
-        if not bool(torch.isfinite(x.float()).all()):  # float16 overflow of the drawn values
-            return
-        fast(x)
-        ref(x)
+    with contextlib.nullcontext() if native else disabled():
+        for x in xs:
+            if not bool(torch.isfinite(x.float()).all()):  # float16 overflow of the drawn values
+                return
+            fast(x)
+            ref(x)
     for name in ("histogram", "hist_max", "min_val", "max_val"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert torch.equal(fast.calculate_amax(), ref.calculate_amax())

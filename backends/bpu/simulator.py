@@ -20,7 +20,9 @@ computes, bit for bit.  Two kernel sets are available:
       verified it once (``onednn=``): float32 accumulators exact below 2**24
       (proven per chunk of input channels), requantized in float64 in
       channels-last memory with no tie check (proven statically; see
-      ``backends/bpu/onednn_conv.py``).  Layers whose epilogue is not
+      ``backends/bpu/onednn_conv.py``); with the native kernels
+      (``native=``, default :func:`~qcompiler.native.build.native_enabled`)
+      that epilogue is one pass of integer arithmetic in C.  Layers whose epilogue is not
       proven exact that way, and int16 inputs, use the kernels below.
     * int8 max pools are torch's quantized max pool on the same bytes; cat
       copies or requantizes each input into its output slice in float64
@@ -90,6 +92,7 @@ from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundar
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
+from qcompiler.native.build import native_enabled
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
@@ -148,7 +151,7 @@ class BpuSimulator:
     """
 
     def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None,
-                 onednn: Optional[bool] = None) -> None:
+                 onednn: Optional[bool] = None, native: Optional[bool] = None) -> None:
         if kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         program.validate()
@@ -161,7 +164,12 @@ class BpuSimulator:
             onednn = kernels == "fast" and onednn_conv_available()
         elif onednn and not onednn_conv_available():
             raise ConfigError("onednn=True but oneDNN's int8 convolution is not exact (or missing) on this machine")
-        self.int8_gemm, self.onednn = bool(int8_gemm), bool(onednn)
+        if native is None:
+            native = kernels == "fast" and native_enabled()
+        elif native and not native_enabled():
+            raise ConfigError("native=True but the native kernels are off (no C compiler, a failed build, "
+                              "or QCOMPILER_NATIVE=0); see qcompiler.native.build.native_enabled()")
+        self.int8_gemm, self.onednn, self.native = bool(int8_gemm), bool(onednn), bool(native)
         self.specs = program.value_specs()
         self._ws = _Workspace()
         self._steps: list[tuple[Callable, tuple[str, ...], str, tuple[str, ...]]] = []
@@ -172,7 +180,7 @@ class BpuSimulator:
         keep = {v.name for v in program.outputs}
         for i, op in enumerate(program.ops):
             fn = _compile(op, self.specs, f"{program.name}/{op.output}", kernels, self._ws, self.int8_gemm,
-                          self.onednn)
+                          self.onednn, self.native)
             free = tuple(n for n in dict.fromkeys(op.inputs) if last_use.get(n) == i and n not in keep)
             self._steps.append((fn, tuple(op.inputs), op.output, free))
         self._in_checks = [(v, _input_check(v, program.name)) for v in program.inputs]
@@ -248,6 +256,7 @@ class KernelSpec:
     ws: _Workspace
     int8_gemm: bool
     onednn: bool = False
+    native: bool = False
 
     @property
     def attrs(self) -> dict:
@@ -281,14 +290,14 @@ def _kernel(table: dict[str, KernelBuilder], *kinds: str) -> Callable[[KernelBui
 
 
 def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws: _Workspace,
-             int8_gemm: bool = False, onednn: bool = False) -> Callable:
+             int8_gemm: bool = False, onednn: bool = False, native: bool = False) -> Callable:
     """The kernel of one op: the ``FAST`` overlay's with ``kernels="fast"``, else the ``REFERENCE`` one."""
     build = FAST.get(op.kind) if kernels == "fast" else None
     if build is None:
         build = REFERENCE.get(op.kind)
     if build is None:
         raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {op.kind!r}")
-    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn))
+    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
 
 
 @_kernel(FAST, "conv2d")
@@ -1164,7 +1173,9 @@ class _OnednnConvLayer:
                 lo = 0
             elif a["act"] == "relu6":
                 lo, hi = 0, int(a["act_max"])
-            epi = NhwcRequant(T["M"], T["n"], _STORAGE[out_dtype], lo, hi, add)
+            epi = NhwcRequant(T["M"], T["n"], _STORAGE[out_dtype], lo, hi, add,
+                              acc_bound=_AMAX["qint8"] * int(l1.sum(axis=1).max(initial=0)) + max_bias,
+                              native=k.native)
         conv = OnednnConv(w, bias, a["stride"], a["padding"], a["dilation"], groups, chunks, k.ws)
         return _OnednnConvLayer(conv, epi, k.ws, _fixed_point_weight_layer(k.op, k.name))
 
@@ -1325,10 +1336,11 @@ class PartitionedRunner:
     """
 
     def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
-                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None) -> None:
+                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
+                 native: Optional[bool] = None) -> None:
         self.gm = converted_gm
         self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
-        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn)
+        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn, native=native)
                            for name, p in self.programs.items()}
         by_name = {n.name: n for n in converted_gm.graph.nodes}
         self._node = by_name
@@ -1397,7 +1409,8 @@ class PartitionedRunner:
 
 def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], torch.Tensor],
                     programs: Optional[dict[str, BpuProgram]] = None, *, kernels: str = "fast",
-                    int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None) -> Any:
+                    int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
+                    native: Optional[bool] = None) -> Any:
     """Run a converted model with BPU partitions in the simulator and CPU nodes in torch.
 
     ``inputs`` are the model's positional inputs (a tuple/list, or one tensor).
@@ -1406,4 +1419,5 @@ def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], t
     """
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn)(*inputs)
+    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn,
+                             native=native)(*inputs)

@@ -47,6 +47,8 @@ import torch.nn as nn
 
 from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.native.build import native_enabled
+from qcompiler.native.kernels import histogram_abs
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
 __all__ = [
@@ -442,19 +444,39 @@ _SPLIT_BINCOUNT = 1 << 19  # elements from which a bincount is split over two th
 _bincount_helper: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid, pool): a forked child makes its own
 
 
+def _helper() -> ThreadPoolExecutor:
+    """The one-thread pool that counts the first half of a large tensor (per process: a fork copies no threads)."""
+    global _bincount_helper
+    if _bincount_helper is None or _bincount_helper[0] != os.getpid():
+        _bincount_helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount"))
+    return _bincount_helper[1]
+
+
+def _native_histogram(a: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
+    """``hist += bincount(floor(|a| * per_unit))`` in one native pass (float32 ``a``, contiguous), split
+    over two threads like :func:`_bincount`: each half counts into its own buffer; integer counts, so
+    the sums are exact."""
+    if a.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
+        histogram_abs(a, per_unit, hist)
+        return
+    half = a.numel() // 2
+    first = torch.zeros_like(hist)
+    job = _helper().submit(histogram_abs, a[:half], per_unit, first)
+    histogram_abs(a[half:], per_unit, hist)
+    job.result()
+    hist += first
+
+
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
     """``torch.bincount(index, minlength=n)`` (1-d), on two threads for large inputs when torch may use two.
 
     torch's CPU bincount runs on one thread; the two halves are counted at once (the op releases
     the GIL) and added: integer counts, so the sum is exactly the one-thread result.
     """
-    global _bincount_helper
     if index.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
         return torch.bincount(index, minlength=n)
-    if _bincount_helper is None or _bincount_helper[0] != os.getpid():  # a fork copies no threads
-        _bincount_helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount"))
     half = index.numel() // 2
-    first = _bincount_helper[1].submit(torch.bincount, index[:half], None, n)
+    first = _helper().submit(torch.bincount, index[:half], None, n)
     second = torch.bincount(index[half:], minlength=n)
     return first.result() + second
 
@@ -577,6 +599,11 @@ class HistogramObserver(ObserverBase):
             self.histogram[0] += x.numel()
             return
         n = self.histogram.numel()
+        if native_enabled() and x.device.type == "cpu" and self.histogram.is_contiguous():
+            # one pass: floor(|x| * n / r) from the float64 product (exact, as _bin_index), counted in C
+            a = x.float()
+            _native_histogram(a if a.is_contiguous() else a.contiguous(), n / r, self.histogram.data)
+            return
         index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
 
