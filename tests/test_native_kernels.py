@@ -21,7 +21,7 @@ from qcompiler.backends.bpu.onednn_conv import NhwcRequant
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.native import build
-from qcompiler.native.kernels import histogram_abs, requant_rows
+from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax, requant_rows
 from qcompiler.quantization import fixed_point as fp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,6 +167,24 @@ def test_histogram_abs_equals_bincount_of_the_float64_floor(numel, exponent, nbi
     histogram_abs(x, per_unit, hist)
     want = torch.bincount(torch.floor(x.abs().double() * per_unit).long(), minlength=nbins).double()
     assert torch.equal(hist, torch.arange(nbins, dtype=torch.float64) + want)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [8.0, 100.0, float("nan"), float("inf"), float("-inf"), -8.0])
+def test_a_value_outside_the_range_is_never_counted(bad):
+    """|x| >= r or NaN: histogram_abs raises, histogram_abs_minmax returns None; hist unchanged."""
+    for where in (0, 700, 1999):
+        x = torch.rand(2000) * 7.9
+        x[where] = bad
+        hist = torch.arange(4096, dtype=torch.float64)
+        with pytest.raises(ConfigError, match="NaN or at least the range"):
+            histogram_abs(x, 4096 / 8.0, hist)
+        assert histogram_abs_minmax(x, 4096 / 8.0, hist) is None
+        assert torch.equal(hist, torch.arange(4096, dtype=torch.float64))
+    x = torch.rand(2000) * 7.9 - 3.0
+    hist = torch.zeros(4096, dtype=torch.float64)
+    lo, hi = histogram_abs_minmax(x, 4096 / 8.0, hist)
+    assert (lo, hi) == (float(x.min()), float(x.max())) and int(hist.sum()) == 2000
 
 
 @needs_native

@@ -158,3 +158,42 @@ def test_per_channel_extremes_equal_aminmax_along_the_channel(shape, axis, seed)
     o(x)
     lo, hi = torch.aminmax(x.movedim(axis, 0).reshape(shape[axis], -1), dim=1)
     assert torch.equal(o.min_val, lo) and torch.equal(o.max_val, hi)
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+def test_batches_inside_the_range_take_the_one_pass_path_and_match_the_reference(monkeypatch):
+    """After the first batch sets the range, float32 batches inside it are observed in one native
+    pass (min, max and counts); batches past the range, float16/64 and non-contiguous ones take the
+    two-pass path; the state equals the float64 reference throughout."""
+    calls = []
+    real = observer_module.histogram_abs_minmax
+    monkeypatch.setattr(observer_module, "histogram_abs_minmax", lambda *a: calls.append(real(*a)) or calls[-1])
+    g = torch.Generator().manual_seed(11)
+    big = torch.randn(4, 8, 16, 16, generator=g) * 4
+    fast, ref = HistogramObserver(), ReferenceHistogram()
+    edge = torch.tensor([2.0 ** 3 - 2.0 ** -21, 0.0, -0.0, 2.0 ** -140, -1.5])  # just inside 2**3, zeros, subnormal
+    feeds = [big, big.relu() / 3, edge, torch.randn(1000, generator=g) * 100,  # the last one grows the range
+             big.double(), big.transpose(1, 3), (big / 7).half(), big[:, :, ::2]]
+    for x in feeds:
+        fast(x)
+        ref(x)
+        for name in ("histogram", "hist_max", "min_val", "max_val"):
+            assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    # taken for feeds 2, 3, 4 (None: past the range), 6 and 8 (non-contiguous float32, copied)
+    assert [c is not None for c in calls] == [True, True, False, True, True]
+    assert torch.equal(fast.calculate_amax(), ref.calculate_amax())
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_bad_value_inside_the_range_still_raises_and_changes_nothing(bad):
+    o = HistogramObserver()
+    o(torch.randn(4, 64, 64, 16))  # sets the range: later batches try the one-pass path
+    before = {k: getattr(o, k).clone() for k in ("histogram", "hist_max", "min_val", "max_val")}
+    for where in (0, 12345, 4 * 64 * 64 * 16 - 1):
+        x = torch.randn(4, 64, 64, 16) * 0.1
+        x.view(-1)[where] = bad
+        with pytest.raises(CalibrationError, match="saw NaN/Inf"):
+            o(x)
+        for k, v in before.items():
+            assert torch.equal(getattr(o, k), v), k

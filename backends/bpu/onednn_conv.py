@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import requant_rows
+from qcompiler.native.kernels import Requant
 
 __all__ = ["onednn_conv_available", "OnednnConv", "NhwcRequant", "exact_in_float64", "F32_EXACT"]
 
@@ -185,6 +185,7 @@ class NhwcRequant:
                  native: Optional[bool] = None) -> None:
         self.out_storage, self.lo, self.hi = out_storage, lo, hi
         self.native = native_enabled() if native is None else bool(native)
+        self._plans: dict = {}  # (channels, fused operand dtype) -> native Requant
         self.add, self.acc_bound = add, int(acc_bound)
         self.M64 = None if M is None else M.to(torch.int64).reshape(-1).contiguous()
         self.n64 = None if n is None else n.to(torch.int64).reshape(-1).contiguous()
@@ -245,14 +246,15 @@ class NhwcRequant:
         if not self.native or o2.dtype not in (torch.int8, torch.int16) or a2.dtype not in (
                 torch.float32, torch.float64) or (b2 is not None and b2.dtype not in (torch.int8, torch.int16)):
             return False
-        a2 = a2 if a2.is_contiguous() else a2.contiguous()
         O = a2.shape[1]
-        M, n = self.M64, self.n64
-        if M.numel() != O or n.numel() != O:  # per-tensor parameters: one entry per channel
-            M, n = M.expand(O).contiguous(), n.expand(O).contiguous()
-        if b2 is None:
-            requant_rows(a2, M, n, self.lo, self.hi, o2, acc_bound=self.acc_bound)
-        else:
-            b2 = b2 if b2.is_contiguous() else b2.contiguous()
-            requant_rows(a2, M, n, self.lo, self.hi, o2, b2, self.add[0], self.add[1], acc_bound=self.acc_bound)
+        key = (O, None if b2 is None else b2.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            M, n = self.M64, self.n64
+            if M.numel() != O or n.numel() != O:  # per-tensor parameters: one entry per channel
+                M, n = M.expand(O).contiguous(), n.expand(O).contiguous()
+            Mb, nb = self.add if b2 is not None else (0, 0)
+            plan = self._plans[key] = Requant(M, n, self.lo, self.hi, self.acc_bound, key[1], Mb, nb)
+        plan(a2 if a2.is_contiguous() else a2.contiguous(), o2,
+             None if b2 is None else (b2 if b2.is_contiguous() else b2.contiguous()))
         return True

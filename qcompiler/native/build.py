@@ -35,7 +35,8 @@ __all__ = ["library", "native_enabled", "reset", "disabled", "ENV_DISABLE", "ENV
 ENV_DISABLE = "QCOMPILER_NATIVE"  # "0" / "off" / "false": never build or load
 ENV_CACHE = "QCOMPILER_NATIVE_CACHE"
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden", "-std=gnu11",
+         "-fopenmp-simd")  # the simd pragmas only: no OpenMP runtime, no threads
 ABI_VERSION = 1
 _TIMEOUT_S = 120
 

@@ -118,28 +118,79 @@ REQ_ADD_FN(qc_requant_add_f64_i16_i8, double, int16_t, int8_t)
 REQ_ADD_FN(qc_requant_add_f64_i8_i16, double, int8_t, int16_t)
 REQ_ADD_FN(qc_requant_add_f64_i16_i16, double, int16_t, int16_t)
 
-/* Histogram of |x| over [0, r): counts[floor(|x| * per_unit)] += 1 for the N float32 values x,
- * per_unit = nbins / r.  The caller guarantees every |x| < r and no NaN, so every index is in
- * [0, nbins).  The float64 product of a float32 |x| (24 bits) and per_unit (a power of two, or
- * an integer <= 2**21 over a power of two) is exact, so truncation is the exact floor.
- * counts: `ways` zeroed int64 arrays of nbins each (independent sub-histograms, so consecutive
- * equal indices do not wait on one another); they are summed into hist (float64) at the end. */
-QC_API void qc_hist_abs_f32(const float *x, int64_t N, double per_unit, int64_t nbins, int64_t ways,
-                            int64_t *counts, double *hist) {
-    memset(counts, 0, sizeof(int64_t) * (size_t)(nbins * ways));
-    int64_t i = 0;
-    if (ways == 4) {
-        int64_t *c0 = counts, *c1 = counts + nbins, *c2 = counts + 2 * nbins, *c3 = counts + 3 * nbins;
-        for (; i + 4 <= N; i += 4) {
-            c0[(int64_t)((double)fabsf(x[i]) * per_unit)]++;
-            c1[(int64_t)((double)fabsf(x[i + 1]) * per_unit)]++;
-            c2[(int64_t)((double)fabsf(x[i + 2]) * per_unit)]++;
-            c3[(int64_t)((double)fabsf(x[i + 3]) * per_unit)]++;
+/* Histogram of |x| over [0, r): hist[floor(|x| * per_unit)] += 1 for the N float32 values x,
+ * per_unit = nbins / r.  Exact floors: with f32 != 0, per_unit is a power of two in the normal
+ * float32 range and the float32 product is exact (a product below 1 may round, but stays below
+ * 1: bin 0); otherwise the float64 product of a 24-bit |x| and per_unit (an integer <= 2**21
+ * over a power of two) is exact.  Truncation of a non-negative value is its floor.
+ * Indices are computed a block at a time (vectorized), then counted in uint32 (added to hist,
+ * float64 and exact below 2**53, every 2**30 elements and at the end).  Bin 0 (the zeros after a
+ * ReLU, often half the values) is counted in the vector loop instead; its elements increment 16
+ * scratch slots in rotation, so the scalar loop never waits on a chain of increments of one
+ * counter.  A value whose index is not in [0, nbins) (|x| >= r, or NaN) is never counted: the
+ * call returns -2 and leaves hist unchanged (for N <= 2**30; beyond, earlier chunks are added).
+ * With mm != NULL it also stores min(x), max(x) there (the same pass; meaningful when it
+ * returns 0, i.e. no NaN).  Returns -1 if the counters cannot be allocated. */
+#define HIST_BLOCK 512
+#define HIST_FLUSH ((int64_t)1 << 30)
+#define HIST_SPREAD 16 /* scratch slots for bin 0, one cache line apart */
+
+#define HIST_INDEX(PRODUCT)                                                                          \
+    _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(+:zeros) reduction(|:bad)")     \
+    for (int64_t i = 0; i < m; i++) {                                                                \
+        float v = xb[i];                                                                             \
+        mn = v < mn ? v : mn;                                                                        \
+        mx = v > mx ? v : mx;                                                                        \
+        PRODUCT_T p = PRODUCT;                                                                       \
+        int ok = p < limit; /* false for NaN */                                                      \
+        int32_t j = (int32_t)(ok ? p : (PRODUCT_T)0);                                                \
+        zeros += (j == 0) & ok;                                                                      \
+        bad |= !ok;                                                                                  \
+        idx[i] = j == 0 ? spare + (int32_t)(i & (HIST_SPREAD - 1)) * 16 : j;                         \
+    }
+
+QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, int f32, int64_t nbins,
+                           double *restrict hist, float *restrict mm) {
+    uint32_t *counts = calloc((size_t)(nbins + HIST_SPREAD * 16), sizeof(uint32_t));
+    if (!counts) return -1;
+    int32_t idx[HIST_BLOCK];
+    const float pu32 = (float)per_unit;
+    const int32_t spare = (int32_t)nbins;
+    float mn = INFINITY, mx = -INFINITY;
+    for (int64_t start = 0; start < N; start += HIST_FLUSH) {
+        int64_t stop = N - start < HIST_FLUSH ? N : start + HIST_FLUSH;
+        int64_t zeros = 0;
+        int bad = 0;
+        for (int64_t b = start; b < stop; b += HIST_BLOCK) {
+            int64_t m = stop - b < HIST_BLOCK ? stop - b : HIST_BLOCK;
+            const float *restrict xb = x + b;
+            if (f32) {
+                const float limit = (float)nbins;
+#define PRODUCT_T float
+                HIST_INDEX(fabsf(v) * pu32)
+#undef PRODUCT_T
+            } else {
+                const double limit = (double)nbins;
+#define PRODUCT_T double
+                HIST_INDEX((double)fabsf(v) * per_unit)
+#undef PRODUCT_T
+            }
+            for (int64_t i = 0; i < m; i++) counts[idx[i]]++;
+        }
+        if (bad) {
+            free(counts);
+            return -2;
+        }
+        counts[0] += (uint32_t)zeros; /* bin 0's elements went to the slots */
+        for (int64_t k = 0; k < nbins; k++) {
+            hist[k] += (double)counts[k];
+            counts[k] = 0;
         }
     }
-    for (; i < N; i++) counts[(int64_t)((double)fabsf(x[i]) * per_unit)]++;
-    for (int64_t w = 1; w < ways; w++)
-        for (int64_t k = 0; k < nbins; k++) counts[k] += counts[w * nbins + k];
-    if (hist)
-        for (int64_t k = 0; k < nbins; k++) hist[k] += (double)counts[k];
+    free(counts);
+    if (mm) {
+        mm[0] = mn;
+        mm[1] = mx;
+    }
+    return 0;
 }

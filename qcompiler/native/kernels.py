@@ -13,6 +13,7 @@ around each call, so several threads may run them at once.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["requant_rows", "histogram_abs", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -62,64 +63,119 @@ def _check(t: torch.Tensor, what: str, dtypes, shape: Optional[tuple] = None) ->
         raise ConfigError(f"{what}: shape {tuple(t.shape)} does not match {tuple(shape)}")
 
 
+class Requant:
+    """A prepared requantization: ``out[p, c] = clamp(round_half_even(acc[p, c] * M[c] / 2**n[c]
+    [+ other[p, c] * Mb / 2**nb]), lo, hi)``, exactly, in integer arithmetic.
+
+    The parameters are checked once here (shifts in [0, 62]; ``acc_bound * |M|`` and the fused
+    operand's ``|other| * |Mb|`` below 2**62), so a call only checks its tensors.  The fused sum
+    runs in int64 when its bound ``acc_bound * max|M| * 2**(s - min n) + max|other| * |Mb| *
+    2**(s - nb)`` (``s = max(n, nb)``) fits, else in 128-bit integers.  ``other_dtype`` is the
+    fused operand's storage (int8 / int16) or None without one.
+    """
+
+    def __init__(self, M: torch.Tensor, n: torch.Tensor, lo: int, hi: int, acc_bound: int = 1 << 31,
+                 other_dtype: Optional[torch.dtype] = None, Mb: int = 0, nb: int = 0) -> None:
+        _check(M, "requant_rows: M", (torch.int64,))
+        _check(n, "requant_rows: n", (torch.int64,), tuple(M.shape))
+        if M.dim() != 1:
+            raise ConfigError(f"requant_rows: M and n must be 1-d (one entry per channel), got {tuple(M.shape)}")
+        if not -(1 << 62) < lo <= hi < 1 << 62:
+            raise ConfigError(f"requant_rows: bad clamp range [{lo}, {hi}]")
+        O = M.numel()
+        n_lo, n_hi = (int(n.min()), int(n.max())) if O else (0, 0)
+        m_max = int(M.abs().max()) if O else 0
+        if n_lo < 0 or n_hi > MAX_SHIFT or (other_dtype is not None and not 0 <= nb <= MAX_SHIFT):
+            raise ConfigError(f"requant_rows: shifts must be in [0, {MAX_SHIFT}], got n in [{n_lo}, {n_hi}], nb={nb}")
+        if acc_bound * m_max >= INT64_LIMIT:
+            raise ConfigError(f"requant_rows: |acc| <= {acc_bound} times M up to {m_max} may reach 2**62")
+        self.M, self.n, self.O = M, n, O
+        self.lo, self.hi, self.Mb, self.nb, self.other_dtype = int(lo), int(hi), int(Mb), int(nb), other_dtype
+        self.wide = 0
+        if other_dtype is not None:
+            if other_dtype not in _INT:
+                raise ConfigError(f"requant_rows: other: dtype {other_dtype} is not one of torch.int8, torch.int16")
+            b_bound = 1 << (8 * torch.empty(0, dtype=other_dtype).element_size() - 1)
+            if b_bound * abs(Mb) >= INT64_LIMIT:
+                raise ConfigError(f"requant_rows: the fused operand's multiplier {Mb} is too large")
+            s = max(n_hi, nb)
+            self.wide = int(acc_bound * m_max * 2 ** (s - n_lo) + b_bound * abs(Mb) * 2 ** (s - nb) >= INT64_LIMIT)
+
+    def __call__(self, acc: torch.Tensor, out: torch.Tensor, other: Optional[torch.Tensor] = None) -> None:
+        """``acc`` (P, O) float32/float64 holding integers within ``acc_bound``; ``out`` (P, O) int8/int16;
+        ``other`` (P, O) of ``other_dtype`` when the plan has a fused add (else None)."""
+        _check(acc, "requant_rows: acc", _ACC)
+        if acc.dim() != 2 or acc.shape[1] != self.O:
+            raise ConfigError(f"requant_rows: acc must be (rows, {self.O}), got shape {tuple(acc.shape)}")
+        P = acc.shape[0]
+        _check(out, "requant_rows: out", _INT, (P, self.O))
+        if (other is None) != (self.other_dtype is None):
+            raise ConfigError("requant_rows: other must be given exactly when the plan has a fused add")
+        if other is None:
+            f = _fn(f"qc_requant_{_ACC[acc.dtype]}_{_INT[out.dtype]}", (_P, _I64, _I64, _P, _P, _I64, _I64, _P))
+            _ok(f(acc.data_ptr(), P, self.O, self.M.data_ptr(), self.n.data_ptr(), self.lo, self.hi, out.data_ptr()))
+            return
+        _check(other, "requant_rows: other", (self.other_dtype,), (P, self.O))
+        f = _fn(f"qc_requant_add_{_ACC[acc.dtype]}_{_INT[other.dtype]}_{_INT[out.dtype]}",
+                (_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P))
+        _ok(f(acc.data_ptr(), P, self.O, self.M.data_ptr(), self.n.data_ptr(), other.data_ptr(), self.Mb, self.nb,
+              self.lo, self.hi, self.wide, out.data_ptr()))
+
+
 def requant_rows(acc: torch.Tensor, M: torch.Tensor, n: torch.Tensor, lo: int, hi: int, out: torch.Tensor,
                  other: Optional[torch.Tensor] = None, Mb: int = 0, nb: int = 0, acc_bound: int = 1 << 31) -> None:
-    """``out[p, c] = clamp(round_half_even(acc[p, c] * M[c] / 2**n[c] [+ other[p, c] * Mb / 2**nb]), lo, hi)``,
-    exactly, in integer arithmetic.
-
-    ``acc`` (P, O) float32/float64 holding integers with ``|acc| <= acc_bound``; ``M``/``n`` int64 (O,);
-    ``other`` (P, O) int8/int16; ``out`` (P, O) int8/int16.  Shifts in [0, 62]; ``|acc_bound * M|`` and
-    ``|128 or 32768 * Mb|`` below 2**62 (checked here).  The fused sum runs in int64 when its bound
-    fits, else in 128-bit integers.
-    """
-    _check(acc, "requant_rows: acc", _ACC)
-    if acc.dim() != 2:
-        raise ConfigError(f"requant_rows: acc must be (rows, channels), got shape {tuple(acc.shape)}")
-    P, O = acc.shape
-    _check(M, "requant_rows: M", (torch.int64,), (O,))
-    _check(n, "requant_rows: n", (torch.int64,), (O,))
-    _check(out, "requant_rows: out", _INT, (P, O))
-    if not -(1 << 62) < lo <= hi < 1 << 62:
-        raise ConfigError(f"requant_rows: bad clamp range [{lo}, {hi}]")
-    n_lo, n_hi = (int(n.min()), int(n.max())) if O else (0, 0)
-    m_max = int(M.abs().max()) if O else 0
-    if n_lo < 0 or n_hi > MAX_SHIFT or (other is not None and not 0 <= nb <= MAX_SHIFT):
-        raise ConfigError(f"requant_rows: shifts must be in [0, {MAX_SHIFT}], got n in [{n_lo}, {n_hi}], nb={nb}")
-    if acc_bound * m_max >= INT64_LIMIT:
-        raise ConfigError(f"requant_rows: |acc| <= {acc_bound} times M up to {m_max} may reach 2**62")
-    if other is None:
-        f = _fn(f"qc_requant_{_ACC[acc.dtype]}_{_INT[out.dtype]}", (_P, _I64, _I64, _P, _P, _I64, _I64, _P))
-        _ok(f(acc.data_ptr(), P, O, M.data_ptr(), n.data_ptr(), lo, hi, out.data_ptr()))
-        return
-    _check(other, "requant_rows: other", _INT, (P, O))
-    b_bound = 1 << (8 * other.element_size() - 1)
-    if b_bound * abs(Mb) >= INT64_LIMIT:
-        raise ConfigError(f"requant_rows: the fused operand's multiplier {Mb} is too large")
-    s = max(n_hi, nb)
-    wide = acc_bound * m_max * 2 ** (s - n_lo) + b_bound * abs(Mb) * 2 ** (s - nb) >= INT64_LIMIT
-    f = _fn(f"qc_requant_add_{_ACC[acc.dtype]}_{_INT[other.dtype]}_{_INT[out.dtype]}",
-            (_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P))
-    _ok(f(acc.data_ptr(), P, O, M.data_ptr(), n.data_ptr(), other.data_ptr(), int(Mb), int(nb), lo, hi, int(wide),
-          out.data_ptr()))
+    """One-off :class:`Requant`: ``out = clamp(round_half_even(acc * M / 2**n [+ other * Mb / 2**nb]), lo, hi)``
+    per channel (the last dim), exactly."""
+    if other is not None and not isinstance(other, torch.Tensor):
+        raise ConfigError(f"requant_rows: other: expected a tensor, got {type(other).__name__}")
+    plan = Requant(M, n, lo, hi, acc_bound, None if other is None else other.dtype, Mb, nb)
+    plan(acc, out, other)
 
 
-def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> None:
-    """``hist[floor(|x| * per_unit)] += 1`` for every float32 value of ``x`` (contiguous), exactly
-    ``torch.bincount`` of the float64 product's floor, added to the float64 ``hist`` (1-d, contiguous).
+_F32_TINY, _F32_HUGE = 2.0 ** -126, 2.0 ** 127  # the normal float32 powers of two
 
-    The caller guarantees ``|x| * per_unit < hist.numel()`` and no NaN (the observer's range and
-    finite check); ``per_unit`` must be positive.
-    """
+
+FUSED_MAX = 1 << 30  # histogram_abs_minmax: up to this many values (one uint32 chunk: all or nothing)
+
+
+def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Optional[torch.Tensor]) -> int:
     _check(x, "histogram_abs: x", (torch.float32,))
     _check(hist, "histogram_abs: hist", (torch.float64,))
     if hist.dim() != 1 or not hist.numel():
         raise ConfigError(f"histogram_abs: hist must be a non-empty 1-d tensor, got shape {tuple(hist.shape)}")
-    if not per_unit > 0.0:
-        raise ConfigError(f"histogram_abs: per_unit must be positive, got {per_unit}")
+    if not per_unit > 0.0 or not math.isfinite(per_unit):
+        raise ConfigError(f"histogram_abs: per_unit must be positive and finite, got {per_unit}")
     nbins = hist.numel()
-    ways = 4 if nbins <= 1 << 14 else 1
-    if scratch is None or scratch.numel() < ways * nbins or scratch.dtype != torch.int64:
-        scratch = torch.empty(ways * nbins, dtype=torch.int64)
-    _check(scratch, "histogram_abs: scratch", (torch.int64,))
-    f = _fn("qc_hist_abs_f32", (_P, _I64, _F64, _I64, _I64, _P, _P), None)
-    f(x.data_ptr(), x.numel(), float(per_unit), nbins, ways, scratch.data_ptr(), hist.data_ptr())
+    f32 = math.frexp(per_unit)[0] == 0.5 and _F32_TINY <= per_unit <= _F32_HUGE
+    f = _fn("qc_hist_abs_f32", (_P, _I64, _F64, ctypes.c_int, _I64, _P, _P))
+    rc = f(x.data_ptr(), x.numel(), float(per_unit), int(f32), nbins, hist.data_ptr(),
+           None if mm is None else mm.data_ptr())
+    if rc == -1:
+        raise MemoryError("histogram_abs: out of memory for the counters")
+    return rc
+
+
+def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
+    """``hist[floor(|x| * per_unit)] += 1`` for every float32 value of ``x`` (contiguous): exactly
+    ``torch.bincount`` of the floor of the exact product, added to the float64 ``hist`` (1-d, contiguous).
+
+    The caller guarantees ``|x| * per_unit < hist.numel()`` and no NaN (the observer's range and
+    finite check; a value outside is a ConfigError, never counted); ``per_unit`` must be positive.  A power
+    of-two ``per_unit`` in the normal float32 range is applied in float32 (exact), any other in
+    float64 (exact: 24 + 21 bits).
+    """
+    if _histogram_call(x, per_unit, hist, None) == -2:
+        raise ConfigError(f"histogram_abs: a value of x is NaN or at least the range ({hist.numel()} / {per_unit}); "
+                          f"the caller must widen the range first")
+
+
+def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -> Optional[tuple[float, float]]:
+    """:func:`histogram_abs` and ``(min(x), max(x))`` in one pass, when every ``|x| * per_unit`` is
+    below ``hist.numel()`` and no value is NaN; otherwise None and ``hist`` is unchanged (the caller
+    computes the range and bins again).  At most :data:`FUSED_MAX` values."""
+    if x.numel() > FUSED_MAX:
+        raise ConfigError(f"histogram_abs_minmax: at most {FUSED_MAX} values, got {x.numel()}")
+    mm = torch.empty(2, dtype=torch.float32)
+    if _histogram_call(x, per_unit, hist, mm) != 0:
+        return None
+    return float(mm[0]), float(mm[1])

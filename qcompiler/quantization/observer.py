@@ -48,7 +48,7 @@ import torch.nn as nn
 from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import histogram_abs
+from qcompiler.native.kernels import FUSED_MAX, histogram_abs, histogram_abs_minmax
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
 __all__ = [
@@ -586,6 +586,8 @@ class HistogramObserver(ObserverBase):
         self.hist_max.fill_(new_max)
 
     def _observe(self, x: torch.Tensor) -> None:
+        if self._observe_in_range(x):
+            return
         lo, hi = self._extremes(x)
         lo, hi = lo.float(), hi.float()
         self.min_val = torch.minimum(self.min_val, lo)
@@ -606,6 +608,25 @@ class HistogramObserver(ObserverBase):
             return
         index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
+
+    def _observe_in_range(self, x: torch.Tensor) -> bool:
+        """One native pass for a float32 batch inside the current range (every batch after the first
+        few, typically): min, max and the bin counts at once.  True when it applied the batch; False
+        (nothing changed) when the batch holds a NaN/Inf or a value at or past ``hist_max``, or the
+        native kernels are off; then :meth:`_observe` takes the batch as before.  The same state
+        either way: a batch within the range leaves ``hist_max`` as it is, and the counts are the
+        same floors (``histogram_abs``)."""
+        r = float(self.hist_max)
+        if (r == 0.0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() > FUSED_MAX
+                or not self.histogram.is_contiguous() or not native_enabled()):
+            return False
+        mm = histogram_abs_minmax(x if x.is_contiguous() else x.contiguous(), self.histogram.numel() / r,
+                                  self.histogram.data)
+        if mm is None:
+            return False
+        self.min_val = torch.minimum(self.min_val, torch.tensor(mm[0], dtype=torch.float32))
+        self.max_val = torch.maximum(self.max_val, torch.tensor(mm[1], dtype=torch.float32))
+        return True
 
     @staticmethod
     def _bin_index(x: torch.Tensor, n: int, r: float, nonnegative: bool = False) -> torch.Tensor:
