@@ -21,7 +21,7 @@ from qcompiler.backends.bpu.onednn_conv import NhwcRequant
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.native import build
-from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax, requant_rows
+from qcompiler.native.kernels import DepthwiseConv, histogram_abs, histogram_abs_minmax, requant_rows
 from qcompiler.quantization import fixed_point as fp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,3 +284,90 @@ def test_the_cache_key_follows_the_source(monkeypatch, tmp_path, restore_native)
     build.reset()
     assert build.library() is not None
     assert len(list((tmp_path / "cache").glob("qc_kernels_*.so"))) == 2
+
+
+@st.composite
+def dw_cases(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 12))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.integers(1, 70)), H=H, W=W, k=(kh, kw),
+                stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), padding=(ph, pw), dilation=(dh, dw),
+                bias=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
+                act=draw(st.sampled_from([None, "relu", "relu6"])), extreme=draw(st.booleans()),
+                n=draw(st.integers(0, 40)), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_native
+@SETTINGS
+@given(dw_cases())
+def test_depthwise_conv_equals_the_int64_reference(c):
+    """conv2d (float64: exact for these sums) + bias, then fixed_point.requantize in int64 and the
+    activation's clamp, against the native depthwise kernel; channels-last in and out."""
+    g = torch.Generator().manual_seed(c["seed"])
+    N, C, H, W = c["N"], c["C"], c["H"], c["W"]
+    if c["extreme"]:  # the accumulator's extremes: +-127 weights on -128 / 127 inputs
+        w = torch.where(torch.rand(C, 1, *c["k"], generator=g) < 0.5, -127, 127).to(torch.int8)
+        x = torch.where(torch.rand(N, C, H, W, generator=g) < 0.5, -128, 127).to(torch.int8)
+    else:
+        w = torch.randint(-127, 128, (C, 1, *c["k"]), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (C,), generator=g).to(torch.int32) if c["bias"] else None
+    M = torch.randint(1, 1 << 15, (C,), generator=g)
+    n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (C,), generator=g)
+    lo, hi = fp.qrange(c["out"])
+    if c["act"] == "relu":
+        lo = 0
+    elif c["act"] == "relu6":
+        lo, hi = 0, 90
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), c["stride"],
+                                     c["padding"], c["dilation"], C).to(torch.int64)
+    want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+    kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]])
+    got = kernel(x.permute(0, 2, 3, 1).contiguous())
+    assert got.dtype == _OUT[c["out"]]
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want)
+
+
+@needs_native
+def test_depthwise_conv_refuses_what_it_cannot_do_exactly():
+    w = torch.ones(4, 1, 3, 3, dtype=torch.int8)
+    M, n = torch.ones(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64)
+    with pytest.raises(ConfigError, match=r"\(C, 1, kh, kw\)"):
+        DepthwiseConv(torch.ones(4, 2, 3, 3, dtype=torch.int8), None, (1, 1), (1, 1), (1, 1), M, n, -128, 127,
+                      torch.int8)
+    with pytest.raises(ConfigError, match="reaches 2\\*\\*31"):
+        DepthwiseConv(w, torch.full((4,), 2 ** 31 - 10), (1, 1), (1, 1), (1, 1), M, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="shifts"):
+        DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), M, n + 70, -128, 127, torch.int8)
+    k = DepthwiseConv(w, None, (1, 1), (0, 0), (1, 1), M, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="channels-last"):
+        k(torch.zeros(1, 5, 5, 3, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="smaller than the kernel"):
+        k(torch.zeros(1, 2, 2, 4, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="contiguous"):
+        k(torch.zeros(1, 4, 5, 5, dtype=torch.int8).permute(0, 2, 3, 1))
+
+
+@needs_native
+@pytest.mark.parametrize("act", [None, "relu6"])
+def test_the_simulator_runs_depthwise_layers_natively_and_exactly(act):
+    t = Tiny(seed=7)
+    x = t.input(torch.randint(-128, 128, (2, 24, 9, 9), generator=t.gen), 0.05)
+    layer = weight_layer("conv2d", torch.randint(-127, 128, (24, 1, 3, 3), generator=t.gen), torch.full((24,), 0.01),
+                         torch.randn(24, generator=t.gen), 0.05, 0.1, geometry=geometry(2, 1, 1, 24), act=act,
+                         name="conv")
+    prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
+    inputs = {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)}
+    outs = {}
+    for native in (True, False):
+        sim = BpuSimulator(prog, native=native)
+        kinds = {type(s[0]).__name__ for s in sim._steps}
+        assert ("_NativeDepthwiseLayer" in kinds) == native, kinds
+        outs[native] = {k: v.int_repr() for k, v in sim.run(inputs).items()}
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    assert outs[True].keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(outs[True][k], ref[k]) and torch.equal(outs[False][k], ref[k])

@@ -93,6 +93,7 @@ from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnCon
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.native.build import native_enabled
+from qcompiler.native.kernels import DepthwiseConv
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
@@ -302,6 +303,10 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
 
 @_kernel(FAST, "conv2d")
 def _fast_conv(k: KernelSpec) -> Callable:
+    if k.native:
+        layer = _NativeDepthwiseLayer.build(k)
+        if layer is not None:
+            return layer
     if k.onednn:
         layer = _OnednnConvLayer.build(k)
         if layer is not None:
@@ -1135,6 +1140,51 @@ class _FastConv:
             self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check, fold)
 
 
+def _act_clamp(a: dict) -> tuple[int, int]:
+    """The output range of a weight layer: its integer type's, narrowed by a fused relu / relu6."""
+    lo, hi = fp.qrange(a["out_dtype"])
+    if a["act"] == "relu":
+        lo = 0
+    elif a["act"] == "relu6":
+        lo, hi = 0, int(a["act_max"])
+    return lo, hi
+
+
+class _NativeDepthwiseLayer:
+    """Depthwise int8 conv2d (groups == in == out channels) in one native pass: int32 accumulation
+    and the integer requantization per output position (:class:`~qcompiler.native.kernels.DepthwiseConv`),
+    channels-last in and out.  Built for qint8 inputs without a fused add or a high-precision
+    output, when the int32 bound is proven (``build`` returns None otherwise)."""
+
+    def __init__(self, kernel: DepthwiseConv, fallback: Callable) -> None:
+        self.kernel, self.fallback = kernel, fallback
+
+    @staticmethod
+    def build(k: KernelSpec) -> Optional["_NativeDepthwiseLayer"]:
+        a, T = k.attrs, k.tensors
+        w, bias = T["weight"], T.get("bias")
+        C = w.shape[0]
+        if (not k.native or k.in_specs[0].dtype != "qint8" or a["high_precision"] or a["with_add"]
+                or a["out_dtype"] not in ("qint8", "qint16") or int(a["groups"]) != C or w.shape[1] != 1
+                or DepthwiseConv.acc_bound(w, bias) >= _I32
+                or DepthwiseConv.acc_bound(w, bias) * int(T["M"].to(torch.int64).abs().max()) >= 1 << 62
+                or not 0 <= int(T["n"].min()) <= int(T["n"].max()) <= 62):
+            return None
+        lo, hi = _act_clamp(a)
+        kernel = DepthwiseConv(w, bias, a["stride"], a["padding"], a["dilation"], T["M"], T["n"], lo, hi,
+                               _STORAGE[a["out_dtype"]])
+        return _NativeDepthwiseLayer(kernel, _fixed_point_weight_layer(k.op, k.name))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.dtype != torch.int8 or x.shape[1] != self.kernel.C or min(
+                self.kernel.out_size(x.shape[2], x.shape[3])) <= 0:
+            return self.fallback(x)
+        xl = x.permute(0, 2, 3, 1)
+        if not xl.is_contiguous():
+            xl = xl.contiguous()
+        return self.kernel(xl).permute(0, 3, 1, 2)
+
+
 class _OnednnConvLayer:
     """conv2d of int8 inputs as oneDNN's exact int8 convolution (float32 accumulator with the bias,
     channels-last) and the float64 epilogue :class:`NhwcRequant`; the output stays channels-last.
@@ -1168,11 +1218,7 @@ class _OnednnConvLayer:
             other_amax = _AMAX[k.in_specs[1].dtype] if add else 0
             if not NhwcRequant.applies(T["n"], out_dtype, other_amax, add):
                 return None
-            lo, hi = fp.qrange(out_dtype)
-            if a["act"] == "relu":
-                lo = 0
-            elif a["act"] == "relu6":
-                lo, hi = 0, int(a["act_max"])
+            lo, hi = _act_clamp(a)
             epi = NhwcRequant(T["M"], T["n"], _STORAGE[out_dtype], lo, hi, add,
                               acc_bound=_AMAX["qint8"] * int(l1.sum(axis=1).max(initial=0)) + max_bias,
                               native=k.native)

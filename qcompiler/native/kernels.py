@@ -21,7 +21,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -179,3 +179,61 @@ def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -
     if _histogram_call(x, per_unit, hist, mm) != 0:
         return None
     return float(mm[0]), float(mm[1])
+
+
+class DepthwiseConv:
+    """Exact depthwise int8 convolution (one filter per channel) with the requantization fused:
+    ``clamp(round_half_even((conv(x, w) + bias) * M[c] / 2**n[c]), lo, hi)``, channels-last.
+
+    ``w`` (C, 1, kh, kw) integer weights within int8, ``bias`` (C,) integers or None, ``M``/``n`` (C,).
+    Checked once here: the int32 accumulator cannot wrap (``128 * max_c sum |w_c| + max |bias| < 2**31``)
+    and ``|acc| * M`` stays below 2**62, shifts in [0, 62]; a layer outside is a ConfigError (callers
+    test :meth:`fits` first).  A call takes ``x`` (N, H, W, C) int8 contiguous and returns (N, Ho, Wo, C).
+    """
+
+    def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
+                 M: torch.Tensor, n: torch.Tensor, lo: int, hi: int, out_dtype: torch.dtype) -> None:
+        C, one, kh, kw = w.shape
+        if one != 1:
+            raise ConfigError(f"DepthwiseConv: weight must be (C, 1, kh, kw), got {tuple(w.shape)}")
+        if out_dtype not in _INT:
+            raise ConfigError(f"DepthwiseConv: out_dtype must be torch.int8 or torch.int16, got {out_dtype}")
+        self.bound = self.acc_bound(w, bias)
+        if self.bound >= 1 << 31:
+            raise ConfigError(f"DepthwiseConv: the accumulator bound {self.bound} reaches 2**31")
+        if int(w.abs().max()) > 128:
+            raise ConfigError("DepthwiseConv: weights must be int8 values")
+        M = M.to(torch.int64).reshape(-1).expand(C).contiguous()
+        n = n.to(torch.int64).reshape(-1).expand(C).contiguous()
+        self.plan = Requant(M, n, lo, hi, self.bound)  # checks shifts, M and the clamp range
+        self.C, self.kh, self.kw = C, kh, kw
+        self.w = w.to(torch.int32).reshape(C, kh * kw).t().contiguous()  # (kh*kw, C)
+        self.bias = None if bias is None else bias.to(torch.int32).reshape(C).contiguous()
+        self.geom = [int(v) for v in (*stride, *padding, *dilation)]
+        self.out_dtype = out_dtype
+
+    @staticmethod
+    def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
+        l1 = int(w.to(torch.int64).abs().flatten(1).sum(1).max()) if w.numel() else 0
+        return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
+
+    def out_size(self, H: int, W: int) -> tuple[int, int]:
+        sh, sw, ph, pw, dh, dw = self.geom
+        return (H + 2 * ph - dh * (self.kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (self.kw - 1) - 1) // sw + 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        _check(x, "DepthwiseConv: x", (torch.int8,))
+        if x.dim() != 4 or x.shape[3] != self.C:
+            raise ConfigError(f"DepthwiseConv: x must be (N, H, W, {self.C}) channels-last, got {tuple(x.shape)}")
+        N, H, W, C = x.shape
+        Ho, Wo = self.out_size(H, W)
+        if Ho <= 0 or Wo <= 0:
+            raise ConfigError(f"DepthwiseConv: input {H}x{W} is smaller than the kernel")
+        out = torch.empty((N, Ho, Wo, C), dtype=self.out_dtype)
+        f = _fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8
+                + (_P, _P, _I64, _I64, _P))
+        p = self.plan
+        _ok(f(x.data_ptr(), N, H, W, C, self.w.data_ptr(), self.kh, self.kw,
+              None if self.bias is None else self.bias.data_ptr(), *self.geom, Ho, Wo, p.M.data_ptr(), p.n.data_ptr(),
+              p.lo, p.hi, out.data_ptr()))
+        return out
