@@ -21,7 +21,7 @@ from qcompiler.backends.bpu.onednn_conv import NhwcRequant
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.native import build
-from qcompiler.native.kernels import DepthwiseConv, histogram_abs, histogram_abs_minmax, requant_rows
+from qcompiler.native.kernels import DepthwiseConv, histogram_abs, histogram_abs_minmax, requant_columns, requant_rows
 from qcompiler.quantization import fixed_point as fp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -371,3 +371,31 @@ def test_the_simulator_runs_depthwise_layers_natively_and_exactly(act):
     assert outs[True].keys() == ref.keys()
     for k in ref:
         assert torch.equal(outs[True][k], ref[k]) and torch.equal(outs[False][k], ref[k])
+
+
+@needs_native
+@SETTINGS
+@given(st.integers(0, 30), st.integers(0, 40), st.integers(0, 9), st.sampled_from([torch.int8, torch.int16]),
+       st.sampled_from([torch.int8, torch.int16]), st.integers(0, 2 ** 20), st.integers(0, 62), st.booleans(),
+       st.integers(0, 2 ** 31 - 1))
+def test_requant_columns_equals_the_int64_reference(rows, cols, col0, src_dtype, dst_dtype, M, n, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(src_dtype)
+    src = torch.randint(info.min, info.max + 1, (rows, cols), dtype=src_dtype, generator=g)
+    if ties and n > 0:  # exact halves: src * M = (2k + 1) * 2**(n-1)
+        M = 1 << (n - 1) if n - 1 <= 40 else M
+    dst = torch.full((rows, col0 + cols + 3), 77, dtype=dst_dtype)
+    lo, hi = (-128, 127) if dst_dtype == torch.int8 else (-32768, 32767)
+    requant_columns(src, dst, col0, M, n, lo, hi)
+    want = fp.requantize(src.to(torch.int64), M, n, "qint32").clamp(lo, hi)
+    assert torch.equal(dst[:, col0:col0 + cols].to(torch.int64), want)
+    assert (dst[:, :col0] == 77).all() and (dst[:, col0 + cols:] == 77).all()  # nothing else written
+
+
+@needs_native
+def test_requant_columns_refuses_what_does_not_fit():
+    src, dst = torch.zeros(4, 3, dtype=torch.int8), torch.zeros(4, 5, dtype=torch.int8)
+    for args in ((src, dst, 3, 1, 0), (src, torch.zeros(5, 5, dtype=torch.int8), 0, 1, 0), (src, dst, 0, 1, 63),
+                 (src, dst, 0, 1 << 60, 0), (src.t(), dst, 0, 1, 0), (src.int(), dst, 0, 1, 0)):
+        with pytest.raises(ConfigError, match="requant_columns"):
+            requant_columns(*args, -128, 127)

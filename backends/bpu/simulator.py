@@ -93,7 +93,7 @@ from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnCon
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import DepthwiseConv
+from qcompiler.native.kernels import DepthwiseConv, requant_columns
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
@@ -420,8 +420,15 @@ def _fast_cat(k: KernelSpec) -> Callable:
         f = math.ldexp(float(M), -int(n))  # exact
         plans.append(None if f == 1.0 and spec.dtype == out_dtype else torch.tensor([f], dtype=torch.float64))
     ws = k.ws
+    # native: each input requantized (or copied) into its columns in one integer pass
+    native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
+    params = [(int(M), int(n)) for M, n in zip(Ms, ns)]
 
     def cat(*xs):
+        if native:
+            y = _native_cat(xs, dim, params, lo, hi, st)
+            if y is not None:
+                return y
         d = dim % xs[0].dim()
         shape = list(xs[0].shape)
         shape[d] = sum(x.shape[d] for x in xs)
@@ -446,6 +453,39 @@ def _fast_cat(k: KernelSpec) -> Callable:
                 dv.copy_(t.round_().clamp_(lo, hi))
         return out
     return cat
+
+
+def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
+    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`),
+    when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
+    input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
+    if not xs or any(x.dtype not in (torch.int8, torch.int16) or x.dim() != xs[0].dim() for x in xs):
+        return None
+    d = dim % xs[0].dim()
+    first = xs[0].shape
+    if any(x.shape[:d] != first[:d] or x.shape[d + 1:] != first[d + 1:] for x in xs):
+        return None  # torch.cat's error, from the torch path
+    total = sum(x.shape[d] for x in xs)
+    if d == 1 and xs[0].dim() == 4 and all(x.is_contiguous(memory_format=torch.channels_last) for x in xs):
+        N, _, H, W = first
+        out = torch.empty((N, H, W, total), dtype=st)
+        srcs = [x.permute(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs]
+        result = out.permute(0, 3, 1, 2)
+    elif all(x.is_contiguous() for x in xs):
+        rows = math.prod(first[:d])
+        shape = list(first)
+        shape[d] = total
+        out = torch.empty(shape, dtype=st)
+        srcs = [x.reshape(rows, -1) for x in xs]
+        result = out
+    else:
+        return None
+    out2 = out.view(srcs[0].shape[0], -1)
+    col = 0
+    for src, (M, n) in zip(srcs, params):
+        requant_columns(src, out2, col, M, n, lo, hi)
+        col += src.shape[1]
+    return result
 
 
 # elements of one float64 slice of the fast cat (512 KiB)

@@ -252,3 +252,29 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
 
 DW_FN(qc_dwconv_i8_i8, int8_t)
 DW_FN(qc_dwconv_i8_i16, int16_t)
+
+/* One input of a concatenation, requantized into its columns of the output:
+ *   dst[r, col0 + c] = clamp(round_half_even(src[r, c] * M / 2**n), lo, hi)
+ * src: (rows, cols) int8/int16 contiguous; dst: rows of dst_stride elements (int8/int16).
+ * The caller keeps |src| * M below 2**62 and n in [0, 62]; M = 1, n = 0 copies. */
+#define CAT_FN(NAME, IN_T, OUT_T)                                                                        \
+    QC_API void NAME(const IN_T *restrict src, int64_t rows, int64_t cols, OUT_T *restrict dst,            \
+                     int64_t dst_stride, int64_t M, int64_t n, int64_t lo, int64_t hi) {                  \
+        const int64_t hm1 = n > 0 ? ((int64_t)1 << (n - 1)) - 1 : 0, pm = n > 0;                          \
+        for (int64_t r = 0; r < rows; r++) {                                                              \
+            const IN_T *restrict s = src + r * cols;                                                      \
+            OUT_T *restrict d = dst + r * dst_stride;                                                     \
+            for (int64_t c = 0; c < cols; c++) {                                                          \
+                int64_t v = (int64_t)s[c] * M;                                                            \
+                int64_t q = (v + hm1 + ((v >> n) & pm)) >> n;                                             \
+                q = q < lo ? lo : q;                                                                      \
+                q = q > hi ? hi : q;                                                                      \
+                d[c] = (OUT_T)q;                                                                          \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+CAT_FN(qc_cat_i8_i8, int8_t, int8_t)
+CAT_FN(qc_cat_i8_i16, int8_t, int16_t)
+CAT_FN(qc_cat_i16_i8, int16_t, int8_t)
+CAT_FN(qc_cat_i16_i16, int16_t, int16_t)

@@ -21,7 +21,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -237,3 +237,22 @@ class DepthwiseConv:
               None if self.bias is None else self.bias.data_ptr(), *self.geom, Ho, Wo, p.M.data_ptr(), p.n.data_ptr(),
               p.lo, p.hi, out.data_ptr()))
         return out
+
+
+def requant_columns(src: torch.Tensor, dst: torch.Tensor, col0: int, M: int, n: int, lo: int, hi: int) -> None:
+    """``dst[:, col0:col0 + cols] = clamp(round_half_even(src * M / 2**n), lo, hi)``, exactly (int64):
+    one input of a concatenation written into its columns.  ``src`` (rows, cols) and ``dst``
+    (rows, total) int8/int16, contiguous; ``M``/``n`` integers with ``n`` in [0, 62] and
+    ``|src| * |M| < 2**62``."""
+    _check(src, "requant_columns: src", _INT)
+    _check(dst, "requant_columns: dst", _INT)
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[0] != dst.shape[0] or not 0 <= col0 <= dst.shape[1] - src.shape[1]:
+        raise ConfigError(f"requant_columns: src {tuple(src.shape)} does not fit dst {tuple(dst.shape)} at column {col0}")
+    M, n = int(M), int(n)
+    if not 0 <= n <= MAX_SHIFT or (1 << (8 * src.element_size() - 1)) * abs(M) >= INT64_LIMIT:
+        raise ConfigError(f"requant_columns: multiplier {M} / shift {n} out of range")
+    if not -(1 << 62) < lo <= hi < 1 << 62:
+        raise ConfigError(f"requant_columns: bad clamp range [{lo}, {hi}]")
+    f = _fn(f"qc_cat_{_INT[src.dtype]}_{_INT[dst.dtype]}", (_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64), None)
+    rows, cols = src.shape
+    f(src.data_ptr(), rows, cols, dst.data_ptr() + col0 * dst.element_size(), dst.shape[1], M, n, lo, hi)
