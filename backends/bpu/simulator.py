@@ -92,9 +92,9 @@ from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundar
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
+from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
 from qcompiler.native.kernels import DepthwiseConv, requant_columns
-from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
