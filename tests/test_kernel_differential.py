@@ -59,7 +59,7 @@ def _outputs(prog, inputs: dict) -> dict:
     got = {}
     for cfg in CONFIGS:
         out = BpuSimulator(prog, **cfg).run(inputs)
-        got[f"{cfg['kernels']}/int8={cfg.get('int8_gemm')}/onednn={cfg.get('onednn')}"] = {
+        got[f"{cfg['kernels']}/int8={cfg.get('int8_gemm')}/onednn={cfg.get('onednn')}/native={cfg.get('native')}"] = {
             k: v.int_repr() if isinstance(v, QTensor) else v for k, v in out.items()}
     return got
 
@@ -68,7 +68,7 @@ def _check_program(prog, inputs: dict) -> None:
     """All kernel sets equal to each other and to the int64 reference, bit for bit."""
     got = _outputs(prog, inputs)
     want = ref.run_program(prog, {k: v.numpy() for k, v in inputs.items()})
-    base = got["fixed_point/int8=None/onednn=None"]
+    base = got["fixed_point/int8=None/onednn=None/native=None"]
     for cfg, outs in got.items():
         for spec in prog.outputs:
             g, b = outs[spec.name], base[spec.name]
@@ -349,7 +349,7 @@ def test_cat_in_slices_equals_fixed_point(shape, dim, layout):
                                           name="cat")), "bpu0")
     inputs = {v.name: _layout(x_, layout) for v, x_ in zip(prog.inputs, t.inputs)}
     got = _outputs(prog, inputs)
-    base = got.pop("fixed_point/int8=None/onednn=None")
+    base = got.pop("fixed_point/int8=None/onednn=None/native=None")
     assert all(torch.equal(g["cat"], base["cat"]) for g in got.values())
 
 

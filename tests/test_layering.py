@@ -32,6 +32,7 @@ PACKAGE_DIRS = {
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", (
         "qcompiler.errors", "qcompiler.march", "qcompiler.atomic_write", "qcompiler.collectives", "qcompiler.batches", "qcompiler.ir",
+        "qcompiler.native",
         "qcompiler.nn", "qcompiler.zoo",
         "qcompiler.quantization",  # the primitives; the workflow modules are listed under "workflow"
     )),

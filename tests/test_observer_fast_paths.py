@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcompiler.errors import CalibrationError
+from qcompiler.native.build import disabled, native_enabled
 from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization.observer import (
     HistogramObserver,
@@ -66,15 +68,20 @@ def batches(draw):
     return out
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @SETTINGS
-@given(batches(), st.sampled_from([2048, 1024, 2, 3, 1000, 2047, 1 << 14, 1 << 15]))
-def test_histogram_binning_equals_the_float64_reference(xs, bins):
+@given(xs=batches(), bins=st.sampled_from([2048, 1024, 2, 3, 1000, 2047, 1 << 14, 1 << 15]))
+def test_histogram_binning_equals_the_float64_reference(native, xs, bins):
+    """Both binning paths: the native one pass (when it builds here) and torch's."""
+    if native and not native_enabled():
+        pytest.skip("native kernels are off on this machine")
     fast, ref = HistogramObserver(bins=bins), ReferenceHistogram(bins=bins)
-    for x in xs:
-        if not bool(torch.isfinite(x.float()).all()):  # float16 overflow of the drawn values
-            return
-        fast(x)
-        ref(x)
+    with contextlib.nullcontext() if native else disabled():
+        for x in xs:
+            if not bool(torch.isfinite(x.float()).all()):  # float16 overflow of the drawn values
+                return
+            fast(x)
+            ref(x)
     for name in ("histogram", "hist_max", "min_val", "max_val"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert torch.equal(fast.calculate_amax(), ref.calculate_amax())
@@ -151,3 +158,42 @@ def test_per_channel_extremes_equal_aminmax_along_the_channel(shape, axis, seed)
     o(x)
     lo, hi = torch.aminmax(x.movedim(axis, 0).reshape(shape[axis], -1), dim=1)
     assert torch.equal(o.min_val, lo) and torch.equal(o.max_val, hi)
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+def test_batches_inside_the_range_take_the_one_pass_path_and_match_the_reference(monkeypatch):
+    """After the first batch sets the range, float32 batches inside it are observed in one native
+    pass (min, max and counts); batches past the range, float16/64 and non-contiguous ones take the
+    two-pass path; the state equals the float64 reference throughout."""
+    calls = []
+    real = observer_module.histogram_abs_minmax
+    monkeypatch.setattr(observer_module, "histogram_abs_minmax", lambda *a: calls.append(real(*a)) or calls[-1])
+    g = torch.Generator().manual_seed(11)
+    big = torch.randn(4, 8, 16, 16, generator=g) * 4
+    fast, ref = HistogramObserver(), ReferenceHistogram()
+    edge = torch.tensor([2.0 ** 3 - 2.0 ** -21, 0.0, -0.0, 2.0 ** -140, -1.5])  # just inside 2**3, zeros, subnormal
+    feeds = [big, big.relu() / 3, edge, torch.randn(1000, generator=g) * 100,  # the last one grows the range
+             big.double(), big.transpose(1, 3), (big / 7).half(), big[:, :, ::2]]
+    for x in feeds:
+        fast(x)
+        ref(x)
+        for name in ("histogram", "hist_max", "min_val", "max_val"):
+            assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    # taken for feeds 2, 3, 4 (None: past the range), 6 and 8 (non-contiguous float32, copied)
+    assert [c is not None for c in calls] == [True, True, False, True, True]
+    assert torch.equal(fast.calculate_amax(), ref.calculate_amax())
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_bad_value_inside_the_range_still_raises_and_changes_nothing(bad):
+    o = HistogramObserver()
+    o(torch.randn(4, 64, 64, 16))  # sets the range: later batches try the one-pass path
+    before = {k: getattr(o, k).clone() for k in ("histogram", "hist_max", "min_val", "max_val")}
+    for where in (0, 12345, 4 * 64 * 64 * 16 - 1):
+        x = torch.randn(4, 64, 64, 16) * 0.1
+        x.view(-1)[where] = bad
+        with pytest.raises(CalibrationError, match="saw NaN/Inf"):
+            o(x)
+        for k, v in before.items():
+            assert torch.equal(getattr(o, k), v), k

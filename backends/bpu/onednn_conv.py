@@ -29,6 +29,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from qcompiler.native.build import native_enabled
+from qcompiler.native.kernels import Requant
+
 __all__ = ["onednn_conv_available", "OnednnConv", "NhwcRequant", "exact_in_float64", "F32_EXACT"]
 
 F32_EXACT = 1 << 24
@@ -170,14 +173,22 @@ class NhwcRequant:
     ``clamp(round_half_even(acc * M[c] / 2**n[c] [+ other * Mb / 2**nb]))`` (+ relu / relu6),
     written as integers; or ``acc`` as int32 for a high-precision output.
 
-    Evaluated in float64 -- multiply, round and clamp in three passes through ``MAGIC`` without a
-    fused add; multiply, add, round, clamp and a cast with one -- exact by
-    :func:`exact_in_float64`, which the caller checks with :meth:`applies`.
+    With the native kernels on (``native``; default :func:`~qcompiler.native.build.native_enabled`), one pass in C in
+    integer arithmetic (:func:`~qcompiler.native.kernels.requant_rows`: exact by construction,
+    ``|acc| <= acc_bound``).  Otherwise evaluated in float64 -- multiply, round and clamp in three
+    passes through ``MAGIC`` without a fused add; multiply, add, round, clamp and a cast with one --
+    exact by :func:`exact_in_float64`, which the caller checks with :meth:`applies`.
     """
 
     def __init__(self, M: Optional[torch.Tensor], n: Optional[torch.Tensor], out_storage: torch.dtype,
-                 lo: int = 0, hi: int = 0, add: Optional[tuple[int, int]] = None) -> None:
+                 lo: int = 0, hi: int = 0, add: Optional[tuple[int, int]] = None, acc_bound: int = 1 << 31,
+                 native: Optional[bool] = None) -> None:
         self.out_storage, self.lo, self.hi = out_storage, lo, hi
+        self.native = native_enabled() if native is None else bool(native)
+        self._plans: dict = {}  # (channels, fused operand dtype) -> native Requant
+        self.add, self.acc_bound = add, int(acc_bound)
+        self.M64 = None if M is None else M.to(torch.int64).reshape(-1).contiguous()
+        self.n64 = None if n is None else n.to(torch.int64).reshape(-1).contiguous()
         self.f = None if M is None else torch.ldexp(M.to(torch.float64), -n.to(torch.int64)).view(1, -1)
         self.f2 = None if add is None else math.ldexp(float(add[0]), -int(add[1]))  # exact
         # without a fused add: round and clamp on MAGIC + t (see __call__); MAGIC + lo/hi are exact
@@ -206,6 +217,8 @@ class NhwcRequant:
             o2.copy_(a2)
             return out.permute(0, 3, 1, 2)
         b2 = None if other is None else other.permute(0, 2, 3, 1).reshape(-1, O)
+        if self._native(a2, b2, o2):
+            return out.permute(0, 3, 1, 2)
         P = a2.shape[0]
         R = max(1, CHUNK // O)
         f = self.f
@@ -227,3 +240,21 @@ class NhwcRequant:
             t.round_().clamp_(self.lo, self.hi)
             o2[r0:r1].copy_(t)
         return out.permute(0, 3, 1, 2)
+
+    def _native(self, a2: torch.Tensor, b2: Optional[torch.Tensor], o2: torch.Tensor) -> bool:
+        """The whole epilogue in one native pass, when the kernels are on and the operands fit them."""
+        if not self.native or o2.dtype not in (torch.int8, torch.int16) or a2.dtype not in (
+                torch.float32, torch.float64) or (b2 is not None and b2.dtype not in (torch.int8, torch.int16)):
+            return False
+        O = a2.shape[1]
+        key = (O, None if b2 is None else b2.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            M, n = self.M64, self.n64
+            if M.numel() != O or n.numel() != O:  # per-tensor parameters: one entry per channel
+                M, n = M.expand(O).contiguous(), n.expand(O).contiguous()
+            Mb, nb = self.add if b2 is not None else (0, 0)
+            plan = self._plans[key] = Requant(M, n, self.lo, self.hi, self.acc_bound, key[1], Mb, nb)
+        plan(a2 if a2.is_contiguous() else a2.contiguous(), o2,
+             None if b2 is None else (b2 if b2.is_contiguous() else b2.contiguous()))
+        return True

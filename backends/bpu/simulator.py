@@ -20,7 +20,9 @@ computes, bit for bit.  Two kernel sets are available:
       verified it once (``onednn=``): float32 accumulators exact below 2**24
       (proven per chunk of input channels), requantized in float64 in
       channels-last memory with no tie check (proven statically; see
-      ``backends/bpu/onednn_conv.py``).  Layers whose epilogue is not
+      ``backends/bpu/onednn_conv.py``); with the native kernels
+      (``native=``, default :func:`~qcompiler.native.build.native_enabled`)
+      that epilogue is one pass of integer arithmetic in C.  Layers whose epilogue is not
       proven exact that way, and int16 inputs, use the kernels below.
     * int8 max pools are torch's quantized max pool on the same bytes; cat
       copies or requantizes each input into its output slice in float64
@@ -91,6 +93,8 @@ from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnCon
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
+from qcompiler.native.build import native_enabled
+from qcompiler.native.kernels import DepthwiseConv, requant_columns
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
@@ -148,7 +152,7 @@ class BpuSimulator:
     """
 
     def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None,
-                 onednn: Optional[bool] = None) -> None:
+                 onednn: Optional[bool] = None, native: Optional[bool] = None) -> None:
         if kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         program.validate()
@@ -161,7 +165,12 @@ class BpuSimulator:
             onednn = kernels == "fast" and onednn_conv_available()
         elif onednn and not onednn_conv_available():
             raise ConfigError("onednn=True but oneDNN's int8 convolution is not exact (or missing) on this machine")
-        self.int8_gemm, self.onednn = bool(int8_gemm), bool(onednn)
+        if native is None:
+            native = kernels == "fast" and native_enabled()
+        elif native and not native_enabled():
+            raise ConfigError("native=True but the native kernels are off (no C compiler, a failed build, "
+                              "or QCOMPILER_NATIVE=0); see qcompiler.native.build.native_enabled()")
+        self.int8_gemm, self.onednn, self.native = bool(int8_gemm), bool(onednn), bool(native)
         self.specs = program.value_specs()
         self._ws = _Workspace()
         self._steps: list[tuple[Callable, tuple[str, ...], str, tuple[str, ...]]] = []
@@ -172,7 +181,7 @@ class BpuSimulator:
         keep = {v.name for v in program.outputs}
         for i, op in enumerate(program.ops):
             fn = _compile(op, self.specs, f"{program.name}/{op.output}", kernels, self._ws, self.int8_gemm,
-                          self.onednn)
+                          self.onednn, self.native)
             free = tuple(n for n in dict.fromkeys(op.inputs) if last_use.get(n) == i and n not in keep)
             self._steps.append((fn, tuple(op.inputs), op.output, free))
         self._in_checks = [(v, _input_check(v, program.name)) for v in program.inputs]
@@ -248,6 +257,7 @@ class KernelSpec:
     ws: _Workspace
     int8_gemm: bool
     onednn: bool = False
+    native: bool = False
 
     @property
     def attrs(self) -> dict:
@@ -281,7 +291,7 @@ def _kernel(table: dict[str, KernelBuilder], *kinds: str) -> Callable[[KernelBui
 
 
 def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws: _Workspace,
-             int8_gemm: bool = False, onednn: bool = False) -> Callable:
+             int8_gemm: bool = False, onednn: bool = False, native: bool = False) -> Callable:
     """The kernel of one op: the ``FAST`` overlay's with ``kernels="fast"``, else the ``REFERENCE`` one."""
     build = FAST.get(op.kind) if kernels == "fast" else None
     if build is None:
@@ -293,9 +303,9 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         # a folded F.pad: the symmetric kernel on the codes zero-padded by the excess (code 0 is 0.0)
         t, l, b, r = padding
         op = replace(op, attrs={**op.attrs, "padding": [min(t, b), min(l, r)]})
-        kernel = build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn))
+        kernel = build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
         return lambda x, *rest: kernel(fp.pad_excess(x, padding)[0], *rest)
-    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn))
+    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
 
 
 _FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top, left, bottom, right]
@@ -303,6 +313,10 @@ _FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top
 
 @_kernel(FAST, "conv2d")
 def _fast_conv(k: KernelSpec) -> Callable:
+    if k.native:
+        layer = _NativeDepthwiseLayer.build(k)
+        if layer is not None:
+            return layer
     if k.onednn:
         layer = _OnednnConvLayer.build(k)
         if layer is not None:
@@ -416,8 +430,15 @@ def _fast_cat(k: KernelSpec) -> Callable:
         f = math.ldexp(float(M), -int(n))  # exact
         plans.append(None if f == 1.0 and spec.dtype == out_dtype else torch.tensor([f], dtype=torch.float64))
     ws = k.ws
+    # native: each input requantized (or copied) into its columns in one integer pass
+    native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
+    params = [(int(M), int(n)) for M, n in zip(Ms, ns)]
 
     def cat(*xs):
+        if native:
+            y = _native_cat(xs, dim, params, lo, hi, st)
+            if y is not None:
+                return y
         d = dim % xs[0].dim()
         shape = list(xs[0].shape)
         shape[d] = sum(x.shape[d] for x in xs)
@@ -442,6 +463,39 @@ def _fast_cat(k: KernelSpec) -> Callable:
                 dv.copy_(t.round_().clamp_(lo, hi))
         return out
     return cat
+
+
+def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
+    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`),
+    when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
+    input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
+    if not xs or any(x.dtype not in (torch.int8, torch.int16) or x.dim() != xs[0].dim() for x in xs):
+        return None
+    d = dim % xs[0].dim()
+    first = xs[0].shape
+    if any(x.shape[:d] != first[:d] or x.shape[d + 1:] != first[d + 1:] for x in xs):
+        return None  # torch.cat's error, from the torch path
+    total = sum(x.shape[d] for x in xs)
+    if d == 1 and xs[0].dim() == 4 and all(x.is_contiguous(memory_format=torch.channels_last) for x in xs):
+        N, _, H, W = first
+        out = torch.empty((N, H, W, total), dtype=st)
+        srcs = [x.permute(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs]
+        result = out.permute(0, 3, 1, 2)
+    elif all(x.is_contiguous() for x in xs):
+        rows = math.prod(first[:d])
+        shape = list(first)
+        shape[d] = total
+        out = torch.empty(shape, dtype=st)
+        srcs = [x.reshape(rows, -1) for x in xs]
+        result = out
+    else:
+        return None
+    out2 = out.view(srcs[0].shape[0], -1)
+    col = 0
+    for src, (M, n) in zip(srcs, params):
+        requant_columns(src, out2, col, M, n, lo, hi)
+        col += src.shape[1]
+    return result
 
 
 # elements of one float64 slice of the fast cat (512 KiB)
@@ -1136,6 +1190,51 @@ class _FastConv:
             self.epi.tile(acc, out[c0:c1], c0, c1, None if ot is None else ot[c0:c1], check, fold)
 
 
+def _act_clamp(a: dict) -> tuple[int, int]:
+    """The output range of a weight layer: its integer type's, narrowed by a fused relu / relu6."""
+    lo, hi = fp.qrange(a["out_dtype"])
+    if a["act"] == "relu":
+        lo = 0
+    elif a["act"] == "relu6":
+        lo, hi = 0, int(a["act_max"])
+    return lo, hi
+
+
+class _NativeDepthwiseLayer:
+    """Depthwise int8 conv2d (groups == in == out channels) in one native pass: int32 accumulation
+    and the integer requantization per output position (:class:`~qcompiler.native.kernels.DepthwiseConv`),
+    channels-last in and out.  Built for qint8 inputs without a fused add or a high-precision
+    output, when the int32 bound is proven (``build`` returns None otherwise)."""
+
+    def __init__(self, kernel: DepthwiseConv, fallback: Callable) -> None:
+        self.kernel, self.fallback = kernel, fallback
+
+    @staticmethod
+    def build(k: KernelSpec) -> Optional["_NativeDepthwiseLayer"]:
+        a, T = k.attrs, k.tensors
+        w, bias = T["weight"], T.get("bias")
+        C = w.shape[0]
+        if (not k.native or k.in_specs[0].dtype != "qint8" or a["high_precision"] or a["with_add"]
+                or a["out_dtype"] not in ("qint8", "qint16") or int(a["groups"]) != C or w.shape[1] != 1
+                or DepthwiseConv.acc_bound(w, bias) >= _I32
+                or DepthwiseConv.acc_bound(w, bias) * int(T["M"].to(torch.int64).abs().max()) >= 1 << 62
+                or not 0 <= int(T["n"].min()) <= int(T["n"].max()) <= 62):
+            return None
+        lo, hi = _act_clamp(a)
+        kernel = DepthwiseConv(w, bias, a["stride"], a["padding"], a["dilation"], T["M"], T["n"], lo, hi,
+                               _STORAGE[a["out_dtype"]])
+        return _NativeDepthwiseLayer(kernel, _fixed_point_weight_layer(k.op, k.name))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.dtype != torch.int8 or x.shape[1] != self.kernel.C or min(
+                self.kernel.out_size(x.shape[2], x.shape[3])) <= 0:
+            return self.fallback(x)
+        xl = x.permute(0, 2, 3, 1)
+        if not xl.is_contiguous():
+            xl = xl.contiguous()
+        return self.kernel(xl).permute(0, 3, 1, 2)
+
+
 class _OnednnConvLayer:
     """conv2d of int8 inputs as oneDNN's exact int8 convolution (float32 accumulator with the bias,
     channels-last) and the float64 epilogue :class:`NhwcRequant`; the output stays channels-last.
@@ -1169,12 +1268,10 @@ class _OnednnConvLayer:
             other_amax = _AMAX[k.in_specs[1].dtype] if add else 0
             if not NhwcRequant.applies(T["n"], out_dtype, other_amax, add):
                 return None
-            lo, hi = fp.qrange(out_dtype)
-            if a["act"] == "relu":
-                lo = 0
-            elif a["act"] == "relu6":
-                lo, hi = 0, int(a["act_max"])
-            epi = NhwcRequant(T["M"], T["n"], _STORAGE[out_dtype], lo, hi, add)
+            lo, hi = _act_clamp(a)
+            epi = NhwcRequant(T["M"], T["n"], _STORAGE[out_dtype], lo, hi, add,
+                              acc_bound=_AMAX["qint8"] * int(l1.sum(axis=1).max(initial=0)) + max_bias,
+                              native=k.native)
         conv = OnednnConv(w, bias, a["stride"], a["padding"], a["dilation"], groups, chunks, k.ws)
         return _OnednnConvLayer(conv, epi, k.ws, _fixed_point_weight_layer(k.op, k.name))
 
@@ -1335,10 +1432,11 @@ class PartitionedRunner:
     """
 
     def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
-                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None) -> None:
+                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
+                 native: Optional[bool] = None) -> None:
         self.gm = converted_gm
         self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
-        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn)
+        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn, native=native)
                            for name, p in self.programs.items()}
         by_name = {n.name: n for n in converted_gm.graph.nodes}
         self._node = by_name
@@ -1407,7 +1505,8 @@ class PartitionedRunner:
 
 def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], torch.Tensor],
                     programs: Optional[dict[str, BpuProgram]] = None, *, kernels: str = "fast",
-                    int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None) -> Any:
+                    int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
+                    native: Optional[bool] = None) -> Any:
     """Run a converted model with BPU partitions in the simulator and CPU nodes in torch.
 
     ``inputs`` are the model's positional inputs (a tuple/list, or one tensor).
@@ -1416,4 +1515,5 @@ def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], t
     """
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn)(*inputs)
+    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn,
+                             native=native)(*inputs)

@@ -47,6 +47,8 @@ import torch.nn as nn
 
 from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.native.build import native_enabled
+from qcompiler.native.kernels import FUSED_MAX, histogram_abs, histogram_abs_minmax
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
 __all__ = [
@@ -442,19 +444,39 @@ _SPLIT_BINCOUNT = 1 << 19  # elements from which a bincount is split over two th
 _bincount_helper: Optional[tuple[int, ThreadPoolExecutor]] = None  # (pid, pool): a forked child makes its own
 
 
+def _helper() -> ThreadPoolExecutor:
+    """The one-thread pool that counts the first half of a large tensor (per process: a fork copies no threads)."""
+    global _bincount_helper
+    if _bincount_helper is None or _bincount_helper[0] != os.getpid():
+        _bincount_helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount"))
+    return _bincount_helper[1]
+
+
+def _native_histogram(a: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
+    """``hist += bincount(floor(|a| * per_unit))`` in one native pass (float32 ``a``, contiguous), split
+    over two threads like :func:`_bincount`: each half counts into its own buffer; integer counts, so
+    the sums are exact."""
+    if a.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
+        histogram_abs(a, per_unit, hist)
+        return
+    half = a.numel() // 2
+    first = torch.zeros_like(hist)
+    job = _helper().submit(histogram_abs, a[:half], per_unit, first)
+    histogram_abs(a[half:], per_unit, hist)
+    job.result()
+    hist += first
+
+
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
     """``torch.bincount(index, minlength=n)`` (1-d), on two threads for large inputs when torch may use two.
 
     torch's CPU bincount runs on one thread; the two halves are counted at once (the op releases
     the GIL) and added: integer counts, so the sum is exactly the one-thread result.
     """
-    global _bincount_helper
     if index.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
         return torch.bincount(index, minlength=n)
-    if _bincount_helper is None or _bincount_helper[0] != os.getpid():  # a fork copies no threads
-        _bincount_helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-bincount"))
     half = index.numel() // 2
-    first = _bincount_helper[1].submit(torch.bincount, index[:half], None, n)
+    first = _helper().submit(torch.bincount, index[:half], None, n)
     second = torch.bincount(index[half:], minlength=n)
     return first.result() + second
 
@@ -564,6 +586,8 @@ class HistogramObserver(ObserverBase):
         self.hist_max.fill_(new_max)
 
     def _observe(self, x: torch.Tensor) -> None:
+        if self._observe_in_range(x):
+            return
         lo, hi = self._extremes(x)
         lo, hi = lo.float(), hi.float()
         self.min_val = torch.minimum(self.min_val, lo)
@@ -577,8 +601,32 @@ class HistogramObserver(ObserverBase):
             self.histogram[0] += x.numel()
             return
         n = self.histogram.numel()
+        if native_enabled() and x.device.type == "cpu" and self.histogram.is_contiguous():
+            # one pass: floor(|x| * n / r) from the float64 product (exact, as _bin_index), counted in C
+            a = x.float()
+            _native_histogram(a if a.is_contiguous() else a.contiguous(), n / r, self.histogram.data)
+            return
         index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
+
+    def _observe_in_range(self, x: torch.Tensor) -> bool:
+        """One native pass for a float32 batch inside the current range (every batch after the first
+        few, typically): min, max and the bin counts at once.  True when it applied the batch; False
+        (nothing changed) when the batch holds a NaN/Inf or a value at or past ``hist_max``, or the
+        native kernels are off; then :meth:`_observe` takes the batch as before.  The same state
+        either way: a batch within the range leaves ``hist_max`` as it is, and the counts are the
+        same floors (``histogram_abs``)."""
+        r = float(self.hist_max)
+        if (r == 0.0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() > FUSED_MAX
+                or not self.histogram.is_contiguous() or not native_enabled()):
+            return False
+        mm = histogram_abs_minmax(x if x.is_contiguous() else x.contiguous(), self.histogram.numel() / r,
+                                  self.histogram.data)
+        if mm is None:
+            return False
+        self.min_val = torch.minimum(self.min_val, torch.tensor(mm[0], dtype=torch.float32))
+        self.max_val = torch.maximum(self.max_val, torch.tensor(mm[1], dtype=torch.float32))
+        return True
 
     @staticmethod
     def _bin_index(x: torch.Tensor, n: int, r: float, nonnegative: bool = False) -> torch.Tensor:

@@ -1,0 +1,401 @@
+"""The native (C) kernels against the exact int64 references (hypothesis, torch.equal), their
+argument checks, and the build: cache, atomic replacement, the fallback without a compiler."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_bpu_reference import Tiny, geometry, weight_layer
+
+from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.onednn_conv import NhwcRequant
+from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.errors import ConfigError, QCompilerWarning
+from qcompiler.native import build
+from qcompiler.native.kernels import DepthwiseConv, histogram_abs, histogram_abs_minmax, requant_columns, requant_rows
+from qcompiler.quantization import fixed_point as fp
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+needs_native = pytest.mark.skipif(not build.native_enabled(), reason="native kernels are off on this machine")
+_OUT = {"qint8": torch.int8, "qint16": torch.int16}
+
+
+@st.composite
+def requant_cases(draw):
+    P, O = draw(st.integers(1, 40)), draw(st.integers(1, 17))
+    acc_bits = draw(st.sampled_from([0, 3, 12, 20, 24, 31]))
+    acc_dtype = torch.float32 if acc_bits <= 24 and draw(st.booleans()) else torch.float64
+    m_bits = draw(st.integers(0, min(30, 61 - acc_bits)))
+    n_max = draw(st.integers(0, 61))
+    add = draw(st.booleans())
+    return dict(P=P, O=O, acc_bits=acc_bits, acc_dtype=acc_dtype, m_bits=m_bits, n_lo=draw(st.integers(0, n_max)),
+                n_hi=n_max, out=draw(st.sampled_from(["qint8", "qint16"])), relu=draw(st.booleans()), add=add,
+                b_dtype=draw(st.sampled_from([torch.int8, torch.int16])), mb_bits=draw(st.integers(0, 31)),
+                nb=draw(st.integers(0, 61)), ties=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def _requant_case(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    P, O = c["P"], c["O"]
+    bound = 1 << c["acc_bits"]
+    acc = torch.randint(-bound, bound + 1, (P, O), generator=g)
+    acc[0, 0] = -bound  # the extremes of the bound
+    acc[-1, -1] = bound
+    M = torch.randint(0, (1 << c["m_bits"]) + 1, (O,), generator=g)
+    n = torch.randint(c["n_lo"], c["n_hi"] + 1, (O,), generator=g)
+    if c["ties"]:  # x * M / 2**n exactly half-way between integers (both parities)
+        M[:] = 1
+        acc = (torch.randint(-64, 64, (P, O), generator=g) * 2 + 1) << torch.clamp(n - 1, min=0)
+        acc = acc.clamp(-bound, bound)
+    lo, hi = fp.qrange(c["out"])
+    if c["relu"]:
+        lo = 0
+    other = Mb = None
+    if c["add"]:
+        b_hi = 127 if c["b_dtype"] == torch.int8 else 32767
+        other = torch.randint(-b_hi - 1, b_hi + 1, (P, O), dtype=c["b_dtype"], generator=g)
+        Mb = int(torch.randint(-(1 << c["mb_bits"]), (1 << c["mb_bits"]) + 1, (1,), generator=g))
+    return acc, M, n, lo, hi, other, Mb, bound
+
+
+@needs_native
+@SETTINGS
+@given(requant_cases())
+def test_requant_rows_equals_the_int64_reference(c):
+    acc, M, n, lo, hi, other, Mb, bound = _requant_case(c)
+    out = torch.empty(acc.shape, dtype=_OUT[c["out"]])
+    if other is None:
+        requant_rows(acc.to(c["acc_dtype"]), M, n, lo, hi, out, acc_bound=bound)
+        want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+    else:
+        requant_rows(acc.to(c["acc_dtype"]), M, n, lo, hi, out, other, Mb, c["nb"], acc_bound=bound)
+        want = fp.round_scaled_sum(acc * M, n, other.to(torch.int64) * Mb, c["nb"]).clamp(lo, hi)
+    assert torch.equal(out.to(torch.int64), want)
+
+
+@needs_native
+@pytest.mark.parametrize("add", [False, True])
+def test_requant_rows_rounds_half_to_even_at_every_shift(add):
+    # every shift, values k + 1/2 for odd and even k, positive and negative: ties to even
+    n = torch.arange(1, 41, dtype=torch.int64)
+    k = torch.arange(-6, 6, dtype=torch.int64).view(-1, 1)
+    acc = (2 * k + 1) << (n - 1)  # (k + 1/2) * 2**n
+    M = torch.ones(40, dtype=torch.int64)
+    half_even = torch.round((2 * k + 1).double() / 2).to(torch.int64).expand(-1, 40)
+    zero = torch.zeros(acc.shape, dtype=torch.int8)
+    # all shifts in one call (a fused add then takes the 128-bit loop: its bound uses the widest
+    # shift gap), and one shift per call (the int64 loop)
+    for cols in [slice(0, 40)] + [slice(i, i + 1) for i in range(40)]:
+        a, o = acc[:, cols].contiguous().double(), torch.empty(acc[:, cols].shape, dtype=torch.int8)
+        bound = int(acc[:, cols].abs().max())
+        if add:
+            requant_rows(a, M[cols], n[cols], -128, 127, o, zero[:, cols].contiguous(), 5, 3, acc_bound=bound)
+        else:
+            requant_rows(a, M[cols], n[cols], -128, 127, o, acc_bound=bound)
+        assert torch.equal(o.to(torch.int64), half_even[:, cols])
+        assert o[6, 0] == 0 and o[7, 0] == 2  # 0.5 -> 0, 1.5 -> 2
+
+
+@needs_native
+@pytest.mark.parametrize("bad", ["non-contiguous", "dtype", "shape", "shift", "bound", "other-dtype", "range"])
+def test_requant_rows_refuses_bad_arguments(bad):
+    acc, M, n = torch.zeros(4, 3), torch.ones(3, dtype=torch.int64), torch.full((3,), 4, dtype=torch.int64)
+    out, other, kw = torch.empty(4, 3, dtype=torch.int8), None, {}
+    lo, hi = -128, 127
+    if bad == "non-contiguous":
+        acc = torch.zeros(3, 4).t()
+    elif bad == "dtype":
+        acc = torch.zeros(4, 3, dtype=torch.int32)
+    elif bad == "shape":
+        out = torch.empty(3, 4, dtype=torch.int8)
+    elif bad == "shift":
+        n = torch.full((3,), 63, dtype=torch.int64)
+    elif bad == "bound":
+        M = torch.full((3,), 1 << 40, dtype=torch.int64)
+    elif bad == "other-dtype":
+        other = torch.zeros(4, 3, dtype=torch.int32)
+        kw = dict(other=other, Mb=1, nb=1)
+    elif bad == "range":
+        lo, hi = 5, 4
+    with pytest.raises(ConfigError, match="requant_rows"):
+        requant_rows(acc, M, n, lo, hi, out, **kw)
+
+
+@needs_native
+def test_nhwc_requant_native_equals_its_float64_path():
+    """The simulator's epilogue with the native pass and with the float64 torch passes, on a
+    channels-last accumulator (per-channel and per-tensor parameters, fused add, relu)."""
+    g = torch.Generator().manual_seed(0)
+    acc = torch.randint(-(1 << 20), 1 << 20, (2, 24, 7, 5), generator=g).float().contiguous(
+        memory_format=torch.channels_last)
+    other = torch.randint(-128, 128, (2, 24, 7, 5), dtype=torch.int8, generator=g)
+    for M, n in ((torch.randint(1 << 14, 1 << 15, (24,), generator=g), torch.randint(38, 43, (24,), generator=g)),
+                 (torch.tensor(23456), torch.tensor(40))):
+        for add, lo in ((None, -128), ((20011, 40), 0)):
+            got = [NhwcRequant(M, n, torch.int8, lo, 127, add, acc_bound=1 << 20, native=nat)(
+                acc, other if add else None) for nat in (True, False)]
+            assert torch.equal(got[0], got[1])
+
+
+@needs_native
+@settings(SETTINGS, max_examples=100)
+@given(st.integers(1, 5000), st.integers(-140, 120), st.sampled_from([2, 3, 1000, 4096, 1 << 15, 1 << 16]),
+       st.booleans(), st.integers(0, 2 ** 31 - 1))
+def test_histogram_abs_equals_bincount_of_the_float64_floor(numel, exponent, nbins, edges, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g) * 2.0 ** exponent
+    if edges:  # exact bin edges
+        x = torch.round(x * 2.0 ** -exponent * 8) / 8 * 2.0 ** exponent
+    amax = float(x.abs().max())
+    if amax == 0.0 or not torch.isfinite(x).all():
+        return
+    r = math.ldexp(1.0, math.frexp(amax)[1])  # the observer's range: a power of two above max |x|
+    per_unit = nbins / r
+    hist = torch.arange(nbins, dtype=torch.float64)  # counts are added to what is there
+    histogram_abs(x, per_unit, hist)
+    want = torch.bincount(torch.floor(x.abs().double() * per_unit).long(), minlength=nbins).double()
+    assert torch.equal(hist, torch.arange(nbins, dtype=torch.float64) + want)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [8.0, 100.0, float("nan"), float("inf"), float("-inf"), -8.0])
+def test_a_value_outside_the_range_is_never_counted(bad):
+    """|x| >= r or NaN: histogram_abs raises, histogram_abs_minmax returns None; hist unchanged."""
+    for where in (0, 700, 1999):
+        x = torch.rand(2000) * 7.9
+        x[where] = bad
+        hist = torch.arange(4096, dtype=torch.float64)
+        with pytest.raises(ConfigError, match="NaN or at least the range"):
+            histogram_abs(x, 4096 / 8.0, hist)
+        assert histogram_abs_minmax(x, 4096 / 8.0, hist) is None
+        assert torch.equal(hist, torch.arange(4096, dtype=torch.float64))
+    x = torch.rand(2000) * 7.9 - 3.0
+    hist = torch.zeros(4096, dtype=torch.float64)
+    lo, hi = histogram_abs_minmax(x, 4096 / 8.0, hist)
+    assert (lo, hi) == (float(x.min()), float(x.max())) and int(hist.sum()) == 2000
+
+
+@needs_native
+def test_histogram_abs_refuses_bad_arguments():
+    hist = torch.zeros(16, dtype=torch.float64)
+    for x, h, pu in ((torch.zeros(8, dtype=torch.float64), hist, 1.0), (torch.zeros(4, 4).t(), hist, 1.0),
+                     (torch.zeros(8), hist.float(), 1.0), (torch.zeros(8), hist, 0.0),
+                     (torch.zeros(8), torch.zeros(0, dtype=torch.float64), 1.0)):
+        with pytest.raises(ConfigError, match="histogram_abs"):
+            histogram_abs(x, pu, h)
+
+
+# ---------------------------------------------------------------------------- build and fallback
+
+
+def _fresh(monkeypatch, tmp_path, **env):
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path / "cache"))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    build.reset()
+
+
+@pytest.fixture
+def restore_native():
+    yield
+    build.reset()
+
+
+def test_without_a_compiler_everything_falls_back_with_one_warning(monkeypatch, tmp_path, restore_native):
+    _fresh(monkeypatch, tmp_path, CC=str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv(build.ENV_DISABLE, raising=False)
+    with pytest.warns(QCompilerWarning, match="native kernels are off"):
+        assert build.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not build.native_enabled()  # decided once: no second warning
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_a_failing_compiler_leaves_no_file_behind(monkeypatch, tmp_path, restore_native):
+    _fresh(monkeypatch, tmp_path, CC="false")
+    monkeypatch.delenv(build.ENV_DISABLE, raising=False)
+    with pytest.warns(QCompilerWarning, match="building the native kernels failed"):
+        assert build.library() is None
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_environment_variable_turns_native_off_silently(monkeypatch, tmp_path, restore_native):
+    _fresh(monkeypatch, tmp_path, **{build.ENV_DISABLE: "0"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not build.native_enabled()
+    with pytest.raises(ConfigError, match="native=True but the native kernels are off"):
+        BpuSimulator(_tiny_program(), native=True)
+    with pytest.raises(ConfigError, match="native kernels are off"):
+        requant_rows(torch.zeros(1, 1), torch.ones(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0, 1,
+                     torch.empty(1, 1, dtype=torch.int8))
+
+
+def test_disabled_restores_the_previous_state(restore_native):
+    before = build.native_enabled()
+    with build.disabled():
+        assert not build.native_enabled()
+    assert build.native_enabled() == before
+
+
+def _tiny_program():
+    t = Tiny(seed=1)
+    x = t.input(torch.randint(-128, 128, (1, 2, 4, 4), generator=t.gen), 0.05)
+    layer = weight_layer("conv2d", torch.randint(-127, 128, (3, 2, 3, 3), generator=t.gen), torch.full((3,), 0.01),
+                         None, 0.05, 0.1, geometry=geometry(1, 1, 1, 1), name="conv")
+    return lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
+
+
+@pytest.mark.skipif(not build.native_enabled(), reason="no working C compiler here")
+def test_two_processes_building_at_once_both_load_one_library(tmp_path):
+    """The compile is atomic (temporary file + rename): racing builds end with one complete file."""
+    code = ("import sys; from qcompiler.native import build; lib = build.library(); "
+            "sys.exit(0 if lib is not None and lib.qc_abi_version() == build.ABI_VERSION else 1)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{build.ENV_CACHE: str(tmp_path / "cache")})
+    env.pop(build.ENV_DISABLE, None)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT) for _ in range(3)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(files) == 1 and files[0].startswith("qc_kernels_") and files[0].endswith(".so"), files
+
+
+@pytest.mark.skipif(not build.native_enabled(), reason="no working C compiler here")
+def test_the_cache_key_follows_the_source(monkeypatch, tmp_path, restore_native):
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.delenv(build.ENV_DISABLE, raising=False)
+    first = build.library()
+    assert first is not None
+    src = tmp_path / "kernels.c"
+    src.write_text(build.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(build, "SOURCE", src)
+    build.reset()
+    assert build.library() is not None
+    assert len(list((tmp_path / "cache").glob("qc_kernels_*.so"))) == 2
+
+
+@st.composite
+def dw_cases(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 12))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.integers(1, 70)), H=H, W=W, k=(kh, kw),
+                stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), padding=(ph, pw), dilation=(dh, dw),
+                bias=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
+                act=draw(st.sampled_from([None, "relu", "relu6"])), extreme=draw(st.booleans()),
+                n=draw(st.integers(0, 40)), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_native
+@SETTINGS
+@given(dw_cases())
+def test_depthwise_conv_equals_the_int64_reference(c):
+    """conv2d (float64: exact for these sums) + bias, then fixed_point.requantize in int64 and the
+    activation's clamp, against the native depthwise kernel; channels-last in and out."""
+    g = torch.Generator().manual_seed(c["seed"])
+    N, C, H, W = c["N"], c["C"], c["H"], c["W"]
+    if c["extreme"]:  # the accumulator's extremes: +-127 weights on -128 / 127 inputs
+        w = torch.where(torch.rand(C, 1, *c["k"], generator=g) < 0.5, -127, 127).to(torch.int8)
+        x = torch.where(torch.rand(N, C, H, W, generator=g) < 0.5, -128, 127).to(torch.int8)
+    else:
+        w = torch.randint(-127, 128, (C, 1, *c["k"]), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (C,), generator=g).to(torch.int32) if c["bias"] else None
+    M = torch.randint(1, 1 << 15, (C,), generator=g)
+    n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (C,), generator=g)
+    lo, hi = fp.qrange(c["out"])
+    if c["act"] == "relu":
+        lo = 0
+    elif c["act"] == "relu6":
+        lo, hi = 0, 90
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), c["stride"],
+                                     c["padding"], c["dilation"], C).to(torch.int64)
+    want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+    kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]])
+    got = kernel(x.permute(0, 2, 3, 1).contiguous())
+    assert got.dtype == _OUT[c["out"]]
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want)
+
+
+@needs_native
+def test_depthwise_conv_refuses_what_it_cannot_do_exactly():
+    w = torch.ones(4, 1, 3, 3, dtype=torch.int8)
+    M, n = torch.ones(4, dtype=torch.int64), torch.ones(4, dtype=torch.int64)
+    with pytest.raises(ConfigError, match=r"\(C, 1, kh, kw\)"):
+        DepthwiseConv(torch.ones(4, 2, 3, 3, dtype=torch.int8), None, (1, 1), (1, 1), (1, 1), M, n, -128, 127,
+                      torch.int8)
+    with pytest.raises(ConfigError, match="reaches 2\\*\\*31"):
+        DepthwiseConv(w, torch.full((4,), 2 ** 31 - 10), (1, 1), (1, 1), (1, 1), M, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="shifts"):
+        DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), M, n + 70, -128, 127, torch.int8)
+    k = DepthwiseConv(w, None, (1, 1), (0, 0), (1, 1), M, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="channels-last"):
+        k(torch.zeros(1, 5, 5, 3, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="smaller than the kernel"):
+        k(torch.zeros(1, 2, 2, 4, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="contiguous"):
+        k(torch.zeros(1, 4, 5, 5, dtype=torch.int8).permute(0, 2, 3, 1))
+
+
+@needs_native
+@pytest.mark.parametrize("act", [None, "relu6"])
+def test_the_simulator_runs_depthwise_layers_natively_and_exactly(act):
+    t = Tiny(seed=7)
+    x = t.input(torch.randint(-128, 128, (2, 24, 9, 9), generator=t.gen), 0.05)
+    layer = weight_layer("conv2d", torch.randint(-127, 128, (24, 1, 3, 3), generator=t.gen), torch.full((24,), 0.01),
+                         torch.randn(24, generator=t.gen), 0.05, 0.1, geometry=geometry(2, 1, 1, 24), act=act,
+                         name="conv")
+    prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
+    inputs = {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)}
+    outs = {}
+    for native in (True, False):
+        sim = BpuSimulator(prog, native=native)
+        kinds = {type(s[0]).__name__ for s in sim._steps}
+        assert ("_NativeDepthwiseLayer" in kinds) == native, kinds
+        outs[native] = {k: v.int_repr() for k, v in sim.run(inputs).items()}
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    assert outs[True].keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(outs[True][k], ref[k]) and torch.equal(outs[False][k], ref[k])
+
+
+@needs_native
+@SETTINGS
+@given(st.integers(0, 30), st.integers(0, 40), st.integers(0, 9), st.sampled_from([torch.int8, torch.int16]),
+       st.sampled_from([torch.int8, torch.int16]), st.integers(0, 2 ** 20), st.integers(0, 62), st.booleans(),
+       st.integers(0, 2 ** 31 - 1))
+def test_requant_columns_equals_the_int64_reference(rows, cols, col0, src_dtype, dst_dtype, M, n, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(src_dtype)
+    src = torch.randint(info.min, info.max + 1, (rows, cols), dtype=src_dtype, generator=g)
+    if ties and n > 0:  # exact halves: src * M = (2k + 1) * 2**(n-1)
+        M = 1 << (n - 1) if n - 1 <= 40 else M
+    dst = torch.full((rows, col0 + cols + 3), 77, dtype=dst_dtype)
+    lo, hi = (-128, 127) if dst_dtype == torch.int8 else (-32768, 32767)
+    requant_columns(src, dst, col0, M, n, lo, hi)
+    want = fp.requantize(src.to(torch.int64), M, n, "qint32").clamp(lo, hi)
+    assert torch.equal(dst[:, col0:col0 + cols].to(torch.int64), want)
+    assert (dst[:, :col0] == 77).all() and (dst[:, col0 + cols:] == 77).all()  # nothing else written
+
+
+@needs_native
+def test_requant_columns_refuses_what_does_not_fit():
+    src, dst = torch.zeros(4, 3, dtype=torch.int8), torch.zeros(4, 5, dtype=torch.int8)
+    for args in ((src, dst, 3, 1, 0), (src, torch.zeros(5, 5, dtype=torch.int8), 0, 1, 0), (src, dst, 0, 1, 63),
+                 (src, dst, 0, 1 << 60, 0), (src.t(), dst, 0, 1, 0), (src.int(), dst, 0, 1, 0)):
+        with pytest.raises(ConfigError, match="requant_columns"):
+            requant_columns(*args, -128, 127)
