@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from qcompiler.errors import QCompilerWarning
 from qcompiler.quantization import FakeQuantize
 from qcompiler.quantization.observer import MinMaxObserver
-from qcompiler.quantization.qconfig import get_default_calib_qconfig
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+from qcompiler.quantization.qconfig import get_default_calib_qconfig
 from qcompiler.tools.model_check import RESULT_FILE, check_qat_model
 from qcompiler.zoo.hybrid import _SeluModule
 

@@ -7,27 +7,27 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_export_exact import assert_export_is_compiled  # noqa: E402
 
 import qcompiler
 from qcompiler.backends.bpu.op_info import op_info
 from qcompiler.backends.bpu.program_check import ATTRS
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import PassError
-from qcompiler.ir.dump import partition_table
 from qcompiler.ir import propagate_shapes, trace
+from qcompiler.ir.dump import partition_table
 from qcompiler.ir.meta import META_REASON, META_REWRITE
 from qcompiler.march import March
-from qcompiler.passes import rewrite as rw
 from qcompiler.nn.fused import PaddedAvgPool2d
+from qcompiler.passes import rewrite as rw
 from qcompiler.passes.base import CompileContext
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.qtensor import QTensor
-from test_export_exact import assert_export_is_compiled  # noqa: E402
 
 X = torch.rand(2, 3, 8, 8)
 
