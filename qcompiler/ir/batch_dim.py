@@ -115,6 +115,14 @@ class _Call:
         return self.args[i] if i < len(self.args) else default
 
 
+def _input(call: _Call, states: dict) -> Optional[tuple[int, int]]:
+    """(batch dim, rank) of the call's first argument, or None when it does not depend on the batch."""
+    s = states.get(call.first) if isinstance(call.first, fx.Node) else CONST
+    if s is CONST:
+        return None
+    return _batched(s, "the input"), len(_shape(call.first))
+
+
 def _batched(state: Any, what: str) -> int:
     if not isinstance(state, _Batched):
         raise Refused(f"{what} is not a batched tensor")
@@ -244,11 +252,10 @@ def _along_dim(reduces: bool, position: int = 0) -> Rule:
     """softmax / cumsum (reduces=False) and sum / mean / amax ... (reduces=True) over ``dim``, the
     argument at ``position`` after the input (a module's ``dim`` attribute); keepdim follows it."""
     def rule(call: _Call, states: dict, out_info: Any) -> Any:
-        s = states.get(call.first) if isinstance(call.first, fx.Node) else CONST
-        if s is CONST:
+        got = _input(call, states)
+        if got is None:
             return CONST
-        d = _batched(s, "the input")
-        rank = len(_shape(call.first))
+        d, rank = got
         if call.module is not None and hasattr(call.module, "dim"):
             dim = call.module.dim
         else:
@@ -329,11 +336,10 @@ def _reshape(call: _Call, states: dict, out_info: Any) -> Any:
 
 
 def _permute(call: _Call, states: dict, out_info: Any) -> Any:
-    s = states.get(call.first) if isinstance(call.first, fx.Node) else CONST
-    if s is CONST:
+    got = _input(call, states)
+    if got is None:
         return CONST
-    d = _batched(s, "the input")
-    rank = len(_shape(call.first))
+    d, rank = got
     if call.name == "t":
         return _Batched(1 - d if rank == 2 else d)
     if call.name == "transpose":
