@@ -17,10 +17,12 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.data import DataLoader, TensorDataset
 
 import qcompiler
 import qcompiler.zoo as zoo
 from qcompiler.backends.bpu.simulator import PartitionedRunner
+from qcompiler.distributed import evaluate
 from qcompiler.errors import ConfigError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.parallel import batch_size, in_worker, run_split, split_args
@@ -325,3 +327,15 @@ def test_concurrent_callers_of_shared_models_get_exact_results():
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_evaluate_over_a_dataloader_splits_each_batch_exactly():
+    cm = cpu_island_model()
+    g = torch.Generator().manual_seed(6)
+    data = TensorDataset(torch.randn(11, 3, 8, 8, generator=g), torch.arange(11))
+    collect = lambda out, y: (out, y)  # noqa: E731 - the metric returns everything it saw
+    cm.threads = 1
+    (want_a, want_b), want_y = evaluate(cm, DataLoader(data, batch_size=4), collect, progress=False)
+    cm.threads = 3
+    (got_a, got_b), got_y = evaluate(cm, DataLoader(data, batch_size=4), collect, progress=False)
+    assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b) and torch.equal(got_y, want_y)
