@@ -10,7 +10,11 @@ same input (``zoo.example_inputs``):
 
 * ``ours``     the qcompiler simulator: ``PartitionedRunner`` (every BPU partition in
   the bit-exact fast simulator, any CPU node in torch).  Its output must be
-  ``torch.equal`` to the converted model's (the ``exact`` column; a mismatch stops the run);
+  ``torch.equal`` to the converted model's (the ``exact`` column; a mismatch stops the run).
+  At N > 1 threads it runs as a user's compiled model does (``threads=N``): a batch of B is
+  split into ``min(N, B)`` chunks on worker threads at one torch thread each (the ``split``
+  column; batch 1 runs whole on one worker); ``ours whole`` is the same batch unsplit at
+  N torch threads, for comparison;
 * ``ort``      onnxruntime int8: the float model exported to ONNX, then
   ``onnxruntime.quantization.quantize_static`` (QDQ, uint8 activations, int8 per-channel
   weights, MinMax calibration on the same batches), ``intra_op_num_threads`` = the thread
@@ -57,6 +61,21 @@ from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
 from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available  # noqa: E402
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state  # noqa: E402
 from qcompiler.quantization.convert import convert_fx  # noqa: E402
+
+
+def _whole(runner: PartitionedRunner, x: torch.Tensor):
+    """The runner on the whole batch with torch's intra-op threads (no batch split).
+
+    Timed after the rotation, not in it: alternating 2-thread calls in the main thread with
+    1-thread calls in a worker made the worker's calls slower (measured: mobilenet_v2 batch 1,
+    30 ms instead of 21, with no spinning thread in the process: the process's CPU time equals
+    the wall time), as if oneDNN re-created its convolution primitives at each switch of the
+    thread count."""
+    saved, runner.threads = runner.threads, 1
+    try:
+        return runner(x)
+    finally:
+        runner.threads = saved
 
 CALIB_BATCHES, CALIB_BATCH = 4, 4
 
@@ -251,6 +270,7 @@ def main() -> None:
                   + ", ".join(f"{k} ({len(p.ops)} ops)" for k, p in programs.items()))
             for t in threads:
                 torch.set_num_threads(t)
+                ours.threads = t
                 ort_run = ort_session(onnx_path, t)
                 for b in batches:
                     x = zoo.example_inputs(name, batch=b, image_size=args.size)[0]
@@ -261,15 +281,22 @@ def main() -> None:
                             raise SystemExit(f"{name} batch {b}: simulator output != converted model output")
                         tm = best_times({"ours": partial(ours, x), "ort": partial(ort_run, xn),
                                          "ao": partial(ao, x), "float": partial(f, x)}, args.repeat)
+                        if t > 1:  # after, not in the rotation: see _whole
+                            tm.update(best_times({"whole": partial(_whole, ours, x)}, args.repeat))
                         if not args.no_profile and t == threads[0]:
                             profiles[(name, b)] = op_kind_profile(ours, x)
                     peer = min(tm["ort"], tm["ao"])
-                    rows.append([name, b, t, f"{tm['ours'] * 1e3:.1f}", f"{tm['ort'] * 1e3:.1f}",
+                    n = min(t, b)
+                    split = "-" if t == 1 or ours.split_refusal is not None else \
+                        (f"{n} x {b // n}" if b % n == 0 else f"{n} chunks") if n > 1 else "1 worker"
+                    whole = f"{tm['whole'] * 1e3:.1f}" if "whole" in tm else "-"
+                    rows.append([name, b, t, split, f"{tm['ours'] * 1e3:.1f}", whole, f"{tm['ort'] * 1e3:.1f}",
                                  f"{tm['ao'] * 1e3:.1f}", f"{tm['float'] * 1e3:.1f}", f"{tm['ours'] / peer:.2f}",
                                  f"{tm['ours'] / tm['float']:.2f}", "yes" if exact else "NO"])
                     print("  " + "  ".join(str(c) for c in rows[-1]), flush=True)
     print()
-    print(tabulate(rows, headers=["model", "batch", "threads", "ours ms", "ort int8 ms", "torch.ao int8 ms",
+    print(tabulate(rows, headers=["model", "batch", "threads", "split", "ours ms", "ours whole ms", "ort int8 ms",
+                                  "torch.ao int8 ms",
                                   "float ms", "ours / faster int8", "ours / float", "exact"],
                    tablefmt="github"))
     for (name, b), kinds in profiles.items():

@@ -8,9 +8,13 @@
   ``--batches`` batches, with its progress bar (tqdm), on a dataset of ready tensors
   (``TensorDataset``) and on ``SmoothNoise``, which computes each image when it is read
   (the reader thread overlaps that with the model);
-* both at 1 and at 2 torch threads: the gain from the second core.
+* per thread count N (``--threads``): ``cm.threads = N`` and ``torch.set_num_threads(N)``, so
+  at N > 1 each batch is split over N worker threads at one torch thread each
+  (``qcompiler.parallel``); and, for comparison, the whole batch at N torch threads
+  (``cm.threads = 1``: what evaluate did before the split).
 
-Ratios ``evaluate / single call`` are samples/s over samples/s; the goal is >= 0.9 at batch 32.
+Ratios ``evaluate / single call`` are samples/s over samples/s (the goal: >= 0.9 at batch 32);
+the last lines compare each configuration with 1 thread (the goal: the second core makes it faster).
 """
 
 from __future__ import annotations
@@ -65,9 +69,16 @@ def main(argv=None) -> None:
     ready = TensorDataset(images, torch.zeros(n, dtype=torch.long))
     cm = qcompiler.compile(zoo.get(args.model), x, calib_data=[images[:8]], progress=False)
     batch = images[:args.batch]
+    configs = []  # (label, torch threads, cm.threads)
+    for t in (int(t) for t in args.threads.split(",")):
+        configs.append((f"{t} thread{'s' if t > 1 else ''}" + (": batch split" if t > 1 else ""), t, t))
+        if t > 1:
+            configs.append((f"{t} torch threads, whole batch", t, 1))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows, speeds = [], {}
-    for threads in (int(t) for t in args.threads.split(",")):
-        torch.set_num_threads(threads)
+    for label, torch_threads, split_threads in configs:
+        torch.set_num_threads(torch_threads)
+        cm.threads = split_threads
         cm(batch)  # warm-up
         runs = [(best(1, lambda: cm(batch)), best(1, lambda: evaluate(cm, DataLoader(ready, batch_size=args.batch), top1)),
                  best(1, lambda: evaluate(cm, DataLoader(noise, batch_size=args.batch), top1)))
@@ -75,19 +86,21 @@ def main(argv=None) -> None:
         single = args.batch / min(r[0] for r in runs)
         on_ready = n / min(r[1] for r in runs)
         on_noise = n / min(r[2] for r in runs)
-        speeds[threads] = (single, on_ready, on_noise)
-        rows.append((threads, f"{single:.1f}", f"{on_ready:.1f}", f"{on_ready / single:.2f}x",
+        speeds[label] = (single, on_ready, on_noise)
+        rows.append((label, f"{single:.1f}", f"{on_ready:.1f}", f"{on_ready / single:.2f}x",
                      f"{on_noise:.1f}", f"{on_noise / single:.2f}x"))
     print(f"{args.model} {args.image_size}x{args.image_size}, batch {args.batch}, {n} samples per evaluate, "
           f"best of {args.repeat}; torch {torch.__version__}, qcompiler {qcompiler.__version__}, "
-          f"{os.cpu_count()} cores, Python {sys.version.split()[0]}")
-    print(tabulate(rows, headers=["torch threads", "single call (samples/s)", "evaluate, ready tensors (samples/s)",
+          f"{os.cpu_count()} cores, Python {sys.version.split()[0]}; batch split: "
+          f"{'yes' if cm.split_refusal is None else 'no (' + cm.split_refusal + ')'}; load average at start {load:.2f}")
+    print(tabulate(rows, headers=["threads", "single call (samples/s)", "evaluate, ready tensors (samples/s)",
                                   "evaluate / single", "evaluate, SmoothNoise computed on read (samples/s)",
                                   "evaluate / single"]))
-    if 1 in speeds and 2 in speeds:
-        s1, s2 = speeds[1], speeds[2]
-        print(f"second core: single call {s2[0] / s1[0]:.2f}x, evaluate on ready tensors {s2[1] / s1[1]:.2f}x, "
-              f"on SmoothNoise {s2[2] / s1[2]:.2f}x the 1-thread samples/s")
+    base = speeds.get(configs[0][0]) if configs and configs[0][1] == 1 else None
+    for label, (single, on_ready, on_noise) in speeds.items():
+        if base is not None and label != configs[0][0]:
+            print(f"{label} vs 1 thread: single call {single / base[0]:.2f}x, evaluate on ready tensors "
+                  f"{on_ready / base[1]:.2f}x, on SmoothNoise {on_noise / base[2]:.2f}x the samples/s")
 
 
 if __name__ == "__main__":

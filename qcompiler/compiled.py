@@ -28,11 +28,13 @@ from qcompiler.backends.onnx.emitter import emit_island
 from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
+from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU, META_PLACEMENT, META_QDTYPE, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
+from qcompiler.parallel import resolve_threads
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.mixed_precision import INT16_META, auto_int16, check_budget, require_int16
@@ -51,6 +53,12 @@ class CompiledModel:
     export) or by :func:`load` (runtime only). A call takes inputs like the example
     inputs (the rules of :mod:`qcompiler.batches`: any batch size; float64 is cast to
     float32); anything else is a ConfigError naming the input, before any backend runs.
+
+    ``threads`` (settable; None: ``torch.get_num_threads()`` at each call): a batch of B
+    samples is split into ``min(threads, B)`` chunks run on as many worker threads at one
+    torch thread each, outputs concatenated, bit for bit the unsplit result; only when the
+    graph is proven per-sample (``split_refusal`` is None; else it says why and calls run
+    whole, as with ``threads=1``). docs/performance.md, "Throughput".
     """
 
     def __init__(self, runtime: Runtime, *, name: str, march: str, converted: Optional[fx.GraphModule] = None,
@@ -62,6 +70,20 @@ class CompiledModel:
     def __call__(self, *args: Any) -> Any:
         with torch.no_grad():
             return self.runtime(*args)
+
+    @property
+    def threads(self) -> Optional[int]:
+        """Worker threads a call's batch is split over (None: ``torch.get_num_threads()``)."""
+        return self.runtime.threads
+
+    @threads.setter
+    def threads(self, value: Optional[int]) -> None:
+        self.runtime.threads = None if value is None else resolve_threads(value, "CompiledModel.threads")
+
+    @property
+    def split_refusal(self) -> Optional[str]:
+        """None when a batch may be split over threads (the graph is proven per-sample), else why not."""
+        return self.runtime.split_refusal
 
     @property
     def activation_dtypes(self) -> dict[str, str]:
@@ -158,26 +180,33 @@ class CompiledModel:
         return save_artifact(path, manifest, self.runtime.programs, self.runtime.islands)
 
 
-def load(path: Union[str, Path], *, ort_threads: int = 1) -> CompiledModel:
-    """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed)."""
+def load(path: Union[str, Path], *, ort_threads: int = 1, threads: Optional[int] = None) -> CompiledModel:
+    """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed).
+
+    ``threads`` is kept (``CompiledModel.threads``), but an artifact has no graph to prove the
+    batch split safe with, so a loaded model runs every batch whole."""
     if not isinstance(ort_threads, int) or isinstance(ort_threads, bool) or ort_threads < 1:
         raise ConfigError(f"load: ort_threads must be a positive int, got {ort_threads!r}")
+    if threads is not None:
+        resolve_threads(threads, "load")
     manifest, programs, islands = load_artifact(path)  # checked: form, sizes, tensors, data flow
     steps = [Step.from_json(s) for s in manifest["steps"]]
     try:
         runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands,
-                          ort_threads=ort_threads, input_signature=manifest.get("input_signature"))
+                          ort_threads=ort_threads, input_signature=manifest.get("input_signature"), threads=threads)
     except Exception as exc:  # a program the simulator cannot compile, an island onnxruntime refuses
         raise ArtifactError(f"{path}: the runtime cannot be built from this file ({type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
     return CompiledModel(runtime, name=manifest["model"], march=manifest["march"])
 
 
-def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Optional[tuple] = None) -> Runtime:
+def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Optional[tuple] = None,
+          threads: Optional[int] = None) -> Runtime:
     """Runtime of a converted model: BPU partitions -> programs, CPU partitions -> ONNX islands, or
     eager-torch islands where the ONNX emitter has no opset-11 form for a node (the step says why).
 
     With ``example_inputs``, calls are checked against them (else only their number).
+    ``threads``: the batch split's worker threads, where :func:`split_refusal` proves it safe.
     """
     steps = plan_steps(converted)
     programs = lower_bpu_partitions(converted)
@@ -197,7 +226,7 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
     out_node = next(n for n in converted.graph.nodes if n.op == "output")
     signature = input_signature(example_inputs) if example_inputs is not None else None
     return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads,
-                   input_signature=signature, eager=eager)
+                   input_signature=signature, eager=eager, threads=threads, split_refusal=split_refusal(converted))
 
 
 def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> list[tuple]:
@@ -259,6 +288,7 @@ def compile(
     progress: bool = True,
     weight_rounding: bool = False,
     int16_budget: Optional[float] = None,
+    threads: Optional[int] = None,
 ) -> CompiledModel:
     """Quantize and lower ``model`` for ``march``; returns a runnable :class:`CompiledModel`.
 
@@ -273,12 +303,15 @@ def compile(
     becomes int16, the ones whose int16 gains most output SQNR on the calibration data
     (:func:`qcompiler.quantization.mixed_precision`; the choice and its ``qconfig_dict`` are in
     ``CompiledModel.int16``; per tensor: ``activation_dtypes``).
+    ``threads``: worker threads a call's batch is split over (:attr:`CompiledModel.threads`).
     Under ``torch.distributed`` pass each rank its own shard as ``calib_data``: the
     observers are reduced over the ranks before convert, so every rank gets the model one
     process would compile from all shards (docs/distributed.md).
     """
     if mode not in MODES:
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    if threads is not None:
+        resolve_threads(threads, "compile")
     if weight_rounding and mode != "ptq":
         raise ConfigError("compile: weight_rounding=True is a PTQ step (mode='ptq'); QAT trains its weights")
     if int16_budget is not None:
@@ -319,7 +352,7 @@ def compile(
             optimize_weight_rounding(prepared, batches, progress=progress)
         name = type(model).__name__
     converted = convert_fx(prepared, inplace=True)  # ``prepared`` is compile's own copy
-    runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs)
+    runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs, threads=threads)
     march_value = converted.meta.get("qc_march")
     _warn_if_float(converted, runtime, name)
     compiled = CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),

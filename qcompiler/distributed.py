@@ -127,10 +127,11 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
     back to the CPU.
 
     Throughput: a background thread reads and collates the next batch while the model
-    runs the current one (the model's torch ops release the GIL), and the model computes
-    with torch's intra-op threads (``torch.get_num_threads()``, all cores by default), so
-    a compiled model evaluates at about its single-call speed per sample
-    (benchmarks/throughput.py). ``progress``: a tqdm bar on rank 0.
+    runs the current one (the model's torch ops release the GIL). A compiled model splits
+    each batch over its worker threads (``CompiledModel.threads``, by default
+    ``torch.get_num_threads()``: all cores) when its graph is proven per-sample
+    (:mod:`qcompiler.parallel`), so it evaluates at about its single-call speed per sample
+    and uses every core (benchmarks/throughput.py). ``progress``: a tqdm bar on rank 0.
     """
     if not isinstance(loader, DataLoader):
         raise ConfigError(f"evaluate: loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}")

@@ -9,6 +9,10 @@ partition, in a topological order), the model's inputs, and the structure of
 its outputs (nested tuples of value names). Values flow between steps by FX
 value name: QTensors between BPU partitions, float tensors everywhere else.
 It never needs the model's Python class, so an artifact can rebuild it.
+
+With ``threads`` > 1 and a graph proven per-sample (``split_refusal`` is None:
+:func:`qcompiler.ir.batch_dim.split_refusal`), a call's batch is split into chunks computed
+on worker threads at one torch thread each (:mod:`qcompiler.parallel`), outputs concatenated.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from qcompiler.backends.ort import OrtIsland
 from qcompiler.batches import check_inputs
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
+from qcompiler.parallel import resolve_threads, run_split
+
+# split_refusal of a runtime built without its graph (an artifact): nothing proves it per-sample
+NOT_ANALYSED = "the graph was not analysed (a model loaded from an artifact keeps no graph)"
 
 
 @dataclass
@@ -135,11 +143,16 @@ EXECUTORS: dict[str, Callable[[Step, "Runtime"], Executor]] = {
 
 
 class Runtime:
-    """Executes steps in order, each with the executor :data:`EXECUTORS` has for its kind."""
+    """Executes steps in order, each with the executor :data:`EXECUTORS` has for its kind.
+
+    ``threads``: worker threads for the batch split (None: ``torch.get_num_threads()`` at each
+    call); ``split_refusal``: None when the graph is proven per-sample along dim 0, else why not
+    (then calls run whole, with torch's own threads)."""
 
     def __init__(self, steps: Sequence[Step], input_names: Sequence[str], outputs: Any,
                  programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1,
-                 input_signature: Optional[list] = None, eager: Optional[dict] = None) -> None:
+                 input_signature: Optional[list] = None, eager: Optional[dict] = None,
+                 threads: Optional[int] = None, split_refusal: Optional[str] = NOT_ANALYSED) -> None:
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
         # what calls are checked against (qcompiler.batches.input_signature of the example inputs);
         # None (an artifact from before signatures were saved): the number of inputs only
@@ -147,6 +160,8 @@ class Runtime:
         self.programs, self.islands = dict(programs), dict(islands)
         self.eager = dict(eager or {})  # step name -> EagerIsland (never saved: it is Python code)
         self.ort_threads = ort_threads
+        self.threads = None if threads is None else resolve_threads(threads, "threads")
+        self.split_refusal = split_refusal
         self._run: dict[str, Executor] = {}
         for step in self.steps:
             factory = EXECUTORS.get(step.kind)
@@ -159,6 +174,11 @@ class Runtime:
         """Run the steps on ``args``, checked first whichever backend runs first (one check for both)."""
         signature = self.input_signature or [None] * len(self.input_names)
         args = check_inputs(args, signature, where="compiled model", names=self.input_names)
+        if self.split_refusal is None:
+            return run_split(self._run_checked, args, resolve_threads(self.threads, "threads"))
+        return self._run_checked(*args)
+
+    def _run_checked(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self.input_names, args))
         for step in self.steps:
             feeds = {name: env[name] for name in step.inputs}

@@ -31,8 +31,8 @@ PACKAGE_DIRS = {
 # Layers, lowest first: (name, module prefixes). The longest matching prefix decides.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", (
-        "qcompiler.errors", "qcompiler.march", "qcompiler.atomic_write", "qcompiler.collectives", "qcompiler.batches", "qcompiler.ir",
-        "qcompiler.native",
+        "qcompiler.errors", "qcompiler.march", "qcompiler.atomic_write", "qcompiler.collectives", "qcompiler.batches", "qcompiler.parallel",
+        "qcompiler.ir", "qcompiler.native",
         "qcompiler.nn", "qcompiler.zoo",
         "qcompiler.quantization",  # the primitives; the workflow modules are listed under "workflow"
     )),

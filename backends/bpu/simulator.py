@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
@@ -92,10 +93,12 @@ from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundar
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.errors import ConfigError, UnsupportedOpError
+from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
 from qcompiler.native.kernels import DepthwiseConv, requant_columns
 from qcompiler.nn import quantized as qnn
+from qcompiler.parallel import resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
@@ -119,17 +122,28 @@ _OUT_BITS = {"qint8": 7, "qint16": 15, "qint32": 31}
 
 class _Workspace:
     """Reusable scratch buffers (one per key and dtype), so large temporaries are not
-    re-allocated (and page-faulted) on every call.  Never returned to the caller."""
+    re-allocated (and page-faulted) on every call.  Never returned to the caller.
+
+    The buffers are per thread, so one simulator can run in several threads at once (the
+    batch split of ``qcompiler.parallel``): each thread gets its own set."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._local = threading.local()
+
+    @property
+    def _bufs(self) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        return bufs
 
     def get(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape)
-        buf = self._bufs.get((key, dtype))
+        bufs = self._bufs
+        buf = bufs.get((key, dtype))
         if buf is None or buf.numel() < n:
             buf = torch.empty(n, dtype=dtype)
-            self._bufs[(key, dtype)] = buf
+            bufs[(key, dtype)] = buf
         return buf[:n].view(tuple(shape))
 
     def clear(self) -> None:
@@ -147,8 +161,9 @@ class BpuSimulator:
     float tensor for an ``f32`` input (a ``quantize`` op reads it).  It
     returns a dict keyed by the output names: QTensors for quantized outputs
     (per-channel for high-precision int32), float32 tensors for dequantized
-    ones.  Weights are prepared once at construction.  One simulator must
-    not run in two threads at once (it reuses scratch buffers).
+    ones.  Weights are prepared once at construction.  A simulator may run in
+    several threads at once: scratch buffers are per thread, and the lazily filled caches
+    (prepacked weights, GEMM plans) hold values that do not depend on the thread.
     """
 
     def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None,
@@ -1428,13 +1443,17 @@ class PartitionedRunner:
     CPU nodes (and placeholders/outputs) run in torch through an
     ``fx.Interpreter``; each BPU partition runs as one unit as soon as all its
     inputs exist (partitions are not contiguous in graph order).  The result
-    equals ``converted_gm(*inputs)`` bit for bit.
+    equals ``converted_gm(*inputs)`` bit for bit.  ``threads`` > 1 (None:
+    ``torch.get_num_threads()`` at each call) splits a batch over worker threads when the
+    graph is proven per-sample (``split_refusal`` is None), as ``CompiledModel`` does.
     """
 
     def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
                  *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
-                 native: Optional[bool] = None) -> None:
+                 native: Optional[bool] = None, threads: Optional[int] = None) -> None:
         self.gm = converted_gm
+        self.threads = None if threads is None else resolve_threads(threads, "PartitionedRunner")
+        self.split_refusal = split_refusal(converted_gm)
         self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
         self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn, native=native)
                            for name, p in self.programs.items()}
@@ -1484,6 +1503,11 @@ class PartitionedRunner:
             raise ConfigError("the BPU partitions and CPU nodes form a cycle; the graph cannot run partitioned")
 
     def __call__(self, *inputs: Any) -> Any:
+        if self.split_refusal is None:
+            return run_split(self._run, inputs, resolve_threads(self.threads, "PartitionedRunner"))
+        return self._run(*inputs)
+
+    def _run(self, *inputs: Any) -> Any:
         interp = fx.Interpreter(self.gm, garbage_collect_values=False)
         interp.env = {}
         interp.args_iter = iter(inputs)

@@ -1,0 +1,175 @@
+"""Inter-op parallelism for a compiled model: a batch split into chunks, one per worker thread.
+
+On small CPUs torch's intra-op (OpenMP) threads often do not scale: on the 2-core machine of
+docs/performance.md, 2 torch threads made the simulator slower than 1.  Two independent
+1-thread computations do run at full speed each, so a batch of ``B >= 2`` samples is split
+along dim 0 into ``min(threads, B)`` contiguous chunks (sizes differ by at most one), each run
+on its own worker thread, and the outputs are concatenated along dim 0.  torch ops and
+onnxruntime release the GIL, so the chunks compute at the same time.
+
+The workers are a process-wide pool of daemon threads, each with **one** torch intra-op
+thread (``torch.set_num_threads(1)`` in the worker; OpenMP's thread count is per thread),
+so N workers use N cores and never oversubscribe them.  A batch of one sample (nothing to
+split) runs on one worker too: at 1 intra-op thread, which on such machines is never slower
+than several.  A call made from inside a worker runs where it is (no nesting, no deadlock).
+
+Whether a model may be split is decided elsewhere, per graph (:mod:`qcompiler.ir.batch_dim`):
+this module only splits, runs and concatenates.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from qcompiler.errors import ConfigError
+from qcompiler.quantization.qtensor import QTensor
+
+__all__ = ["resolve_threads", "batch_size", "split_args", "concat_outputs", "run_split", "in_worker"]
+
+_MAX_THREADS = 256
+
+
+def resolve_threads(threads: Optional[int], where: str) -> int:
+    """``threads`` checked (a positive int), or ``torch.get_num_threads()`` for None."""
+    if threads is None:
+        return max(1, torch.get_num_threads())
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= _MAX_THREADS:
+        raise ConfigError(f"{where}: threads must be None (torch.get_num_threads()) or an int from 1 to "
+                          f"{_MAX_THREADS}, got {threads!r}")
+    return threads
+
+
+def _leaves(x: Any) -> list:
+    if isinstance(x, (tuple, list)):
+        return [leaf for v in x for leaf in _leaves(v)]
+    return [x]
+
+
+def batch_size(args: Sequence[Any]) -> Optional[int]:
+    """The common dim-0 size of every tensor in ``args`` (nested tuples too), or None when a
+    tensor is 0-d, the sizes differ, or there is no tensor: such a call is not split."""
+    sizes = {t.shape[0] if t.dim() else None for t in _leaves(args) if isinstance(t, torch.Tensor)}
+    if len(sizes) != 1:
+        return None
+    return sizes.pop()
+
+
+def _split(x: Any, n: int) -> list:
+    if isinstance(x, torch.Tensor):
+        return list(torch.tensor_split(x, n, dim=0))
+    if isinstance(x, (tuple, list)):
+        cols = [_split(v, n) for v in x]
+        return [type(x)(c[i] for c in cols) for i in range(n)]
+    return [x] * n  # not batched: every chunk gets it
+
+
+def split_args(args: Sequence[Any], n: int) -> list[tuple]:
+    """``n`` argument tuples: every tensor cut into ``n`` contiguous dim-0 chunks (``torch.tensor_split``:
+    the first ``B % n`` chunks have one sample more), everything else passed to each chunk."""
+    return [tuple(c) for c in _split(tuple(args), n)]
+
+
+def concat_outputs(parts: list) -> Any:
+    """The chunks' outputs joined along dim 0: tensors by ``torch.cat``, QTensors by their integers
+    (same quantization), tuples / lists element by element; anything else (a constant output) is
+    the first chunk's."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=0)
+    if isinstance(first, QTensor):
+        if first.qscheme().startswith("per_channel"):
+            if first.q_per_channel_axis() == 0:
+                raise ConfigError("a batch-split output is quantized per channel along dim 0; it cannot be joined")
+            return QTensor(torch.cat([p.int_repr() for p in parts]), first.q_per_channel_scales(),
+                           first.q_per_channel_zero_points(), axis=first.q_per_channel_axis())
+        return QTensor(torch.cat([p.int_repr() for p in parts]), first.q_scale(), first.q_zero_point())
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat_outputs([p[i] for p in parts]) for i in range(len(first)))
+    return first
+
+
+# ---------------------------------------------------------------------------- the worker pool
+
+_local = threading.local()
+
+
+def in_worker() -> bool:
+    """True inside one of the pool's worker threads."""
+    return getattr(_local, "worker", False)
+
+
+class _Pool:
+    """Daemon threads with one torch intra-op thread each, fed from one queue; grown on demand."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: "queue.SimpleQueue[tuple[Future, Callable, tuple]]" = queue.SimpleQueue()
+        self._size = 0
+
+    def ensure(self, n: int) -> None:
+        with self._lock:
+            if self._size >= n:
+                return
+            caller = torch.get_num_threads()
+            ready = [threading.Event() for _ in range(n - self._size)]
+            for i, event in enumerate(ready):
+                threading.Thread(target=self._work, args=(event,), daemon=True,
+                                 name=f"qcompiler-split-{self._size + i}").start()
+            for event in ready:
+                event.wait()
+            # torch.set_num_threads in a worker also sets the count that threads started later take
+            # (torch's lazy per-thread init); put back the caller's, so only the workers have one
+            torch.set_num_threads(caller)
+            self._size = n
+
+    def _work(self, ready: threading.Event) -> None:
+        _local.worker = True
+        torch.set_num_threads(1)
+        ready.set()
+        while True:
+            future, fn, args = self._tasks.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.no_grad():
+                    result = fn(*args)
+            except BaseException as exc:  # handed to the caller, raised there
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def submit(self, fn: Callable, args: tuple) -> Future:
+        future: Future = Future()
+        self._tasks.put((future, fn, args))
+        return future
+
+
+_POOL = _Pool()
+
+
+def run_split(fn: Callable[..., Any], args: Sequence[Any], threads: int) -> Any:
+    """``fn(*args)`` computed as ``min(threads, B)`` dim-0 chunks on the worker pool, outputs
+    concatenated; the caller must know that ``fn`` is per-sample along dim 0 (its output
+    for a chunk is the chunk's rows of the whole output, bit for bit).
+
+    ``threads <= 1``, a call from inside a worker, or inputs without one common batch size:
+    ``fn(*args)`` in the calling thread, as without this module. An exception raised by a
+    chunk is raised here (the first chunk's that failed, in batch order).
+    """
+    args = tuple(args)
+    n_batch = batch_size(args) if threads > 1 and not in_worker() else None
+    if n_batch is None or n_batch < 1:
+        return fn(*args)
+    n = min(threads, n_batch)
+    _POOL.ensure(n)
+    futures = [_POOL.submit(fn, chunk) for chunk in split_args(args, n)]
+    errors = [f.exception() for f in futures]  # waits for every chunk: no work outlives the call
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise failed
+    return concat_outputs([f.result() for f in futures])
