@@ -129,6 +129,10 @@ class _Pool:
 
     def _work(self, ready: threading.Event) -> None:
         _local.worker = True
+        # torch initializes a thread's intra-op count lazily, from the process-wide count, on the
+        # thread's first parallel call; do that first, or the caller's count, put back by ensure(),
+        # would replace this worker's 1 on its first op
+        torch.get_num_threads()
         torch.set_num_threads(1)
         ready.set()
         while True:
