@@ -429,13 +429,23 @@ def _matmul(call: _Call, states: dict, out_info: Any) -> Any:
     return _Batched(od)
 
 
+# tensor attributes that do not depend on the batch (x.T, x.mT, x.data ... do: they are refused)
+_BATCH_FREE_ATTRS = frozenset({"dtype", "device", "ndim", "is_cuda", "requires_grad", "layout", "is_quantized"})
+
+
 def _size(call: _Call, states: dict, out_info: Any) -> Any:
     s = states.get(call.first) if isinstance(call.first, fx.Node) else CONST
     if call.name == "dim" or s is CONST:
         return CONST
     d = _batched(s, "the input")
     if call.name == "getattr":
-        return _Sizes(d, len(_shape(call.first))) if call.arg(0, "name") == "shape" else CONST
+        name = call.arg(0, "name")
+        if name == "shape":
+            return _Sizes(d, len(_shape(call.first)))
+        if name in _BATCH_FREE_ATTRS:
+            return CONST
+        raise Refused(f"attribute '{name}' of a batched tensor (only {', '.join(sorted(_BATCH_FREE_ATTRS))} "
+                      f"and shape are known not to depend on the batch)")
     dim = call.arg(0, "dim", None)
     if dim is None:
         return _Sizes(d, len(_shape(call.first)))
