@@ -19,6 +19,7 @@ this module only splits, runs and concatenates.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -76,8 +77,8 @@ def split_args(args: Sequence[Any], n: int) -> list[tuple]:
 
 def concat_outputs(parts: list) -> Any:
     """The chunks' outputs joined along dim 0: tensors by ``torch.cat``, QTensors by their integers
-    (same quantization), tuples / lists element by element; anything else (a constant output) is
-    the first chunk's."""
+    (same quantization), tuples / lists / dicts element by element; anything else must be the
+    same constant from every chunk (else a ConfigError: never a silently partial output)."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(parts, dim=0)
@@ -90,7 +91,12 @@ def concat_outputs(parts: list) -> Any:
         return QTensor(torch.cat([p.int_repr() for p in parts]), first.q_scale(), first.q_zero_point())
     if isinstance(first, (tuple, list)):
         return type(first)(concat_outputs([p[i] for p in parts]) for i in range(len(first)))
-    return first
+    if isinstance(first, dict):
+        return {k: concat_outputs([p[k] for p in parts]) for k in first}
+    if all(type(p) is type(first) and p == first for p in parts[1:]):
+        return first  # a constant (None, a number, a string): the same from every chunk
+    raise ConfigError(f"a batch-split output of type {type(first).__name__} differs between the chunks and "
+                      f"cannot be joined; call the model with threads=1")
 
 
 # ---------------------------------------------------------------------------- the worker pool
@@ -107,11 +113,17 @@ class _Pool:
     """Daemon threads with one torch intra-op thread each, fed from one queue; grown on demand."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._tasks: "queue.SimpleQueue[tuple[Future, Callable, tuple]]" = queue.SimpleQueue()
         self._size = 0
 
     def ensure(self, n: int) -> None:
+        if self._pid != os.getpid():  # a forked child inherits the pool's state but none of its threads
+            self._reset()
         with self._lock:
             if self._size >= n:
                 return

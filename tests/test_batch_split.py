@@ -170,12 +170,19 @@ class _Mixer(nn.Module):
             return torch.softmax(y, 0)
         if self.how == "sum_all":
             return y + y.sum()
+        if self.how == "T_mean":  # centring over the batch through x.T
+            f = y.flatten(1)
+            return f - f.T.mean(1)
+        if self.how == "mT_matmul":  # a similarity matrix between samples
+            f = y.flatten(1)
+            return torch.matmul(f, f.mT)
         raise AssertionError(self.how)
 
 
 @pytest.mark.parametrize("how, reason", [
     ("flip", "flip"), ("cat0", "batch dim"), ("view_fixed", "moves samples"), ("flatten0", "flattens"),
     ("index0", "selects from the batch dim"), ("squeeze", "squeeze"), ("softmax0", "softmax"), ("sum_all", "sum"),
+    ("T_mean", "attribute 'T'"), ("mT_matmul", "attribute 'mT'"),
 ])
 def test_ops_that_mix_samples_are_refused(how, reason):
     cm = _compile(_Mixer(how).eval(), torch.randn(1, 3, 5, 5))
@@ -339,3 +346,32 @@ def test_evaluate_over_a_dataloader_splits_each_batch_exactly():
     cm.threads = 3
     (got_a, got_b), got_y = evaluate(cm, DataLoader(data, batch_size=4), collect, progress=False)
     assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b) and torch.equal(got_y, want_y)
+
+
+def test_dict_outputs_are_joined_key_by_key_and_differing_constants_refused():
+    from qcompiler.parallel import concat_outputs
+
+    parts = [{"feat": torch.full((2, 3), float(i)), "n": 7} for i in range(3)]
+    joined = concat_outputs(parts)
+    assert torch.equal(joined["feat"], torch.cat([p["feat"] for p in parts])) and joined["n"] == 7
+    with pytest.raises(ConfigError, match="differs between the chunks"):
+        concat_outputs([{"n": 1}, {"n": 2}])
+
+
+def test_a_forked_child_rebuilds_the_worker_pool(tmp_path):
+    """The child of a fork inherits the pool's state but none of its threads: it must start its own
+    (before the fix it waited forever on a queue nobody read)."""
+    import os
+    import signal
+
+    run_split(lambda x: x + 1, (torch.zeros(4),), 2)  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the split runs and is right
+        signal.alarm(30)
+        try:
+            out = run_split(lambda x: x + int(in_worker()), (torch.zeros(6),), 2)
+            os._exit(0 if out.tolist() == [1.0] * 6 else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
