@@ -197,3 +197,24 @@ def test_a_bad_value_inside_the_range_still_raises_and_changes_nothing(bad):
             o(x)
         for k, v in before.items():
             assert torch.equal(getattr(o, k), v), k
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off")
+def test_the_native_histogram_splits_the_values_not_dim_0(monkeypatch):
+    """A large multi-dimensional batch is counted as two halves of its values, one on the helper
+    thread (halving dim 0 of an (8, ...) tensor with numel // 2 gave all of it to one thread)."""
+    seen = []
+    real = observer_module.histogram_abs
+
+    def spy(x, per_unit, hist):
+        seen.append(x.numel())
+        real(x, per_unit, hist)
+
+    monkeypatch.setattr(observer_module, "histogram_abs", spy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    a = torch.rand(8, 64, 32, 32)
+    hist = torch.zeros(256, dtype=torch.float64)
+    observer_module._native_histogram(a, 255.0, hist)
+    assert sorted(seen) == [a.numel() // 2, a.numel() - a.numel() // 2]
+    want = torch.bincount((a.double().abs() * 255.0).floor().long().reshape(-1), minlength=256).double()
+    assert torch.equal(hist, want)

@@ -459,6 +459,7 @@ def _native_histogram(a: torch.Tensor, per_unit: float, hist: torch.Tensor) -> N
     if a.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
         histogram_abs(a, per_unit, hist)
         return
+    a = a.reshape(-1)  # halves of the values, not of dim 0
     half = a.numel() // 2
     first = torch.zeros_like(hist)
     job = _helper().submit(histogram_abs, a[:half], per_unit, first)
