@@ -399,3 +399,13 @@ def test_requant_columns_refuses_what_does_not_fit():
                  (src, dst, 0, 1 << 60, 0), (src.t(), dst, 0, 1, 0), (src.int(), dst, 0, 1, 0)):
         with pytest.raises(ConfigError, match="requant_columns"):
             requant_columns(*args, -128, 127)
+
+
+def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path, restore_native):
+    _fresh(monkeypatch, tmp_path)
+    cached = build._build(build._compiler())  # built, not loaded (truncating a loaded library would crash us)
+    cached.write_bytes(b"")  # truncated, as after a full disk or a killed copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QCompilerWarning)  # no "native kernels are off" warning
+        lib = build.library()
+    assert lib is not None and cached.stat().st_size > 0

@@ -112,12 +112,26 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
     if cc is None:
         return None, "no C compiler found (gcc, cc or clang; or set CC)"
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
-        if lib.qc_abi_version() != ABI_VERSION:
-            return None, "the cached library has a different ABI version"
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+        path = _build(cc)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"building the native kernels failed: {e}"
+    try:
+        lib = _open(path)
+    except (OSError, AttributeError) as e:  # a damaged cached file (truncated, foreign): build it once more
+        try:
+            path.unlink(missing_ok=True)
+            lib = _open(_build(cc))
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e2:
+            return None, f"loading the native kernels failed ({e}), and so did a fresh build: {e2}"
+    if lib.qc_abi_version() != ABI_VERSION:
+        return None, "the cached library has a different ABI version"
     return lib, ""
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.qc_abi_version  # AttributeError if it is not our library
+    return lib
 
 
 def library() -> Optional[ctypes.CDLL]:
