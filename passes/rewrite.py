@@ -16,6 +16,9 @@ padding inside may sum its products in another order than torch's conv of the pa
   holds four sides ``(top, left, bottom, right)`` (``fixed_point.pads4``; the conv with
   ``padding_mode="constant"``, the pool as ``PaddedAvgPool2d``: ``qcompiler.nn.fused``), which
   every later stage reads. Never into a max pool: its padding is -inf, not zeros.
+* ``nn.Conv2d(..., padding="same" | "valid")``: the padding as the numbers torch computes
+  (``dilation * (kernel - 1)`` per dim, the odd one at the bottom / right: four sides then),
+  which every later stage reads.
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
 """
@@ -137,6 +140,30 @@ def _replace_pad(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
     return user
 
 
+# --------------------------------------------------------------------------- padding="same" / "valid" -> numbers
+
+
+def _match_string_padding(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
+    """``(t, l, b, r)`` of an nn.Conv2d built with ``padding="same"`` or ``"valid"`` (zeros), as torch
+    computes it: ``dilation * (kernel - 1)`` per dim, the odd one on the bottom / right."""
+    if node.op != "call_module":
+        return None
+    m = gm.get_submodule(node.target)
+    if type(m) is not nn.Conv2d or not isinstance(m.padding, str) or m.padding_mode not in ZERO_PADDING_MODES:
+        return None
+    if m.padding == "valid":
+        return m, (0, 0, 0, 0)
+    (dh, dw), (kh, kw) = m.dilation, m.kernel_size
+    th, tw = dh * (kh - 1), dw * (kw - 1)
+    return m, (th // 2, tw // 2, th - th // 2, tw - tw // 2)
+
+
+def _replace_string_padding(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
+    m, pads = data
+    set_module(gm, node.target, with_zero_padding(m, pads))
+    return node
+
+
 # --------------------------------------------------------------------------- x[:, None] -> unsqueeze
 
 
@@ -185,6 +212,8 @@ def _replace_index(node: fx.Node, dims, gm: fx.GraphModule) -> fx.Node:
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", "pad", _match_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
+    Rewrite("conv_padding_as_numbers", "conv2d", _match_string_padding, _replace_string_padding,
+            'conv padding="same" / "valid" written as the numbers torch computes'),
     Rewrite("index_as_unsqueeze", "getitem", _match_index, _replace_index,
             "x[:, None] indexing rewritten as unsqueeze (a reshape)"),
 )

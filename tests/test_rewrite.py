@@ -466,3 +466,41 @@ def test_four_sided_fixed_point_kernels_equal_torch_on_the_zero_padded_codes(pad
         sums = F.avg_pool2d(padded, k, stride, 0, divisor_override=1).to(torch.int64)
         got = fp.int_avg_pool2d(q, k, stride, pads, in_scale=1.0, out_scale=1.0, out_dtype="qint16")
         assert torch.equal(got, fp.requantize(sums, *fp.requant_params(1.0 / (k * k)), "qint16"))
+
+
+# ------------------------------------------------------------------ conv padding="same" / "valid"
+
+
+@pytest.mark.parametrize("padding, kernel, dilation, want", [
+    ("same", 3, 1, [1, 1]), ("same", 4, 1, [1, 1, 2, 2]), ("same", 3, 2, [2, 2]), ("same", (2, 3), 1, [0, 1, 1, 1]),
+    ("valid", 3, 1, [0, 0]),
+])
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+def test_string_conv_padding_becomes_numbers_and_compiles_exactly(padding, kernel, dilation, want, march, tmp_path):
+    """nn.Conv2d(padding="same" / "valid") compiles (it failed in convert with a raw ValueError): the
+    padding torch computes, odd totals at the bottom / right, bit-exact through simulator and export."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, kernel, padding=padding, dilation=dilation), nn.ReLU()).eval()
+    x = torch.rand(2, 3, 12, 12)
+    cm = qcompiler.compile(model, (x,), march=march, calib_data=[(torch.rand(2, 3, 12, 12),)], progress=False)
+    (program,) = cm.runtime.programs.values()
+    assert [op.attrs.get("padding") for op in program.ops if op.kind == "conv2d"] == [want]
+    y = cm(x)
+    assert y.shape == model(x).shape
+    assert torch.equal(_deq(y), _deq(cm.converted(x)))
+    assert_export_is_compiled(cm, (x,), tmp_path, min_points=1)
+    gm = qcompiler.partition(model, (x,), march=march)
+    (row,) = [r for r in partition_table(gm) if r["node"] == "_0"]
+    assert row["placement"] == "bpu" and 'padding="same" / "valid" written as the numbers' in row["reason"]
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(3, 8, 3, padding="same", padding_mode="circular"),  # not zeros: no numeric zero padding
+    nn.Conv2d(3, 8, 3, padding=1),  # already numbers
+    nn.Conv1d(3, 8, 3, padding="same"),  # not a conv2d
+])
+def test_the_string_padding_row_declines(conv):
+    gm = torch.fx.symbolic_trace(nn.Sequential(conv))
+    (row,) = [r for r in rw.REWRITES if r.name == "conv_padding_as_numbers"]
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert row.match(node, gm, None) is None
