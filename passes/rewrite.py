@@ -19,6 +19,10 @@ padding inside may sum its products in another order than torch's conv of the pa
 * ``nn.Conv2d(..., padding="same" | "valid")``: the padding as the numbers torch computes
   (``dilation * (kernel - 1)`` per dim, the odd one at the bottom / right: four sides then),
   which every later stage reads.
+* a ``view`` / ``reshape`` to sizes read from tensors (``x.view(x.size(0), -1)``, the SE block's
+  ``y.view(b, c, 1, 1)`` after ``b, c, _, _ = x.size()``): the numbers the example gives, the
+  batch entry as -1, and the size reads removed (a size read is no BPU op; it stopped convert).
+  Declined when a size read other than the batch's equals the batch size (it may be the batch).
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -164,6 +169,95 @@ def _replace_string_padding(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
     return node
 
 
+# --------------------------------------------------------------------------- x.view(x.size(0), -1) -> x.view(-1, n)
+
+
+def _shape_args(node: fx.Node) -> Optional[tuple[list, Callable[[list], None]]]:
+    """The shape entries of ``x.view(...)`` / ``x.reshape(...)`` / ``torch.reshape(x, shape)`` and a
+    setter that writes new entries back; None for anything else."""
+    if node.op == "call_method" and node.target in ("view", "reshape") and len(node.args) >= 2 and not node.kwargs:
+        if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
+            return list(node.args[1]), lambda new: setattr(node, "args", (node.args[0], tuple(new)))
+        return list(node.args[1:]), lambda new: setattr(node, "args", (node.args[0], *new))
+    if node.op == "call_function" and node.target is torch.reshape and len(node.args) == 2 and not node.kwargs \
+            and isinstance(node.args[1], (tuple, list)):
+        return list(node.args[1]), lambda new: setattr(node, "args", (node.args[0], tuple(new)))
+    return None
+
+
+def _size_of(n: Any) -> Optional[tuple[fx.Node, int]]:
+    """``(tensor, dim)`` when ``n`` is ``t.size(d)``, ``t.size()[d]`` or ``t.shape[d]`` (d an int)."""
+    if not isinstance(n, fx.Node):
+        return None
+    if n.op == "call_method" and n.target == "size" and len(n.args) == 2 and isinstance(n.args[1], int):
+        return n.args[0], n.args[1]
+    if n.op == "call_function" and getattr(n.target, "__name__", None) == "getitem" and len(n.args) == 2 \
+            and isinstance(n.args[1], int) and isinstance(n.args[0], fx.Node):
+        src = n.args[0]
+        if (src.op == "call_method" and src.target == "size" and len(src.args) == 1) or \
+                (src.op == "call_function" and src.target is getattr and src.args[1:] == ("shape",)):
+            return src.args[0], n.args[1]
+    return None
+
+
+def _example_batch(gm: fx.GraphModule) -> Optional[int]:
+    first = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    info = first.meta.get(META_TENSOR) if first is not None else None
+    return info.shape[0] if isinstance(info, TensorInfo) and len(info.shape) else None
+
+
+def _match_dynamic_shape(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
+    """The new shape of a reshape whose entries are computed from sizes (``x.view(x.size(0), -1)``,
+    ``y.view(b, c, 1, 1)`` after ``b, c, _, _ = x.size()``): every entry the number the example
+    gives, but the batch entry -1, so only the batch may vary, as for the model's inputs. The batch
+    entry is the one read from dim 0 of a tensor whose dim 0 is the example's batch size (a -1
+    elsewhere then gets its number), else the one given as -1; no such entry, or more than one:
+    declined."""
+    found = _shape_args(node)
+    info = node.meta.get(META_TENSOR)
+    if found is None or not isinstance(info, TensorInfo):
+        return None
+    entries, _ = found
+    if not any(isinstance(e, fx.Node) for e in entries) or len(entries) != len(info.shape):
+        return None
+    if not all(isinstance(e, (fx.Node, int)) and not isinstance(e, bool) for e in entries):
+        return None
+    batch = _example_batch(gm)
+    from_batch = []
+    for i, e in enumerate(entries):
+        src = _size_of(e)
+        if src is not None and src[1] == 0:
+            t = src[0].meta.get(META_TENSOR) if isinstance(src[0], fx.Node) else None
+            if isinstance(t, TensorInfo) and len(t.shape) and t.shape[0] == batch and info.shape[i] == batch:
+                from_batch.append(i)
+    if any(isinstance(e, fx.Node) and i not in from_batch and info.shape[i] == batch for i, e in enumerate(entries)):
+        return None  # a size read that may be the batch (a permuted tensor's): it must not become a number
+    minus_one = [i for i, e in enumerate(entries) if e == -1 and not isinstance(e, fx.Node)]
+    pos = from_batch if from_batch else minus_one
+    if len(pos) != 1:
+        return None
+    new = [int(d) for d in info.shape]
+    new[pos[0]] = -1
+    return new
+
+
+def _replace_dynamic_shape(node: fx.Node, new: list, gm: fx.GraphModule) -> fx.Node:
+    entries, set_entries = _shape_args(node)
+    set_entries(new)
+    dead = [e for e in entries if isinstance(e, fx.Node)]
+    while dead:  # the size reads and the arithmetic on them that nothing else uses
+        n = dead.pop()
+        if n.op not in ("call_method", "call_function") or n not in gm.graph.nodes:
+            continue
+        if all(not u.users and _size_of(u) is not None for u in n.users):  # `b, c, _, _ = x.size()`: the unused _
+            for u in list(n.users):
+                gm.graph.erase_node(u)
+        if not n.users:
+            dead.extend(a for a in n.all_input_nodes if a.op in ("call_method", "call_function"))
+            gm.graph.erase_node(n)
+    return node
+
+
 # --------------------------------------------------------------------------- x[:, None] -> unsqueeze
 
 
@@ -214,6 +308,8 @@ REWRITES: tuple[Rewrite, ...] = (
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
     Rewrite("conv_padding_as_numbers", "conv2d", _match_string_padding, _replace_string_padding,
             'conv padding="same" / "valid" written as the numbers torch computes'),
+    Rewrite("reshape_sizes_as_numbers", "reshape", _match_dynamic_shape, _replace_dynamic_shape,
+            "reshape to sizes read from tensors written as numbers, the batch as -1"),
     Rewrite("index_as_unsqueeze", "getitem", _match_index, _replace_index,
             "x[:, None] indexing rewritten as unsqueeze (a reshape)"),
 )

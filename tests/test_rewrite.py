@@ -504,3 +504,74 @@ def test_the_string_padding_row_declines(conv):
     (row,) = [r for r in rw.REWRITES if r.name == "conv_padding_as_numbers"]
     (node,) = [n for n in gm.graph.nodes if n.op == "call_module"]
     assert row.match(node, gm, None) is None
+
+
+# ------------------------------------------------------------------ reshapes to sizes read from tensors
+
+
+class FlattenBySize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 6 * 6, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.c(x))
+        return self.fc(y.view(y.size(0), -1))
+
+
+class SqueezeExcite(nn.Module):
+    """The squeeze-and-excitation block as MobileNetV3 / EfficientNet code writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.pool = nn.Conv2d(3, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = nn.Linear(8, 4), nn.Linear(4, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.c(x))
+        b, c, _, _ = x.size()
+        y = self.pool(x).view(b, c)
+        y = torch.sigmoid(self.fc2(torch.relu(self.fc1(y)))).view(b, c, 1, 1)
+        return x * y
+
+
+def test_a_reshape_to_sizes_becomes_numbers_with_the_batch_as_minus_one_golden():
+    gm, _, result = _run(FlattenBySize(), torch.rand(2, 3, 6, 6))
+    assert result.modified
+    assert _body(gm) == ["c = self.c(x);  x = None", "relu = torch.relu(c);  c = None",
+                         "view = relu.view(-1, 288);  relu = None", "fc = self.fc(view);  view = None",
+                         "return fc"], _body(gm)
+    assert [n.meta.get(META_REWRITE) for n in gm.graph.nodes if n.target == "view"] == [
+        "reshape to sizes read from tensors written as numbers, the batch as -1"]
+
+
+@pytest.mark.parametrize("model", [FlattenBySize, SqueezeExcite])
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+def test_models_reshaping_to_their_sizes_compile_and_take_other_batches(model, march, tmp_path):
+    """``x.view(x.size(0), -1)`` and the SE block's ``view(b, c)`` failed to compile ("node 'size' ...
+    in BPU partition: no BPU op kind"); now they compile, and another batch size gives the converted
+    model's outputs bit for bit."""
+    torch.manual_seed(0)
+    m = model().eval()
+    x = torch.rand(2, 3, 6, 6)
+    cm = qcompiler.compile(m, (x,), march=march, calib_data=[(torch.rand(2, 3, 6, 6),)], progress=False)
+    assert not any(n.op == "call_method" and n.target == "size" for n in cm.converted.graph.nodes)
+    for batch in (2, 5):
+        xb = torch.rand(batch, 3, 6, 6)
+        y = cm(xb)
+        assert y.shape == m(xb).shape and torch.equal(_deq(y), _deq(cm.converted(xb)))
+    assert_export_is_compiled(cm, (x,), tmp_path, min_points=1)
+
+
+class SizeMayBeTheBatch(nn.Module):
+    def forward(self, x):  # x: (N, N, 4): a size read of dim 1 equals the batch in the example
+        y = torch.relu(x)
+        return y.view(y.size(1), -1)
+
+
+def test_a_size_read_that_equals_the_batch_is_not_made_a_number():
+    gm = trace(SizeMayBeTheBatch())
+    propagate_shapes(gm, (torch.rand(3, 3, 4),))
+    (row,) = [r for r in rw.REWRITES if r.name == "reshape_sizes_as_numbers"]
+    (view,) = [n for n in gm.graph.nodes if n.target == "view"]
+    assert row.match(view, gm, None) is None
