@@ -22,13 +22,15 @@ padding inside may sum its products in another order than torch's conv of the pa
 * a ``view`` / ``reshape`` to sizes read from tensors (``x.view(x.size(0), -1)``, the SE block's
   ``y.view(b, c, 1, 1)`` after ``b, c, _, _ = x.size()``): the numbers the example gives, the
   batch entry as -1, and the size reads removed (a size read is no BPU op; it stopped convert).
-  Declined when a size read other than the batch's equals the batch size (it may be the batch).
+  Declined unless every other computed entry is arithmetic on sizes of non-batch dims (the batch
+  size in arithmetic, or a size read that equals the batch size, may change with the batch).
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -200,6 +202,24 @@ def _size_of(n: Any) -> Optional[tuple[fx.Node, int]]:
     return None
 
 
+_SIZE_ARITH = (operator.mul, operator.add, operator.sub, operator.floordiv)
+
+
+def _batch_free(n: fx.Node, batch: Optional[int]) -> bool:
+    """``n`` is integer arithmetic on size reads of dims other than 0 whose example sizes differ from
+    the batch size (so it does not change with the batch: a number may replace it)."""
+    src = _size_of(n)
+    if src is not None:
+        t, d = src
+        info = t.meta.get(META_TENSOR) if isinstance(t, fx.Node) else None
+        if not isinstance(info, TensorInfo) or not -len(info.shape) <= d < len(info.shape):
+            return False
+        return d % len(info.shape) != 0 and info.shape[d] != batch
+    if n.op == "call_function" and n.target in _SIZE_ARITH and not n.kwargs:
+        return all(_batch_free(a, batch) if isinstance(a, fx.Node) else isinstance(a, int) for a in n.args)
+    return False
+
+
 def _example_batch(gm: fx.GraphModule) -> Optional[int]:
     first = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
     info = first.meta.get(META_TENSOR) if first is not None else None
@@ -230,8 +250,9 @@ def _match_dynamic_shape(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext)
             t = src[0].meta.get(META_TENSOR) if isinstance(src[0], fx.Node) else None
             if isinstance(t, TensorInfo) and len(t.shape) and t.shape[0] == batch and info.shape[i] == batch:
                 from_batch.append(i)
-    if any(isinstance(e, fx.Node) and i not in from_batch and info.shape[i] == batch for i, e in enumerate(entries)):
-        return None  # a size read that may be the batch (a permuted tensor's): it must not become a number
+    for i, e in enumerate(entries):  # every other computed entry: sizes of non-batch dims only
+        if isinstance(e, fx.Node) and i not in from_batch and not _batch_free(e, batch):
+            return None
     minus_one = [i for i, e in enumerate(entries) if e == -1 and not isinstance(e, fx.Node)]
     pos = from_batch if from_batch else minus_one
     if len(pos) != 1:

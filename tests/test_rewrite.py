@@ -575,3 +575,25 @@ def test_a_size_read_that_equals_the_batch_is_not_made_a_number():
     (row,) = [r for r in rw.REWRITES if r.name == "reshape_sizes_as_numbers"]
     (view,) = [n for n in gm.graph.nodes if n.target == "view"]
     assert row.match(view, gm, None) is None
+
+
+class SizeArithmetic(nn.Module):
+    def __init__(self, batch_in_arithmetic: bool):
+        super().__init__()
+        self.batch_in_arithmetic = batch_in_arithmetic
+
+    def forward(self, x):
+        y = torch.relu(x)
+        if self.batch_in_arithmetic:  # the batch size times 2: changes with the batch, stays as it is
+            return y.reshape(y.size(0) * 2, -1)
+        b, c, h, w = y.size()
+        return y.view(b, c, h * w)  # h * w does not change with the batch: a number
+
+
+@pytest.mark.parametrize("batch_in_arithmetic, want", [(False, [-1, 4, 30]), (True, None)])
+def test_sizes_in_arithmetic_become_numbers_only_without_the_batch(batch_in_arithmetic, want):
+    gm = trace(SizeArithmetic(batch_in_arithmetic))
+    propagate_shapes(gm, (torch.rand(2, 4, 5, 6),))
+    (row,) = [r for r in rw.REWRITES if r.name == "reshape_sizes_as_numbers"]
+    (node,) = [n for n in gm.graph.nodes if n.target in ("view", "reshape")]
+    assert row.match(node, gm, None) == want
