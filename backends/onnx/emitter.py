@@ -150,6 +150,11 @@ class OnnxEmitter:
             raise
         except KeyError as exc:
             raise ctx.unsupported(f"missing argument {exc}") from None
+        if is_tensor(value) and node.op == "call_function" and getattr(node.target, "__module__", None) in (
+                "_operator", "operator") and any(is_tensor(self.values.get(a)) for a in node.all_input_nodes) \
+                and all(self.values.get(a) in self.scalars for a in node.all_input_nodes
+                        if is_tensor(self.values.get(a))):
+            self.scalars.add(value)  # python arithmetic on sizes (x.size(0) * 2): a 0-d int, as its inputs
         if is_tensor(value) and value in self.builder.produced_since(start) and value != node.name \
                 and node.name not in self.builder.used:
             self.builder.rename_in(start, value, node.name)
