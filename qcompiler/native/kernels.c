@@ -29,6 +29,14 @@ static int round_consts(const int64_t *n, int64_t O, int64_t *hm1, int64_t *pm) 
     return 0;
 }
 
+/* clamp(round_half_even(x / 2**s), lo, hi), with hm1 = 2**(s-1) - 1 and pm = 1 (0 for s == 0) as
+ * round_consts() makes them; inline, so the loops that call it still vectorize. */
+static inline int64_t round_clamp(int64_t x, int64_t hm1, int64_t pm, int64_t s, int64_t lo, int64_t hi) {
+    int64_t q = (x + hm1 + ((x >> s) & pm)) >> s;
+    q = q < lo ? lo : q;
+    return q > hi ? hi : q;
+}
+
 /* Requantize P rows of O channels (row-major, channels last):
  *   out[p, c] = clamp(round_half_even(acc[p, c] * M[c] / 2**n[c]), lo, hi)
  * acc holds exact integers (float32 or float64 storage); out is int8 or int16.
@@ -45,10 +53,7 @@ static int round_consts(const int64_t *n, int64_t O, int64_t *hm1, int64_t *pm) 
             OUT_T *restrict o = out + p * O;                                                              \
             for (int64_t c = 0; c < O; c++) {                                                             \
                 int64_t x = (int64_t)a[c] * M[c];                                                         \
-                int64_t q = (x + hm1[c] + ((x >> n[c]) & pm[c])) >> n[c];                                 \
-                q = q < lo ? lo : q;                                                                      \
-                q = q > hi ? hi : q;                                                                      \
-                o[c] = (OUT_T)q;                                                                          \
+                o[c] = (OUT_T)round_clamp(x, hm1[c], pm[c], n[c], lo, hi);                                \
             }                                                                                             \
         }                                                                                                 \
         free(hm1);                                                                                        \
@@ -84,10 +89,7 @@ REQ_FN(qc_requant_f64_i16, double, int16_t)
             OUT_T *restrict o = out + p * O;                                                              \
             for (int64_t c = 0; c < O; c++) {                                                             \
                 int64_t x = (((int64_t)a[c] * M[c]) << sa[c]) + (((int64_t)bb[c] * Mb) << sb[c]);         \
-                int64_t q = (x + hm1[c] + ((x >> ss[c]) & (ss[c] > 0))) >> ss[c];                         \
-                q = q < lo ? lo : q;                                                                      \
-                q = q > hi ? hi : q;                                                                      \
-                o[c] = (OUT_T)q;                                                                          \
+                o[c] = (OUT_T)round_clamp(x, hm1[c], ss[c] > 0, ss[c], lo, hi);                           \
             }                                                                                             \
         }                                                                                                 \
         for (int64_t p = 0; p < P && wide; p++) {                                                         \
@@ -239,10 +241,7 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
                     OUT_T *restrict o = out + ((b * Ho + oh) * Wo + ow) * C;                              \
                     for (int64_t c = 0; c < C; c++) {                                                     \
                         int64_t v = (int64_t)a[c] * M[c];                                                 \
-                        int64_t q = (v + hm1[c] + ((v >> n[c]) & pm[c])) >> n[c];                         \
-                        q = q < lo ? lo : q;                                                              \
-                        q = q > hi ? hi : q;                                                              \
-                        o[c] = (OUT_T)q;                                                                  \
+                        o[c] = (OUT_T)round_clamp(v, hm1[c], pm[c], n[c], lo, hi);                        \
                     }                                                                                     \
                 }                                                                                         \
         free(hm1);                                                                                        \
@@ -266,10 +265,7 @@ DW_FN(qc_dwconv_i8_i16, int16_t)
             OUT_T *restrict d = dst + r * dst_stride;                                                     \
             for (int64_t c = 0; c < cols; c++) {                                                          \
                 int64_t v = (int64_t)s[c] * M;                                                            \
-                int64_t q = (v + hm1 + ((v >> n) & pm)) >> n;                                             \
-                q = q < lo ? lo : q;                                                                      \
-                q = q > hi ? hi : q;                                                                      \
-                d[c] = (OUT_T)q;                                                                          \
+                d[c] = (OUT_T)round_clamp(v, hm1, pm, n, lo, hi);                                         \
             }                                                                                             \
         }                                                                                                 \
     }
