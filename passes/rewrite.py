@@ -265,17 +265,19 @@ def _match_dynamic_shape(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext)
 def _replace_dynamic_shape(node: fx.Node, new: list, gm: fx.GraphModule) -> fx.Node:
     entries, set_entries = _shape_args(node)
     set_entries(new)
-    dead = [e for e in entries if isinstance(e, fx.Node)]
+    dead, erased = [e for e in entries if isinstance(e, fx.Node)], set()
     while dead:  # the size reads and the arithmetic on them that nothing else uses
         n = dead.pop()
-        if n.op not in ("call_method", "call_function") or n not in gm.graph.nodes:
+        if n.op not in ("call_method", "call_function") or n in erased:
             continue
         if all(not u.users and _size_of(u) is not None for u in n.users):  # `b, c, _, _ = x.size()`: the unused _
             for u in list(n.users):
                 gm.graph.erase_node(u)
+                erased.add(u)
         if not n.users:
             dead.extend(a for a in n.all_input_nodes if a.op in ("call_method", "call_function"))
             gm.graph.erase_node(n)
+            erased.add(n)
     return node
 
 
