@@ -96,7 +96,7 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import DepthwiseConv, requant_columns
+from qcompiler.native.kernels import BilinearResize, DepthwiseConv, requant_columns
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
@@ -536,6 +536,22 @@ def _fast_resize_nearest(k: KernelSpec) -> Callable:
         small = x if ratio == 1.0 and x.dtype == st else torch.round(x.double() * ratio).clamp_(lo, hi).to(st)
         return F.interpolate(small.view(torch.uint8), size=size, mode="nearest").view(st)
     return resize
+
+
+@_kernel(FAST, "resize_bilinear")
+def _fast_resize_bilinear(k: KernelSpec) -> Callable:
+    """Bilinear resize in one native integer pass (:class:`~qcompiler.native.kernels.BilinearResize`)
+    when the input's sizes give exact dyadic weights (factor-2 and other power-of-two ratios, equal
+    sizes): then the reference's float64 value is a rational computed exactly in int32, rescaled
+    by the same one float64 product.  Other inputs (and native off) take the reference."""
+    a, out_dtype = k.attrs, k.out_dtype
+    reference = REFERENCE["resize_bilinear"](k)
+    st = fp.storage_dtype(out_dtype)
+    if not k.native or st not in (torch.int8, torch.int16) or k.in_specs[0].dtype not in ("qint8", "qint16"):
+        return reference
+    lo, hi = fp.qrange(out_dtype)
+    plan = BilinearResize(a["size"], a["align_corners"], a["in_scale"] / a["out_scale"], lo, hi, st)
+    return lambda x: plan(x) if plan.exact_for(x) else reference(x)
 
 
 @_kernel(REFERENCE, "relu")

@@ -274,3 +274,87 @@ CAT_FN(qc_cat_i8_i8, int8_t, int8_t)
 CAT_FN(qc_cat_i8_i16, int8_t, int16_t)
 CAT_FN(qc_cat_i16_i8, int16_t, int8_t)
 CAT_FN(qc_cat_i16_i16, int16_t, int16_t)
+
+/* ==== bilinear resize (exact dyadic weights) ============================================== */
+/* out = clamp(round_half_even(Y * rD), lo, hi) with
+ *   Y = sum over the 2x2 taps of a[oh] * b[ow] * x[h, w]
+ * in int32: row taps (h0[oh], h1[oh]) weigh a0[oh] + a1[oh] = 2**K, column taps (w0[ow], w1[ow])
+ * weigh b0[ow] + b1[ow] = 2**K, so Y / 2**(2K) is the bilinear value exactly.  The caller
+ * keeps |x| <= 2**15 and K <= 7 (|Y| <= 2**29, no wrap) and passes rD = ratio / 2**(2K), exact.
+ * The one float operation is the product (double)Y * rD, correctly rounded, then clamped to
+ * [lo, hi] (integers, so clamping before rounding is the same as after) and rounded half to
+ * even by nearbyint (the default rounding mode): nothing to contract into an FMA.
+ * Layouts: _nhwc takes x (N, H, W, C) contiguous and writes out (N, Ho, Wo, C); _planes takes
+ * N*C planes of H x W contiguous elements at x + n*sn + c*sc and writes out (N, C, Ho, Wo).
+ * Returns 0, or -1 when the row buffer cannot be allocated. */
+static inline int32_t qc_rs_round(int32_t y, double rD, double lo, double hi) {
+    double t = (double)y * rD;
+    t = t < lo ? lo : t;
+    t = t > hi ? hi : t;
+    return (int32_t)nearbyint(t);
+}
+
+#define RESIZE_NHWC_FN(NAME, IN_T, OUT_T)                                                                \
+    QC_API int NAME(const IN_T *restrict x, int64_t N, int64_t H, int64_t W, int64_t C, int64_t Ho,        \
+                    int64_t Wo, const int32_t *restrict h0, const int32_t *restrict h1,                    \
+                    const int32_t *restrict a0, const int32_t *restrict a1, const int32_t *restrict w0,    \
+                    const int32_t *restrict w1, const int32_t *restrict b0, const int32_t *restrict b1,    \
+                    double rD, int64_t lo, int64_t hi, OUT_T *restrict out) {                              \
+        int32_t *restrict v = malloc(sizeof(int32_t) * (size_t)(W * C + 1));                               \
+        if (!v) return -1;                                                                                \
+        const double dlo = (double)lo, dhi = (double)hi;                                                  \
+        const int64_t row = W * C;                                                                        \
+        for (int64_t n = 0; n < N; n++)                                                                   \
+            for (int64_t oh = 0; oh < Ho; oh++) {                                                         \
+                const IN_T *restrict r0 = x + (n * H + h0[oh]) * row;                                     \
+                const IN_T *restrict r1 = x + (n * H + h1[oh]) * row;                                     \
+                const int32_t ca = a0[oh], cb = a1[oh];                                                   \
+                for (int64_t i = 0; i < row; i++) v[i] = ca * (int32_t)r0[i] + cb * (int32_t)r1[i];       \
+                OUT_T *restrict o = out + (n * Ho + oh) * Wo * C;                                         \
+                for (int64_t ow = 0; ow < Wo; ow++) {                                                     \
+                    const int32_t *restrict p = v + (int64_t)w0[ow] * C, *restrict q = v + (int64_t)w1[ow] * C; \
+                    const int32_t fa = b0[ow], fb = b1[ow];                                               \
+                    OUT_T *restrict oo = o + ow * C;                                                      \
+                    for (int64_t c = 0; c < C; c++) oo[c] = (OUT_T)qc_rs_round(fa * p[c] + fb * q[c], rD, dlo, dhi); \
+                }                                                                                         \
+            }                                                                                             \
+        free(v);                                                                                          \
+        return 0;                                                                                         \
+    }
+
+#define RESIZE_PLANES_FN(NAME, IN_T, OUT_T)                                                              \
+    QC_API int NAME(const IN_T *restrict x, int64_t N, int64_t C, int64_t sn, int64_t sc, int64_t H,       \
+                    int64_t W, int64_t Ho, int64_t Wo, const int32_t *restrict h0, const int32_t *restrict h1, \
+                    const int32_t *restrict a0, const int32_t *restrict a1, const int32_t *restrict w0,    \
+                    const int32_t *restrict w1, const int32_t *restrict b0, const int32_t *restrict b1,    \
+                    double rD, int64_t lo, int64_t hi, OUT_T *restrict out) {                              \
+        int32_t *restrict v = malloc(sizeof(int32_t) * (size_t)(W + 1));                                   \
+        if (!v) return -1;                                                                                \
+        const double dlo = (double)lo, dhi = (double)hi;                                                  \
+        for (int64_t n = 0; n < N; n++)                                                                   \
+            for (int64_t c = 0; c < C; c++) {                                                             \
+                const IN_T *restrict plane = x + n * sn + c * sc;                                         \
+                OUT_T *restrict o = out + (n * C + c) * Ho * Wo;                                          \
+                for (int64_t oh = 0; oh < Ho; oh++) {                                                     \
+                    const IN_T *restrict r0 = plane + (int64_t)h0[oh] * W;                                \
+                    const IN_T *restrict r1 = plane + (int64_t)h1[oh] * W;                                \
+                    const int32_t ca = a0[oh], cb = a1[oh];                                               \
+                    for (int64_t i = 0; i < W; i++) v[i] = ca * (int32_t)r0[i] + cb * (int32_t)r1[i];     \
+                    OUT_T *restrict oo = o + oh * Wo;                                                     \
+                    for (int64_t ow = 0; ow < Wo; ow++)                                                   \
+                        oo[ow] = (OUT_T)qc_rs_round(b0[ow] * v[w0[ow]] + b1[ow] * v[w1[ow]], rD, dlo, dhi); \
+                }                                                                                         \
+            }                                                                                             \
+        free(v);                                                                                          \
+        return 0;                                                                                         \
+    }
+
+RESIZE_NHWC_FN(qc_resize_nhwc_i8_i8, int8_t, int8_t)
+RESIZE_NHWC_FN(qc_resize_nhwc_i8_i16, int8_t, int16_t)
+RESIZE_NHWC_FN(qc_resize_nhwc_i16_i8, int16_t, int8_t)
+RESIZE_NHWC_FN(qc_resize_nhwc_i16_i16, int16_t, int16_t)
+RESIZE_PLANES_FN(qc_resize_planes_i8_i8, int8_t, int8_t)
+RESIZE_PLANES_FN(qc_resize_planes_i8_i16, int8_t, int16_t)
+RESIZE_PLANES_FN(qc_resize_planes_i16_i8, int16_t, int8_t)
+RESIZE_PLANES_FN(qc_resize_planes_i16_i16, int16_t, int16_t)
+/* ==== end of bilinear resize ============================================================== */
