@@ -96,7 +96,7 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import BilinearResize, DepthwiseConv, requant_columns
+from qcompiler.native.kernels import BilinearResize, DepthwiseConv, int32_requant, requant_columns, requant_columns32
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
@@ -447,7 +447,9 @@ def _fast_cat(k: KernelSpec) -> Callable:
     ws = k.ws
     # native: each input requantized (or copied) into its columns in one integer pass
     native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
-    params = [(int(M), int(n)) for M, n in zip(Ms, ns)]
+    # (M, n) and, where proven equal on every input value, the int32 (M32, n32) of the faster pass
+    params = [(int(M), int(n), _narrow(int(M), int(n), _STORAGE[spec.dtype], lo, hi) if native else None)
+              for M, n, spec in zip(Ms, ns, k.in_specs)]
 
     def cat(*xs):
         if native:
@@ -480,8 +482,16 @@ def _fast_cat(k: KernelSpec) -> Callable:
     return cat
 
 
+def _narrow(M: int, n: int, dtype: torch.dtype, lo: int, hi: int) -> Optional[tuple]:
+    """``(M32, n32, dtype)``: the int32 parameters :func:`~qcompiler.native.kernels.int32_requant` proved
+    equal to ``(M, n)`` on every value of ``dtype`` (the input's storage), or None."""
+    m = int32_requant(M, n, dtype, lo, hi)
+    return None if m is None else (*m, dtype)
+
+
 def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
-    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`),
+    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`,
+    or its int32 twin ``requant_columns32`` where ``_narrow`` proved it equal on every input value),
     when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
     input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
     if not xs or any(x.dtype not in (torch.int8, torch.int16) or x.dim() != xs[0].dim() for x in xs):
@@ -507,8 +517,11 @@ def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Opti
         return None
     out2 = out.view(srcs[0].shape[0], -1)
     col = 0
-    for src, (M, n) in zip(srcs, params):
-        requant_columns(src, out2, col, M, n, lo, hi)
+    for src, (M, n, narrow) in zip(srcs, params):
+        if narrow is not None and src.dtype == narrow[2]:
+            requant_columns32(src, out2, col, narrow[0], narrow[1], lo, hi)
+        else:
+            requant_columns(src, out2, col, M, n, lo, hi)
         col += src.shape[1]
     return result
 

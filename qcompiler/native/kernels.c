@@ -358,3 +358,45 @@ RESIZE_PLANES_FN(qc_resize_planes_i8_i16, int8_t, int16_t)
 RESIZE_PLANES_FN(qc_resize_planes_i16_i8, int16_t, int8_t)
 RESIZE_PLANES_FN(qc_resize_planes_i16_i16, int16_t, int16_t)
 /* ==== end of bilinear resize ============================================================== */
+
+/* ==== int32 requantization of concatenated inputs ========================================== */
+/* As qc_cat_* (one input of a concatenation into its columns of the output), with int32
+ * arithmetic: dst[r, col0 + c] = clamp(round_half_even(src[r, c] * M / 2**n), lo, hi).  The
+ * caller keeps max|src| * |M| + 2**(n-1) < 2**31 and n in [0, 30] (so nothing wraps), having
+ * checked on every value of the input type that (M, n) gives what its int64 (M, n) gives. */
+static inline int32_t round_clamp32(int32_t x, int32_t hm1, int32_t pm, int32_t s, int32_t lo, int32_t hi) {
+    int32_t q = (x + hm1 + ((x >> s) & pm)) >> s;
+    q = q < lo ? lo : q;
+    return q > hi ? hi : q;
+}
+
+/* one row; COLS is a compile-time constant in the common channel counts, so the loop is a few
+ * whole vectors (a run-time count below one 64-byte vector of int8 would stay scalar) */
+#define CAT32_ROWS(COLS)                                                                                 \
+    for (int64_t r = 0; r < rows; r++) {                                                                  \
+        const __typeof__(src[0]) *restrict a = src + r * (COLS);                                          \
+        __typeof__(dst[0]) *restrict d = dst + r * dst_stride;                                            \
+        for (int64_t c = 0; c < (COLS); c++)                                                              \
+            d[c] = (__typeof__(dst[0]))round_clamp32((int32_t)a[c] * m, hm1, pm, s, l, h);                \
+    }
+
+#define CAT32_FN(NAME, IN_T, OUT_T)                                                                      \
+    QC_API void NAME(const IN_T *restrict src, int64_t rows, int64_t cols, OUT_T *restrict dst,            \
+                     int64_t dst_stride, int64_t M, int64_t n, int64_t lo, int64_t hi) {                  \
+        const int32_t m = (int32_t)M, s = (int32_t)n, l = (int32_t)lo, h = (int32_t)hi;                   \
+        const int32_t hm1 = s > 0 ? ((int32_t)1 << (s - 1)) - 1 : 0, pm = s > 0;                          \
+        switch (cols) {                                                                                   \
+        case 8: CAT32_ROWS(8) break;                                                                      \
+        case 16: CAT32_ROWS(16) break;                                                                    \
+        case 32: CAT32_ROWS(32) break;                                                                    \
+        case 64: CAT32_ROWS(64) break;                                                                    \
+        case 128: CAT32_ROWS(128) break;                                                                  \
+        default: CAT32_ROWS(cols) break;                                                                  \
+        }                                                                                                 \
+    }
+
+CAT32_FN(qc_cat32_i8_i8, int8_t, int8_t)
+CAT32_FN(qc_cat32_i8_i16, int8_t, int16_t)
+CAT32_FN(qc_cat32_i16_i8, int16_t, int8_t)
+CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
+/* ==== end of int32 requantization of concatenated inputs ==================================== */

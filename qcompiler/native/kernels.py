@@ -22,7 +22,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -378,3 +378,59 @@ class BilinearResize:
         if rc != 0:
             raise MemoryError("BilinearResize: out of memory for its row buffer")
         return result
+
+
+def _requant_all(q: torch.Tensor, M: int, n: int, lo: int, hi: int) -> torch.Tensor:
+    """``clamp(round_half_even(q * M / 2**n), lo, hi)`` in int64 (Python-sized M and n; small q)."""
+    x = q * M
+    if n == 0:
+        return x.clamp(lo, hi)
+    return ((x + ((1 << (n - 1)) - 1) + ((x >> n) & 1)) >> n).clamp(lo, hi)
+
+
+def int32_requant(M: int, n: int, in_dtype: torch.dtype, lo: int, hi: int) -> Optional[tuple[int, int]]:
+    """A multiplier and shift ``(M32, n32)`` for int32 arithmetic (:func:`requant_columns32`) that
+    requantize every value of ``in_dtype`` (int8/int16) exactly as ``(M, n)`` does, or None.
+
+    ``clamp(round_half_even(q * M / 2**n), lo, hi)`` is a function of ``q`` alone, so a narrower
+    multiplier ``M32 ~ M * 2**(n32 - n)`` is proven equal by evaluating both on the whole input type
+    (256 or 65536 values) -- a proof by exhaustion.  ``n32`` is the largest shift whose products and
+    rounding addend stay below 2**31 (``max|q| * |M32| + 2**(n32-1) < 2**31``), then a few smaller."""
+    if in_dtype not in _INT:
+        return None
+    M, n = int(M), int(n)
+    info = torch.iinfo(in_dtype)
+    amax = -info.min
+    q = torch.arange(info.min, info.max + 1, dtype=torch.int64)
+    want = _requant_all(q, M, n, lo, hi)
+    if M == 0:
+        return (0, 0)
+    tried = 0
+    for n32 in range(30, -1, -1):
+        m32 = round(Fraction(M, 1 << n) * (1 << n32)) if n32 < n else M << (n32 - n)
+        if amax * abs(m32) + (1 << n32 >> 1) >= 1 << 31:
+            continue
+        if torch.equal(_requant_all(q, m32, n32, lo, hi), want):
+            return (int(m32), n32)
+        tried += 1
+        if tried == 3:
+            break
+    return None
+
+
+def requant_columns32(src: torch.Tensor, dst: torch.Tensor, col0: int, M32: int, n32: int, lo: int, hi: int) -> None:
+    """:func:`requant_columns` in int32 arithmetic, for the ``(M32, n32)`` that :func:`int32_requant`
+    proved equal to the int64 parameters on every value of ``src``'s type."""
+    _check(src, "requant_columns32: src", _INT)
+    _check(dst, "requant_columns32: dst", _INT)
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[0] != dst.shape[0] or not 0 <= col0 <= dst.shape[1] - src.shape[1]:
+        raise ConfigError(f"requant_columns32: src {tuple(src.shape)} does not fit dst {tuple(dst.shape)} at column {col0}")
+    M32, n32 = int(M32), int(n32)
+    amax = 1 << (8 * src.element_size() - 1)
+    if not 0 <= n32 <= 30 or amax * abs(M32) + (1 << n32 >> 1) >= 1 << 31:
+        raise ConfigError(f"requant_columns32: multiplier {M32} / shift {n32} do not fit int32 for {src.dtype}")
+    if not -(1 << 31) <= lo <= hi < 1 << 31:
+        raise ConfigError(f"requant_columns32: bad clamp range [{lo}, {hi}]")
+    f = _fn(f"qc_cat32_{_INT[src.dtype]}_{_INT[dst.dtype]}", (_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64), None)
+    rows, cols = src.shape
+    f(src.data_ptr(), rows, cols, dst.data_ptr() + col0 * dst.element_size(), dst.shape[1], M32, n32, lo, hi)

@@ -1,0 +1,73 @@
+"""The int32 requantization of the fast cat (``int32_requant`` + ``requant_columns32``) against
+the int64 reference ``fixed_point.requantize``: hypothesis over multipliers, shifts, ties,
+column counts (the specialised 8/16/32/64/128 and any other), int8/int16 in and out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qcompiler.errors import ConfigError
+from qcompiler.native import build
+from qcompiler.native.kernels import int32_requant, requant_columns32
+from qcompiler.quantization import fixed_point as fp
+
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+needs_native = pytest.mark.skipif(not build.native_enabled(), reason="native kernels are off on this machine")
+_RANGE = {torch.int8: (-128, 127), torch.int16: (-32768, 32767)}
+
+
+@needs_native
+@SETTINGS
+@given(st.integers(0, 40), st.sampled_from([1, 3, 8, 16, 17, 32, 64, 100, 128]), st.integers(0, 9),
+       st.sampled_from([torch.int8, torch.int16]), st.sampled_from([torch.int8, torch.int16]),
+       st.floats(0.01, 300.0), st.integers(0, 40), st.sampled_from(["any", "ties", "one", "relu"]),
+       st.integers(0, 2 ** 31 - 1))
+def test_int32_cat_pass_equals_the_int64_reference(rows, cols, col0, src_dtype, dst_dtype, ratio, extra, kind, seed):
+    lo, hi = _RANGE[dst_dtype]
+    if kind == "relu":
+        lo = 0
+    # the lowering's (M, n): a 31-bit multiplier; "ties": ratio k + 1/2 on a 2**-1 grid; "one": a copy
+    M, n = fp.requant_params(torch.tensor(ratio, dtype=torch.float64), mult_bits=31, max_shift=62)
+    M, n = int(M), int(n)
+    if kind == "ties":
+        M, n = 2 * (extra % 7) + 1, 1
+    elif kind == "one":
+        M, n = 1 << (extra % 20), extra % 20
+    narrow = int32_requant(M, n, src_dtype, lo, hi)
+    if kind in ("ties", "one") or (src_dtype == torch.int8 and ratio < 4):
+        assert narrow is not None  # the usual int8 cats and exact small multipliers: the int32 pass applies
+    if narrow is None:
+        return
+    g = torch.Generator().manual_seed(seed)
+    info = torch.iinfo(src_dtype)
+    src = torch.randint(info.min, info.max + 1, (rows, cols), dtype=src_dtype, generator=g)
+    if rows:
+        src[0, 0], src[-1, -1] = info.min, info.max
+    dst = torch.full((rows, col0 + cols + 3), 77, dtype=dst_dtype)
+    requant_columns32(src, dst, col0, *narrow, lo, hi)
+    want = fp.requantize(src.to(torch.int64), M, n, "qint32").clamp(lo, hi)
+    assert torch.equal(dst[:, col0:col0 + cols].to(torch.int64), want)
+    assert (dst[:, :col0] == 77).all() and (dst[:, col0 + cols:] == 77).all()  # nothing else written
+
+
+def test_int32_requant_refuses_what_int32_cannot_reproduce():
+    """A ratio 2**-40 above a half: int64 rounds q = 1 up, every int32 multiplier lands on the tie
+    (rounded to even, 0) or loses the margin elsewhere -- no narrowing, the int64 pass stays."""
+    M, n = (1 << 40) + 1, 41
+    assert int32_requant(M, n, torch.int8, -128, 127) is None
+    assert int32_requant(1, 0, torch.int32, -128, 127) is None  # not an int8/int16 input
+    assert int32_requant(3, 1, torch.int8, -128, 127) == (3, 1) or int32_requant(3, 1, torch.int8, -128, 127)[1] > 1
+
+
+@needs_native
+def test_requant_columns32_refuses_what_does_not_fit():
+    src, dst = torch.zeros(4, 3, dtype=torch.int8), torch.zeros(4, 5, dtype=torch.int8)
+    for args in ((src, dst, 3, 1, 0), (src, torch.zeros(5, 5, dtype=torch.int8), 0, 1, 0), (src, dst, 0, 1, 31),
+                 (src, dst, 0, 1 << 24, 0), (src.t(), dst, 0, 1, 0), (src.int(), dst, 0, 1, 0),
+                 (src.short(), dst, 0, 1 << 16, 0)):
+        with pytest.raises(ConfigError, match="requant_columns32"):
+            requant_columns32(*args, -128, 127)
