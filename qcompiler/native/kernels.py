@@ -346,7 +346,7 @@ class BilinearResize:
 
     @staticmethod
     def _layout(x: torch.Tensor) -> Optional[str]:
-        N, C, H, W = x.shape
+        H, W = x.shape[2:]
         if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
             return "nhwc"
         if (W == 1 or x.stride(3) == 1) and (H == 1 or x.stride(2) == W):
