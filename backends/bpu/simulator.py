@@ -96,7 +96,8 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import BilinearResize, DepthwiseConv, int32_requant, requant_columns, requant_columns32
+from qcompiler.native.kernels import (BilinearResize, DepthwiseConv, int32_requant, max_pool_nhwc, requant_columns,
+                                      requant_columns32)
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
@@ -601,7 +602,7 @@ def _pool_geometry(k: KernelSpec) -> tuple:
 
 @_kernel(FAST, "max_pool2d")
 def _fast_max_pool(k: KernelSpec) -> Callable:
-    return _FastMaxPool(*_pool_geometry(k), k.ws)
+    return _FastMaxPool(*_pool_geometry(k), k.ws, native=k.native)
 
 
 @_kernel(REFERENCE, "max_pool2d")
@@ -1337,9 +1338,9 @@ class _FastMaxPool:
     window holds at least one real element, and a qmin pad never exceeds it.
     """
 
-    def __init__(self, ks, st, pad, dil, ceil, ws: _Workspace) -> None:
+    def __init__(self, ks, st, pad, dil, ceil, ws: _Workspace, native: bool = False) -> None:
         self.k, self.s, self.p, self.d = fp._pair(ks), fp._pair(st), fp._pair(pad), fp._pair(dil)
-        self.ceil, self.ws = bool(ceil), ws
+        self.ceil, self.ws, self.native = bool(ceil), ws, native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.is_floating_point():
@@ -1354,6 +1355,9 @@ class _FastMaxPool:
             except (AttributeError, NotImplementedError, RuntimeError):
                 pass  # a torch without (this form of) quantized tensors: the running maximum below
         Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
+        if self.native and x.dtype in (torch.int8, torch.int16) and x.is_contiguous(memory_format=torch.channels_last):
+            # one native pass over the channels-last input, same maxima and output layout as below
+            return max_pool_nhwc(x, self.k, self.s, self.p, self.d, (Ho, Wo))
         need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
         Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
         xc = x.transpose(0, 1)  # channel-major, like the conv outputs

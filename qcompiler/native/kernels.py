@@ -22,7 +22,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -434,3 +434,26 @@ def requant_columns32(src: torch.Tensor, dst: torch.Tensor, col0: int, M32: int,
     f = _fn(f"qc_cat32_{_INT[src.dtype]}_{_INT[dst.dtype]}", (_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64), None)
     rows, cols = src.shape
     f(src.data_ptr(), rows, cols, dst.data_ptr() + col0 * dst.element_size(), dst.shape[1], M32, n32, lo, hi)
+
+
+def max_pool_nhwc(x: torch.Tensor, kernel, stride, padding, dilation, out_hw) -> torch.Tensor:
+    """Integer max pool of channels-last ``x`` (an (N, C, H, W) view of (N, H, W, C) memory, int8/int16):
+    the maximum of each window's taps inside the input, the type's minimum where a window had none
+    (as a minimum-padded copy gives).  Returns (N, C, Ho, Wo) in channel-major memory (a (C, N, Ho, Wo)
+    contiguous tensor, permuted), the layout of the simulator's conv outputs.  ``out_hw`` is the
+    caller's (Ho, Wo) (torch's output size rule, ceil mode included)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _INT or x.device.type != "cpu" \
+            or not x.is_contiguous(memory_format=torch.channels_last):
+        raise ConfigError("max_pool_nhwc: x must be a 4-d int8/int16 CPU tensor in channels-last memory")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (tuple(int(v) for v in p) for p in (kernel, stride, padding, dilation))
+    Ho, Wo = (int(v) for v in out_hw)
+    if min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0 or min(Ho, Wo) < 0:
+        raise ConfigError(f"max_pool_nhwc: bad geometry kernel {kernel}, stride {stride}, padding {padding}, "
+                          f"dilation {dilation}, output {out_hw}")
+    N, C, H, W = x.shape
+    out = torch.empty((C, N, Ho, Wo), dtype=x.dtype)
+    if out.numel():
+        f = _fn(f"qc_maxpool_nhwc_{_INT[x.dtype]}", (_P,) + (_I64,) * 14 + (_P,))
+        if f(x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()) != 0:
+            raise MemoryError("max_pool_nhwc: out of memory for its row buffer")
+    return out.permute(1, 0, 2, 3)

@@ -1,6 +1,7 @@
 """The int32 requantization of the fast cat (``int32_requant`` + ``requant_columns32``) against
 the int64 reference ``fixed_point.requantize``: hypothesis over multipliers, shifts, ties,
-column counts (the specialised 8/16/32/64/128 and any other), int8/int16 in and out."""
+column counts (the specialised 8/16/32/64/128 and any other), int8/int16 in and out.  The native
+channels-last max pool (``max_pool_nhwc``) against ``fixed_point.int_max_pool2d`` over geometries."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qcompiler.backends.bpu.simulator import _FastMaxPool
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.kernels import int32_requant, requant_columns32
+from qcompiler.native.kernels import int32_requant, max_pool_nhwc, requant_columns32
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
@@ -71,3 +73,56 @@ def test_requant_columns32_refuses_what_does_not_fit():
                  (src.short(), dst, 0, 1 << 16, 0)):
         with pytest.raises(ConfigError, match="requant_columns32"):
             requant_columns32(*args, -128, 127)
+
+
+@st.composite
+def pools(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    ph, pw = draw(st.integers(0, kh // 2)), draw(st.integers(0, kw // 2))  # torch: padding <= kernel / 2
+    dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 12))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 16, 32, 40])), H=H, W=W, k=(kh, kw),
+                s=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), p=(ph, pw), d=(dh, dw), ceil=draw(st.booleans()),
+                dtype=draw(st.sampled_from([torch.int8, torch.int16])), extremes=draw(st.booleans()),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_native
+@SETTINGS
+@given(pools())
+def test_native_max_pool_equals_torch(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    info = torch.iinfo(c["dtype"])
+    shape = (c["N"], c["C"], c["H"], c["W"])
+    if c["extremes"]:  # the type's minimum everywhere but a few maxima: a window of minima stays the minimum
+        x = torch.full(shape, info.min, dtype=c["dtype"])
+        x.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = info.max
+    else:
+        x = torch.randint(info.min, info.max + 1, shape, generator=g).to(c["dtype"])
+    x = x.contiguous(memory_format=torch.channels_last)
+    want = fp.int_max_pool2d(x.contiguous(), c["k"], c["s"], c["p"], c["d"], c["ceil"])
+    native = _FastMaxPool(c["k"], c["s"], c["p"], c["d"], c["ceil"], None, native=True)
+    got = native(x)
+    assert torch.equal(got, want)
+    if c["C"] < 64:  # the same channel-major layout as the torch running maximum (what the next conv reads)
+        torch_path = _FastMaxPool(c["k"], c["s"], c["p"], c["d"], c["ceil"], _Ws(), native=False)(x)
+        assert torch.equal(torch_path, want) and got.stride() == torch_path.stride()
+
+
+class _Ws:
+    """The simulator's scratch buffers, minimal: a fresh tensor per request."""
+
+    def get(self, key, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+
+@needs_native
+def test_max_pool_nhwc_refuses_other_layouts():
+    x = torch.zeros(1, 3, 4, 4, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="channels-last"):
+        max_pool_nhwc(x, (2, 2), (2, 2), (0, 0), (1, 1), (2, 2))
+    with pytest.raises(ConfigError, match="channels-last"):
+        max_pool_nhwc(x.float().contiguous(memory_format=torch.channels_last), (2, 2), (2, 2), (0, 0), (1, 1), (2, 2))
+    with pytest.raises(ConfigError, match="bad geometry"):
+        max_pool_nhwc(x.contiguous(memory_format=torch.channels_last), (2, 2), (0, 2), (0, 0), (1, 1), (2, 2))
