@@ -11,7 +11,7 @@ computes, bit for bit.  Two kernel sets are available:
     construction).
 
 ``kernels="fast"`` (default)
-    conv2d / linear / max_pool2d / cat / nearest resize use faster kernels
+    conv2d / linear / max_pool2d / cat / nearest and bilinear resize use faster kernels
     that are *provably* exact (and are tested bit-exact against
     ``fixed_point`` and a pure-integer reference):
 
@@ -27,7 +27,11 @@ computes, bit for bit.  Two kernel sets are available:
     * int8 max pools are torch's quantized max pool on the same bytes; cat
       copies or requantizes each input into its output slice in float64
       (exact for int8/int16 inputs); nearest resize requantizes the input,
-      then selects bytes.
+      then selects bytes.  With the native kernels: bilinear resize is one
+      int32 pass when its taps are exact dyadics (``BilinearResize``: then
+      the reference's float64 value is that rational exactly), cat inputs
+      are requantized in int32 where proven equal on every input value,
+      channels-last max pools are one native pass.
     * int8 x int8 -> int32 GEMMs (``torch._int_mm``, oneDNN) when
       :func:`int8_gemm_available` verified once that they do not saturate on
       this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
@@ -63,7 +67,7 @@ computes, bit for bit.  Two kernel sets are available:
     * max pool is the running maximum of the strided windows of a
       qmin-padded copy (equal to ``F.max_pool2d``).
 
-    Everything else (add, avg pools, LUTs, matmul, bilinear resize, ...) uses
+    Everything else (add, avg pools, LUTs, matmul, other bilinear resizes, ...) uses
     the fixed_point functions in both modes.
 
 Accumulator overflow is never silent: every accumulating op either proves its
