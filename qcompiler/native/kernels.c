@@ -407,33 +407,44 @@ CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
  * starting from the type's minimum (what a window's padding holds).  x: (N, H, W, C) contiguous;
  * out: (C, N, Ho, Wo) contiguous, the layout the simulator's convs write.  Integer maxima: exact.
  * tmp: a row of Wo * C elements per call, allocated here.  Returns 0, or -1 without memory. */
+/* the loops over channels with CC a compile-time constant in the common channel counts (a run-time
+ * count below one 64-byte vector of int8 would stay scalar) */
+#define MAXPOOL_ROWS(T, TMIN, CC)                                                                        \
+    for (int64_t n = 0; n < N; n++)                                                                       \
+        for (int64_t oh = 0; oh < Ho; oh++) {                                                             \
+            for (int64_t ow = 0; ow < Wo; ow++) {                                                         \
+                T *restrict m = row + ow * (CC);                                                          \
+                for (int64_t c = 0; c < (CC); c++) m[c] = TMIN;                                           \
+                for (int64_t i = 0; i < kh; i++) {                                                        \
+                    int64_t ih = oh * sh - ph + i * dh;                                                   \
+                    if (ih < 0 || ih >= H) continue;                                                      \
+                    for (int64_t j = 0; j < kw; j++) {                                                    \
+                        int64_t iw = ow * sw - pw + j * dw;                                               \
+                        if (iw < 0 || iw >= W) continue;                                                  \
+                        const T *restrict p = x + ((n * H + ih) * W + iw) * (CC);                         \
+                        for (int64_t c = 0; c < (CC); c++) m[c] = p[c] > m[c] ? p[c] : m[c];              \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+            for (int64_t c = 0; c < (CC); c++) {                                                          \
+                T *restrict o = out + ((c * N + n) * Ho + oh) * Wo;                                       \
+                for (int64_t ow = 0; ow < Wo; ow++) o[ow] = row[ow * (CC) + c];                           \
+            }                                                                                             \
+        }
+
 #define MAXPOOL_FN(NAME, T, TMIN)                                                                        \
     QC_API int NAME(const T *restrict x, int64_t N, int64_t H, int64_t W, int64_t C, int64_t kh,          \
                     int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,    \
                     int64_t Ho, int64_t Wo, T *restrict out) {                                            \
         T *restrict row = malloc(sizeof(T) * (size_t)(Wo * C + 1));                                        \
         if (!row) return -1;                                                                              \
-        for (int64_t n = 0; n < N; n++)                                                                   \
-            for (int64_t oh = 0; oh < Ho; oh++) {                                                         \
-                for (int64_t ow = 0; ow < Wo; ow++) {                                                     \
-                    T *restrict m = row + ow * C;                                                         \
-                    for (int64_t c = 0; c < C; c++) m[c] = TMIN;                                          \
-                    for (int64_t i = 0; i < kh; i++) {                                                    \
-                        int64_t ih = oh * sh - ph + i * dh;                                               \
-                        if (ih < 0 || ih >= H) continue;                                                  \
-                        for (int64_t j = 0; j < kw; j++) {                                                \
-                            int64_t iw = ow * sw - pw + j * dw;                                           \
-                            if (iw < 0 || iw >= W) continue;                                              \
-                            const T *restrict p = x + ((n * H + ih) * W + iw) * C;                        \
-                            for (int64_t c = 0; c < C; c++) m[c] = p[c] > m[c] ? p[c] : m[c];             \
-                        }                                                                                 \
-                    }                                                                                     \
-                }                                                                                         \
-                for (int64_t c = 0; c < C; c++) {                                                         \
-                    T *restrict o = out + ((c * N + n) * Ho + oh) * Wo;                                   \
-                    for (int64_t ow = 0; ow < Wo; ow++) o[ow] = row[ow * C + c];                          \
-                }                                                                                         \
-            }                                                                                             \
+        switch (C) {                                                                                      \
+        case 8: MAXPOOL_ROWS(T, TMIN, 8) break;                                                           \
+        case 16: MAXPOOL_ROWS(T, TMIN, 16) break;                                                         \
+        case 32: MAXPOOL_ROWS(T, TMIN, 32) break;                                                         \
+        case 64: MAXPOOL_ROWS(T, TMIN, 64) break;                                                         \
+        default: MAXPOOL_ROWS(T, TMIN, C) break;                                                          \
+        }                                                                                                 \
         free(row);                                                                                        \
         return 0;                                                                                         \
     }
