@@ -82,7 +82,7 @@ def pools(draw):
     dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
     W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 12))
-    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 16, 32, 40])), H=H, W=W, k=(kh, kw),
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 8, 16, 32, 40, 64])), H=H, W=W, k=(kh, kw),
                 s=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), p=(ph, pw), d=(dh, dw), ceil=draw(st.booleans()),
                 dtype=draw(st.sampled_from([torch.int8, torch.int16])), extremes=draw(st.booleans()),
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
@@ -105,6 +105,9 @@ def test_native_max_pool_equals_torch(c):
     native = _FastMaxPool(c["k"], c["s"], c["p"], c["d"], c["ceil"], None, native=True)
     got = native(x)
     assert torch.equal(got, want)
+    out_hw = [fp.max_pool_out_size(n, k, s_, p, d, c["ceil"]) for n, k, s_, p, d in
+              zip((c["H"], c["W"]), c["k"], c["s"], c["p"], c["d"])]
+    assert torch.equal(max_pool_nhwc(x, c["k"], c["s"], c["p"], c["d"], out_hw), want)  # also where torch's qint8 pool runs
     if c["C"] < 64:  # the same channel-major layout as the torch running maximum (what the next conv reads)
         torch_path = _FastMaxPool(c["k"], c["s"], c["p"], c["d"], c["ceil"], _Ws(), native=False)(x)
         assert torch.equal(torch_path, want) and got.stride() == torch_path.stride()
