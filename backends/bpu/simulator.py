@@ -11,7 +11,7 @@ computes, bit for bit.  Two kernel sets are available:
     construction).
 
 ``kernels="fast"`` (default)
-    conv2d / linear / max_pool2d / cat / nearest resize use faster kernels
+    conv2d / linear / max_pool2d / cat / nearest and bilinear resize use faster kernels
     that are *provably* exact (and are tested bit-exact against
     ``fixed_point`` and a pure-integer reference):
 
@@ -27,7 +27,11 @@ computes, bit for bit.  Two kernel sets are available:
     * int8 max pools are torch's quantized max pool on the same bytes; cat
       copies or requantizes each input into its output slice in float64
       (exact for int8/int16 inputs); nearest resize requantizes the input,
-      then selects bytes.
+      then selects bytes.  With the native kernels: bilinear resize is one
+      int32 pass when its taps are exact dyadics (``BilinearResize``: then
+      the reference's float64 value is that rational exactly), cat inputs
+      are requantized in int32 where proven equal on every input value,
+      channels-last max pools are one native pass.
     * int8 x int8 -> int32 GEMMs (``torch._int_mm``, oneDNN) when
       :func:`int8_gemm_available` verified once that they do not saturate on
       this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
@@ -63,7 +67,7 @@ computes, bit for bit.  Two kernel sets are available:
     * max pool is the running maximum of the strided windows of a
       qmin-padded copy (equal to ``F.max_pool2d``).
 
-    Everything else (add, avg pools, LUTs, matmul, bilinear resize, ...) uses
+    Everything else (add, avg pools, LUTs, matmul, other bilinear resizes, ...) uses
     the fixed_point functions in both modes.
 
 Accumulator overflow is never silent: every accumulating op either proves its
@@ -96,7 +100,8 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import DepthwiseConv, requant_columns
+from qcompiler.native.kernels import (BilinearResize, DepthwiseConv, int32_requant, max_pool_nhwc, requant_columns,
+                                      requant_columns32)
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
@@ -447,7 +452,9 @@ def _fast_cat(k: KernelSpec) -> Callable:
     ws = k.ws
     # native: each input requantized (or copied) into its columns in one integer pass
     native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
-    params = [(int(M), int(n)) for M, n in zip(Ms, ns)]
+    # (M, n) and, where proven equal on every input value, the int32 (M32, n32) of the faster pass
+    params = [(int(M), int(n), _narrow(int(M), int(n), _STORAGE[spec.dtype], lo, hi) if native else None)
+              for M, n, spec in zip(Ms, ns, k.in_specs)]
 
     def cat(*xs):
         if native:
@@ -480,8 +487,16 @@ def _fast_cat(k: KernelSpec) -> Callable:
     return cat
 
 
+def _narrow(M: int, n: int, dtype: torch.dtype, lo: int, hi: int) -> Optional[tuple]:
+    """``(M32, n32, dtype)``: the int32 parameters :func:`~qcompiler.native.kernels.int32_requant` proved
+    equal to ``(M, n)`` on every value of ``dtype`` (the input's storage), or None."""
+    m = int32_requant(M, n, dtype, lo, hi)
+    return None if m is None else (*m, dtype)
+
+
 def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
-    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`),
+    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`,
+    or its int32 twin ``requant_columns32`` where ``_narrow`` proved it equal on every input value),
     when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
     input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
     if not xs or any(x.dtype not in (torch.int8, torch.int16) or x.dim() != xs[0].dim() for x in xs):
@@ -507,8 +522,11 @@ def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Opti
         return None
     out2 = out.view(srcs[0].shape[0], -1)
     col = 0
-    for src, (M, n) in zip(srcs, params):
-        requant_columns(src, out2, col, M, n, lo, hi)
+    for src, (M, n, narrow) in zip(srcs, params):
+        if narrow is not None and src.dtype == narrow[2]:
+            requant_columns32(src, out2, col, narrow[0], narrow[1], lo, hi)
+        else:
+            requant_columns(src, out2, col, M, n, lo, hi)
         col += src.shape[1]
     return result
 
@@ -536,6 +554,22 @@ def _fast_resize_nearest(k: KernelSpec) -> Callable:
         small = x if ratio == 1.0 and x.dtype == st else torch.round(x.double() * ratio).clamp_(lo, hi).to(st)
         return F.interpolate(small.view(torch.uint8), size=size, mode="nearest").view(st)
     return resize
+
+
+@_kernel(FAST, "resize_bilinear")
+def _fast_resize_bilinear(k: KernelSpec) -> Callable:
+    """Bilinear resize in one native integer pass (:class:`~qcompiler.native.kernels.BilinearResize`)
+    when the input's sizes give exact dyadic weights (factor-2 and other power-of-two ratios, equal
+    sizes): then the reference's float64 value is a rational computed exactly in int32, rescaled
+    by the same one float64 product.  Other inputs (and native off) take the reference."""
+    a, out_dtype = k.attrs, k.out_dtype
+    reference = REFERENCE["resize_bilinear"](k)
+    st = fp.storage_dtype(out_dtype)
+    if not k.native or st not in (torch.int8, torch.int16) or k.in_specs[0].dtype not in ("qint8", "qint16"):
+        return reference
+    lo, hi = fp.qrange(out_dtype)
+    plan = BilinearResize(a["size"], a["align_corners"], a["in_scale"] / a["out_scale"], lo, hi, st)
+    return lambda x: plan(x) if plan.exact_for(x) else reference(x)
 
 
 @_kernel(REFERENCE, "relu")
@@ -572,7 +606,7 @@ def _pool_geometry(k: KernelSpec) -> tuple:
 
 @_kernel(FAST, "max_pool2d")
 def _fast_max_pool(k: KernelSpec) -> Callable:
-    return _FastMaxPool(*_pool_geometry(k), k.ws)
+    return _FastMaxPool(*_pool_geometry(k), k.ws, native=k.native)
 
 
 @_kernel(REFERENCE, "max_pool2d")
@@ -1308,9 +1342,9 @@ class _FastMaxPool:
     window holds at least one real element, and a qmin pad never exceeds it.
     """
 
-    def __init__(self, ks, st, pad, dil, ceil, ws: _Workspace) -> None:
+    def __init__(self, ks, st, pad, dil, ceil, ws: _Workspace, native: bool = False) -> None:
         self.k, self.s, self.p, self.d = fp._pair(ks), fp._pair(st), fp._pair(pad), fp._pair(dil)
-        self.ceil, self.ws = bool(ceil), ws
+        self.ceil, self.ws, self.native = bool(ceil), ws, native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.is_floating_point():
@@ -1325,6 +1359,9 @@ class _FastMaxPool:
             except (AttributeError, NotImplementedError, RuntimeError):
                 pass  # a torch without (this form of) quantized tensors: the running maximum below
         Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
+        if self.native and x.dtype in (torch.int8, torch.int16) and x.is_contiguous(memory_format=torch.channels_last):
+            # one native pass over the channels-last input, same maxima and output layout as below
+            return max_pool_nhwc(x, self.k, self.s, self.p, self.d, (Ho, Wo))
         need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
         Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
         xc = x.transpose(0, 1)  # channel-major, like the conv outputs

@@ -274,3 +274,181 @@ CAT_FN(qc_cat_i8_i8, int8_t, int8_t)
 CAT_FN(qc_cat_i8_i16, int8_t, int16_t)
 CAT_FN(qc_cat_i16_i8, int16_t, int8_t)
 CAT_FN(qc_cat_i16_i16, int16_t, int16_t)
+
+/* ==== bilinear resize (exact dyadic weights) ============================================== */
+/* out = clamp(round_half_even(Y * rD), lo, hi) with
+ *   Y = sum over the 2x2 taps of a[oh] * b[ow] * x[h, w]
+ * in int32: row taps (h0[oh], h1[oh]) weigh a0[oh] + a1[oh] = 2**K, column taps (w0[ow], w1[ow])
+ * weigh b0[ow] + b1[ow] = 2**K, so Y / 2**(2K) is the bilinear value exactly.  The caller
+ * keeps |x| <= 2**15 and K <= 7 (|Y| <= 2**29, no wrap) and passes rD = ratio / 2**(2K), exact.
+ * The one float operation is the product (double)Y * rD, correctly rounded, then clamped to
+ * [lo, hi] (integers, so clamping before rounding is the same as after) and rounded half to
+ * even by nearbyint (the default rounding mode): nothing to contract into an FMA.
+ * Layouts: _nhwc takes x (N, H, W, C) contiguous and writes out (N, Ho, Wo, C); _planes takes
+ * N*C planes of H x W contiguous elements at x + n*sn + c*sc and writes out (N, C, Ho, Wo).
+ * Returns 0, or -1 when the row buffer cannot be allocated. */
+static inline int32_t qc_rs_round(int32_t y, double rD, double lo, double hi) {
+    double t = (double)y * rD;
+    t = t < lo ? lo : t;
+    t = t > hi ? hi : t;
+    return (int32_t)nearbyint(t);
+}
+
+#define RESIZE_NHWC_FN(NAME, IN_T, OUT_T)                                                                \
+    QC_API int NAME(const IN_T *restrict x, int64_t N, int64_t H, int64_t W, int64_t C, int64_t Ho,        \
+                    int64_t Wo, const int32_t *restrict h0, const int32_t *restrict h1,                    \
+                    const int32_t *restrict a0, const int32_t *restrict a1, const int32_t *restrict w0,    \
+                    const int32_t *restrict w1, const int32_t *restrict b0, const int32_t *restrict b1,    \
+                    double rD, int64_t lo, int64_t hi, OUT_T *restrict out) {                              \
+        int32_t *restrict v = malloc(sizeof(int32_t) * (size_t)(W * C + 1));                               \
+        if (!v) return -1;                                                                                \
+        const double dlo = (double)lo, dhi = (double)hi;                                                  \
+        const int64_t row = W * C;                                                                        \
+        for (int64_t n = 0; n < N; n++)                                                                   \
+            for (int64_t oh = 0; oh < Ho; oh++) {                                                         \
+                const IN_T *restrict r0 = x + (n * H + h0[oh]) * row;                                     \
+                const IN_T *restrict r1 = x + (n * H + h1[oh]) * row;                                     \
+                const int32_t ca = a0[oh], cb = a1[oh];                                                   \
+                for (int64_t i = 0; i < row; i++) v[i] = ca * (int32_t)r0[i] + cb * (int32_t)r1[i];       \
+                OUT_T *restrict o = out + (n * Ho + oh) * Wo * C;                                         \
+                for (int64_t ow = 0; ow < Wo; ow++) {                                                     \
+                    const int32_t *restrict p = v + (int64_t)w0[ow] * C, *restrict q = v + (int64_t)w1[ow] * C; \
+                    const int32_t fa = b0[ow], fb = b1[ow];                                               \
+                    OUT_T *restrict oo = o + ow * C;                                                      \
+                    for (int64_t c = 0; c < C; c++) oo[c] = (OUT_T)qc_rs_round(fa * p[c] + fb * q[c], rD, dlo, dhi); \
+                }                                                                                         \
+            }                                                                                             \
+        free(v);                                                                                          \
+        return 0;                                                                                         \
+    }
+
+#define RESIZE_PLANES_FN(NAME, IN_T, OUT_T)                                                              \
+    QC_API int NAME(const IN_T *restrict x, int64_t N, int64_t C, int64_t sn, int64_t sc, int64_t H,       \
+                    int64_t W, int64_t Ho, int64_t Wo, const int32_t *restrict h0, const int32_t *restrict h1, \
+                    const int32_t *restrict a0, const int32_t *restrict a1, const int32_t *restrict w0,    \
+                    const int32_t *restrict w1, const int32_t *restrict b0, const int32_t *restrict b1,    \
+                    double rD, int64_t lo, int64_t hi, OUT_T *restrict out) {                              \
+        int32_t *restrict v = malloc(sizeof(int32_t) * (size_t)(W + 1));                                   \
+        if (!v) return -1;                                                                                \
+        const double dlo = (double)lo, dhi = (double)hi;                                                  \
+        for (int64_t n = 0; n < N; n++)                                                                   \
+            for (int64_t c = 0; c < C; c++) {                                                             \
+                const IN_T *restrict plane = x + n * sn + c * sc;                                         \
+                OUT_T *restrict o = out + (n * C + c) * Ho * Wo;                                          \
+                for (int64_t oh = 0; oh < Ho; oh++) {                                                     \
+                    const IN_T *restrict r0 = plane + (int64_t)h0[oh] * W;                                \
+                    const IN_T *restrict r1 = plane + (int64_t)h1[oh] * W;                                \
+                    const int32_t ca = a0[oh], cb = a1[oh];                                               \
+                    for (int64_t i = 0; i < W; i++) v[i] = ca * (int32_t)r0[i] + cb * (int32_t)r1[i];     \
+                    OUT_T *restrict oo = o + oh * Wo;                                                     \
+                    for (int64_t ow = 0; ow < Wo; ow++)                                                   \
+                        oo[ow] = (OUT_T)qc_rs_round(b0[ow] * v[w0[ow]] + b1[ow] * v[w1[ow]], rD, dlo, dhi); \
+                }                                                                                         \
+            }                                                                                             \
+        free(v);                                                                                          \
+        return 0;                                                                                         \
+    }
+
+RESIZE_NHWC_FN(qc_resize_nhwc_i8_i8, int8_t, int8_t)
+RESIZE_NHWC_FN(qc_resize_nhwc_i8_i16, int8_t, int16_t)
+RESIZE_NHWC_FN(qc_resize_nhwc_i16_i8, int16_t, int8_t)
+RESIZE_NHWC_FN(qc_resize_nhwc_i16_i16, int16_t, int16_t)
+RESIZE_PLANES_FN(qc_resize_planes_i8_i8, int8_t, int8_t)
+RESIZE_PLANES_FN(qc_resize_planes_i8_i16, int8_t, int16_t)
+RESIZE_PLANES_FN(qc_resize_planes_i16_i8, int16_t, int8_t)
+RESIZE_PLANES_FN(qc_resize_planes_i16_i16, int16_t, int16_t)
+/* ==== end of bilinear resize ============================================================== */
+
+/* ==== int32 requantization of concatenated inputs ========================================== */
+/* As qc_cat_* (one input of a concatenation into its columns of the output), with int32
+ * arithmetic: dst[r, col0 + c] = clamp(round_half_even(src[r, c] * M / 2**n), lo, hi).  The
+ * caller keeps max|src| * |M| + 2**(n-1) < 2**31 and n in [0, 30] (so nothing wraps), having
+ * checked on every value of the input type that (M, n) gives what its int64 (M, n) gives. */
+static inline int32_t round_clamp32(int32_t x, int32_t hm1, int32_t pm, int32_t s, int32_t lo, int32_t hi) {
+    int32_t q = (x + hm1 + ((x >> s) & pm)) >> s;
+    q = q < lo ? lo : q;
+    return q > hi ? hi : q;
+}
+
+/* one row; COLS is a compile-time constant in the common channel counts, so the loop is a few
+ * whole vectors (a run-time count below one 64-byte vector of int8 would stay scalar) */
+#define CAT32_ROWS(COLS)                                                                                 \
+    for (int64_t r = 0; r < rows; r++) {                                                                  \
+        const __typeof__(src[0]) *restrict a = src + r * (COLS);                                          \
+        __typeof__(dst[0]) *restrict d = dst + r * dst_stride;                                            \
+        for (int64_t c = 0; c < (COLS); c++)                                                              \
+            d[c] = (__typeof__(dst[0]))round_clamp32((int32_t)a[c] * m, hm1, pm, s, l, h);                \
+    }
+
+#define CAT32_FN(NAME, IN_T, OUT_T)                                                                      \
+    QC_API void NAME(const IN_T *restrict src, int64_t rows, int64_t cols, OUT_T *restrict dst,            \
+                     int64_t dst_stride, int64_t M, int64_t n, int64_t lo, int64_t hi) {                  \
+        const int32_t m = (int32_t)M, s = (int32_t)n, l = (int32_t)lo, h = (int32_t)hi;                   \
+        const int32_t hm1 = s > 0 ? ((int32_t)1 << (s - 1)) - 1 : 0, pm = s > 0;                          \
+        switch (cols) {                                                                                   \
+        case 8: CAT32_ROWS(8) break;                                                                      \
+        case 16: CAT32_ROWS(16) break;                                                                    \
+        case 32: CAT32_ROWS(32) break;                                                                    \
+        case 64: CAT32_ROWS(64) break;                                                                    \
+        case 128: CAT32_ROWS(128) break;                                                                  \
+        default: CAT32_ROWS(cols) break;                                                                  \
+        }                                                                                                 \
+    }
+
+CAT32_FN(qc_cat32_i8_i8, int8_t, int8_t)
+CAT32_FN(qc_cat32_i8_i16, int8_t, int16_t)
+CAT32_FN(qc_cat32_i16_i8, int16_t, int8_t)
+CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
+/* ==== end of int32 requantization of concatenated inputs ==================================== */
+
+/* ==== max pool, channels-last in, channel-major out ========================================= */
+/* out[c, n, oh, ow] = max over the taps (i, j) inside the input of
+ *   x[n, oh*sh - ph + i*dh, ow*sw - pw + j*dw, c]
+ * starting from the type's minimum (what a window's padding holds).  x: (N, H, W, C) contiguous;
+ * out: (C, N, Ho, Wo) contiguous, the layout the simulator's convs write.  Integer maxima: exact.
+ * tmp: a row of Wo * C elements per call, allocated here.  Returns 0, or -1 without memory. */
+/* the loops over channels with CC a compile-time constant in the common channel counts (a run-time
+ * count below one 64-byte vector of int8 would stay scalar) */
+#define MAXPOOL_ROWS(T, TMIN, CC)                                                                        \
+    for (int64_t n = 0; n < N; n++)                                                                       \
+        for (int64_t oh = 0; oh < Ho; oh++) {                                                             \
+            for (int64_t ow = 0; ow < Wo; ow++) {                                                         \
+                T *restrict m = row + ow * (CC);                                                          \
+                for (int64_t c = 0; c < (CC); c++) m[c] = TMIN;                                           \
+                for (int64_t i = 0; i < kh; i++) {                                                        \
+                    int64_t ih = oh * sh - ph + i * dh;                                                   \
+                    if (ih < 0 || ih >= H) continue;                                                      \
+                    for (int64_t j = 0; j < kw; j++) {                                                    \
+                        int64_t iw = ow * sw - pw + j * dw;                                               \
+                        if (iw < 0 || iw >= W) continue;                                                  \
+                        const T *restrict p = x + ((n * H + ih) * W + iw) * (CC);                         \
+                        for (int64_t c = 0; c < (CC); c++) m[c] = p[c] > m[c] ? p[c] : m[c];              \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+            for (int64_t c = 0; c < (CC); c++) {                                                          \
+                T *restrict o = out + ((c * N + n) * Ho + oh) * Wo;                                       \
+                for (int64_t ow = 0; ow < Wo; ow++) o[ow] = row[ow * (CC) + c];                           \
+            }                                                                                             \
+        }
+
+#define MAXPOOL_FN(NAME, T, TMIN)                                                                        \
+    QC_API int NAME(const T *restrict x, int64_t N, int64_t H, int64_t W, int64_t C, int64_t kh,          \
+                    int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,    \
+                    int64_t Ho, int64_t Wo, T *restrict out) {                                            \
+        T *restrict row = malloc(sizeof(T) * (size_t)(Wo * C + 1));                                        \
+        if (!row) return -1;                                                                              \
+        switch (C) {                                                                                      \
+        case 8: MAXPOOL_ROWS(T, TMIN, 8) break;                                                           \
+        case 16: MAXPOOL_ROWS(T, TMIN, 16) break;                                                         \
+        case 32: MAXPOOL_ROWS(T, TMIN, 32) break;                                                         \
+        case 64: MAXPOOL_ROWS(T, TMIN, 64) break;                                                         \
+        default: MAXPOOL_ROWS(T, TMIN, C) break;                                                          \
+        }                                                                                                 \
+        free(row);                                                                                        \
+        return 0;                                                                                         \
+    }
+
+MAXPOOL_FN(qc_maxpool_nhwc_i8, int8_t, INT8_MIN)
+MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
+/* ==== end of max pool ======================================================================= */

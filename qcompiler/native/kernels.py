@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from fractions import Fraction
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -256,3 +257,203 @@ def requant_columns(src: torch.Tensor, dst: torch.Tensor, col0: int, M: int, n: 
     f = _fn(f"qc_cat_{_INT[src.dtype]}_{_INT[dst.dtype]}", (_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64), None)
     rows, cols = src.shape
     f(src.data_ptr(), rows, cols, dst.data_ptr() + col0 * dst.element_size(), dst.shape[1], M, n, lo, hi)
+
+
+TAP_BITS = 7  # bilinear_taps: weights are integers over 2**TAP_BITS (the int32 kernel's |Y| <= 2**15 * 2**14)
+_F64_TINY = 2.0 ** -1022
+
+
+def bilinear_taps(n_in: int, n_out: int, align_corners: bool,
+                  bits: int = TAP_BITS) -> Optional[tuple[torch.Tensor, ...]]:
+    """The taps of one axis of torch's bilinear resize (``F.interpolate(size=...)``, no scale factor),
+    as integers: ``(i0, i1, a0, a1)`` int32 tensors of length ``n_out`` with ``a0 + a1 = 2**bits``,
+    so that output ``o`` is ``(a0[o] * x[i0[o]] + a1[o] * x[i1[o]]) / 2**bits`` exactly; or None when
+    some weight is not a multiple of ``2**-bits`` (then torch's float64 weights are rounded and only
+    torch reproduces its own result).
+
+    Mirrors ATen's ``area_pixel_compute_scale`` / ``area_pixel_compute_source_index`` /
+    ``compute_source_index_and_lambda`` in exact rationals: ``scale = (in-1)/(out-1)`` (align_corners,
+    0 for one output) or ``in/out``; ``real = scale*o`` or ``max(scale*(o+1/2) - 1/2, 0)``; ``i0 =
+    floor(real)``, ``i1 = i0 + 1`` below the last input, ``lambda1 = real - i0``; equal sizes copy.
+    When the scale is a dyadic rational with a small denominator every one of these float64 steps
+    is exact, so the rationals here are torch's float64 values (the property tests check it)."""
+    if n_in <= 0 or n_out <= 0 or n_in >= 1 << 24 or n_out >= 1 << 24:
+        return None
+    one = 1 << bits
+    o = list(range(n_out))
+    if n_in == n_out:
+        i0, l1 = o, [Fraction(0)] * n_out
+    else:
+        if align_corners:
+            scale = Fraction(n_in - 1, n_out - 1) if n_out > 1 else Fraction(0)
+            real = [scale * k for k in o]
+        else:
+            scale = Fraction(n_in, n_out)
+            real = [max(scale * (2 * k + 1) / 2 - Fraction(1, 2), Fraction(0)) for k in o]
+        if scale.denominator & (scale.denominator - 1) or scale.denominator > one:  # not a dyadic p / 2**j
+            return None
+        i0 = [r.numerator // r.denominator for r in real]
+        l1 = [r - i for r, i in zip(real, i0)]
+    if any((l * one).denominator != 1 for l in l1):
+        return None
+    a1 = [int(l * one) for l in l1]
+    i1 = [i + 1 if i < n_in - 1 else i for i in i0]
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return as_t(i0), as_t(i1), as_t([one - a for a in a1]), as_t(a1)
+
+
+class BilinearResize:
+    """Exact bilinear resize of int8/int16 values with torch's weights, rescaled and rounded:
+    ``clamp(round_half_even(fl(bilinear(x) * ratio)), lo, hi)`` -- bit for bit what
+    ``torch.round(F.interpolate(x.double(), size, mode="bilinear", align_corners=...) * ratio)
+    .clamp(lo, hi)`` computes, for the input sizes whose taps are exact dyadics (:meth:`exact_for`).
+
+    Why it is exact: with weights ``a/2**7`` (:func:`bilinear_taps`) every float64 step of torch's
+    kernel (weights, products with integers below 2**15, sums of four) is exact whatever its order,
+    so torch's float64 value is the rational ``Y / 2**14`` the C kernel computes as an int32 ``Y``.
+    ``fl(Y * (ratio / 2**14))`` is then the same correctly rounded product as torch's
+    ``fl(y * ratio)`` (``ratio / 2**14`` is exact: checked normal), clamped and rounded half to even.
+    A call takes (N, C, H, W) int8/int16: channels-last memory gives channels-last output, memory
+    whose H x W planes are contiguous (NCHW, or the simulator's C,N,H,W) gives contiguous NCHW,
+    as torch's result."""
+
+    def __init__(self, size, align_corners: bool, ratio: float, lo: int, hi: int, out_dtype: torch.dtype) -> None:
+        if out_dtype not in _INT:
+            raise ConfigError(f"BilinearResize: out_dtype must be torch.int8 or torch.int16, got {out_dtype}")
+        if not -(1 << 31) <= lo <= hi < 1 << 31:
+            raise ConfigError(f"BilinearResize: bad clamp range [{lo}, {hi}]")
+        ratio = float(ratio)
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ConfigError(f"BilinearResize: ratio must be positive and finite, got {ratio}")
+        self.Ho, self.Wo = (int(s) for s in size)
+        self.align_corners, self.ratio, self.lo, self.hi, self.out_dtype = bool(align_corners), ratio, int(lo), int(hi), out_dtype
+        self.rD = math.ldexp(ratio, -2 * TAP_BITS)
+        self.scalable = self.rD >= _F64_TINY  # ratio / 2**14 exact (a normal number)
+        self._taps: dict[tuple[int, int], Optional[tuple]] = {}
+
+    def _axis(self, n_in: int, n_out: int) -> Optional[tuple]:
+        key = (n_in, n_out)
+        if key not in self._taps:
+            self._taps[key] = bilinear_taps(n_in, n_out, self.align_corners)
+        return self._taps[key]
+
+    def exact_for(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`__call__` reproduces the reference on ``x``: int8/int16, 4-d, non-empty,
+        a supported layout, and exact taps for its sizes."""
+        return (self.scalable and isinstance(x, torch.Tensor) and x.dtype in _INT and x.dim() == 4
+                and x.numel() > 0 and x.device.type == "cpu" and self._layout(x) is not None
+                and self._axis(x.shape[2], self.Ho) is not None and self._axis(x.shape[3], self.Wo) is not None)
+
+    @staticmethod
+    def _layout(x: torch.Tensor) -> Optional[str]:
+        H, W = x.shape[2:]
+        if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+            return "nhwc"
+        if (W == 1 or x.stride(3) == 1) and (H == 1 or x.stride(2) == W):
+            return "planes"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.exact_for(x):
+            raise ConfigError(f"BilinearResize: input {tuple(x.shape)} {x.dtype} (strides {x.stride()}) is not "
+                              f"one this kernel reproduces exactly; check exact_for() first")
+        N, C, H, W = x.shape
+        Ho, Wo = self.Ho, self.Wo
+        rows, cols = self._axis(H, Ho), self._axis(W, Wo)
+        tail = (self.rD, self.lo, self.hi)
+        kind = f"{_INT[x.dtype]}_{_INT[self.out_dtype]}"
+        if self._layout(x) == "nhwc":
+            out = torch.empty((N, Ho, Wo, C), dtype=self.out_dtype)
+            f = _fn(f"qc_resize_nhwc_{kind}", (_P,) + (_I64,) * 6 + (_P,) * 8 + (_F64, _I64, _I64, _P))
+            rc = f(x.data_ptr(), N, H, W, C, Ho, Wo, *(t.data_ptr() for t in rows + cols), *tail, out.data_ptr())
+            result = out.permute(0, 3, 1, 2)
+        else:
+            out = torch.empty((N, C, Ho, Wo), dtype=self.out_dtype)
+            sn = x.stride(0) if N > 1 else 0
+            sc = x.stride(1) if C > 1 else 0
+            f = _fn(f"qc_resize_planes_{kind}", (_P,) + (_I64,) * 8 + (_P,) * 8 + (_F64, _I64, _I64, _P))
+            rc = f(x.data_ptr(), N, C, sn, sc, H, W, Ho, Wo, *(t.data_ptr() for t in rows + cols), *tail,
+                   out.data_ptr())
+            result = out
+        if rc != 0:
+            raise MemoryError("BilinearResize: out of memory for its row buffer")
+        return result
+
+
+def _requant_all(q: torch.Tensor, M: int, n: int, lo: int, hi: int) -> torch.Tensor:
+    """``clamp(round_half_even(q * M / 2**n), lo, hi)`` in int64 (Python-sized M and n; small q)."""
+    x = q * M
+    if n == 0:
+        return x.clamp(lo, hi)
+    return ((x + ((1 << (n - 1)) - 1) + ((x >> n) & 1)) >> n).clamp(lo, hi)
+
+
+def int32_requant(M: int, n: int, in_dtype: torch.dtype, lo: int, hi: int) -> Optional[tuple[int, int]]:
+    """A multiplier and shift ``(M32, n32)`` for int32 arithmetic (:func:`requant_columns32`) that
+    requantize every value of ``in_dtype`` (int8/int16) exactly as ``(M, n)`` does, or None.
+
+    ``clamp(round_half_even(q * M / 2**n), lo, hi)`` is a function of ``q`` alone, so a narrower
+    multiplier ``M32 ~ M * 2**(n32 - n)`` is proven equal by evaluating both on the whole input type
+    (256 or 65536 values) -- a proof by exhaustion.  ``n32`` is the largest shift whose products and
+    rounding addend stay below 2**31 (``max|q| * |M32| + 2**(n32-1) < 2**31``), then a few smaller."""
+    if in_dtype not in _INT:
+        return None
+    M, n = int(M), int(n)
+    info = torch.iinfo(in_dtype)
+    amax = -info.min
+    q = torch.arange(info.min, info.max + 1, dtype=torch.int64)
+    want = _requant_all(q, M, n, lo, hi)
+    if M == 0:
+        return (0, 0)
+    tried = 0
+    for n32 in range(30, -1, -1):
+        m32 = round(Fraction(M, 1 << n) * (1 << n32)) if n32 < n else M << (n32 - n)
+        if amax * abs(m32) + (1 << n32 >> 1) >= 1 << 31:
+            continue
+        if torch.equal(_requant_all(q, m32, n32, lo, hi), want):
+            return (int(m32), n32)
+        tried += 1
+        if tried == 3:
+            break
+    return None
+
+
+def requant_columns32(src: torch.Tensor, dst: torch.Tensor, col0: int, M32: int, n32: int, lo: int, hi: int) -> None:
+    """:func:`requant_columns` in int32 arithmetic, for the ``(M32, n32)`` that :func:`int32_requant`
+    proved equal to the int64 parameters on every value of ``src``'s type."""
+    _check(src, "requant_columns32: src", _INT)
+    _check(dst, "requant_columns32: dst", _INT)
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[0] != dst.shape[0] or not 0 <= col0 <= dst.shape[1] - src.shape[1]:
+        raise ConfigError(f"requant_columns32: src {tuple(src.shape)} does not fit dst {tuple(dst.shape)} at column {col0}")
+    M32, n32 = int(M32), int(n32)
+    amax = 1 << (8 * src.element_size() - 1)
+    if not 0 <= n32 <= 30 or amax * abs(M32) + (1 << n32 >> 1) >= 1 << 31:
+        raise ConfigError(f"requant_columns32: multiplier {M32} / shift {n32} do not fit int32 for {src.dtype}")
+    if not -(1 << 31) <= lo <= hi < 1 << 31:
+        raise ConfigError(f"requant_columns32: bad clamp range [{lo}, {hi}]")
+    f = _fn(f"qc_cat32_{_INT[src.dtype]}_{_INT[dst.dtype]}", (_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64), None)
+    rows, cols = src.shape
+    f(src.data_ptr(), rows, cols, dst.data_ptr() + col0 * dst.element_size(), dst.shape[1], M32, n32, lo, hi)
+
+
+def max_pool_nhwc(x: torch.Tensor, kernel, stride, padding, dilation, out_hw) -> torch.Tensor:
+    """Integer max pool of channels-last ``x`` (an (N, C, H, W) view of (N, H, W, C) memory, int8/int16):
+    the maximum of each window's taps inside the input, the type's minimum where a window had none
+    (as a minimum-padded copy gives).  Returns (N, C, Ho, Wo) in channel-major memory (a (C, N, Ho, Wo)
+    contiguous tensor, permuted), the layout of the simulator's conv outputs.  ``out_hw`` is the
+    caller's (Ho, Wo) (torch's output size rule, ceil mode included)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _INT or x.device.type != "cpu" \
+            or not x.is_contiguous(memory_format=torch.channels_last):
+        raise ConfigError("max_pool_nhwc: x must be a 4-d int8/int16 CPU tensor in channels-last memory")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (tuple(int(v) for v in p) for p in (kernel, stride, padding, dilation))
+    Ho, Wo = (int(v) for v in out_hw)
+    if min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0 or min(Ho, Wo) < 0:
+        raise ConfigError(f"max_pool_nhwc: bad geometry kernel {kernel}, stride {stride}, padding {padding}, "
+                          f"dilation {dilation}, output {out_hw}")
+    N, C, H, W = x.shape
+    out = torch.empty((C, N, Ho, Wo), dtype=x.dtype)
+    if out.numel():
+        f = _fn(f"qc_maxpool_nhwc_{_INT[x.dtype]}", (_P,) + (_I64,) * 14 + (_P,))
+        if f(x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()) != 0:
+            raise MemoryError("max_pool_nhwc: out of memory for its row buffer")
+    return out.permute(1, 0, 2, 3)
