@@ -96,6 +96,7 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
+from qcompiler.native.gemm import Int8Gemm, gemm_available
 from qcompiler.native.kernels import DepthwiseConv, requant_columns
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import resolve_threads, run_split
@@ -329,7 +330,7 @@ _FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top
 @_kernel(FAST, "conv2d")
 def _fast_conv(k: KernelSpec) -> Callable:
     if k.native:
-        layer = _NativeDepthwiseLayer.build(k)
+        layer = _NativeDepthwiseLayer.build(k) or _NativeGemmLayer.build(k)
         if layer is not None:
             return layer
     if k.onednn:
@@ -341,6 +342,9 @@ def _fast_conv(k: KernelSpec) -> Callable:
 
 @_kernel(FAST, "linear")
 def _fast_linear(k: KernelSpec) -> Callable:
+    layer = _NativeGemmLayer.build(k) if k.native else None
+    if layer is not None:
+        return layer
     return _FastLinear(k.op, k.in_specs, k.name, k.ws, k.int8_gemm)
 
 
@@ -1541,3 +1545,62 @@ def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], t
         inputs = (inputs,)
     return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn,
                              native=native)(*inputs)
+
+
+class _NativeGemmLayer:
+    """A 1x1 conv2d (no padding, any stride: the strided input is subsampled first) or a linear of
+    int8 inputs as one native int8 GEMM with the requantization, fused add and relu/relu6 clamp in
+    its epilogue (:class:`~qcompiler.native.gemm.Int8Gemm`), channels-last in and out.  Built for
+    int8 / int16 outputs when :func:`~qcompiler.native.gemm.gemm_available` and the kernel proves the
+    layer exact (``Int8Gemm.refusal``); ``build`` returns None otherwise (the other kernels take it)."""
+
+    def __init__(self, gemm: Int8Gemm, conv: bool, stride: tuple[int, int], other_dtype: Optional[torch.dtype],
+                 fallback: Callable) -> None:
+        self.gemm, self.conv, self.stride, self.other_dtype, self.fallback = gemm, conv, stride, other_dtype, fallback
+
+    @staticmethod
+    def build(k: KernelSpec) -> Optional["_NativeGemmLayer"]:
+        a, T = k.attrs, k.tensors
+        if (not k.native or k.in_specs[0].dtype != "qint8" or a["high_precision"]
+                or a["out_dtype"] not in ("qint8", "qint16") or not gemm_available()):
+            return None
+        w = T["weight"]
+        conv = k.op.kind == "conv2d"
+        if conv and (int(a["groups"]) != 1 or tuple(w.shape[2:]) != (1, 1) or any(int(p) for p in a["padding"])):
+            return None
+        add = None
+        if a["with_add"]:
+            other_dtype = _STORAGE.get(k.in_specs[1].dtype)
+            if other_dtype not in (torch.int8, torch.int16):
+                return None
+            add = (int(T["Mb"]), int(T["nb"]), other_dtype)
+        w2, bias = w.reshape(w.shape[0], -1), T.get("bias")
+        lo, hi = _act_clamp(a)
+        out = _STORAGE[a["out_dtype"]]
+        if Int8Gemm.refusal(w2, bias, T["M"], T["n"], lo, hi, out, add) is not None:
+            return None
+        gemm = Int8Gemm(w2, bias, T["M"], T["n"], lo, hi, out, add)
+        stride = tuple(int(v) for v in a["stride"]) if conv else (1, 1)
+        return _NativeGemmLayer(gemm, conv, stride, None if add is None else add[2],
+                                _fixed_point_weight_layer(k.op, k.name))
+
+    def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g = self.gemm
+        if (x.dtype != torch.int8 or (other is not None and other.dtype != self.other_dtype)
+                or (self.conv and (x.dim() != 4 or x.shape[1] != g.K)) or (not self.conv and (x.dim() < 1 or x.shape[-1] != g.K))):
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        if self.conv:
+            sh, sw = self.stride
+            xs = x if (sh, sw) == (1, 1) else x[:, :, ::sh, ::sw]
+            N, _, Ho, Wo = xs.shape
+            rows = xs.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
+            o2 = None if other is None else other.permute(0, 2, 3, 1).contiguous().view(-1, g.O)
+            out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
+            g(rows, out.view(-1, g.O), o2)
+            return out.permute(0, 3, 1, 2)
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, g.K).contiguous()
+        o2 = None if other is None else other.reshape(-1, g.O).contiguous()
+        out = torch.empty((rows.shape[0], g.O), dtype=g.out_dtype)
+        g(rows, out, o2)
+        return out.reshape(*lead, g.O)

@@ -274,3 +274,207 @@ CAT_FN(qc_cat_i8_i8, int8_t, int8_t)
 CAT_FN(qc_cat_i8_i16, int8_t, int16_t)
 CAT_FN(qc_cat_i16_i8, int16_t, int8_t)
 CAT_FN(qc_cat_i16_i16, int16_t, int16_t)
+
+/* ================================================================================================
+ * int8 GEMM with the requantization fused (qcompiler/native/gemm.py): 1x1 convs and linear layers.
+ *
+ *   acc[p, o]  = bias[o] + sum_k x[p, k] * w[o, k]                       (exact, int32)
+ *   out[p, o]  = clamp(round_half_even(acc * M[o] / 2**n[o] [+ b[p, o] * Mb / 2**nb]), lo, hi)
+ *
+ * x: rows of int8 (row stride ldx), b and out: rows of O (int8 / int16).  Only rows m0..m1-1 are
+ * computed, so callers may split the rows of one call over threads.
+ *
+ * AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of four products
+ * to int32 lanes, with wrap-around (not the saturating vpdpbusds).  The int8 activation x is fed as
+ * the byte x ^ 0x80 = x + 128 (unsigned); the extra 128 * sum_k w[o, k] is removed exactly by the
+ * per-channel int32 bias the caller packs: bias32[o] = bias[o] - 128 * sum_k w[o, k].  The caller
+ * proves 128 * sum_k |w[o, k]| + |bias[o]| < 2**31, so bias32 and the true acc fit int32; every
+ * step is exact modulo 2**32 (wrap-around), so the final int32 lane is the true acc.
+ * Weights are prepacked (gemm.py): blocks of 16 output channels, K in groups of 4, i.e. byte
+ * wp[((ob * Kq + kq) * 16 + j) * 4 + t] = w[16 * ob + j, 4 * kq + t], zero beyond O and K (a zero
+ * weight adds nothing whatever the activation byte).  The epilogue is round_clamp() above, in int64;
+ * the fused add brings both terms to the denominator 2**max(n, nb) as qc_requant_add_* does (the
+ * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).
+ * ================================================================================================ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+QC_API int qc_gemm_vnni(void) { return 1; }
+
+#define GEMM_MR 6     /* rows per micro-tile */
+#define GEMM_NR 4     /* zmm (16 output channels each) per micro-tile */
+#define GEMM_ROWS_L1 (16 << 10) /* bytes of x rows per row block (stay in L1 across the channel groups) */
+
+/* One micro-tile: rows x (16 * NR) int32 accumulators (bias32 included) into tile[GEMM_MR][64].
+ * xu: rows of Kq groups of 4 unsigned bytes (x ^ 0x80, row stride 4 * Kq).  Rows beyond `rows`
+ * repeat the last row (computed, never stored).  Named accumulators (not an array), so the
+ * compiler keeps all 6 * NR of them in registers. */
+#define GT_MAC(r)                                                                                        \
+    {                                                                                                     \
+        int32_t v;                                                                                        \
+        memcpy(&v, x##r + 4 * kq, 4);                                                                     \
+        const __m512i a = _mm512_set1_epi32(v);                                                           \
+        c##r##0 = _mm512_dpbusd_epi32(c##r##0, a, w0);                                                    \
+        if (NR > 1) c##r##1 = _mm512_dpbusd_epi32(c##r##1, a, w1);                                        \
+        if (NR > 2) c##r##2 = _mm512_dpbusd_epi32(c##r##2, a, w2);                                        \
+        if (NR > 3) c##r##3 = _mm512_dpbusd_epi32(c##r##3, a, w3);                                        \
+    }
+#define GT_STORE(r)                                                                                      \
+    {                                                                                                     \
+        _mm512_storeu_si512((void *)(tile + r * 64), c##r##0);                                           \
+        if (NR > 1) _mm512_storeu_si512((void *)(tile + r * 64 + 16), c##r##1);                          \
+        if (NR > 2) _mm512_storeu_si512((void *)(tile + r * 64 + 32), c##r##2);                          \
+        if (NR > 3) _mm512_storeu_si512((void *)(tile + r * 64 + 48), c##r##3);                          \
+    }
+#define GT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
+#define GT_ACC(r) __m512i c##r##0 = b0, c##r##1 = b1, c##r##2 = b2, c##r##3 = b3;
+#define GEMM_TILE_FN(NAME, NRV)                                                                          \
+    static void NAME(const uint8_t *restrict xu, int64_t rows, int64_t Kq, const int8_t *restrict wp,     \
+                     int64_t wstride, const int32_t *restrict bias32, int32_t *restrict tile) {           \
+        enum { NR = NRV };                                                                                \
+        const int64_t ld = 4 * Kq;                                                                        \
+        const uint8_t *x0 = xu, *x1 = xu + (rows > 1 ? 1 : 0) * ld, *x2 = xu + (rows > 2 ? 2 : rows - 1) * ld; \
+        const uint8_t *x3 = xu + (rows > 3 ? 3 : rows - 1) * ld, *x4 = xu + (rows > 4 ? 4 : rows - 1) * ld;   \
+        const uint8_t *x5 = xu + (rows > 5 ? 5 : rows - 1) * ld;                                          \
+        const __m512i zero = _mm512_setzero_si512();                                                      \
+        const __m512i b0 = _mm512_loadu_si512((const void *)bias32);                                      \
+        const __m512i b1 = NR > 1 ? _mm512_loadu_si512((const void *)(bias32 + 16)) : zero;              \
+        const __m512i b2 = NR > 2 ? _mm512_loadu_si512((const void *)(bias32 + 32)) : zero;              \
+        const __m512i b3 = NR > 3 ? _mm512_loadu_si512((const void *)(bias32 + 48)) : zero;              \
+        GT_ROWS(GT_ACC)                                                                                   \
+        for (int64_t kq = 0; kq < Kq; kq++) {                                                             \
+            const int8_t *wk = wp + kq * 64;                                                              \
+            const __m512i w0 = _mm512_loadu_si512((const void *)wk);                                      \
+            const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(wk + wstride)) : zero;          \
+            const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(wk + 2 * wstride)) : zero;      \
+            const __m512i w3 = NR > 3 ? _mm512_loadu_si512((const void *)(wk + 3 * wstride)) : zero;      \
+            GT_ROWS(GT_MAC)                                                                               \
+        }                                                                                                 \
+        GT_ROWS(GT_STORE)                                                                                 \
+    }
+
+GEMM_TILE_FN(gemm_tile1, 1)
+GEMM_TILE_FN(gemm_tile2, 2)
+GEMM_TILE_FN(gemm_tile3, 3)
+GEMM_TILE_FN(gemm_tile4, 4)
+
+static void gemm_tile_nr(const uint8_t *xu, int64_t rows, int64_t Kq, const int8_t *wp, int64_t wstride, int nr,
+                         const int32_t *bias32, int32_t *tile) {
+    switch (nr) {
+    case 1: gemm_tile1(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    case 2: gemm_tile2(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    case 3: gemm_tile3(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    default: gemm_tile4(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    }
+}
+
+/* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
+ * (the padding meets zero weights). */
+static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
+                       uint8_t *restrict xu) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
+        uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
+        for (int64_t k = 0; k < K; k++) d[k] = s[k] ^ 0x80;
+        for (int64_t k = K; k < 4 * Kq; k++) d[k] = 0;
+    }
+}
+
+/* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
+ * allocation of 6 arrays: M, hm1(s), pm = (s > 0), s, s - n, s - nb, with s = n (no fused add) or
+ * max(n, nb) (fused add; s - n and s - nb then bring both terms to the denominator 2**s). */
+static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb) {
+    const int64_t Op = (O + 15) / 16 * 16;
+    int64_t *k = calloc((size_t)(6 * Op + 1), sizeof(int64_t));
+    if (!k) return NULL;
+    for (int64_t c = 0; c < O; c++) {
+        int64_t s = add && nb > n[c] ? nb : n[c];
+        k[c] = M[c];
+        k[Op + c] = s > 0 ? ((int64_t)1 << (s - 1)) - 1 : 0;
+        k[2 * Op + c] = s > 0;
+        k[3 * Op + c] = s;
+        k[4 * Op + c] = s - n[c];
+        k[5 * Op + c] = s - nb;
+    }
+    return k;
+}
+
+/* round_clamp() on 8 int64 lanes (per-lane hm1, pm, s): the same operations, lane-wise. */
+static inline __m512i round_clamp_x8(__m512i x, __m512i hm1, __m512i pm, __m512i s, __m512i lo, __m512i hi) {
+    __m512i q = _mm512_add_epi64(_mm512_add_epi64(x, hm1), _mm512_and_si512(_mm512_srav_epi64(x, s), pm));
+    q = _mm512_srav_epi64(q, s);
+    q = _mm512_max_epi64(q, lo);
+    return _mm512_min_epi64(q, hi);
+}
+
+#define GEMM_LD(P) _mm512_loadu_si512((const void *)(P))
+
+/* The epilogue of one row of a tile, 8 channels at a time (the last group masked): int32 acc
+ * sign-extended to int64, times M (vpmuldq: |M| < 2**31, exact 64-bit product), [+ the fused term,
+ * both shifted to 2**s], rounded and clamped, narrowed to BITS-wide stores. */
+#define GEMM_FN(NAME, B_T, BBITS, OUT_T, OBITS, ADD)                                                     \
+    QC_API int NAME(const int8_t *restrict x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,   \
+                    const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
+                    const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
+                    int64_t hi, OUT_T *restrict out) {                                                    \
+        const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
+        int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
+        if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
+        int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
+        uint8_t *xu = malloc((size_t)(mb * 4 * Kq + 64));                                                 \
+        if (!kc || !xu) {                                                                                 \
+            free(kc);                                                                                     \
+            free(xu);                                                                                     \
+            return -1;                                                                                    \
+        }                                                                                                 \
+        const int64_t *kM = kc, *kh = kc + Op, *kp = kc + 2 * Op, *ks = kc + 3 * Op;                      \
+        const int64_t *ka = kc + 4 * Op, *kb = kc + 5 * Op;                                               \
+        const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
+        int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
+        for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
+            const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
+            gemm_stage(x, ldx, r0, r1, K, Kq, xu);                                                        \
+            for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
+                const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
+                const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
+                for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
+                    const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
+                    gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr,        \
+                                 bias32 + c0, tile);                                                      \
+                    for (int64_t r = 0; r < rows; r++) {                                                  \
+                        OUT_T *o = out + (m + r) * O + c0;                                                \
+                        const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
+                        for (int64_t c = 0; c < nc; c += 8) {                                             \
+                            const __mmask8 mk = nc - c >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (nc - c)) - 1); \
+                            const int64_t ch = c0 + c;                                                    \
+                            __m512i v = _mm512_cvtepi32_epi64(                                            \
+                                _mm256_load_si256((const __m256i *)(tile + r * 64 + c)));                 \
+                            v = _mm512_mul_epi32(v, GEMM_LD(kM + ch));                                    \
+                            if (ADD) {                                                                    \
+                                __m512i t = _mm512_cvtepi##BBITS##_epi64(_mm_maskz_loadu_epi##BBITS(mk, bb + c)); \
+                                t = _mm512_sllv_epi64(_mm512_mul_epi32(t, vMb), GEMM_LD(kb + ch));        \
+                                v = _mm512_add_epi64(_mm512_sllv_epi64(v, GEMM_LD(ka + ch)), t);          \
+                            }                                                                             \
+                            v = round_clamp_x8(v, GEMM_LD(kh + ch), GEMM_LD(kp + ch), GEMM_LD(ks + ch), vlo, vhi); \
+                            _mm512_mask_cvtepi64_storeu_epi##OBITS(o + c, mk, v);                         \
+                        }                                                                                 \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        free(kc);                                                                                         \
+        free(xu);                                                                                         \
+        return 0;                                                                                         \
+    }
+
+GEMM_FN(qc_gemm_i8, int8_t, 8, int8_t, 8, 0)
+GEMM_FN(qc_gemm_i16, int8_t, 8, int16_t, 16, 0)
+GEMM_FN(qc_gemm_add_i8_i8, int8_t, 8, int8_t, 8, 1)
+GEMM_FN(qc_gemm_add_i16_i8, int16_t, 16, int8_t, 8, 1)
+GEMM_FN(qc_gemm_add_i8_i16, int8_t, 8, int16_t, 16, 1)
+GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
+
+#else
+QC_API int qc_gemm_vnni(void) { return 0; }
+#endif
+/* ===================================== end of the int8 GEMM ===================================== */
