@@ -409,6 +409,31 @@ static inline __m512i round_clamp_x8(__m512i x, __m512i hm1, __m512i pm, __m512i
 
 #define GEMM_LD(P) _mm512_loadu_si512((const void *)(P))
 
+/* 8 channels ch..ch+7 of the epilogue: int32 acc sign-extended to int64, times M (vpmuldq: |M| < 2**31,
+ * exact 64-bit product), [+ the fused term b * Mb, both shifted to the denominator 2**s], rounded
+ * and clamped; kc holds gemm_consts()'s 6 arrays of Op entries. */
+static inline __m512i gemm_requant_x8(__m256i acc, const int64_t *kc, int64_t Op, int64_t ch, int add, __m512i bterm,
+                                      __m512i lo, __m512i hi) {
+    __m512i v = _mm512_mul_epi32(_mm512_cvtepi32_epi64(acc), GEMM_LD(kc + ch));
+    if (add) v = _mm512_add_epi64(_mm512_sllv_epi64(v, GEMM_LD(kc + 4 * Op + ch)),
+                                  _mm512_sllv_epi64(bterm, GEMM_LD(kc + 5 * Op + ch)));
+    return round_clamp_x8(v, GEMM_LD(kc + Op + ch), GEMM_LD(kc + 2 * Op + ch), GEMM_LD(kc + 3 * Op + ch), lo, hi);
+}
+
+/* 16 fused operands (int8 / int16, masked load) and their int64 halves; 16 int32 results (in range
+ * after the clamp) narrowed to int8 / int16 stores. */
+#define GEMM_BLD_8(P, MK) _mm256_castsi128_si256(_mm_maskz_loadu_epi8(MK, P))
+#define GEMM_BLO_8(V) _mm512_cvtepi8_epi64(_mm256_castsi256_si128(V))
+#define GEMM_BHI_8(V) _mm512_cvtepi8_epi64(_mm_srli_si128(_mm256_castsi256_si128(V), 8))
+#define GEMM_BLD_16(P, MK) _mm256_maskz_loadu_epi16(MK, P)
+#define GEMM_BLO_16(V) _mm512_cvtepi16_epi64(_mm256_castsi256_si128(V))
+#define GEMM_BHI_16(V) _mm512_cvtepi16_epi64(_mm256_extracti128_si256(V, 1))
+#define GEMM_ST_8(P, MK, FULL, Q)                                                                        \
+    ((FULL) ? _mm_storeu_si128((__m128i *)(P), _mm512_cvtepi32_epi8(Q)) : _mm512_mask_cvtepi32_storeu_epi8(P, MK, Q))
+#define GEMM_ST_16(P, MK, FULL, Q)                                                                       \
+    ((FULL) ? _mm256_storeu_si256((__m256i *)(P), _mm512_cvtepi32_epi16(Q))                            \
+            : _mm512_mask_cvtepi32_storeu_epi16(P, MK, Q))
+
 /* The epilogue of one row of a tile, 8 channels at a time (the last group masked): int32 acc
  * sign-extended to int64, times M (vpmuldq: |M| < 2**31, exact 64-bit product), [+ the fused term,
  * both shifted to 2**s], rounded and clamped, narrowed to BITS-wide stores. */
@@ -427,8 +452,6 @@ static inline __m512i round_clamp_x8(__m512i x, __m512i hm1, __m512i pm, __m512i
             free(xu);                                                                                     \
             return -1;                                                                                    \
         }                                                                                                 \
-        const int64_t *kM = kc, *kh = kc + Op, *kp = kc + 2 * Op, *ks = kc + 3 * Op;                      \
-        const int64_t *ka = kc + 4 * Op, *kb = kc + 5 * Op;                                               \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
         int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
@@ -444,19 +467,24 @@ static inline __m512i round_clamp_x8(__m512i x, __m512i hm1, __m512i pm, __m512i
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         OUT_T *o = out + (m + r) * O + c0;                                                \
                         const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
-                        for (int64_t c = 0; c < nc; c += 8) {                                             \
-                            const __mmask8 mk = nc - c >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << (nc - c)) - 1); \
+                        for (int64_t c = 0; c < nc; c += 16) {                                            \
+                            const int full = nc - c >= 16;                                                \
+                            const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (nc - c)) - 1); \
                             const int64_t ch = c0 + c;                                                    \
-                            __m512i v = _mm512_cvtepi32_epi64(                                            \
-                                _mm256_load_si256((const __m256i *)(tile + r * 64 + c)));                 \
-                            v = _mm512_mul_epi32(v, GEMM_LD(kM + ch));                                    \
+                            __m512i blo = _mm512_setzero_si512(), bhi = blo;                              \
                             if (ADD) {                                                                    \
-                                __m512i t = _mm512_cvtepi##BBITS##_epi64(_mm_maskz_loadu_epi##BBITS(mk, bb + c)); \
-                                t = _mm512_sllv_epi64(_mm512_mul_epi32(t, vMb), GEMM_LD(kb + ch));        \
-                                v = _mm512_add_epi64(_mm512_sllv_epi64(v, GEMM_LD(ka + ch)), t);          \
+                                const __m256i bv = GEMM_BLD_##BBITS(bb + c, mk);                          \
+                                blo = _mm512_mul_epi32(GEMM_BLO_##BBITS(bv), vMb);                        \
+                                bhi = _mm512_mul_epi32(GEMM_BHI_##BBITS(bv), vMb);                        \
                             }                                                                             \
-                            v = round_clamp_x8(v, GEMM_LD(kh + ch), GEMM_LD(kp + ch), GEMM_LD(ks + ch), vlo, vhi); \
-                            _mm512_mask_cvtepi64_storeu_epi##OBITS(o + c, mk, v);                         \
+                            const int32_t *t = tile + r * 64 + c;                                         \
+                            __m512i qlo = gemm_requant_x8(_mm256_load_si256((const __m256i *)t), kc, Op, ch, ADD, \
+                                                          blo, vlo, vhi);                                 \
+                            __m512i qhi = gemm_requant_x8(_mm256_load_si256((const __m256i *)(t + 8)), kc, Op, \
+                                                          ch + 8, ADD, bhi, vlo, vhi);                    \
+                            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)), \
+                                                           _mm512_cvtepi64_epi32(qhi), 1);                \
+                            GEMM_ST_##OBITS(o + c, mk, full, q);                                          \
                         }                                                                                 \
                     }                                                                                     \
                 }                                                                                         \
