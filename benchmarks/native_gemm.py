@@ -4,7 +4,7 @@
 
 For each zoo model (quantized as ``benchmarks/simulator.py`` does) two ``PartitionedRunner``s are
 built on the same converted model: ``gemm`` with the native GEMM for the 1x1 convs and linear
-layers it proves exact, ``old`` with ``QCOMPILER_NATIVE_GEMM=0`` at build time (oneDNN's int8
+layers it proves exact, ``old`` with ``QCOMPILER_NATIVE_VNNI=0`` at build time (oneDNN's int8
 conv with a float32 output + the native requantization, or the int8/float GEMMs).  Both outputs
 must be ``torch.equal`` to the converted model's.  Times are the best of ``--repeat`` calls in
 rotation at one torch thread (the machine may be shared: the rotation exposes both to the same
@@ -28,19 +28,19 @@ import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import best_times, calibration_batches, converted_model, environment, op_kind_profile  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
 from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
-from qcompiler.native.gemm import ENV_GEMM, gemm_available  # noqa: E402
+from qcompiler.native.gemm import ENV_VNNI, gemm_available  # noqa: E402
 
 
 def _runner(gm, programs, gemm: bool) -> PartitionedRunner:
-    saved = os.environ.get(ENV_GEMM)
-    os.environ[ENV_GEMM] = "1" if gemm else "0"
+    saved = os.environ.get(ENV_VNNI)
+    os.environ[ENV_VNNI] = "1" if gemm else "0"
     try:
         return PartitionedRunner(gm, programs, threads=1)
     finally:
         if saved is None:
-            os.environ.pop(ENV_GEMM, None)
+            os.environ.pop(ENV_VNNI, None)
         else:
-            os.environ[ENV_GEMM] = saved
+            os.environ[ENV_VNNI] = saved
 
 
 def main(argv=None) -> None:

@@ -14,7 +14,7 @@ from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.gemm import ENV_GEMM, Int8Gemm, gemm_available
+from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
@@ -30,7 +30,8 @@ def gemm_cases(draw):
                 O=draw(st.integers(1, 150)), bias=draw(st.booleans()), extreme=draw(st.booleans()),
                 out=draw(st.sampled_from(["qint8", "qint16"])), act=draw(st.sampled_from([None, "relu", "relu6"])),
                 add=draw(st.sampled_from([None, torch.int8, torch.int16])), n=draw(st.integers(0, 40)),
-                nb=draw(st.integers(0, 40)), ties=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 31 - 1)))
+                nb=draw(st.integers(0, 40)), ties=draw(st.booleans()), m_bits=draw(st.sampled_from([15, 31])),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
 def _case(c):
@@ -44,11 +45,12 @@ def _case(c):
     else:
         w = torch.randint(-128, 128, (O, K), dtype=torch.int8, generator=g)
         x = torch.randint(-128, 128, (P, K), dtype=torch.int8, generator=g)
-    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g).to(torch.int32) if c["bias"] else None
+    b_max = 1 << (26 if c["m_bits"] == 31 else 20)  # 2**26 * 2**31 > 2**53: the int64 epilogue
+    bias = torch.randint(-b_max, b_max, (O,), generator=g).to(torch.int32) if c["bias"] else None
     if c["ties"]:  # power-of-two factors: exact ties of both parities
         M = torch.ones(O, dtype=torch.int64)
-    else:
-        M = torch.randint(1, 1 << 15, (O,), generator=g)
+    else:  # up to 2**31: |acc * M| beyond 2**53 takes the int64 epilogue, below it the float64 one
+        M = torch.randint(1, 1 << c["m_bits"], (O,), generator=g)
     n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (O,), generator=g)
     lo, hi = fp.qrange(c["out"])
     if c["act"] == "relu":
@@ -183,7 +185,7 @@ def test_the_simulator_runs_1x1_convs_and_linears_on_the_gemm_exactly(kind, with
     prog, inputs = _gemm_program(kind, with_add, act, stride, out_dtype)
     ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
     for on in (True, False):
-        monkeypatch.setenv(ENV_GEMM, "1" if on else "0")
+        monkeypatch.setenv(ENV_VNNI, "1" if on else "0")
         sim = BpuSimulator(prog, native=True)
         kinds = {type(s[0]).__name__ for s in sim._steps}
         assert ("_NativeGemmLayer" in kinds) == on, kinds
@@ -191,3 +193,18 @@ def test_the_simulator_runs_1x1_convs_and_linears_on_the_gemm_exactly(kind, with
         assert got.keys() == ref.keys()
         for k in ref:
             assert torch.equal(got[k], ref[k]), (on, k)
+
+
+@needs_gemm
+@settings(SETTINGS, max_examples=60)
+@given(gemm_cases())
+def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):
+    """Multipliers near 2**31 and a bias near 2**26: |acc * M| may pass 2**53, so the kernel takes its
+    int64 epilogue (not the float64 one) without a fused add."""
+    c = {**c, "add": None, "m_bits": 31, "bias": True, "ties": False}
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    bias[0] = (1 << 26) - 1
+    M[0] = (1 << 31) - 1
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]])
+    assert k.f64 == 0
+    assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, lo, hi, None, None))

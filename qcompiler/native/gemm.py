@@ -14,44 +14,40 @@ caller keeps its other path then):
   ``bias32`` and the true accumulator, and ``vpdpbusd`` wraps modulo 2**32 (never saturates), so
   the final int32 is the true sum whatever the order;
 * ``|M|, |Mb| < 2**31`` (exact 32 x 32-bit products), ``|acc| * max |M| < 2**62`` (the int64
-  product), shifts in [0, 62]; with a fused add the sum
+  product), shifts in [0, 62]; when ``|acc| * max |M| < 2**53`` and there is no fused add, the epilogue
+  runs in float64 instead: ``acc * (M * 2**-n)`` is exact (an integer below 2**53 times a power of two),
+  the clamp to integer bounds commutes with rounding, and the conversion rounds half to even; with a fused add the sum
   over the common denominator ``2**max(n, nb)`` stays below 2**62 (layers that would need
   128-bit sums are refused).
 
 Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
-(:func:`gemm_available`); ``QCOMPILER_NATIVE_GEMM=0`` turns it off (benchmarks compare both paths).
+(:func:`gemm_available`); ``QCOMPILER_NATIVE_VNNI=0`` turns it off (benchmarks compare both paths).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from qcompiler.errors import ConfigError
-from qcompiler.native.kernels import INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok
-from qcompiler.native.build import library
+from qcompiler.native.kernels import ENV_VNNI, INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok, vnni_enabled
 
-__all__ = ["Int8Gemm", "gemm_available", "ENV_GEMM"]
-
-ENV_GEMM = "QCOMPILER_NATIVE_GEMM"  # "0" / "off": the simulator keeps its other conv / linear paths
+__all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI"]
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _INT = {torch.int8: "i8", torch.int16: "i16"}
-_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P)
+_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P)
+F64_EXACT = 1 << 53
 _I32 = 1 << 31
 
 
 def gemm_available() -> bool:
-    """Whether the native library is loaded, was compiled with AVX512-VNNI, and ``QCOMPILER_NATIVE_GEMM``
-    does not turn the kernel off."""
-    if os.environ.get(ENV_GEMM, "").strip().lower() in ("0", "off", "false", "no"):
-        return False
-    lib = library()
-    return lib is not None and _fn("qc_gemm_vnni", ())() == 1
+    """Whether the kernel can run here: :func:`~qcompiler.native.kernels.vnni_enabled` (the library
+    compiled with AVX512-VNNI and AVX512-BW, ``QCOMPILER_NATIVE_VNNI`` not 0)."""
+    return vnni_enabled()
 
 
 class Int8Gemm:
@@ -82,6 +78,8 @@ class Int8Gemm:
         self.M = M.to(torch.int64).reshape(-1).expand(O).contiguous()
         self.n = n.to(torch.int64).reshape(-1).expand(O).contiguous()
         self.add = add
+        # without a fused add and with |acc| * |M| < 2**53: the float64 epilogue (exact, fewer operations)
+        self.f64 = int(add is None and self.acc_bound(w, bias) * int(self.M.abs().max()) < F64_EXACT)
         if add is None:
             self._f = _fn(f"qc_gemm_{_INT[out_dtype]}", _ARGS)
             self.Mb = self.nb = 0
@@ -160,5 +158,5 @@ class Int8Gemm:
             _ok(self._f(x.data_ptr(), x.stride(0) if P > 1 else self.K, m0, m1, self.K, self.O, self.wpack.data_ptr(),
                         self.bias32.data_ptr(), self.M.data_ptr(), self.n.data_ptr(),
                         None if other is None else other.data_ptr(), self.Mb, self.nb, self.lo, self.hi,
-                        out.data_ptr()))
+                        self.f64, out.data_ptr()))
         return out

@@ -381,12 +381,14 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
 }
 
 /* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
- * allocation of 6 arrays: M, hm1(s), pm = (s > 0), s, s - n, s - nb, with s = n (no fused add) or
- * max(n, nb) (fused add; s - n and s - nb then bring both terms to the denominator 2**s). */
+ * allocation of 7 arrays: M, hm1(s), pm = (s > 0), s, s - n, s - nb, with s = n (no fused add) or
+ * max(n, nb) (fused add; s - n and s - nb then bring both terms to the denominator 2**s), and the
+ * float64 factors M * 2**-n (exact: M < 2**53, a power-of-two scaling in the normal range). */
 static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb) {
     const int64_t Op = (O + 15) / 16 * 16;
-    int64_t *k = calloc((size_t)(6 * Op + 1), sizeof(int64_t));
+    int64_t *k = calloc((size_t)(7 * Op + 1), sizeof(int64_t));
     if (!k) return NULL;
+    double *f = (double *)(k + 6 * Op);
     for (int64_t c = 0; c < O; c++) {
         int64_t s = add && nb > n[c] ? nb : n[c];
         k[c] = M[c];
@@ -395,6 +397,7 @@ static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int a
         k[3 * Op + c] = s;
         k[4 * Op + c] = s - n[c];
         k[5 * Op + c] = s - nb;
+        f[c] = ldexp((double)M[c], (int)-n[c]);
     }
     return k;
 }
@@ -420,6 +423,22 @@ static inline __m512i gemm_requant_x8(__m256i acc, const int64_t *kc, int64_t Op
     return round_clamp_x8(v, GEMM_LD(kc + Op + ch), GEMM_LD(kc + 2 * Op + ch), GEMM_LD(kc + 3 * Op + ch), lo, hi);
 }
 
+/* 16 channels of the epilogue without a fused add, in float64, when the caller proved |acc| * |M| < 2**53:
+ * acc * (M * 2**-n) is then exact (an integer below 2**53 scaled by a power of two), the clamp to the
+ * integers [lo, hi] commutes with rounding, and the conversion rounds half to even (embedded RNE):
+ * clamp(round_half_even(acc * M / 2**n), lo, hi) exactly, as round_clamp gives it.  Int32 results. */
+static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64_t Op, int64_t ch, __m512d lo,
+                                           __m512d hi) {
+    const double *f = (const double *)(kc + 6 * Op) + ch;
+    __m512d a = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(acc)), _mm512_loadu_pd(f));
+    __m512d b = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(acc, 1)), _mm512_loadu_pd(f + 8));
+    a = _mm512_min_pd(_mm512_max_pd(a, lo), hi);
+    b = _mm512_min_pd(_mm512_max_pd(b, lo), hi);
+    __m256i ia = _mm512_cvt_roundpd_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i ib = _mm512_cvt_roundpd_epi32(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(ia), ib, 1);
+}
+
 /* 16 fused operands (int8 / int16, masked load) and their int64 halves; 16 int32 results (in range
  * after the clamp) narrowed to int8 / int16 stores. */
 #define GEMM_BLD_8(P, MK) _mm256_castsi128_si256(_mm_maskz_loadu_epi8(MK, P))
@@ -441,8 +460,9 @@ static inline __m512i gemm_requant_x8(__m256i acc, const int64_t *kc, int64_t Op
     QC_API int NAME(const int8_t *restrict x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,   \
                     const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
                     const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
-                    int64_t hi, OUT_T *restrict out) {                                                    \
+                    int64_t hi, int f64, OUT_T *restrict out) {                                           \
         const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
+        const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
         if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
         int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
@@ -478,6 +498,12 @@ static inline __m512i gemm_requant_x8(__m256i acc, const int64_t *kc, int64_t Op
                                 bhi = _mm512_mul_epi32(GEMM_BHI_##BBITS(bv), vMb);                        \
                             }                                                                             \
                             const int32_t *t = tile + r * 64 + c;                                         \
+                            if (!ADD && f64) {                                                            \
+                                const __m512i q = gemm_requant_f64_x16(_mm512_load_si512((const void *)t), kc, Op, \
+                                                                       ch, dlo, dhi);                     \
+                                GEMM_ST_##OBITS(o + c, mk, full, q);                                      \
+                                continue;                                                                 \
+                            }                                                                             \
                             __m512i qlo = gemm_requant_x8(_mm256_load_si256((const __m256i *)t), kc, Op, ch, ADD, \
                                                           blo, vlo, vhi);                                 \
                             __m512i qhi = gemm_requant_x8(_mm256_load_si256((const __m256i *)(t + 8)), kc, Op, \
@@ -501,6 +527,91 @@ GEMM_FN(qc_gemm_add_i8_i8, int8_t, 8, int8_t, 8, 1)
 GEMM_FN(qc_gemm_add_i16_i8, int16_t, 16, int8_t, 8, 1)
 GEMM_FN(qc_gemm_add_i8_i16, int8_t, 8, int16_t, 16, 1)
 GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
+
+/* Depthwise int8 conv (as qc_dwconv_* above: same arguments, same results) with AVX512-VNNI:
+ * per output position and block of 16 channels, the taps in pairs (t, t+1): the two taps' int8
+ * inputs widened to int16 and interleaved per channel, then vpdpwssd adds x_t * w_t + x_t1 * w_t1
+ * (exact int16 products, int32 sums: the caller's 128 * L1 + |bias| < 2**31 bound) to the int32
+ * accumulator, which starts at the bias.  wp: int16 weight pairs, (npairs, Cp, 2) with Cp = 16 *
+ * ceil(C / 16), zero for a missing odd tap and beyond C.  A tap outside the input reads a row of
+ * zeros (the int8 zero point).  The epilogue is gemm_requant_x8 (round_clamp, lane-wise), or
+ * gemm_requant_f64_x16 when the caller proved |acc| * |M| < 2**53 (f64 != 0). */
+#define DW2_Q 4 /* output positions per step (independent accumulators sharing the weight loads) */
+#define DW2_FN(NAME, OUT_T, OBITS)                                                                       \
+    QC_API int NAME(const int8_t *restrict x, int64_t N, int64_t H, int64_t W, int64_t C,                  \
+                    const int16_t *restrict wp, int64_t kh, int64_t kw, const int32_t *restrict bias,       \
+                    int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho,     \
+                    int64_t Wo, const int64_t *restrict M, const int64_t *restrict n, int64_t lo,           \
+                    int64_t hi, int f64, OUT_T *restrict out) {                                           \
+        const int64_t T = kh * kw, np = (T + 1) / 2, Cp = (C + 15) / 16 * 16;                             \
+        const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+        int64_t *kc = gemm_consts(M, n, C, 0, 0);                                                         \
+        int8_t *zeros = calloc((size_t)(Cp + 64), 1);                                                     \
+        int32_t *b32 = calloc((size_t)(Cp + 16), sizeof(int32_t));                                        \
+        const int8_t **xt = malloc(sizeof(int8_t *) * (size_t)(DW2_Q * 2 * np + 1));                      \
+        if (!kc || !zeros || !b32 || !xt) {                                                               \
+            free(kc);                                                                                     \
+            free(zeros);                                                                                  \
+            free(b32);                                                                                    \
+            free(xt);                                                                                     \
+            return -1;                                                                                    \
+        }                                                                                                 \
+        if (bias) memcpy(b32, bias, sizeof(int32_t) * (size_t)C);                                         \
+        for (int q = 0; q < DW2_Q; q++) xt[q * 2 * np + 2 * np - 1] = zeros; /* a missing odd tap */      \
+        const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), zero = _mm512_setzero_si512(); \
+        const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,   \
+                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  \
+        for (int64_t b = 0; b < N; b++)                                                                   \
+            for (int64_t oh = 0; oh < Ho; oh++)                                                           \
+                for (int64_t ow0 = 0; ow0 < Wo; ow0 += DW2_Q) {                                           \
+                    const int64_t nq = Wo - ow0 < DW2_Q ? Wo - ow0 : DW2_Q;                               \
+                    for (int64_t q = 0; q < DW2_Q; q++) {                                                 \
+                        const int64_t ow = ow0 + (q < nq ? q : nq - 1); /* extra slots repeat the last */ \
+                        for (int64_t i = 0; i < kh; i++)                                                  \
+                            for (int64_t j = 0; j < kw; j++) {                                            \
+                                int64_t ih = oh * sh - ph + i * dh, iw = ow * sw - pw + j * dw;           \
+                                xt[q * 2 * np + i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W      \
+                                    ? zeros : x + ((b * H + ih) * W + iw) * C;                            \
+                            }                                                                             \
+                    }                                                                                     \
+                    OUT_T *o = out + ((b * Ho + oh) * Wo + ow0) * C;                                      \
+                    for (int64_t c = 0; c < C; c += 16) {                                                 \
+                        const int full = C - c >= 16;                                                     \
+                        const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c)) - 1); \
+                        __m512i acc[DW2_Q];                                                               \
+                        for (int q = 0; q < DW2_Q; q++) acc[q] = _mm512_loadu_si512((const void *)(b32 + c)); \
+                        for (int64_t p = 0; p < np; p++) {                                                \
+                            const __m512i wv = GEMM_LD(wp + (p * Cp + c) * 2);                            \
+                            for (int q = 0; q < DW2_Q; q++) {                                             \
+                                const int8_t *const *xq = xt + q * 2 * np + 2 * p;                        \
+                                __m256i x0 = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mk, xq[0] + c));   \
+                                __m256i x1 = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mk, xq[1] + c));   \
+                                __m512i xx = _mm512_permutex2var_epi16(_mm512_castsi256_si512(x0), inter, \
+                                                                       _mm512_castsi256_si512(x1));       \
+                                acc[q] = _mm512_dpwssd_epi32(acc[q], xx, wv);                             \
+                            }                                                                             \
+                        }                                                                                 \
+                        for (int q = 0; q < nq && f64; q++)                                               \
+                            GEMM_ST_##OBITS(o + q * C + c, mk, full, gemm_requant_f64_x16(acc[q], kc, Cp, c, dlo, dhi)); \
+                        for (int q = 0; q < nq && !f64; q++) {                                            \
+                            __m512i qlo = gemm_requant_x8(_mm512_castsi512_si256(acc[q]), kc, Cp, c, 0, zero, vlo, vhi); \
+                            __m512i qhi = gemm_requant_x8(_mm512_extracti64x4_epi64(acc[q], 1), kc, Cp, c + 8, 0, \
+                                                          zero, vlo, vhi);                                \
+                            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)), \
+                                                           _mm512_cvtepi64_epi32(qhi), 1);                \
+                            GEMM_ST_##OBITS(o + q * C + c, mk, full, r);                                  \
+                        }                                                                                 \
+                    }                                                                                     \
+                }                                                                                         \
+        free(kc);                                                                                         \
+        free(zeros);                                                                                      \
+        free(b32);                                                                                        \
+        free(xt);                                                                                         \
+        return 0;                                                                                         \
+    }
+
+DW2_FN(qc_dwconv2_i8_i8, int8_t, 8)
+DW2_FN(qc_dwconv2_i8_i16, int16_t, 16)
 
 #else
 QC_API int qc_gemm_vnni(void) { return 0; }
