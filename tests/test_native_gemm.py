@@ -154,13 +154,14 @@ def test_int8_gemm_refuses_what_it_cannot_do_exactly():
         k(torch.zeros(3, 8, dtype=torch.int8), m0=2, m1=4)
 
 
-def _gemm_program(kind: str, with_add: bool, act, stride: int = 1, out_dtype: str = "qint8"):
+def _gemm_program(kind: str, with_add: bool, act, stride: int = 1, out_dtype: str = "qint8", k: int = 1):
     t = Tiny(seed=11)
     if kind == "conv2d":
         x = t.input(torch.randint(-128, 128, (2, 40, 7, 9), generator=t.gen), 0.05)
-        w = torch.randint(-127, 128, (33, 40, 1, 1), generator=t.gen)
-        other_shape = (2, 33, (7 - 1) // stride + 1, (9 - 1) // stride + 1)
-        geom = geometry(stride, 0, 1, 1)
+        w = torch.randint(-127, 128, (33, 40, k, k), generator=t.gen)
+        p = k // 2
+        other_shape = (2, 33, (7 + 2 * p - k) // stride + 1, (9 + 2 * p - k) // stride + 1)
+        geom = geometry(stride, p, 1, 1)
     else:
         x = t.input(torch.randint(-128, 128, (3, 5, 70), generator=t.gen), 0.05)
         w = torch.randint(-127, 128, (21, 70), generator=t.gen)
@@ -177,12 +178,14 @@ def _gemm_program(kind: str, with_add: bool, act, stride: int = 1, out_dtype: st
 
 
 @needs_gemm
-@pytest.mark.parametrize("kind,with_add,act,stride,out_dtype", [
-    ("conv2d", False, None, 1, "qint8"), ("conv2d", True, "relu", 1, "qint8"), ("conv2d", False, "relu6", 2, "qint8"),
-    ("conv2d", True, None, 2, "qint16"), ("linear", False, "relu", 1, "qint8"), ("linear", True, None, 1, "qint16")])
-def test_the_simulator_runs_1x1_convs_and_linears_on_the_gemm_exactly(kind, with_add, act, stride, out_dtype,
-                                                                      monkeypatch):
-    prog, inputs = _gemm_program(kind, with_add, act, stride, out_dtype)
+@pytest.mark.parametrize("kind,with_add,act,stride,out_dtype,k", [
+    ("conv2d", False, None, 1, "qint8", 1), ("conv2d", True, "relu", 1, "qint8", 1),
+    ("conv2d", False, "relu6", 2, "qint8", 1), ("conv2d", True, None, 2, "qint16", 1),
+    ("conv2d", True, "relu", 1, "qint8", 3), ("conv2d", False, None, 2, "qint16", 3),
+    ("linear", False, "relu", 1, "qint8", 1), ("linear", True, None, 1, "qint16", 1)])
+def test_the_simulator_runs_convs_and_linears_on_the_gemm_exactly(kind, with_add, act, stride, out_dtype, k,
+                                                                  monkeypatch):
+    prog, inputs = _gemm_program(kind, with_add, act, stride, out_dtype, k)
     ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
     for on in (True, False):
         monkeypatch.setenv(ENV_VNNI, "1" if on else "0")
@@ -208,3 +211,48 @@ def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):
     k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]])
     assert k.f64 == 0
     assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, lo, hi, None, None))
+
+
+@st.composite
+def conv_cases(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 10))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 10))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 2, 3, 5, 16, 33, 64])), H=H, W=W,
+                O=draw(st.integers(1, 70)), k=(kh, kw), stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                padding=(ph, pw), dilation=(dh, dw), extreme=draw(st.booleans()), add=draw(st.booleans()),
+                out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_gemm
+@SETTINGS
+@given(conv_cases())
+def test_int8_gemm_conv_equals_the_int64_reference(c):
+    """The im2col inside the kernel (taps in the padding are the zero point) against conv2d in float64
+    (exact for these sums) and the int64 requantization."""
+    g = torch.Generator().manual_seed(c["seed"])
+    N, C, H, W, O = c["N"], c["C"], c["H"], c["W"], c["O"]
+    if c["extreme"]:
+        w = torch.where(torch.rand(O, C, *c["k"], generator=g) < 0.5, -128, 127).to(torch.int8)
+        x = torch.where(torch.rand(N, C, H, W, generator=g) < 0.5, -128, 127).to(torch.int8)
+    else:
+        w = torch.randint(-128, 128, (O, C, *c["k"]), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g)
+    M, n = torch.randint(1, 1 << 15, (O,), generator=g), torch.randint(15, 25, (O,), generator=g)
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), c["stride"], c["padding"],
+                                     c["dilation"]).to(torch.int64)
+    lo, hi = fp.qrange(c["out"])
+    other = add = None
+    if c["add"]:
+        other = torch.randint(-128, 128, acc.shape, dtype=torch.int8, generator=g)
+        add = (int(torch.randint(-(1 << 15), 1 << 15, (1,), generator=g)), 12, torch.int8)
+        want = fp.round_scaled_sum(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1), other.to(torch.int64) * add[0], 12)
+    else:
+        want = fp.rounding_shift(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1))
+    k = Int8Gemm(w.permute(0, 2, 3, 1).reshape(O, -1), bias, M, n, lo, hi, _OUT[c["out"]], add)
+    got = k.conv(x.permute(0, 2, 3, 1).contiguous(), c["k"], c["stride"], c["padding"], c["dilation"],
+                 None if other is None else other.permute(0, 2, 3, 1).contiguous())
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))

@@ -39,7 +39,7 @@ __all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI"]
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _INT = {torch.int8: "i8", torch.int16: "i16"}
-_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P)
+_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P)
 F64_EXACT = 1 << 53
 _I32 = 1 << 31
 
@@ -154,9 +154,44 @@ class Int8Gemm:
             raise ConfigError("Int8Gemm: other must be given exactly when the layer has a fused add")
         if other is not None:
             _check(other, "Int8Gemm: other", (self.add[2],), (P, self.O))
+        self._run(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1)
+        return out
+
+    def _run(self, x, ldx, geo, out, other, m0, m1) -> None:
         if m1 > m0:
-            _ok(self._f(x.data_ptr(), x.stride(0) if P > 1 else self.K, m0, m1, self.K, self.O, self.wpack.data_ptr(),
-                        self.bias32.data_ptr(), self.M.data_ptr(), self.n.data_ptr(),
-                        None if other is None else other.data_ptr(), self.Mb, self.nb, self.lo, self.hi,
-                        self.f64, out.data_ptr()))
+            _ok(self._f(x.data_ptr(), ldx, m0, m1, self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(),
+                        self.M.data_ptr(), self.n.data_ptr(), None if other is None else other.data_ptr(), self.Mb,
+                        self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr()))
+
+    def conv(self, x: torch.Tensor, kernel_size, stride, padding, dilation, other: Optional[torch.Tensor] = None,
+             m0: int = 0, m1: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A conv2d (groups 1) whose weight ``(O, C, kh, kw)`` was given as ``w.permute(0, 2, 3, 1)``
+        reshaped to ``(O, kh * kw * C)``: ``x`` (N, H, W, C) int8 contiguous (channels-last), the result
+        (N, Ho, Wo, O); the kernel gathers each output position's taps itself (zero padding).  Rows
+        ``m0:m1`` of the N * Ho * Wo output positions are written; ``other`` as ``out``, contiguous."""
+        kh, kw = (int(v) for v in kernel_size)
+        sh, sw, ph, pw, dh, dw = (int(v) for v in (*stride, *padding, *dilation))
+        if (not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 4 or x.device.type != "cpu"
+                or not x.is_contiguous() or x.shape[3] * kh * kw != self.K):
+            raise ConfigError(f"Int8Gemm.conv: x must be an int8 contiguous (N, H, W, C) tensor with C * {kh} * {kw} "
+                              f"= {self.K}, got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        if min(sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+            raise ConfigError(f"Int8Gemm.conv: bad geometry stride {stride}, padding {padding}, dilation {dilation}")
+        N, H, W, C = x.shape
+        Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        if Ho <= 0 or Wo <= 0:
+            raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
+        P = N * Ho * Wo
+        m1 = P if m1 is None else m1
+        if not 0 <= m0 <= m1 <= P:
+            raise ConfigError(f"Int8Gemm.conv: row range [{m0}, {m1}) is not within [0, {P}]")
+        if out is None:
+            out = torch.empty((N, Ho, Wo, self.O), dtype=self.out_dtype)
+        _check(out, "Int8Gemm.conv: out", (self.out_dtype,), (N, Ho, Wo, self.O))
+        if (other is None) != (self.add is None):
+            raise ConfigError("Int8Gemm.conv: other must be given exactly when the layer has a fused add")
+        if other is not None:
+            _check(other, "Int8Gemm.conv: other", (self.add[2],), (N, Ho, Wo, self.O))
+        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo], dtype=torch.int64)
+        self._run(x, self.K, geo, out, other, m0, m1)
         return out

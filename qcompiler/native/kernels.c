@@ -282,7 +282,8 @@ CAT_FN(qc_cat_i16_i16, int16_t, int16_t)
  *   out[p, o]  = clamp(round_half_even(acc * M[o] / 2**n[o] [+ b[p, o] * Mb / 2**nb]), lo, hi)
  *
  * x: rows of int8 (row stride ldx), b and out: rows of O (int8 / int16).  Only rows m0..m1-1 are
- * computed, so callers may split the rows of one call over threads.
+ * computed, so callers may split the rows of one call over threads.  With geo != NULL, x is an NHWC
+ * conv input and row p is the im2col row of output position p (gemm_stage_conv), K = kh * kw * C.
  *
  * AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of four products
  * to int32 lanes, with wrap-around (not the saturating vpdpbusds).  The int8 activation x is fed as
@@ -380,6 +381,38 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
     }
 }
 
+/* The im2col rows r0..r1-1 of a conv as gemm_stage makes them: output position r = (b, oh, ow) of
+ * the NHWC int8 input x, its taps (i, j) in order, C bytes each (x ^ 0x80; a tap in the padding is
+ * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}. */
+static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g, int64_t r0, int64_t r1, int64_t Kq,
+                            uint8_t *restrict xu) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
+    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t b = r / (Ho * Wo), oh = r / Wo % Ho, ow = r % Wo;
+        uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
+        for (int64_t i = 0; i < kh; i++) {
+            const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
+            if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
+                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw0) * C);
+                for (int64_t c = 0; c < kw * C; c++) d[c] = s[c] ^ 0x80;
+                d += kw * C;
+                continue;
+            }
+            for (int64_t j = 0; j < kw; j++, d += C) {
+                const int64_t iw = ow * sw - pw + j * dw;
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
+                    memset(d, 0x80, (size_t)C);
+                    continue;
+                }
+                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw) * C);
+                for (int64_t c = 0; c < C; c++) d[c] = s[c] ^ 0x80;
+            }
+        }
+        for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
+    }
+}
+
 /* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
  * allocation of 7 arrays: M, hm1(s), pm = (s > 0), s, s - n, s - nb, with s = n (no fused add) or
  * max(n, nb) (fused add; s - n and s - nb then bring both terms to the denominator 2**s), and the
@@ -460,7 +493,7 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
     QC_API int NAME(const int8_t *restrict x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,   \
                     const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
                     const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
-                    int64_t hi, int f64, OUT_T *restrict out) {                                           \
+                    int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
         const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
@@ -476,7 +509,10 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
         int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
             const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
-            gemm_stage(x, ldx, r0, r1, K, Kq, xu);                                                        \
+            if (geo)                                                                                      \
+                gemm_stage_conv(x, geo, r0, r1, Kq, xu);                                                  \
+            else                                                                                          \
+                gemm_stage(x, ldx, r0, r1, K, Kq, xu);                                                    \
             for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
                 const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
