@@ -256,3 +256,12 @@ def test_int8_gemm_conv_equals_the_int64_reference(c):
     got = k.conv(x.permute(0, 2, 3, 1).contiguous(), c["k"], c["stride"], c["padding"], c["dilation"],
                  None if other is None else other.permute(0, 2, 3, 1).contiguous())
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))
+
+
+@needs_gemm
+def test_the_strides_of_1_sized_dims_do_not_matter():
+    """torch gives 1-sized dims arbitrary strides ((1, 1) rows from a reshape of a view): accepted, read right."""
+    w = torch.tensor([[3], [-5]], dtype=torch.int8)
+    k = Int8Gemm(w, None, torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), -128, 127, torch.int8)
+    x = torch.as_strided(torch.tensor([7, -2, 9], dtype=torch.int8), (3, 1), (1, 5))
+    assert torch.equal(k(x), torch.tensor([[21, -35], [-6, 10], [27, -45]], dtype=torch.int8))

@@ -141,7 +141,8 @@ class Int8Gemm:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 2 or x.shape[1] != self.K:
             raise ConfigError(f"Int8Gemm: x must be an int8 (rows, {self.K}) matrix, got "
                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        if x.device.type != "cpu" or x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < self.K):
+        # (the stride of a 1-sized dim is never used: torch may give it any value)
+        if x.device.type != "cpu" or (self.K > 1 and x.stride(1) != 1) or (x.shape[0] > 1 and x.stride(0) < self.K):
             raise ConfigError("Int8Gemm: x must be on the CPU with unit column stride and rows of at least K")
         P = x.shape[0]
         m1 = P if m1 is None else m1
