@@ -24,6 +24,11 @@ computes, bit for bit.  Two kernel sets are available:
       (``native=``, default :func:`~qcompiler.native.build.native_enabled`)
       that epilogue is one pass of integer arithmetic in C.  Layers whose epilogue is not
       proven exact that way, and int16 inputs, use the kernels below.
+    * with the native kernels on a CPU with AVX512-VNNI, groups-1 convs and linear layers of int8
+      inputs run on the native int8 GEMM with the requantization fused
+      (:class:`~qcompiler.native.gemm.Int8Gemm`, ``_NativeGemmLayer``), and depthwise convs on
+      its VNNI depthwise kernel, where each proves the layer exact; ``QCOMPILER_NATIVE_VNNI=0``
+      keeps the kernels above.
     * int8 max pools are torch's quantized max pool on the same bytes; cat
       copies or requantizes each input into its output slice in float64
       (exact for int8/int16 inputs); nearest resize requantizes the input,
