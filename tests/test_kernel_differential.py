@@ -35,6 +35,7 @@ from qcompiler.backends.bpu.simulator import (
     run_partitioned,
 )
 from qcompiler.compiled import compile as qc_compile
+from qcompiler.native.kernels import ENV_VNNI
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
@@ -375,7 +376,7 @@ def test_nearest_resize_kernels_agree(N, C, H, W, Ho, Wo, in_scale, out_scale, i
 @pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
 @pytest.mark.parametrize("cin,k,weights", [(1100, 1, "extreme"), (700, 1, "extreme"), (300, 3, "full"),
                                            (40, 3, "extreme")])
-def test_onednn_conv_splits_input_channels(cin, k, weights):
+def test_onednn_conv_splits_input_channels(cin, k, weights, monkeypatch):
     """Layers whose L1 bound passes 2**24 run as several oneDNN convolutions over input-channel
     chunks (summed in float64); the result equals the int64 reference.  +-127 weights over 1100
     channels are the worst case of one chunk per ~1030 channels."""
@@ -386,7 +387,10 @@ def test_onednn_conv_splits_input_channels(cin, k, weights):
                          geometry=geometry(1, k // 2, 1, 1), act="relu", name="conv")
     prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
     conv_op = next(op for op in prog.ops if op.kind == "conv2d")
-    kernel = next(s[0] for s in BpuSimulator(prog, onednn=True)._steps if isinstance(s[0], sim_mod._OnednnConvLayer))
+    with monkeypatch.context() as m:
+        m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
+        sim = BpuSimulator(prog, onednn=True)
+    kernel = next(s[0] for s in sim._steps if isinstance(s[0], sim_mod._OnednnConvLayer))
     bound = 128 * int(w.abs().sum(dim=(1, 2, 3)).max()) + int(conv_op.tensors["bias"].abs().max())
     assert (len(kernel.conv.chunks) > 1) == (bound >= 2 ** 24)
     _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
@@ -406,7 +410,7 @@ def test_float64_epilogue_exactness_rule():
 
 
 @pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
-def test_onednn_layer_falls_back_when_the_epilogue_is_not_proven():
+def test_onednn_layer_falls_back_when_the_epilogue_is_not_proven(monkeypatch):
     """A shift past 53 - b makes the builder pick the tie-checking kernel; results stay exact."""
     t = Tiny(seed=3)
     x = t.input(_ints(t.gen, (1, 4, 5, 5), "qint8"), 0.05)
@@ -416,7 +420,9 @@ def test_onednn_layer_falls_back_when_the_epilogue_is_not_proven():
                          name="conv")
     prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
     assert int(next(op for op in prog.ops if op.kind == "conv2d").tensors["n"].max()) > 46
-    kinds = [type(s[0]).__name__ for s in BpuSimulator(prog, onednn=True)._steps]
+    with monkeypatch.context() as m:
+        m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
+        kinds = [type(s[0]).__name__ for s in BpuSimulator(prog, onednn=True)._steps]
     assert "_OnednnConvLayer" not in kinds and "_FastConv" in kinds
     _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
 

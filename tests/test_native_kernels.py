@@ -21,7 +21,14 @@ from qcompiler.backends.bpu.onednn_conv import NhwcRequant
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.native import build
-from qcompiler.native.kernels import DepthwiseConv, histogram_abs, histogram_abs_minmax, requant_columns, requant_rows
+from qcompiler.native.kernels import (
+    DepthwiseConv,
+    histogram_abs,
+    histogram_abs_minmax,
+    requant_columns,
+    requant_rows,
+    vnni_enabled,
+)
 from qcompiler.quantization import fixed_point as fp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,7 +304,8 @@ def dw_cases(draw):
                 stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), padding=(ph, pw), dilation=(dh, dw),
                 bias=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
                 act=draw(st.sampled_from([None, "relu", "relu6"])), extreme=draw(st.booleans()),
-                n=draw(st.integers(0, 40)), seed=draw(st.integers(0, 2 ** 31 - 1)))
+                n=draw(st.integers(0, 40)), m_bits=draw(st.sampled_from([0, 15, 31])), vnni=draw(st.booleans()),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
 @needs_native
@@ -314,8 +322,10 @@ def test_depthwise_conv_equals_the_int64_reference(c):
     else:
         w = torch.randint(-127, 128, (C, 1, *c["k"]), dtype=torch.int8, generator=g)
         x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
-    bias = torch.randint(-(1 << 20), 1 << 20, (C,), generator=g).to(torch.int32) if c["bias"] else None
-    M = torch.randint(1, 1 << 15, (C,), generator=g)
+    b_max = 1 << (26 if c["m_bits"] == 31 else 20)  # 2**26 * 2**31 > 2**53: the int64 epilogue
+    bias = torch.randint(-b_max, b_max, (C,), generator=g).to(torch.int32) if c["bias"] else None
+    # M = 1: exact ties at every shift; 2**31: |acc * M| beyond 2**53 (the VNNI kernel's int64 epilogue)
+    M = torch.randint(1, (1 << c["m_bits"]) + 1, (C,), generator=g)
     n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (C,), generator=g)
     lo, hi = fp.qrange(c["out"])
     if c["act"] == "relu":
@@ -325,7 +335,8 @@ def test_depthwise_conv_equals_the_int64_reference(c):
     acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), c["stride"],
                                      c["padding"], c["dilation"], C).to(torch.int64)
     want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
-    kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]])
+    kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]],
+                           vnni=c["vnni"] and vnni_enabled())
     got = kernel(x.permute(0, 2, 3, 1).contiguous())
     assert got.dtype == _OUT[c["out"]]
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want)

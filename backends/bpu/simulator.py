@@ -24,6 +24,11 @@ computes, bit for bit.  Two kernel sets are available:
       (``native=``, default :func:`~qcompiler.native.build.native_enabled`)
       that epilogue is one pass of integer arithmetic in C.  Layers whose epilogue is not
       proven exact that way, and int16 inputs, use the kernels below.
+    * with the native kernels on a CPU with AVX512-VNNI, groups-1 convs and linear layers of int8
+      inputs run on the native int8 GEMM with the requantization fused
+      (:class:`~qcompiler.native.gemm.Int8Gemm`, ``_NativeGemmLayer``), and depthwise convs on
+      its VNNI depthwise kernel, where each proves the layer exact; ``QCOMPILER_NATIVE_VNNI=0``
+      keeps the kernels above.
     * int8 max pools are torch's quantized max pool on the same bytes; cat
       copies or requantizes each input into its output slice in float64
       (exact for int8/int16 inputs); nearest resize requantizes the input,
@@ -100,8 +105,15 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import (BilinearResize, DepthwiseConv, int32_requant, max_pool_nhwc, requant_columns,
-                                      requant_columns32)
+from qcompiler.native.gemm import Int8Gemm, gemm_available
+from qcompiler.native.kernels import (
+    BilinearResize,
+    DepthwiseConv,
+    int32_requant,
+    max_pool_nhwc,
+    requant_columns,
+    requant_columns32,
+)
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
@@ -334,7 +346,7 @@ _FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top
 @_kernel(FAST, "conv2d")
 def _fast_conv(k: KernelSpec) -> Callable:
     if k.native:
-        layer = _NativeDepthwiseLayer.build(k)
+        layer = _NativeDepthwiseLayer.build(k) or _NativeGemmLayer.build(k)
         if layer is not None:
             return layer
     if k.onednn:
@@ -346,6 +358,9 @@ def _fast_conv(k: KernelSpec) -> Callable:
 
 @_kernel(FAST, "linear")
 def _fast_linear(k: KernelSpec) -> Callable:
+    layer = _NativeGemmLayer.build(k) if k.native else None
+    if layer is not None:
+        return layer
     return _FastLinear(k.op, k.in_specs, k.name, k.ws, k.int8_gemm)
 
 
@@ -1578,3 +1593,86 @@ def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], t
         inputs = (inputs,)
     return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn,
                              native=native)(*inputs)
+
+
+class _NativeGemmLayer:
+    """A conv2d (groups 1; a 1x1 without padding reads its input rows directly, any other gathers its
+    taps in the kernel) or a linear of int8 inputs as one native int8 GEMM with the requantization,
+    fused add and relu/relu6 clamp in its epilogue (:class:`~qcompiler.native.gemm.Int8Gemm`),
+    channels-last in and out.  Built for int8 / int16 outputs when
+    :func:`~qcompiler.native.gemm.gemm_available` and the kernel proves the layer exact
+    (``Int8Gemm.refusal``); ``build`` returns None otherwise (the other kernels take it), and for large
+    kernels over few channels (measured slower than oneDNN: resnet18's 7x7 stem over 3 channels)."""
+
+    def __init__(self, gemm: Int8Gemm, conv: Optional[dict], other_dtype: Optional[torch.dtype],
+                 fallback: Callable) -> None:
+        self.gemm, self.conv, self.other_dtype, self.fallback = gemm, conv, other_dtype, fallback
+        self.pointwise = conv is not None and conv["kernel_size"] == (1, 1) and conv["padding"] == (0, 0)
+
+    @staticmethod
+    def build(k: KernelSpec) -> Optional["_NativeGemmLayer"]:
+        a, T = k.attrs, k.tensors
+        if (not k.native or k.in_specs[0].dtype != "qint8" or a["high_precision"]
+                or a["out_dtype"] not in ("qint8", "qint16") or not gemm_available()):
+            return None
+        w = T["weight"]
+        conv = None
+        if k.op.kind == "conv2d":
+            if int(a["groups"]) != 1 or len(a["padding"]) != 2:
+                return None
+            conv = {"kernel_size": tuple(int(v) for v in w.shape[2:]), "stride": tuple(int(v) for v in a["stride"]),
+                    "padding": tuple(int(v) for v in a["padding"]), "dilation": tuple(int(v) for v in a["dilation"])}
+            kh, kw = conv["kernel_size"]
+            if kh * kw > _GEMM_MAX_TAPS and w.shape[1] < _GEMM_MIN_CHANNELS:
+                return None  # oneDNN is faster (the gather of few channels per tap dominates)
+            w = w.permute(0, 2, 3, 1)  # K ordered (i, j, c): the kernel's im2col order
+        add = None
+        if a["with_add"]:
+            other_dtype = _STORAGE.get(k.in_specs[1].dtype)
+            if other_dtype not in (torch.int8, torch.int16):
+                return None
+            add = (int(T["Mb"]), int(T["nb"]), other_dtype)
+        w2, bias = w.reshape(w.shape[0], -1), T.get("bias")
+        lo, hi = _act_clamp(a)
+        out = _STORAGE[a["out_dtype"]]
+        if Int8Gemm.refusal(w2, bias, T["M"], T["n"], lo, hi, out, add) is not None:
+            return None
+        gemm = Int8Gemm(w2, bias, T["M"], T["n"], lo, hi, out, add)
+        return _NativeGemmLayer(gemm, conv, None if add is None else add[2], _fixed_point_weight_layer(k.op, k.name))
+
+    def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        g, cv = self.gemm, self.conv
+        if (x.dtype != torch.int8 or (other is not None and other.dtype != self.other_dtype)
+                or (cv is not None and (x.dim() != 4 or x.shape[1] * cv["kernel_size"][0] * cv["kernel_size"][1] != g.K))
+                or (cv is None and (x.dim() < 1 or x.shape[-1] != g.K))):
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        if cv is None:
+            lead = x.shape[:-1]
+            rows = x.reshape(-1, g.K).contiguous()
+            o2 = None if other is None else other.reshape(-1, g.O).contiguous()
+            out = torch.empty((rows.shape[0], g.O), dtype=g.out_dtype)
+            g(rows, out, o2)
+            return out.reshape(*lead, g.O)
+        o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
+        if self.pointwise:
+            sh, sw = cv["stride"]
+            xs = x if (sh, sw) == (1, 1) else x[:, :, ::sh, ::sw]
+            N, _, Ho, Wo = xs.shape
+            rows = xs.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
+            out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
+            g(rows, out.view(-1, g.O), None if o4 is None else o4.view(-1, g.O))
+            return out.permute(0, 3, 1, 2)
+        xl = x.permute(0, 2, 3, 1).contiguous()
+        if min(xl.shape[1:3]) <= 0:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        try:
+            out = g.conv(xl, cv["kernel_size"], cv["stride"], cv["padding"], cv["dilation"], o4)
+        except ConfigError:  # an input smaller than the kernel: the reference says why
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        return out.permute(0, 3, 1, 2)
+
+
+# convs with more taps than this need at least this many input channels for the native GEMM
+# (measured, 1 thread: resnet18's 7x7 stem over 3 channels 1.3x slower than oneDNN, mobilenet_v2's
+# 3x3 stem over 3 channels 0.8x, 3x3 convs over 64-512 channels 0.7-0.8x)
+_GEMM_MAX_TAPS, _GEMM_MIN_CHANNELS = 9, 16

@@ -452,3 +452,382 @@ CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
 MAXPOOL_FN(qc_maxpool_nhwc_i8, int8_t, INT8_MIN)
 MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
 /* ==== end of max pool ======================================================================= */
+
+/* ================================================================================================
+ * int8 GEMM with the requantization fused (qcompiler/native/gemm.py): 1x1 convs and linear layers.
+ *
+ *   acc[p, o]  = bias[o] + sum_k x[p, k] * w[o, k]                       (exact, int32)
+ *   out[p, o]  = clamp(round_half_even(acc * M[o] / 2**n[o] [+ b[p, o] * Mb / 2**nb]), lo, hi)
+ *
+ * x: rows of int8 (row stride ldx), b and out: rows of O (int8 / int16).  Only rows m0..m1-1 are
+ * computed, so callers may split the rows of one call over threads.  With geo != NULL, x is an NHWC
+ * conv input and row p is the im2col row of output position p (gemm_stage_conv), K = kh * kw * C.
+ *
+ * AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of four products
+ * to int32 lanes, with wrap-around (not the saturating vpdpbusds).  The int8 activation x is fed as
+ * the byte x ^ 0x80 = x + 128 (unsigned); the extra 128 * sum_k w[o, k] is removed exactly by the
+ * per-channel int32 bias the caller packs: bias32[o] = bias[o] - 128 * sum_k w[o, k].  The caller
+ * proves 128 * sum_k |w[o, k]| + |bias[o]| < 2**31, so bias32 and the true acc fit int32; every
+ * step is exact modulo 2**32 (wrap-around), so the final int32 lane is the true acc.
+ * Weights are prepacked (gemm.py): blocks of 16 output channels, K in groups of 4, i.e. byte
+ * wp[((ob * Kq + kq) * 16 + j) * 4 + t] = w[16 * ob + j, 4 * kq + t], zero beyond O and K (a zero
+ * weight adds nothing whatever the activation byte).  The epilogue is round_clamp() above, in int64;
+ * the fused add brings both terms to the denominator 2**max(n, nb) as qc_requant_add_* does (the
+ * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).
+ * ================================================================================================ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+QC_API int qc_gemm_vnni(void) { return 1; }
+
+#define GEMM_MR 6     /* rows per micro-tile */
+#define GEMM_NR 4     /* zmm (16 output channels each) per micro-tile */
+#define GEMM_ROWS_L1 (16 << 10) /* bytes of x rows per row block (stay in L1 across the channel groups) */
+
+/* One micro-tile: rows x (16 * NR) int32 accumulators (bias32 included) into tile[GEMM_MR][64].
+ * xu: rows of Kq groups of 4 unsigned bytes (x ^ 0x80, row stride 4 * Kq).  Rows beyond `rows`
+ * repeat the last row (computed, never stored).  Named accumulators (not an array), so the
+ * compiler keeps all 6 * NR of them in registers. */
+#define GT_MAC(r)                                                                                        \
+    {                                                                                                     \
+        int32_t v;                                                                                        \
+        memcpy(&v, x##r + 4 * kq, 4);                                                                     \
+        const __m512i a = _mm512_set1_epi32(v);                                                           \
+        c##r##0 = _mm512_dpbusd_epi32(c##r##0, a, w0);                                                    \
+        if (NR > 1) c##r##1 = _mm512_dpbusd_epi32(c##r##1, a, w1);                                        \
+        if (NR > 2) c##r##2 = _mm512_dpbusd_epi32(c##r##2, a, w2);                                        \
+        if (NR > 3) c##r##3 = _mm512_dpbusd_epi32(c##r##3, a, w3);                                        \
+    }
+#define GT_STORE(r)                                                                                      \
+    {                                                                                                     \
+        _mm512_storeu_si512((void *)(tile + r * 64), c##r##0);                                           \
+        if (NR > 1) _mm512_storeu_si512((void *)(tile + r * 64 + 16), c##r##1);                          \
+        if (NR > 2) _mm512_storeu_si512((void *)(tile + r * 64 + 32), c##r##2);                          \
+        if (NR > 3) _mm512_storeu_si512((void *)(tile + r * 64 + 48), c##r##3);                          \
+    }
+#define GT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
+#define GT_ACC(r) __m512i c##r##0 = b0, c##r##1 = b1, c##r##2 = b2, c##r##3 = b3;
+#define GEMM_TILE_FN(NAME, NRV)                                                                          \
+    static void NAME(const uint8_t *restrict xu, int64_t rows, int64_t Kq, const int8_t *restrict wp,     \
+                     int64_t wstride, const int32_t *restrict bias32, int32_t *restrict tile) {           \
+        enum { NR = NRV };                                                                                \
+        const int64_t ld = 4 * Kq;                                                                        \
+        const uint8_t *x0 = xu, *x1 = xu + (rows > 1 ? 1 : 0) * ld, *x2 = xu + (rows > 2 ? 2 : rows - 1) * ld; \
+        const uint8_t *x3 = xu + (rows > 3 ? 3 : rows - 1) * ld, *x4 = xu + (rows > 4 ? 4 : rows - 1) * ld;   \
+        const uint8_t *x5 = xu + (rows > 5 ? 5 : rows - 1) * ld;                                          \
+        const __m512i zero = _mm512_setzero_si512();                                                      \
+        const __m512i b0 = _mm512_loadu_si512((const void *)bias32);                                      \
+        const __m512i b1 = NR > 1 ? _mm512_loadu_si512((const void *)(bias32 + 16)) : zero;              \
+        const __m512i b2 = NR > 2 ? _mm512_loadu_si512((const void *)(bias32 + 32)) : zero;              \
+        const __m512i b3 = NR > 3 ? _mm512_loadu_si512((const void *)(bias32 + 48)) : zero;              \
+        GT_ROWS(GT_ACC)                                                                                   \
+        for (int64_t kq = 0; kq < Kq; kq++) {                                                             \
+            const int8_t *wk = wp + kq * 64;                                                              \
+            const __m512i w0 = _mm512_loadu_si512((const void *)wk);                                      \
+            const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(wk + wstride)) : zero;          \
+            const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(wk + 2 * wstride)) : zero;      \
+            const __m512i w3 = NR > 3 ? _mm512_loadu_si512((const void *)(wk + 3 * wstride)) : zero;      \
+            GT_ROWS(GT_MAC)                                                                               \
+        }                                                                                                 \
+        GT_ROWS(GT_STORE)                                                                                 \
+    }
+
+GEMM_TILE_FN(gemm_tile1, 1)
+GEMM_TILE_FN(gemm_tile2, 2)
+GEMM_TILE_FN(gemm_tile3, 3)
+GEMM_TILE_FN(gemm_tile4, 4)
+
+static void gemm_tile_nr(const uint8_t *xu, int64_t rows, int64_t Kq, const int8_t *wp, int64_t wstride, int nr,
+                         const int32_t *bias32, int32_t *tile) {
+    switch (nr) {
+    case 1: gemm_tile1(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    case 2: gemm_tile2(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    case 3: gemm_tile3(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    default: gemm_tile4(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    }
+}
+
+/* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
+ * (the padding meets zero weights). */
+static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
+                       uint8_t *restrict xu) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
+        uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
+        for (int64_t k = 0; k < K; k++) d[k] = s[k] ^ 0x80;
+        for (int64_t k = K; k < 4 * Kq; k++) d[k] = 0;
+    }
+}
+
+/* The im2col rows r0..r1-1 of a conv as gemm_stage makes them: output position r = (b, oh, ow) of
+ * the NHWC int8 input x, its taps (i, j) in order, C bytes each (x ^ 0x80; a tap in the padding is
+ * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}. */
+static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g, int64_t r0, int64_t r1, int64_t Kq,
+                            uint8_t *restrict xu) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
+    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t b = r / (Ho * Wo), oh = r / Wo % Ho, ow = r % Wo;
+        uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
+        for (int64_t i = 0; i < kh; i++) {
+            const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
+            if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
+                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw0) * C);
+                for (int64_t c = 0; c < kw * C; c++) d[c] = s[c] ^ 0x80;
+                d += kw * C;
+                continue;
+            }
+            for (int64_t j = 0; j < kw; j++, d += C) {
+                const int64_t iw = ow * sw - pw + j * dw;
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
+                    memset(d, 0x80, (size_t)C);
+                    continue;
+                }
+                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw) * C);
+                for (int64_t c = 0; c < C; c++) d[c] = s[c] ^ 0x80;
+            }
+        }
+        for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
+    }
+}
+
+/* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
+ * allocation of 7 arrays: M, hm1(s), pm = (s > 0), s, s - n, s - nb, with s = n (no fused add) or
+ * max(n, nb) (fused add; s - n and s - nb then bring both terms to the denominator 2**s), and the
+ * float64 factors M * 2**-n (exact: M < 2**53, a power-of-two scaling in the normal range). */
+static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb) {
+    const int64_t Op = (O + 15) / 16 * 16;
+    int64_t *k = calloc((size_t)(7 * Op + 1), sizeof(int64_t));
+    if (!k) return NULL;
+    double *f = (double *)(k + 6 * Op);
+    for (int64_t c = 0; c < O; c++) {
+        int64_t s = add && nb > n[c] ? nb : n[c];
+        k[c] = M[c];
+        k[Op + c] = s > 0 ? ((int64_t)1 << (s - 1)) - 1 : 0;
+        k[2 * Op + c] = s > 0;
+        k[3 * Op + c] = s;
+        k[4 * Op + c] = s - n[c];
+        k[5 * Op + c] = s - nb;
+        f[c] = ldexp((double)M[c], (int)-n[c]);
+    }
+    return k;
+}
+
+/* round_clamp() on 8 int64 lanes (per-lane hm1, pm, s): the same operations, lane-wise. */
+static inline __m512i round_clamp_x8(__m512i x, __m512i hm1, __m512i pm, __m512i s, __m512i lo, __m512i hi) {
+    __m512i q = _mm512_add_epi64(_mm512_add_epi64(x, hm1), _mm512_and_si512(_mm512_srav_epi64(x, s), pm));
+    q = _mm512_srav_epi64(q, s);
+    q = _mm512_max_epi64(q, lo);
+    return _mm512_min_epi64(q, hi);
+}
+
+#define GEMM_LD(P) _mm512_loadu_si512((const void *)(P))
+
+/* 8 channels ch..ch+7 of the epilogue: int32 acc sign-extended to int64, times M (vpmuldq: |M| < 2**31,
+ * exact 64-bit product), [+ the fused term b * Mb, both shifted to the denominator 2**s], rounded
+ * and clamped; kc holds gemm_consts()'s 6 arrays of Op entries. */
+static inline __m512i gemm_requant_x8(__m256i acc, const int64_t *kc, int64_t Op, int64_t ch, int add, __m512i bterm,
+                                      __m512i lo, __m512i hi) {
+    __m512i v = _mm512_mul_epi32(_mm512_cvtepi32_epi64(acc), GEMM_LD(kc + ch));
+    if (add) v = _mm512_add_epi64(_mm512_sllv_epi64(v, GEMM_LD(kc + 4 * Op + ch)),
+                                  _mm512_sllv_epi64(bterm, GEMM_LD(kc + 5 * Op + ch)));
+    return round_clamp_x8(v, GEMM_LD(kc + Op + ch), GEMM_LD(kc + 2 * Op + ch), GEMM_LD(kc + 3 * Op + ch), lo, hi);
+}
+
+/* 16 channels of the epilogue without a fused add, in float64, when the caller proved |acc| * |M| < 2**53:
+ * acc * (M * 2**-n) is then exact (an integer below 2**53 scaled by a power of two), the clamp to the
+ * integers [lo, hi] commutes with rounding, and the conversion rounds half to even (embedded RNE):
+ * clamp(round_half_even(acc * M / 2**n), lo, hi) exactly, as round_clamp gives it.  Int32 results. */
+static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64_t Op, int64_t ch, __m512d lo,
+                                           __m512d hi) {
+    const double *f = (const double *)(kc + 6 * Op) + ch;
+    __m512d a = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(acc)), _mm512_loadu_pd(f));
+    __m512d b = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(acc, 1)), _mm512_loadu_pd(f + 8));
+    a = _mm512_min_pd(_mm512_max_pd(a, lo), hi);
+    b = _mm512_min_pd(_mm512_max_pd(b, lo), hi);
+    __m256i ia = _mm512_cvt_roundpd_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i ib = _mm512_cvt_roundpd_epi32(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(ia), ib, 1);
+}
+
+/* 16 fused operands (int8 / int16, masked load) and their int64 halves; 16 int32 results (in range
+ * after the clamp) narrowed to int8 / int16 stores. */
+#define GEMM_BLD_8(P, MK) _mm256_castsi128_si256(_mm_maskz_loadu_epi8(MK, P))
+#define GEMM_BLO_8(V) _mm512_cvtepi8_epi64(_mm256_castsi256_si128(V))
+#define GEMM_BHI_8(V) _mm512_cvtepi8_epi64(_mm_srli_si128(_mm256_castsi256_si128(V), 8))
+#define GEMM_BLD_16(P, MK) _mm256_maskz_loadu_epi16(MK, P)
+#define GEMM_BLO_16(V) _mm512_cvtepi16_epi64(_mm256_castsi256_si128(V))
+#define GEMM_BHI_16(V) _mm512_cvtepi16_epi64(_mm256_extracti128_si256(V, 1))
+#define GEMM_ST_8(P, MK, FULL, Q)                                                                        \
+    ((FULL) ? _mm_storeu_si128((__m128i *)(P), _mm512_cvtepi32_epi8(Q)) : _mm512_mask_cvtepi32_storeu_epi8(P, MK, Q))
+#define GEMM_ST_16(P, MK, FULL, Q)                                                                       \
+    ((FULL) ? _mm256_storeu_si256((__m256i *)(P), _mm512_cvtepi32_epi16(Q))                            \
+            : _mm512_mask_cvtepi32_storeu_epi16(P, MK, Q))
+
+/* The epilogue of one row of a tile, 8 channels at a time (the last group masked): int32 acc
+ * sign-extended to int64, times M (vpmuldq: |M| < 2**31, exact 64-bit product), [+ the fused term,
+ * both shifted to 2**s], rounded and clamped, narrowed to BITS-wide stores. */
+#define GEMM_FN(NAME, B_T, BBITS, OUT_T, OBITS, ADD)                                                     \
+    QC_API int NAME(const int8_t *restrict x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,   \
+                    const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
+                    const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
+                    int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
+        const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
+        const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+        int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
+        if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
+        int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
+        uint8_t *xu = malloc((size_t)(mb * 4 * Kq + 64));                                                 \
+        if (!kc || !xu) {                                                                                 \
+            free(kc);                                                                                     \
+            free(xu);                                                                                     \
+            return -1;                                                                                    \
+        }                                                                                                 \
+        const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
+        int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
+        for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
+            const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
+            if (geo)                                                                                      \
+                gemm_stage_conv(x, geo, r0, r1, Kq, xu);                                                  \
+            else                                                                                          \
+                gemm_stage(x, ldx, r0, r1, K, Kq, xu);                                                    \
+            for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
+                const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
+                const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
+                for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
+                    const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
+                    gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr,        \
+                                 bias32 + c0, tile);                                                      \
+                    for (int64_t r = 0; r < rows; r++) {                                                  \
+                        OUT_T *o = out + (m + r) * O + c0;                                                \
+                        const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
+                        for (int64_t c = 0; c < nc; c += 16) {                                            \
+                            const int full = nc - c >= 16;                                                \
+                            const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (nc - c)) - 1); \
+                            const int64_t ch = c0 + c;                                                    \
+                            __m512i blo = _mm512_setzero_si512(), bhi = blo;                              \
+                            if (ADD) {                                                                    \
+                                const __m256i bv = GEMM_BLD_##BBITS(bb + c, mk);                          \
+                                blo = _mm512_mul_epi32(GEMM_BLO_##BBITS(bv), vMb);                        \
+                                bhi = _mm512_mul_epi32(GEMM_BHI_##BBITS(bv), vMb);                        \
+                            }                                                                             \
+                            const int32_t *t = tile + r * 64 + c;                                         \
+                            if (!ADD && f64) {                                                            \
+                                const __m512i q = gemm_requant_f64_x16(_mm512_load_si512((const void *)t), kc, Op, \
+                                                                       ch, dlo, dhi);                     \
+                                GEMM_ST_##OBITS(o + c, mk, full, q);                                      \
+                                continue;                                                                 \
+                            }                                                                             \
+                            __m512i qlo = gemm_requant_x8(_mm256_load_si256((const __m256i *)t), kc, Op, ch, ADD, \
+                                                          blo, vlo, vhi);                                 \
+                            __m512i qhi = gemm_requant_x8(_mm256_load_si256((const __m256i *)(t + 8)), kc, Op, \
+                                                          ch + 8, ADD, bhi, vlo, vhi);                    \
+                            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)), \
+                                                           _mm512_cvtepi64_epi32(qhi), 1);                \
+                            GEMM_ST_##OBITS(o + c, mk, full, q);                                          \
+                        }                                                                                 \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        free(kc);                                                                                         \
+        free(xu);                                                                                         \
+        return 0;                                                                                         \
+    }
+
+GEMM_FN(qc_gemm_i8, int8_t, 8, int8_t, 8, 0)
+GEMM_FN(qc_gemm_i16, int8_t, 8, int16_t, 16, 0)
+GEMM_FN(qc_gemm_add_i8_i8, int8_t, 8, int8_t, 8, 1)
+GEMM_FN(qc_gemm_add_i16_i8, int16_t, 16, int8_t, 8, 1)
+GEMM_FN(qc_gemm_add_i8_i16, int8_t, 8, int16_t, 16, 1)
+GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
+
+/* Depthwise int8 conv (as qc_dwconv_* above: same arguments, same results) with AVX512-VNNI:
+ * per output position and block of 16 channels, the taps in pairs (t, t+1): the two taps' int8
+ * inputs widened to int16 and interleaved per channel, then vpdpwssd adds x_t * w_t + x_t1 * w_t1
+ * (exact int16 products, int32 sums: the caller's 128 * L1 + |bias| < 2**31 bound) to the int32
+ * accumulator, which starts at the bias.  wp: int16 weight pairs, (npairs, Cp, 2) with Cp = 16 *
+ * ceil(C / 16), zero for a missing odd tap and beyond C.  A tap outside the input reads a row of
+ * zeros (the int8 zero point).  The epilogue is gemm_requant_x8 (round_clamp, lane-wise), or
+ * gemm_requant_f64_x16 when the caller proved |acc| * |M| < 2**53 (f64 != 0). */
+#define DW2_Q 4 /* output positions per step (independent accumulators sharing the weight loads) */
+#define DW2_FN(NAME, OUT_T, OBITS)                                                                       \
+    QC_API int NAME(const int8_t *restrict x, int64_t N, int64_t H, int64_t W, int64_t C,                  \
+                    const int16_t *restrict wp, int64_t kh, int64_t kw, const int32_t *restrict bias,       \
+                    int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho,     \
+                    int64_t Wo, const int64_t *restrict M, const int64_t *restrict n, int64_t lo,           \
+                    int64_t hi, int f64, OUT_T *restrict out) {                                           \
+        const int64_t T = kh * kw, np = (T + 1) / 2, Cp = (C + 15) / 16 * 16;                             \
+        const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+        int64_t *kc = gemm_consts(M, n, C, 0, 0);                                                         \
+        int8_t *zeros = calloc((size_t)(Cp + 64), 1);                                                     \
+        int32_t *b32 = calloc((size_t)(Cp + 16), sizeof(int32_t));                                        \
+        const int8_t **xt = malloc(sizeof(int8_t *) * (size_t)(DW2_Q * 2 * np + 1));                      \
+        if (!kc || !zeros || !b32 || !xt) {                                                               \
+            free(kc);                                                                                     \
+            free(zeros);                                                                                  \
+            free(b32);                                                                                    \
+            free(xt);                                                                                     \
+            return -1;                                                                                    \
+        }                                                                                                 \
+        if (bias) memcpy(b32, bias, sizeof(int32_t) * (size_t)C);                                         \
+        for (int q = 0; q < DW2_Q; q++) xt[q * 2 * np + 2 * np - 1] = zeros; /* a missing odd tap */      \
+        const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), zero = _mm512_setzero_si512(); \
+        const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,   \
+                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  \
+        for (int64_t b = 0; b < N; b++)                                                                   \
+            for (int64_t oh = 0; oh < Ho; oh++)                                                           \
+                for (int64_t ow0 = 0; ow0 < Wo; ow0 += DW2_Q) {                                           \
+                    const int64_t nq = Wo - ow0 < DW2_Q ? Wo - ow0 : DW2_Q;                               \
+                    for (int64_t q = 0; q < DW2_Q; q++) {                                                 \
+                        const int64_t ow = ow0 + (q < nq ? q : nq - 1); /* extra slots repeat the last */ \
+                        for (int64_t i = 0; i < kh; i++)                                                  \
+                            for (int64_t j = 0; j < kw; j++) {                                            \
+                                int64_t ih = oh * sh - ph + i * dh, iw = ow * sw - pw + j * dw;           \
+                                xt[q * 2 * np + i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W      \
+                                    ? zeros : x + ((b * H + ih) * W + iw) * C;                            \
+                            }                                                                             \
+                    }                                                                                     \
+                    OUT_T *o = out + ((b * Ho + oh) * Wo + ow0) * C;                                      \
+                    for (int64_t c = 0; c < C; c += 16) {                                                 \
+                        const int full = C - c >= 16;                                                     \
+                        const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c)) - 1); \
+                        __m512i acc[DW2_Q];                                                               \
+                        for (int q = 0; q < DW2_Q; q++) acc[q] = _mm512_loadu_si512((const void *)(b32 + c)); \
+                        for (int64_t p = 0; p < np; p++) {                                                \
+                            const __m512i wv = GEMM_LD(wp + (p * Cp + c) * 2);                            \
+                            for (int q = 0; q < DW2_Q; q++) {                                             \
+                                const int8_t *const *xq = xt + q * 2 * np + 2 * p;                        \
+                                __m256i x0 = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mk, xq[0] + c));   \
+                                __m256i x1 = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mk, xq[1] + c));   \
+                                __m512i xx = _mm512_permutex2var_epi16(_mm512_castsi256_si512(x0), inter, \
+                                                                       _mm512_castsi256_si512(x1));       \
+                                acc[q] = _mm512_dpwssd_epi32(acc[q], xx, wv);                             \
+                            }                                                                             \
+                        }                                                                                 \
+                        for (int q = 0; q < nq && f64; q++)                                               \
+                            GEMM_ST_##OBITS(o + q * C + c, mk, full, gemm_requant_f64_x16(acc[q], kc, Cp, c, dlo, dhi)); \
+                        for (int q = 0; q < nq && !f64; q++) {                                            \
+                            __m512i qlo = gemm_requant_x8(_mm512_castsi512_si256(acc[q]), kc, Cp, c, 0, zero, vlo, vhi); \
+                            __m512i qhi = gemm_requant_x8(_mm512_extracti64x4_epi64(acc[q], 1), kc, Cp, c + 8, 0, \
+                                                          zero, vlo, vhi);                                \
+                            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)), \
+                                                           _mm512_cvtepi64_epi32(qhi), 1);                \
+                            GEMM_ST_##OBITS(o + q * C + c, mk, full, r);                                  \
+                        }                                                                                 \
+                    }                                                                                     \
+                }                                                                                         \
+        free(kc);                                                                                         \
+        free(zeros);                                                                                      \
+        free(b32);                                                                                        \
+        free(xt);                                                                                         \
+        return 0;                                                                                         \
+    }
+
+DW2_FN(qc_dwconv2_i8_i8, int8_t, 8)
+DW2_FN(qc_dwconv2_i8_i16, int16_t, 16)
+
+#else
+QC_API int qc_gemm_vnni(void) { return 0; }
+#endif
+/* ===================================== end of the int8 GEMM ===================================== */

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from fractions import Fraction
 from typing import Optional
 
@@ -22,9 +23,10 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI"]
 
 MAX_SHIFT = 62
+ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
 
 _I64, _F64 = ctypes.c_int64, ctypes.c_double
@@ -44,6 +46,14 @@ def _fn(name: str, argtypes: tuple, restype=ctypes.c_int):
         f.argtypes, f.restype = list(argtypes), restype
         _FNS[(id(lib), name)] = f
     return f
+
+
+def vnni_enabled() -> bool:
+    """Whether the native library is loaded, was compiled with AVX512-VNNI (and AVX512-BW), and
+    ``QCOMPILER_NATIVE_VNNI`` does not turn those kernels off (the int8 GEMM, the VNNI depthwise conv)."""
+    if os.environ.get(ENV_VNNI, "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return library() is not None and _fn("qc_gemm_vnni", ())() == 1
 
 
 def _ok(rc: int) -> None:
@@ -193,7 +203,8 @@ class DepthwiseConv:
     """
 
     def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
-                 M: torch.Tensor, n: torch.Tensor, lo: int, hi: int, out_dtype: torch.dtype) -> None:
+                 M: torch.Tensor, n: torch.Tensor, lo: int, hi: int, out_dtype: torch.dtype,
+                 vnni: Optional[bool] = None) -> None:
         C, one, kh, kw = w.shape
         if one != 1:
             raise ConfigError(f"DepthwiseConv: weight must be (C, 1, kh, kw), got {tuple(w.shape)}")
@@ -212,6 +223,15 @@ class DepthwiseConv:
         self.bias = None if bias is None else bias.to(torch.int32).reshape(C).contiguous()
         self.geom = [int(v) for v in (*stride, *padding, *dilation)]
         self.out_dtype = out_dtype
+        # AVX512-VNNI: int16 weight pairs (taps 2p, 2p+1) per channel, (pairs, Cp, 2), zeros beyond
+        self.vnni = vnni_enabled() if vnni is None else bool(vnni)
+        if self.vnni:
+            T, Cp = kh * kw, -(-C // 16) * 16
+            taps = torch.zeros(T + T % 2, Cp, dtype=torch.int16)
+            taps[:T, :C] = self.w
+            self.wpairs = taps.view(-1, 2, Cp).transpose(1, 2).contiguous()
+            # |acc| * |M| < 2**53: the float64 epilogue (exact; see qc_dwconv2_* in kernels.c)
+            self.f64 = int(self.bound * int(M.abs().max()) < 1 << 53)
 
     @staticmethod
     def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
@@ -231,12 +251,16 @@ class DepthwiseConv:
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"DepthwiseConv: input {H}x{W} is smaller than the kernel")
         out = torch.empty((N, Ho, Wo, C), dtype=self.out_dtype)
-        f = _fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8
-                + (_P, _P, _I64, _I64, _P))
         p = self.plan
-        _ok(f(x.data_ptr(), N, H, W, C, self.w.data_ptr(), self.kh, self.kw,
-              None if self.bias is None else self.bias.data_ptr(), *self.geom, Ho, Wo, p.M.data_ptr(), p.n.data_ptr(),
-              p.lo, p.hi, out.data_ptr()))
+        head = (x.data_ptr(), N, H, W, C, (self.wpairs if self.vnni else self.w).data_ptr(), self.kh, self.kw,
+                None if self.bias is None else self.bias.data_ptr(), *self.geom, Ho, Wo, p.M.data_ptr(), p.n.data_ptr(),
+                p.lo, p.hi)
+        args = (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64)
+        if self.vnni:
+            f = _fn(f"qc_dwconv2_i8_{_INT[self.out_dtype]}", args + (ctypes.c_int, _P))
+            _ok(f(*head, self.f64, out.data_ptr()))
+        else:
+            _ok(_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,))(*head, out.data_ptr()))
         return out
 
 

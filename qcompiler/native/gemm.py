@@ -1,0 +1,198 @@
+"""Exact int8 GEMM with the requantization fused (native, AVX512-VNNI): 1x1 convs and linear layers.
+
+:class:`Int8Gemm` computes, for int8 rows ``x`` (P, K) and int8 weights ``w`` (O, K),
+``out[p, o] = clamp(round_half_even((x[p] . w[o] + bias[o]) * M[o] / 2**n[o] [+ b[p, o] * Mb / 2**nb]), lo, hi)``
+as int8 or int16, bit for bit what ``fixed_point.requantize`` (and ``round_scaled_sum`` for the fused
+add) give, in one native pass: a register-blocked ``vpdpbusd`` micro-kernel whose int32 tiles are
+requantized in int64 (``round_clamp`` of ``kernels.c``) before they leave the cache.
+
+Exactness, checked once per layer here (:meth:`Int8Gemm.refusal` says why a layer is refused; the
+caller keeps its other path then):
+
+* the activations enter as ``x + 128`` (unsigned bytes); ``bias32[o] = bias[o] - 128 * sum_k w[o, k]``
+  removes the offset exactly.  ``128 * max_o sum_k |w[o, k]| + max |bias| < 2**31`` bounds both
+  ``bias32`` and the true accumulator, and ``vpdpbusd`` wraps modulo 2**32 (never saturates), so
+  the final int32 is the true sum whatever the order;
+* ``|M|, |Mb| < 2**31`` (exact 32 x 32-bit products), ``|acc| * max |M| < 2**62`` (the int64
+  product), shifts in [0, 62]; when ``|acc| * max |M| < 2**53`` and there is no fused add, the epilogue
+  runs in float64 instead: ``acc * (M * 2**-n)`` is exact (an integer below 2**53 times a power of two),
+  the clamp to integer bounds commutes with rounding, and the conversion rounds half to even; with a fused add the sum
+  over the common denominator ``2**max(n, nb)`` stays below 2**62 (layers that would need
+  128-bit sums are refused).
+
+Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
+(:func:`gemm_available`); ``QCOMPILER_NATIVE_VNNI=0`` turns it off (benchmarks compare both paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from qcompiler.errors import ConfigError
+from qcompiler.native.kernels import ENV_VNNI, INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok, vnni_enabled
+
+__all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI"]
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+_INT = {torch.int8: "i8", torch.int16: "i16"}
+_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P)
+F64_EXACT = 1 << 53
+_I32 = 1 << 31
+
+
+def gemm_available() -> bool:
+    """Whether the kernel can run here: :func:`~qcompiler.native.kernels.vnni_enabled` (the library
+    compiled with AVX512-VNNI and AVX512-BW, ``QCOMPILER_NATIVE_VNNI`` not 0)."""
+    return vnni_enabled()
+
+
+class Int8Gemm:
+    """A prepared exact int8 GEMM + requantization (see the module docstring).
+
+    ``w`` (O, K) int8 values, ``bias`` (O,) integers or None, ``M``/``n`` (O,) or one value,
+    ``[lo, hi]`` the output clamp (the integer type's range narrowed by a fused relu / relu6),
+    ``out_dtype`` int8 / int16, ``add`` ``(Mb, nb, other_dtype)`` for a fused add or None.
+    Raises ConfigError for a layer it cannot compute exactly; test :meth:`refusal` first.
+    """
+
+    def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor], M: torch.Tensor, n: torch.Tensor, lo: int,
+                 hi: int, out_dtype: torch.dtype, add: Optional[tuple[int, int, torch.dtype]] = None) -> None:
+        why = self.refusal(w, bias, M, n, lo, hi, out_dtype, add)
+        if why is not None:
+            raise ConfigError(f"Int8Gemm: {why}")
+        O, K = w.shape
+        self.O, self.K, self.out_dtype, self.lo, self.hi = O, K, out_dtype, int(lo), int(hi)
+        w64 = w.to(torch.int64)
+        b64 = torch.zeros(O, dtype=torch.int64) if bias is None else bias.to(torch.int64).reshape(O)
+        Op, Kp = -(-O // 16) * 16, -(-K // 4) * 4
+        b32 = torch.zeros(Op, dtype=torch.int32)
+        b32[:O] = (b64 - 128 * w64.sum(1)).to(torch.int32)  # in range: refusal() checked the bound
+        self.bias32 = b32
+        wp = F.pad(w.to(torch.int8), (0, Kp - K, 0, Op - O))  # zero weights beyond O and K
+        # [ob][kq][16][4]: a zmm of 16 channels x 4 consecutive k per group of 4
+        self.wpack = wp.view(Op // 16, 16, Kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.M = M.to(torch.int64).reshape(-1).expand(O).contiguous()
+        self.n = n.to(torch.int64).reshape(-1).expand(O).contiguous()
+        self.add = add
+        # without a fused add and with |acc| * |M| < 2**53: the float64 epilogue (exact, fewer operations)
+        self.f64 = int(add is None and self.acc_bound(w, bias) * int(self.M.abs().max()) < F64_EXACT)
+        if add is None:
+            self._f = _fn(f"qc_gemm_{_INT[out_dtype]}", _ARGS)
+            self.Mb = self.nb = 0
+        else:
+            self._f = _fn(f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}", _ARGS)
+            self.Mb, self.nb = int(add[0]), int(add[1])
+
+    @staticmethod
+    def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
+        """``128 * max_o sum_k |w[o, k]| + max |bias|``: a bound on every |accumulator|."""
+        l1 = int(w.to(torch.int64).abs().sum(1).max()) if w.numel() else 0
+        return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
+
+    @staticmethod
+    def refusal(w: torch.Tensor, bias: Optional[torch.Tensor], M: torch.Tensor, n: torch.Tensor, lo: int, hi: int,
+                out_dtype: torch.dtype, add: Optional[tuple[int, int, torch.dtype]] = None) -> Optional[str]:
+        """Why this layer cannot run exactly in the kernel (None: it can)."""
+        if w.dim() != 2 or not w.numel():
+            return f"weight must be a non-empty (O, K) matrix, got {tuple(w.shape)}"
+        if out_dtype not in _INT:
+            return f"out_dtype must be torch.int8 or torch.int16, got {out_dtype}"
+        if w.is_floating_point() or int(w.min()) < -128 or int(w.max()) > 127:
+            return "weights must be int8 values"
+        O = w.shape[0]
+        if M.numel() not in (1, O) or n.numel() != M.numel():
+            return f"M and n need one value or one per output channel ({O}), got {M.numel()} and {n.numel()}"
+        bound = Int8Gemm.acc_bound(w, bias)
+        if bound >= _I32:
+            return f"the accumulator bound {bound} reaches 2**31"
+        n_lo, n_hi = int(n.min()), int(n.max())
+        m_max = int(M.to(torch.int64).abs().max())
+        if n_lo < 0 or n_hi > MAX_SHIFT:
+            return f"shifts must be in [0, {MAX_SHIFT}], got [{n_lo}, {n_hi}]"
+        if m_max >= _I32:
+            return f"multipliers must be below 2**31 (a 32 x 32-bit product), got {m_max}"
+        if bound * m_max >= INT64_LIMIT:
+            return f"|acc| <= {bound} times M up to {m_max} may reach 2**62"
+        if not -(1 << 31) <= lo <= hi < 1 << 31:
+            return f"bad clamp range [{lo}, {hi}]"
+        if add is not None:
+            Mb, nb, bdt = add
+            if bdt not in _INT:
+                return f"the fused operand's dtype {bdt} is not int8 or int16"
+            if abs(int(Mb)) >= _I32:
+                return f"the fused operand's multiplier {Mb} is not below 2**31"
+            if not 0 <= nb <= MAX_SHIFT:
+                return f"the fused operand's shift {nb} is not in [0, {MAX_SHIFT}]"
+            b_bound = 1 << (8 * torch.empty(0, dtype=bdt).element_size() - 1)
+            s = max(n_hi, nb)
+            if bound * m_max * 2 ** (s - n_lo) + b_bound * abs(int(Mb)) * 2 ** (s - nb) >= INT64_LIMIT:
+                return "the fused sum over the common denominator may reach 2**62 (needs 128-bit integers)"
+        return None
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, other: Optional[torch.Tensor] = None,
+                 m0: int = 0, m1: Optional[int] = None) -> torch.Tensor:
+        """``x`` (P, K) int8 with unit column stride; rows ``m0:m1`` of ``out`` (P, O) are written
+        (a new tensor when None); ``other`` (P, O) contiguous of the fused add's dtype, exactly when
+        the layer has one."""
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 2 or x.shape[1] != self.K:
+            raise ConfigError(f"Int8Gemm: x must be an int8 (rows, {self.K}) matrix, got "
+                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        # (the stride of a 1-sized dim is never used: torch may give it any value)
+        if x.device.type != "cpu" or (self.K > 1 and x.stride(1) != 1) or (x.shape[0] > 1 and x.stride(0) < self.K):
+            raise ConfigError("Int8Gemm: x must be on the CPU with unit column stride and rows of at least K")
+        P = x.shape[0]
+        m1 = P if m1 is None else m1
+        if not 0 <= m0 <= m1 <= P:
+            raise ConfigError(f"Int8Gemm: row range [{m0}, {m1}) is not within [0, {P}]")
+        if out is None:
+            out = torch.empty(P, self.O, dtype=self.out_dtype)
+        _check(out, "Int8Gemm: out", (self.out_dtype,), (P, self.O))
+        if (other is None) != (self.add is None):
+            raise ConfigError("Int8Gemm: other must be given exactly when the layer has a fused add")
+        if other is not None:
+            _check(other, "Int8Gemm: other", (self.add[2],), (P, self.O))
+        self._run(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1)
+        return out
+
+    def _run(self, x, ldx, geo, out, other, m0, m1) -> None:
+        if m1 > m0:
+            _ok(self._f(x.data_ptr(), ldx, m0, m1, self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(),
+                        self.M.data_ptr(), self.n.data_ptr(), None if other is None else other.data_ptr(), self.Mb,
+                        self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr()))
+
+    def conv(self, x: torch.Tensor, kernel_size, stride, padding, dilation, other: Optional[torch.Tensor] = None,
+             m0: int = 0, m1: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A conv2d (groups 1) whose weight ``(O, C, kh, kw)`` was given as ``w.permute(0, 2, 3, 1)``
+        reshaped to ``(O, kh * kw * C)``: ``x`` (N, H, W, C) int8 contiguous (channels-last), the result
+        (N, Ho, Wo, O); the kernel gathers each output position's taps itself (zero padding).  Rows
+        ``m0:m1`` of the N * Ho * Wo output positions are written; ``other`` as ``out``, contiguous."""
+        kh, kw = (int(v) for v in kernel_size)
+        sh, sw, ph, pw, dh, dw = (int(v) for v in (*stride, *padding, *dilation))
+        if (not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 4 or x.device.type != "cpu"
+                or not x.is_contiguous() or x.shape[3] * kh * kw != self.K):
+            raise ConfigError(f"Int8Gemm.conv: x must be an int8 contiguous (N, H, W, C) tensor with C * {kh} * {kw} "
+                              f"= {self.K}, got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        if min(sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+            raise ConfigError(f"Int8Gemm.conv: bad geometry stride {stride}, padding {padding}, dilation {dilation}")
+        N, H, W, C = x.shape
+        Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        if Ho <= 0 or Wo <= 0:
+            raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
+        P = N * Ho * Wo
+        m1 = P if m1 is None else m1
+        if not 0 <= m0 <= m1 <= P:
+            raise ConfigError(f"Int8Gemm.conv: row range [{m0}, {m1}) is not within [0, {P}]")
+        if out is None:
+            out = torch.empty((N, Ho, Wo, self.O), dtype=self.out_dtype)
+        _check(out, "Int8Gemm.conv: out", (self.out_dtype,), (N, Ho, Wo, self.O))
+        if (other is None) != (self.add is None):
+            raise ConfigError("Int8Gemm.conv: other must be given exactly when the layer has a fused add")
+        if other is not None:
+            _check(other, "Int8Gemm.conv: other", (self.add[2],), (N, Ho, Wo, self.O))
+        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo], dtype=torch.int64)
+        self._run(x, self.K, geo, out, other, m0, m1)
+        return out

@@ -1,0 +1,267 @@
+"""The native int8 GEMM with the fused requantization (qcompiler/native/gemm.py) against the exact
+int64 reference (hypothesis, torch.equal), its refusals and argument checks, and the simulator's
+1x1 conv / linear layers on it against the fixed_point kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_bpu_reference import Tiny, geometry, weight_layer
+
+from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.errors import ConfigError
+from qcompiler.native import build
+from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
+from qcompiler.quantization import fixed_point as fp
+
+SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+needs_gemm = pytest.mark.skipif(not build.native_enabled() or not gemm_available(),
+                                reason="the native int8 GEMM needs the native kernels built for AVX512-VNNI")
+_OUT = {"qint8": torch.int8, "qint16": torch.int16}
+
+
+@st.composite
+def gemm_cases(draw):
+    return dict(P=draw(st.integers(1, 40)), K=draw(st.sampled_from([1, 2, 3, 4, 5, 7, 16, 33, 64, 129, 1000, 2305])),
+                O=draw(st.integers(1, 150)), bias=draw(st.booleans()), extreme=draw(st.booleans()),
+                out=draw(st.sampled_from(["qint8", "qint16"])), act=draw(st.sampled_from([None, "relu", "relu6"])),
+                add=draw(st.sampled_from([None, torch.int8, torch.int16])), n=draw(st.integers(0, 40)),
+                nb=draw(st.integers(0, 40)), ties=draw(st.booleans()), m_bits=draw(st.sampled_from([15, 31])),
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+def _case(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    P, K, O = c["P"], c["K"], c["O"]
+    if c["extreme"]:  # the accumulator's extremes: +-127 / -128 weights on -128 / 127 inputs
+        w = torch.where(torch.rand(O, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+        x = torch.where(torch.rand(P, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+        x[0] = -128  # a row of -128 against a row of -128 weights: the largest positive sum
+        w[0] = -128
+    else:
+        w = torch.randint(-128, 128, (O, K), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (P, K), dtype=torch.int8, generator=g)
+    b_max = 1 << (26 if c["m_bits"] == 31 else 20)  # 2**26 * 2**31 > 2**53: the int64 epilogue
+    bias = torch.randint(-b_max, b_max, (O,), generator=g).to(torch.int32) if c["bias"] else None
+    if c["ties"]:  # power-of-two factors: exact ties of both parities
+        M = torch.ones(O, dtype=torch.int64)
+    else:  # up to 2**31: |acc * M| beyond 2**53 takes the int64 epilogue, below it the float64 one
+        M = torch.randint(1, 1 << c["m_bits"], (O,), generator=g)
+    n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (O,), generator=g)
+    lo, hi = fp.qrange(c["out"])
+    if c["act"] == "relu":
+        lo = 0
+    elif c["act"] == "relu6":
+        lo, hi = 0, 90
+    other, add = None, None
+    if c["add"] is not None:
+        b_hi = 127 if c["add"] == torch.int8 else 32767
+        other = torch.randint(-b_hi - 1, b_hi + 1, (P, O), dtype=c["add"], generator=g)
+        other[0] = -b_hi - 1
+        Mb = 1 if c["ties"] else int(torch.randint(-(1 << 15), 1 << 15, (1,), generator=g))
+        add = (Mb, c["nb"], c["add"])
+    return x, w, bias, M, n, lo, hi, add, other
+
+
+def reference(x, w, bias, M, n, lo, hi, add, other):
+    """The int64 reference: exact sums, fixed_point's rounding (half to even), one rounding with a fused add."""
+    acc = x.to(torch.int64) @ w.to(torch.int64).t()
+    if bias is not None:
+        acc = acc + bias.to(torch.int64)
+    prod = acc * M.reshape(1, -1)
+    if add is None:
+        y = fp.rounding_shift(prod, n.reshape(1, -1))
+    else:
+        y = fp.round_scaled_sum(prod, n.reshape(1, -1), other.to(torch.int64) * add[0], add[1])
+    return y.clamp(lo, hi)
+
+
+@needs_gemm
+@SETTINGS
+@given(gemm_cases())
+def test_int8_gemm_equals_the_int64_reference(c):
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    if Int8Gemm.refusal(w, bias, M, n, lo, hi, _OUT[c["out"]], add) is not None:
+        return  # (a fused sum beyond 2**62: refused, tested below)
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], add)
+    got = k(x, other=other)
+    assert got.dtype == _OUT[c["out"]]
+    assert torch.equal(got.to(torch.int64), reference(x, w, bias, M, n, lo, hi, add, other))
+
+
+@needs_gemm
+def test_the_largest_proven_accumulator_is_exact():
+    """-128 * -128 over the largest K (and bias) the bound admits: the true sum is 2**31 - 2, while
+    the unsigned-activation sums before the compensation wrap around int32 and must come back exactly."""
+    K = (2 ** 31 - 1) // (128 * 128) - 1
+    w = torch.full((17, K), -128, dtype=torch.int8)
+    w[1] = 127
+    bias = torch.full((17,), 2 ** 31 - 1 - 128 * 128 * K - 1)
+    x = torch.full((3, K), -128, dtype=torch.int8)
+    x[1] = 127
+    M, n = torch.ones(17, dtype=torch.int64), torch.full((17,), 24)
+    k = Int8Gemm(w, bias, M, n, -(1 << 15), (1 << 15) - 1, torch.int16)
+    assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, -(1 << 15), (1 << 15) - 1, None, None))
+
+
+@needs_gemm
+def test_a_row_range_writes_only_its_rows():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-128, 128, (23, 37), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (19, 37), dtype=torch.int8, generator=g)
+    M, n = torch.randint(1, 1 << 15, (19,), generator=g), torch.full((19,), 20)
+    k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
+    out = torch.full((23, 19), 55, dtype=torch.int8)
+    k(x, out, m0=5, m1=14)
+    want = reference(x, w, None, M, n, -128, 127, None, None).to(torch.int8)
+    assert torch.equal(out[5:14], want[5:14])
+    assert bool((out[:5] == 55).all()) and bool((out[14:] == 55).all())
+    k(x, out, m0=0, m1=5)
+    k(x, out, m0=14, m1=23)
+    assert torch.equal(out, want)
+
+
+@needs_gemm
+def test_int8_gemm_refuses_what_it_cannot_do_exactly():
+    w = torch.full((4, 8), 100, dtype=torch.int8)
+    M, n = torch.ones(4, dtype=torch.int64), torch.full((4,), 8)
+    with pytest.raises(ConfigError, match="reaches 2\\*\\*31"):
+        Int8Gemm(torch.full((2, 1 << 17), -128, dtype=torch.int8), None, M[:2], n[:2], -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="reaches 2\\*\\*31"):
+        Int8Gemm(w, torch.full((4,), 2 ** 31 - 10), M, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="below 2\\*\\*31"):
+        Int8Gemm(w, None, M << 31, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="shifts"):
+        Int8Gemm(w, None, M, n + 70, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="out_dtype"):
+        Int8Gemm(w, None, M, n, -128, 127, torch.int32)
+    with pytest.raises(ConfigError, match="128-bit"):
+        Int8Gemm(w, None, M << 29, n, -128, 127, torch.int8, add=(1 << 30, 62, torch.int16))
+    k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="int8 \\(rows, 8\\)"):
+        k(torch.zeros(3, 7, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="int8 \\(rows, 8\\)"):
+        k(torch.zeros(3, 8, dtype=torch.int16))
+    with pytest.raises(ConfigError, match="unit column stride"):
+        k(torch.zeros(8, 3, dtype=torch.int8).t())
+    with pytest.raises(ConfigError, match="fused add"):
+        k(torch.zeros(3, 8, dtype=torch.int8), other=torch.zeros(3, 4, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="row range"):
+        k(torch.zeros(3, 8, dtype=torch.int8), m0=2, m1=4)
+
+
+def _gemm_program(kind: str, with_add: bool, act, stride: int = 1, out_dtype: str = "qint8", k: int = 1):
+    t = Tiny(seed=11)
+    if kind == "conv2d":
+        x = t.input(torch.randint(-128, 128, (2, 40, 7, 9), generator=t.gen), 0.05)
+        w = torch.randint(-127, 128, (33, 40, k, k), generator=t.gen)
+        p = k // 2
+        other_shape = (2, 33, (7 + 2 * p - k) // stride + 1, (9 + 2 * p - k) // stride + 1)
+        geom = geometry(stride, p, 1, 1)
+    else:
+        x = t.input(torch.randint(-128, 128, (3, 5, 70), generator=t.gen), 0.05)
+        w = torch.randint(-127, 128, (21, 70), generator=t.gen)
+        other_shape, geom = (3, 5, 21), None
+    args = (x,)
+    if with_add:
+        args += (t.input(torch.randint(-128, 128, other_shape, generator=t.gen), 0.1),)
+    O = w.shape[0]
+    layer = weight_layer(kind, w, torch.rand(O, generator=t.gen) * 0.02 + 0.001, torch.randn(O, generator=t.gen),
+                         0.05, 0.1, out_dtype=out_dtype, geometry=geom, act=act, other_scale=0.1 if with_add else None,
+                         name="layer")
+    prog = lower_partition(t.build(t.call(layer, *args, name="layer")), "bpu0")
+    return prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)}
+
+
+@needs_gemm
+@pytest.mark.parametrize("kind,with_add,act,stride,out_dtype,k", [
+    ("conv2d", False, None, 1, "qint8", 1), ("conv2d", True, "relu", 1, "qint8", 1),
+    ("conv2d", False, "relu6", 2, "qint8", 1), ("conv2d", True, None, 2, "qint16", 1),
+    ("conv2d", True, "relu", 1, "qint8", 3), ("conv2d", False, None, 2, "qint16", 3),
+    ("linear", False, "relu", 1, "qint8", 1), ("linear", True, None, 1, "qint16", 1)])
+def test_the_simulator_runs_convs_and_linears_on_the_gemm_exactly(kind, with_add, act, stride, out_dtype, k,
+                                                                  monkeypatch):
+    prog, inputs = _gemm_program(kind, with_add, act, stride, out_dtype, k)
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    for on in (True, False):
+        monkeypatch.setenv(ENV_VNNI, "1" if on else "0")
+        sim = BpuSimulator(prog, native=True)
+        kinds = {type(s[0]).__name__ for s in sim._steps}
+        assert ("_NativeGemmLayer" in kinds) == on, kinds
+        got = {k: v.int_repr() for k, v in sim.run(inputs).items()}
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (on, k)
+
+
+@needs_gemm
+@settings(SETTINGS, max_examples=60)
+@given(gemm_cases())
+def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):
+    """Multipliers near 2**31 and a bias near 2**26: |acc * M| may pass 2**53, so the kernel takes its
+    int64 epilogue (not the float64 one) without a fused add."""
+    c = {**c, "add": None, "m_bits": 31, "bias": True, "ties": False}
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    bias[0] = (1 << 26) - 1
+    M[0] = (1 << 31) - 1
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]])
+    assert k.f64 == 0
+    assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, lo, hi, None, None))
+
+
+@st.composite
+def conv_cases(draw):
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 10))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 10))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 2, 3, 5, 16, 33, 64])), H=H, W=W,
+                O=draw(st.integers(1, 70)), k=(kh, kw), stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                padding=(ph, pw), dilation=(dh, dw), extreme=draw(st.booleans()), add=draw(st.booleans()),
+                out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_gemm
+@SETTINGS
+@given(conv_cases())
+def test_int8_gemm_conv_equals_the_int64_reference(c):
+    """The im2col inside the kernel (taps in the padding are the zero point) against conv2d in float64
+    (exact for these sums) and the int64 requantization."""
+    g = torch.Generator().manual_seed(c["seed"])
+    N, C, H, W, O = c["N"], c["C"], c["H"], c["W"], c["O"]
+    if c["extreme"]:
+        w = torch.where(torch.rand(O, C, *c["k"], generator=g) < 0.5, -128, 127).to(torch.int8)
+        x = torch.where(torch.rand(N, C, H, W, generator=g) < 0.5, -128, 127).to(torch.int8)
+    else:
+        w = torch.randint(-128, 128, (O, C, *c["k"]), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g)
+    M, n = torch.randint(1, 1 << 15, (O,), generator=g), torch.randint(15, 25, (O,), generator=g)
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), c["stride"], c["padding"],
+                                     c["dilation"]).to(torch.int64)
+    lo, hi = fp.qrange(c["out"])
+    other = add = None
+    if c["add"]:
+        other = torch.randint(-128, 128, acc.shape, dtype=torch.int8, generator=g)
+        add = (int(torch.randint(-(1 << 15), 1 << 15, (1,), generator=g)), 12, torch.int8)
+        want = fp.round_scaled_sum(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1), other.to(torch.int64) * add[0], 12)
+    else:
+        want = fp.rounding_shift(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1))
+    k = Int8Gemm(w.permute(0, 2, 3, 1).reshape(O, -1), bias, M, n, lo, hi, _OUT[c["out"]], add)
+    got = k.conv(x.permute(0, 2, 3, 1).contiguous(), c["k"], c["stride"], c["padding"], c["dilation"],
+                 None if other is None else other.permute(0, 2, 3, 1).contiguous())
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))
+
+
+@needs_gemm
+def test_the_strides_of_1_sized_dims_do_not_matter():
+    """torch gives 1-sized dims arbitrary strides ((1, 1) rows from a reshape of a view): accepted, read right."""
+    w = torch.tensor([[3], [-5]], dtype=torch.int8)
+    k = Int8Gemm(w, None, torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), -128, 127, torch.int8)
+    x = torch.as_strided(torch.tensor([7, -2, 9], dtype=torch.int8), (3, 1), (1, 5))
+    assert torch.equal(k(x), torch.tensor([[21, -35], [-6, 10], [27, -45]], dtype=torch.int8))
