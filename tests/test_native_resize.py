@@ -127,6 +127,20 @@ def test_taps_are_torch_weights(n_in, n_out, align):
     assert torch.equal(mine, theirs)
 
 
+def test_long_axes_are_refused_where_torch_floors_in_float32():
+    """ATen floors the source index in float32: past 2**17 inputs a dyadic index can round up to
+    the next integer (516095.9921875 -> 516096 for 2**20 + 1 -> 64), so the taps are refused and
+    the simulator's fast kernel gives the reference's value (it gave 1 instead of 0 before)."""
+    assert bilinear_taps(1 << 17, 1 << 18, False) is not None  # the largest axis still exact
+    assert bilinear_taps((1 << 17) + 2, 64, False) is None
+    W = (1 << 20) + 1
+    x = torch.zeros(1, 2, 1, W, dtype=torch.int8)
+    x[..., 516095] = 100
+    spec = _spec((1, 64), False, "qint8", "qint8", 1.0, 1.0)
+    for xv in (x, x.contiguous(memory_format=torch.channels_last)):
+        assert torch.equal(FAST["resize_bilinear"](spec)(xv), REFERENCE["resize_bilinear"](spec)(xv))
+
+
 @pytest.mark.parametrize("n_in,n_out,align", [(3, 7, False), (5, 9, False), (4, 6, True), (10, 3, False),
                                               (7, 12, True), (1, 6, False)])
 def test_taps_refuse_rounded_weights(n_in, n_out, align):

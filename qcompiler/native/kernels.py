@@ -300,8 +300,13 @@ def bilinear_taps(n_in: int, n_out: int, align_corners: bool,
     0 for one output) or ``in/out``; ``real = scale*o`` or ``max(scale*(o+1/2) - 1/2, 0)``; ``i0 =
     floor(real)``, ``i1 = i0 + 1`` below the last input, ``lambda1 = real - i0``; equal sizes copy.
     When the scale is a dyadic rational with a small denominator every one of these float64 steps
-    is exact, so the rationals here are torch's float64 values (the property tests check it)."""
-    if n_in <= 0 or n_out <= 0 or n_in >= 1 << 24 or n_out >= 1 << 24:
+    is exact, so the rationals here are torch's float64 values (the property tests check it).
+
+    One step is not float64: ATen takes the floor of ``real`` converted to float32 (and clamps
+    ``lambda1`` to [0, 1]).  ``real`` is a multiple of ``2**-bits`` below ``n_in``, so the conversion
+    is exact only while ``n_in * 2**bits <= 2**24``; a longer axis (over 131072 elements at 7 bits)
+    could round ``real`` up to the next integer and move the tap, so it is refused."""
+    if n_in <= 0 or n_out <= 0 or n_in > 1 << (24 - bits) or n_out >= 1 << 24:
         return None
     one = 1 << bits
     o = list(range(n_out))
