@@ -1250,6 +1250,13 @@ class _NativeDepthwiseLayer:
         return self.kernel(xl).permute(0, 3, 1, 2)
 
 
+def _window_in_padding(L: int, k: int, s: int, p: int, d: int) -> bool:
+    """Along one dim of length ``L``: does an output position read only padding (every tap
+    ``o*s - p + i*d`` outside ``[0, L)``)?"""
+    Lo = (L + 2 * p - d * (k - 1) - 1) // s + 1
+    return any(all(not 0 <= o * s - p + i * d < L for i in range(k)) for o in range(max(Lo, 0)))
+
+
 class _OnednnConvLayer:
     """conv2d of int8 inputs as oneDNN's exact int8 convolution (float32 accumulator with the bias,
     channels-last) and the float64 epilogue :class:`NhwcRequant`; the output stays channels-last.
@@ -1261,6 +1268,7 @@ class _OnednnConvLayer:
 
     def __init__(self, conv: OnednnConv, epi: NhwcRequant, ws: _Workspace, fallback: Callable) -> None:
         self.conv, self.epi, self.ws, self.fallback = conv, epi, ws, fallback
+        self._empty: dict[tuple[int, int], bool] = {}  # (H, W) -> _empty_window
 
     @staticmethod
     def build(k: KernelSpec) -> Optional["_OnednnConvLayer"]:
@@ -1291,9 +1299,20 @@ class _OnednnConvLayer:
         return _OnednnConvLayer(conv, epi, k.ws, _fixed_point_weight_layer(k.op, k.name))
 
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.dim() != 4 or x.dtype != torch.int8:
+        if x.dim() != 4 or x.dtype != torch.int8 or self._empty_window(x.shape[2], x.shape[3]):
             return self.fallback(x) if other is None else self.fallback(x, other)
         return self.epi(self.conv(x), other, self.ws)
+
+    def _empty_window(self, H: int, W: int) -> bool:
+        """True when some output position's window lies wholly in the zero padding (along H or W):
+        oneDNN's int8 convolution gets such positions wrong (e.g. a 1x2 kernel of dilation 2
+        with padding 1 on a 1-wide input), so the layer runs the exact fallback instead."""
+        found = self._empty.get((H, W))
+        if found is None:
+            c = self.conv
+            found = self._empty[(H, W)] = any(_window_in_padding(L, k, s, p, d) for L, k, s, p, d in zip(
+                (H, W), c.w.shape[2:], c.stride, c.padding, c.dilation))
+        return found
 
 
 # torch's quantized max pool vectorizes over channels: faster than the running maximum from
