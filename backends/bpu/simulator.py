@@ -92,6 +92,7 @@ import torch.nn.functional as F
 from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
+from qcompiler.backends.bpu.row_split import RowSplitConv
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
@@ -313,17 +314,24 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         build = REFERENCE.get(op.kind)
     if build is None:
         raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {op.kind!r}")
+    def built(o: BpuOp) -> Callable:
+        return build(KernelSpec(o, [specs[i] for i in o.inputs], name, ws, int8_gemm, onednn, native))
+
     padding = op.attrs.get("padding")
     if op.kind in _FOUR_SIDED and len(padding) == 4:
         # a folded F.pad: the symmetric kernel on the codes zero-padded by the excess (code 0 is 0.0)
         t, l, b, r = padding
-        op = replace(op, attrs={**op.attrs, "padding": [min(t, b), min(l, r)]})
-        kernel = build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
-        return lambda x, *rest: kernel(fp.pad_excess(x, padding)[0], *rest)
-    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
+        kernel = built(replace(op, attrs={**op.attrs, "padding": [min(t, b), min(l, r)]}))
+        whole = lambda x, *rest: kernel(fp.pad_excess(x, padding)[0], *rest)  # noqa: E731
+    else:
+        whole = built(op)
+    if op.kind in _ROW_SPLIT and kernels == "fast":
+        return RowSplitConv(op, whole, built)  # one image's rows over idle workers (row_split.py)
+    return whole
 
 
 _FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top, left, bottom, right]
+_ROW_SPLIT = ("conv2d",)  # the op kinds cut into output-row bands when workers are idle
 
 
 @_kernel(FAST, "conv2d")
