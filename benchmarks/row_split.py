@@ -83,7 +83,7 @@ def main() -> None:
         layer.min_work = 1 << 62
         whole = best(lambda: parallel.run_split(layer, (x,), args.workers), args.repeat)
         want = parallel.run_split(layer, (x,), args.workers)
-        layer.min_work = 0
+        layer.enabled, layer.min_work = True, 0
         split = best(lambda: parallel.run_split(layer, (x,), args.workers), args.repeat)
         assert torch.equal(parallel.run_split(layer, (x,), args.workers), want)
         rows.append([name, f"{macs / 1e6:.1f}", f"{layer.work(x.shape) / 1e6:.1f}", f"{whole * 1e3:.3f}", f"{split * 1e3:.3f}", f"{split / whole:.2f}"])

@@ -114,7 +114,7 @@ def test_row_split_equals_the_unsplit_layer(case):
         layers = _split_layers(sim)
         assert layers, "the fast conv2d kernel is not wrapped for the row split"
         for layer in layers:
-            layer.min_work = 0  # cut every layer, however small
+            layer.enabled, layer.min_work = True, 0  # cut every layer, however small
         got = _run(sim, xs, case["workers"])
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and torch.equal(g, w), f"{cfg}: the row split differs from the unsplit layer"
@@ -149,7 +149,7 @@ def test_small_layers_stay_whole_and_large_ones_split():
     (layer,) = _split_layers(sim)
     work = 24 * 24 * 16 * (16 * 9 + row_split.OUTPUT_COST)
     assert layer.work(xs[0].shape) == work
-    layer.min_work = work + 1
+    layer.enabled, layer.min_work = True, work + 1
     want = _run(sim, xs, 1)
     got = _run(sim, xs, 2)
     assert layer._band is None and all(torch.equal(g, w) for g, w in zip(got, want))
@@ -164,7 +164,7 @@ def test_no_split_outside_a_lent_worker():
     prog, xs = _program(_big_case(N=2))
     sim = BpuSimulator(prog)
     (layer,) = _split_layers(sim)
-    layer.min_work = 0
+    layer.enabled, layer.min_work = True, 0
     sim.run({v.name: x for v, x in zip(prog.inputs, xs)})
     _run(sim, xs, 1)
     _run(sim, xs, 2)  # two samples, two workers: each chunk has a budget of 1
@@ -205,3 +205,14 @@ def test_parts_run_on_other_threads_at_one_torch_thread():
     assert parallel.run_split(chunk, (torch.zeros(1),), 2).tolist() == [0, 1]
     assert all(threads == 1 and budget == 1 for _, threads, budget in seen.values())
     assert parallel.part_budget() == 1  # the caller's budget is untouched
+
+
+def test_the_split_is_off_by_default():
+    """Not measured faster end to end yet (docs/performance.md): a layer copies ENABLED (False)."""
+    prog, xs = _program(_big_case())
+    sim = BpuSimulator(prog)
+    (layer,) = _split_layers(sim)
+    assert row_split.ENABLED is False and layer.enabled is False
+    layer.min_work = 0
+    want = _run(sim, xs, 1)
+    assert all(torch.equal(g, w) for g, w in zip(_run(sim, xs, 2), want)) and layer._band is None

@@ -17,8 +17,8 @@ convolution into that many bands of output rows instead (:func:`~qcompiler.paral
 
 Every value is an exact integer computed by the same formula as in the unsplit layer (which
 exact kernel computes it does not change it), so the result is identical, bit for bit
-(tests/test_row_split.py checks it against the unsplit layer over random geometries).  Only
-layers with at least :data:`MIN_WORK` units of work (:meth:`RowSplitConv.work`) are cut: handing
+(tests/test_row_split.py checks it against the unsplit layer over random geometries).  The
+split is off by default (:data:`ENABLED`: not yet measured faster end to end).  Only layers with at least :data:`MIN_WORK` units of work (:meth:`RowSplitConv.work`) are cut: handing
 a band to another thread, the second kernel call and the join cost tens of microseconds, more
 than a small layer's half saves (docs/performance.md).
 """
@@ -35,7 +35,7 @@ from qcompiler.backends.bpu.program import BpuOp
 from qcompiler.parallel import part_budget, run_parts
 from qcompiler.quantization import fixed_point as fp
 
-__all__ = ["RowSplitConv", "MIN_WORK", "OUTPUT_COST", "band_rows"]
+__all__ = ["RowSplitConv", "MIN_WORK", "OUTPUT_COST", "ENABLED", "band_rows"]
 
 # A layer's work: its multiply-adds (N*Ho*Wo*O*C/groups*kh*kw) plus OUTPUT_COST per output
 # element (the epilogue and memory traffic: a depthwise conv has few multiply-adds per output
@@ -43,6 +43,11 @@ __all__ = ["RowSplitConv", "MIN_WORK", "OUTPUT_COST", "band_rows"]
 # measured with benchmarks/row_split.py on the 2-core machine of docs/performance.md.
 OUTPUT_COST = 256
 MIN_WORK = 60_000_000
+# Off by default: on the shared 2-core machine of docs/performance.md ("Batch 1 at 2 threads:
+# the row split") whole models were 0-30% slower at batch 1 with the split on, in every
+# end-to-end comparison made (under load); a gain on an idle machine is not measured yet.
+# Each layer copies this at construction (``RowSplitConv.enabled``).
+ENABLED = False
 
 
 def band_rows(Ho: int, n: int) -> list[tuple[int, int]]:
@@ -74,14 +79,16 @@ class RowSplitConv:
     """A conv2d kernel (``whole``) that, given idle workers, computes its output in row bands.
 
     ``build_band(op)`` builds the same kind of kernel for ``op`` (called once, for the op with
-    vertical padding 0).  A call without idle workers, with less than ``min_work``
-    (:data:`MIN_WORK`), fewer than 2 output rows or a non-4-d input runs ``whole``.
+    vertical padding 0).  A call with ``enabled`` False (:data:`ENABLED`), without idle workers,
+    with less than ``min_work`` (:data:`MIN_WORK`), fewer than 2 output rows or a non-4-d input
+    runs ``whole``.
     """
 
     def __init__(self, op: BpuOp, whole: Callable, build_band: Callable[[BpuOp], Callable],
                  min_work: int = MIN_WORK) -> None:
         a = op.attrs
         self.op, self.whole, self._build_band, self.min_work = op, whole, build_band, min_work
+        self.enabled = ENABLED
         O, Cg, kh, kw = op.tensors["weight"].shape
         self.O, self.kh, self.kw = int(O), int(kh), int(kw)
         self.work_per_position = int(O) * (int(Cg) * int(kh) * int(kw) + OUTPUT_COST)  # per output (row, column)
@@ -113,7 +120,7 @@ class RowSplitConv:
         return self._band
 
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
-        n = part_budget()
+        n = part_budget() if self.enabled else 1
         if n < 2 or x.dim() != 4:
             return self.whole(x) if other is None else self.whole(x, other)
         Ho, Wo = self.out_rows(x.shape[2]), self.out_cols(x.shape[3])
