@@ -2,7 +2,7 @@
 
     python benchmarks/simulator.py [--models resnet18,mobilenet_v2,unet] [--batches 1,8]
                                    [--threads 1,2] [--size 224] [--repeat 10] [--no-profile]
-                                   [--kernels fast|fixed_point]
+                                   [--kernels fast|fixed_point] [--row-split]
 
 For each zoo model, the same float weights are quantized three ways on the same
 calibration batches (smooth-noise images, ``benchmarks/_data.py``), and timed on the
@@ -13,8 +13,10 @@ same input (``zoo.example_inputs``):
   ``torch.equal`` to the converted model's (the ``exact`` column; a mismatch stops the run).
   At N > 1 threads it runs as a user's compiled model does (``threads=N``): a batch of B is
   split into ``min(N, B)`` chunks on worker threads at one torch thread each (the ``split``
-  column; batch 1 runs whole on one worker); ``ours whole`` is the same batch unsplit at
-  N torch threads, for comparison;
+  column; a batch smaller than N lends the idle workers to the chunks, which cut their large
+  convolutions into bands of output rows with ``--row-split`` (``row_split.ENABLED``, off by
+  default): ``1 x rows/2`` at batch 1, 2 threads, else ``1 worker``); ``ours whole`` is the
+  same batch unsplit at N torch threads, for comparison;
 * ``ort``      onnxruntime int8: the float model exported to ONNX, then
   ``onnxruntime.quantization.quantize_static`` (QDQ, uint8 activations, int8 per-channel
   weights, MinMax calibration on the same batches), ``intra_op_num_threads`` = the thread
@@ -57,6 +59,7 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
 
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks._data import SmoothNoise, stack  # noqa: E402
+from qcompiler.backends.bpu import row_split  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
 from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available  # noqa: E402
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state  # noqa: E402
@@ -244,7 +247,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--kernels", default="fast", choices=("fast", "fixed_point"))
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--row-split", action="store_true",
+                    help="cut one image's large convs into row bands on idle workers (row_split.ENABLED)")
     args = ap.parse_args()
+    row_split.ENABLED = args.row_split  # read by each conv layer built below
     # torch.ao's quantized cat warns at every call that its inputs' scales differ (unet)
     warnings.filterwarnings("ignore", message="All inputs of this cat operator")
     threads = [int(t) for t in args.threads.split(",")]
@@ -288,7 +294,8 @@ def main() -> None:
                     peer = min(tm["ort"], tm["ao"])
                     n = min(t, b)
                     split = "-" if t == 1 or ours.split_refusal is not None else \
-                        (f"{n} x {b // n}" if b % n == 0 else f"{n} chunks") if n > 1 else "1 worker"
+                        (f"{n} x {b // n}" if b % n == 0 else f"{n} chunks") if n > 1 else \
+                        (f"1 x rows/{t}" if row_split.ENABLED else "1 worker")
                     whole = f"{tm['whole'] * 1e3:.1f}" if "whole" in tm else "-"
                     rows.append([name, b, t, split, f"{tm['ours'] * 1e3:.1f}", whole, f"{tm['ort'] * 1e3:.1f}",
                                  f"{tm['ao'] * 1e3:.1f}", f"{tm['float'] * 1e3:.1f}", f"{tm['ours'] / peer:.2f}",

@@ -13,6 +13,14 @@ so N workers use N cores and never oversubscribe them.  A batch of one sample (n
 split) runs on one worker too: at 1 intra-op thread, which on such machines is never slower
 than several.  A call made from inside a worker runs where it is (no nesting, no deadlock).
 
+When the batch has fewer samples than ``threads`` (batch 1 at 2 threads), the idle workers are
+lent to the chunks: a chunk runs with a budget of ``threads // chunks`` workers (the first
+``threads % chunks`` one more), and a heavy op inside it may cut its own work into that many
+independent parts (:func:`run_parts`; the convolutions' output-row split,
+``qcompiler.backends.bpu.row_split``).  The part computed in the calling worker goes first; a
+part no idle worker has started yet when the caller is done is taken back and run in the
+caller, so a part never waits behind other work in the queue (no deadlock with concurrent calls).
+
 Whether a model may be split is decided elsewhere, per graph (:mod:`qcompiler.ir.batch_dim`):
 this module only splits, runs and concatenates.
 """
@@ -30,7 +38,8 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.qtensor import QTensor
 
-__all__ = ["resolve_threads", "batch_size", "split_args", "concat_outputs", "run_split", "in_worker"]
+__all__ = ["resolve_threads", "batch_size", "split_args", "concat_outputs", "run_split", "in_worker",
+           "part_budget", "run_parts"]
 
 _MAX_THREADS = 256
 
@@ -109,6 +118,21 @@ def in_worker() -> bool:
     return getattr(_local, "worker", False)
 
 
+def part_budget() -> int:
+    """How many workers the running call may cut one op into (:func:`run_parts`): 1 (no cut)
+    except inside a batch-split chunk that was lent idle workers, and never inside a part."""
+    return getattr(_local, "budget", 1)
+
+
+def _with_budget(budget: int, fn: Callable, args: tuple) -> Any:
+    saved = part_budget()
+    _local.budget = budget
+    try:
+        return fn(*args)
+    finally:
+        _local.budget = saved
+
+
 class _Pool:
     """Daemon threads with one torch intra-op thread each, fed from one queue; grown on demand."""
 
@@ -182,10 +206,48 @@ def run_split(fn: Callable[..., Any], args: Sequence[Any], threads: int) -> Any:
     if n_batch is None or n_batch < 1:
         return fn(*args)
     n = min(threads, n_batch)
-    _POOL.ensure(n)
-    futures = [_POOL.submit(fn, chunk) for chunk in split_args(args, n)]
+    _POOL.ensure(threads)
+    budgets = [threads // n + (i < threads % n) for i in range(n)]  # the idle workers, lent to the chunks
+    futures = [_POOL.submit(_with_budget, (budget, fn, chunk))
+               for budget, chunk in zip(budgets, split_args(args, n))]
     errors = [f.exception() for f in futures]  # waits for every chunk: no work outlives the call
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:
         raise failed
     return concat_outputs([f.result() for f in futures])
+
+
+def run_parts(fn: Callable[[int], Any], n: int) -> list:
+    """``[fn(0), ..., fn(n - 1)]``, the parts computed at the same time: part 0 in the calling
+    thread, the others on the pool's idle workers, each at one torch thread and with a budget
+    of 1 (a part is not cut again).  The caller must know the parts are independent.
+
+    After its own part the caller takes back every part no worker has started (``Future.cancel``)
+    and runs it itself, so it only ever waits for parts already running: no deadlock, however
+    busy the pool.  An exception raised by a part is raised here (the first in part order),
+    after every part has finished.
+    """
+    if n <= 1:
+        return [_with_budget(1, fn, (0,))] if n == 1 else []
+    _POOL.ensure(n)
+    futures = [_POOL.submit(fn, (i,)) for i in range(1, n)]
+    results: list = [None] * n
+    errors: list = [None] * n
+    try:
+        results[0] = _with_budget(1, fn, (0,))
+    except BaseException as exc:  # still wait for the other parts: no work outlives the call
+        errors[0] = exc
+    for i, future in enumerate(futures, start=1):
+        if future.cancel():  # not started: run it here
+            try:
+                results[i] = _with_budget(1, fn, (i,))
+            except BaseException as exc:
+                errors[i] = exc
+        else:
+            errors[i] = future.exception()
+            if errors[i] is None:
+                results[i] = future.result()
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise failed
+    return results

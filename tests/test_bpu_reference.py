@@ -449,7 +449,7 @@ def test_float32_accumulation_would_be_wrong_but_simulator_is_exact():
     # ... the simulator (both kernel sets) equals the reference exactly
     prog = check_all(gm, t)
     fast = BpuSimulator(prog, int8_gemm=False, native=False)  # (the native GEMM would take it in int32)
-    assert len(fast._steps[1][0]._plan(128)[1]) > 1  # the float kernel split the reduction into float32-exact chunks
+    assert len(fast._steps[1][0].whole._plan(128)[1]) > 1  # the float kernel split the reduction into float32-exact chunks
 
 
 def test_int32_accumulator_overflow_is_reported():

@@ -390,7 +390,7 @@ def test_onednn_conv_splits_input_channels(cin, k, weights, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
         sim = BpuSimulator(prog, onednn=True)
-    kernel = next(s[0] for s in sim._steps if isinstance(s[0], sim_mod._OnednnConvLayer))
+    kernel = next(k for k in (getattr(s[0], "whole", s[0]) for s in sim._steps) if isinstance(k, sim_mod._OnednnConvLayer))
     bound = 128 * int(w.abs().sum(dim=(1, 2, 3)).max()) + int(conv_op.tensors["bias"].abs().max())
     assert (len(kernel.conv.chunks) > 1) == (bound >= 2 ** 24)
     _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
@@ -410,6 +410,27 @@ def test_float64_epilogue_exactness_rule():
 
 
 @pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
+@pytest.mark.parametrize("k, dilation, padding, hw", [((1, 2), (1, 2), (1, 1), (3, 1)), ((3, 2), (2, 2), (2, 1), (5, 1))])
+def test_onednn_layer_is_not_used_where_a_window_lies_wholly_in_the_padding(k, dilation, padding, hw, monkeypatch):
+    """oneDNN's int8 convolution computes nonzero values for output positions whose every tap is
+    padding (seen: a kernel 2 wide of dilation 2 with padding 1 on a 1-wide input, with vertical
+    padding too); the layer takes the exact fallback for such input sizes."""
+    t = Tiny(seed=5)
+    x = t.input(_ints(t.gen, (1, 3) + hw, "qint8"), 0.05)
+    layer = weight_layer("conv2d", _weights(t.gen, (2, 3) + k, "full"), torch.full((2,), 0.01), None, 0.05, 0.05,
+                         geometry=geometry(1, padding, dilation, 1), name="conv")
+    prog = lower_partition(t.build(t.call(layer, x, name="conv")), "bpu0")
+    with monkeypatch.context() as m:
+        m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
+        sim = BpuSimulator(prog, onednn=True)
+    kernel = next(k for k in (getattr(s[0], "whole", s[0]) for s in sim._steps) if isinstance(k, sim_mod._OnednnConvLayer))
+    assert kernel._empty_window(*hw)
+    _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
+    assert sim_mod._window_in_padding(1, 2, 1, 1, 2) and sim_mod._window_in_padding(3, 1, 1, 1, 1)
+    assert not sim_mod._window_in_padding(56, 3, 1, 1, 1) and not sim_mod._window_in_padding(5, 2, 1, 1, 2)
+
+
+@pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
 def test_onednn_layer_falls_back_when_the_epilogue_is_not_proven(monkeypatch):
     """A shift past 53 - b makes the builder pick the tie-checking kernel; results stay exact."""
     t = Tiny(seed=3)
@@ -422,7 +443,7 @@ def test_onednn_layer_falls_back_when_the_epilogue_is_not_proven(monkeypatch):
     assert int(next(op for op in prog.ops if op.kind == "conv2d").tensors["n"].max()) > 46
     with monkeypatch.context() as m:
         m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
-        kinds = [type(s[0]).__name__ for s in BpuSimulator(prog, onednn=True)._steps]
+        kinds = [type(getattr(s[0], "whole", s[0])).__name__ for s in BpuSimulator(prog, onednn=True)._steps]
     assert "_OnednnConvLayer" not in kinds and "_FastConv" in kinds
     _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
 

@@ -101,6 +101,7 @@ import torch.nn.functional as F
 from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
+from qcompiler.backends.bpu.row_split import RowSplitConv
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
@@ -330,17 +331,24 @@ def _compile(op: BpuOp, specs: dict[str, ValueSpec], name: str, kernels: str, ws
         build = REFERENCE.get(op.kind)
     if build is None:
         raise UnsupportedOpError(f"{name}: the simulator has no kernel for op kind {op.kind!r}")
+    def built(o: BpuOp) -> Callable:
+        return build(KernelSpec(o, [specs[i] for i in o.inputs], name, ws, int8_gemm, onednn, native))
+
     padding = op.attrs.get("padding")
     if op.kind in _FOUR_SIDED and len(padding) == 4:
         # a folded F.pad: the symmetric kernel on the codes zero-padded by the excess (code 0 is 0.0)
         t, l, b, r = padding
-        op = replace(op, attrs={**op.attrs, "padding": [min(t, b), min(l, r)]})
-        kernel = build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
-        return lambda x, *rest: kernel(fp.pad_excess(x, padding)[0], *rest)
-    return build(KernelSpec(op, [specs[i] for i in op.inputs], name, ws, int8_gemm, onednn, native))
+        kernel = built(replace(op, attrs={**op.attrs, "padding": [min(t, b), min(l, r)]}))
+        whole = lambda x, *rest: kernel(fp.pad_excess(x, padding)[0], *rest)  # noqa: E731
+    else:
+        whole = built(op)
+    if op.kind in _ROW_SPLIT and kernels == "fast":
+        return RowSplitConv(op, whole, built)  # one image's rows over idle workers (row_split.py)
+    return whole
 
 
 _FOUR_SIDED = ("conv2d", "avg_pool2d")  # the op kinds whose padding may be [top, left, bottom, right]
+_ROW_SPLIT = ("conv2d",)  # the op kinds cut into output-row bands when workers are idle
 
 
 @_kernel(FAST, "conv2d")
@@ -1299,6 +1307,13 @@ class _NativeDepthwiseLayer:
         return self.kernel(xl).permute(0, 3, 1, 2)
 
 
+def _window_in_padding(L: int, k: int, s: int, p: int, d: int) -> bool:
+    """Along one dim of length ``L``: does an output position read only padding (every tap
+    ``o*s - p + i*d`` outside ``[0, L)``)?"""
+    Lo = (L + 2 * p - d * (k - 1) - 1) // s + 1
+    return any(all(not 0 <= o * s - p + i * d < L for i in range(k)) for o in range(max(Lo, 0)))
+
+
 class _OnednnConvLayer:
     """conv2d of int8 inputs as oneDNN's exact int8 convolution (float32 accumulator with the bias,
     channels-last) and the float64 epilogue :class:`NhwcRequant`; the output stays channels-last.
@@ -1310,6 +1325,7 @@ class _OnednnConvLayer:
 
     def __init__(self, conv: OnednnConv, epi: NhwcRequant, ws: _Workspace, fallback: Callable) -> None:
         self.conv, self.epi, self.ws, self.fallback = conv, epi, ws, fallback
+        self._empty: dict[tuple[int, int], bool] = {}  # (H, W) -> _empty_window
 
     @staticmethod
     def build(k: KernelSpec) -> Optional["_OnednnConvLayer"]:
@@ -1340,9 +1356,20 @@ class _OnednnConvLayer:
         return _OnednnConvLayer(conv, epi, k.ws, _fixed_point_weight_layer(k.op, k.name))
 
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.dim() != 4 or x.dtype != torch.int8:
+        if x.dim() != 4 or x.dtype != torch.int8 or self._empty_window(x.shape[2], x.shape[3]):
             return self.fallback(x) if other is None else self.fallback(x, other)
         return self.epi(self.conv(x), other, self.ws)
+
+    def _empty_window(self, H: int, W: int) -> bool:
+        """True when some output position's window lies wholly in the zero padding (along H or W):
+        oneDNN's int8 convolution gets such positions wrong (e.g. a 1x2 kernel of dilation 2
+        with padding 1 on a 1-wide input), so the layer runs the exact fallback instead."""
+        found = self._empty.get((H, W))
+        if found is None:
+            c = self.conv
+            found = self._empty[(H, W)] = any(_window_in_padding(L, k, s, p, d) for L, k, s, p, d in zip(
+                (H, W), c.w.shape[2:], c.stride, c.padding, c.dilation))
+        return found
 
 
 # torch's quantized max pool vectorizes over channels: faster than the running maximum from
