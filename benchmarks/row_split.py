@@ -19,8 +19,8 @@ import torch
 from tabulate import tabulate
 
 from qcompiler import parallel
-from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
 from qcompiler.backends.bpu import row_split
+from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
 from qcompiler.backends.bpu.row_split import RowSplitConv
 from qcompiler.backends.bpu.simulator import BpuSimulator
 
