@@ -248,6 +248,9 @@ MANIFEST_EDITS = {
     "relu6 without act_max": (
         lambda m: m["programs"]["bpu0"]["ops"][1]["attrs"].update(act="relu6"),
         r"attr 'act_max' is missing"),
+    "relu6 top past int8": (
+        lambda m: m["programs"]["bpu0"]["ops"][1]["attrs"].update(act="relu6", act_max=200),
+        r"attr 'act_max' is 200, expected an int in \[0, 128\)"),
     "op kind unknown": (lambda m: m["programs"]["bpu0"]["ops"][1].update(kind="softmax"),
                         r"unknown BPU op kind 'softmax'"),
     "conv reads a float": (lambda m: m["programs"]["bpu0"]["ops"][1].update(

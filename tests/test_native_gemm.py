@@ -8,13 +8,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_bpu_reference import Tiny, geometry, weight_layer
+from test_bpu_reference import Tiny, geometry, rand_scales, weight_layer
 
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
+from qcompiler.native.kernels import DepthwiseConv
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
@@ -265,3 +266,45 @@ def test_the_strides_of_1_sized_dims_do_not_matter():
     k = Int8Gemm(w, None, torch.ones(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), -128, 127, torch.int8)
     x = torch.as_strided(torch.tensor([7, -2, 9], dtype=torch.int8), (3, 1), (1, 5))
     assert torch.equal(k(x), torch.tensor([[21, -35], [-6, 10], [27, -45]], dtype=torch.int8))
+
+
+@needs_gemm
+def test_a_multiplier_past_31_bits_keeps_the_depthwise_conv_off_vnni():
+    """The VNNI depthwise epilogue multiplies with vpmuldq, which reads only M's low 32 bits: a layer
+    with |M| >= 2**31 (in bounds for the int64 kernel) must take the other kernel (it gave 228 of
+    576 outputs wrong before)."""
+    g = torch.Generator().manual_seed(0)
+    C = 16
+    w = torch.randint(-20, 21, (C, 1, 3, 3), generator=g)
+    x = torch.randint(-128, 128, (1, 6, 6, C), generator=g).to(torch.int8)
+    M, n = torch.full((C,), (1 << 42) + 123457, dtype=torch.int64), torch.full((C,), 54, dtype=torch.int64)
+    acc = torch.nn.functional.conv2d(x.permute(0, 3, 1, 2).double(), w.double(), None, 1, 1, 1, C).to(torch.int64)
+    want = fp.requantize(acc, M, n, "qint8", axis=1)
+    dw = DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), M, n, -128, 127, torch.int8, vnni=True)
+    assert not dw.vnni
+    assert torch.equal(dw(x.contiguous()).permute(0, 3, 1, 2), want)
+    small = DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), M >> 12, n - 12, -128, 127, torch.int8, vnni=True)
+    assert small.vnni  # (the VNNI kernel still takes multipliers below 2**31)
+
+
+@needs_gemm
+@pytest.mark.parametrize("kind, other_shape", [("linear", (20,)), ("conv2d", (1, 20, 1, 1))])
+def test_a_broadcast_fused_operand_takes_the_reference_path(kind, other_shape):
+    """A fused add whose operand broadcasts (a hand-built or loaded program; the fuse pass never makes
+    one) raised a ConfigError in the GEMM's linear / 1x1 paths; it now falls back, equal to fixed_point."""
+    t = Tiny(seed=1)
+    O, C = 20, 16
+    if kind == "conv2d":
+        x, w, geo = t.rand_input((1, C, 6, 6), 0.05), torch.randint(-128, 128, (O, C, 1, 1), generator=t.gen), geometry(1, 0, 1, 1)
+    else:
+        x, w, geo = t.rand_input((3, 4, C), 0.05), torch.randint(-128, 128, (O, C), generator=t.gen), None
+    o = t.rand_input(other_shape, 0.04)
+    layer = weight_layer(kind, w, rand_scales(t.gen, O), torch.randn(O, generator=t.gen), 0.05, 0.1, geometry=geo,
+                         other_scale=0.04, name="L")
+    prog = lower_partition(t.build(t.call(layer, x, o, name="L")), "bpu0")
+    inputs = {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)}
+    sim = BpuSimulator(prog, native=True)
+    assert "_NativeGemmLayer" in {type(getattr(s[0], "whole", s[0])).__name__ for s in sim._steps}
+    want = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    got = {k: v.int_repr() for k, v in sim.run(inputs).items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

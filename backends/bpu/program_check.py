@@ -120,6 +120,7 @@ def _index(v, depth: int = 0) -> Optional[str]:
 
 
 _QDTYPE = _choice(*_QDTYPES)
+_QMAX = {"qint8": 127, "qint16": 32767}
 _ACT = _choice(None, "relu", "relu6")
 _WEIGHT_LAYER = {"high_precision": _bool, "act": _ACT, "with_add": _bool, "in_scale": _pos_float}
 _CONV = {"stride": _pair(1), "padding": _pair(0), "dilation": _pair(1), "groups": _int(1)}
@@ -176,7 +177,8 @@ def check_attrs(op, where: str) -> None:
     if op.kind != "dequantize":
         rules.update(_out_attrs(op))
     if op.kind in ("conv2d", "conv_transpose2d", "linear") and op.attrs.get("act") == "relu6":
-        rules["act_max"] = _int(0)
+        # the relu6 top is a code of the output type: a larger one would wrap in a narrowing store
+        rules["act_max"] = _int(0, _QMAX.get(op.attrs.get("out_dtype"), MAX_INT - 1) + 1)
     if op.kind in ("add", "sub", "mul") and "constant" in op.tensors:
         rules["constant_index"] = _choice(0, 1)
     if op.kind == "mul" and len(op.inputs) == 1 and "constant" not in op.tensors:

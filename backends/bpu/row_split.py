@@ -124,7 +124,8 @@ class RowSplitConv:
         if n < 2 or x.dim() != 4:
             return self.whole(x) if other is None else self.whole(x, other)
         Ho, Wo = self.out_rows(x.shape[2]), self.out_cols(x.shape[3])
-        if Ho < 2 or Wo < 1 or self.work(x.shape) < self.min_work:
+        if (Ho < 2 or Wo < 1 or self.work(x.shape) < self.min_work
+                or (other is not None and (other.dim() != 4 or other.shape[2] != Ho))):  # (a broadcast operand)
             return self.whole(x) if other is None else self.whole(x, other)
         bands = band_rows(Ho, n)
         kernel = self._band_kernel()

@@ -949,7 +949,7 @@ class _Epilogue:
         if act == "relu":
             lo = 0
         elif act == "relu6":
-            lo, hi = 0, int(a["act_max"])
+            lo, hi = 0, min(hi, int(a["act_max"]))
         self.lo, self.hi = lo, hi
         self.M, self.n = T["M"].to(torch.int64), T["n"].to(torch.int64)
         self.f = torch.ldexp(self.M.double(), -self.n).view(shape)  # M * 2**-n, exact in float64
@@ -1268,7 +1268,7 @@ def _act_clamp(a: dict) -> tuple[int, int]:
     if a["act"] == "relu":
         lo = 0
     elif a["act"] == "relu6":
-        lo, hi = 0, int(a["act_max"])
+        lo, hi = 0, min(hi, int(a["act_max"]))  # (program_check refuses a larger act_max in artifacts)
     return lo, hi
 
 
@@ -1675,6 +1675,8 @@ class _NativeGemmLayer:
             return self.fallback(x) if other is None else self.fallback(x, other)
         if cv is None:
             lead = x.shape[:-1]
+            if other is not None and other.shape != (*lead, g.O):  # a broadcast operand: the reference takes it
+                return self.fallback(x, other)
             rows = x.reshape(-1, g.K).contiguous()
             o2 = None if other is None else other.reshape(-1, g.O).contiguous()
             out = torch.empty((rows.shape[0], g.O), dtype=g.out_dtype)
@@ -1685,6 +1687,8 @@ class _NativeGemmLayer:
             sh, sw = cv["stride"]
             xs = x if (sh, sw) == (1, 1) else x[:, :, ::sh, ::sw]
             N, _, Ho, Wo = xs.shape
+            if other is not None and other.shape != (N, g.O, Ho, Wo):  # a broadcast operand
+                return self.fallback(x, other)
             rows = xs.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
             out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
             g(rows, out.view(-1, g.O), None if o4 is None else o4.view(-1, g.O))

@@ -475,7 +475,7 @@ MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
  * the fused add brings both terms to the denominator 2**max(n, nb) as qc_requant_add_* does (the
  * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).
  * ================================================================================================ */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
 QC_API int qc_gemm_vnni(void) { return 1; }

@@ -225,6 +225,8 @@ class DepthwiseConv:
         self.out_dtype = out_dtype
         # AVX512-VNNI: int16 weight pairs (taps 2p, 2p+1) per channel, (pairs, Cp, 2), zeros beyond
         self.vnni = vnni_enabled() if vnni is None else bool(vnni)
+        # the VNNI epilogue multiplies with vpmuldq, which reads only the low 32 bits of M
+        self.vnni = self.vnni and (M.numel() == 0 or int(M.abs().max()) < 1 << 31)
         if self.vnni:
             T, Cp = kh * kw, -(-C // 16) * 16
             taps = torch.zeros(T + T % 2, Cp, dtype=torch.int16)
