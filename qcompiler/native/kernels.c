@@ -1,7 +1,8 @@
 /* qcompiler's native kernels: plain C, no Python or torch headers, called through ctypes.
  *
- * Every kernel is single-threaded, keeps no state between calls and writes only to the
- * buffers it is given, so it may run on several threads at once (ctypes releases the GIL).
+ * Every kernel keeps no state between calls and writes only to the buffers it is given, so it
+ * may run on several threads at once (ctypes releases the GIL).  All are single-threaded but
+ * qc_hist_abs_f32_mt, which splits its values over pthreads it joins before returning.
  * The Python side (qcompiler/native/kernels.py) checks dtypes, contiguity and sizes.
  *
  * Exactness: the requantization is integer arithmetic (int64, or __int128 where the caller
@@ -9,6 +10,7 @@
  * (24-bit significand times a power of two or a small integer over one).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,6 +198,73 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
     }
     return 0;
 }
+
+/* ==== histogram over threads (calibration at 2+ threads) ===================================
+ * qc_hist_abs_f32_mt: qc_hist_abs_f32 with the N values split into `threads` contiguous parts,
+ * each binned by qc_hist_abs_f32 on its own thread (the caller's thread takes part 0) into its
+ * own zeroed float64 partial histogram and min/max.  The partials hold integer counts (< 2**53),
+ * so adding them is exact in any order: hist and mm come out bit for bit as one
+ * qc_hist_abs_f32 over all N.  If any part returns -2 (NaN, or a value at or past the range)
+ * hist is left unchanged (whatever N) and the call returns -2; -1: out of memory, or a thread
+ * could not be started (hist unchanged).  threads <= 1 is qc_hist_abs_f32 itself. */
+#define HIST_MAX_THREADS 64
+
+typedef struct {
+    const float *x;
+    int64_t n;
+    double per_unit;
+    int f32;
+    int64_t nbins;
+    double *hist;
+    float mm[2];
+    int rc;
+} hist_part;
+
+static void *hist_part_run(void *arg) {
+    hist_part *p = arg;
+    p->rc = qc_hist_abs_f32(p->x, p->n, p->per_unit, p->f32, p->nbins, p->hist, p->mm);
+    return NULL;
+}
+
+QC_API int qc_hist_abs_f32_mt(const float *restrict x, int64_t N, double per_unit, int f32, int64_t nbins,
+                              double *restrict hist, float *restrict mm, int threads) {
+    if (threads > N) threads = (int)N;
+    if (threads > HIST_MAX_THREADS) threads = HIST_MAX_THREADS;
+    if (threads <= 1) return qc_hist_abs_f32(x, N, per_unit, f32, nbins, hist, mm);
+    hist_part parts[HIST_MAX_THREADS];
+    pthread_t tid[HIST_MAX_THREADS];
+    double *partial = calloc((size_t)threads * (size_t)nbins, sizeof(double));
+    if (!partial) return -1;
+    for (int t = 0; t < threads; t++) {
+        int64_t lo = N * t / threads, hi = N * (t + 1) / threads;
+        parts[t] = (hist_part){x + lo, hi - lo, per_unit, f32, nbins, partial + (int64_t)t * nbins, {0, 0}, 0};
+    }
+    int started = 1; /* threads running a part, the caller's included */
+    while (started < threads && pthread_create(&tid[started], NULL, hist_part_run, &parts[started]) == 0) started++;
+    hist_part_run(&parts[0]);
+    for (int t = 1; t < started; t++) pthread_join(tid[t], NULL);
+    int rc = started < threads ? -1 : 0;
+    for (int t = 0; t < threads && rc == 0; t++)
+        if (parts[t].rc == -1) rc = -1;
+    for (int t = 0; t < threads && rc == 0; t++)
+        if (parts[t].rc == -2) rc = -2;
+    if (rc == 0) {
+        float mn = INFINITY, mx = -INFINITY;
+        for (int t = 0; t < threads; t++) {
+            const double *pt = parts[t].hist;
+            for (int64_t k = 0; k < nbins; k++) hist[k] += pt[k];
+            mn = parts[t].mm[0] < mn ? parts[t].mm[0] : mn;
+            mx = parts[t].mm[1] > mx ? parts[t].mm[1] : mx;
+        }
+        if (mm) {
+            mm[0] = mn;
+            mm[1] = mx;
+        }
+    }
+    free(partial);
+    return rc;
+}
+/* ==== end of histogram over threads ======================================================== */
 
 /* Depthwise int8 convolution (one filter per channel), channels-last, with the requantization:
  *   acc[n, o, p, c] = bias[c] + sum_{i, j} x[n, o*sh - ph + i*dh, p*sw - pw + j*dw, c] * w[i, j, c]

@@ -452,20 +452,14 @@ def _helper() -> ThreadPoolExecutor:
     return _bincount_helper[1]
 
 
-def _native_histogram(a: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
-    """``hist += bincount(floor(|a| * per_unit))`` in one native pass (float32 ``a``, contiguous), split
-    over two threads like :func:`_bincount`: each half counts into its own buffer; integer counts, so
-    the sums are exact."""
-    if a.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
-        histogram_abs(a, per_unit, hist)
-        return
-    a = a.reshape(-1)  # halves of the values, not of dim 0
-    half = a.numel() // 2
-    first = torch.zeros_like(hist)
-    job = _helper().submit(histogram_abs, a[:half], per_unit, first)
-    histogram_abs(a[half:], per_unit, hist)
-    job.result()
-    hist += first
+_NATIVE_PART = 1 << 17  # values per native histogram thread at least (starting a thread costs ~20 us)
+
+
+def _native_threads(numel: int) -> int:
+    """Threads the native histogram of ``numel`` values is split over: as many as torch may use
+    (``torch.get_num_threads()``, what the float forward uses), at most one per :data:`_NATIVE_PART`
+    values.  The result does not depend on it (``histogram_abs``: exact partial sums)."""
+    return max(1, min(torch.get_num_threads(), numel // _NATIVE_PART))
 
 
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -605,7 +599,8 @@ class HistogramObserver(ObserverBase):
         if native_enabled() and x.device.type == "cpu" and self.histogram.is_contiguous():
             # one pass: floor(|x| * n / r) from the float64 product (exact, as _bin_index), counted in C
             a = x.float()
-            _native_histogram(a if a.is_contiguous() else a.contiguous(), n / r, self.histogram.data)
+            histogram_abs(a if a.is_contiguous() else a.contiguous(), n / r, self.histogram.data,
+                          _native_threads(a.numel()))
             return
         index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
@@ -622,7 +617,7 @@ class HistogramObserver(ObserverBase):
                 or not self.histogram.is_contiguous() or not native_enabled()):
             return False
         mm = histogram_abs_minmax(x if x.is_contiguous() else x.contiguous(), self.histogram.numel() / r,
-                                  self.histogram.data)
+                                  self.histogram.data, _native_threads(x.numel()))
         if mm is None:
             return False
         self.min_val = torch.minimum(self.min_val, torch.tensor(mm[0], dtype=torch.float32))
