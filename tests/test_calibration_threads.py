@@ -1,5 +1,5 @@
-"""Calibration on several threads gives bit for bit the one-thread state (docs/performance.md,
-"Calibration").
+"""Calibration on several threads gives bit for bit the one-thread state, and the native
+per-channel min/max equals torch's (docs/performance.md, "Calibration").
 
 The histogram observers bin a large batch on ``torch.get_num_threads()`` native threads
 (``qc_hist_abs_f32_mt``): each thread counts a contiguous part of the values into its own
@@ -18,12 +18,12 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qcompiler.errors import ConfigError
-from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax
+from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.native.build import disabled, native_enabled
+from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax, rows_minmax
 from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization import prepare_calibration_fx
-from qcompiler.quantization.observer import HistogramObserver, ObserverBase
+from qcompiler.quantization.observer import HistogramObserver, ObserverBase, PerChannelMinMaxObserver
 from qcompiler.quantization.qconfig import get_default_calib_qconfig
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None)
@@ -185,3 +185,52 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, obser
     assert one.keys() == two.keys()
     for name in one:
         _assert_same(one[name], two[name])
+
+
+# ---------------------------------------------------------------------------- per-channel weights
+
+
+@needs_native
+@SETTINGS
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(-60, 60), st.sampled_from([0.0, 0.5]),
+       st.integers(0, 2 ** 31 - 1))
+def test_rows_minmax_equals_torch_amin_amax(rows, cols, exponent, zeros, seed):
+    x = _data(rows * cols, exponent, zeros, seed).reshape(rows, cols)
+    lo, hi = rows_minmax(x)
+    assert torch.equal(lo, x.amin(1)) and torch.equal(hi, x.amax(1))
+    lo4, hi4 = rows_minmax(x.reshape(rows, 1, cols, 1))  # a conv weight: rows, then the rest
+    assert torch.equal(lo4, lo) and torch.equal(hi4, hi)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_rows_minmax_reports_nan_and_inf_and_the_observer_raises(bad):
+    for where in (0, 37, 9 * 50 - 1):
+        w = torch.randn(9, 50)
+        w.view(-1)[where] = bad
+        assert rows_minmax(w) is None
+        o = PerChannelMinMaxObserver()
+        o(torch.randn(9, 50))
+        before = {k: v.clone() for k, v in o.state_dict().items()}
+        with pytest.raises(CalibrationError, match="saw NaN/Inf"):
+            o(w)
+        for k, v in before.items():
+            assert torch.equal(o.state_dict()[k], v), k
+
+
+@needs_native
+def test_per_channel_observer_native_equals_torch_path():
+    """The native per-row pass gives the torch path's state, for ch_axis 0 and 1 (the latter
+    not contiguous per channel: the torch path)."""
+    g = torch.Generator().manual_seed(5)
+    ws = [torch.randn(16, 8, 3, 3, generator=g) * s for s in (1.0, 2.0, 0.25)]
+    for axis in (0, 1):
+        fast, slow = PerChannelMinMaxObserver(ch_axis=axis), PerChannelMinMaxObserver(ch_axis=axis)
+        for w in ws:
+            fast(w)
+        with disabled():
+            for w in ws:
+                slow(w)
+        _assert_same(fast, slow)
+    with pytest.raises(ConfigError, match="rows_minmax"):
+        rows_minmax(torch.zeros(0, 3))

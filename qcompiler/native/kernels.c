@@ -199,7 +199,7 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
     return 0;
 }
 
-/* ==== histogram over threads (calibration at 2+ threads) ===================================
+/* ==== calibration kernels: histogram over threads, per-row min/max ==========================
  * qc_hist_abs_f32_mt: qc_hist_abs_f32 with the N values split into `threads` contiguous parts,
  * each binned by qc_hist_abs_f32 on its own thread (the caller's thread takes part 0) into its
  * own zeroed float64 partial histogram and min/max.  The partials hold integer counts (< 2**53),
@@ -264,7 +264,30 @@ QC_API int qc_hist_abs_f32_mt(const float *restrict x, int64_t N, double per_uni
     free(partial);
     return rc;
 }
-/* ==== end of histogram over threads ======================================================== */
+/* Per-row min and max of a (rows, cols) float32 matrix, row-major (a weight's output channels):
+ * lo[r] = min_c x[r, c], hi[r] = max_c x[r, c].  Returns -2 when a value is NaN or an extreme is
+ * infinite (the observer's NaN/Inf check; lo, hi are then meaningless), else 0. */
+QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t cols, float *restrict lo,
+                              float *restrict hi) {
+    int bad = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols;
+        float mn = INFINITY, mx = -INFINITY;
+        int nan = 0;
+        _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(|:nan)")
+        for (int64_t c = 0; c < cols; c++) {
+            float v = xr[c];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            nan |= v != v;
+        }
+        bad |= nan | !isfinite(mn) | !isfinite(mx);
+        lo[r] = mn;
+        hi[r] = mx;
+    }
+    return bad ? -2 : 0;
+}
+/* ==== end of calibration kernels =========================================================== */
 
 /* Depthwise int8 convolution (one filter per channel), channels-last, with the requantization:
  *   acc[n, o, p, c] = bias[c] + sum_{i, j} x[n, o*sh - ph + i*dh, p*sw - pw + j*dw, c] * w[i, j, c]

@@ -21,7 +21,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
+__all__ = ["Requant", "DepthwiseConv", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "rows_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT"]
 
 MAX_SHIFT = 62
 INT64_LIMIT = 1 << 62  # |products| and the fused sum stay below this in the int64 kernel
@@ -189,6 +189,21 @@ def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor,
     if _histogram_call(x, per_unit, hist, mm, threads) != 0:
         return None
     return float(mm[0]), float(mm[1])
+
+
+def rows_minmax(x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-row ``(min, max)`` of a float32 ``x`` (rows, ...), contiguous, as two float32 tensors
+    (one pass, native: what ``x.flatten(1).amin(1)`` / ``amax(1)`` give); None when a value is NaN
+    or an extreme infinite (the caller takes its checked torch path)."""
+    _check(x, "rows_minmax: x", (torch.float32,))
+    if x.dim() < 1 or not x.shape[0] or not x.numel():
+        raise ConfigError(f"rows_minmax: x must have rows and values, got shape {tuple(x.shape)}")
+    rows = x.shape[0]
+    lo, hi = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
+    f = _fn("qc_rows_minmax_f32", (_P, _I64, _I64, _P, _P))
+    if f(x.data_ptr(), rows, x.numel() // rows, lo.data_ptr(), hi.data_ptr()) != 0:
+        return None
+    return lo, hi
 
 
 class DepthwiseConv:
