@@ -188,7 +188,8 @@ def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor,
     mm = torch.empty(2, dtype=torch.float32)
     if _histogram_call(x, per_unit, hist, mm, threads) != 0:
         return None
-    return float(mm[0]), float(mm[1])
+    lo, hi = mm.tolist()
+    return lo, hi
 
 
 def rows_minmax(x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

@@ -624,8 +624,12 @@ class HistogramObserver(ObserverBase):
                                   self.histogram.data, _native_threads(x.numel()))
         if mm is None:
             return False
-        self.min_val = torch.minimum(self.min_val, torch.tensor(mm[0], dtype=torch.float32))
-        self.max_val = torch.maximum(self.max_val, torch.tensor(mm[1], dtype=torch.float32))
+        # the running extremes as torch.minimum / maximum would give them (no NaN here), without
+        # two tensor ops per batch when the batch does not move them (most batches)
+        if mm[0] < float(self.min_val):
+            self.min_val = torch.tensor(mm[0], dtype=torch.float32)
+        if mm[1] > float(self.max_val):
+            self.max_val = torch.tensor(mm[1], dtype=torch.float32)
         return True
 
     @staticmethod
