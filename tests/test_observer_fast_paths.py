@@ -200,21 +200,27 @@ def test_a_bad_value_inside_the_range_still_raises_and_changes_nothing(bad):
 
 
 @pytest.mark.skipif(not native_enabled(), reason="native kernels are off")
-def test_the_native_histogram_splits_the_values_not_dim_0(monkeypatch):
-    """A large multi-dimensional batch is counted as two halves of its values, one on the helper
-    thread (halving dim 0 of an (8, ...) tensor with numel // 2 gave all of it to one thread)."""
+def test_the_native_histogram_uses_the_torch_threads_for_large_batches(monkeypatch):
+    """A large batch is binned on as many native threads as torch may use (one per _NATIVE_PART
+    values at most), a small one on one; the state is that of one thread either way."""
     seen = []
-    real = observer_module.histogram_abs
+    real = observer_module.histogram_abs_minmax
 
-    def spy(x, per_unit, hist):
-        seen.append(x.numel())
-        real(x, per_unit, hist)
+    def spy(x, per_unit, hist, threads=1):
+        seen.append(threads)
+        return real(x, per_unit, hist, threads)
 
-    monkeypatch.setattr(observer_module, "histogram_abs", spy)
+    monkeypatch.setattr(observer_module, "histogram_abs_minmax", spy)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    a = torch.rand(8, 64, 32, 32)
-    hist = torch.zeros(256, dtype=torch.float64)
-    observer_module._native_histogram(a, 255.0, hist)
-    assert sorted(seen) == [a.numel() // 2, a.numel() - a.numel() // 2]
-    want = torch.bincount((a.double().abs() * 255.0).floor().long().reshape(-1), minlength=256).double()
-    assert torch.equal(hist, want)
+    g = torch.Generator().manual_seed(3)
+    big, small = torch.randn(8, 64, 32, 32, generator=g).relu(), torch.randn(4, 1000, generator=g)
+    one, two = HistogramObserver(), HistogramObserver()
+    for x in (big * 4.0, big, small):  # the first batch sets the range; the others are binned in range
+        two(x)
+    assert seen == [2, 1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    for x in (big * 4.0, big, small):
+        one(x)
+    assert seen == [2, 1, 1, 1]
+    for k, v in one.state_dict().items():
+        assert torch.equal(two.state_dict()[k], v), k

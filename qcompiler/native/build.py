@@ -36,7 +36,7 @@ ENV_DISABLE = "QCOMPILER_NATIVE"  # "0" / "off" / "false": never build or load
 ENV_CACHE = "QCOMPILER_NATIVE_CACHE"
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden", "-std=gnu11",
-         "-fopenmp-simd",  # the simd pragmas only: no OpenMP runtime, no threads
+         "-fopenmp-simd", "-pthread",  # the simd pragmas only (no OpenMP runtime); pthreads for qc_hist_abs_f32_mt
          "-ffp-contract=off")  # float code is evaluated as written: no a*b+c fused into an FMA
 ABI_VERSION = 1
 _TIMEOUT_S = 120

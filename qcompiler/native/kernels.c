@@ -1,7 +1,8 @@
 /* qcompiler's native kernels: plain C, no Python or torch headers, called through ctypes.
  *
- * Every kernel is single-threaded, keeps no state between calls and writes only to the
- * buffers it is given, so it may run on several threads at once (ctypes releases the GIL).
+ * Every kernel keeps no state between calls and writes only to the buffers it is given, so it
+ * may run on several threads at once (ctypes releases the GIL).  All are single-threaded but
+ * qc_hist_abs_f32_mt, which splits its values over pthreads it joins before returning.
  * The Python side (qcompiler/native/kernels.py) checks dtypes, contiguity and sizes.
  *
  * Exactness: the requantization is integer arithmetic (int64, or __int128 where the caller
@@ -9,6 +10,7 @@
  * (24-bit significand times a power of two or a small integer over one).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,15 +140,15 @@ REQ_ADD_FN(qc_requant_add_f64_i16_i16, double, int16_t, int16_t)
 #define HIST_SPREAD 16 /* scratch slots for bin 0, one cache line apart */
 
 #define HIST_INDEX(PRODUCT)                                                                          \
-    _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(+:zeros) reduction(|:bad)")     \
-    for (int64_t i = 0; i < m; i++) {                                                                \
+    _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(+:z32) reduction(|:bad)")       \
+    for (int32_t i = 0; i < (int32_t)m; i++) { /* int32 i and z32: 16 lanes, no int64 widening */    \
         float v = xb[i];                                                                             \
         mn = v < mn ? v : mn;                                                                        \
         mx = v > mx ? v : mx;                                                                        \
         PRODUCT_T p = PRODUCT;                                                                       \
         int ok = p < limit; /* false for NaN */                                                      \
         int32_t j = (int32_t)(ok ? p : (PRODUCT_T)0);                                                \
-        zeros += (j == 0) & ok;                                                                      \
+        z32 += (j == 0) & ok;                                                                        \
         bad |= !ok;                                                                                  \
         idx[i] = j == 0 ? spare + (int32_t)(i & (HIST_SPREAD - 1)) * 16 : j;                         \
     }
@@ -166,6 +168,7 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
         for (int64_t b = start; b < stop; b += HIST_BLOCK) {
             int64_t m = stop - b < HIST_BLOCK ? stop - b : HIST_BLOCK;
             const float *restrict xb = x + b;
+            int32_t z32 = 0; /* this block's bin-0 count (int32 in the vector loop: ~30% faster) */
             if (f32) {
                 const float limit = (float)nbins;
 #define PRODUCT_T float
@@ -177,6 +180,7 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
                 HIST_INDEX((double)fabsf(v) * per_unit)
 #undef PRODUCT_T
             }
+            zeros += z32;
             for (int64_t i = 0; i < m; i++) counts[idx[i]]++;
         }
         if (bad) {
@@ -196,6 +200,96 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
     }
     return 0;
 }
+
+/* ==== calibration kernels: histogram over threads, per-row min/max ==========================
+ * qc_hist_abs_f32_mt: qc_hist_abs_f32 with the N values split into `threads` contiguous parts,
+ * each binned by qc_hist_abs_f32 on its own thread (the caller's thread takes part 0) into its
+ * own zeroed float64 partial histogram and min/max.  The partials hold integer counts (< 2**53),
+ * so adding them is exact in any order: hist and mm come out bit for bit as one
+ * qc_hist_abs_f32 over all N.  If any part returns -2 (NaN, or a value at or past the range)
+ * hist is left unchanged (whatever N) and the call returns -2; -1: out of memory, or a thread
+ * could not be started (hist unchanged).  threads <= 1 is qc_hist_abs_f32 itself. */
+#define HIST_MAX_THREADS 64
+
+typedef struct {
+    const float *x;
+    int64_t n;
+    double per_unit;
+    int f32;
+    int64_t nbins;
+    double *hist;
+    float mm[2];
+    int rc;
+} hist_part;
+
+static void *hist_part_run(void *arg) {
+    hist_part *p = arg;
+    p->rc = qc_hist_abs_f32(p->x, p->n, p->per_unit, p->f32, p->nbins, p->hist, p->mm);
+    return NULL;
+}
+
+QC_API int qc_hist_abs_f32_mt(const float *restrict x, int64_t N, double per_unit, int f32, int64_t nbins,
+                              double *restrict hist, float *restrict mm, int threads) {
+    if (threads > N) threads = (int)N;
+    if (threads > HIST_MAX_THREADS) threads = HIST_MAX_THREADS;
+    if (threads <= 1) return qc_hist_abs_f32(x, N, per_unit, f32, nbins, hist, mm);
+    hist_part parts[HIST_MAX_THREADS];
+    pthread_t tid[HIST_MAX_THREADS];
+    double *partial = calloc((size_t)threads * (size_t)nbins, sizeof(double));
+    if (!partial) return -1;
+    for (int t = 0; t < threads; t++) {
+        int64_t lo = N * t / threads, hi = N * (t + 1) / threads;
+        parts[t] = (hist_part){x + lo, hi - lo, per_unit, f32, nbins, partial + (int64_t)t * nbins, {0, 0}, 0};
+    }
+    int started = 1; /* threads running a part, the caller's included */
+    while (started < threads && pthread_create(&tid[started], NULL, hist_part_run, &parts[started]) == 0) started++;
+    hist_part_run(&parts[0]);
+    for (int t = 1; t < started; t++) pthread_join(tid[t], NULL);
+    int rc = started < threads ? -1 : 0;
+    for (int t = 0; t < threads && rc == 0; t++)
+        if (parts[t].rc == -1) rc = -1;
+    for (int t = 0; t < threads && rc == 0; t++)
+        if (parts[t].rc == -2) rc = -2;
+    if (rc == 0) {
+        float mn = INFINITY, mx = -INFINITY;
+        for (int t = 0; t < threads; t++) {
+            const double *pt = parts[t].hist;
+            for (int64_t k = 0; k < nbins; k++) hist[k] += pt[k];
+            mn = parts[t].mm[0] < mn ? parts[t].mm[0] : mn;
+            mx = parts[t].mm[1] > mx ? parts[t].mm[1] : mx;
+        }
+        if (mm) {
+            mm[0] = mn;
+            mm[1] = mx;
+        }
+    }
+    free(partial);
+    return rc;
+}
+/* Per-row min and max of a (rows, cols) float32 matrix, row-major (a weight's output channels):
+ * lo[r] = min_c x[r, c], hi[r] = max_c x[r, c].  Returns -2 when a value is NaN or an extreme is
+ * infinite (the observer's NaN/Inf check; lo, hi are then meaningless), else 0. */
+QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t cols, float *restrict lo,
+                              float *restrict hi) {
+    int bad = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols;
+        float mn = INFINITY, mx = -INFINITY;
+        int nan = 0;
+        _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(|:nan)")
+        for (int64_t c = 0; c < cols; c++) {
+            float v = xr[c];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            nan |= v != v;
+        }
+        bad |= nan | !isfinite(mn) | !isfinite(mx);
+        lo[r] = mn;
+        hi[r] = mx;
+    }
+    return bad ? -2 : 0;
+}
+/* ==== end of calibration kernels =========================================================== */
 
 /* Depthwise int8 convolution (one filter per channel), channels-last, with the requantization:
  *   acc[n, o, p, c] = bias[c] + sum_{i, j} x[n, o*sh - ph + i*dh, p*sw - pw + j*dw, c] * w[i, j, c]

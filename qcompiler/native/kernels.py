@@ -23,7 +23,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -147,9 +147,13 @@ _F32_TINY, _F32_HUGE = 2.0 ** -126, 2.0 ** 127  # the normal float32 powers of t
 
 
 FUSED_MAX = 1 << 30  # histogram_abs_minmax: up to this many values (one uint32 chunk: all or nothing)
+HIST_MAX_THREADS = 64  # qc_hist_abs_f32_mt's cap
 
 
-def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Optional[torch.Tensor]) -> int:
+def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Optional[torch.Tensor],
+                    threads: int) -> int:
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ConfigError(f"histogram_abs: threads must be a positive int, got {threads!r}")
     _check(x, "histogram_abs: x", (torch.float32,))
     _check(hist, "histogram_abs: hist", (torch.float64,))
     if hist.dim() != 1 or not hist.numel():
@@ -158,15 +162,15 @@ def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Op
         raise ConfigError(f"histogram_abs: per_unit must be positive and finite, got {per_unit}")
     nbins = hist.numel()
     f32 = math.frexp(per_unit)[0] == 0.5 and _F32_TINY <= per_unit <= _F32_HUGE
-    f = _fn("qc_hist_abs_f32", (_P, _I64, _F64, ctypes.c_int, _I64, _P, _P))
+    f = _fn("qc_hist_abs_f32_mt", (_P, _I64, _F64, ctypes.c_int, _I64, _P, _P, ctypes.c_int))
     rc = f(x.data_ptr(), x.numel(), float(per_unit), int(f32), nbins, hist.data_ptr(),
-           None if mm is None else mm.data_ptr())
+           None if mm is None else mm.data_ptr(), min(threads, HIST_MAX_THREADS))
     if rc == -1:
-        raise MemoryError("histogram_abs: out of memory for the counters")
+        raise MemoryError("histogram_abs: out of memory for the counters (or a thread could not be started)")
     return rc
 
 
-def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
+def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor, threads: int = 1) -> None:
     """``hist[floor(|x| * per_unit)] += 1`` for every float32 value of ``x`` (contiguous): exactly
     ``torch.bincount`` of the floor of the exact product, added to the float64 ``hist`` (1-d, contiguous).
 
@@ -174,22 +178,44 @@ def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
     finite check; a value outside is a ConfigError, never counted); ``per_unit`` must be positive.  A power
     of-two ``per_unit`` in the normal float32 range is applied in float32 (exact), any other in
     float64 (exact: 24 + 21 bits).
+
+    ``threads`` > 1 splits the values into that many contiguous parts binned at once on native
+    threads, each into its own partial histogram; the partials are integer counts, so their sum
+    is bit for bit the one-thread result (any split).
     """
-    if _histogram_call(x, per_unit, hist, None) == -2:
+    if _histogram_call(x, per_unit, hist, None, threads) == -2:
         raise ConfigError(f"histogram_abs: a value of x is NaN or at least the range ({hist.numel()} / {per_unit}); "
                           f"the caller must widen the range first")
 
 
-def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -> Optional[tuple[float, float]]:
+def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor,
+                         threads: int = 1) -> Optional[tuple[float, float]]:
     """:func:`histogram_abs` and ``(min(x), max(x))`` in one pass, when every ``|x| * per_unit`` is
     below ``hist.numel()`` and no value is NaN; otherwise None and ``hist`` is unchanged (the caller
-    computes the range and bins again).  At most :data:`FUSED_MAX` values."""
+    computes the range and bins again).  At most :data:`FUSED_MAX` values.  ``threads`` as in
+    :func:`histogram_abs` (the min/max of the parts are combined: the same result)."""
     if x.numel() > FUSED_MAX:
         raise ConfigError(f"histogram_abs_minmax: at most {FUSED_MAX} values, got {x.numel()}")
     mm = torch.empty(2, dtype=torch.float32)
-    if _histogram_call(x, per_unit, hist, mm) != 0:
+    if _histogram_call(x, per_unit, hist, mm, threads) != 0:
         return None
-    return float(mm[0]), float(mm[1])
+    lo, hi = mm.tolist()
+    return lo, hi
+
+
+def rows_minmax(x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-row ``(min, max)`` of a float32 ``x`` (rows, ...), contiguous, as two float32 tensors
+    (one pass, native: what ``x.flatten(1).amin(1)`` / ``amax(1)`` give); None when a value is NaN
+    or an extreme infinite (the caller takes its checked torch path)."""
+    _check(x, "rows_minmax: x", (torch.float32,))
+    if x.dim() < 1 or not x.shape[0] or not x.numel():
+        raise ConfigError(f"rows_minmax: x must have rows and values, got shape {tuple(x.shape)}")
+    rows = x.shape[0]
+    lo, hi = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
+    f = _fn("qc_rows_minmax_f32", (_P, _I64, _I64, _P, _P))
+    if f(x.data_ptr(), rows, x.numel() // rows, lo.data_ptr(), hi.data_ptr()) != 0:
+        return None
+    return lo, hi
 
 
 class DepthwiseConv:

@@ -48,7 +48,7 @@ import torch.nn as nn
 from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import FUSED_MAX, histogram_abs, histogram_abs_minmax
+from qcompiler.native.kernels import FUSED_MAX, histogram_abs, histogram_abs_minmax, rows_minmax
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
 __all__ = [
@@ -382,9 +382,13 @@ class PerChannelMinMaxObserver(ObserverBase):
                 f"observer {self._display_name()!r} saw {y.shape[0]} channels along axis {ax} "
                 f"but {self.min_val.numel()} before; one per-channel observer per tensor"
             )
-        lo, hi = y.amin(1), y.amax(1)  # torch.aminmax(y, dim=1) is ~100x slower on CPU (torch 2.13)
-        self._check_finite(lo, hi)
-        return self._batch_extremes(lo.float(), hi.float())
+        mm = None
+        if y.dtype == torch.float32 and y.device.type == "cpu" and y.is_contiguous() and native_enabled():
+            mm = rows_minmax(y)  # one native pass (a weight each batch: the torch ops' overhead was most of it)
+        if mm is None:  # no native kernels, another layout/dtype, or a NaN/Inf (raised below)
+            mm = y.amin(1), y.amax(1)  # torch.aminmax(y, dim=1) is ~100x slower on CPU (torch 2.13)
+            self._check_finite(*mm)
+        return self._batch_extremes(mm[0].float(), mm[1].float())
 
     def _observe(self, x: torch.Tensor) -> None:
         mm = self._batch_minmax(x)
@@ -452,20 +456,14 @@ def _helper() -> ThreadPoolExecutor:
     return _bincount_helper[1]
 
 
-def _native_histogram(a: torch.Tensor, per_unit: float, hist: torch.Tensor) -> None:
-    """``hist += bincount(floor(|a| * per_unit))`` in one native pass (float32 ``a``, contiguous), split
-    over two threads like :func:`_bincount`: each half counts into its own buffer; integer counts, so
-    the sums are exact."""
-    if a.numel() < _SPLIT_BINCOUNT or torch.get_num_threads() < 2:
-        histogram_abs(a, per_unit, hist)
-        return
-    a = a.reshape(-1)  # halves of the values, not of dim 0
-    half = a.numel() // 2
-    first = torch.zeros_like(hist)
-    job = _helper().submit(histogram_abs, a[:half], per_unit, first)
-    histogram_abs(a[half:], per_unit, hist)
-    job.result()
-    hist += first
+_NATIVE_PART = 1 << 17  # values per native histogram thread at least (starting a thread costs ~20 us)
+
+
+def _native_threads(numel: int) -> int:
+    """Threads the native histogram of ``numel`` values is split over: as many as torch may use
+    (``torch.get_num_threads()``, what the float forward uses), at most one per :data:`_NATIVE_PART`
+    values.  The result does not depend on it (``histogram_abs``: exact partial sums)."""
+    return max(1, min(torch.get_num_threads(), numel // _NATIVE_PART))
 
 
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
@@ -605,7 +603,8 @@ class HistogramObserver(ObserverBase):
         if native_enabled() and x.device.type == "cpu" and self.histogram.is_contiguous():
             # one pass: floor(|x| * n / r) from the float64 product (exact, as _bin_index), counted in C
             a = x.float()
-            _native_histogram(a if a.is_contiguous() else a.contiguous(), n / r, self.histogram.data)
+            histogram_abs(a if a.is_contiguous() else a.contiguous(), n / r, self.histogram.data,
+                          _native_threads(a.numel()))
             return
         index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
@@ -622,11 +621,15 @@ class HistogramObserver(ObserverBase):
                 or not self.histogram.is_contiguous() or not native_enabled()):
             return False
         mm = histogram_abs_minmax(x if x.is_contiguous() else x.contiguous(), self.histogram.numel() / r,
-                                  self.histogram.data)
+                                  self.histogram.data, _native_threads(x.numel()))
         if mm is None:
             return False
-        self.min_val = torch.minimum(self.min_val, torch.tensor(mm[0], dtype=torch.float32))
-        self.max_val = torch.maximum(self.max_val, torch.tensor(mm[1], dtype=torch.float32))
+        # the running extremes as torch.minimum / maximum would give them (no NaN here), without
+        # two tensor ops per batch when the batch does not move them (most batches)
+        if mm[0] < float(self.min_val):
+            self.min_val = torch.tensor(mm[0], dtype=torch.float32)
+        if mm[1] > float(self.max_val):
+            self.max_val = torch.tensor(mm[1], dtype=torch.float32)
         return True
 
     @staticmethod
