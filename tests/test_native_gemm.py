@@ -199,6 +199,25 @@ def test_the_simulator_runs_convs_and_linears_on_the_gemm_exactly(kind, with_add
 
 
 @needs_gemm
+@pytest.mark.parametrize("C,k,stride,pad", [(3, 7, 2, 3), (3, 5, 1, 2), (1, 11, 3, 0), (5, 7, 2, 3)])
+def test_large_kernels_over_few_channels_run_on_the_gemm_exactly(C, k, stride, pad):
+    """resnet18's stem (7x7 over 3 channels, stride 2) and its kin: the im2col rows are kw * C bytes per
+    kernel row (not a multiple of 64: the masked copy's tail) and the padding taps."""
+    t = Tiny(seed=29)
+    x = t.input(torch.randint(-128, 128, (2, C, 23, 19), generator=t.gen), 0.05)
+    w = torch.randint(-127, 128, (64, C, k, k), generator=t.gen)
+    layer = weight_layer("conv2d", w, torch.rand(64, generator=t.gen) * 0.02 + 0.001, torch.randn(64, generator=t.gen),
+                         0.05, 0.1, geometry=geometry(stride, pad, 1, 1), act="relu", name="stem")
+    prog = lower_partition(t.build(t.call(layer, x, name="stem")), "bpu0")
+    inputs = {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)}
+    ref = {k_: v.int_repr() for k_, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    sim = BpuSimulator(prog, native=True)
+    assert "_NativeGemmLayer" in {type(s[0]).__name__ for s in sim._steps}
+    got = {k_: v.int_repr() for k_, v in sim.run(inputs).items()}
+    assert got.keys() == ref.keys() and all(torch.equal(got[k_], ref[k_]) for k_ in ref)
+
+
+@needs_gemm
 @settings(SETTINGS, max_examples=60)
 @given(gemm_cases())
 def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):

@@ -197,6 +197,28 @@ QC_API int qc_hist_abs_f32(const float *restrict x, int64_t N, double per_unit, 
     return 0;
 }
 
+/* Quantize on entering the BPU (fixed_point.quantize, per-tensor scale): out[i] =
+ * clamp(round_half_even(x[i] / s), lo, hi) for N float32 values, int8 / int16 out.  The division is
+ * the IEEE float32 one torch does; the clamp to the integers [lo, hi] commutes with rounding, and
+ * nearbyintf rounds half to even (the default rounding mode); inf clamps to lo / hi as torch's clamp
+ * does.  Returns 1 if some x is NaN (out is then unspecified: the caller raises), else 0. */
+#define QUANT_FN(NAME, OUT_T)                                                                            \
+    QC_API int NAME(const float *restrict x, int64_t N, float s, float lo, float hi, OUT_T *restrict out) { \
+        int nan = 0;                                                                                      \
+        _Pragma("omp simd reduction(|:nan)")                                                              \
+        for (int64_t i = 0; i < N; i++) {                                                                 \
+            float v = x[i] / s;                                                                           \
+            nan |= v != v;                                                                                \
+            v = v < lo ? lo : v;                                                                          \
+            v = v > hi ? hi : v;                                                                          \
+            out[i] = (OUT_T)(int32_t)nearbyintf(v);                                                       \
+        }                                                                                                 \
+        return nan;                                                                                       \
+    }
+
+QUANT_FN(qc_quantize_i8, int8_t)
+QUANT_FN(qc_quantize_i16, int16_t)
+
 /* Depthwise int8 convolution (one filter per channel), channels-last, with the requantization:
  *   acc[n, o, p, c] = bias[c] + sum_{i, j} x[n, o*sh - ph + i*dh, p*sw - pw + j*dw, c] * w[i, j, c]
  * (taps outside the input are zeros: the int8 zero point is 0), in int32 -- the caller proves
@@ -547,6 +569,18 @@ static void gemm_tile_nr(const uint8_t *xu, int64_t rows, int64_t Kq, const int8
     }
 }
 
+/* d[0:len] = s[0:len] ^ 0x80, 64 bytes at a time (the tail masked: nothing beyond len is read or written). */
+static inline void gemm_xor_copy(uint8_t *restrict d, const uint8_t *restrict s, int64_t len) {
+    const __m512i m80 = _mm512_set1_epi8((char)0x80);
+    int64_t k = 0;
+    for (; k + 64 <= len; k += 64)
+        _mm512_storeu_si512((void *)(d + k), _mm512_xor_si512(_mm512_loadu_si512((const void *)(s + k)), m80));
+    if (k < len) {
+        const __mmask64 mk = ((uint64_t)1 << (len - k)) - 1; /* len - k < 64 */
+        _mm512_mask_storeu_epi8(d + k, mk, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, s + k), m80));
+    }
+}
+
 /* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
  * (the padding meets zero weights). */
 static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
@@ -554,7 +588,7 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
         uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
-        for (int64_t k = 0; k < K; k++) d[k] = s[k] ^ 0x80;
+        gemm_xor_copy(d, s, K);
         for (int64_t k = K; k < 4 * Kq; k++) d[k] = 0;
     }
 }
@@ -573,7 +607,7 @@ static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g,
             const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
             if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
                 const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw0) * C);
-                for (int64_t c = 0; c < kw * C; c++) d[c] = s[c] ^ 0x80;
+                gemm_xor_copy(d, s, kw * C);
                 d += kw * C;
                 continue;
             }
@@ -583,8 +617,7 @@ static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g,
                     memset(d, 0x80, (size_t)C);
                     continue;
                 }
-                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw) * C);
-                for (int64_t c = 0; c < C; c++) d[c] = s[c] ^ 0x80;
+                gemm_xor_copy(d, (const uint8_t *)(x + ((b * H + ih) * W + iw) * C), C);
             }
         }
         for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;

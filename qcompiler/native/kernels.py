@@ -23,7 +23,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI"]
+__all__ = ["Requant", "quantize_f32", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -190,6 +190,25 @@ def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor) -
     if _histogram_call(x, per_unit, hist, mm) != 0:
         return None
     return float(mm[0]), float(mm[1])
+
+
+_QUANT = {torch.int8: ("qc_quantize_i8", -128, 127), torch.int16: ("qc_quantize_i16", -(1 << 15), (1 << 15) - 1)}
+
+
+def quantize_f32(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """``out = clamp(round_half_even(x / scale))`` for a contiguous float32 ``x`` and a per-tensor
+    float32 ``scale``, into ``out`` (int8 / int16, x's shape, contiguous): exactly
+    ``fixed_point.quantize`` (one pass: the float32 division, rounding half to even, the clamp).
+    A NaN in ``x`` is a ConfigError, as there."""
+    _check(x, "quantize_f32: x", (torch.float32,))
+    _check(out, "quantize_f32: out", tuple(_QUANT), tuple(x.shape))
+    s = float(scale)
+    if not (math.isfinite(s) and s > 0.0) or float(torch.tensor(s, dtype=torch.float32)) != s:
+        raise ConfigError(f"quantize_f32: scale must be a positive finite float32 value, got {scale!r}")
+    name, lo, hi = _QUANT[out.dtype]
+    f = _fn(name, (_P, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P))
+    if f(x.data_ptr(), x.numel(), s, float(lo), float(hi), out.data_ptr()):
+        raise ConfigError("quantize: the input contains NaN; it has no integer value")
 
 
 class DepthwiseConv:
