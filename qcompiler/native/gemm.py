@@ -86,6 +86,9 @@ class Int8Gemm:
         else:
             self._f = _fn(f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}", _ARGS)
             self.Mb, self.nb = int(add[0]), int(add[1])
+        # the constant arguments, once (a call's Python overhead matters on small layers)
+        self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
+                        self.n.data_ptr())
 
     @staticmethod
     def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
@@ -160,8 +163,7 @@ class Int8Gemm:
 
     def _run(self, x, ldx, geo, out, other, m0, m1) -> None:
         if m1 > m0:
-            _ok(self._f(x.data_ptr(), ldx, m0, m1, self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(),
-                        self.M.data_ptr(), self.n.data_ptr(), None if other is None else other.data_ptr(), self.Mb,
+            _ok(self._f(x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
                         self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr()))
 
     def conv(self, x: torch.Tensor, kernel_size, stride, padding, dilation, other: Optional[torch.Tensor] = None,

@@ -242,6 +242,7 @@ class DepthwiseConv:
         self.bias = None if bias is None else bias.to(torch.int32).reshape(C).contiguous()
         self.geom = [int(v) for v in (*stride, *padding, *dilation)]
         self.out_dtype = out_dtype
+        self._call: Optional[tuple] = None  # (function, weight pointer, bias pointer, constants), on first call
         # AVX512-VNNI: int16 weight pairs (taps 2p, 2p+1) per channel, (pairs, Cp, 2), zeros beyond
         self.vnni = vnni_enabled() if vnni is None else bool(vnni)
         if self.vnni:
@@ -270,16 +271,19 @@ class DepthwiseConv:
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"DepthwiseConv: input {H}x{W} is smaller than the kernel")
         out = torch.empty((N, Ho, Wo, C), dtype=self.out_dtype)
-        p = self.plan
-        head = (x.data_ptr(), N, H, W, C, (self.wpairs if self.vnni else self.w).data_ptr(), self.kh, self.kw,
-                None if self.bias is None else self.bias.data_ptr(), *self.geom, Ho, Wo, p.M.data_ptr(), p.n.data_ptr(),
-                p.lo, p.hi)
-        args = (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64)
-        if self.vnni:
-            f = _fn(f"qc_dwconv2_i8_{_INT[self.out_dtype]}", args + (ctypes.c_int, _P))
-            _ok(f(*head, self.f64, out.data_ptr()))
-        else:
-            _ok(_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,))(*head, out.data_ptr()))
+        if self._call is None:  # the function and the constant arguments, once
+            p = self.plan
+            args = (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64)
+            wptr = (self.wpairs if self.vnni else self.w).data_ptr()
+            bptr = None if self.bias is None else self.bias.data_ptr()
+            consts = (p.M.data_ptr(), p.n.data_ptr(), p.lo, p.hi)
+            if self.vnni:
+                self._call = (_fn(f"qc_dwconv2_i8_{_INT[self.out_dtype]}", args + (ctypes.c_int, _P)), wptr, bptr,
+                              consts + (self.f64,))
+            else:
+                self._call = (_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,)), wptr, bptr, consts)
+        f, wptr, bptr, consts = self._call
+        _ok(f(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts, out.data_ptr()))
         return out
 
 
