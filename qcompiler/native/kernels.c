@@ -796,13 +796,16 @@ GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
         int8_t *zeros = calloc((size_t)(Cp + 64), 1);                                                     \
         int32_t *b32 = calloc((size_t)(Cp + 16), sizeof(int32_t));                                        \
         const int8_t **xt = malloc(sizeof(int8_t *) * (size_t)(DW2_Q * 2 * np + 1));                      \
-        if (!kc || !zeros || !b32 || !xt) {                                                               \
+        int64_t *off = malloc(sizeof(int64_t) * (size_t)T);                                               \
+        if (!kc || !zeros || !b32 || !xt || !off) {                                                       \
             free(kc);                                                                                     \
             free(zeros);                                                                                  \
             free(b32);                                                                                    \
             free(xt);                                                                                     \
+            free(off);                                                                                    \
             return -1;                                                                                    \
         }                                                                                                 \
+        for (int64_t t = 0; t < T; t++) off[t] = ((t / kw) * dh * W + (t % kw) * dw) * C; /* tap t */     \
         if (bias) memcpy(b32, bias, sizeof(int32_t) * (size_t)C);                                         \
         for (int q = 0; q < DW2_Q; q++) xt[q * 2 * np + 2 * np - 1] = zeros; /* a missing odd tap */      \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), zero = _mm512_setzero_si512(); \
@@ -814,10 +817,18 @@ GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
                     const int64_t nq = Wo - ow0 < DW2_Q ? Wo - ow0 : DW2_Q;                               \
                     for (int64_t q = 0; q < DW2_Q; q++) {                                                 \
                         const int64_t ow = ow0 + (q < nq ? q : nq - 1); /* extra slots repeat the last */ \
+                        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;                             \
+                        const int8_t **xp = xt + q * 2 * np;                                              \
+                        if (ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + (kw - 1) * dw < W) {  \
+                            /* every tap inside the input: fixed offsets from the window's corner */     \
+                            const int8_t *base = x + ((b * H + ih0) * W + iw0) * C;                       \
+                            for (int64_t t = 0; t < T; t++) xp[t] = base + off[t];                        \
+                            continue;                                                                     \
+                        }                                                                                 \
                         for (int64_t i = 0; i < kh; i++)                                                  \
                             for (int64_t j = 0; j < kw; j++) {                                            \
-                                int64_t ih = oh * sh - ph + i * dh, iw = ow * sw - pw + j * dw;           \
-                                xt[q * 2 * np + i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W      \
+                                int64_t ih = ih0 + i * dh, iw = iw0 + j * dw;                             \
+                                xp[i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W                   \
                                     ? zeros : x + ((b * H + ih) * W + iw) * C;                            \
                             }                                                                             \
                     }                                                                                     \
@@ -854,6 +865,7 @@ GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
         free(zeros);                                                                                      \
         free(b32);                                                                                        \
         free(xt);                                                                                         \
+        free(off);                                                                                        \
         return 0;                                                                                         \
     }
 
