@@ -218,6 +218,35 @@ def test_large_kernels_over_few_channels_run_on_the_gemm_exactly(C, k, stride, p
 
 
 @needs_gemm
+@settings(SETTINGS, max_examples=80)
+@given(gemm_cases(), st.integers(0, 40))
+def test_both_float64_epilogues_equal_the_reference(c, n0):
+    """Without a fused add: the float64 epilogue clamps in int32 (``f64 == 2``) where
+    ``|acc| * M / 2**n < 2**31 - 1`` on every channel, else in float64 (``f64 == 1``); the shift drawn
+    over [0, 40] gives both (and saturating outputs at small shifts), checked against the int64 reference."""
+    c = {**c, "add": None, "m_bits": 15, "bias": c["bias"]}
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    n = torch.full_like(n, n0)
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]])
+    bound = Int8Gemm.acc_bound(w, bias)
+    assert k.f64 == (2 if bound * int(M.max()) < ((1 << 31) - 1) << n0 else 1)
+    assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, lo, hi, None, None))
+
+
+@needs_gemm
+def test_the_float64_epilogue_modes_are_chosen_by_their_bounds():
+    w = torch.full((16, 64), 127, dtype=torch.int8)  # bound 128 * 64 * 127 = 1040384 < 2**20
+    x = torch.full((3, 64), -128, dtype=torch.int8)
+    x[1] = 127
+    for n0, mode in ((0, 1), (2, 1), (3, 2), (5, 2), (20, 2), (40, 2)):
+        M, n = torch.full((16,), 1 << 14), torch.full((16,), n0)
+        for lo, hi in ((-128, 127), (0, 127), (0, 90)):
+            k = Int8Gemm(w, None, M, n, lo, hi, torch.int8)
+            assert k.f64 == mode, (n0, k.f64)
+            assert torch.equal(k(x).to(torch.int64), reference(x, w, None, M, n, lo, hi, None, None))
+
+
+@needs_gemm
 @settings(SETTINGS, max_examples=60)
 @given(gemm_cases())
 def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):

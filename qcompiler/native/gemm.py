@@ -79,7 +79,12 @@ class Int8Gemm:
         self.n = n.to(torch.int64).reshape(-1).expand(O).contiguous()
         self.add = add
         # without a fused add and with |acc| * |M| < 2**53: the float64 epilogue (exact, fewer operations)
-        self.f64 = int(add is None and self.acc_bound(w, bias) * int(self.M.abs().max()) < F64_EXACT)
+        bound = self.acc_bound(w, bias)
+        self.f64 = int(add is None and bound * int(self.M.abs().max()) < F64_EXACT)
+        # and with |acc| * |M| / 2**n < 2**31 - 1 on every channel: the products convert to int32 without
+        # overflow, the clamp runs in int32 (f64 == 2: fewer operations)
+        if self.f64 and all(bound * abs(m) < (_I32 - 1) << s for m, s in zip(self.M.tolist(), self.n.tolist())):
+            self.f64 = 2
         if add is None:
             self._f = _fn(f"qc_gemm_{_INT[out_dtype]}", _ARGS)
             self.Mb = self.nb = 0

@@ -683,6 +683,20 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
     return _mm512_inserti64x4(_mm512_castsi256_si512(ia), ib, 1);
 }
 
+/* As gemm_requant_f64_x16 when the caller also proved |acc| * M / 2**n < 2**31 - 1 (f64 == 2): the
+ * products then convert to int32 without overflow (rounded half to even), and the clamp to the
+ * integers [lo, hi] runs on the int32 results (clamping commutes with rounding to integers). */
+static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int64_t Op, int64_t ch, __m512i lo,
+                                            __m512i hi) {
+    const double *f = (const double *)(kc + 6 * Op) + ch;
+    __m512d a = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(acc)), _mm512_loadu_pd(f));
+    __m512d b = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(acc, 1)), _mm512_loadu_pd(f + 8));
+    __m256i ia = _mm512_cvt_roundpd_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i ib = _mm512_cvt_roundpd_epi32(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(ia), ib, 1);
+    return _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+}
+
 /* 16 fused operands (int8 / int16, masked load) and their int64 halves; 16 int32 results (in range
  * after the clamp) narrowed to int8 / int16 stores. */
 #define GEMM_BLD_8(P, MK) _mm256_castsi128_si256(_mm_maskz_loadu_epi8(MK, P))
@@ -707,6 +721,7 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
                     int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
         const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+        const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
         int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
         if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
         int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
@@ -745,6 +760,12 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
                                 bhi = _mm512_mul_epi32(GEMM_BHI_##BBITS(bv), vMb);                        \
                             }                                                                             \
                             const int32_t *t = tile + r * 64 + c;                                         \
+                            if (!ADD && f64 == 2) {                                                       \
+                                const __m512i q = gemm_requant_f64i_x16(_mm512_load_si512((const void *)t), kc, Op, \
+                                                                        ch, ilo, ihi);                    \
+                                GEMM_ST_##OBITS(o + c, mk, full, q);                                      \
+                                continue;                                                                 \
+                            }                                                                             \
                             if (!ADD && f64) {                                                            \
                                 const __m512i q = gemm_requant_f64_x16(_mm512_load_si512((const void *)t), kc, Op, \
                                                                        ch, dlo, dhi);                     \
