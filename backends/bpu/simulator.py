@@ -72,6 +72,9 @@ computes, bit for bit.  Two kernel sets are available:
     * max pool is the running maximum of the strided windows of a
       qmin-padded copy (equal to ``F.max_pool2d``).
 
+    * with the native kernels, ``quantize`` (per-tensor scale) is one native pass, and the global
+      average pool requantizes its int32 sums in one native pass.
+
     Everything else (add, avg pools, LUTs, matmul, other bilinear resizes, ...) uses
     the fixed_point functions in both modes.
 
