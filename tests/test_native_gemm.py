@@ -200,6 +200,54 @@ def test_the_simulator_runs_convs_and_linears_on_the_gemm_exactly(kind, with_add
 
 
 @needs_gemm
+@pytest.mark.parametrize("C,k,stride,pad", [(3, 7, 2, 3), (3, 5, 1, 2), (1, 11, 3, 0), (5, 7, 2, 3)])
+def test_large_kernels_over_few_channels_run_on_the_gemm_exactly(C, k, stride, pad):
+    """resnet18's stem (7x7 over 3 channels, stride 2) and its kin: the im2col rows are kw * C bytes per
+    kernel row (not a multiple of 64: the masked copy's tail) and the padding taps."""
+    t = Tiny(seed=29)
+    x = t.input(torch.randint(-128, 128, (2, C, 23, 19), generator=t.gen), 0.05)
+    w = torch.randint(-127, 128, (64, C, k, k), generator=t.gen)
+    layer = weight_layer("conv2d", w, torch.rand(64, generator=t.gen) * 0.02 + 0.001, torch.randn(64, generator=t.gen),
+                         0.05, 0.1, geometry=geometry(stride, pad, 1, 1), act="relu", name="stem")
+    prog = lower_partition(t.build(t.call(layer, x, name="stem")), "bpu0")
+    inputs = {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)}
+    ref = {k_: v.int_repr() for k_, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    sim = BpuSimulator(prog, native=True)
+    assert "_NativeGemmLayer" in {type(getattr(s[0], "whole", s[0])).__name__ for s in sim._steps}
+    got = {k_: v.int_repr() for k_, v in sim.run(inputs).items()}
+    assert got.keys() == ref.keys() and all(torch.equal(got[k_], ref[k_]) for k_ in ref)
+
+
+@needs_gemm
+@settings(SETTINGS, max_examples=80)
+@given(gemm_cases(), st.integers(0, 40))
+def test_both_float64_epilogues_equal_the_reference(c, n0):
+    """Without a fused add: the float64 epilogue clamps in int32 (``f64 == 2``) where
+    ``|acc| * M / 2**n < 2**31 - 1`` on every channel, else in float64 (``f64 == 1``); the shift drawn
+    over [0, 40] gives both (and saturating outputs at small shifts), checked against the int64 reference."""
+    c = {**c, "add": None, "m_bits": 15, "bias": c["bias"]}
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    n = torch.full_like(n, n0)
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]])
+    bound = Int8Gemm.acc_bound(w, bias)
+    assert k.f64 == (2 if bound * int(M.max()) < ((1 << 31) - 1) << n0 else 1)
+    assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, lo, hi, None, None))
+
+
+@needs_gemm
+def test_the_float64_epilogue_modes_are_chosen_by_their_bounds():
+    w = torch.full((16, 64), 127, dtype=torch.int8)  # bound 128 * 64 * 127 = 1040384 < 2**20
+    x = torch.full((3, 64), -128, dtype=torch.int8)
+    x[1] = 127
+    for n0, mode in ((0, 1), (2, 1), (3, 2), (5, 2), (20, 2), (40, 2)):
+        M, n = torch.full((16,), 1 << 14), torch.full((16,), n0)
+        for lo, hi in ((-128, 127), (0, 127), (0, 90)):
+            k = Int8Gemm(w, None, M, n, lo, hi, torch.int8)
+            assert k.f64 == mode, (n0, k.f64)
+            assert torch.equal(k(x).to(torch.int64), reference(x, w, None, M, n, lo, hi, None, None))
+
+
+@needs_gemm
 @settings(SETTINGS, max_examples=60)
 @given(gemm_cases())
 def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):

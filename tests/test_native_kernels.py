@@ -25,10 +25,12 @@ from qcompiler.native.kernels import (
     DepthwiseConv,
     histogram_abs,
     histogram_abs_minmax,
+    quantize_f32,
     requant_columns,
     requant_rows,
     vnni_enabled,
 )
+from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -420,3 +422,91 @@ def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path, restore_nati
         warnings.simplefilter("error", QCompilerWarning)  # no "native kernels are off" warning
         lib = build.library()
     assert lib is not None and cached.stat().st_size > 0
+
+
+@st.composite
+def quantize_cases(draw):
+    return dict(shape=draw(st.sampled_from([(0,), (1,), (17,), (2, 3, 5, 7), (1, 3, 31, 33), (4, 300)])),
+                exponent=draw(st.integers(-20, 4)), mantissa=draw(st.integers(1 << 23, (1 << 24) - 1)),
+                dtype=draw(st.sampled_from([torch.int8, torch.int16])), ties=draw(st.booleans()),
+                special=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_native
+@SETTINGS
+@given(quantize_cases())
+def test_quantize_f32_equals_fixed_point_quantize(c):
+    """Random float32 scales and values (normal, wide, exact ties m + 1/2 of both parities, the clamp's
+    edges, +-inf, -0.0, subnormals): one native pass == ``fp.quantize`` bit for bit."""
+    g = torch.Generator().manual_seed(c["seed"])
+    scale = math.ldexp(c["mantissa"], c["exponent"] - 23)
+    scale = float(torch.tensor(scale, dtype=torch.float32))
+    qmax = 127 if c["dtype"] == torch.int8 else 32767
+    n = math.prod(c["shape"])
+    if c["ties"]:  # (m + 1/2) * s for a power-of-two s is exact in float32; the division gives the tie back
+        scale = math.ldexp(1.0, c["exponent"])
+        x = (torch.randint(-qmax - 3, qmax + 3, (n,), generator=g).double() + 0.5) * scale
+    else:
+        x = torch.randn(n, generator=g, dtype=torch.float64) * scale * qmax * 0.7
+    x = x.float()
+    if c["special"] and n >= 8:
+        x[:8] = torch.tensor([float("inf"), float("-inf"), -0.0, 1e-45, -1e-45, (qmax + 0.5) * scale,
+                              -(qmax + 1.5) * scale, 3e38])
+    x = x.reshape(c["shape"])
+    out = torch.empty(c["shape"], dtype=c["dtype"])
+    quantize_f32(x, scale, out)
+    assert torch.equal(out, fp.quantize(x, scale, "qint8" if c["dtype"] == torch.int8 else "qint16"))
+
+
+@needs_native
+def test_quantize_f32_refuses_nan_and_misuse():
+    x = torch.zeros(5)
+    x[3] = float("nan")
+    with pytest.raises(ConfigError, match="NaN"):
+        quantize_f32(x, 0.5, torch.empty(5, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="NaN"):  # the reference says the same
+        fp.quantize(x, 0.5)
+    with pytest.raises(ConfigError, match="float32 value"):
+        quantize_f32(torch.zeros(5), 0.1, torch.empty(5, dtype=torch.int8))  # 0.1 is not a float32
+    with pytest.raises(ConfigError, match="float32 value"):
+        quantize_f32(torch.zeros(5), 0.0, torch.empty(5, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="dtype"):
+        quantize_f32(torch.zeros(5), 0.5, torch.empty(5, dtype=torch.int32))
+    with pytest.raises(ConfigError, match="shape"):
+        quantize_f32(torch.zeros(5), 0.5, torch.empty(4, dtype=torch.int8))
+    with pytest.raises(ConfigError, match="contiguous"):
+        quantize_f32(torch.zeros(5, 2).t(), 0.5, torch.empty(2, 5, dtype=torch.int8))
+
+
+def _entry_gap_program(shape, in_dtype, out_dtype, keepdim):
+    t = Tiny(seed=23)
+    x = t.rand_input(shape, 0.0625, in_dtype)  # the inputs' halves: exact ties on entry
+    gap = t.call(qnn.QuantizedAvgPool(0.0625, 0.03, out_dtype, keepdim=keepdim), x, name="gap")
+    prog = lower_partition(t.build(gap), "bpu0")
+    return prog, t
+
+
+@needs_native
+@settings(SETTINGS, max_examples=40)
+@given(st.integers(1, 3), st.integers(1, 70), st.integers(1, 9), st.integers(1, 9),
+       st.sampled_from(["qint8", "qint16"]), st.sampled_from(["qint8", "qint16"]), st.booleans(), st.booleans(),
+       st.integers(0, 2 ** 31 - 1))
+def test_the_simulators_quantize_and_global_pool_equal_the_reference(N, C, H, W, in_dtype, out_dtype, keepdim,
+                                                                     channels_last, seed):
+    """The fast ``quantize`` (native, per-tensor scale) and ``global_avg_pool`` (int32 sums, any layout)
+    against ``kernels="fixed_point"``: inputs on and between the quantization grid's points (exact
+    ties), channel-major and channels-last memory."""
+    prog, t = _entry_gap_program((N, C, H, W), in_dtype, out_dtype, keepdim)
+    g = torch.Generator().manual_seed(seed)
+    x = t.inputs[0] + (torch.randint(0, 2, t.inputs[0].shape, generator=g) * 0.03125).float()
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    inputs = {prog.inputs[0].name: x}
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    for native in (True, False):
+        got = {k: v.int_repr() for k, v in BpuSimulator(prog, native=native).run(inputs).items()}
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (native, k)
+    q = BpuSimulator(prog, native=True)
+    assert "_fast_quantize" in {getattr(s[0], "__qualname__", "").split(".")[0] for s in q._steps}

@@ -72,6 +72,9 @@ computes, bit for bit.  Two kernel sets are available:
     * max pool is the running maximum of the strided windows of a
       qmin-padded copy (equal to ``F.max_pool2d``).
 
+    * with the native kernels, ``quantize`` (per-tensor scale) is one native pass, and the global
+      average pool requantizes its int32 sums in one native pass.
+
     Everything else (add, avg pools, LUTs, matmul, other bilinear resizes, ...) uses
     the fixed_point functions in both modes.
 
@@ -110,8 +113,10 @@ from qcompiler.native.gemm import Int8Gemm, gemm_available
 from qcompiler.native.kernels import (
     BilinearResize,
     DepthwiseConv,
+    Requant,
     int32_requant,
     max_pool_nhwc,
+    quantize_f32,
     requant_columns,
     requant_columns32,
 )
@@ -381,6 +386,28 @@ def _weight_layer(k: KernelSpec) -> Callable:
 def _quantize(k: KernelSpec) -> Callable:
     scale, dtype = k.attrs["out_scale"], k.attrs["out_dtype"]
     return lambda x: fp.quantize(x, scale, dtype)
+
+
+@_kernel(FAST, "quantize")
+def _fast_quantize(k: KernelSpec) -> Callable:
+    """With the native kernels and a per-tensor scale: one native pass over a contiguous float32
+    input (:func:`~qcompiler.native.kernels.quantize_f32`, exactly ``fp.quantize``); any other input
+    takes ``fp.quantize``."""
+    scale, dtype = k.attrs["out_scale"], k.attrs["out_dtype"]
+    st = _STORAGE.get(dtype)
+    s = torch.as_tensor(scale, dtype=torch.float32)
+    if not k.native or st not in (torch.int8, torch.int16) or s.numel() != 1 or not (
+            math.isfinite(float(s)) and float(s) > 0):
+        return _quantize(k)
+    s32 = float(s.reshape(()))
+
+    def quantize(x):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
+            return fp.quantize(x, scale, dtype)
+        out = torch.empty(x.shape, dtype=st)
+        quantize_f32(x, s32, out)
+        return out
+    return quantize
 
 
 @_kernel(REFERENCE, "dequantize")
@@ -670,6 +697,48 @@ def _global_avg_pool(k: KernelSpec) -> Callable:
         y = fp.int_global_avg_pool(x, s_in, s_out, out_dtype, mult_bits=qnn.MULT_BITS,
                                    max_shift=qnn.MAX_SHIFT, op=name)
         return y if keep else y.reshape(y.shape[:-2])  # as QuantizedAvgPool (mean without keepdim)
+    return gap
+
+
+@_kernel(FAST, "global_avg_pool")
+def _fast_global_avg_pool(k: KernelSpec) -> Callable:
+    """The reference's sums in int32 where ``amax * H * W < 2**31`` proves them in range (any
+    memory layout: the channels-last output of the native GEMM is read in place), its ``(M, n)``
+    computed once per spatial size; the requantization is ``fp.requantize``, or with the native
+    kernels one :class:`~qcompiler.native.kernels.Requant` pass (the int32 sums are exact in
+    float64; ``fp.requantize`` costs 0.15-0.3 ms in small torch ops).  Else the reference."""
+    a, name, out_dtype = k.attrs, k.name, k.out_dtype
+    s_in, s_out, keep = a["in_scale"], a["out_scale"], a["keepdim"]
+    amax = _AMAX[k.in_specs[0].dtype]
+    st = _STORAGE.get(out_dtype)
+    ref = _global_avg_pool(k)
+    params: dict[int, tuple[int, int]] = {}
+    plans: dict[tuple[int, int], Optional[Requant]] = {}
+
+    def plan(hw: int, C: int) -> Optional[Requant]:
+        if (hw, C) not in plans:
+            M, n = params[hw]
+            lo, hi = fp.qrange(out_dtype)
+            ok = k.native and st in (torch.int8, torch.int16) and 0 <= n <= 62 and amax * hw * abs(M) < 1 << 62
+            plans[(hw, C)] = Requant(torch.full((C,), M, dtype=torch.int64), torch.full((C,), n, dtype=torch.int64),
+                                     lo, hi, amax * hw) if ok else None
+        return plans[(hw, C)]
+
+    def gap(x):
+        hw = x.shape[-1] * x.shape[-2] if x.dim() >= 3 else 0
+        if not hw or amax * hw >= _I32 or x.dtype not in (torch.int8, torch.int16):
+            return ref(x)
+        if hw not in params:
+            params[hw] = fp.global_avg_pool_params(hw, s_in, s_out, mult_bits=qnn.MULT_BITS, max_shift=qnn.MAX_SHIFT)
+        sums = x.sum(dim=(-2, -1), dtype=torch.int32)
+        rq = plan(hw, sums.shape[-1]) if sums.numel() else None
+        if rq is None:
+            M, n = params[hw]
+            y = fp.requantize(sums, M, n, out_dtype, op=name)
+        else:
+            y = torch.empty(sums.shape, dtype=st)
+            rq(sums.to(torch.float64).reshape(-1, sums.shape[-1]), y.view(-1, sums.shape[-1]))
+        return y.reshape(*y.shape, 1, 1) if keep else y  # as QuantizedAvgPool (mean without keepdim)
     return gap
 
 
@@ -1628,8 +1697,7 @@ class _NativeGemmLayer:
     fused add and relu/relu6 clamp in its epilogue (:class:`~qcompiler.native.gemm.Int8Gemm`),
     channels-last in and out.  Built for int8 / int16 outputs when
     :func:`~qcompiler.native.gemm.gemm_available` and the kernel proves the layer exact
-    (``Int8Gemm.refusal``); ``build`` returns None otherwise (the other kernels take it), and for large
-    kernels over few channels (measured slower than oneDNN: resnet18's 7x7 stem over 3 channels)."""
+    (``Int8Gemm.refusal``); ``build`` returns None otherwise (the other kernels take it)."""
 
     def __init__(self, gemm: Int8Gemm, conv: Optional[dict], other_dtype: Optional[torch.dtype],
                  fallback: Callable) -> None:
@@ -1649,9 +1717,6 @@ class _NativeGemmLayer:
                 return None
             conv = {"kernel_size": tuple(int(v) for v in w.shape[2:]), "stride": tuple(int(v) for v in a["stride"]),
                     "padding": tuple(int(v) for v in a["padding"]), "dilation": tuple(int(v) for v in a["dilation"])}
-            kh, kw = conv["kernel_size"]
-            if kh * kw > _GEMM_MAX_TAPS and w.shape[1] < _GEMM_MIN_CHANNELS:
-                return None  # oneDNN is faster (the gather of few channels per tap dominates)
             w = w.permute(0, 2, 3, 1)  # K ordered (i, j, c): the kernel's im2col order
         add = None
         if a["with_add"]:
@@ -1702,8 +1767,3 @@ class _NativeGemmLayer:
             return self.fallback(x) if other is None else self.fallback(x, other)
         return out.permute(0, 3, 1, 2)
 
-
-# convs with more taps than this need at least this many input channels for the native GEMM
-# (measured, 1 thread: resnet18's 7x7 stem over 3 channels 1.3x slower than oneDNN, mobilenet_v2's
-# 3x3 stem over 3 channels 0.8x, 3x3 convs over 64-512 channels 0.7-0.8x)
-_GEMM_MAX_TAPS, _GEMM_MIN_CHANNELS = 9, 16

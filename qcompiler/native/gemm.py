@@ -79,13 +79,21 @@ class Int8Gemm:
         self.n = n.to(torch.int64).reshape(-1).expand(O).contiguous()
         self.add = add
         # without a fused add and with |acc| * |M| < 2**53: the float64 epilogue (exact, fewer operations)
-        self.f64 = int(add is None and self.acc_bound(w, bias) * int(self.M.abs().max()) < F64_EXACT)
+        bound = self.acc_bound(w, bias)
+        self.f64 = int(add is None and bound * int(self.M.abs().max()) < F64_EXACT)
+        # and with |acc| * |M| / 2**n < 2**31 - 1 on every channel: the products convert to int32 without
+        # overflow, the clamp runs in int32 (f64 == 2: fewer operations)
+        if self.f64 and all(bound * abs(m) < (_I32 - 1) << s for m, s in zip(self.M.tolist(), self.n.tolist())):
+            self.f64 = 2
         if add is None:
             self._f = _fn(f"qc_gemm_{_INT[out_dtype]}", _ARGS)
             self.Mb = self.nb = 0
         else:
             self._f = _fn(f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}", _ARGS)
             self.Mb, self.nb = int(add[0]), int(add[1])
+        # the constant arguments, once (a call's Python overhead matters on small layers)
+        self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
+                        self.n.data_ptr())
 
     @staticmethod
     def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
@@ -160,8 +168,7 @@ class Int8Gemm:
 
     def _run(self, x, ldx, geo, out, other, m0, m1) -> None:
         if m1 > m0:
-            _ok(self._f(x.data_ptr(), ldx, m0, m1, self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(),
-                        self.M.data_ptr(), self.n.data_ptr(), None if other is None else other.data_ptr(), self.Mb,
+            _ok(self._f(x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
                         self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr()))
 
     def conv(self, x: torch.Tensor, kernel_size, stride, padding, dilation, other: Optional[torch.Tensor] = None,

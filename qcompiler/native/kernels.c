@@ -291,6 +291,28 @@ QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t col
 }
 /* ==== end of calibration kernels =========================================================== */
 
+/* Quantize on entering the BPU (fixed_point.quantize, per-tensor scale): out[i] =
+ * clamp(round_half_even(x[i] / s), lo, hi) for N float32 values, int8 / int16 out.  The division is
+ * the IEEE float32 one torch does; the clamp to the integers [lo, hi] commutes with rounding, and
+ * nearbyintf rounds half to even (the default rounding mode); inf clamps to lo / hi as torch's clamp
+ * does.  Returns 1 if some x is NaN (out is then unspecified: the caller raises), else 0. */
+#define QUANT_FN(NAME, OUT_T)                                                                            \
+    QC_API int NAME(const float *restrict x, int64_t N, float s, float lo, float hi, OUT_T *restrict out) { \
+        int nan = 0;                                                                                      \
+        _Pragma("omp simd reduction(|:nan)")                                                              \
+        for (int64_t i = 0; i < N; i++) {                                                                 \
+            float v = x[i] / s;                                                                           \
+            nan |= v != v;                                                                                \
+            v = v < lo ? lo : v;                                                                          \
+            v = v > hi ? hi : v;                                                                          \
+            out[i] = (OUT_T)(int32_t)nearbyintf(v);                                                       \
+        }                                                                                                 \
+        return nan;                                                                                       \
+    }
+
+QUANT_FN(qc_quantize_i8, int8_t)
+QUANT_FN(qc_quantize_i16, int16_t)
+
 /* Depthwise int8 convolution (one filter per channel), channels-last, with the requantization:
  *   acc[n, o, p, c] = bias[c] + sum_{i, j} x[n, o*sh - ph + i*dh, p*sw - pw + j*dw, c] * w[i, j, c]
  * (taps outside the input are zeros: the int8 zero point is 0), in int32 -- the caller proves
@@ -641,6 +663,18 @@ static void gemm_tile_nr(const uint8_t *xu, int64_t rows, int64_t Kq, const int8
     }
 }
 
+/* d[0:len] = s[0:len] ^ 0x80, 64 bytes at a time (the tail masked: nothing beyond len is read or written). */
+static inline void gemm_xor_copy(uint8_t *restrict d, const uint8_t *restrict s, int64_t len) {
+    const __m512i m80 = _mm512_set1_epi8((char)0x80);
+    int64_t k = 0;
+    for (; k + 64 <= len; k += 64)
+        _mm512_storeu_si512((void *)(d + k), _mm512_xor_si512(_mm512_loadu_si512((const void *)(s + k)), m80));
+    if (k < len) {
+        const __mmask64 mk = ((uint64_t)1 << (len - k)) - 1; /* len - k < 64 */
+        _mm512_mask_storeu_epi8(d + k, mk, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, s + k), m80));
+    }
+}
+
 /* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
  * (the padding meets zero weights). */
 static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
@@ -648,7 +682,7 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
         uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
-        for (int64_t k = 0; k < K; k++) d[k] = s[k] ^ 0x80;
+        gemm_xor_copy(d, s, K);
         for (int64_t k = K; k < 4 * Kq; k++) d[k] = 0;
     }
 }
@@ -667,7 +701,7 @@ static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g,
             const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
             if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
                 const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw0) * C);
-                for (int64_t c = 0; c < kw * C; c++) d[c] = s[c] ^ 0x80;
+                gemm_xor_copy(d, s, kw * C);
                 d += kw * C;
                 continue;
             }
@@ -677,8 +711,7 @@ static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g,
                     memset(d, 0x80, (size_t)C);
                     continue;
                 }
-                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw) * C);
-                for (int64_t c = 0; c < C; c++) d[c] = s[c] ^ 0x80;
+                gemm_xor_copy(d, (const uint8_t *)(x + ((b * H + ih) * W + iw) * C), C);
             }
         }
         for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
@@ -744,6 +777,20 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
     return _mm512_inserti64x4(_mm512_castsi256_si512(ia), ib, 1);
 }
 
+/* As gemm_requant_f64_x16 when the caller also proved |acc| * M / 2**n < 2**31 - 1 (f64 == 2): the
+ * products then convert to int32 without overflow (rounded half to even), and the clamp to the
+ * integers [lo, hi] runs on the int32 results (clamping commutes with rounding to integers). */
+static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int64_t Op, int64_t ch, __m512i lo,
+                                            __m512i hi) {
+    const double *f = (const double *)(kc + 6 * Op) + ch;
+    __m512d a = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(acc)), _mm512_loadu_pd(f));
+    __m512d b = _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(acc, 1)), _mm512_loadu_pd(f + 8));
+    __m256i ia = _mm512_cvt_roundpd_epi32(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i ib = _mm512_cvt_roundpd_epi32(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(ia), ib, 1);
+    return _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+}
+
 /* 16 fused operands (int8 / int16, masked load) and their int64 halves; 16 int32 results (in range
  * after the clamp) narrowed to int8 / int16 stores. */
 #define GEMM_BLD_8(P, MK) _mm256_castsi128_si256(_mm_maskz_loadu_epi8(MK, P))
@@ -768,6 +815,7 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
                     int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
         const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+        const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
         int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
         if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
         int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
@@ -806,6 +854,12 @@ static inline __m512i gemm_requant_f64_x16(__m512i acc, const int64_t *kc, int64
                                 bhi = _mm512_mul_epi32(GEMM_BHI_##BBITS(bv), vMb);                        \
                             }                                                                             \
                             const int32_t *t = tile + r * 64 + c;                                         \
+                            if (!ADD && f64 == 2) {                                                       \
+                                const __m512i q = gemm_requant_f64i_x16(_mm512_load_si512((const void *)t), kc, Op, \
+                                                                        ch, ilo, ihi);                    \
+                                GEMM_ST_##OBITS(o + c, mk, full, q);                                      \
+                                continue;                                                                 \
+                            }                                                                             \
                             if (!ADD && f64) {                                                            \
                                 const __m512i q = gemm_requant_f64_x16(_mm512_load_si512((const void *)t), kc, Op, \
                                                                        ch, dlo, dhi);                     \
@@ -857,13 +911,16 @@ GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
         int8_t *zeros = calloc((size_t)(Cp + 64), 1);                                                     \
         int32_t *b32 = calloc((size_t)(Cp + 16), sizeof(int32_t));                                        \
         const int8_t **xt = malloc(sizeof(int8_t *) * (size_t)(DW2_Q * 2 * np + 1));                      \
-        if (!kc || !zeros || !b32 || !xt) {                                                               \
+        int64_t *off = malloc(sizeof(int64_t) * (size_t)T);                                               \
+        if (!kc || !zeros || !b32 || !xt || !off) {                                                       \
             free(kc);                                                                                     \
             free(zeros);                                                                                  \
             free(b32);                                                                                    \
             free(xt);                                                                                     \
+            free(off);                                                                                    \
             return -1;                                                                                    \
         }                                                                                                 \
+        for (int64_t t = 0; t < T; t++) off[t] = ((t / kw) * dh * W + (t % kw) * dw) * C; /* tap t */     \
         if (bias) memcpy(b32, bias, sizeof(int32_t) * (size_t)C);                                         \
         for (int q = 0; q < DW2_Q; q++) xt[q * 2 * np + 2 * np - 1] = zeros; /* a missing odd tap */      \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), zero = _mm512_setzero_si512(); \
@@ -875,10 +932,18 @@ GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
                     const int64_t nq = Wo - ow0 < DW2_Q ? Wo - ow0 : DW2_Q;                               \
                     for (int64_t q = 0; q < DW2_Q; q++) {                                                 \
                         const int64_t ow = ow0 + (q < nq ? q : nq - 1); /* extra slots repeat the last */ \
+                        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;                             \
+                        const int8_t **xp = xt + q * 2 * np;                                              \
+                        if (ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + (kw - 1) * dw < W) {  \
+                            /* every tap inside the input: fixed offsets from the window's corner */     \
+                            const int8_t *base = x + ((b * H + ih0) * W + iw0) * C;                       \
+                            for (int64_t t = 0; t < T; t++) xp[t] = base + off[t];                        \
+                            continue;                                                                     \
+                        }                                                                                 \
                         for (int64_t i = 0; i < kh; i++)                                                  \
                             for (int64_t j = 0; j < kw; j++) {                                            \
-                                int64_t ih = oh * sh - ph + i * dh, iw = ow * sw - pw + j * dw;           \
-                                xt[q * 2 * np + i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W      \
+                                int64_t ih = ih0 + i * dh, iw = iw0 + j * dw;                             \
+                                xp[i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W                   \
                                     ? zeros : x + ((b * H + ih) * W + iw) * C;                            \
                             }                                                                             \
                     }                                                                                     \
@@ -915,6 +980,7 @@ GEMM_FN(qc_gemm_add_i16_i16, int16_t, 16, int16_t, 16, 1)
         free(zeros);                                                                                      \
         free(b32);                                                                                        \
         free(xt);                                                                                         \
+        free(off);                                                                                        \
         return 0;                                                                                         \
     }
 

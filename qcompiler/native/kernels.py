@@ -23,7 +23,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -218,6 +218,25 @@ def rows_minmax(x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     return lo, hi
 
 
+_QUANT = {torch.int8: ("qc_quantize_i8", -128, 127), torch.int16: ("qc_quantize_i16", -(1 << 15), (1 << 15) - 1)}
+
+
+def quantize_f32(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """``out = clamp(round_half_even(x / scale))`` for a contiguous float32 ``x`` and a per-tensor
+    float32 ``scale``, into ``out`` (int8 / int16, x's shape, contiguous): exactly
+    ``fixed_point.quantize`` (one pass: the float32 division, rounding half to even, the clamp).
+    A NaN in ``x`` is a ConfigError, as there."""
+    _check(x, "quantize_f32: x", (torch.float32,))
+    _check(out, "quantize_f32: out", tuple(_QUANT), tuple(x.shape))
+    s = float(scale)
+    if not (math.isfinite(s) and s > 0.0) or float(torch.tensor(s, dtype=torch.float32)) != s:
+        raise ConfigError(f"quantize_f32: scale must be a positive finite float32 value, got {scale!r}")
+    name, lo, hi = _QUANT[out.dtype]
+    f = _fn(name, (_P, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P))
+    if f(x.data_ptr(), x.numel(), s, float(lo), float(hi), out.data_ptr()):
+        raise ConfigError("quantize: the input contains NaN; it has no integer value")
+
+
 class DepthwiseConv:
     """Exact depthwise int8 convolution (one filter per channel) with the requantization fused:
     ``clamp(round_half_even((conv(x, w) + bias) * M[c] / 2**n[c]), lo, hi)``, channels-last.
@@ -249,6 +268,7 @@ class DepthwiseConv:
         self.bias = None if bias is None else bias.to(torch.int32).reshape(C).contiguous()
         self.geom = [int(v) for v in (*stride, *padding, *dilation)]
         self.out_dtype = out_dtype
+        self._call: Optional[tuple] = None  # (function, weight pointer, bias pointer, constants), on first call
         # AVX512-VNNI: int16 weight pairs (taps 2p, 2p+1) per channel, (pairs, Cp, 2), zeros beyond
         self.vnni = vnni_enabled() if vnni is None else bool(vnni)
         # the VNNI epilogue multiplies with vpmuldq, which reads only the low 32 bits of M
@@ -279,16 +299,19 @@ class DepthwiseConv:
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"DepthwiseConv: input {H}x{W} is smaller than the kernel")
         out = torch.empty((N, Ho, Wo, C), dtype=self.out_dtype)
-        p = self.plan
-        head = (x.data_ptr(), N, H, W, C, (self.wpairs if self.vnni else self.w).data_ptr(), self.kh, self.kw,
-                None if self.bias is None else self.bias.data_ptr(), *self.geom, Ho, Wo, p.M.data_ptr(), p.n.data_ptr(),
-                p.lo, p.hi)
-        args = (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64)
-        if self.vnni:
-            f = _fn(f"qc_dwconv2_i8_{_INT[self.out_dtype]}", args + (ctypes.c_int, _P))
-            _ok(f(*head, self.f64, out.data_ptr()))
-        else:
-            _ok(_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,))(*head, out.data_ptr()))
+        if self._call is None:  # the function and the constant arguments, once
+            p = self.plan
+            args = (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64)
+            wptr = (self.wpairs if self.vnni else self.w).data_ptr()
+            bptr = None if self.bias is None else self.bias.data_ptr()
+            consts = (p.M.data_ptr(), p.n.data_ptr(), p.lo, p.hi)
+            if self.vnni:
+                self._call = (_fn(f"qc_dwconv2_i8_{_INT[self.out_dtype]}", args + (ctypes.c_int, _P)), wptr, bptr,
+                              consts + (self.f64,))
+            else:
+                self._call = (_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,)), wptr, bptr, consts)
+        f, wptr, bptr, consts = self._call
+        _ok(f(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts, out.data_ptr()))
         return out
 
 

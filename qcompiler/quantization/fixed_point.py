@@ -780,9 +780,16 @@ def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_
         raise ConfigError(f"{op}: empty spatial size {tuple(x.shape)}")
     s = x.sum(dim=(-2, -1), keepdim=True)
     check_accumulator(s, 32, op=op)  # the BPU sums in an int32 accumulator
-    M, n = requant_params(_f64(in_scale, "in_scale") / (hw * _f64(out_scale, "out_scale")),
-                          mult_bits=mult_bits, max_shift=max_shift)
+    M, n = global_avg_pool_params(hw, in_scale, out_scale, mult_bits=mult_bits, max_shift=max_shift)
     return requantize(s, M, n, out_dtype, op=op)
+
+
+def global_avg_pool_params(hw: int, in_scale: Scale, out_scale: Scale, *, mult_bits: int = 15,
+                           max_shift: int = 31) -> tuple[int, int]:
+    """``(M, n)`` of :func:`int_global_avg_pool` over ``hw`` positions: the factor
+    ``s_in / (hw * s_out)`` in float64."""
+    return requant_params(_f64(in_scale, "in_scale") / (hw * _f64(out_scale, "out_scale")),
+                          mult_bits=mult_bits, max_shift=max_shift)
 
 
 def max_pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
