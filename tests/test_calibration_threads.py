@@ -1,7 +1,7 @@
 """Calibration on several threads gives bit for bit the one-thread state, and the native
 per-channel min/max equals torch's (docs/performance.md, "Calibration").
 
-The histogram observers bin a large batch on ``torch.get_num_threads()`` native threads
+With `observer.SPLIT_HISTOGRAM` (off by default: not measured faster) the histogram observers bin a large batch on ``torch.get_num_threads()`` native threads
 (``qc_hist_abs_f32_mt``): each thread counts a contiguous part of the values into its own
 partial histogram, and the integer partial counts are added.  These tests hold that to the
 torch reference (``bincount`` of the float64 floor) and to the one-thread result, for random
@@ -126,6 +126,7 @@ def test_observers_on_threads_equal_one_thread_sequential(batches, threads, part
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch, "get_num_threads", lambda: threads)
         m.setattr(observer_module, "_NATIVE_PART", part)
+        m.setattr(observer_module, "SPLIT_HISTOGRAM", True)
         m.setattr(observer_module, "histogram_abs_minmax", spy)
         for x, (*_, where) in zip(data, batches):
             k = int(where * x.numel())
@@ -172,6 +173,7 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, obser
         with monkeypatch.context() as m:
             m.setattr(torch, "get_num_threads", lambda: threads)
             m.setattr(observer_module, "_NATIVE_PART", 1000)
+            m.setattr(observer_module, "SPLIT_HISTOGRAM", True)
             m.setattr(observer_module, "histogram_abs_minmax", spy)
             with torch.no_grad():
                 for b in batches:
@@ -234,3 +236,13 @@ def test_per_channel_observer_native_equals_torch_path():
         _assert_same(fast, slow)
     with pytest.raises(ConfigError, match="rows_minmax"):
         rows_minmax(torch.zeros(0, 3))
+
+
+def test_the_histogram_split_is_off_by_default():
+    """Measured slower on both cores (see observer.SPLIT_HISTOGRAM): one native thread per batch."""
+    assert observer_module.SPLIT_HISTOGRAM is False
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "get_num_threads", lambda: 2)
+        assert observer_module._native_threads(1 << 24) == 1
+        m.setattr(observer_module, "SPLIT_HISTOGRAM", True)
+        assert observer_module._native_threads(1 << 24) == 2

@@ -457,12 +457,20 @@ def _helper() -> ThreadPoolExecutor:
 
 
 _NATIVE_PART = 1 << 17  # values per native histogram thread at least (starting a thread costs ~20 us)
+# Binning one batch on several native threads is exact but measured slower on the idle 2-core
+# machine (mobilenet_v2 calibration at 2 threads: 109.5 ms per batch split, 92.3 ms on one thread):
+# the threads compete with torch's OpenMP workers, which keep spinning after each float op.  Off
+# until it measures faster; docs/performance.md, "Calibration on both cores".
+SPLIT_HISTOGRAM = False
 
 
 def _native_threads(numel: int) -> int:
-    """Threads the native histogram of ``numel`` values is split over: as many as torch may use
-    (``torch.get_num_threads()``, what the float forward uses), at most one per :data:`_NATIVE_PART`
-    values.  The result does not depend on it (``histogram_abs``: exact partial sums)."""
+    """Threads the native histogram of ``numel`` values is split over: 1, or with
+    :data:`SPLIT_HISTOGRAM` as many as torch may use (``torch.get_num_threads()``, what the float
+    forward uses), at most one per :data:`_NATIVE_PART` values.  The result does not depend on it
+    (``histogram_abs``: exact partial sums)."""
+    if not SPLIT_HISTOGRAM:
+        return 1
     return max(1, min(torch.get_num_threads(), numel // _NATIVE_PART))
 
 
