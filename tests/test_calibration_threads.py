@@ -222,8 +222,8 @@ def test_rows_minmax_reports_nan_and_inf_and_the_observer_raises(bad):
 
 @needs_native
 def test_per_channel_observer_native_equals_torch_path():
-    """The native per-row pass gives the torch path's state, for ch_axis 0 and 1 (the latter
-    not contiguous per channel: the torch path)."""
+    """The native per-row pass gives the torch path's state, for ch_axis 0 and 1 (both reach the
+    native pass: the observer moves the channel axis first and reshapes to a contiguous copy)."""
     g = torch.Generator().manual_seed(5)
     ws = [torch.randn(16, 8, 3, 3, generator=g) * s for s in (1.0, 2.0, 0.25)]
     for axis in (0, 1):
