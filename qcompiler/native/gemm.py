@@ -48,8 +48,9 @@ _I32 = 1 << 31
 
 ENV_THREADS = "QCOMPILER_NATIVE_THREADS"  # "1": never split one call's rows over threads
 # rows * K * O (multiply-adds) below which a call stays on one thread: starting and joining a thread
-# costs tens of microseconds (docs/performance.md, "Batch 1 at 2 threads")
-SPLIT_MIN_WORK = 1 << 21
+# costs about 5 microseconds with the helpers spinning, more when they sleep (docs/performance.md,
+# "Batch 1 at 2 threads": measured break-even near 1M)
+SPLIT_MIN_WORK = 1 << 20
 
 
 def row_parts(budget: int, work: int) -> int:
