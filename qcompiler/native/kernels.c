@@ -268,22 +268,47 @@ QC_API int qc_hist_abs_f32_mt(const float *restrict x, int64_t N, double per_uni
     return rc;
 }
 /* ==== one call's output rows split over threads ===========================================
- * qc_run_rows: fn(ctx, r0, r1) over `parts` contiguous ranges of [m0, m1) (multiples of `align`
- * rows but the last); the caller's thread takes part 0, the others go to a small process-wide
+ * qc_run_rows: fn(ctx, r0, r1) over contiguous chunks of [m0, m1) (multiples of `align` rows but
+ * the last) on up to `parts` threads: the caller's, and parts - 1 requests to a small process-wide
  * pool of helper threads (started on first use, sleeping on a condition variable between calls).
- * After its own part the caller takes back every part no helper has started and runs it itself,
- * so a call only ever waits for parts already running: several threads may call at once, however
- * busy the pool, without deadlock.  A kernel run on disjoint row ranges writes disjoint outputs and
- * allocates its own scratch per call, so the result is bit for bit the one-thread call's.  Helpers
- * that cannot be started leave their parts to the caller (never an error).  A forked child starts
- * with an empty pool (pthread_atfork).  Returns the first nonzero part result, else 0. */
+ * When no chunk is left the caller takes back every request no helper has started, so a call only
+ * ever waits for chunks already running: several threads may call at once, however busy the pool,
+ * without deadlock.  A kernel run on disjoint row ranges writes disjoint outputs and allocates its
+ * own scratch per call, so the result is bit for bit the one-thread call's.  Helpers that cannot be
+ * started leave their chunks to the caller (never an error).  A forked child starts with an empty
+ * pool (pthread_atfork).  Returns the first nonzero chunk result, else 0. */
 #define QC_MAX_PARTS 16
 typedef int (*qc_rows_fn)(void *ctx, int64_t r0, int64_t r1);
-typedef struct qc_part {
+/* The rows are cut into QC_CHUNKS_PER_PART chunks per part, taken one at a time from a shared
+ * counter by every thread of the call: a helper that starts late, or shares its core with another
+ * process (a runtime's spinning threads), leaves more chunks to the others, and the caller never
+ * waits for more than the chunk a helper is in. */
+#define QC_CHUNKS_PER_PART 4
+typedef struct {
     qc_rows_fn fn;
     void *ctx;
-    int64_t r0, r1;
-    int rc, state; /* state: 0 queued, 1 taken (running or done), 2 done */
+    int64_t m0, m1, units, align;
+    int nchunks, next, rc;
+} qc_rows_job;
+
+static int qc_rows_work(qc_rows_job *j) {
+    for (;;) {
+        const int i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->nchunks) return 0;
+        int64_t a = j->m0 + j->units * i / j->nchunks * j->align, b = j->m0 + j->units * (i + 1) / j->nchunks * j->align;
+        a = a < j->m1 ? a : j->m1;
+        b = b < j->m1 ? b : j->m1;
+        const int rc = b > a ? j->fn(j->ctx, a, b) : 0;
+        if (rc) {
+            int zero = 0;
+            __atomic_compare_exchange_n(&j->rc, &zero, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+        }
+    }
+}
+
+typedef struct qc_part {
+    qc_rows_job *job;
+    int state; /* 0 queued, 1 taken (running or done), 2 done */
     struct qc_part *next;
     int *pending; /* the caller's count of parts helpers took and have not finished */
 } qc_part;
@@ -342,9 +367,8 @@ static void *qc_pool_main(void *unused) {
         p->state = 1;
         __atomic_add_fetch(p->pending, 1, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&qc_pool_mu);
-        const int rc = p->fn(p->ctx, p->r0, p->r1);
+        qc_rows_work(p->job);
         pthread_mutex_lock(&qc_pool_mu);
-        p->rc = rc;
         p->state = 2;
         if (__atomic_sub_fetch(p->pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_broadcast(&qc_pool_done);
     }
@@ -356,12 +380,11 @@ static int qc_run_rows(qc_rows_fn fn, void *ctx, int64_t m0, int64_t m1, int par
     if (parts > QC_MAX_PARTS) parts = QC_MAX_PARTS;
     if (parts > units) parts = (int)units;
     if (parts <= 1) return m1 > m0 ? fn(ctx, m0, m1) : 0;
+    const int64_t nchunks = units < (int64_t)parts * QC_CHUNKS_PER_PART ? units : (int64_t)parts * QC_CHUNKS_PER_PART;
+    qc_rows_job job = {fn, ctx, m0, m1, units, align, (int)nchunks, 0, 0};
     qc_part p[QC_MAX_PARTS];
     int pending = 0;
-    for (int t = 0; t < parts; t++) {
-        int64_t a = m0 + units * t / parts * align, b = m0 + units * (t + 1) / parts * align;
-        p[t] = (qc_part){fn, ctx, a < m1 ? a : m1, b < m1 ? b : m1, 0, 0, NULL, &pending};
-    }
+    for (int t = 0; t < parts; t++) p[t] = (qc_part){&job, 0, NULL, &pending};
     pthread_mutex_lock(&qc_pool_mu);
     if (!qc_pool_atfork) qc_pool_atfork = pthread_atfork(qc_pool_prepare, qc_pool_parent, qc_pool_child) == 0 ? 1 : -1;
     while (qc_pool_size < QC_MAX_PARTS - 1 && qc_pool_size < parts - 1) {
@@ -381,9 +404,9 @@ static int qc_run_rows(qc_rows_fn fn, void *ctx, int64_t m0, int64_t m1, int par
     }
     if (qc_pool_size > 0) pthread_cond_broadcast(&qc_pool_work);
     pthread_mutex_unlock(&qc_pool_mu);
-    p[0].rc = p[0].r1 > p[0].r0 ? fn(ctx, p[0].r0, p[0].r1) : 0;
+    qc_rows_work(&job); /* the caller's share: chunks until none is left */
     pthread_mutex_lock(&qc_pool_mu);
-    /* take back the parts no helper has started: unlink them from the queue */
+    /* take back the parts no helper has started (they would find no chunk left): unlink them */
     for (qc_part **q = &qc_pool_head, *prev = NULL; *q;) {
         if ((*q)->pending == &pending) {
             if (qc_pool_tail == *q) qc_pool_tail = prev;
@@ -393,18 +416,12 @@ static int qc_run_rows(qc_rows_fn fn, void *ctx, int64_t m0, int64_t m1, int par
             q = &(*q)->next;
         }
     }
-    int mine[QC_MAX_PARTS]; /* read under the lock: helpers write p[t].state */
-    for (int t = 1; t < parts; t++) mine[t] = p[t].state == 0;
     pthread_mutex_unlock(&qc_pool_mu);
-    for (int t = 1; t < parts; t++) /* never taken, now out of the queue: run here */
-        if (mine[t] && p[t].r1 > p[t].r0) p[t].rc = fn(ctx, p[t].r0, p[t].r1);
     qc_spin(NULL, &pending, 0);
     pthread_mutex_lock(&qc_pool_mu);
     while (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0) pthread_cond_wait(&qc_pool_done, &qc_pool_mu);
     pthread_mutex_unlock(&qc_pool_mu);
-    for (int t = 0; t < parts; t++)
-        if (p[t].rc) return p[t].rc;
-    return 0;
+    return job.rc;
 }
 
 /* Per-row min and max of a (rows, cols) float32 matrix, row-major (a weight's output channels):
