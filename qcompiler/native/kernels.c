@@ -283,7 +283,7 @@ typedef int (*qc_rows_fn)(void *ctx, int64_t r0, int64_t r1);
  * counter by every thread of the call: a helper that starts late, or shares its core with another
  * process (a runtime's spinning threads), leaves more chunks to the others, and the caller never
  * waits for more than the chunk a helper is in. */
-#define QC_CHUNKS_PER_PART 4
+#define QC_CHUNKS_PER_PART 2
 typedef struct {
     qc_rows_fn fn;
     void *ctx;
