@@ -109,7 +109,7 @@ from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
-from qcompiler.native.gemm import Int8Gemm, gemm_available
+from qcompiler.native.gemm import Int8Gemm, gemm_available, row_parts
 from qcompiler.native.kernels import (
     BilinearResize,
     DepthwiseConv,
@@ -121,7 +121,7 @@ from qcompiler.native.kernels import (
     requant_columns32,
 )
 from qcompiler.nn import quantized as qnn
-from qcompiler.parallel import resolve_threads, run_split
+from qcompiler.parallel import part_budget, resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
@@ -1373,7 +1373,10 @@ class _NativeDepthwiseLayer:
         xl = x.permute(0, 2, 3, 1)
         if not xl.is_contiguous():
             xl = xl.contiguous()
-        return self.kernel(xl).permute(0, 3, 1, 2)
+        N, Ho, Wo = xl.shape[0], *self.kernel.out_size(xl.shape[1], xl.shape[2])
+        # the chunk's lent workers (batch < threads) split the output rows natively
+        parts = row_parts(part_budget(), N * Ho * Wo * self.kernel.C * self.kernel.kh * self.kernel.kw)
+        return self.kernel(xl, parts).permute(0, 3, 1, 2)
 
 
 def _window_in_padding(L: int, k: int, s: int, p: int, d: int) -> bool:
@@ -1745,7 +1748,7 @@ class _NativeGemmLayer:
             rows = x.reshape(-1, g.K).contiguous()
             o2 = None if other is None else other.reshape(-1, g.O).contiguous()
             out = torch.empty((rows.shape[0], g.O), dtype=g.out_dtype)
-            g(rows, out, o2)
+            g(rows, out, o2, parts=row_parts(part_budget(), rows.shape[0] * g.K * g.O))
             return out.reshape(*lead, g.O)
         o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
         if self.pointwise:
@@ -1756,13 +1759,18 @@ class _NativeGemmLayer:
                 return self.fallback(x, other)
             rows = xs.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
             out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
-            g(rows, out.view(-1, g.O), None if o4 is None else o4.view(-1, g.O))
+            g(rows, out.view(-1, g.O), None if o4 is None else o4.view(-1, g.O),
+              parts=row_parts(part_budget(), rows.shape[0] * g.K * g.O))
             return out.permute(0, 3, 1, 2)
         xl = x.permute(0, 2, 3, 1).contiguous()
         if min(xl.shape[1:3]) <= 0:
             return self.fallback(x) if other is None else self.fallback(x, other)
         try:
-            out = g.conv(xl, cv["kernel_size"], cv["stride"], cv["padding"], cv["dilation"], o4)
+            (kh, kw), (sh, sw), (ph, pw), (dh, dw) = cv["kernel_size"], cv["stride"], cv["padding"], cv["dilation"]
+            positions = xl.shape[0] * max(0, (xl.shape[1] + 2 * ph - dh * (kh - 1) - 1) // sh + 1) * max(
+                0, (xl.shape[2] + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+            out = g.conv(xl, cv["kernel_size"], cv["stride"], cv["padding"], cv["dilation"], o4,
+                         parts=row_parts(part_budget(), positions * g.K * g.O))
         except ConfigError:  # an input smaller than the kernel: the reference says why
             return self.fallback(x) if other is None else self.fallback(x, other)
         return out.permute(0, 3, 1, 2)

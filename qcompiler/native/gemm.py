@@ -27,6 +27,7 @@ Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional
 
 import torch
@@ -35,13 +36,30 @@ import torch.nn.functional as F
 from qcompiler.errors import ConfigError
 from qcompiler.native.kernels import ENV_VNNI, INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok, vnni_enabled
 
-__all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI"]
+__all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _INT = {torch.int8: "i8", torch.int16: "i16"}
 _ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P)
+_ARGS_MT = _ARGS + (ctypes.c_int,)
 F64_EXACT = 1 << 53
 _I32 = 1 << 31
+
+
+ENV_THREADS = "QCOMPILER_NATIVE_THREADS"  # "1": never split one call's rows over threads
+# rows * K * O (multiply-adds) below which a call stays on one thread: starting and joining a thread
+# costs about 5 microseconds with the helpers spinning, more when they sleep (docs/performance.md,
+# "Batch 1 at 2 threads": measured break-even near 1M)
+SPLIT_MIN_WORK = 1 << 20
+
+
+def row_parts(budget: int, work: int) -> int:
+    """How many threads one native call of ``work`` multiply-adds may split its output rows over:
+    ``budget`` (``qcompiler.parallel.part_budget()`` of the calling thread) when the work passes
+    :data:`SPLIT_MIN_WORK` and ``QCOMPILER_NATIVE_THREADS`` is not ``1``, else 1."""
+    if budget <= 1 or work < SPLIT_MIN_WORK or os.environ.get(ENV_THREADS, "").strip() == "1":
+        return 1
+    return budget
 
 
 def gemm_available() -> bool:
@@ -85,12 +103,9 @@ class Int8Gemm:
         # overflow, the clamp runs in int32 (f64 == 2: fewer operations)
         if self.f64 and all(bound * abs(m) < (_I32 - 1) << s for m, s in zip(self.M.tolist(), self.n.tolist())):
             self.f64 = 2
-        if add is None:
-            self._f = _fn(f"qc_gemm_{_INT[out_dtype]}", _ARGS)
-            self.Mb = self.nb = 0
-        else:
-            self._f = _fn(f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}", _ARGS)
-            self.Mb, self.nb = int(add[0]), int(add[1])
+        name = f"qc_gemm_{_INT[out_dtype]}" if add is None else f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}"
+        self._f, self._fmt = _fn(name, _ARGS), _fn(name + "_mt", _ARGS_MT)
+        self.Mb, self.nb = (0, 0) if add is None else (int(add[0]), int(add[1]))
         # the constant arguments, once (a call's Python overhead matters on small layers)
         self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
                         self.n.data_ptr())
@@ -142,10 +157,11 @@ class Int8Gemm:
         return None
 
     def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, other: Optional[torch.Tensor] = None,
-                 m0: int = 0, m1: Optional[int] = None) -> torch.Tensor:
+                 m0: int = 0, m1: Optional[int] = None, parts: int = 1) -> torch.Tensor:
         """``x`` (P, K) int8 with unit column stride; rows ``m0:m1`` of ``out`` (P, O) are written
         (a new tensor when None); ``other`` (P, O) contiguous of the fused add's dtype, exactly when
-        the layer has one."""
+        the layer has one.  ``parts > 1``: the rows are split over that many native threads (the
+        caller's included; disjoint rows of the same computation, so the same bits)."""
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 2 or x.shape[1] != self.K:
             raise ConfigError(f"Int8Gemm: x must be an int8 (rows, {self.K}) matrix, got "
                               f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
@@ -163,20 +179,23 @@ class Int8Gemm:
             raise ConfigError("Int8Gemm: other must be given exactly when the layer has a fused add")
         if other is not None:
             _check(other, "Int8Gemm: other", (self.add[2],), (P, self.O))
-        self._run(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1)
+        self._run(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1, parts)
         return out
 
-    def _run(self, x, ldx, geo, out, other, m0, m1) -> None:
-        if m1 > m0:
-            _ok(self._f(x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
-                        self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr()))
+    def _run(self, x, ldx, geo, out, other, m0, m1, parts) -> None:
+        if m1 <= m0:
+            return
+        args = (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
+                self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr())
+        _ok(self._fmt(*args, int(parts)) if parts > 1 else self._f(*args))
 
     def conv(self, x: torch.Tensor, kernel_size, stride, padding, dilation, other: Optional[torch.Tensor] = None,
-             m0: int = 0, m1: Optional[int] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             m0: int = 0, m1: Optional[int] = None, out: Optional[torch.Tensor] = None, parts: int = 1) -> torch.Tensor:
         """A conv2d (groups 1) whose weight ``(O, C, kh, kw)`` was given as ``w.permute(0, 2, 3, 1)``
         reshaped to ``(O, kh * kw * C)``: ``x`` (N, H, W, C) int8 contiguous (channels-last), the result
         (N, Ho, Wo, O); the kernel gathers each output position's taps itself (zero padding).  Rows
-        ``m0:m1`` of the N * Ho * Wo output positions are written; ``other`` as ``out``, contiguous."""
+        ``m0:m1`` of the N * Ho * Wo output positions are written; ``other`` as ``out``, contiguous;
+        ``parts`` as for ``__call__``."""
         kh, kw = (int(v) for v in kernel_size)
         sh, sw, ph, pw, dh, dw = (int(v) for v in (*stride, *padding, *dilation))
         if (not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 4 or x.device.type != "cpu"
@@ -201,5 +220,5 @@ class Int8Gemm:
         if other is not None:
             _check(other, "Int8Gemm.conv: other", (self.add[2],), (N, Ho, Wo, self.O))
         geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo], dtype=torch.int64)
-        self._run(x, self.K, geo, out, other, m0, m1)
+        self._run(x, self.K, geo, out, other, m0, m1, parts)
         return out

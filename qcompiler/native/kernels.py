@@ -290,7 +290,9 @@ class DepthwiseConv:
         sh, sw, ph, pw, dh, dw = self.geom
         return (H + 2 * ph - dh * (self.kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (self.kw - 1) - 1) // sw + 1
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """``parts > 1``: on the VNNI path, the N * Ho output rows are split over that many native
+        threads (the caller's included; disjoint rows of the same computation, so the same bits)."""
         _check(x, "DepthwiseConv: x", (torch.int8,))
         if x.dim() != 4 or x.shape[3] != self.C:
             raise ConfigError(f"DepthwiseConv: x must be (N, H, W, {self.C}) channels-last, got {tuple(x.shape)}")
@@ -306,11 +308,16 @@ class DepthwiseConv:
             bptr = None if self.bias is None else self.bias.data_ptr()
             consts = (p.M.data_ptr(), p.n.data_ptr(), p.lo, p.hi)
             if self.vnni:
-                self._call = (_fn(f"qc_dwconv2_i8_{_INT[self.out_dtype]}", args + (ctypes.c_int, _P)), wptr, bptr,
-                              consts + (self.f64,))
+                name = f"qc_dwconv2_i8_{_INT[self.out_dtype]}"
+                self._call = (_fn(name, args + (ctypes.c_int, _P)), wptr, bptr, consts + (self.f64,))
+                self._call_mt = _fn(name + "_mt", args + (ctypes.c_int, _P, ctypes.c_int))
             else:
                 self._call = (_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,)), wptr, bptr, consts)
         f, wptr, bptr, consts = self._call
+        if parts > 1 and self.vnni:
+            _ok(self._call_mt(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts,
+                              out.data_ptr(), int(parts)))
+            return out
         _ok(f(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts, out.data_ptr()))
         return out
 

@@ -1,0 +1,168 @@
+"""The native kernels' output rows split over threads (``parts``; qc_run_rows in kernels.c): the
+int8 GEMM, its conv form and the VNNI depthwise conv, at 1 to 4 parts and random row ranges,
+torch.equal to the one-thread call and to the int64 reference; concurrent callers; when the
+simulator asks for a split (``row_parts``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_native_gemm import _OUT, SETTINGS, _case, _gemm_program, conv_cases, gemm_cases, needs_gemm, reference
+from test_native_kernels import dw_cases
+
+from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.native import gemm as gemm_mod
+from qcompiler.native.gemm import ENV_THREADS, SPLIT_MIN_WORK, Int8Gemm, row_parts
+from qcompiler.native.kernels import DepthwiseConv
+from qcompiler.parallel import run_split
+from qcompiler.quantization import fixed_point as fp
+
+
+@needs_gemm
+@SETTINGS
+@given(gemm_cases(), st.integers(1, 4), st.integers(0, 200), st.data())
+def test_split_gemm_rows_equal_the_one_thread_call_and_the_reference(c, parts, extra_rows, data):
+    c = dict(c, P=c["P"] + extra_rows)  # up to 240 rows: several micro-tiles per part
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    if Int8Gemm.refusal(w, bias, M, n, lo, hi, _OUT[c["out"]], add) is not None:
+        return
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], add)
+    P = x.shape[0]
+    m0 = data.draw(st.integers(0, P))
+    m1 = data.draw(st.integers(m0, P))
+    one = torch.full((P, k.O), 77, dtype=k.out_dtype)
+    split = one.clone()
+    k(x, one, other, m0=m0, m1=m1)
+    k(x, split, other, m0=m0, m1=m1, parts=parts)
+    assert torch.equal(split, one)  # the rows outside [m0, m1) untouched by both
+    want = reference(x, w, bias, M, n, lo, hi, add, other)
+    assert torch.equal(split[m0:m1].to(torch.int64), want[m0:m1])
+    assert bool((split[:m0] == 77).all()) and bool((split[m1:] == 77).all())
+
+
+@needs_gemm
+@SETTINGS
+@given(conv_cases(), st.integers(2, 4))
+def test_split_gemm_conv_equals_the_one_thread_call_and_the_reference(c, parts):
+    g = torch.Generator().manual_seed(c["seed"])
+    N, C, H, W, O = c["N"], c["C"], c["H"], c["W"], c["O"]
+    w = torch.randint(-128, 128, (O, C, *c["k"]), dtype=torch.int8, generator=g)
+    x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g)
+    M, n = torch.randint(1, 1 << 15, (O,), generator=g), torch.randint(15, 25, (O,), generator=g)
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), c["stride"], c["padding"],
+                                     c["dilation"]).to(torch.int64)
+    lo, hi = fp.qrange(c["out"])
+    other = add = None
+    if c["add"]:
+        other = torch.randint(-128, 128, acc.shape, dtype=torch.int8, generator=g)
+        add = (int(torch.randint(-(1 << 15), 1 << 15, (1,), generator=g)), 12, torch.int8)
+        want = fp.round_scaled_sum(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1), other.to(torch.int64) * add[0], 12)
+    else:
+        want = fp.rounding_shift(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1))
+    k = Int8Gemm(w.permute(0, 2, 3, 1).reshape(O, -1), bias, M, n, lo, hi, _OUT[c["out"]], add)
+    xl = x.permute(0, 2, 3, 1).contiguous()
+    ol = None if other is None else other.permute(0, 2, 3, 1).contiguous()
+    one = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol)
+    split = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol, parts=parts)
+    assert torch.equal(split, one)
+    assert torch.equal(split.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))
+
+
+@needs_gemm
+@SETTINGS
+@given(dw_cases(), st.integers(2, 4))
+def test_split_depthwise_conv_equals_the_one_thread_call_and_the_reference(c, parts):
+    """The output rows (sample, row) cut over threads: each part is the kernel on one sample's rows
+    with the padding shifted (rows above and below the input still read as padding)."""
+    g = torch.Generator().manual_seed(c["seed"])
+    N, C, H, W = c["N"], c["C"], c["H"], c["W"]
+    w = torch.randint(-127, 128, (C, 1, *c["k"]), dtype=torch.int8, generator=g)
+    x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (C,), generator=g).to(torch.int32) if c["bias"] else None
+    M = torch.randint(1, (1 << c["m_bits"]) + 1, (C,), generator=g)
+    n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (C,), generator=g)
+    lo, hi = fp.qrange(c["out"])
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), c["stride"],
+                                     c["padding"], c["dilation"], C).to(torch.int64)
+    want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+    kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]])
+    xl = x.permute(0, 2, 3, 1).contiguous()
+    one, split = kernel(xl), kernel(xl, parts)
+    assert torch.equal(split, one)
+    assert torch.equal(split.permute(0, 3, 1, 2).to(torch.int64), want)
+
+
+@needs_gemm
+def test_concurrent_split_calls_from_several_threads_are_exact():
+    """Four Python threads each splitting their calls over 3 native parts at once (the pool is shared;
+    a caller runs the parts no helper has started)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-128, 128, (70, 300), dtype=torch.int8, generator=g)
+    M, n = torch.randint(1, 1 << 15, (70,), generator=g), torch.full((70,), 22)
+    k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
+    xs = [torch.randint(-128, 128, (500 + 37 * i, 300), dtype=torch.int8, generator=g) for i in range(4)]
+    wants = [reference(x, w, None, M, n, -128, 127, None, None).to(torch.int8) for x in xs]
+    bad: list = []
+
+    def work(i):
+        for _ in range(30):
+            if not torch.equal(k(xs[i], parts=3), wants[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_row_parts_follows_the_budget_the_threshold_and_the_environment(monkeypatch):
+    monkeypatch.delenv(ENV_THREADS, raising=False)
+    assert row_parts(2, SPLIT_MIN_WORK) == 2
+    assert row_parts(3, 10 * SPLIT_MIN_WORK) == 3
+    assert row_parts(2, SPLIT_MIN_WORK - 1) == 1  # too small to pay for the hand-off
+    assert row_parts(1, 10 * SPLIT_MIN_WORK) == 1  # no lent workers
+    monkeypatch.setenv(ENV_THREADS, "1")
+    assert row_parts(2, 10 * SPLIT_MIN_WORK) == 1
+
+
+@needs_gemm
+@pytest.mark.parametrize("batch,threads,want", [(1, 2, {2}), (2, 2, {1}), (1, 1, {1}), (2, 4, {2})])
+def test_the_simulator_splits_native_layers_by_the_chunks_budget(batch, threads, want, monkeypatch):
+    """Batch 1 at 2 threads: the one chunk has a budget of 2 and its GEMM and depthwise calls are cut in
+    2; batch 2 at 2 threads: a chunk per worker, budget 1, no cut (no over-subscription).  The outputs
+    are the fixed_point kernels' bit for bit either way."""
+    monkeypatch.delenv(ENV_THREADS, raising=False)
+    monkeypatch.setattr(gemm_mod, "SPLIT_MIN_WORK", 1)
+    seen: list = []
+    real_conv, real_dw = Int8Gemm.conv, DepthwiseConv.__call__
+
+    def conv(self, *a, parts=1, **kw):
+        seen.append(parts)
+        return real_conv(self, *a, parts=parts, **kw)
+
+    def dw(self, x, parts=1):
+        seen.append(parts)
+        return real_dw(self, x, parts)
+
+    monkeypatch.setattr(Int8Gemm, "conv", conv)
+    monkeypatch.setattr(DepthwiseConv, "__call__", dw)
+    prog, inputs = _gemm_program("conv2d", True, "relu", 1, "qint8", 3)
+    inputs = {k: v[:batch] if v.shape[0] >= batch else torch.cat([v] * batch)[:batch] for k, v in inputs.items()}
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    sim = BpuSimulator(prog, native=True)
+    names = list(inputs)
+
+    def run(*xs):  # per sample along dim 0: run_split cuts the batch, lends the idle workers
+        return {k: v.int_repr() for k, v in sim.run(dict(zip(names, xs))).items()}
+
+    got = run_split(run, tuple(inputs[k] for k in names), threads)
+    assert set(seen) == want, seen
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
