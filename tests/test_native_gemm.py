@@ -275,15 +275,12 @@ def conv_cases(draw):
                 out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
-@needs_gemm
-@SETTINGS
-@given(conv_cases())
-def test_int8_gemm_conv_equals_the_int64_reference(c):
-    """The im2col inside the kernel (taps in the padding are the zero point) against conv2d in float64
-    (exact for these sums) and the int64 requantization."""
+def conv_case_tensors(c: dict):
+    """The kernel, its channels-last input and fused operand, and the int64 reference (unclamped) of
+    one ``conv_cases`` draw."""
     g = torch.Generator().manual_seed(c["seed"])
     N, C, H, W, O = c["N"], c["C"], c["H"], c["W"], c["O"]
-    if c["extreme"]:
+    if c.get("extreme"):
         w = torch.where(torch.rand(O, C, *c["k"], generator=g) < 0.5, -128, 127).to(torch.int8)
         x = torch.where(torch.rand(N, C, H, W, generator=g) < 0.5, -128, 127).to(torch.int8)
     else:
@@ -302,8 +299,19 @@ def test_int8_gemm_conv_equals_the_int64_reference(c):
     else:
         want = fp.rounding_shift(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1))
     k = Int8Gemm(w.permute(0, 2, 3, 1).reshape(O, -1), bias, M, n, lo, hi, _OUT[c["out"]], add)
-    got = k.conv(x.permute(0, 2, 3, 1).contiguous(), c["k"], c["stride"], c["padding"], c["dilation"],
-                 None if other is None else other.permute(0, 2, 3, 1).contiguous())
+    return (k, x.permute(0, 2, 3, 1).contiguous(), None if other is None else other.permute(0, 2, 3, 1).contiguous(),
+            want)
+
+
+@needs_gemm
+@SETTINGS
+@given(conv_cases())
+def test_int8_gemm_conv_equals_the_int64_reference(c):
+    """The im2col inside the kernel (taps in the padding are the zero point) against conv2d in float64
+    (exact for these sums) and the int64 requantization."""
+    k, xl, ol, want = conv_case_tensors(c)
+    got = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol)
+    lo, hi = fp.qrange(c["out"])
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))
 
 

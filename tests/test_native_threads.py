@@ -11,7 +11,17 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_native_gemm import _OUT, SETTINGS, _case, _gemm_program, conv_cases, gemm_cases, needs_gemm, reference
+from test_native_gemm import (
+    _OUT,
+    SETTINGS,
+    _case,
+    _gemm_program,
+    conv_case_tensors,
+    conv_cases,
+    gemm_cases,
+    needs_gemm,
+    reference,
+)
 from test_native_kernels import dw_cases
 
 from qcompiler.backends.bpu.simulator import BpuSimulator
@@ -48,25 +58,8 @@ def test_split_gemm_rows_equal_the_one_thread_call_and_the_reference(c, parts, e
 @SETTINGS
 @given(conv_cases(), st.integers(2, 4))
 def test_split_gemm_conv_equals_the_one_thread_call_and_the_reference(c, parts):
-    g = torch.Generator().manual_seed(c["seed"])
-    N, C, H, W, O = c["N"], c["C"], c["H"], c["W"], c["O"]
-    w = torch.randint(-128, 128, (O, C, *c["k"]), dtype=torch.int8, generator=g)
-    x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
-    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g)
-    M, n = torch.randint(1, 1 << 15, (O,), generator=g), torch.randint(15, 25, (O,), generator=g)
-    acc = torch.nn.functional.conv2d(x.double(), w.double(), bias.double(), c["stride"], c["padding"],
-                                     c["dilation"]).to(torch.int64)
+    k, xl, ol, want = conv_case_tensors({**c, "extreme": False})
     lo, hi = fp.qrange(c["out"])
-    other = add = None
-    if c["add"]:
-        other = torch.randint(-128, 128, acc.shape, dtype=torch.int8, generator=g)
-        add = (int(torch.randint(-(1 << 15), 1 << 15, (1,), generator=g)), 12, torch.int8)
-        want = fp.round_scaled_sum(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1), other.to(torch.int64) * add[0], 12)
-    else:
-        want = fp.rounding_shift(acc * M.view(1, -1, 1, 1), n.view(1, -1, 1, 1))
-    k = Int8Gemm(w.permute(0, 2, 3, 1).reshape(O, -1), bias, M, n, lo, hi, _OUT[c["out"]], add)
-    xl = x.permute(0, 2, 3, 1).contiguous()
-    ol = None if other is None else other.permute(0, 2, 3, 1).contiguous()
     one = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol)
     split = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol, parts=parts)
     assert torch.equal(split, one)
