@@ -1357,9 +1357,10 @@ class _NativeDepthwiseLayer:
         C = w.shape[0]
         if (not k.native or k.in_specs[0].dtype != "qint8" or a["high_precision"] or a["with_add"]
                 or a["out_dtype"] not in ("qint8", "qint16") or int(a["groups"]) != C or w.shape[1] != 1
-                or DepthwiseConv.acc_bound(w, bias) >= _I32
-                or DepthwiseConv.acc_bound(w, bias) * int(T["M"].to(torch.int64).abs().max()) >= 1 << 62
                 or not 0 <= int(T["n"].min()) <= int(T["n"].max()) <= 62):
+            return None
+        bound = DepthwiseConv.acc_bound(w, bias)  # what DepthwiseConv checks, tested here to fall back quietly
+        if bound >= _I32 or bound * int(T["M"].to(torch.int64).abs().max()) >= 1 << 62:
             return None
         lo, hi = _act_clamp(a)
         kernel = DepthwiseConv(w, bias, a["stride"], a["padding"], a["dilation"], T["M"], T["n"], lo, hi,

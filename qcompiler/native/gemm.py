@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from qcompiler.errors import ConfigError
-from qcompiler.native.kernels import ENV_VNNI, INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok, vnni_enabled
+from qcompiler.native.kernels import ENV_VNNI, INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok, int8_acc_bound, vnni_enabled
 
 __all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
 
@@ -110,11 +110,7 @@ class Int8Gemm:
         self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
                         self.n.data_ptr())
 
-    @staticmethod
-    def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
-        """``128 * max_o sum_k |w[o, k]| + max |bias|``: a bound on every |accumulator|."""
-        l1 = int(w.to(torch.int64).abs().sum(1).max()) if w.numel() else 0
-        return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
+    acc_bound = staticmethod(int8_acc_bound)
 
     @staticmethod
     def refusal(w: torch.Tensor, bias: Optional[torch.Tensor], M: torch.Tensor, n: torch.Tensor, lo: int, hi: int,

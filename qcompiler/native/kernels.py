@@ -23,7 +23,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -237,6 +237,13 @@ def quantize_f32(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         raise ConfigError("quantize: the input contains NaN; it has no integer value")
 
 
+def int8_acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
+    """``128 * max_o sum |w[o]| + max |bias|`` (``w[o]`` all of output channel o's weights): a bound on
+    every |accumulator| of a layer with int8 inputs, which the native kernels keep below 2**31."""
+    l1 = int(w.to(torch.int64).abs().flatten(1).sum(1).max()) if w.numel() else 0
+    return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
+
+
 class DepthwiseConv:
     """Exact depthwise int8 convolution (one filter per channel) with the requantization fused:
     ``clamp(round_half_even((conv(x, w) + bias) * M[c] / 2**n[c]), lo, hi)``, channels-last.
@@ -244,7 +251,7 @@ class DepthwiseConv:
     ``w`` (C, 1, kh, kw) integer weights within int8, ``bias`` (C,) integers or None, ``M``/``n`` (C,).
     Checked once here: the int32 accumulator cannot wrap (``128 * max_c sum |w_c| + max |bias| < 2**31``)
     and ``|acc| * M`` stays below 2**62, shifts in [0, 62]; a layer outside is a ConfigError (callers
-    test :meth:`fits` first).  A call takes ``x`` (N, H, W, C) int8 contiguous and returns (N, Ho, Wo, C).
+    check the same bounds first).  A call takes ``x`` (N, H, W, C) int8 contiguous and returns (N, Ho, Wo, C).
     """
 
     def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
@@ -281,10 +288,7 @@ class DepthwiseConv:
             # |acc| * |M| < 2**53: the float64 epilogue (exact; see qc_dwconv2_* in kernels.c)
             self.f64 = int(self.bound * int(M.abs().max()) < 1 << 53)
 
-    @staticmethod
-    def acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
-        l1 = int(w.to(torch.int64).abs().flatten(1).sum(1).max()) if w.numel() else 0
-        return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
+    acc_bound = staticmethod(int8_acc_bound)
 
     def out_size(self, H: int, W: int) -> tuple[int, int]:
         sh, sw, ph, pw, dh, dw = self.geom
