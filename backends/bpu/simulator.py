@@ -473,10 +473,16 @@ def _cat(k: KernelSpec) -> Callable:
     return cat
 
 
+def _nhwc(x: torch.Tensor) -> bool:
+    """``x`` is a 4-d tensor laid out channels-last and not also contiguous (a 1-channel or 1x1
+    tensor is both: it counts as contiguous)."""
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
 def _like(ws: _Workspace, key: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A scratch buffer of ``x``'s shape in its memory format (channels-last or contiguous), so
     element-wise passes between them run at unit stride."""
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+    if _nhwc(x):
         N, C, H, W = x.shape
         return ws.get(key, (N, H, W, C), dtype).permute(0, 3, 1, 2)
     return ws.get(key, x.shape, dtype)
@@ -514,9 +520,7 @@ def _fast_cat(k: KernelSpec) -> Callable:
         d = dim % xs[0].dim()
         shape = list(xs[0].shape)
         shape[d] = sum(x.shape[d] for x in xs)
-        cl = xs[0].dim() == 4 and xs[0].is_contiguous(memory_format=torch.channels_last) and \
-            not xs[0].is_contiguous()
-        out = torch.empty(shape, dtype=st, memory_format=torch.channels_last if cl else torch.contiguous_format)
+        out = torch.empty(shape, dtype=st, memory_format=torch.channels_last if _nhwc(xs[0]) else torch.contiguous_format)
         off = 0
         for x, f in zip(xs, plans):
             dst = out.narrow(d, off, x.shape[d])
