@@ -1472,15 +1472,16 @@ class _FastMaxPool:
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.k, self.s, self.p, self.d
         if 2 * ph > kh or 2 * pw > kw:  # torch rejects this; let it say so
             return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
+        Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
+        if self.native and x.dtype in (torch.int8, torch.int16) and x.is_contiguous(memory_format=torch.channels_last):
+            # one native pass, channels-last in and out (3-6x torch's quantized pool on resnet18's and
+            # unet's pools, docs/performance.md)
+            return max_pool_nhwc(x, self.k, self.s, self.p, self.d, (Ho, Wo))
         if x.dtype == torch.int8 and x.numel() and C >= _QUANTIZED_POOL_MIN_CHANNELS:
             try:
                 return self._qint8(x)
             except (AttributeError, NotImplementedError, RuntimeError):
                 pass  # a torch without (this form of) quantized tensors: the running maximum below
-        Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
-        if self.native and x.dtype in (torch.int8, torch.int16) and x.is_contiguous(memory_format=torch.channels_last):
-            # one native pass over the channels-last input, same maxima and output layout as below
-            return max_pool_nhwc(x, self.k, self.s, self.p, self.d, (Ho, Wo))
         need_h, need_w = (Ho - 1) * sh + dh * (kh - 1) + 1, (Wo - 1) * sw + dw * (kw - 1) + 1
         Hp, Wp = max(need_h, H + ph), max(need_w, W + pw)
         xc = x.transpose(0, 1)  # channel-major, like the conv outputs

@@ -675,19 +675,19 @@ CAT32_FN(qc_cat32_i16_i8, int16_t, int8_t)
 CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
 /* ==== end of int32 requantization of concatenated inputs ==================================== */
 
-/* ==== max pool, channels-last in, channel-major out ========================================= */
-/* out[c, n, oh, ow] = max over the taps (i, j) inside the input of
+/* ==== max pool, channels-last in and out ================================================== */
+/* out[n, oh, ow, c] = max over the taps (i, j) inside the input of
  *   x[n, oh*sh - ph + i*dh, ow*sw - pw + j*dw, c]
- * starting from the type's minimum (what a window's padding holds).  x: (N, H, W, C) contiguous;
- * out: (C, N, Ho, Wo) contiguous, the layout the simulator's convs write.  Integer maxima: exact.
- * tmp: a row of Wo * C elements per call, allocated here.  Returns 0, or -1 without memory. */
+ * starting from the type's minimum (what a window's padding holds).  x: (N, H, W, C) and
+ * out: (N, Ho, Wo, C), both contiguous (channels-last, the layout the native GEMM convs read and
+ * write, so no transposition on either side).  Integer maxima: exact.  Returns 0. */
 /* the loops over channels with CC a compile-time constant in the common channel counts (a run-time
  * count below one 64-byte vector of int8 would stay scalar) */
 #define MAXPOOL_ROWS(T, TMIN, CC)                                                                        \
     for (int64_t n = 0; n < N; n++)                                                                       \
-        for (int64_t oh = 0; oh < Ho; oh++) {                                                             \
+        for (int64_t oh = 0; oh < Ho; oh++)                                                               \
             for (int64_t ow = 0; ow < Wo; ow++) {                                                         \
-                T *restrict m = row + ow * (CC);                                                          \
+                T *restrict m = out + ((n * Ho + oh) * Wo + ow) * (CC);                                   \
                 for (int64_t c = 0; c < (CC); c++) m[c] = TMIN;                                           \
                 for (int64_t i = 0; i < kh; i++) {                                                        \
                     int64_t ih = oh * sh - ph + i * dh;                                                   \
@@ -699,19 +699,12 @@ CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
                         for (int64_t c = 0; c < (CC); c++) m[c] = p[c] > m[c] ? p[c] : m[c];              \
                     }                                                                                     \
                 }                                                                                         \
-            }                                                                                             \
-            for (int64_t c = 0; c < (CC); c++) {                                                          \
-                T *restrict o = out + ((c * N + n) * Ho + oh) * Wo;                                       \
-                for (int64_t ow = 0; ow < Wo; ow++) o[ow] = row[ow * (CC) + c];                           \
-            }                                                                                             \
-        }
+            }
 
 #define MAXPOOL_FN(NAME, T, TMIN)                                                                        \
     QC_API int NAME(const T *restrict x, int64_t N, int64_t H, int64_t W, int64_t C, int64_t kh,          \
                     int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,    \
                     int64_t Ho, int64_t Wo, T *restrict out) {                                            \
-        T *restrict row = malloc(sizeof(T) * (size_t)(Wo * C + 1));                                        \
-        if (!row) return -1;                                                                              \
         switch (C) {                                                                                      \
         case 8: MAXPOOL_ROWS(T, TMIN, 8) break;                                                           \
         case 16: MAXPOOL_ROWS(T, TMIN, 16) break;                                                         \
@@ -719,7 +712,6 @@ CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
         case 64: MAXPOOL_ROWS(T, TMIN, 64) break;                                                         \
         default: MAXPOOL_ROWS(T, TMIN, C) break;                                                          \
         }                                                                                                 \
-        free(row);                                                                                        \
         return 0;                                                                                         \
     }
 

@@ -530,9 +530,9 @@ def requant_columns32(src: torch.Tensor, dst: torch.Tensor, col0: int, M32: int,
 def max_pool_nhwc(x: torch.Tensor, kernel, stride, padding, dilation, out_hw) -> torch.Tensor:
     """Integer max pool of channels-last ``x`` (an (N, C, H, W) view of (N, H, W, C) memory, int8/int16):
     the maximum of each window's taps inside the input, the type's minimum where a window had none
-    (as a minimum-padded copy gives).  Returns (N, C, Ho, Wo) in channel-major memory (a (C, N, Ho, Wo)
-    contiguous tensor, permuted), the layout of the simulator's conv outputs.  ``out_hw`` is the
-    caller's (Ho, Wo) (torch's output size rule, ceil mode included)."""
+    (as a minimum-padded copy gives).  Returns (N, C, Ho, Wo) in channels-last memory, the layout the
+    native GEMM convs read and write.  ``out_hw`` is the caller's (Ho, Wo) (torch's output size rule,
+    ceil mode included)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _INT or x.device.type != "cpu" \
             or not x.is_contiguous(memory_format=torch.channels_last):
         raise ConfigError("max_pool_nhwc: x must be a 4-d int8/int16 CPU tensor in channels-last memory")
@@ -542,9 +542,8 @@ def max_pool_nhwc(x: torch.Tensor, kernel, stride, padding, dilation, out_hw) ->
         raise ConfigError(f"max_pool_nhwc: bad geometry kernel {kernel}, stride {stride}, padding {padding}, "
                           f"dilation {dilation}, output {out_hw}")
     N, C, H, W = x.shape
-    out = torch.empty((C, N, Ho, Wo), dtype=x.dtype)
+    out = torch.empty((N, Ho, Wo, C), dtype=x.dtype)
     if out.numel():
         f = _fn(f"qc_maxpool_nhwc_{_INT[x.dtype]}", (_P,) + (_I64,) * 14 + (_P,))
-        if f(x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()) != 0:
-            raise MemoryError("max_pool_nhwc: out of memory for its row buffer")
-    return out.permute(1, 0, 2, 3)
+        _ok(f(x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()))
+    return out.permute(0, 3, 1, 2)
