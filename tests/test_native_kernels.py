@@ -210,7 +210,10 @@ def test_histogram_abs_refuses_bad_arguments():
 
 
 def _fresh(monkeypatch, tmp_path, **env):
+    """A fresh build cache and decision; the kernels on unless ``env`` turns them off (a run of the
+    suite under QCOMPILER_NATIVE=0 must not change what these tests build)."""
     monkeypatch.setenv(build.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.delenv(build.ENV_DISABLE, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     build.reset()
