@@ -29,7 +29,9 @@ Each peer has its own accuracy (onnxruntime's and torch.ao's quantization differ
 ours); the point is speed on the same work.  ``torch.set_num_threads`` and onnxruntime's
 ``intra_op_num_threads`` are set to the same count.  Times are the best of ``--repeat``
 calls after a warm-up, the four contenders in rotation, so a change of machine load hits
-all of them alike; the ratio ``ours / min(ort, torch.ao)`` is what the goal is measured on
+all of them alike; each timed call follows one untimed call of the same contender (``--lead-in``,
+default 1), so it meets the machine as that contender's own previous call left it, as in a loop
+over a validation set, not with the previous contender's pool threads still spinning; the ratio ``ours / min(ort, torch.ao)`` is what the goal is measured on
 (<= 1.0).  With profiling on, the simulator's time per op kind (each op timed alone with
 ``perf_counter``) is printed for every model and batch at the first thread count.
 """
@@ -156,13 +158,20 @@ def ort_session(path: str, threads: int):
     return lambda xn: sess.run(None, {"x": xn})[0]
 
 
-def best_times(fns: dict, repeat: int) -> dict:
-    """Best-of-``repeat`` seconds of each callable, run in rotation (one warm-up each first)."""
+def best_times(fns: dict, repeat: int, lead_in: int = 0) -> dict:
+    """Best-of-``repeat`` seconds of each callable, run in rotation (one warm-up each first).
+
+    ``lead_in`` > 0: each timed call follows that many untimed calls of the same callable, so it
+    meets the machine as the contender's own previous call left it (its thread pool, its caches),
+    as in a loop over a validation set, not as the previous contender left it (onnxruntime's and
+    torch's pool threads keep spinning on the other core for a while after a call)."""
     for fn in fns.values():
         fn()
     best = {k: float("inf") for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
+            for _ in range(lead_in):
+                fn()
             t0 = time.perf_counter()
             fn()
             best[k] = min(best[k], time.perf_counter() - t0)
@@ -247,6 +256,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--kernels", default="fast", choices=("fast", "fixed_point"))
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--lead-in", type=int, default=1,
+                    help="untimed calls of the same contender right before each timed call (see best_times)")
     ap.add_argument("--row-split", action="store_true",
                     help="cut one image's large convs into row bands on idle workers (row_split.ENABLED)")
     args = ap.parse_args()
@@ -256,7 +267,8 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     print(environment())
-    print(f"input {args.size}x{args.size}, threads {threads}, best of {args.repeat} in rotation, "
+    print(f"input {args.size}x{args.size}, threads {threads}, best of {args.repeat} in rotation "
+          f"(each after {args.lead_in} untimed call(s) of the same contender), "
           f"calibration {CALIB_BATCHES} batches of {CALIB_BATCH}")
     rows, profiles = [], {}
     calib = calibration_batches(args.size)
@@ -286,9 +298,9 @@ def main() -> None:
                         if not exact:
                             raise SystemExit(f"{name} batch {b}: simulator output != converted model output")
                         tm = best_times({"ours": partial(ours, x), "ort": partial(ort_run, xn),
-                                         "ao": partial(ao, x), "float": partial(f, x)}, args.repeat)
+                                         "ao": partial(ao, x), "float": partial(f, x)}, args.repeat, args.lead_in)
                         if t > 1:  # after, not in the rotation: see _whole
-                            tm.update(best_times({"whole": partial(_whole, ours, x)}, args.repeat))
+                            tm.update(best_times({"whole": partial(_whole, ours, x)}, args.repeat, args.lead_in))
                         if not args.no_profile and t == threads[0]:
                             profiles[(name, b)] = op_kind_profile(ours, x)
                     peer = min(tm["ort"], tm["ao"])
