@@ -429,7 +429,8 @@ def test_a_damaged_cached_library_is_rebuilt(monkeypatch, tmp_path, restore_nati
 
 @st.composite
 def quantize_cases(draw):
-    return dict(shape=draw(st.sampled_from([(0,), (1,), (17,), (2, 3, 5, 7), (1, 3, 31, 33), (4, 300)])),
+    return dict(shape=draw(st.sampled_from([(0,), (1,), (17,), (2, 3, 5, 7), (1, 3, 31, 33), (4, 300), (3, 16, 4, 5),
+                                            (1, 1, 3, 3), (2, 5, 1, 1), (0, 3, 2, 2)])),
                 exponent=draw(st.integers(-20, 4)), mantissa=draw(st.integers(1 << 23, (1 << 24) - 1)),
                 dtype=draw(st.sampled_from([torch.int8, torch.int16])), ties=draw(st.booleans()),
                 special=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 31 - 1)))
@@ -460,7 +461,13 @@ def test_quantize_f32_equals_fixed_point_quantize(c):
     x = x.reshape(c["shape"])
     out = torch.empty(c["shape"], dtype=c["dtype"])
     quantize_f32(x, scale, out)
-    assert torch.equal(out, fp.quantize(x, scale, "qint8" if c["dtype"] == torch.int8 else "qint16"))
+    want = fp.quantize(x, scale, "qint8" if c["dtype"] == torch.int8 else "qint16")
+    assert torch.equal(out, want)
+    if x.dim() == 4:  # straight into channels-last memory (the simulator's model-input quantize)
+        N, C, H, W = x.shape
+        nhwc = torch.full((N, H, W, C), 55, dtype=c["dtype"])
+        quantize_f32(x, scale, nhwc.permute(0, 3, 1, 2))
+        assert torch.equal(nhwc.permute(0, 3, 1, 2), want)
 
 
 @needs_native
@@ -481,6 +488,12 @@ def test_quantize_f32_refuses_nan_and_misuse():
         quantize_f32(torch.zeros(5), 0.5, torch.empty(4, dtype=torch.int8))
     with pytest.raises(ConfigError, match="contiguous"):
         quantize_f32(torch.zeros(5, 2).t(), 0.5, torch.empty(2, 5, dtype=torch.int8))
+    x4 = torch.zeros(1, 3, 2, 2)
+    x4[0, 2, 1, 0] = float("nan")
+    with pytest.raises(ConfigError, match="NaN"):  # the channels-last path finds it too
+        quantize_f32(x4, 0.5, torch.empty(1, 2, 2, 3, dtype=torch.int8).permute(0, 3, 1, 2))
+    with pytest.raises(ConfigError, match="contiguous"):  # neither layout (a transposed H, W)
+        quantize_f32(torch.zeros(1, 3, 2, 4), 0.5, torch.empty(1, 3, 4, 2, dtype=torch.int8).transpose(2, 3))
 
 
 def _entry_gap_program(shape, in_dtype, out_dtype, keepdim):

@@ -405,7 +405,10 @@ def _fast_quantize(k: KernelSpec) -> Callable:
     def quantize(x):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous() or x.device.type != "cpu":
             return fp.quantize(x, scale, dtype)
-        out = torch.empty(x.shape, dtype=st)
+        if x.dim() == 4 and x.shape[1] > 1:  # channels-last, what the native convs read
+            out = torch.empty((x.shape[0], *x.shape[2:], x.shape[1]), dtype=st).permute(0, 3, 1, 2)
+        else:
+            out = torch.empty(x.shape, dtype=st)
         quantize_f32(x, s32, out)
         return out
     return quantize
@@ -1715,7 +1718,10 @@ class _NativeGemmLayer:
     def __init__(self, gemm: Int8Gemm, conv: Optional[dict], other_dtype: Optional[torch.dtype],
                  fallback: Callable) -> None:
         self.gemm, self.conv, self.other_dtype, self.fallback = gemm, conv, other_dtype, fallback
-        self.pointwise = conv is not None and conv["kernel_size"] == (1, 1) and conv["padding"] == (0, 0)
+        # a 1x1 conv with stride 1 and no padding reads its input rows as they are; a strided one takes
+        # the gather path, which picks its rows in the kernel (no strided torch copy before it)
+        self.pointwise = conv is not None and conv["kernel_size"] == (1, 1) and conv["padding"] == (0, 0) and \
+            conv["stride"] == (1, 1)
 
     @staticmethod
     def build(k: KernelSpec) -> Optional["_NativeGemmLayer"]:
@@ -1762,12 +1768,10 @@ class _NativeGemmLayer:
             return out.reshape(*lead, g.O)
         o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
         if self.pointwise:
-            sh, sw = cv["stride"]
-            xs = x if (sh, sw) == (1, 1) else x[:, :, ::sh, ::sw]
-            N, _, Ho, Wo = xs.shape
+            N, _, Ho, Wo = x.shape
             if other is not None and other.shape != (N, g.O, Ho, Wo):  # a broadcast operand
                 return self.fallback(x, other)
-            rows = xs.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
+            rows = x.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
             out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
             g(rows, out.view(-1, g.O), None if o4 is None else o4.view(-1, g.O),
               parts=row_parts(part_budget(), rows.shape[0] * g.K * g.O))

@@ -223,17 +223,32 @@ _QUANT = {torch.int8: ("qc_quantize_i8", -128, 127), torch.int16: ("qc_quantize_
 
 def quantize_f32(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """``out = clamp(round_half_even(x / scale))`` for a contiguous float32 ``x`` and a per-tensor
-    float32 ``scale``, into ``out`` (int8 / int16, x's shape, contiguous): exactly
-    ``fixed_point.quantize`` (one pass: the float32 division, rounding half to even, the clamp).
-    A NaN in ``x`` is a ConfigError, as there."""
+    float32 ``scale``, into ``out`` (int8 / int16, x's shape): exactly ``fixed_point.quantize`` (one
+    pass: the float32 division, rounding half to even, the clamp).  ``out`` is contiguous, or, for a
+    4-d ``x``, channels-last (an (N, C, H, W) view of (N, H, W, C) memory, the layout the native convs
+    read: the values land there directly).  A NaN in ``x`` is a ConfigError, as there."""
     _check(x, "quantize_f32: x", (torch.float32,))
-    _check(out, "quantize_f32: out", tuple(_QUANT), tuple(x.shape))
+    nhwc = (x.dim() == 4 and isinstance(out, torch.Tensor) and out.dim() == 4 and not out.is_contiguous()
+            and out.is_contiguous(memory_format=torch.channels_last))
+    if nhwc:  # checked as the (N, H, W, C) memory it is
+        N, C, H, W = x.shape
+        _check(out.permute(0, 2, 3, 1), "quantize_f32: out (channels-last)", tuple(_QUANT), (N, H, W, C))
+    else:
+        _check(out, "quantize_f32: out", tuple(_QUANT), tuple(x.shape))
     s = float(scale)
     if not (math.isfinite(s) and s > 0.0) or float(torch.tensor(s, dtype=torch.float32)) != s:
         raise ConfigError(f"quantize_f32: scale must be a positive finite float32 value, got {scale!r}")
     name, lo, hi = _QUANT[out.dtype]
-    f = _fn(name, (_P, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P))
-    if f(x.data_ptr(), x.numel(), s, float(lo), float(hi), out.data_ptr()):
+    if nhwc:
+        f = _fn(name.replace("quantize", "quantize_nhwc"),
+                (_P, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P))
+        bad = f(x.data_ptr(), N, C, H * W, s, float(lo), float(hi), out.data_ptr())
+        if bad < 0:
+            raise MemoryError("quantize_f32: out of memory for its block buffer")
+    else:
+        f = _fn(name, (_P, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_float, _P))
+        bad = f(x.data_ptr(), x.numel(), s, float(lo), float(hi), out.data_ptr())
+    if bad:
         raise ConfigError("quantize: the input contains NaN; it has no integer value")
 
 
