@@ -134,17 +134,17 @@ def test_the_simulator_splits_native_layers_by_the_chunks_budget(batch, threads,
     monkeypatch.delenv(ENV_THREADS, raising=False)
     monkeypatch.setattr(gemm_mod, "SPLIT_MIN_WORK", 1)
     seen: list = []
-    real_conv, real_dw = Int8Gemm.conv, DepthwiseConv.__call__
+    real_rows, real_dw = Int8Gemm.run_rows, DepthwiseConv.__call__
 
-    def conv(self, *a, parts=1, **kw):
+    def rows(self, *a, parts=1):
         seen.append(parts)
-        return real_conv(self, *a, parts=parts, **kw)
+        return real_rows(self, *a, parts=parts)
 
     def dw(self, x, parts=1):
         seen.append(parts)
         return real_dw(self, x, parts)
 
-    monkeypatch.setattr(Int8Gemm, "conv", conv)
+    monkeypatch.setattr(Int8Gemm, "run_rows", rows)
     monkeypatch.setattr(DepthwiseConv, "__call__", dw)
     prog, inputs = _gemm_program("conv2d", True, "relu", 1, "qint8", 3)
     inputs = {k: v[:batch] if v.shape[0] >= batch else torch.cat([v] * batch)[:batch] for k, v in inputs.items()}

@@ -1718,6 +1718,9 @@ class _NativeGemmLayer:
     def __init__(self, gemm: Int8Gemm, conv: Optional[dict], other_dtype: Optional[torch.dtype],
                  fallback: Callable) -> None:
         self.gemm, self.conv, self.other_dtype, self.fallback = gemm, conv, other_dtype, fallback
+        # per input shape (N, C, H, W): (geometry argument, NHWC output shape, rows, multiply-adds), or
+        # None where the reference must run (an input smaller than the kernel); checked once per shape
+        self._plans: dict[tuple, Optional[tuple]] = {}
         # a 1x1 conv with stride 1 and no padding reads its input rows as they are; a strided one takes
         # the gather path, which picks its rows in the kernel (no strided torch copy before it)
         self.pointwise = conv is not None and conv["kernel_size"] == (1, 1) and conv["padding"] == (0, 0) and \
@@ -1771,21 +1774,36 @@ class _NativeGemmLayer:
             N, _, Ho, Wo = x.shape
             if other is not None and other.shape != (N, g.O, Ho, Wo):  # a broadcast operand
                 return self.fallback(x, other)
-            rows = x.permute(0, 2, 3, 1).contiguous().view(-1, g.K)
+            xl = x.permute(0, 2, 3, 1)
+            if not xl.is_contiguous():
+                xl = xl.contiguous()
+            P = N * Ho * Wo
             out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
-            g(rows, out.view(-1, g.O), None if o4 is None else o4.view(-1, g.O),
-              parts=row_parts(part_budget(), rows.shape[0] * g.K * g.O))
+            # the checks Int8Gemm.__call__ makes hold here: NHWC rows of K, a fresh out, o4 (P, O)
+            g.run_rows(xl, g.K, None, out, o4, 0, P, parts=row_parts(part_budget(), P * g.K * g.O))
             return out.permute(0, 3, 1, 2)
-        xl = x.permute(0, 2, 3, 1).contiguous()
-        if min(xl.shape[1:3]) <= 0:
-            return self.fallback(x) if other is None else self.fallback(x, other)
-        try:
-            (kh, kw), (sh, sw), (ph, pw), (dh, dw) = cv["kernel_size"], cv["stride"], cv["padding"], cv["dilation"]
-            positions = xl.shape[0] * max(0, (xl.shape[1] + 2 * ph - dh * (kh - 1) - 1) // sh + 1) * max(
-                0, (xl.shape[2] + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
-            out = g.conv(xl, cv["kernel_size"], cv["stride"], cv["padding"], cv["dilation"], o4,
-                         parts=row_parts(part_budget(), positions * g.K * g.O))
-        except ConfigError:  # an input smaller than the kernel: the reference says why
-            return self.fallback(x) if other is None else self.fallback(x, other)
+        plan = self._plans.get(tuple(x.shape), False)
+        if plan is False:
+            plan = self._plans[tuple(x.shape)] = self._conv_plan(tuple(x.shape))
+        if plan is None or (other is not None and other.shape != (plan[1][0], g.O, *plan[1][1:3])):
+            return self.fallback(x) if other is None else self.fallback(x, other)  # (or a broadcast operand)
+        geo, shape, rows, work = plan
+        xl = x.permute(0, 2, 3, 1)
+        if not xl.is_contiguous():
+            xl = xl.contiguous()
+        out = torch.empty(shape, dtype=g.out_dtype)
+        g.run_rows(xl, g.K, geo, out, o4, 0, rows, parts=row_parts(part_budget(), work))
         return out.permute(0, 3, 1, 2)
+
+    def _conv_plan(self, shape: tuple) -> Optional[tuple]:
+        cv, g = self.conv, self.gemm
+        N, C, H, W = shape
+        if min(H, W) <= 0:
+            return None
+        try:
+            geo, (N, Ho, Wo) = g.conv_geometry((N, H, W, C), cv["kernel_size"], cv["stride"], cv["padding"],
+                                               cv["dilation"])
+        except ConfigError:  # an input smaller than the kernel: the reference says why
+            return None
+        return geo, (N, Ho, Wo, g.O), N * Ho * Wo, N * Ho * Wo * g.K * g.O
 

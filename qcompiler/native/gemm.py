@@ -175,10 +175,15 @@ class Int8Gemm:
             raise ConfigError("Int8Gemm: other must be given exactly when the layer has a fused add")
         if other is not None:
             _check(other, "Int8Gemm: other", (self.add[2],), (P, self.O))
-        self._run(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1, parts)
+        self.run_rows(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1, parts=parts)
         return out
 
-    def _run(self, x, ldx, geo, out, other, m0, m1, parts) -> None:
+    def run_rows(self, x: torch.Tensor, ldx: int, geo: Optional[torch.Tensor], out: torch.Tensor,
+                 other: Optional[torch.Tensor], m0: int, m1: int, parts: int = 1) -> None:
+        """The kernel on output rows ``m0:m1`` with NO checks: what ``__call__`` and ``conv`` run after
+        theirs, for a caller that has made the same checks once (the simulator's layers, per input
+        shape).  ``x``: rows of stride ``ldx`` (``geo`` None) or the NHWC input of ``geo``
+        (:meth:`conv_geometry`); ``out``/``other`` contiguous (rows, O)."""
         if m1 <= m0:
             return
         args = (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
@@ -192,18 +197,11 @@ class Int8Gemm:
         (N, Ho, Wo, O); the kernel gathers each output position's taps itself (zero padding).  Rows
         ``m0:m1`` of the N * Ho * Wo output positions are written; ``other`` as ``out``, contiguous;
         ``parts`` as for ``__call__``."""
-        kh, kw = (int(v) for v in kernel_size)
-        sh, sw, ph, pw, dh, dw = (int(v) for v in (*stride, *padding, *dilation))
         if (not isinstance(x, torch.Tensor) or x.dtype != torch.int8 or x.dim() != 4 or x.device.type != "cpu"
-                or not x.is_contiguous() or x.shape[3] * kh * kw != self.K):
-            raise ConfigError(f"Int8Gemm.conv: x must be an int8 contiguous (N, H, W, C) tensor with C * {kh} * {kw} "
-                              f"= {self.K}, got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-        if min(sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
-            raise ConfigError(f"Int8Gemm.conv: bad geometry stride {stride}, padding {padding}, dilation {dilation}")
-        N, H, W, C = x.shape
-        Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-        if Ho <= 0 or Wo <= 0:
-            raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
+                or not x.is_contiguous()):
+            raise ConfigError(f"Int8Gemm.conv: x must be an int8 contiguous (N, H, W, C) tensor, got "
+                              f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        geo, (N, Ho, Wo) = self.conv_geometry(tuple(x.shape), kernel_size, stride, padding, dilation)
         P = N * Ho * Wo
         m1 = P if m1 is None else m1
         if not 0 <= m0 <= m1 <= P:
@@ -215,6 +213,21 @@ class Int8Gemm:
             raise ConfigError("Int8Gemm.conv: other must be given exactly when the layer has a fused add")
         if other is not None:
             _check(other, "Int8Gemm.conv: other", (self.add[2],), (N, Ho, Wo, self.O))
-        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo], dtype=torch.int64)
-        self._run(x, self.K, geo, out, other, m0, m1, parts)
+        self.run_rows(x, self.K, geo, out, other, m0, m1, parts=parts)
         return out
+
+    def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[torch.Tensor, tuple]:
+        """For a conv of an (N, H, W, C) input ``shape``: the kernel's geometry argument and the output's
+        (N, Ho, Wo), after checking that the layer's K is C * kh * kw and the geometry is valid
+        (ConfigError otherwise, e.g. an input smaller than the kernel)."""
+        kh, kw = (int(v) for v in kernel_size)
+        sh, sw, ph, pw, dh, dw = (int(v) for v in (*stride, *padding, *dilation))
+        if len(shape) != 4 or shape[3] * kh * kw != self.K:
+            raise ConfigError(f"Int8Gemm.conv: x must be (N, H, W, C) with C * {kh} * {kw} = {self.K}, got {shape}")
+        if min(sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+            raise ConfigError(f"Int8Gemm.conv: bad geometry stride {stride}, padding {padding}, dilation {dilation}")
+        N, H, W, C = shape
+        Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        if Ho <= 0 or Wo <= 0:
+            raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
+        return torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo], dtype=torch.int64), (N, Ho, Wo)
