@@ -1191,18 +1191,37 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
                             }                                                                             \
                             tag[s] = ih;                                                                  \
                             const int8_t *xr = x + ((b * H + ih) * W) * C + c0;                           \
-                            for (int64_t q = 0; q < Wx; q++) {                                            \
-                                const int64_t p = q - pw;                                                 \
-                                __m128i v = p >= 0 && p < W ? _mm_maskz_loadu_epi8(mk, xr + p * C)        \
-                                                            : _mm_setzero_si128();                        \
-                                _mm_store_si128((__m128i *)(xp + 16 * q), _mm_xor_si128(v, flip));        \
-                            }                                                                             \
                             uint8_t *z = zb + 64 * s * Wq;                                                \
-                            if (dw == 1)                                                                  \
-                                for (int64_t q = 0; q < Wq; q += qs)                                      \
-                                    _mm512_store_si512((void *)(z + 64 * q),                              \
-                                                       _mm512_permutexvar_epi8(idx, GEMM_LD(xp + 16 * q))); \
-                            else                                                                          \
+                            if (dw == 1 && qs == 1) { /* the 4 chunks q..q+3 slide along the row in a register */ \
+                                __m512i win = _mm512_setzero_si512();                                     \
+                                for (int64_t q = -3; q < Wq; q++) { /* chunk q + 3 shifts in */   \
+                                    const int64_t p = q + 3 - pw;                                         \
+                                    const __m128i v = p >= 0 && p < W                                     \
+                                        ? _mm_xor_si128(_mm_maskz_loadu_epi8(mk, xr + p * C), flip) : flip; \
+                                    win = _mm512_alignr_epi64(_mm512_castsi128_si512(v), win, 2);         \
+                                    if (q >= 0)                                                           \
+                                        _mm512_store_si512((void *)(z + 64 * q), _mm512_permutexvar_epi8(idx, win)); \
+                                }                                                                         \
+                            } else if (dw == 1 && qs == 2) { /* stride 2: two chunks shift in per entry */ \
+                                __m512i win = _mm512_setzero_si512();                                     \
+                                for (int64_t q = -2; q < Wq; q += 2) { /* chunks q + 2, q + 3 shift in */  \
+                                    const int64_t p = q + 2 - pw;                                         \
+                                    const __m128i v0 = p >= 0 && p < W                                    \
+                                        ? _mm_xor_si128(_mm_maskz_loadu_epi8(mk, xr + p * C), flip) : flip; \
+                                    const __m128i v1 = p + 1 >= 0 && p + 1 < W                            \
+                                        ? _mm_xor_si128(_mm_maskz_loadu_epi8(mk, xr + (p + 1) * C), flip) : flip; \
+                                    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(v0), v1, 1); \
+                                    win = _mm512_alignr_epi64(_mm512_castsi256_si512(v), win, 4);         \
+                                    if (q >= 0)                                                           \
+                                        _mm512_store_si512((void *)(z + 64 * q), _mm512_permutexvar_epi8(idx, win)); \
+                                }                                                                         \
+                            } else { /* dilated or stride > 2: the padded row, then 4 chunks dw apart per entry */ \
+                                for (int64_t q = 0; q < Wx; q++) {                                        \
+                                    const int64_t p = q - pw;                                             \
+                                    __m128i v = p >= 0 && p < W ? _mm_maskz_loadu_epi8(mk, xr + p * C)    \
+                                                                : _mm_setzero_si128();                    \
+                                    _mm_store_si128((__m128i *)(xp + 16 * q), _mm_xor_si128(v, flip));    \
+                                }                                                                         \
                                 for (int64_t q = 0; q < Wq; q += qs) {                                    \
                                     const __m128i *e = (const __m128i *)(xp + 16 * q);                    \
                                     __m512i v = _mm512_castsi128_si512(_mm_load_si128(e));               \
@@ -1211,6 +1230,7 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
                                     v = _mm512_inserti32x4(v, _mm_load_si128(e + 3 * dw), 3);            \
                                     _mm512_store_si512((void *)(z + 64 * q), _mm512_permutexvar_epi8(idx, v)); \
                                 }                                                                         \
+                            }                                                                             \
                         }                                                                                 \
                         rp[i] = zb + 64 * s * Wq;                                                         \
                     }                                                                                     \
