@@ -1124,6 +1124,15 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
         const int64_t G = (kw + 3) / 4, KT = kh * G, Cp = (C + 15) / 16 * 16;                             \
         const int64_t Wq = (Wo - 1) * sw + 4 * (G - 1) * dw + 1, Wx = Wq + 3 * dw;                        \
         const int64_t qs = (4 * dw) % sw == 0 ? sw : 1; /* every Z entry read is a multiple of qs */      \
+        /* gcd(dh, kh) == 1: the rows ih0 + i * dh (i < kh) of one output row differ modulo kh (kh divides  \
+         * (i - j) * dh only if it divides i - j), so row ih can live in slot ih % kh without a search */ \
+        int64_t gd = dh, gk = kh;                                                                         \
+        while (gk) {                                                                                      \
+            const int64_t t = gd % gk;                                                                    \
+            gd = gk;                                                                                      \
+            gk = t;                                                                                       \
+        }                                                                                                 \
+        const int direct = gd == 1;                                                                       \
         int64_t *kc = gemm_consts(M, n, C, 0, 0);                                                         \
         uint8_t *zb = aligned_alloc(64, (size_t)(64 * ((kh + 1) * Wq + Wx / 4 + 1)));                     \
         int64_t *tag = malloc(sizeof(int64_t) * (size_t)kh);                                              \
@@ -1181,10 +1190,10 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
                             rp[i] = zrow;                                                                 \
                             continue;                                                                     \
                         }                                                                                 \
-                        int64_t s = 0;                                                                    \
-                        while (s < kh && tag[s] != ih) s++;                                               \
-                        if (s == kh) { /* widen row ih into a slot empty or holding no row of this output row */ \
-                            for (s = 0; tag[s] >= 0; s++) {                                               \
+                        int64_t s = direct ? ih % kh : 0;                                                 \
+                        while (!direct && s < kh && tag[s] != ih) s++;                                    \
+                        if (direct ? tag[s] != ih : s == kh) { /* widen row ih into its slot, or one empty or */ \
+                            for (s = direct ? s : 0; !direct && tag[s] >= 0; s++) { /* holding no row needed */ \
                                 int64_t u = 0;                                                            \
                                 while (u < kh && tag[s] != oh * sh - ph + u * dh) u++;                    \
                                 if (u == kh) break;                                                       \
