@@ -1133,6 +1133,7 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
             gk = t;                                                                                       \
         }                                                                                                 \
         const int direct = gd == 1;                                                                       \
+        const int sat = hi == (OBITS == 8 ? INT8_MAX : INT16_MAX); /* DW4_ST_* clamps at hi */             \
         int64_t *kc = gemm_consts(M, n, C, 0, 0);                                                         \
         uint8_t *zb = aligned_alloc(64, (size_t)(64 * ((kh + 1) * Wq + Wx / 4 + 1)));                     \
         int64_t *tag = malloc(sizeof(int64_t) * (size_t)kh);                                              \
@@ -1260,6 +1261,15 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
         return 0;                                                                                         \
     }
 
+/* 16 int32 results narrowed with signed saturation (vpmovsdb / vpmovsdw) and stored, the last block of
+ * channels masked: results already in [lo, hi] are unchanged, and an upper clamp at the type's maximum
+ * (hi == 127 / 32767, every relu6 layer of int8 out) is the saturation itself. */
+#define DW4_ST_8(P, MK, FULL, R)                                                                         \
+    ((FULL) ? _mm_storeu_si128((__m128i *)(P), _mm512_cvtsepi32_epi8(R)) : _mm512_mask_cvtsepi32_storeu_epi8(P, MK, R))
+#define DW4_ST_16(P, MK, FULL, R)                                                                        \
+    ((FULL) ? _mm256_storeu_si256((__m256i *)(P), _mm512_cvtsepi32_epi16(R))                            \
+            : _mm512_mask_cvtsepi32_storeu_epi16(P, MK, R))
+
 /* One output row of one channel block: NT = kh * G taps of 4 (a constant in the common cases, so the
  * loop unrolls and the weights stay in registers), then the epilogue chosen by epi. */
 #define DW4_ROW(OBITS, NT)                                                                               \
@@ -1281,7 +1291,8 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
                 ya = _mm512_fmadd_pd(ya, fa, m2);                                                         \
                 yb = _mm512_fmadd_pd(yb, fb, m2);                                                         \
                 r = _mm512_permutex2var_epi32(_mm512_castpd_si512(ya), pidx, _mm512_castpd_si512(yb));    \
-                r = _mm512_min_epi32(_mm512_max_epi32(r, vlo32), vhi32);                                  \
+                r = _mm512_max_epi32(r, vlo32);                                                           \
+                if (!sat) r = _mm512_min_epi32(r, vhi32);                                                 \
             }                                                                                             \
             else if (epi)                                                                                 \
                 r = gemm_requant_f64_x16(acc, kc, Cp, c0, dlo, dhi);                                      \
@@ -1291,7 +1302,7 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
                 r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)),                \
                                        _mm512_cvtepi64_epi32(qhi), 1);                                    \
             }                                                                                             \
-            GEMM_ST_##OBITS(o + ow * C, mk, full, r);                                                     \
+            DW4_ST_##OBITS(o + ow * C, mk, full, r);                                                      \
         }                                                                                                 \
     }
 
