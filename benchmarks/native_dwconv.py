@@ -78,8 +78,8 @@ def main(argv=None) -> None:
             if not torch.equal(fast(x), slow(x)):
                 raise SystemExit(f"the VNNI and scalar depthwise kernels differ on {H}x{H}x{C} stride {s}")
             sess, xn = _ort_session(w, bias, s), {"x": x.permute(0, 3, 1, 2).contiguous().numpy()}
-            t = best_times({"vnni": lambda: fast(x), "scalar": lambda: slow(x), "ort": lambda: sess.run(None, xn)},
-                           args.repeat)
+            t = best_times({"vnni": lambda f=fast, x=x: f(x), "scalar": lambda f=slow, x=x: f(x),
+                            "ort": lambda r=sess, xn=xn: r.run(None, xn)}, args.repeat)
             total = {k: total[k] + t[k] for k in total}
             rows.append([f"{H}x{H}x{C} s{s}", *(f"{t[k] * 1e3:.3f}" for k in total), f"{t['vnni'] / t['ort']:.2f}"])
         rows.append(["total (17 layers)", *(f"{total[k] * 1e3:.3f}" for k in total),
