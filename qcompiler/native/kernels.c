@@ -1109,7 +1109,7 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
  *    unsigned; pairing it with the high word 0x43300000 (vpunpck{l,h}dq) gives the double 2**52 + u
  *    exactly, minus 2**52 + 2**31 (exact: both and the result are integers below 2**53): acc, exact;
  *  - fma(acc, f, 1.5 * 2**52) with f = M * 2**-n (exact) rounds the exact acc * M / 2**n + 1.5 * 2**52
- *    once, half to even, to a double in [2**52, 2**53) (|acc * f| < 2**31 < 2**51), whose spacing is 1:
+ *    once, half to even (embedded {rn-sae}, whatever MXCSR says), to a double in [2**52, 2**53) (|acc * f| < 2**31 < 2**51), whose spacing is 1:
  *    1.5 * 2**52 + round_half_even(acc * M / 2**n) (1.5 * 2**52 is even, so ties keep their parity);
  *  - its low 32 bits are that rounded value modulo 2**32, i.e. the value itself (|.| < 2**31): gathered
  *    back into channel order (vpermt2d) and clamped to [lo, hi] in int32.
@@ -1288,8 +1288,8 @@ GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
             if (epi == 2) { /* lanes hold acc + 2**31 (the bias's offset): see DW4_FN */              \
                 __m512d ya = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(acc, e52)), m1);     \
                 __m512d yb = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(acc, e52)), m1);     \
-                ya = _mm512_fmadd_pd(ya, fa, m2);                                                         \
-                yb = _mm512_fmadd_pd(yb, fb, m2);                                                         \
+                ya = _mm512_fmadd_round_pd(ya, fa, m2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);    \
+                yb = _mm512_fmadd_round_pd(yb, fb, m2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);    \
                 r = _mm512_permutex2var_epi32(_mm512_castpd_si512(ya), pidx, _mm512_castpd_si512(yb));    \
                 r = _mm512_max_epi32(r, vlo32);                                                           \
                 if (!sat) r = _mm512_min_epi32(r, vhi32);                                                 \
