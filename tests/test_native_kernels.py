@@ -300,11 +300,15 @@ def test_the_cache_key_follows_the_source(monkeypatch, tmp_path, restore_native)
 
 @st.composite
 def dw_cases(draw):
-    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    """Depthwise geometries: kernels 1x1..5x5 and 1x9 / 9x1 (one to three groups of 4 taps per row), strides
+    1-3 (the stride-1 and -2 row windows and the padded-row path), dilation 1-3, padding 0-3, inputs smaller
+    than the kernel's span where the padding allows, C 1-70 (partial blocks of 16)."""
+    kh, kw = draw(st.sampled_from([(1, 1), (1, 9), (9, 1)]) | st.tuples(st.integers(1, 5), st.integers(1, 5)))
     dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
-    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
-    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 12))
+    h_min, w_min = max(1, dh * (kh - 1) + 1 - 2 * ph), max(1, dw * (kw - 1) + 1 - 2 * pw)
+    H = draw(st.integers(h_min, max(12, h_min + 3)))
+    W = draw(st.integers(w_min, max(12, w_min + 3)))
     return dict(N=draw(st.integers(1, 3)), C=draw(st.integers(1, 70)), H=H, W=W, k=(kh, kw),
                 stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), padding=(ph, pw), dilation=(dh, dw),
                 bias=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
@@ -313,12 +317,9 @@ def dw_cases(draw):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
-@needs_native
-@SETTINGS
-@given(dw_cases())
-def test_depthwise_conv_equals_the_int64_reference(c):
-    """conv2d (float64: exact for these sums) + bias, then fixed_point.requantize in int64 and the
-    activation's clamp, against the native depthwise kernel; channels-last in and out."""
+def dw_case_tensors(c):
+    """A case of :func:`dw_cases` as tensors: x (N, C, H, W) int8, w, bias, M, n, the clamp range, and the
+    reference -- conv2d in float64 (exact for these sums) + bias, fixed_point.requantize in int64, clamped."""
     g = torch.Generator().manual_seed(c["seed"])
     N, C, H, W = c["N"], c["C"], c["H"], c["W"]
     if c["extreme"]:  # the accumulator's extremes: +-127 weights on -128 / 127 inputs
@@ -337,14 +338,103 @@ def test_depthwise_conv_equals_the_int64_reference(c):
         lo = 0
     elif c["act"] == "relu6":
         lo, hi = 0, 90
-    acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), c["stride"],
-                                     c["padding"], c["dilation"], C).to(torch.int64)
-    want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+    return x, w, bias, M, n, lo, hi, _dw_reference(x, w, bias, M, n, lo, hi, c["stride"], c["padding"], c["dilation"])
+
+
+def _dw_reference(x, w, bias, M, n, lo, hi, stride, padding, dilation):
+    acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), stride,
+                                     padding, dilation, x.shape[1]).to(torch.int64)
+    return fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+
+
+@needs_native
+@SETTINGS
+@given(dw_cases())
+def test_depthwise_conv_equals_the_int64_reference(c):
+    """The native depthwise kernel (VNNI or scalar), channels-last in and out, against the reference."""
+    x, w, bias, M, n, lo, hi, want = dw_case_tensors(c)
     kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]],
                            vnni=c["vnni"] and vnni_enabled())
     got = kernel(x.permute(0, 2, 3, 1).contiguous())
     assert got.dtype == _OUT[c["out"]]
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want)
+
+
+needs_vnni = pytest.mark.skipif(not (build.native_enabled() and vnni_enabled()), reason="no AVX512-VNNI kernels here")
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("out", ["qint8", "qint16"])
+def test_each_vnni_depthwise_epilogue_equals_the_reference_at_its_limits(mode, out):
+    """The three epilogues of qc_dwconv4_* (int64; float64; float64 rounded by 1.5 * 2**52 in one fma),
+    each on a layer whose bounds select it, with accumulators at +-bound (extreme inputs and biases) and
+    M / 2**n so that the largest |acc * M / 2**n| lies just below what the mode admits (2**31 - 1 for
+    mode 2: a wrapped low word would clamp to the wrong end), and exact ties (M = 1)."""
+    g = torch.Generator().manual_seed(mode)
+    C, N, H, W = 37, 2, 9, 11
+    w = torch.randint(-127, 128, (C, 1, 3, 3), generator=g).to(torch.int8)
+    x = torch.randint(-128, 128, (N, C, H, W), generator=g).to(torch.int8)
+    bias = torch.randint(-(1 << 12), 1 << 12, (C,), generator=g).to(torch.int32)
+    bias[0], bias[5] = ((1 << 22), -(1 << 22)) if mode == 0 else (1 << 12, -(1 << 12))
+    w[0], x[:, 0] = -127, -128  # channel 0 reaches +bound inside the image: 9 * 128 * 127 + max |bias|
+    w[5], x[:, 5] = -127, 127  # channel 5 far below zero
+    bound = DepthwiseConv.acc_bound(w, bias)
+    if mode == 0:  # bound * M >= 2**53
+        n = torch.full((C,), 36)
+        M = torch.randint((1 << 31) - (1 << 20), 1 << 31, (C,), generator=g)
+    elif mode == 1:  # bound * M < 2**53, but |acc| * M / 2**n may pass 2**31
+        n = torch.full((C,), 3)
+        M = torch.randint(1 << 20, 1 << 21, (C,), generator=g)
+    else:  # bound * M / 2**n just below 2**31 - 1 on channel 0
+        n = bound.bit_length() - 2 - torch.randint(0, 5, (C,), generator=g)  # M below 2**31
+        M = (((1 << 31) - 2) << n) // bound // torch.randint(1, 4, (C,), generator=g)
+        M[0] = (((1 << 31) - 2) << int(n[0])) // bound
+        M[1:5], n[1:5] = 1, torch.tensor([0, 1, 2, 9])  # exact ties
+    lo, hi = fp.qrange(out)
+    k = DepthwiseConv(w, bias, (1, 1), (1, 1), (1, 1), M, n, lo, hi, _OUT[out], vnni=True)
+    assert k.vnni and k.epilogue == mode
+    got = k(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2).to(torch.int64)
+    want = _dw_reference(x, w, bias, M, n, lo, hi, (1, 1), (1, 1), (1, 1))
+    assert torch.equal(got, want)
+    assert int(want.max()) == hi and int(want.min()) == lo  # the extremes were reached
+
+
+@needs_vnni
+@pytest.mark.parametrize("k, stride, dilation", [((3, 3), 1, 1), ((3, 3), 2, 1), ((5, 5), 1, 2), ((3, 5), 2, 1),
+                                                 ((3, 3), 3, 1)])
+def test_the_vnni_depthwise_conv_is_exact_over_several_row_bands(k, stride, dilation):
+    """Inputs large enough that the kernel cuts the output rows into bands (DW4_BAND bytes of input each;
+    the ring of widened rows restarts per band and channel block), batch 2, C not a multiple of 16."""
+    g = torch.Generator().manual_seed(11)
+    N, C, H, W = 2, 70, 64, 61
+    assert (192 << 10) // (stride * W * C) + 1 < (H - 1) // stride  # two bands or more (DW4_BAND in kernels.c)
+    w = torch.randint(-127, 128, (C, 1, *k), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 16), 1 << 16, (C,), generator=g).to(torch.int32)
+    x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
+    M, n = torch.randint(1 << 14, 1 << 15, (C,), generator=g), torch.randint(20, 24, (C,), generator=g)
+    pad = (dilation * (k[0] - 1) // 2, dilation * (k[1] - 1) // 2)
+    kern = DepthwiseConv(w, bias, (stride, stride), pad, (dilation, dilation), M, n, 0, 127, torch.int8, vnni=True)
+    assert kern.vnni
+    want = _dw_reference(x, w, bias, M, n, 0, 127, (stride, stride), pad, (dilation, dilation))
+    xl = x.permute(0, 2, 3, 1).contiguous()
+    assert torch.equal(kern(xl).permute(0, 3, 1, 2).to(torch.int64), want)
+    assert torch.equal(kern(xl, 2).permute(0, 3, 1, 2).to(torch.int64), want)
+
+
+@needs_native
+def test_a_weight_of_plus_128_keeps_the_depthwise_conv_off_vnni():
+    """vpdpbusd multiplies by signed bytes: a +128 weight (in range for the int64 kernel) takes the scalar one."""
+    g = torch.Generator().manual_seed(2)
+    C = 20
+    w = torch.randint(-128, 129, (C, 1, 3, 3), generator=g, dtype=torch.int16)
+    w[3, 0, 1, 1] = 128
+    x = torch.randint(-128, 128, (1, C, 7, 7), generator=g).to(torch.int8)
+    M, n = torch.randint(1, 1 << 15, (C,), generator=g), torch.full((C,), 20)
+    k = DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), M, n, -128, 127, torch.int8, vnni=True)
+    assert not k.vnni
+    want = _dw_reference(x, w, None, M, n, -128, 127, (1, 1), (1, 1), (1, 1))
+    assert torch.equal(k(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2).to(torch.int64), want)
 
 
 @needs_native

@@ -22,7 +22,7 @@ from test_native_gemm import (
     needs_gemm,
     reference,
 )
-from test_native_kernels import dw_cases
+from test_native_kernels import dw_case_tensors, dw_cases
 
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.native import gemm as gemm_mod
@@ -72,17 +72,7 @@ def test_split_gemm_conv_equals_the_one_thread_call_and_the_reference(c, parts):
 def test_split_depthwise_conv_equals_the_one_thread_call_and_the_reference(c, parts):
     """The output rows (sample, row) cut over threads: each part is the kernel on one sample's rows
     with the padding shifted (rows above and below the input still read as padding)."""
-    g = torch.Generator().manual_seed(c["seed"])
-    N, C, H, W = c["N"], c["C"], c["H"], c["W"]
-    w = torch.randint(-127, 128, (C, 1, *c["k"]), dtype=torch.int8, generator=g)
-    x = torch.randint(-128, 128, (N, C, H, W), dtype=torch.int8, generator=g)
-    bias = torch.randint(-(1 << 20), 1 << 20, (C,), generator=g).to(torch.int32) if c["bias"] else None
-    M = torch.randint(1, (1 << c["m_bits"]) + 1, (C,), generator=g)
-    n = torch.randint(max(0, c["n"] - 3), c["n"] + 1, (C,), generator=g)
-    lo, hi = fp.qrange(c["out"])
-    acc = torch.nn.functional.conv2d(x.double(), w.double(), None if bias is None else bias.double(), c["stride"],
-                                     c["padding"], c["dilation"], C).to(torch.int64)
-    want = fp.requantize(acc, M, n, "qint32", axis=1).clamp(lo, hi)
+    x, w, bias, M, n, lo, hi, want = dw_case_tensors(c)
     kernel = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]])
     xl = x.permute(0, 2, 3, 1).contiguous()
     one, split = kernel(xl), kernel(xl, parts)

@@ -1120,145 +1120,273 @@ GEMM_MT_FN(qc_gemm_add_i16_i8, int16_t, int8_t)
 GEMM_MT_FN(qc_gemm_add_i8_i16, int8_t, int16_t)
 GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
 
-/* Depthwise int8 conv (as qc_dwconv_* above: same arguments, same results) with AVX512-VNNI:
- * per output position and block of 16 channels, the taps in pairs (t, t+1): the two taps' int8
- * inputs widened to int16 and interleaved per channel, then vpdpwssd adds x_t * w_t + x_t1 * w_t1
- * (exact int16 products, int32 sums: the caller's 128 * L1 + |bias| < 2**31 bound) to the int32
- * accumulator, which starts at the bias.  wp: int16 weight pairs, (npairs, Cp, 2) with Cp = 16 *
- * ceil(C / 16), zero for a missing odd tap and beyond C.  A tap outside the input reads a row of
- * zeros (the int8 zero point).  The epilogue is gemm_requant_x8 (round_clamp, lane-wise), or
- * gemm_requant_f64_x16 when the caller proved |acc| * |M| < 2**53 (f64 != 0). */
-#define DW2_Q 4 /* output positions per step (independent accumulators sharing the weight loads) */
-#define DW2_FN(NAME, OUT_T, OBITS)                                                                       \
+/* Depthwise int8 conv (as qc_dwconv_* above: same geometry, same results) with AVX512-VNNI, four
+ * horizontal taps per int32 lane (vpdpbusd, u8 x s8 -> int32, wrap-around, not the saturating form).
+ *
+ * Per block of 16 channels and input row ih, the row is widened once into Z: entry q holds, for each
+ * channel c of the block, the 4 bytes x[ih, p + t*dw, c] ^ 0x80 (t = 0..3, p = q - pw; taps outside
+ * the input are the zero point 0, so the byte 0x80), i.e. 64 bytes = one vpdpbusd operand.  Output
+ * (oh, ow) is then bias32 + sum over rows i and tap groups g of vpdpbusd(Z_i[ow*sw + 4g*dw], w4[i, g]):
+ * kh * ceil(kw / 4) instructions per 16 outputs (3 for a 3x3) with no bounds checks, the weights in
+ * registers, and each widened entry reused by every output row and column that reads it.  A ring of
+ * kh widened rows (tagged by ih) carries rows over from one output row to the next; rows outside the
+ * input read a constant row of 0x80.  w4: int8 (kh, G, Cp, 4), G = ceil(kw / 4), Cp = 16 * ceil(C / 16),
+ * w4[i, g, c, t] = w[c, i, 4g + t] (zero beyond kw and C: a zero weight adds nothing whatever the byte).
+ *
+ * Exactness, as the GEMM's: each byte is x + 128 (unsigned), and the caller packs
+ * b32[c] = bias[c] - 128 * sum_{i,j} w[c, i, j].  It proves 128 * max_c sum |w_c| + max |bias| < 2**31,
+ * so b32 and the true sum fit int32; every vpdpbusd step is exact modulo 2**32 (each product fits
+ * |255 * 128| < 2**15, four of them int32), so the final lane is bias + sum x * w, the true accumulator.
+ * Weights must be int8 (-128..127; a +128 stays on the scalar kernel).  The epilogue, chosen by the
+ * caller's proofs (f64_epilogue in qcompiler/native/kernels.py): epi == 0 gemm_requant_x8 (int64,
+ * |M| < 2**31); 1 gemm_requant_f64_x16 (|acc| * |M| < 2**53); 2 (|acc| * |M| / 2**n < 2**31 - 1 on every
+ * channel) float64 without conversion instructions:
+ *  - the bias starts 2**31 higher (modulo 2**32), so a lane ends as u = acc + 2**31 in [1, 2**32) read
+ *    unsigned; pairing it with the high word 0x43300000 (vpunpck{l,h}dq) gives the double 2**52 + u
+ *    exactly, minus 2**52 + 2**31 (exact: both and the result are integers below 2**53): acc, exact;
+ *  - fma(acc, f, 1.5 * 2**52) with f = M * 2**-n (exact) rounds the exact acc * M / 2**n + 1.5 * 2**52
+ *    once, half to even (embedded {rn-sae}, whatever MXCSR says), to a double in [2**52, 2**53) (|acc * f| < 2**31 < 2**51), whose spacing is 1:
+ *    1.5 * 2**52 + round_half_even(acc * M / 2**n) (1.5 * 2**52 is even, so ties keep their parity);
+ *  - its low 32 bits are that rounded value modulo 2**32, i.e. the value itself (|.| < 2**31): gathered
+ *    back into channel order (vpermt2d) and clamped to [lo, hi] in int32.
+ * 11 instructions per 16 outputs, none on the conversion units (gemm_requant_f64i_x16 takes 4 converts). */
+#define DW4_BAND (192 << 10)
+#define DW4_FN(NAME, OUT_T, OBITS)                                                                       \
     QC_API int NAME(const int8_t *restrict x, int64_t N, int64_t H, int64_t W, int64_t C,                  \
-                    const int16_t *restrict wp, int64_t kh, int64_t kw, const int32_t *restrict bias,       \
+                    const int8_t *restrict w4, int64_t kh, int64_t kw, const int32_t *restrict b32,         \
                     int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho,     \
                     int64_t Wo, const int64_t *restrict M, const int64_t *restrict n, int64_t lo,           \
-                    int64_t hi, int f64, OUT_T *restrict out) {                                           \
-        const int64_t T = kh * kw, np = (T + 1) / 2, Cp = (C + 15) / 16 * 16;                             \
-        const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+                    int64_t hi, int epi, OUT_T *restrict out) {                                           \
+        const int64_t G = (kw + 3) / 4, KT = kh * G, Cp = (C + 15) / 16 * 16;                             \
+        const int64_t Wq = (Wo - 1) * sw + 4 * (G - 1) * dw + 1, Wx = Wq + 3 * dw;                        \
+        const int64_t qs = (4 * dw) % sw == 0 ? sw : 1; /* every Z entry read is a multiple of qs */      \
+        /* gcd(dh, kh) == 1: the rows ih0 + i * dh (i < kh) of one output row differ modulo kh (kh divides  \
+         * (i - j) * dh only if it divides i - j), so row ih can live in slot ih % kh without a search */ \
+        int64_t gd = dh, gk = kh;                                                                         \
+        while (gk) {                                                                                      \
+            const int64_t t = gd % gk;                                                                    \
+            gd = gk;                                                                                      \
+            gk = t;                                                                                       \
+        }                                                                                                 \
+        const int direct = gd == 1;                                                                       \
+        const int sat = hi == (OBITS == 8 ? INT8_MAX : INT16_MAX); /* DW4_ST_* clamps at hi */             \
         int64_t *kc = gemm_consts(M, n, C, 0, 0);                                                         \
-        int8_t *zeros = calloc((size_t)(Cp + 64), 1);                                                     \
-        int32_t *b32 = calloc((size_t)(Cp + 16), sizeof(int32_t));                                        \
-        const int8_t **xt = malloc(sizeof(int8_t *) * (size_t)(DW2_Q * 2 * np + 1));                      \
-        int64_t *off = malloc(sizeof(int64_t) * (size_t)T);                                               \
-        if (!kc || !zeros || !b32 || !xt || !off) {                                                       \
+        uint8_t *zb = aligned_alloc(64, (size_t)(64 * ((kh + 1) * Wq + Wx / 4 + 1)));                     \
+        int64_t *tag = malloc(sizeof(int64_t) * (size_t)kh);                                              \
+        const uint8_t **rp = malloc(sizeof(uint8_t *) * (size_t)kh);                                      \
+        __m512i *wv = aligned_alloc(64, 64 * (size_t)KT);                                                 \
+        if (!kc || !zb || !tag || !rp || !wv) {                                                           \
             free(kc);                                                                                     \
-            free(zeros);                                                                                  \
-            free(b32);                                                                                    \
-            free(xt);                                                                                     \
-            free(off);                                                                                    \
+            free(zb);                                                                                     \
+            free(tag);                                                                                    \
+            free(rp);                                                                                     \
+            free(wv);                                                                                     \
             return -1;                                                                                    \
         }                                                                                                 \
-        for (int64_t t = 0; t < T; t++) off[t] = ((t / kw) * dh * W + (t % kw) * dw) * C; /* tap t */     \
-        if (bias) memcpy(b32, bias, sizeof(int32_t) * (size_t)C);                                         \
-        for (int q = 0; q < DW2_Q; q++) xt[q * 2 * np + 2 * np - 1] = zeros; /* a missing odd tap */      \
+        uint8_t *zrow = zb + 64 * kh * Wq, *xp = zrow + 64 * Wq; /* the row outside the input; padded row */ \
+        memset(zrow, 0x80, (size_t)(64 * Wq));                                                            \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), zero = _mm512_setzero_si512(); \
-        const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,   \
-                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  \
+        const __m512i vlo32 = _mm512_set1_epi32((int32_t)lo), vhi32 = _mm512_set1_epi32((int32_t)hi);    \
+        const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
+        const __m512i e52 = _mm512_set1_epi32(0x43300000); /* the high word of 2**52 */                   \
+        const __m512d m1 = _mm512_set1_pd(4503601774854144.0), m2 = _mm512_set1_pd(6755399441055744.0); \
+        __m512i pidx; /* result lane e <- the low word of ya / yb's 64-bit lane holding channel e */         \
+        {                                                                                                 \
+            int32_t pb[16];                                                                               \
+            for (int e = 0; e < 16; e++) pb[e] = 2 * (2 * (e / 4) + e % 2) + (e % 4 >= 2 ? 16 : 0);      \
+            pidx = _mm512_loadu_si512((const void *)pb);                                                  \
+        }                                                                                                 \
+        const __m128i flip = _mm_set1_epi8((char)0x80);                                                   \
+        /* byte 4c + t of a Z entry <- byte 16t + c of the 4 padded-row entries (tap t, channel c) */     \
+        __m512i idx;                                                                                      \
+        {                                                                                                 \
+            int8_t ib[64];                                                                                \
+            for (int k = 0; k < 64; k++) ib[k] = (int8_t)(16 * (k % 4) + k / 4);                          \
+            idx = _mm512_loadu_si512((const void *)ib);                                                   \
+        }                                                                                                 \
+        /* bands of output rows whose input rows stay in L2 (DW4_BAND bytes) while the channel blocks pass */ \
+        const int64_t band = DW4_BAND / (sh * W * C + 1) + 1;                                             \
         for (int64_t b = 0; b < N; b++)                                                                   \
-            for (int64_t oh = 0; oh < Ho; oh++)                                                           \
-                for (int64_t ow0 = 0; ow0 < Wo; ow0 += DW2_Q) {                                           \
-                    const int64_t nq = Wo - ow0 < DW2_Q ? Wo - ow0 : DW2_Q;                               \
-                    for (int64_t q = 0; q < DW2_Q; q++) {                                                 \
-                        const int64_t ow = ow0 + (q < nq ? q : nq - 1); /* extra slots repeat the last */ \
-                        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;                             \
-                        const int8_t **xp = xt + q * 2 * np;                                              \
-                        if (ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + (kw - 1) * dw < W) {  \
-                            /* every tap inside the input: fixed offsets from the window's corner */     \
-                            const int8_t *base = x + ((b * H + ih0) * W + iw0) * C;                       \
-                            for (int64_t t = 0; t < T; t++) xp[t] = base + off[t];                        \
+            for (int64_t oh0 = 0; oh0 < Ho; oh0 += band)                                                  \
+            for (int64_t c0 = 0; c0 < C; c0 += 16) {                                                      \
+                const int full = C - c0 >= 16;                                                            \
+                const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c0)) - 1);        \
+                for (int64_t t = 0; t < KT; t++) wv[t] = GEMM_LD(w4 + (t * Cp + c0) * 4);                 \
+                /* epi == 2: the factors M * 2**-n of the lanes unpacklo / unpackhi pair with 2**52 */  \
+                double fab[16];                                                                           \
+                for (int j = 0; j < 16; j++)                                                              \
+                    fab[j] = ((const double *)(kc + 6 * Cp))[c0 + 4 * (j % 8 / 2) + 2 * (j / 8) + j % 2];  \
+                const __m512d fa = _mm512_loadu_pd(fab), fb = _mm512_loadu_pd(fab + 8);                   \
+                const __m512i bv = epi == 2 ? _mm512_xor_si512(GEMM_LD(b32 + c0), _mm512_set1_epi32(INT32_MIN)) \
+                                            : GEMM_LD(b32 + c0);                                          \
+                for (int64_t s = 0; s < kh; s++) tag[s] = -1;                                             \
+                for (int64_t oh = oh0; oh < Ho && oh < oh0 + band; oh++) {                                \
+                    for (int64_t i = 0; i < kh; i++) {                                                    \
+                        const int64_t ih = oh * sh - ph + i * dh;                                         \
+                        if (ih < 0 || ih >= H) {                                                          \
+                            rp[i] = zrow;                                                                 \
                             continue;                                                                     \
                         }                                                                                 \
-                        for (int64_t i = 0; i < kh; i++)                                                  \
-                            for (int64_t j = 0; j < kw; j++) {                                            \
-                                int64_t ih = ih0 + i * dh, iw = iw0 + j * dw;                             \
-                                xp[i * kw + j] = ih < 0 || ih >= H || iw < 0 || iw >= W                   \
-                                    ? zeros : x + ((b * H + ih) * W + iw) * C;                            \
+                        int64_t s = direct ? ih % kh : 0;                                                 \
+                        while (!direct && s < kh && tag[s] != ih) s++;                                    \
+                        if (direct ? tag[s] != ih : s == kh) { /* widen row ih into its slot, or one empty or */ \
+                            for (s = direct ? s : 0; !direct && tag[s] >= 0; s++) { /* holding no row needed */ \
+                                int64_t u = 0;                                                            \
+                                while (u < kh && tag[s] != oh * sh - ph + u * dh) u++;                    \
+                                if (u == kh) break;                                                       \
                             }                                                                             \
-                    }                                                                                     \
-                    OUT_T *o = out + ((b * Ho + oh) * Wo + ow0) * C;                                      \
-                    for (int64_t c = 0; c < C; c += 16) {                                                 \
-                        const int full = C - c >= 16;                                                     \
-                        const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c)) - 1); \
-                        __m512i acc[DW2_Q];                                                               \
-                        for (int q = 0; q < DW2_Q; q++) acc[q] = _mm512_loadu_si512((const void *)(b32 + c)); \
-                        for (int64_t p = 0; p < np; p++) {                                                \
-                            const __m512i wv = GEMM_LD(wp + (p * Cp + c) * 2);                            \
-                            for (int q = 0; q < DW2_Q; q++) {                                             \
-                                const int8_t *const *xq = xt + q * 2 * np + 2 * p;                        \
-                                __m256i x0 = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mk, xq[0] + c));   \
-                                __m256i x1 = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(mk, xq[1] + c));   \
-                                __m512i xx = _mm512_permutex2var_epi16(_mm512_castsi256_si512(x0), inter, \
-                                                                       _mm512_castsi256_si512(x1));       \
-                                acc[q] = _mm512_dpwssd_epi32(acc[q], xx, wv);                             \
+                            tag[s] = ih;                                                                  \
+                            const int8_t *xr = x + ((b * H + ih) * W) * C + c0;                           \
+                            uint8_t *z = zb + 64 * s * Wq;                                                \
+                            if (dw == 1 && qs == 1) { /* the 4 chunks q..q+3 slide along the row in a register */ \
+                                __m512i win = _mm512_setzero_si512();                                     \
+                                for (int64_t q = -3; q < Wq; q++) { /* chunk q + 3 shifts in */   \
+                                    const int64_t p = q + 3 - pw;                                         \
+                                    const __m128i v = p >= 0 && p < W                                     \
+                                        ? _mm_xor_si128(_mm_maskz_loadu_epi8(mk, xr + p * C), flip) : flip; \
+                                    win = _mm512_alignr_epi64(_mm512_castsi128_si512(v), win, 2);         \
+                                    if (q >= 0)                                                           \
+                                        _mm512_store_si512((void *)(z + 64 * q), _mm512_permutexvar_epi8(idx, win)); \
+                                }                                                                         \
+                            } else if (dw == 1 && qs == 2) { /* stride 2: two chunks shift in per entry */ \
+                                __m512i win = _mm512_setzero_si512();                                     \
+                                for (int64_t q = -2; q < Wq; q += 2) { /* chunks q + 2, q + 3 shift in */  \
+                                    const int64_t p = q + 2 - pw;                                         \
+                                    const __m128i v0 = p >= 0 && p < W                                    \
+                                        ? _mm_xor_si128(_mm_maskz_loadu_epi8(mk, xr + p * C), flip) : flip; \
+                                    const __m128i v1 = p + 1 >= 0 && p + 1 < W                            \
+                                        ? _mm_xor_si128(_mm_maskz_loadu_epi8(mk, xr + (p + 1) * C), flip) : flip; \
+                                    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(v0), v1, 1); \
+                                    win = _mm512_alignr_epi64(_mm512_castsi256_si512(v), win, 4);         \
+                                    if (q >= 0)                                                           \
+                                        _mm512_store_si512((void *)(z + 64 * q), _mm512_permutexvar_epi8(idx, win)); \
+                                }                                                                         \
+                            } else { /* dilated or stride > 2: the padded row, then 4 chunks dw apart per entry */ \
+                                for (int64_t q = 0; q < Wx; q++) {                                        \
+                                    const int64_t p = q - pw;                                             \
+                                    __m128i v = p >= 0 && p < W ? _mm_maskz_loadu_epi8(mk, xr + p * C)    \
+                                                                : _mm_setzero_si128();                    \
+                                    _mm_store_si128((__m128i *)(xp + 16 * q), _mm_xor_si128(v, flip));    \
+                                }                                                                         \
+                                for (int64_t q = 0; q < Wq; q += qs) {                                    \
+                                    const __m128i *e = (const __m128i *)(xp + 16 * q);                    \
+                                    __m512i v = _mm512_castsi128_si512(_mm_load_si128(e));               \
+                                    v = _mm512_inserti32x4(v, _mm_load_si128(e + dw), 1);                \
+                                    v = _mm512_inserti32x4(v, _mm_load_si128(e + 2 * dw), 2);            \
+                                    v = _mm512_inserti32x4(v, _mm_load_si128(e + 3 * dw), 3);            \
+                                    _mm512_store_si512((void *)(z + 64 * q), _mm512_permutexvar_epi8(idx, v)); \
+                                }                                                                         \
                             }                                                                             \
                         }                                                                                 \
-                        for (int q = 0; q < nq && f64; q++)                                               \
-                            GEMM_ST_##OBITS(o + q * C + c, mk, full, gemm_requant_f64_x16(acc[q], kc, Cp, c, dlo, dhi)); \
-                        for (int q = 0; q < nq && !f64; q++) {                                            \
-                            __m512i qlo = gemm_requant_x8(_mm512_castsi512_si256(acc[q]), kc, Cp, c, 0, zero, vlo, vhi); \
-                            __m512i qhi = gemm_requant_x8(_mm512_extracti64x4_epi64(acc[q], 1), kc, Cp, c + 8, 0, \
-                                                          zero, vlo, vhi);                                \
-                            __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)), \
-                                                           _mm512_cvtepi64_epi32(qhi), 1);                \
-                            GEMM_ST_##OBITS(o + q * C + c, mk, full, r);                                  \
-                        }                                                                                 \
+                        rp[i] = zb + 64 * s * Wq;                                                         \
                     }                                                                                     \
+                    OUT_T *o = out + ((b * Ho + oh) * Wo) * C + c0;                                       \
+                    if (KT == 3)                                                                          \
+                        DW4_ROW(OBITS, 3)                                                                 \
+                    else if (KT == 1)                                                                     \
+                        DW4_ROW(OBITS, 1)                                                                 \
+                    else                                                                                  \
+                        DW4_ROW(OBITS, KT)                                                                \
                 }                                                                                         \
+            }                                                                                             \
         free(kc);                                                                                         \
-        free(zeros);                                                                                      \
-        free(b32);                                                                                        \
-        free(xt);                                                                                         \
-        free(off);                                                                                        \
+        free(zb);                                                                                         \
+        free(tag);                                                                                        \
+        free(rp);                                                                                         \
+        free(wv);                                                                                         \
         return 0;                                                                                         \
     }
 
-DW2_FN(qc_dwconv2_i8_i8, int8_t, 8)
-DW2_FN(qc_dwconv2_i8_i16, int16_t, 16)
+/* 16 int32 results narrowed with signed saturation (vpmovsdb / vpmovsdw) and stored, the last block of
+ * channels masked: results already in [lo, hi] are unchanged, and an upper clamp at the type's maximum
+ * (hi == 127 / 32767, every relu6 layer of int8 out) is the saturation itself. */
+#define DW4_ST_8(P, MK, FULL, R)                                                                         \
+    ((FULL) ? _mm_storeu_si128((__m128i *)(P), _mm512_cvtsepi32_epi8(R)) : _mm512_mask_cvtsepi32_storeu_epi8(P, MK, R))
+#define DW4_ST_16(P, MK, FULL, R)                                                                        \
+    ((FULL) ? _mm256_storeu_si256((__m256i *)(P), _mm512_cvtsepi32_epi16(R))                            \
+            : _mm512_mask_cvtsepi32_storeu_epi16(P, MK, R))
 
-/* qc_dwconv2_*_mt: the same call with its N * Ho output rows (b, oh) split over `parts` threads
+/* One output row of one channel block: NT = kh * G taps of 4 (a constant in the common cases, so the
+ * loop unrolls and the weights stay in registers), then the epilogue chosen by epi. */
+#define DW4_ROW(OBITS, NT)                                                                               \
+    {                                                                                                     \
+        const uint8_t *tp[NT]; /* tap group t's entry for ow = 0 */                                       \
+        __m512i tw[NT];                                                                                   \
+        for (int64_t t = 0; t < (NT); t++) {                                                              \
+            tp[t] = rp[t / G] + 256 * (t % G) * dw;                                                       \
+            tw[t] = wv[t];                                                                                \
+        }                                                                                                 \
+        const int64_t st = 64 * sw;                                                                       \
+        for (int64_t ow = 0; ow < Wo; ow++) {                                                             \
+            __m512i acc = bv;                                                                             \
+            for (int64_t t = 0; t < (NT); t++) acc = _mm512_dpbusd_epi32(acc, GEMM_LD(tp[t] + st * ow), tw[t]); \
+            __m512i r;                                                                                    \
+            if (epi == 2) { /* lanes hold acc + 2**31 (the bias's offset): see DW4_FN */              \
+                __m512d ya = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(acc, e52)), m1);     \
+                __m512d yb = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(acc, e52)), m1);     \
+                ya = _mm512_fmadd_round_pd(ya, fa, m2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);    \
+                yb = _mm512_fmadd_round_pd(yb, fb, m2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);    \
+                r = _mm512_permutex2var_epi32(_mm512_castpd_si512(ya), pidx, _mm512_castpd_si512(yb));    \
+                r = _mm512_max_epi32(r, vlo32);                                                           \
+                if (!sat) r = _mm512_min_epi32(r, vhi32);                                                 \
+            }                                                                                             \
+            else if (epi)                                                                                 \
+                r = gemm_requant_f64_x16(acc, kc, Cp, c0, dlo, dhi);                                      \
+            else {                                                                                        \
+                __m512i qlo = gemm_requant_x8(_mm512_castsi512_si256(acc), kc, Cp, c0, 0, zero, vlo, vhi); \
+                __m512i qhi = gemm_requant_x8(_mm512_extracti64x4_epi64(acc, 1), kc, Cp, c0 + 8, 0, zero, vlo, vhi); \
+                r = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(qlo)),                \
+                                       _mm512_cvtepi64_epi32(qhi), 1);                                    \
+            }                                                                                             \
+            DW4_ST_##OBITS(o + ow * C, mk, full, r);                                                      \
+        }                                                                                                 \
+    }
+
+DW4_FN(qc_dwconv4_i8_i8, int8_t, 8)
+DW4_FN(qc_dwconv4_i8_i16, int16_t, 16)
+
+/* qc_dwconv4_*_mt: the same call with its N * Ho output rows (b, oh) split over `parts` threads
  * (qc_run_rows).  Output rows oh0..oh1-1 of sample b are the call on that sample with Ho = oh1 - oh0
  * and the padding ph - oh0 * sh (row oh of the part reads input row (oh0 + oh) * sh - ph + i * dh,
  * the whole call's; rows outside [0, H) are still padding), writing from output row oh0 on. */
 typedef struct {
     const int8_t *x;
     int64_t H, W, C;
-    const int16_t *wp;
+    const int8_t *w4;
     int64_t kh, kw;
-    const int32_t *bias;
+    const int32_t *b32;
     int64_t sh, sw, ph, pw, dh, dw, Ho, Wo;
     const int64_t *M, *n;
     int64_t lo, hi;
-    int f64;
+    int epi;
     void *out;
-} dw2_args;
+} dw4_args;
 
-#define DW2_MT_FN(NAME, OUT_T)                                                                           \
+#define DW4_MT_FN(NAME, OUT_T)                                                                           \
     static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
-        const dw2_args *a = ctx;                                                                          \
+        const dw4_args *a = ctx;                                                                          \
         for (int64_t r = r0; r < r1;) {                                                                   \
             const int64_t b = r / a->Ho, oh0 = r % a->Ho, oh1 = r1 - b * a->Ho < a->Ho ? r1 - b * a->Ho : a->Ho; \
-            const int rc = NAME(a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->wp, a->kh, a->kw, a->bias, \
+            const int rc = NAME(a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->w4, a->kh, a->kw, a->b32, \
                                 a->sh, a->sw, a->ph - oh0 * a->sh, a->pw, a->dh, a->dw, oh1 - oh0, a->Wo, a->M, a->n, \
-                                a->lo, a->hi, a->f64, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C);  \
+                                a->lo, a->hi, a->epi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C);  \
             if (rc) return rc;                                                                            \
             r = b * a->Ho + oh1;                                                                          \
         }                                                                                                 \
         return 0;                                                                                         \
     }                                                                                                     \
-    QC_API int NAME##_mt(const int8_t *x, int64_t N, int64_t H, int64_t W, int64_t C, const int16_t *wp,   \
-                         int64_t kh, int64_t kw, const int32_t *bias, int64_t sh, int64_t sw, int64_t ph,   \
+    QC_API int NAME##_mt(const int8_t *x, int64_t N, int64_t H, int64_t W, int64_t C, const int8_t *w4,    \
+                         int64_t kh, int64_t kw, const int32_t *b32, int64_t sh, int64_t sw, int64_t ph,    \
                          int64_t pw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo, const int64_t *M,      \
-                         const int64_t *n, int64_t lo, int64_t hi, int f64, OUT_T *out, int parts) {      \
+                         const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out, int parts) {      \
         if (parts <= 1)                                                                                   \
-            return NAME(x, N, H, W, C, wp, kh, kw, bias, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, f64, out); \
-        dw2_args a = {x, H, W, C, wp, kh, kw, bias, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, f64, out}; \
+            return NAME(x, N, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out); \
+        dw4_args a = {x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out}; \
         return qc_run_rows(NAME##_rows, &a, 0, N * Ho, parts, 1);                                         \
     }
 
-DW2_MT_FN(qc_dwconv2_i8_i8, int8_t)
-DW2_MT_FN(qc_dwconv2_i8_i16, int16_t)
+DW4_MT_FN(qc_dwconv4_i8_i8, int8_t)
+DW4_MT_FN(qc_dwconv4_i8_i16, int16_t)
 
 #else
 QC_API int qc_gemm_vnni(void) { return 0; }

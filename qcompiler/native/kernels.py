@@ -23,7 +23,7 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -259,6 +259,19 @@ def int8_acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
     return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
 
 
+F64_EXACT = 1 << 53  # integers below this are exact in float64
+
+
+def f64_epilogue(bound: int, M: torch.Tensor, n: torch.Tensor) -> int:
+    """Which epilogue of the VNNI kernels is exact for a layer whose |accumulators| are at most ``bound``
+    (no fused add): 2 when ``bound * |M[c]| / 2**n[c] < 2**31 - 1`` on every channel as well (float64
+    products converted to int32 unclamped, clamped there), 1 when ``bound * max|M| < 2**53`` (float64
+    products exact), else 0 (int64)."""
+    if not M.numel() or bound * int(M.abs().max()) >= F64_EXACT:
+        return 0
+    return 2 if all(bound * abs(m) < ((1 << 31) - 1) << s for m, s in zip(M.tolist(), n.tolist())) else 1
+
+
 class DepthwiseConv:
     """Exact depthwise int8 convolution (one filter per channel) with the requantization fused:
     ``clamp(round_half_even((conv(x, w) + bias) * M[c] / 2**n[c]), lo, hi)``, channels-last.
@@ -291,17 +304,25 @@ class DepthwiseConv:
         self.geom = [int(v) for v in (*stride, *padding, *dilation)]
         self.out_dtype = out_dtype
         self._call: Optional[tuple] = None  # (function, weight pointer, bias pointer, constants), on first call
-        # AVX512-VNNI: int16 weight pairs (taps 2p, 2p+1) per channel, (pairs, Cp, 2), zeros beyond
+        # AVX512-VNNI (qc_dwconv4_* in kernels.c): int8 weights in groups of 4 taps of a row, (kh, G, Cp, 4)
+        # with G = ceil(kw / 4), Cp = 16 * ceil(C / 16), zeros beyond kw and C; the kernel feeds x + 128 as
+        # unsigned bytes, so the bias it starts from is bias - 128 * sum(w) (int32: |.| <= bound < 2**31)
         self.vnni = vnni_enabled() if vnni is None else bool(vnni)
-        # the VNNI epilogue multiplies with vpmuldq, which reads only the low 32 bits of M
-        self.vnni = self.vnni and (M.numel() == 0 or int(M.abs().max()) < 1 << 31)
+        # the VNNI epilogue multiplies with vpmuldq, which reads only the low 32 bits of M; vpdpbusd
+        # multiplies by signed bytes, so a weight of +128 stays on the scalar kernel
+        self.vnni = self.vnni and (M.numel() == 0 or int(M.abs().max()) < 1 << 31) and int(w.max()) <= 127
         if self.vnni:
-            T, Cp = kh * kw, -(-C // 16) * 16
-            taps = torch.zeros(T + T % 2, Cp, dtype=torch.int16)
-            taps[:T, :C] = self.w
-            self.wpairs = taps.view(-1, 2, Cp).transpose(1, 2).contiguous()
-            # |acc| * |M| < 2**53: the float64 epilogue (exact; see qc_dwconv2_* in kernels.c)
-            self.f64 = int(self.bound * int(M.abs().max()) < 1 << 53)
+            G, Cp = -(-kw // 4), -(-C // 16) * 16
+            w4 = torch.zeros(kh, G * 4, Cp, dtype=torch.int8)
+            w4[:, :kw, :C] = w.reshape(C, kh, kw).permute(1, 2, 0)
+            self.w4 = w4.view(kh, G, 4, Cp).transpose(2, 3).contiguous()
+            b32 = torch.zeros(Cp, dtype=torch.int64)
+            if bias is not None:
+                b32[:C] = bias.to(torch.int64).reshape(C)
+            b32[:C] -= 128 * w.to(torch.int64).reshape(C, -1).sum(1)
+            self.b32 = b32.to(torch.int32)
+            # the epilogue of qc_dwconv4_* (kernels.c): 2 / 1 float64, 0 int64, each where proven exact
+            self.epilogue = f64_epilogue(self.bound, M, n)
 
     acc_bound = staticmethod(int8_acc_bound)
 
@@ -323,15 +344,16 @@ class DepthwiseConv:
         if self._call is None:  # the function and the constant arguments, once
             p = self.plan
             args = (_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64)
-            wptr = (self.wpairs if self.vnni else self.w).data_ptr()
-            bptr = None if self.bias is None else self.bias.data_ptr()
             consts = (p.M.data_ptr(), p.n.data_ptr(), p.lo, p.hi)
             if self.vnni:
-                name = f"qc_dwconv2_i8_{_INT[self.out_dtype]}"
-                self._call = (_fn(name, args + (ctypes.c_int, _P)), wptr, bptr, consts + (self.f64,))
+                name = f"qc_dwconv4_i8_{_INT[self.out_dtype]}"
+                self._call = (_fn(name, args + (ctypes.c_int, _P)), self.w4.data_ptr(), self.b32.data_ptr(),
+                              consts + (self.epilogue,))
                 self._call_mt = _fn(name + "_mt", args + (ctypes.c_int, _P, ctypes.c_int))
             else:
-                self._call = (_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,)), wptr, bptr, consts)
+                bptr = None if self.bias is None else self.bias.data_ptr()
+                self._call = (_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,)), self.w.data_ptr(), bptr,
+                              consts)
         f, wptr, bptr, consts = self._call
         if parts > 1 and self.vnni:
             _ok(self._call_mt(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts,
