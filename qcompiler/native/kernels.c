@@ -833,10 +833,31 @@ static inline void gemm_xor_copy(uint8_t *restrict d, const uint8_t *restrict s,
     }
 }
 
+/* As gemm_xor_copy when the caller allows an overshoot: up to 64 bytes past len may be read (below
+ * s_end) and written (d's buffer has the slack and its later bytes are written again after this),
+ * so a short piece is one unmasked 32- or 64-byte load, xor and store. */
+static inline void gemm_xor_copy_over(uint8_t *restrict d, const uint8_t *restrict s, int64_t len,
+                                      const uint8_t *s_end) {
+    if (len <= 32 && s + 32 <= s_end) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)s);
+        _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+    } else if (len <= 64 && s + 64 <= s_end) {
+        const __m512i v = _mm512_loadu_si512((const void *)s);
+        _mm512_storeu_si512((void *)d, _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)));
+    } else {
+        gemm_xor_copy(d, s, len);
+    }
+}
+
 /* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
- * (the padding meets zero weights). */
+ * (the padding meets zero weights).  Rows that follow each other in memory (ldx == K == 4 * Kq) are
+ * one copy. */
 static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
                        uint8_t *restrict xu) {
+    if (ldx == K && K == 4 * Kq) {
+        gemm_xor_copy(xu, (const uint8_t *)(x + r0 * ldx), (r1 - r0) * K);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
         uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
@@ -847,32 +868,59 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
 
 /* The im2col rows r0..r1-1 of a conv as gemm_stage makes them: output position r = (b, oh, ow) of
  * the NHWC int8 input x, its taps (i, j) in order, C bytes each (x ^ 0x80; a tap in the padding is
- * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}. */
+ * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}.
+ * Each row is written front to back and may overshoot by up to 64 bytes (gemm_xor_copy_over, the
+ * padding taps as whole vectors of 0x80) into bytes written again later: its own later taps, its
+ * zero padding, the next row; xu has 64 bytes of slack after the last row. */
 static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g, int64_t r0, int64_t r1, int64_t Kq,
                             uint8_t *restrict xu) {
     const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C;
+    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C, HWC = H * W * C;
+    const int64_t piece = kw * C, rstride = dh * W * C; /* a kernel row's bytes (dw == 1), their stride */
+    const __m512i z80 = _mm512_set1_epi8((char)0x80);
+    const __m256i m80 = _mm256_set1_epi8((char)0x80);
+    int64_t b = r0 / (Ho * Wo), oh = r0 / Wo % Ho, ow = r0 % Wo;
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t b = r / (Ho * Wo), oh = r / Wo % Ho, ow = r % Wo;
+        const int8_t *xb = x + b * HWC;
+        const uint8_t *s_end = (const uint8_t *)(xb + HWC); /* reads stay inside sample b */
         uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
-        for (int64_t i = 0; i < kh; i++) {
-            const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
-            if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
-                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw0) * C);
-                gemm_xor_copy(d, s, kw * C);
-                d += kw * C;
-                continue;
-            }
-            for (int64_t j = 0; j < kw; j++, d += C) {
-                const int64_t iw = ow * sw - pw + j * dw;
-                if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
-                    memset(d, 0x80, (size_t)C);
+        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;
+        const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
+        const uint8_t *base = inside ? (const uint8_t *)xb + (ih0 * W + iw0) * C : NULL;
+        if (inside && base + (kh - 1) * rstride + 32 <= s_end) {
+            /* the window inside the input and short kernel rows (a stem): one 32-byte copy per row */
+            for (int64_t i = 0; i < kh; i++, d += piece)
+                _mm256_storeu_si256((__m256i *)d,
+                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(base + i * rstride)), m80));
+        } else {
+            for (int64_t i = 0; i < kh; i++) {
+                const int64_t ih = ih0 + i * dh;
+                if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
+                    gemm_xor_copy_over(d, (const uint8_t *)(xb + (ih * W + iw0) * C), piece, s_end);
+                    d += piece;
                     continue;
                 }
-                gemm_xor_copy(d, (const uint8_t *)(x + ((b * H + ih) * W + iw) * C), C);
+                for (int64_t j = 0; j < kw; j++, d += C) {
+                    const int64_t iw = iw0 + j * dw;
+                    if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
+                        if (C <= 64)
+                            _mm512_storeu_si512((void *)d, z80);
+                        else
+                            memset(d, 0x80, (size_t)C);
+                        continue;
+                    }
+                    gemm_xor_copy_over(d, (const uint8_t *)(xb + (ih * W + iw) * C), C, s_end);
+                }
             }
         }
         for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
+        if (++ow == Wo) { /* the next output position */
+            ow = 0;
+            if (++oh == Ho) {
+                oh = 0;
+                b++;
+            }
+        }
     }
 }
 
