@@ -1029,6 +1029,7 @@ static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int6
 typedef struct {
     __m512i hw, perm, lo, hi; /* 0x43300000 words, the pack's permutation, the clamp */
     __m512d off, mag;         /* 2**52 + 2**31, 1.5 * 2**52 */
+    __m512d g, goff;          /* the fused operand's factor Mb * 2**-nb and -(2**52 + 2**31) * Mb * 2**-nb */
 } gemm_epi_k;
 
 static inline __attribute__((always_inline)) __m512i gemm_epi_x16(__m512i u, const double *fq, const gemm_epi_k *k) {
@@ -1039,14 +1040,33 @@ static inline __attribute__((always_inline)) __m512i gemm_epi_x16(__m512i u, con
     return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castpd_ps(a), _mm512_castpd_ps(b), 0x88));
 }
 
-/* one row of nr * 16 accumulators to nc <= 64 int8 outputs: packs (int32 -> int16 -> int8, within
- * 128-bit lanes) and one dword permutation back to channel order */
-static inline __attribute__((always_inline)) void gemm_epi_row_8(int nr, __m512i c0, __m512i c1, __m512i c2,
-                                                                 __m512i c3, const double *fq, int8_t *o,
-                                                                 int64_t nc, const gemm_epi_k *k) {
-    const __m512i z = _mm512_setzero_si512();
-    const __m512i r0 = gemm_epi_x16(c0, fq, k), r1 = nr > 1 ? gemm_epi_x16(c1, fq + 16, k) : z;
-    const __m512i r2 = nr > 2 ? gemm_epi_x16(c2, fq + 32, k) : z, r3 = nr > 3 ? gemm_epi_x16(c3, fq + 48, k) : z;
+/* With a fused add (f64 == 3): the operand b (16 lanes, sign-extended to int32) enters the same way,
+ * u_b = b ^ 2**31 as 2**52 + u_b, and fma(2**52 + u_b, g, -(2**52 + 2**31) * g) = b * g exactly (g =
+ * Mb * 2**-nb; (2**52 + 2**31) * g = Mb * (2**21 + 1) * 2**(31 - nb) has at most 53 significant bits, and
+ * so has b * g).  Then fma(acc, M * 2**-n, b * g) is the exact sum: it is X * 2**-s for the integer X
+ * over the common denominator 2**s (s = max(n, nb)), which the caller proved below 2**53 (and below
+ * (2**31 - 1) * 2**s), so one rounding of the exact value changes nothing.  Adding 1.5 * 2**52 then
+ * rounds it half to even as above (two roundings, the first exact). */
+static inline __attribute__((always_inline)) __m512i gemm_epi_add_x16(__m512i u, __m512i b32, const double *fq,
+                                                                      const gemm_epi_k *k) {
+    const __m512i ub = _mm512_xor_si512(b32, _mm512_set1_epi32((int)0x80000000u));
+    const __m512d tl = _mm512_fmadd_round_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(ub, k->hw)), k->g, k->goff,
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d th = _mm512_fmadd_round_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(ub, k->hw)), k->g, k->goff,
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d a = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(u, k->hw)), k->off);
+    __m512d b = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(u, k->hw)), k->off);
+    a = _mm512_fmadd_round_pd(a, _mm512_loadu_pd(fq), tl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    b = _mm512_fmadd_round_pd(b, _mm512_loadu_pd(fq + 8), th, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    a = _mm512_add_round_pd(a, k->mag, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    b = _mm512_add_round_pd(b, k->mag, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castpd_ps(a), _mm512_castpd_ps(b), 0x88));
+}
+
+/* four vectors of 16 int32 results (channel order) to nc <= 64 int8 outputs: packs (int32 -> int16 ->
+ * int8, within 128-bit lanes) and one dword permutation back to channel order */
+static inline __attribute__((always_inline)) void gemm_epi_store_8(__m512i r0, __m512i r1, __m512i r2, __m512i r3,
+                                                                   int8_t *o, int64_t nc, const gemm_epi_k *k) {
     __m512i q = _mm512_packs_epi16(_mm512_packs_epi32(r0, r1), _mm512_packs_epi32(r2, r3));
     q = _mm512_min_epi8(_mm512_max_epi8(_mm512_permutexvar_epi32(k->perm, q), k->lo), k->hi);
     if (nc >= 64)
@@ -1065,26 +1085,48 @@ static inline __attribute__((always_inline)) void gemm_epi_half_16(__m512i r0, _
     else
         _mm512_mask_storeu_epi16(o, ((uint32_t)1 << nc) - 1, q);
 }
-static inline __attribute__((always_inline)) void gemm_epi_row_16(int nr, __m512i c0, __m512i c1, __m512i c2,
-                                                                  __m512i c3, const double *fq, int16_t *o,
-                                                                  int64_t nc, const gemm_epi_k *k) {
-    const __m512i z = _mm512_setzero_si512();
-    gemm_epi_half_16(gemm_epi_x16(c0, fq, k), nr > 1 ? gemm_epi_x16(c1, fq + 16, k) : z, o, nc, k);
-    if (nr > 2)
-        gemm_epi_half_16(gemm_epi_x16(c2, fq + 32, k), nr > 3 ? gemm_epi_x16(c3, fq + 48, k) : z, o + 32, nc - 32, k);
+static inline __attribute__((always_inline)) void gemm_epi_store_16(__m512i r0, __m512i r1, __m512i r2, __m512i r3,
+                                                                    int16_t *o, int64_t nc, const gemm_epi_k *k) {
+    gemm_epi_half_16(r0, r1, o, nc, k);
+    if (nc > 32) gemm_epi_half_16(r2, r3, o + 32, nc - 32, k);
+}
+
+/* 16 fused operands of a row from channel c on (nc of the tile's channels valid) as int32 */
+#define GEMM_B32_8(P, MK) _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(MK, P))
+#define GEMM_B32_16(P, MK) _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(MK, P))
+static inline __mmask16 gemm_lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
 #define GEMM_PERM_8 _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0)
 #define GEMM_PERM_16 _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0)
-/* one row of a tile (tile + r * 64, nr zmm) through the packed epilogue */
-static inline __attribute__((always_inline)) void gemm_epi_tile_8(int nr, const int32_t *t, const double *fq,
-                                                                  int8_t *o, int64_t nc, const gemm_epi_k *k) {
-    gemm_epi_row_8(nr, GEMM_LD(t), GEMM_LD(t + 16), GEMM_LD(t + 32), GEMM_LD(t + 48), fq, o, nc, k);
-}
-static inline __attribute__((always_inline)) void gemm_epi_tile_16(int nr, const int32_t *t, const double *fq,
-                                                                   int16_t *o, int64_t nc, const gemm_epi_k *k) {
-    gemm_epi_row_16(nr, GEMM_LD(t), GEMM_LD(t + 16), GEMM_LD(t + 32), GEMM_LD(t + 48), fq, o, nc, k);
-}
+/* one row of a tile (tile + r * 64, nr zmm) through the packed epilogue, [b: its row of fused operands] */
+#define GEMM_EPI_TILE_FN(OUT_T, OBITS)                                                                   \
+    static inline __attribute__((always_inline)) void gemm_epi_tile_##OBITS(int nr, const int32_t *t,      \
+                                                                           const double *fq, OUT_T *o,    \
+                                                                           int64_t nc, const gemm_epi_k *k) { \
+        const __m512i z = _mm512_setzero_si512();                                                         \
+        gemm_epi_store_##OBITS(gemm_epi_x16(GEMM_LD(t), fq, k), nr > 1 ? gemm_epi_x16(GEMM_LD(t + 16), fq + 16, k) : z, \
+                               nr > 2 ? gemm_epi_x16(GEMM_LD(t + 32), fq + 32, k) : z,                   \
+                               nr > 3 ? gemm_epi_x16(GEMM_LD(t + 48), fq + 48, k) : z, o, nc, k);        \
+    }
+#define GEMM_EPI_ADD_FN(B_T, BBITS, OUT_T, OBITS)                                                        \
+    static inline __attribute__((always_inline)) void gemm_epi_add_##BBITS##_##OBITS(                    \
+        int nr, const int32_t *t, const B_T *b, const double *fq, OUT_T *o, int64_t nc, const gemm_epi_k *k) { \
+        const __m512i z = _mm512_setzero_si512();                                                         \
+        __m512i r[4] = {z, z, z, z};                                                                      \
+        for (int j = 0; j < 4; j++)                                                                       \
+            if (j < nr)                                                                                   \
+                r[j] = gemm_epi_add_x16(GEMM_LD(t + 16 * j), GEMM_B32_##BBITS(b + 16 * j, gemm_lanes(nc - 16 * j)), \
+                                        fq + 16 * j, k);                                                  \
+        gemm_epi_store_##OBITS(r[0], r[1], r[2], r[3], o, nc, k);                                         \
+    }
+GEMM_EPI_TILE_FN(int8_t, 8)
+GEMM_EPI_TILE_FN(int16_t, 16)
+GEMM_EPI_ADD_FN(int8_t, 8, int8_t, 8)
+GEMM_EPI_ADD_FN(int8_t, 8, int16_t, 16)
+GEMM_EPI_ADD_FN(int16_t, 16, int8_t, 8)
+GEMM_EPI_ADD_FN(int16_t, 16, int16_t, 16)
 
 /* The packed epilogue's constants for Op channels, in one allocation: the accumulators' start
  * bias32 ^ 2**31 (int32, Op entries) and the permuted float64 factors (Op entries) that follow. */
@@ -1127,10 +1169,12 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
         int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
         const int64_t tmax = OBITS == 8 ? 127 : 32767;                                                    \
         /* the packed epilogue when it applies (and its tables could be allocated), else the one below */ \
-        int32_t *bx = !ADD && f64 == 2 && lo >= -tmax - 1 && hi <= tmax ? gemm_epi_consts(bias32, kc, Op) : NULL; \
+        int32_t *bx = f64 == (ADD ? 3 : 2) && lo >= -tmax - 1 && hi <= tmax ? gemm_epi_consts(bias32, kc, Op) : NULL; \
         const double *fq = bx ? (const double *)(bx + Op + (Op & 1)) : NULL;                              \
+        const double gb = ldexp((double)Mb, (int)-nb);                                                    \
         const gemm_epi_k ek = {_mm512_set1_epi32(0x43300000), GEMM_PERM_##OBITS, GEMM_SET1_##OBITS(lo),   \
-                               GEMM_SET1_##OBITS(hi), _mm512_set1_pd(0x1.000008p52), _mm512_set1_pd(0x1.8p52)}; \
+                               GEMM_SET1_##OBITS(hi), _mm512_set1_pd(0x1.000008p52), _mm512_set1_pd(0x1.8p52), \
+                               _mm512_set1_pd(gb), _mm512_set1_pd(-0x1.000008p52 * gb)};                  \
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
             const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
             if (geo)                                                                                      \
@@ -1144,8 +1188,11 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                     const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
                     if (bx) {                                                                             \
                         gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr, bx + c0, tile); \
-                        for (int64_t r = 0; r < rows; r++)                                                \
+                        for (int64_t r = 0; r < rows && !ADD; r++)                                        \
                             gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
+                        for (int64_t r = 0; r < rows && ADD; r++)                                         \
+                            gemm_epi_add_##BBITS##_##OBITS(nr, tile + r * 64, b + (m + r) * O + c0, fq + c0,     \
+                                                           out + (m + r) * O + c0, nc, &ek);              \
                         continue;                                                                         \
                     }                                                                                     \
                     gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr,        \
