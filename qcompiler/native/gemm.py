@@ -18,7 +18,11 @@ caller keeps its other path then):
   runs in float64 instead: ``acc * (M * 2**-n)`` is exact (an integer below 2**53 times a power of two),
   the clamp to integer bounds commutes with rounding, and the conversion rounds half to even; with a fused add the sum
   over the common denominator ``2**max(n, nb)`` stays below 2**62 (layers that would need
-  128-bit sums are refused).
+  128-bit sums are refused);
+* ``f64 == 2`` (no fused add, ``|acc| * M / 2**n < 2**31 - 1`` on every channel) and ``f64 == 3`` (a fused
+  add whose sum over ``2**s``, ``s = max(n, nb)``, is below 2**53 and below ``(2**31 - 1) * 2**s``): the
+  packed float64 epilogue of ``kernels.c`` (exact conversions, fma, rounding half to even by adding
+  1.5 * 2**52, the result read from the low 32 bits, saturating packs).
 
 Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
 (:func:`gemm_available`); ``QCOMPILER_NATIVE_VNNI=0`` turns it off (benchmarks compare both paths).

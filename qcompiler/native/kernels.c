@@ -747,7 +747,9 @@ MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
  * wp[((ob * Kq + kq) * 16 + j) * 4 + t] = w[16 * ob + j, 4 * kq + t], zero beyond O and K (a zero
  * weight adds nothing whatever the activation byte).  The epilogue is round_clamp() above, in int64;
  * the fused add brings both terms to the denominator 2**max(n, nb) as qc_requant_add_* does (the
- * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).
+ * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).  Where
+ * the caller proves the float64 bounds (f64 == 2 without, f64 == 3 with a fused add) the packed
+ * float64 epilogue (gemm_epi_x16) runs instead.
  * ================================================================================================ */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
