@@ -1136,7 +1136,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
     int32_t *bx = malloc(sizeof(int32_t) * (size_t)Op + sizeof(double) * (size_t)Op + 64);
     if (!bx) return NULL;
     const double *f = (const double *)(kc + 6 * Op);
-    double *fq = (double *)(bx + Op + (Op & 1));
+    double *fq = (double *)(bx + Op); /* (Op is a multiple of 16: aligned) */
     for (int64_t c = 0; c < Op; c++) bx[c] = (int32_t)((uint32_t)bias32[c] ^ 0x80000000u);
     for (int64_t c = 0; c < Op; c += 16)
         for (int l = 0; l < 4; l++)
@@ -1172,7 +1172,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
         const int64_t tmax = OBITS == 8 ? 127 : 32767;                                                    \
         /* the packed epilogue when it applies (and its tables could be allocated), else the one below */ \
         int32_t *bx = f64 == (ADD ? 3 : 2) && lo >= -tmax - 1 && hi <= tmax ? gemm_epi_consts(bias32, kc, Op) : NULL; \
-        const double *fq = bx ? (const double *)(bx + Op + (Op & 1)) : NULL;                              \
+        const double *fq = bx ? (const double *)(bx + Op) : NULL;                                          \
         const double gb = ldexp((double)Mb, (int)-nb);                                                    \
         const gemm_epi_k ek = {_mm512_set1_epi32(0x43300000), GEMM_PERM_##OBITS, GEMM_SET1_##OBITS(lo),   \
                                GEMM_SET1_##OBITS(hi), _mm512_set1_pd(0x1.000008p52), _mm512_set1_pd(0x1.8p52), \
