@@ -364,3 +364,157 @@ def test_a_broadcast_fused_operand_takes_the_reference_path(kind, other_shape):
     want = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
     got = {k: v.int_repr() for k, v in sim.run(inputs).items()}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@st.composite
+def packed_cases(draw):
+    """Small K (where the epilogue dominates), multipliers like the converted models' (2**30 to 2**31, or
+    powers of two for exact ties) and per-channel shifts from the smallest the packed float64 epilogue
+    admits (results near 2**31, saturating the packs) up."""
+    return dict(P=draw(st.integers(1, 40)), K=draw(st.integers(3, 40) | st.sampled_from([64, 147])),
+                O=draw(st.integers(1, 150)), out=draw(st.sampled_from(["qint8", "qint16"])),
+                act=draw(st.sampled_from([None, "relu", "relu6"])), bias=draw(st.booleans()),
+                extreme=draw(st.booleans()), ties=draw(st.booleans()), extra=draw(st.integers(0, 12)),
+                rows=draw(st.tuples(st.integers(0, 40), st.integers(0, 40))), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_gemm
+@SETTINGS
+@given(packed_cases())
+def test_the_packed_float64_epilogue_equals_the_reference(c):
+    """The epilogue for ``f64 == 2`` without a fused add (accumulators offset by 2**31, one fma rounding
+    at 1.5 * 2**52, whole-vector packs, the clamp after the saturating packs): int8 / int16 out, relu /
+    relu6, O not a multiple of 16, and a row range (the rows outside and the columns past O untouched)."""
+    g = torch.Generator().manual_seed(c["seed"])
+    P, K, O = c["P"], c["K"], c["O"]
+    if c["extreme"]:
+        w = torch.where(torch.rand(O, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+        x = torch.where(torch.rand(P, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+        x[0], w[0] = -128, -128  # the largest positive sum
+    else:
+        w = torch.randint(-128, 128, (O, K), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (P, K), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g).to(torch.int32) if c["bias"] else None
+    if c["ties"]:
+        M = 2 ** torch.randint(0, 31, (O,), generator=g)
+    else:
+        M = torch.randint(1 << 30, 1 << 31, (O,), generator=g)
+    bound = Int8Gemm.acc_bound(w, bias)
+    n_min = torch.tensor([next(s for s in range(63) if bound * m < ((1 << 31) - 1) << s) for m in M.tolist()])
+    n = n_min + torch.randint(0, c["extra"] + 1, (O,), generator=g)
+    lo, hi = fp.qrange(c["out"])
+    lo, hi = {None: (lo, hi), "relu": (0, hi), "relu6": (0, 90)}[c["act"]]
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]])
+    assert k.f64 == 2
+    m0, m1 = sorted(min(r, P) for r in c["rows"])
+    out = torch.full((P + 1, O), 77, dtype=_OUT[c["out"]])  # one row more: a store past the last row shows
+    k(x, out[:P], m0=m0, m1=m1)
+    want = reference(x, w, bias, M, n, lo, hi, None, None)
+    assert torch.equal(out[m0:m1].to(torch.int64), want[m0:m1])
+    assert bool((out[:m0] == 77).all()) and bool((out[m1:] == 77).all())
+
+
+@st.composite
+def stem_cases(draw):
+    """Convs over few channels with kernels up to 7x7 (resnet18's and mobilenet_v2's stems and their
+    kin): kernel rows of kw * C bytes up to 32 take the one-copy-per-kernel-row staging, longer ones and
+    dilated ones the per-tap copies; padding taps; C past 64 (the padding's memset)."""
+    kh, kw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    dh, dw = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 2]))
+    ph, pw = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 14))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 14))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.integers(1, 8) | st.sampled_from([33, 80])), H=H, W=W,
+                O=draw(st.integers(1, 70)), k=(kh, kw), stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                padding=(ph, pw), dilation=(dh, dw), extreme=draw(st.booleans()), add=draw(st.booleans()),
+                out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_gemm
+@settings(SETTINGS, max_examples=200)
+@given(stem_cases())
+def test_int8_gemm_stem_convs_equal_the_int64_reference(c):
+    """The im2col staging of short kernel rows (one unmasked copy per kernel row, overshooting into bytes
+    written again later) with the packed float64 epilogues, without and with a fused add; against conv2d
+    in float64 and the int64 requantization."""
+    k, xl, ol, want = conv_case_tensors(c)
+    assert k.f64 == (3 if c["add"] else 2)
+    got = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol)
+    lo, hi = fp.qrange(c["out"])
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))
+
+
+@st.composite
+def fused_cases(draw):
+    """Fused adds whose exact sum over the common denominator 2**s stays below 2**53: small K, int8 / int16
+    operands and outputs, multipliers like the converted models' (or powers of two: exact ties), negative
+    Mb, nb below and above n; the multipliers are halved until the sum's bound just fits (sums near 2**53,
+    results near 2**31 at small s)."""
+    return dict(P=draw(st.integers(1, 40)), K=draw(st.integers(3, 40) | st.sampled_from([64, 147])),
+                O=draw(st.integers(1, 150)), out=draw(st.sampled_from(["qint8", "qint16"])),
+                other=draw(st.sampled_from([torch.int8, torch.int16])), act=draw(st.sampled_from([None, "relu", "relu6"])),
+                bias=draw(st.booleans()), extreme=draw(st.booleans()), ties=draw(st.booleans()),
+                n0=draw(st.integers(22, 45)), dnb=draw(st.integers(-14, 3)), neg=draw(st.booleans()),
+                rows=draw(st.tuples(st.integers(0, 40), st.integers(0, 40))), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_gemm
+@SETTINGS
+@given(fused_cases())
+def test_the_packed_fused_add_epilogue_equals_the_reference(c):
+    """``f64 == 3``: the fused operand converted like the accumulator, ``b * Mb * 2**-nb`` by one exact fma,
+    the sum by a second (exact below 2**53), rounded half to even by adding 1.5 * 2**52; against
+    ``fixed_point.round_scaled_sum``, rows outside the range and columns past O untouched."""
+    g = torch.Generator().manual_seed(c["seed"])
+    P, K, O = c["P"], c["K"], c["O"]
+    if c["extreme"]:
+        w = torch.where(torch.rand(O, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+        x = torch.where(torch.rand(P, K, generator=g) < 0.5, -128, 127).to(torch.int8)
+        x[0], w[0] = -128, -128
+    else:
+        w = torch.randint(-128, 128, (O, K), dtype=torch.int8, generator=g)
+        x = torch.randint(-128, 128, (P, K), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 20), 1 << 20, (O,), generator=g).to(torch.int32) if c["bias"] else None
+    b_hi = 127 if c["other"] == torch.int8 else 32767
+    other = torch.randint(-b_hi - 1, b_hi + 1, (P, O), dtype=c["other"], generator=g)
+    other[0] = -b_hi - 1
+    n = c["n0"] + torch.randint(0, 4, (O,), generator=g)
+    nb = max(0, c["n0"] + c["dnb"])
+    if c["ties"]:
+        M, Mb = 2 ** torch.randint(0, 31, (O,), generator=g), 1 << int(torch.randint(0, 31, (1,), generator=g))
+    else:
+        M, Mb = torch.randint(1 << 30, 1 << 31, (O,), generator=g), int(torch.randint(1, 1 << 31, (1,), generator=g))
+    Mb = -Mb if c["neg"] else Mb
+    lo, hi = fp.qrange(c["out"])
+    lo, hi = {None: (lo, hi), "relu": (0, hi), "relu6": (0, 90)}[c["act"]]
+    while True:  # halve the multipliers until the packed epilogue's bounds hold
+        k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], (Mb, nb, c["other"]))
+        if k.f64 == 3:
+            break
+        M, Mb = torch.clamp(M // 2, min=1), Mb // 2 or 1
+    m0, m1 = sorted(min(r, P) for r in c["rows"])
+    out = torch.full((P + 1, O), 77, dtype=_OUT[c["out"]])
+    k(x, out[:P], other=other, m0=m0, m1=m1)
+    want = reference(x, w, bias, M, n, lo, hi, (Mb, nb, c["other"]), other)
+    assert torch.equal(out[m0:m1].to(torch.int64), want[m0:m1])
+    assert bool((out[:m0] == 77).all()) and bool((out[m1:] == 77).all())
+
+
+@needs_gemm
+def test_the_fused_add_epilogue_modes_are_chosen_by_their_bounds():
+    """f64 == 3 exactly when every channel's fused sum over 2**s is below 2**53 and below (2**31 - 1) * 2**s;
+    the int64 epilogue (f64 == 0) otherwise; both equal the reference."""
+    w = torch.full((16, 64), 127, dtype=torch.int8)  # bound 128 * 64 * 127 = 1040384 < 2**20
+    x = torch.full((3, 64), -128, dtype=torch.int8)
+    x[1] = 127
+    other = torch.tensor([[-128], [127], [5]], dtype=torch.int8).expand(3, 16).contiguous()
+    big = (1 << 31) - 1
+    # (M, n, nb, mode): |acc * M| + |b * Mb| * 2**9 near 2**51; the accumulator's term shifted by 3 past 2**53;
+    # the operand's term shifted by 20 past 2**53; a small sum at s = 10; a sum past (2**31 - 1) * 2**10
+    for m, n0, nb, mode in ((big, 40, 31, 3), (big, 37, 40, 0), (big, 40, 20, 0), ((1 << 20) - 1, 10, 10, 3),
+                            (big, 10, 10, 0)):
+        M, n = torch.full((16,), m), torch.full((16,), n0)
+        add = (-(1 << 30), nb, torch.int8)
+        k = Int8Gemm(w, None, M, n, -128, 127, torch.int8, add)
+        assert k.f64 == mode, (m, n0, nb, k.f64)
+        assert torch.equal(k(x, other=other).to(torch.int64), reference(x, w, None, M, n, -128, 127, add, other))

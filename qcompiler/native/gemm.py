@@ -18,7 +18,11 @@ caller keeps its other path then):
   runs in float64 instead: ``acc * (M * 2**-n)`` is exact (an integer below 2**53 times a power of two),
   the clamp to integer bounds commutes with rounding, and the conversion rounds half to even; with a fused add the sum
   over the common denominator ``2**max(n, nb)`` stays below 2**62 (layers that would need
-  128-bit sums are refused).
+  128-bit sums are refused);
+* ``f64 == 2`` (no fused add, ``|acc| * M / 2**n < 2**31 - 1`` on every channel) and ``f64 == 3`` (a fused
+  add whose sum over ``2**s``, ``s = max(n, nb)``, is below 2**53 and below ``(2**31 - 1) * 2**s``): the
+  packed float64 epilogue of ``kernels.c`` (exact conversions, fma, rounding half to even by adding
+  1.5 * 2**52, the result read from the low 32 bits, saturating packs).
 
 Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
 (:func:`gemm_available`); ``QCOMPILER_NATIVE_VNNI=0`` turns it off (benchmarks compare both paths).
@@ -103,6 +107,10 @@ class Int8Gemm:
         # overflow, the clamp runs in int32 (f64 == 2: fewer operations)
         if self.f64 and all(bound * abs(m) < (_I32 - 1) << s for m, s in zip(self.M.tolist(), self.n.tolist())):
             self.f64 = 2
+        # with a fused add whose sum over the common denominator 2**s stays below 2**53 and below (2**31 - 1) * 2**s
+        # on every channel: the float64 epilogue with the add (f64 == 3; exact sums, one rounding to an integer)
+        if add is not None and all(x < F64_EXACT and x < (_I32 - 1) << s for x, s in self._fused_bounds(bound, add)):
+            self.f64 = 3
         name = f"qc_gemm_{_INT[out_dtype]}" if add is None else f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}"
         self._f, self._fmt = _fn(name, _ARGS), _fn(name + "_mt", _ARGS_MT)
         self.Mb, self.nb = (0, 0) if add is None else (int(add[0]), int(add[1]))
@@ -111,6 +119,17 @@ class Int8Gemm:
                         self.n.data_ptr())
 
     acc_bound = staticmethod(int8_acc_bound)
+
+    def _fused_bounds(self, bound: int, add: tuple[int, int, torch.dtype]) -> list[tuple[int, int]]:
+        """Per channel ``(X, s)``: the bound on ``|acc * M * 2**(s - n) + b * Mb * 2**(s - nb)|``, the fused
+        sum over the common denominator ``2**s``, ``s = max(n, nb)``."""
+        Mb, nb = abs(int(add[0])), int(add[1])
+        b_bound = 1 << (8 * torch.empty(0, dtype=add[2]).element_size() - 1)
+        out = []
+        for m, n in zip(self.M.tolist(), self.n.tolist()):
+            s = max(n, nb)
+            out.append(((bound * abs(m) << (s - n)) + (b_bound * Mb << (s - nb)), s))
+        return out
 
     @staticmethod
     def refusal(w: torch.Tensor, bias: Optional[torch.Tensor], M: torch.Tensor, n: torch.Tensor, lo: int, hi: int,

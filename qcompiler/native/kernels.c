@@ -783,7 +783,9 @@ MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
  * wp[((ob * Kq + kq) * 16 + j) * 4 + t] = w[16 * ob + j, 4 * kq + t], zero beyond O and K (a zero
  * weight adds nothing whatever the activation byte).  The epilogue is round_clamp() above, in int64;
  * the fused add brings both terms to the denominator 2**max(n, nb) as qc_requant_add_* does (the
- * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).
+ * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).  Where
+ * the caller proves the float64 bounds (f64 == 2 without, f64 == 3 with a fused add) the packed
+ * float64 epilogue (gemm_epi_x16) runs instead.
  * ================================================================================================ */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -869,10 +871,31 @@ static inline void gemm_xor_copy(uint8_t *restrict d, const uint8_t *restrict s,
     }
 }
 
+/* As gemm_xor_copy when the caller allows an overshoot: up to 64 bytes past len may be read (below
+ * s_end) and written (d's buffer has the slack and its later bytes are written again after this),
+ * so a short piece is one unmasked 32- or 64-byte load, xor and store. */
+static inline void gemm_xor_copy_over(uint8_t *restrict d, const uint8_t *restrict s, int64_t len,
+                                      const uint8_t *s_end) {
+    if (len <= 32 && s + 32 <= s_end) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)s);
+        _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
+    } else if (len <= 64 && s + 64 <= s_end) {
+        const __m512i v = _mm512_loadu_si512((const void *)s);
+        _mm512_storeu_si512((void *)d, _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)));
+    } else {
+        gemm_xor_copy(d, s, len);
+    }
+}
+
 /* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
- * (the padding meets zero weights). */
+ * (the padding meets zero weights).  Rows that follow each other in memory (ldx == K == 4 * Kq) are
+ * one copy. */
 static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
                        uint8_t *restrict xu) {
+    if (ldx == K && K == 4 * Kq) {
+        gemm_xor_copy(xu, (const uint8_t *)(x + r0 * ldx), (r1 - r0) * K);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
         uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
@@ -883,32 +906,59 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
 
 /* The im2col rows r0..r1-1 of a conv as gemm_stage makes them: output position r = (b, oh, ow) of
  * the NHWC int8 input x, its taps (i, j) in order, C bytes each (x ^ 0x80; a tap in the padding is
- * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}. */
+ * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}.
+ * Each row is written front to back and may overshoot by up to 64 bytes (gemm_xor_copy_over, the
+ * padding taps as whole vectors of 0x80) into bytes written again later: its own later taps, its
+ * zero padding, the next row; xu has 64 bytes of slack after the last row. */
 static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g, int64_t r0, int64_t r1, int64_t Kq,
                             uint8_t *restrict xu) {
     const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C;
+    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C, HWC = H * W * C;
+    const int64_t piece = kw * C, rstride = dh * W * C; /* a kernel row's bytes (dw == 1), their stride */
+    const __m512i z80 = _mm512_set1_epi8((char)0x80);
+    const __m256i m80 = _mm256_set1_epi8((char)0x80);
+    int64_t b = r0 / (Ho * Wo), oh = r0 / Wo % Ho, ow = r0 % Wo;
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t b = r / (Ho * Wo), oh = r / Wo % Ho, ow = r % Wo;
+        const int8_t *xb = x + b * HWC;
+        const uint8_t *s_end = (const uint8_t *)(xb + HWC); /* reads stay inside sample b */
         uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
-        for (int64_t i = 0; i < kh; i++) {
-            const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
-            if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
-                const uint8_t *restrict s = (const uint8_t *)(x + ((b * H + ih) * W + iw0) * C);
-                gemm_xor_copy(d, s, kw * C);
-                d += kw * C;
-                continue;
-            }
-            for (int64_t j = 0; j < kw; j++, d += C) {
-                const int64_t iw = ow * sw - pw + j * dw;
-                if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
-                    memset(d, 0x80, (size_t)C);
+        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;
+        const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
+        const uint8_t *base = inside ? (const uint8_t *)xb + (ih0 * W + iw0) * C : NULL;
+        if (inside && base + (kh - 1) * rstride + 32 <= s_end) {
+            /* the window inside the input and short kernel rows (a stem): one 32-byte copy per row */
+            for (int64_t i = 0; i < kh; i++, d += piece)
+                _mm256_storeu_si256((__m256i *)d,
+                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(base + i * rstride)), m80));
+        } else {
+            for (int64_t i = 0; i < kh; i++) {
+                const int64_t ih = ih0 + i * dh;
+                if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
+                    gemm_xor_copy_over(d, (const uint8_t *)(xb + (ih * W + iw0) * C), piece, s_end);
+                    d += piece;
                     continue;
                 }
-                gemm_xor_copy(d, (const uint8_t *)(x + ((b * H + ih) * W + iw) * C), C);
+                for (int64_t j = 0; j < kw; j++, d += C) {
+                    const int64_t iw = iw0 + j * dw;
+                    if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
+                        if (C <= 64)
+                            _mm512_storeu_si512((void *)d, z80);
+                        else
+                            memset(d, 0x80, (size_t)C);
+                        continue;
+                    }
+                    gemm_xor_copy_over(d, (const uint8_t *)(xb + (ih * W + iw) * C), C, s_end);
+                }
             }
         }
         for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
+        if (++ow == Wo) { /* the next output position */
+            ow = 0;
+            if (++oh == Ho) {
+                oh = 0;
+                b++;
+            }
+        }
     }
 }
 
@@ -999,6 +1049,140 @@ static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int6
     ((FULL) ? _mm256_storeu_si256((__m256i *)(P), _mm512_cvtepi32_epi16(Q))                            \
             : _mm512_mask_cvtepi32_storeu_epi16(P, MK, Q))
 
+/* The packed epilogue (f64 == 2 without a fused add, [lo, hi] inside the output type's range), 7
+ * instructions per 16 lanes and whole-vector packs instead of 9 and four narrowing stores:
+ * the tile's accumulators start at bias32 ^ 2**31, so each lane ends as u = acc + 2**31 (mod 2**32;
+ * acc is in [-2**31, 2**31), so u is exact in [0, 2**32)).  Interleaved with the high word
+ * 0x43300000, u is the float64 2**52 + u; minus 2**52 + 2**31 that is acc exactly (integers below
+ * 2**53).  fma(acc, M * 2**-n, 1.5 * 2**52) rounds once, half to even ({rn-sae}): acc * M * 2**-n is
+ * exact and below 2**31 in magnitude (the f64 == 2 bound), so the sum lies in [2**52, 2**53), where
+ * the unit in the last place is 1: the rounding is round_half_even() to an integer, held
+ * two's-complement in the low 32 bits of the float64.  The unpacks work within 128-bit lanes, so
+ * the factors come permuted (fq: per 16 channels 0,1,4,5,8,9,12,13 then 2,3,6,7,10,11,14,15) and
+ * shufps {0, 2} puts the 16 results back in channel order.  The packs saturate to the output type,
+ * and clamping after that equals clamping before it ([lo, hi] lies inside the type's range).
+ * (cvtdq2pd + vpermt2d instead of the unpacks and subtractions measured 5-14% slower on Zen4.) */
+#define GEMM_SET1_8(V) _mm512_set1_epi8((char)(V))
+#define GEMM_SET1_16(V) _mm512_set1_epi16((short)(V))
+typedef struct {
+    __m512i hw, perm, lo, hi; /* 0x43300000 words, the pack's permutation, the clamp */
+    __m512d off, mag;         /* 2**52 + 2**31, 1.5 * 2**52 */
+    __m512d g, goff;          /* the fused operand's factor Mb * 2**-nb and -(2**52 + 2**31) * Mb * 2**-nb */
+} gemm_epi_k;
+
+static inline __attribute__((always_inline)) __m512i gemm_epi_x16(__m512i u, const double *fq, const gemm_epi_k *k) {
+    __m512d a = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(u, k->hw)), k->off);
+    __m512d b = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(u, k->hw)), k->off);
+    a = _mm512_fmadd_round_pd(a, _mm512_loadu_pd(fq), k->mag, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    b = _mm512_fmadd_round_pd(b, _mm512_loadu_pd(fq + 8), k->mag, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castpd_ps(a), _mm512_castpd_ps(b), 0x88));
+}
+
+/* With a fused add (f64 == 3): the operand b (16 lanes, sign-extended to int32) enters the same way,
+ * u_b = b ^ 2**31 as 2**52 + u_b, and fma(2**52 + u_b, g, -(2**52 + 2**31) * g) = b * g exactly (g =
+ * Mb * 2**-nb; (2**52 + 2**31) * g = Mb * (2**21 + 1) * 2**(31 - nb) has at most 53 significant bits, and
+ * so has b * g).  Then fma(acc, M * 2**-n, b * g) is the exact sum: it is X * 2**-s for the integer X
+ * over the common denominator 2**s (s = max(n, nb)), which the caller proved below 2**53 (and below
+ * (2**31 - 1) * 2**s), so one rounding of the exact value changes nothing.  Adding 1.5 * 2**52 then
+ * rounds it half to even as above (two roundings, the first exact). */
+static inline __attribute__((always_inline)) __m512i gemm_epi_add_x16(__m512i u, __m512i b32, const double *fq,
+                                                                      const gemm_epi_k *k) {
+    const __m512i ub = _mm512_xor_si512(b32, _mm512_set1_epi32((int)0x80000000u));
+    const __m512d tl = _mm512_fmadd_round_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(ub, k->hw)), k->g, k->goff,
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d th = _mm512_fmadd_round_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(ub, k->hw)), k->g, k->goff,
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d a = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpacklo_epi32(u, k->hw)), k->off);
+    __m512d b = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_unpackhi_epi32(u, k->hw)), k->off);
+    a = _mm512_fmadd_round_pd(a, _mm512_loadu_pd(fq), tl, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    b = _mm512_fmadd_round_pd(b, _mm512_loadu_pd(fq + 8), th, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    a = _mm512_add_round_pd(a, k->mag, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    b = _mm512_add_round_pd(b, k->mag, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castpd_ps(a), _mm512_castpd_ps(b), 0x88));
+}
+
+/* four vectors of 16 int32 results (channel order) to nc <= 64 int8 outputs: packs (int32 -> int16 ->
+ * int8, within 128-bit lanes) and one dword permutation back to channel order */
+static inline __attribute__((always_inline)) void gemm_epi_store_8(__m512i r0, __m512i r1, __m512i r2, __m512i r3,
+                                                                   int8_t *o, int64_t nc, const gemm_epi_k *k) {
+    __m512i q = _mm512_packs_epi16(_mm512_packs_epi32(r0, r1), _mm512_packs_epi32(r2, r3));
+    q = _mm512_min_epi8(_mm512_max_epi8(_mm512_permutexvar_epi32(k->perm, q), k->lo), k->hi);
+    if (nc >= 64)
+        _mm512_storeu_si512((void *)o, q);
+    else
+        _mm512_mask_storeu_epi8(o, ((uint64_t)1 << nc) - 1, q);
+}
+
+/* the same to int16 outputs: 32 channels per pack and qword permutation */
+static inline __attribute__((always_inline)) void gemm_epi_half_16(__m512i r0, __m512i r1, int16_t *o, int64_t nc,
+                                                                   const gemm_epi_k *k) {
+    __m512i q = _mm512_permutexvar_epi64(k->perm, _mm512_packs_epi32(r0, r1));
+    q = _mm512_min_epi16(_mm512_max_epi16(q, k->lo), k->hi);
+    if (nc >= 32)
+        _mm512_storeu_si512((void *)o, q);
+    else
+        _mm512_mask_storeu_epi16(o, ((uint32_t)1 << nc) - 1, q);
+}
+static inline __attribute__((always_inline)) void gemm_epi_store_16(__m512i r0, __m512i r1, __m512i r2, __m512i r3,
+                                                                    int16_t *o, int64_t nc, const gemm_epi_k *k) {
+    gemm_epi_half_16(r0, r1, o, nc, k);
+    if (nc > 32) gemm_epi_half_16(r2, r3, o + 32, nc - 32, k);
+}
+
+/* 16 fused operands of a row from channel c on (nc of the tile's channels valid) as int32 */
+#define GEMM_B32_8(P, MK) _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(MK, P))
+#define GEMM_B32_16(P, MK) _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(MK, P))
+static inline __mmask16 gemm_lanes(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+#define GEMM_PERM_8 _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0)
+#define GEMM_PERM_16 _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0)
+/* one row of a tile (tile + r * 64, nr zmm) through the packed epilogue, [b: its row of fused operands] */
+#define GEMM_EPI_TILE_FN(OUT_T, OBITS)                                                                   \
+    static inline __attribute__((always_inline)) void gemm_epi_tile_##OBITS(int nr, const int32_t *t,      \
+                                                                           const double *fq, OUT_T *o,    \
+                                                                           int64_t nc, const gemm_epi_k *k) { \
+        const __m512i z = _mm512_setzero_si512();                                                         \
+        gemm_epi_store_##OBITS(gemm_epi_x16(GEMM_LD(t), fq, k), nr > 1 ? gemm_epi_x16(GEMM_LD(t + 16), fq + 16, k) : z, \
+                               nr > 2 ? gemm_epi_x16(GEMM_LD(t + 32), fq + 32, k) : z,                   \
+                               nr > 3 ? gemm_epi_x16(GEMM_LD(t + 48), fq + 48, k) : z, o, nc, k);        \
+    }
+#define GEMM_EPI_ADD_FN(B_T, BBITS, OUT_T, OBITS)                                                        \
+    static inline __attribute__((always_inline)) void gemm_epi_add_##BBITS##_##OBITS(                    \
+        int nr, const int32_t *t, const B_T *b, const double *fq, OUT_T *o, int64_t nc, const gemm_epi_k *k) { \
+        const __m512i z = _mm512_setzero_si512();                                                         \
+        __m512i r[4] = {z, z, z, z};                                                                      \
+        for (int j = 0; j < 4; j++)                                                                       \
+            if (j < nr)                                                                                   \
+                r[j] = gemm_epi_add_x16(GEMM_LD(t + 16 * j), GEMM_B32_##BBITS(b + 16 * j, gemm_lanes(nc - 16 * j)), \
+                                        fq + 16 * j, k);                                                  \
+        gemm_epi_store_##OBITS(r[0], r[1], r[2], r[3], o, nc, k);                                         \
+    }
+GEMM_EPI_TILE_FN(int8_t, 8)
+GEMM_EPI_TILE_FN(int16_t, 16)
+GEMM_EPI_ADD_FN(int8_t, 8, int8_t, 8)
+GEMM_EPI_ADD_FN(int8_t, 8, int16_t, 16)
+GEMM_EPI_ADD_FN(int16_t, 16, int8_t, 8)
+GEMM_EPI_ADD_FN(int16_t, 16, int16_t, 16)
+
+/* The packed epilogue's constants for Op channels, in one allocation: the accumulators' start
+ * bias32 ^ 2**31 (int32, Op entries) and the permuted float64 factors (Op entries) that follow. */
+static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_t Op) {
+    int32_t *bx = malloc(sizeof(int32_t) * (size_t)Op + sizeof(double) * (size_t)Op + 64);
+    if (!bx) return NULL;
+    const double *f = (const double *)(kc + 6 * Op);
+    double *fq = (double *)(bx + Op); /* (Op is a multiple of 16: aligned) */
+    for (int64_t c = 0; c < Op; c++) bx[c] = (int32_t)((uint32_t)bias32[c] ^ 0x80000000u);
+    for (int64_t c = 0; c < Op; c += 16)
+        for (int l = 0; l < 4; l++)
+            for (int t = 0; t < 2; t++) {
+                fq[c + 2 * l + t] = f[c + 4 * l + t];
+                fq[c + 8 + 2 * l + t] = f[c + 4 * l + 2 + t];
+            }
+    return bx;
+}
+
 /* The epilogue of one row of a tile, 8 channels at a time (the last group masked): int32 acc
  * sign-extended to int64, times M (vpmuldq: |M| < 2**31, exact 64-bit product), [+ the fused term,
  * both shifted to 2**s], rounded and clamped, narrowed to BITS-wide stores. */
@@ -1021,6 +1205,14 @@ static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int6
         }                                                                                                 \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
         int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
+        const int64_t tmax = OBITS == 8 ? 127 : 32767;                                                    \
+        /* the packed epilogue when it applies (and its tables could be allocated), else the one below */ \
+        int32_t *bx = f64 == (ADD ? 3 : 2) && lo >= -tmax - 1 && hi <= tmax ? gemm_epi_consts(bias32, kc, Op) : NULL; \
+        const double *fq = bx ? (const double *)(bx + Op) : NULL;                                          \
+        const double gb = ldexp((double)Mb, (int)-nb);                                                    \
+        const gemm_epi_k ek = {_mm512_set1_epi32(0x43300000), GEMM_PERM_##OBITS, GEMM_SET1_##OBITS(lo),   \
+                               GEMM_SET1_##OBITS(hi), _mm512_set1_pd(0x1.000008p52), _mm512_set1_pd(0x1.8p52), \
+                               _mm512_set1_pd(gb), _mm512_set1_pd(-0x1.000008p52 * gb)};                  \
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
             const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
             if (geo)                                                                                      \
@@ -1032,6 +1224,15 @@ static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int6
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
                 for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
                     const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
+                    if (bx) {                                                                             \
+                        gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr, bx + c0, tile); \
+                        for (int64_t r = 0; r < rows && !ADD; r++)                                        \
+                            gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
+                        for (int64_t r = 0; r < rows && ADD; r++)                                         \
+                            gemm_epi_add_##BBITS##_##OBITS(nr, tile + r * 64, b + (m + r) * O + c0, fq + c0,     \
+                                                           out + (m + r) * O + c0, nc, &ek);              \
+                        continue;                                                                         \
+                    }                                                                                     \
                     gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr,        \
                                  bias32 + c0, tile);                                                      \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
@@ -1074,6 +1275,7 @@ static inline __m512i gemm_requant_f64i_x16(__m512i acc, const int64_t *kc, int6
         }                                                                                                 \
         free(kc);                                                                                         \
         free(xu);                                                                                         \
+        free(bx);                                                                                         \
         return 0;                                                                                         \
     }
 

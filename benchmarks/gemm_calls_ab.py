@@ -1,0 +1,149 @@
+"""Every native GEMM call of a model on two builds of ``kernels.c``, side by side in one process.
+
+    python benchmarks/gemm_calls_ab.py --base a32cfbd [--models mobilenet_v2,resnet18] [--batches 1,8] [--repeat 15]
+
+One ``PartitionedRunner`` call (1 thread) records the arguments of every ``qc_gemm_*`` call (its
+input, fused operand and conv geometry copied); each call is then replayed on the library built
+from ``kernels.c`` at git revision ``--base`` and on the one built from the working tree (the
+compiler flags of ``qcompiler/native/build.py``), alternating, the best of ``--repeat`` each, into
+separate outputs that must be equal bit for bit (both builds get the layers' current ``Int8Gemm``
+arguments, so the base must accept them: any revision with the same ``qc_gemm_*`` signatures).
+Prints per call rows, K, O, the epilogue mode (``f64``), both times and the ratio, then the totals.
+For comparing kernel changes on a shared machine: both builds see the same load at the same moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import qcompiler.native.gemm as gemm_mod  # noqa: E402
+import qcompiler.native.kernels as kernels_mod  # noqa: E402
+import qcompiler.zoo as zoo  # noqa: E402
+from benchmarks.simulator import calibration_batches, converted_model  # noqa: E402
+from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
+from qcompiler.native.build import FLAGS, SOURCE  # noqa: E402
+
+_GEO = 13  # int64 entries of a conv's geometry
+
+
+def build(source: bytes, cache: Path) -> ctypes.CDLL:
+    """``source`` compiled as ``build.py`` compiles ``kernels.c``, cached by its hash."""
+    target = cache / f"k_{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if not target.is_file():
+        src = target.with_suffix(".c")
+        src.write_bytes(source)
+        subprocess.run(["gcc", *FLAGS, "-o", str(target), str(src), "-lm"], check=True)
+    return ctypes.CDLL(str(target))
+
+
+def record_calls(name: str, batch: int) -> list:
+    """``(kernel name, argtypes, args, kept tensors)`` of every single-threaded ``qc_gemm_*`` call of one run."""
+    calls, orig = [], kernels_mod._fn
+
+    def fn(kname, argtypes, restype=ctypes.c_int):
+        f = orig(kname, argtypes, restype)
+        if not kname.startswith("qc_gemm_") or kname.endswith("_mt") or kname == "qc_gemm_vnni":
+            return f
+
+        def wrapped(*a):
+            a, keep = list(a), []
+            m1, K, O = a[3], a[4], a[5]
+            if a[16]:  # a conv: copy the geometry and the whole input
+                geo = torch.tensor((ctypes.c_int64 * _GEO).from_address(a[16])[:], dtype=torch.int64)
+                H, W, C, Ho, Wo = (int(geo[i]) for i in (0, 1, 2, 11, 12))
+                nx = -(-m1 // (Ho * Wo)) * H * W * C
+                keep.append(geo)
+                a[16] = geo.data_ptr()
+            else:
+                nx = (m1 - 1) * a[1] + K
+            xc = torch.frombuffer((ctypes.c_int8 * nx).from_address(a[0]), dtype=torch.int8).clone()
+            keep.append(xc)
+            a[0] = xc.data_ptr()
+            if a[10]:  # the fused operand
+                nb = m1 * O * (2 if kname.startswith("qc_gemm_add_i16") else 1)
+                bc = torch.frombuffer((ctypes.c_int8 * nb).from_address(a[10]), dtype=torch.int8).clone()
+                keep.append(bc)
+                a[10] = bc.data_ptr()
+            calls.append((kname, argtypes, tuple(a), keep))
+            return f(*a)
+        return wrapped
+
+    kernels_mod._fn = gemm_mod._fn = fn
+    try:
+        conv = converted_model(name, 224, calibration_batches(224))
+        runner = PartitionedRunner(conv, kernels="fast", threads=1)
+        runner(zoo.example_inputs(name, image_size=224)[0].repeat(batch, 1, 1, 1))
+    finally:
+        kernels_mod._fn = gemm_mod._fn = orig
+    return calls
+
+
+def compare(calls: list, libs: list, repeat: int) -> tuple[list, float, float, int]:
+    rows, tot, bad = [], [0.0, 0.0], 0
+    for kname, argtypes, a, _ in calls:
+        fs = []
+        for lib in libs:
+            f = getattr(lib, kname)
+            f.argtypes, f.restype = list(argtypes), ctypes.c_int
+            fs.append(f)
+        O = a[5]
+        dt = torch.int16 if kname.endswith("_i16") else torch.int8
+        outs = [torch.zeros(a[3] * O, dtype=dt) for _ in libs]
+        best = [float("inf")] * len(libs)
+        for _ in range(repeat):
+            for i, f in enumerate(fs):
+                args = list(a)
+                args[-1] = outs[i].data_ptr()
+                t = time.perf_counter()
+                if f(*args) != 0:
+                    raise MemoryError(f"{kname}: the kernel could not allocate its tables")
+                best[i] = min(best[i], time.perf_counter() - t)
+        same = torch.equal(outs[0], outs[1])
+        bad += not same
+        tot = [tot[0] + best[0], tot[1] + best[1]]
+        rows.append([kname, "conv" if a[16] else "1x1/linear", a[3] - a[2], a[4], O, a[15], f"{best[0] * 1e3:.3f}",
+                     f"{best[1] * 1e3:.3f}", f"{best[0] / best[1]:.2f}", "yes" if same else "NO"])
+    return rows, tot[0], tot[1], bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="git revision of the base kernels.c")
+    ap.add_argument("--models", default="mobilenet_v2,resnet18")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--repeat", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    root = SOURCE.parents[2]
+    base_src = subprocess.run(["git", "show", f"{args.base}:qcompiler/native/kernels.c"], cwd=root, check=True,
+                              capture_output=True).stdout
+    bad_total = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [build(base_src, Path(tmp)), build(SOURCE.read_bytes(), Path(tmp))]
+        for name in args.models.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                rows, t0, t1, bad = compare(record_calls(name, batch), libs, args.repeat)
+                bad_total += bad
+                print(f"\n{name}, batch {batch}: base {args.base} vs working tree (ms, best of {args.repeat})")
+                print(tabulate(rows, headers=["kernel", "layer", "rows", "K", "O", "f64", "base", "new", "base/new",
+                                              "equal"], disable_numparse=True))
+                print(f"total: base {t0 * 1e3:.3f} ms, new {t1 * 1e3:.3f} ms, base/new {t0 / t1:.3f}; "
+                      f"{bad} unequal outputs")
+    return 1 if bad_total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
