@@ -1,16 +1,21 @@
 """Calibration on several threads gives bit for bit the one-thread state, and the native
-per-channel min/max equals torch's (docs/performance.md, "Calibration").
+per-channel min/max equals torch's (docs/performance.md, "Calibration on both cores").
 
-With `observer.SPLIT_HISTOGRAM` (off by default: not measured faster) the histogram observers bin a large batch on ``torch.get_num_threads()`` native threads
-(``qc_hist_abs_f32_mt``): each thread counts a contiguous part of the values into its own
-partial histogram, and the integer partial counts are added.  These tests hold that to the
-torch reference (``bincount`` of the float64 floor) and to the one-thread result, for random
-data, thread counts (the split points ``N * t / threads``) and batch splits, with torch.equal.
+At ``torch.get_num_threads() > 1`` the histogram observers bin a large batch on torch's own OpenMP
+team (``qc_hist_abs_f32_mt`` through ``GOMP_parallel``; without it, the native pool
+``qc_run_rows``): the threads take chunks of values from a shared counter, each counts into its
+own partial histogram, and the integer partial counts are added.  These tests hold both paths to
+the torch reference (``bincount`` of the float64 floor) and to the one-thread result, for random
+data, chunk sizes, thread counts and batch splits, with torch.equal.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.native import openmp
 from qcompiler.native.build import disabled, native_enabled
 from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax, rows_minmax
 from qcompiler.quantization import observer as observer_module
@@ -28,6 +34,16 @@ from qcompiler.quantization.qconfig import get_default_calib_qconfig
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None)
 needs_native = pytest.mark.skipif(not native_enabled(), reason="native kernels are off")
+ROOT = Path(__file__).resolve().parent.parent
+needs_omp = pytest.mark.skipif(openmp.parallel_entry() is None, reason="torch's OpenMP runtime not found")
+
+
+@pytest.fixture
+def torch_threads():
+    """Set torch's intra-op threads for a test; restored after it."""
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
 
 
 def _data(numel: int, exponent: int, zeros: float, seed: int) -> torch.Tensor:
@@ -42,11 +58,14 @@ def _data(numel: int, exponent: int, zeros: float, seed: int) -> torch.Tensor:
 
 @needs_native
 @SETTINGS
-@given(st.integers(1, 4000), st.integers(-130, 120), st.sampled_from([2, 3, 1000, 4096, 1 << 15]),
-       st.integers(1, 7), st.sampled_from([0.0, 0.5, 0.95]), st.booleans(), st.integers(0, 2 ** 31 - 1))
-def test_threaded_histogram_equals_the_torch_reference(numel, exponent, nbins, threads, zeros, pow2, seed):
-    """Any thread count (split points) gives the bincount of the exact floor and min/max of x,
-    bit for bit; a non-power-of-two per_unit takes the float64 product."""
+@given(st.integers(1, 20000), st.integers(-130, 120), st.sampled_from([2, 3, 1000, 4096, 1 << 15]),
+       st.integers(1, 7), st.integers(1, 5000), st.booleans(), st.sampled_from([0.0, 0.5, 0.95]),
+       st.booleans(), st.integers(0, 2 ** 31 - 1))
+def test_threaded_histogram_equals_the_torch_reference(numel, exponent, nbins, threads, chunk, omp, zeros, pow2,
+                                                       seed):
+    """Any thread count and chunk size, on torch's OpenMP team or the native pool, gives the
+    bincount of the exact floor and min/max of x, bit for bit; a non-power-of-two per_unit takes
+    the float64 product."""
     x = _data(numel, exponent, zeros, seed)
     amax = float(x.abs().max())
     if amax == 0.0:
@@ -55,39 +74,116 @@ def test_threaded_histogram_equals_the_torch_reference(numel, exponent, nbins, t
     per_unit = nbins / r if pow2 else (nbins - 0.5) / r
     base = torch.arange(nbins, dtype=torch.float64)  # counts are added to what is there
     hist = base.clone()
-    mm = histogram_abs_minmax(x, per_unit, hist, threads)
+    mm = histogram_abs_minmax(x, per_unit, hist, threads, chunk, omp)
     want = torch.bincount(torch.floor(x.abs().double() * per_unit).long(), minlength=nbins).double()
     assert torch.equal(hist, base + want)
     assert mm == (float(x.min()), float(x.max()))
     plain = base.clone()
-    histogram_abs(x, per_unit, plain, threads)
+    histogram_abs(x, per_unit, plain, threads, chunk, omp)
     assert torch.equal(plain, hist)
+    one = base.clone()
+    assert histogram_abs_minmax(x, per_unit, one, 1) == mm
+    assert torch.equal(one, hist)
 
 
 @needs_native
+@pytest.mark.parametrize("omp", [True, False])
 @pytest.mark.parametrize("threads", [2, 3, 4])
 @pytest.mark.parametrize("bad", [8.0, float("nan"), float("-inf")])
-def test_a_bad_value_in_any_part_leaves_the_histogram_unchanged(threads, bad):
-    n = 3001
-    for where in sorted({0, n * 1 // threads, n * (threads - 1) // threads - 1, n - 1}):
+def test_a_bad_value_in_any_chunk_leaves_the_histogram_unchanged(omp, threads, bad):
+    n, chunk = 3001, 500
+    for where in (0, chunk - 1, chunk, 3 * chunk + 7, n - 2, n - 1):
         x = torch.rand(n) * 7.9
         x[where] = bad
         hist = torch.arange(4096, dtype=torch.float64)
-        assert histogram_abs_minmax(x, 4096 / 8.0, hist, threads) is None, where
+        assert histogram_abs_minmax(x, 4096 / 8.0, hist, threads, chunk, omp) is None, where
         with pytest.raises(ConfigError, match="NaN or at least the range"):
-            histogram_abs(x, 4096 / 8.0, hist, threads)
+            histogram_abs(x, 4096 / 8.0, hist, threads, chunk, omp)
         assert torch.equal(hist, torch.arange(4096, dtype=torch.float64)), where
 
 
 @needs_native
 def test_more_threads_than_values_and_bad_thread_counts():
     x = torch.tensor([0.5, -3.0])
-    hist = torch.zeros(8, dtype=torch.float64)
-    assert histogram_abs_minmax(x, 8 / 4.0, hist, 64) == (-3.0, 0.5)
-    assert hist.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    for omp in (True, False):
+        hist = torch.zeros(8, dtype=torch.float64)
+        assert histogram_abs_minmax(x, 8 / 4.0, hist, 64, 1, omp) == (-3.0, 0.5)
+        assert hist.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     for threads in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="threads must be a positive int"):
             histogram_abs(x, 2.0, hist, threads)
+    for chunk in (0, -3, 2.0, False):
+        with pytest.raises(ConfigError, match="chunk must be a positive int"):
+            histogram_abs(x, 2.0, hist, 2, chunk)
+
+
+@needs_native
+@pytest.mark.parametrize("omp", [True, False] if openmp.parallel_entry() is not None else [False])
+def test_a_split_where_both_threads_binned_equals_one_thread(torch_threads, omp):
+    """Every part bins at least its first chunk, so the random tests above always add several
+    partials; which *thread* runs a part depends on scheduling (a late helper leaves its part to
+    the caller).  Here calls are repeated until one reports (``used``) that two threads binned
+    values at once, and every call's histogram and min/max must be the one-thread result."""
+    torch_threads(2)
+    x = _data(1 << 21, 3, 0.5, 11)
+    per_unit = 4096 / 32.0
+    one = torch.zeros(4096, dtype=torch.float64)
+    want = histogram_abs_minmax(x, per_unit, one, 1)
+    seen = []
+    for _ in range(40):
+        torch.mm(torch.rand(128, 128), torch.rand(128, 128))  # as in calibration: right after a torch op
+        used, hist = [], torch.zeros(4096, dtype=torch.float64)
+        assert histogram_abs_minmax(x, per_unit, hist, 2, 4096, omp, used) == want
+        assert torch.equal(hist, one)
+        seen += used
+        if used == [2]:
+            break
+    else:  # every result was checked; only the overlap was not seen (the other core stayed busy)
+        pytest.skip(f"the second thread never binned a chunk in 40 calls (threads per call: {seen})")
+
+
+_TEAM_CHECK = """
+import os, torch
+from qcompiler.native.kernels import histogram_abs
+torch.set_num_threads(2)
+torch.mm(torch.rand(256, 256), torch.rand(256, 256))  # torch's OpenMP team exists
+threads = lambda: len(os.listdir("/proc/self/task"))
+x, hist = torch.rand(1 << 20) * 3.0, torch.zeros(4096, dtype=torch.float64)
+before = threads()
+histogram_abs(x, 4096 / 4.0, hist, 2)
+team = threads()
+histogram_abs(x, 4096 / 4.0, hist, 2, omp=False)
+print(before, team, threads(), int(hist.sum().item()))
+"""
+
+
+@needs_omp
+def test_the_split_runs_on_torchs_openmp_team():
+    """In a fresh process: the split on torch's team starts no thread (torch's worker bins half),
+    the native pool starts its helper (what the OpenMP path avoids)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", _TEAM_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, team, pool, total = map(int, out.stdout.split())
+    assert team == before and pool == before + 1 and total == 2 << 20
+
+
+def test_parallel_entry_needs_torchs_openmp_backend_and_one_runtime(monkeypatch):
+    """Not OpenMP (e.g. a native thread pool), or two OpenMP runtimes in the process (which one
+    torch uses is unknown): None, and the observers bin on one thread."""
+    monkeypatch.setattr(openmp, "_entry", openmp._MISSING)
+    real = openmp._loaded_runtimes()
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info() and len(real) == 1:
+        assert isinstance(openmp.parallel_entry(), int)
+    monkeypatch.setattr(openmp, "_entry", openmp._MISSING)
+    monkeypatch.setattr(openmp, "_loaded_runtimes", lambda: {"/a/libgomp.so.1", "/b/libiomp5.so"})
+    assert openmp.parallel_entry() is None
+    monkeypatch.setattr(openmp, "_entry", openmp._MISSING)
+    monkeypatch.setattr(openmp, "_loaded_runtimes", lambda: set(real))
+    monkeypatch.setattr(torch.__config__, "parallel_info", lambda: "ATen parallel backend: native thread pool")
+    assert openmp.parallel_entry() is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert observer_module._native_threads(1 << 24) == 1
 
 
 # ---------------------------------------------------------------------------- the observers
@@ -106,11 +202,12 @@ def _assert_same(a: ObserverBase, b: ObserverBase) -> None:
 @settings(SETTINGS, max_examples=60)
 @given(st.lists(st.tuples(st.integers(1, 3000), st.integers(-20, 20), st.sampled_from([0.0, 0.5]),
                           st.integers(0, 2 ** 31 - 1), st.floats(0.0, 1.0)), min_size=1, max_size=5),
-       st.integers(2, 5), st.integers(1, 700), st.sampled_from(["mse", "kl", "percentile"]))
-def test_observers_on_threads_equal_one_thread_sequential(batches, threads, part, method):
-    """Each batch binned on ``threads`` native threads (a part per ``part`` values), and each batch
-    split at a random point into two batches, give the state and qparams of one thread seeing
-    the batches whole."""
+       st.integers(2, 5), st.integers(1, 700), st.integers(1, 400), st.booleans(),
+       st.sampled_from(["mse", "kl", "percentile"]))
+def test_observers_on_threads_equal_one_thread_sequential(batches, threads, part, chunk, omp, method):
+    """Each batch binned on ``threads`` threads (from ``part`` values on, ``chunk`` values at a
+    time), and each batch split at a random point into two batches, give the state and qparams of
+    one thread seeing the batches whole."""
     data = [_data(n, e, z, s) for n, e, z, s, _ in batches]
     one = HistogramObserver(method=method)
     for x in data:
@@ -121,12 +218,11 @@ def test_observers_on_threads_equal_one_thread_sequential(batches, threads, part
 
     def spy(x, per_unit, hist, threads=1):
         calls.append(threads)
-        return real(x, per_unit, hist, threads)
+        return real(x, per_unit, hist, threads, chunk, omp)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch, "get_num_threads", lambda: threads)
         m.setattr(observer_module, "_NATIVE_PART", part)
-        m.setattr(observer_module, "SPLIT_HISTOGRAM", True)
         m.setattr(observer_module, "histogram_abs_minmax", spy)
         for x, (*_, where) in zip(data, batches):
             k = int(where * x.numel())
@@ -151,39 +247,47 @@ class _Net(nn.Module):
 
 
 @needs_native
+@needs_omp
 @pytest.mark.parametrize("observer", ["histogram-mse", "percentile", "kl"])
-def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, observer):
-    """The staged flow (the user calls the calibration model on batches): with torch on two
-    threads every observer's state and scale equals the one-thread run, bit for bit."""
+def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, torch_threads, observer):
+    """The staged flow (the user calls the calibration model on batches) with torch on two threads:
+    every observer's state and scale with the histograms split over torch's OpenMP team (a few
+    hundred values at a time) equals the run with every histogram binned on one thread, bit for
+    bit.  (The float forward stays on two threads in both runs: torch's own ops may round
+    differently on one, e.g. this net's 1x1 conv output differs in its last bits.)"""
     torch.manual_seed(0)
     net = _Net().eval()
     x = torch.randn(2, 3, 40, 40)
-    batches = [torch.randn(4, 3, 40, 40) * s for s in (1.0, 3.0, 0.5)]
+    batches = [torch.randn(4, 3, 40, 40) * s for s in (1.0, 3.0, 0.5, 2.0)]
+    torch_threads(2)
 
-    def calibrate(threads: int) -> dict:
+    def calibrate(split: bool) -> dict:
         cal = prepare_calibration_fx(net, {"": get_default_calib_qconfig(observer=observer)},
                                      hybrid=True, example_inputs=(x,)).eval()
         calls = []
-        real = observer_module.histogram_abs_minmax
+        real_minmax, real_plain = observer_module.histogram_abs_minmax, observer_module.histogram_abs
 
-        def spy(x, per_unit, hist, threads=1):
-            calls.append(threads)
-            return real(x, per_unit, hist, threads)
+        def spy(real):
+            def call(x, per_unit, hist, threads=1):
+                calls.append(threads)
+                return real(x, per_unit, hist, threads, 64)
+            return call
 
         with monkeypatch.context() as m:
-            m.setattr(torch, "get_num_threads", lambda: threads)
+            m.setattr(observer_module, "SPLIT_HISTOGRAM", split)
             m.setattr(observer_module, "_NATIVE_PART", 1000)
-            m.setattr(observer_module, "SPLIT_HISTOGRAM", True)
-            m.setattr(observer_module, "histogram_abs_minmax", spy)
+            m.setattr(observer_module, "histogram_abs_minmax", spy(real_minmax))
+            m.setattr(observer_module, "histogram_abs", spy(real_plain))
             with torch.no_grad():
                 for b in batches:
                     cal(b)
-        assert max(calls) == threads  # the large batches were split when torch had two threads
-        obs = {n: o for n, o in cal.named_modules() if isinstance(o, HistogramObserver)}
-        assert len(obs) >= 4
+        assert max(calls) == (2 if split else 1)  # the large batches were split on torch's two threads
+        obs = {n: o for n, o in cal.named_modules() if isinstance(o, ObserverBase)}
+        assert sum(isinstance(o, HistogramObserver) for o in obs.values()) >= 4
+        assert sum(isinstance(o, PerChannelMinMaxObserver) for o in obs.values()) >= 3
         return obs
 
-    one, two = calibrate(1), calibrate(2)
+    one, two = calibrate(False), calibrate(True)
     assert one.keys() == two.keys()
     for name in one:
         _assert_same(one[name], two[name])
@@ -238,11 +342,18 @@ def test_per_channel_observer_native_equals_torch_path():
         rows_minmax(torch.zeros(0, 3))
 
 
-def test_the_histogram_split_is_off_by_default():
-    """Measured slower on both cores (see observer.SPLIT_HISTOGRAM): one native thread per batch."""
-    assert observer_module.SPLIT_HISTOGRAM is False
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(torch, "get_num_threads", lambda: 2)
-        assert observer_module._native_threads(1 << 24) == 1
-        m.setattr(observer_module, "SPLIT_HISTOGRAM", True)
-        assert observer_module._native_threads(1 << 24) == 2
+def test_the_histogram_split_follows_torchs_threads(monkeypatch):
+    """On torch's OpenMP team, as many threads as torch uses, from _NATIVE_PART values on."""
+    monkeypatch.setattr(observer_module, "parallel_entry", lambda: 1234)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert observer_module._native_threads(1 << 24) == 2
+    assert observer_module._native_threads(observer_module._NATIVE_PART) == 2
+    assert observer_module._native_threads(observer_module._NATIVE_PART - 1) == 1
+    monkeypatch.setattr(observer_module, "SPLIT_HISTOGRAM", False)
+    assert observer_module._native_threads(1 << 24) == 1
+    monkeypatch.setattr(observer_module, "SPLIT_HISTOGRAM", True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert observer_module._native_threads(1 << 24) == 1
+    monkeypatch.setattr(observer_module, "parallel_entry", lambda: None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert observer_module._native_threads(1 << 24) == 1

@@ -22,6 +22,7 @@ import torch
 
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
+from qcompiler.native.openmp import parallel_entry
 
 __all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
@@ -147,13 +148,15 @@ _F32_TINY, _F32_HUGE = 2.0 ** -126, 2.0 ** 127  # the normal float32 powers of t
 
 
 FUSED_MAX = 1 << 30  # histogram_abs_minmax: up to this many values (one uint32 chunk: all or nothing)
-HIST_MAX_THREADS = 64  # qc_hist_abs_f32_mt's cap
+HIST_MAX_THREADS = 16  # qc_hist_abs_f32_mt's cap (the native pool's QC_MAX_PARTS)
+HIST_CHUNK = 1 << 14  # values a thread takes at a time in a split histogram (~10 us of binning)
 
 
 def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Optional[torch.Tensor],
-                    threads: int) -> int:
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ConfigError(f"histogram_abs: threads must be a positive int, got {threads!r}")
+                    threads: int, chunk: int, omp: bool, used: Optional[list]) -> int:
+    for name, v in (("threads", threads), ("chunk", chunk)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"histogram_abs: {name} must be a positive int, got {v!r}")
     _check(x, "histogram_abs: x", (torch.float32,))
     _check(hist, "histogram_abs: hist", (torch.float64,))
     if hist.dim() != 1 or not hist.numel():
@@ -162,15 +165,20 @@ def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Op
         raise ConfigError(f"histogram_abs: per_unit must be positive and finite, got {per_unit}")
     nbins = hist.numel()
     f32 = math.frexp(per_unit)[0] == 0.5 and _F32_TINY <= per_unit <= _F32_HUGE
-    f = _fn("qc_hist_abs_f32_mt", (_P, _I64, _F64, ctypes.c_int, _I64, _P, _P, ctypes.c_int))
+    f = _fn("qc_hist_abs_f32_mt", (_P, _I64, _F64, ctypes.c_int, _I64, _P, _P, ctypes.c_int, _I64, _P, _P))
+    n_used = ctypes.c_int32(0)
     rc = f(x.data_ptr(), x.numel(), float(per_unit), int(f32), nbins, hist.data_ptr(),
-           None if mm is None else mm.data_ptr(), min(threads, HIST_MAX_THREADS))
+           None if mm is None else mm.data_ptr(), min(threads, HIST_MAX_THREADS), min(chunk, FUSED_MAX),
+           parallel_entry() if omp and threads > 1 else None, ctypes.byref(n_used))
+    if used is not None:
+        used.append(n_used.value)
     if rc == -1:
-        raise MemoryError("histogram_abs: out of memory for the counters (or a thread could not be started)")
+        raise MemoryError("histogram_abs: out of memory for the counters")
     return rc
 
 
-def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor, threads: int = 1) -> None:
+def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor, threads: int = 1,
+                  chunk: int = HIST_CHUNK, omp: bool = True, used: Optional[list] = None) -> None:
     """``hist[floor(|x| * per_unit)] += 1`` for every float32 value of ``x`` (contiguous): exactly
     ``torch.bincount`` of the floor of the exact product, added to the float64 ``hist`` (1-d, contiguous).
 
@@ -179,25 +187,30 @@ def histogram_abs(x: torch.Tensor, per_unit: float, hist: torch.Tensor, threads:
     of-two ``per_unit`` in the normal float32 range is applied in float32 (exact), any other in
     float64 (exact: 24 + 21 bits).
 
-    ``threads`` > 1 splits the values into that many contiguous parts binned at once on native
-    threads, each into its own partial histogram; the partials are integer counts, so their sum
-    is bit for bit the one-thread result (any split).
+    ``threads`` > 1 bins on up to that many threads (at most :data:`HIST_MAX_THREADS`): a parallel
+    region of torch's own OpenMP runtime when ``omp`` and :func:`~qcompiler.native.openmp.parallel_entry`
+    finds it (torch's spinning intra-op workers take the work at once), else the native pool
+    (``qc_run_rows``).  The values are taken ``chunk`` at a time from a shared counter, and each
+    thread's part counts into its own partial histogram; the partials are integer counts, so their
+    sum is bit for bit the one-thread result, whoever took which chunk.  ``used`` (a list) gets the
+    number of threads that binned values appended (for tests and benchmarks).
     """
-    if _histogram_call(x, per_unit, hist, None, threads) == -2:
+    if _histogram_call(x, per_unit, hist, None, threads, chunk, omp, used) == -2:
         raise ConfigError(f"histogram_abs: a value of x is NaN or at least the range ({hist.numel()} / {per_unit}); "
                           f"the caller must widen the range first")
 
 
-def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor,
-                         threads: int = 1) -> Optional[tuple[float, float]]:
+def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor, threads: int = 1,
+                         chunk: int = HIST_CHUNK, omp: bool = True,
+                         used: Optional[list] = None) -> Optional[tuple[float, float]]:
     """:func:`histogram_abs` and ``(min(x), max(x))`` in one pass, when every ``|x| * per_unit`` is
     below ``hist.numel()`` and no value is NaN; otherwise None and ``hist`` is unchanged (the caller
-    computes the range and bins again).  At most :data:`FUSED_MAX` values.  ``threads`` as in
-    :func:`histogram_abs` (the min/max of the parts are combined: the same result)."""
+    computes the range and bins again).  At most :data:`FUSED_MAX` values.  ``threads``, ``chunk``,
+    ``omp`` and ``used`` as in :func:`histogram_abs` (the min/max of the parts are combined: the same result)."""
     if x.numel() > FUSED_MAX:
         raise ConfigError(f"histogram_abs_minmax: at most {FUSED_MAX} values, got {x.numel()}")
     mm = torch.empty(2, dtype=torch.float32)
-    if _histogram_call(x, per_unit, hist, mm, threads) != 0:
+    if _histogram_call(x, per_unit, hist, mm, threads, chunk, omp, used) != 0:
         return None
     lo, hi = mm.tolist()
     return lo, hi

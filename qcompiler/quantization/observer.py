@@ -49,6 +49,7 @@ from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native.build import native_enabled
 from qcompiler.native.kernels import FUSED_MAX, histogram_abs, histogram_abs_minmax, rows_minmax
+from qcompiler.native.openmp import parallel_entry
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
 __all__ = [
@@ -456,22 +457,23 @@ def _helper() -> ThreadPoolExecutor:
     return _bincount_helper[1]
 
 
-_NATIVE_PART = 1 << 17  # values per native histogram thread at least (starting a thread costs ~20 us)
-# Binning one batch on several native threads is exact but measured slower on the idle 2-core
-# machine (mobilenet_v2 calibration at 2 threads: 109.5 ms per batch split, 92.3 ms on one thread):
-# the threads compete with torch's OpenMP workers, which keep spinning after each float op.  Off
-# until it measures faster; docs/performance.md, "Calibration on both cores".
-SPLIT_HISTOGRAM = False
+_NATIVE_PART = 1 << 16  # values from which a histogram is split over threads (measured break-even ~2**15)
+# Bin a large batch on torch's OpenMP team (torch.get_num_threads() threads), as the float forward
+# runs: exact (integer partial counts), and measured faster at 2 threads.  Only on torch's own
+# OpenMP runtime: a thread of our own waited for the core torch's spinning workers hold after each
+# op (docs/performance.md, "Calibration on both cores").
+SPLIT_HISTOGRAM = True
 
 
 def _native_threads(numel: int) -> int:
     """Threads the native histogram of ``numel`` values is split over: 1, or with
-    :data:`SPLIT_HISTOGRAM` as many as torch may use (``torch.get_num_threads()``, what the float
-    forward uses), at most one per :data:`_NATIVE_PART` values.  The result does not depend on it
+    :data:`SPLIT_HISTOGRAM`, at least :data:`_NATIVE_PART` values and torch's OpenMP runtime found
+    (:func:`~qcompiler.native.openmp.parallel_entry`), as many as torch uses
+    (``torch.get_num_threads()``, what the float forward uses).  The result does not depend on it
     (``histogram_abs``: exact partial sums)."""
-    if not SPLIT_HISTOGRAM:
+    if not SPLIT_HISTOGRAM or numel < _NATIVE_PART or parallel_entry() is None:
         return 1
-    return max(1, min(torch.get_num_threads(), numel // _NATIVE_PART))
+    return torch.get_num_threads()
 
 
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
