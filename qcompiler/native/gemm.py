@@ -38,7 +38,18 @@ import torch
 import torch.nn.functional as F
 
 from qcompiler.errors import ConfigError
-from qcompiler.native.kernels import ENV_VNNI, INT64_LIMIT, MAX_SHIFT, _check, _fn, _ok, int8_acc_bound, vnni_enabled
+from qcompiler.native.kernels import (
+    ENV_VNNI,
+    F64_EXACT,
+    INT64_LIMIT,
+    MAX_SHIFT,
+    _check,
+    _fn,
+    _ok,
+    f64_epilogue,
+    int8_acc_bound,
+    vnni_enabled,
+)
 
 __all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
 
@@ -46,7 +57,6 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _INT = {torch.int8: "i8", torch.int16: "i16"}
 _ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P)
 _ARGS_MT = _ARGS + (ctypes.c_int,)
-F64_EXACT = 1 << 53
 _I32 = 1 << 31
 
 
@@ -100,13 +110,10 @@ class Int8Gemm:
         self.M = M.to(torch.int64).reshape(-1).expand(O).contiguous()
         self.n = n.to(torch.int64).reshape(-1).expand(O).contiguous()
         self.add = add
-        # without a fused add and with |acc| * |M| < 2**53: the float64 epilogue (exact, fewer operations)
+        # without a fused add: the float64 epilogues where their bounds hold (f64_epilogue: 1 with
+        # |acc| * |M| < 2**53, 2 with |acc| * |M| / 2**n < 2**31 - 1 on every channel as well), else int64
         bound = self.acc_bound(w, bias)
-        self.f64 = int(add is None and bound * int(self.M.abs().max()) < F64_EXACT)
-        # and with |acc| * |M| / 2**n < 2**31 - 1 on every channel: the products convert to int32 without
-        # overflow, the clamp runs in int32 (f64 == 2: fewer operations)
-        if self.f64 and all(bound * abs(m) < (_I32 - 1) << s for m, s in zip(self.M.tolist(), self.n.tolist())):
-            self.f64 = 2
+        self.f64 = f64_epilogue(bound, self.M, self.n) if add is None else 0
         # with a fused add whose sum over the common denominator 2**s stays below 2**53 and below (2**31 - 1) * 2**s
         # on every channel: the float64 epilogue with the add (f64 == 3; exact sums, one rounding to an integer)
         if add is not None and all(x < F64_EXACT and x < (_I32 - 1) << s for x, s in self._fused_bounds(bound, add)):
