@@ -618,3 +618,16 @@ def test_the_simulators_quantize_and_global_pool_equal_the_reference(N, C, H, W,
             assert torch.equal(got[k], ref[k]), (native, k)
     q = BpuSimulator(prog, native=True)
     assert "_fast_quantize" in {getattr(s[0], "__qualname__", "").split(".")[0] for s in q._steps}
+
+
+@needs_native
+@pytest.mark.parametrize("lo,hi,dtype", [(-(1 << 32), 1 << 32, torch.int16), (-128, 1000, torch.int8),
+                                         (-40000, 0, torch.int16), (5, 4, torch.int8)])
+def test_a_depthwise_clamp_outside_the_output_type_is_refused(lo, hi, dtype):
+    """The VNNI kernel clamps in int32 and narrows by saturation, the scalar one narrows by a cast: a
+    clamp range outside the output type would make them disagree (or cut it to int32), so it is refused."""
+    w = torch.ones(16, 1, 3, 3, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="clamp"):
+        DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), torch.tensor([1000]), torch.tensor([16]), lo, hi, dtype)
+    DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), torch.tensor([1000]), torch.tensor([16]),
+                  torch.iinfo(dtype).min, torch.iinfo(dtype).max, dtype)  # the type's own range is fine

@@ -1371,8 +1371,11 @@ class _NativeDepthwiseLayer:
         if bound >= _I32 or bound * int(T["M"].to(torch.int64).abs().max()) >= 1 << 62:
             return None
         lo, hi = _act_clamp(a)
-        kernel = DepthwiseConv(w, bias, a["stride"], a["padding"], a["dilation"], T["M"], T["n"], lo, hi,
-                               _STORAGE[a["out_dtype"]])
+        try:
+            kernel = DepthwiseConv(w, bias, a["stride"], a["padding"], a["dilation"], T["M"], T["n"], lo, hi,
+                                   _STORAGE[a["out_dtype"]])
+        except ConfigError:  # a layer the kernel refuses (e.g. an empty clamp range): the reference runs it
+            return None
         return _NativeDepthwiseLayer(kernel, _fixed_point_weight_layer(k.op, k.name))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

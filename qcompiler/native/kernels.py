@@ -308,6 +308,10 @@ class DepthwiseConv:
             raise ConfigError(f"DepthwiseConv: the accumulator bound {self.bound} reaches 2**31")
         if int(w.abs().max()) > 128:
             raise ConfigError("DepthwiseConv: weights must be int8 values")
+        info = torch.iinfo(out_dtype)
+        if not info.min <= int(lo) <= int(hi) <= info.max:  # the kernels narrow by saturation or by a cast
+            raise ConfigError(f"DepthwiseConv: the clamp [{lo}, {hi}] must lie within {out_dtype}'s range "
+                              f"[{info.min}, {info.max}]")
         M = M.to(torch.int64).reshape(-1).expand(C).contiguous()
         n = n.to(torch.int64).reshape(-1).expand(C).contiguous()
         self.plan = Requant(M, n, lo, hi, self.bound)  # checks shifts, M and the clamp range
