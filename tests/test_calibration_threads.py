@@ -357,3 +357,27 @@ def test_the_histogram_split_follows_torchs_threads(monkeypatch):
     monkeypatch.setattr(observer_module, "parallel_entry", lambda: None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert observer_module._native_threads(1 << 24) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_does_not_use_the_openmp_team():
+    """GNU OpenMP's team does not survive a fork (a parallel region there never returns): in a child
+    forked after torch's team started, parallel_entry() is None and the histogram bins on one thread."""
+    code = (
+        "import os, torch\n"
+        "from qcompiler.native import openmp\n"
+        "from qcompiler.native.kernels import histogram_abs\n"
+        "torch.set_num_threads(2)\n"
+        "torch.ones(4_000_000).add_(1)\n"
+        "parent = openmp.parallel_entry()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    h = torch.zeros(64, dtype=torch.float64)\n"
+        "    histogram_abs(torch.rand(1 << 20), 64.0, h, threads=2)\n"
+        "    print('child', openmp.parallel_entry(), int(h.sum()), flush=True)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('parent', parent is not None or openmp._find() is None, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert "child None 1048576" in out.stdout and "parent True" in out.stdout, out.stdout + out.stderr

@@ -143,6 +143,10 @@ def test_int8_gemm_refuses_what_it_cannot_do_exactly():
     with pytest.raises(ConfigError, match="128-bit"):
         Int8Gemm(w, None, M << 29, n, -128, 127, torch.int8, add=(1 << 30, 62, torch.int16))
     k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
+    x3 = torch.zeros(3, 8, dtype=torch.int8)
+    for bad_out, m1 in ((torch.empty(2, 4, dtype=torch.int8), 3), (torch.empty(3, 4, dtype=torch.int16), 3)):
+        with pytest.raises(ConfigError, match="run_rows"):  # the unchecked core still guards its writes
+            k.run_rows(x3, 8, None, bad_out, None, 0, m1)
     with pytest.raises(ConfigError, match="int8 \\(rows, 8\\)"):
         k(torch.zeros(3, 7, dtype=torch.int8))
     with pytest.raises(ConfigError, match="int8 \\(rows, 8\\)"):

@@ -1772,6 +1772,8 @@ class _NativeGemmLayer:
             out = torch.empty((rows.shape[0], g.O), dtype=g.out_dtype)
             g(rows, out, o2, parts=row_parts(part_budget(), rows.shape[0] * g.K * g.O))
             return out.reshape(*lead, g.O)
+        if other is not None and other.dim() != 4:  # not an NCHW operand: the reference says what it is
+            return self.fallback(x, other)
         o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
         if self.pointwise:
             N, _, Ho, Wo = x.shape

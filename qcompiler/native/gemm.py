@@ -209,9 +209,13 @@ class Int8Gemm:
         """The kernel on output rows ``m0:m1`` with NO checks: what ``__call__`` and ``conv`` run after
         theirs, for a caller that has made the same checks once (the simulator's layers, per input
         shape).  ``x``: rows of stride ``ldx`` (``geo`` None) or the NHWC input of ``geo``
-        (:meth:`conv_geometry`); ``out``/``other`` contiguous (rows, O)."""
+        (:meth:`conv_geometry`); ``out``/``other`` contiguous (rows, O).  Only the row range against
+        ``out``'s size is checked (a cheap guard against writing past it)."""
         if m1 <= m0:
             return
+        if m0 < 0 or out.numel() < m1 * self.O or out.dtype != self.out_dtype or x.dtype != torch.int8:
+            raise ConfigError(f"Int8Gemm.run_rows: rows [{m0}, {m1}) do not fit out {tuple(out.shape)} {out.dtype} "
+                              f"(x {x.dtype})")
         args = (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
                 self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr())
         _ok(self._fmt(*args, int(parts)) if parts > 1 else self._f(*args))

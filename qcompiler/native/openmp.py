@@ -58,8 +58,15 @@ def _find() -> Optional[int]:
 
 
 def parallel_entry() -> Optional[int]:
-    """The address of torch's OpenMP ``GOMP_parallel``, or None (see the module docstring)."""
+    """The address of torch's OpenMP ``GOMP_parallel``, or None (see the module docstring).  None in
+    a process forked after the runtime started its team: GNU OpenMP's team does not survive a fork
+    (a region there never returns), so the callers bin on one thread instead."""
     global _entry
     if _entry is _MISSING:
         _entry = _find()
+    if _entry is not None and os.getpid() != _PID:
+        return None
     return _entry  # type: ignore[return-value]
+
+
+_PID = os.getpid()  # the process this module was imported in (a forked child has another id)
