@@ -1382,9 +1382,7 @@ class _NativeDepthwiseLayer:
         if x.dim() != 4 or x.dtype != torch.int8 or x.shape[1] != self.kernel.C or min(
                 self.kernel.out_size(x.shape[2], x.shape[3])) <= 0:
             return self.fallback(x)
-        xl = x.permute(0, 2, 3, 1)
-        if not xl.is_contiguous():
-            xl = xl.contiguous()
+        xl = x.permute(0, 2, 3, 1).contiguous()  # NHWC memory (no copy when it is already)
         N, Ho, Wo = xl.shape[0], *self.kernel.out_size(xl.shape[1], xl.shape[2])
         # the chunk's lent workers (batch < threads) split the output rows natively
         parts = row_parts(part_budget(), N * Ho * Wo * self.kernel.C * self.kernel.kh * self.kernel.kw)
@@ -1774,14 +1772,12 @@ class _NativeGemmLayer:
             return out.reshape(*lead, g.O)
         if other is not None and other.dim() != 4:  # not an NCHW operand: the reference says what it is
             return self.fallback(x, other)
-        o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
         if self.pointwise:
             N, _, Ho, Wo = x.shape
             if other is not None and other.shape != (N, g.O, Ho, Wo):  # a broadcast operand
                 return self.fallback(x, other)
-            xl = x.permute(0, 2, 3, 1)
-            if not xl.is_contiguous():
-                xl = xl.contiguous()
+            o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
+            xl = x.permute(0, 2, 3, 1).contiguous()
             P = N * Ho * Wo
             out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
             # the checks Int8Gemm.__call__ makes hold here: NHWC rows of K, a fresh out, o4 (P, O)
@@ -1793,9 +1789,8 @@ class _NativeGemmLayer:
         if plan is None or (other is not None and other.shape != (plan[1][0], g.O, *plan[1][1:3])):
             return self.fallback(x) if other is None else self.fallback(x, other)  # (or a broadcast operand)
         geo, shape, rows, work = plan
-        xl = x.permute(0, 2, 3, 1)
-        if not xl.is_contiguous():
-            xl = xl.contiguous()
+        o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
+        xl = x.permute(0, 2, 3, 1).contiguous()  # NHWC memory (no copy when it is already)
         out = torch.empty(shape, dtype=g.out_dtype)
         g.run_rows(xl, g.K, geo, out, o4, 0, rows, parts=row_parts(part_budget(), work))
         return out.permute(0, 3, 1, 2)
