@@ -206,6 +206,8 @@ def run_split(fn: Callable[..., Any], args: Sequence[Any], threads: int) -> Any:
     if n_batch is None or n_batch < 1:
         return fn(*args)
     n = min(threads, n_batch)
+    if n == 1:  # one sample: no chunks to hand out; the caller computes it, cutting its ops over all threads
+        return _with_budget(threads, fn, args)
     _POOL.ensure(threads)
     budgets = [threads // n + (i < threads % n) for i in range(n)]  # the idle workers, lent to the chunks
     futures = [_POOL.submit(_with_budget, (budget, fn, chunk))

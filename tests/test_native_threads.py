@@ -28,6 +28,7 @@ from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.native import gemm as gemm_mod
 from qcompiler.native.gemm import ENV_THREADS, SPLIT_MIN_WORK, Int8Gemm, row_parts
 from qcompiler.native.kernels import DepthwiseConv
+from qcompiler.native.plan import ENV_PLAN
 from qcompiler.parallel import run_split
 from qcompiler.quantization import fixed_point as fp
 
@@ -120,8 +121,9 @@ def test_row_parts_follows_the_budget_the_threshold_and_the_environment(monkeypa
 def test_the_simulator_splits_native_layers_by_the_chunks_budget(batch, threads, want, monkeypatch):
     """Batch 1 at 2 threads: the one chunk has a budget of 2 and its GEMM and depthwise calls are cut in
     2; batch 2 at 2 threads: a chunk per worker, budget 1, no cut (no over-subscription).  The outputs
-    are the fixed_point kernels' bit for bit either way."""
+    are the fixed_point kernels' bit for bit either way.  (The op-by-op path: a plan cuts its steps in C.)"""
     monkeypatch.delenv(ENV_THREADS, raising=False)
+    monkeypatch.setenv(ENV_PLAN, "0")
     monkeypatch.setattr(gemm_mod, "SPLIT_MIN_WORK", 1)
     seen: list = []
     real_rows, real_dw = Int8Gemm.run_rows, DepthwiseConv.__call__

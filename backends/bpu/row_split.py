@@ -119,6 +119,14 @@ class RowSplitConv:
                     self._band = self._build_band(self._band_op)
         return self._band
 
+    def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> Optional[tuple]:
+        """The whole layer's plan step, if it has one (a plan cuts its steps' rows itself); none while
+        this split is ``enabled`` (it then runs as asked, op by op)."""
+        step = getattr(self.whole, "plan_step", None)
+        if step is None or self.enabled:
+            return None
+        return step(x) if other is None else step(x, other)
+
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = part_budget() if self.enabled else 1
         if n < 2 or x.dim() != 4:

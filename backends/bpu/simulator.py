@@ -104,6 +104,7 @@ import torch.nn.functional as F
 
 from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
+from qcompiler.backends.bpu.plan import ProgramPlan, StalePlan
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.backends.bpu.row_split import RowSplitConv
 from qcompiler.errors import ConfigError, UnsupportedOpError
@@ -117,10 +118,12 @@ from qcompiler.native.kernels import (
     Requant,
     int32_requant,
     max_pool_nhwc,
+    max_pool_nhwc_step,
     quantize_f32,
     requant_columns,
     requant_columns32,
 )
+from qcompiler.native.plan import plans_enabled
 from qcompiler.nn import quantized as qnn
 from qcompiler.parallel import part_budget, resolve_threads, run_split
 from qcompiler.quantization import fixed_point as fp
@@ -137,6 +140,9 @@ _I32 = 1 << 31
 _STORAGE = {"qint8": torch.int8, "qint16": torch.int16, "qint32": torch.int32}
 # largest |value| of each integer type (for static bounds)
 _AMAX = {"qint8": 128, "qint16": 1 << 15, "qint32": 1 << 31}
+# input shapes a thread keeps a plan for (each holds every native layer's output buffer)
+_PLANS_PER_THREAD = 4
+
 # 2**b >= qmax + 1: the magnitude below which requantized values are not clamped
 _OUT_BITS = {"qint8": 7, "qint16": 15, "qint32": 31}
 
@@ -191,7 +197,7 @@ class BpuSimulator:
     """
 
     def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None,
-                 onednn: Optional[bool] = None, native: Optional[bool] = None) -> None:
+                 onednn: Optional[bool] = None, native: Optional[bool] = None, plan: Optional[bool] = None) -> None:
         if kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         program.validate()
@@ -225,6 +231,13 @@ class BpuSimulator:
             self._steps.append((fn, tuple(op.inputs), op.output, free))
         self._in_checks = [(v, _input_check(v, program.name)) for v in program.inputs]
         self._out_wrap = [(v.name, _output_wrap(v)) for v in program.outputs]
+        self._outputs = tuple(v.name for v in program.outputs)
+        # native layers run back to back in C, per thread and input shape (backends/bpu/plan.py)
+        # (plan=False: op by op, as the op-by-op tests and benchmarks/native_plan.py need; None: unless
+        # QCOMPILER_NATIVE_PLAN=0)
+        self._planned = (self.native and (plans_enabled() if plan is None else bool(plan))
+                         and any(hasattr(fn, "plan_step") for fn, *_ in self._steps))
+        self._plans = threading.local()
 
     def run(self, inputs: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(inputs, dict):
@@ -236,11 +249,41 @@ class BpuSimulator:
                 raise ConfigError(f"program {self.program.name}: missing input '{spec.name}'")
             env[spec.name] = check(inputs[spec.name])
         with torch.no_grad():
+            if self._planned:
+                env = self._run_planned(env)
+            else:
+                for fn, ins, out, free in self._steps:
+                    env[out] = fn(*[env[i] for i in ins])
+                    for name in free:
+                        del env[name]
+        return {name: wrap(env[name]) for name, wrap in self._out_wrap}
+
+    def _run_planned(self, env: dict[str, Any]) -> dict[str, Any]:
+        """The call through this thread's plan for these input shapes (``backends/bpu/plan.py``),
+        built on the first call with them."""
+        plans = getattr(self._plans, "by_shape", None)
+        if plans is None:
+            plans = self._plans.by_shape = {}
+        key = tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in env.values())
+        parts = part_budget()
+        plan = plans.get(key, False)
+        if plan is False:
+            if len(plans) >= _PLANS_PER_THREAD:  # the oldest shape's buffers go
+                del plans[next(iter(plans))]
+            plans[key], env = ProgramPlan.build(self._steps, self._outputs, env, parts)
+            return env
+        if plan is None:  # no op of this program has a native step on these shapes
             for fn, ins, out, free in self._steps:
                 env[out] = fn(*[env[i] for i in ins])
                 for name in free:
                     del env[name]
-        return {name: wrap(env[name]) for name, wrap in self._out_wrap}
+            return env
+        inputs = dict(env)
+        try:
+            return plan.run(env, parts)
+        except StalePlan:
+            del plans[key]
+            return self._run_planned(inputs)
 
     __call__ = run
 
@@ -1378,9 +1421,23 @@ class _NativeDepthwiseLayer:
             return None
         return _NativeDepthwiseLayer(kernel, _fixed_point_weight_layer(k.op, k.name))
 
+    def _native(self, x: torch.Tensor) -> bool:
+        return x.dim() == 4 and x.dtype == torch.int8 and x.shape[1] == self.kernel.C and min(
+            self.kernel.out_size(x.shape[2], x.shape[3])) > 0
+
+    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+        """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None (the reference, a layout
+        copy first, or the scalar kernel)."""
+        xl = x.permute(0, 2, 3, 1)
+        if not self._native(x) or not xl.is_contiguous():
+            return None
+        Ho, Wo = self.kernel.out_size(xl.shape[1], xl.shape[2])
+        out = torch.empty((xl.shape[0], Ho, Wo, self.kernel.C), dtype=self.kernel.out_dtype)
+        spec = self.kernel.step(xl, out)
+        return None if spec is None else (out.permute(0, 3, 1, 2), spec)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.dtype != torch.int8 or x.shape[1] != self.kernel.C or min(
-                self.kernel.out_size(x.shape[2], x.shape[3])) <= 0:
+        if not self._native(x):
             return self.fallback(x)
         xl = x.permute(0, 2, 3, 1).contiguous()  # NHWC memory (no copy when it is already)
         N, Ho, Wo = xl.shape[0], *self.kernel.out_size(xl.shape[1], xl.shape[2])
@@ -1478,7 +1535,7 @@ class _FastMaxPool:
         if 2 * ph > kh or 2 * pw > kw:  # torch rejects this; let it say so
             return fp.int_max_pool2d(x, self.k, self.s, self.p, self.d, self.ceil)
         Ho, Wo = fp.max_pool_out_size(H, kh, sh, ph, dh, self.ceil), fp.max_pool_out_size(W, kw, sw, pw, dw, self.ceil)
-        if self.native and x.dtype in (torch.int8, torch.int16) and x.is_contiguous(memory_format=torch.channels_last):
+        if self._native(x):
             # one native pass, channels-last in and out (3-6x torch's quantized pool on resnet18's and
             # unet's pools, docs/performance.md)
             return max_pool_nhwc(x, self.k, self.s, self.p, self.d, (Ho, Wo))
@@ -1504,6 +1561,28 @@ class _FastMaxPool:
                 out = win.clone(memory_format=torch.contiguous_format) if out is None else \
                     torch.maximum(out, win, out=out)
         return out.permute(1, 0, 2, 3)
+
+    def _out_hw(self, x: torch.Tensor) -> tuple[int, int]:
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = self.k, self.s, self.p, self.d
+        return (fp.max_pool_out_size(x.shape[2], kh, sh, ph, dh, self.ceil),
+                fp.max_pool_out_size(x.shape[3], kw, sw, pw, dw, self.ceil))
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """Whether the call is one native pass (a channels-last int8/int16 input torch would pool)."""
+        (kh, kw), (ph, pw) = self.k, self.p
+        return (self.native and x.dim() == 4 and x.dtype in (torch.int8, torch.int16) and 2 * ph <= kh
+                and 2 * pw <= kw and x.is_contiguous(memory_format=torch.channels_last))
+
+    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+        """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None where the call is not the
+        native pass."""
+        if not self._native(x):
+            return None
+        Ho, Wo = self._out_hw(x)
+        out = torch.empty((x.shape[0], Ho, Wo, x.shape[1]), dtype=x.dtype).permute(0, 3, 1, 2)
+        if not out.numel():
+            return None
+        return out, max_pool_nhwc_step(x, self.k, self.s, self.p, self.d, out)
 
     def _qint8(self, x: torch.Tensor) -> torch.Tensor:
         """torch's quantized max pool on the int8 values viewed as a qint8 tensor (scale 1, zero
@@ -1756,44 +1835,67 @@ class _NativeGemmLayer:
         return _NativeGemmLayer(gemm, conv, None if add is None else add[2], _fixed_point_weight_layer(k.op, k.name))
 
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ops = self._operands(x, other, copy=True)
+        if ops is None:
+            return self.fallback(x) if other is None else self.fallback(x, other)
+        xo, geo, oo, out, rows, work, result = ops
+        # the checks Int8Gemm.__call__ makes hold here: rows of K (NHWC rows, or the NHWC input of geo),
+        # a fresh out, oo (rows, O)
+        self.gemm.run_rows(xo, self.gemm.K, geo, out, oo, 0, rows, parts=row_parts(part_budget(), work))
+        return result
+
+    def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> Optional[tuple]:
+        """The call as a plan step (``backends/bpu/plan.py``): (its result, a
+        :class:`~qcompiler.native.plan.StepSpec` that fills it), or None when the call would not be
+        one kernel call on its inputs as they lie (the reference, or a layout copy first)."""
+        ops = self._operands(x, other, copy=False)
+        if ops is None:
+            return None
+        xo, geo, oo, out, rows, _, result = ops
+        return result, self.gemm.step(xo, self.gemm.K, geo, out, oo, 0, rows)
+
+    def _operands(self, x: torch.Tensor, other: Optional[torch.Tensor], copy: bool) -> Optional[tuple]:
+        """(x's rows / NHWC memory, geometry, the fused operand's rows, the output, rows, multiply-adds,
+        the result to return): what one kernel call takes, or None where the reference runs (and,
+        without ``copy``, where an operand is not already in the layout the kernel reads)."""
         g, cv = self.gemm, self.conv
         if (x.dtype != torch.int8 or (other is not None and other.dtype != self.other_dtype)
                 or (cv is not None and (x.dim() != 4 or x.shape[1] * cv["kernel_size"][0] * cv["kernel_size"][1] != g.K))
                 or (cv is None and (x.dim() < 1 or x.shape[-1] != g.K))):
-            return self.fallback(x) if other is None else self.fallback(x, other)
+            return None
         if cv is None:
             lead = x.shape[:-1]
             if other is not None and other.shape != (*lead, g.O):  # a broadcast operand: the reference takes it
-                return self.fallback(x, other)
-            rows = x.reshape(-1, g.K).contiguous()
-            o2 = None if other is None else other.reshape(-1, g.O).contiguous()
-            out = torch.empty((rows.shape[0], g.O), dtype=g.out_dtype)
-            g(rows, out, o2, parts=row_parts(part_budget(), rows.shape[0] * g.K * g.O))
-            return out.reshape(*lead, g.O)
+                return None
+            xo, oo = x.reshape(-1, g.K), None if other is None else other.reshape(-1, g.O)
+            if not copy and not (xo.is_contiguous() and (oo is None or oo.is_contiguous())):
+                return None
+            xo, oo = xo.contiguous(), None if oo is None else oo.contiguous()
+            P = xo.shape[0]
+            out = torch.empty((P, g.O), dtype=g.out_dtype)
+            return xo, None, oo, out, P, P * g.K * g.O, out.reshape(*lead, g.O)
         if other is not None and other.dim() != 4:  # not an NCHW operand: the reference says what it is
-            return self.fallback(x, other)
+            return None
         if self.pointwise:
             N, _, Ho, Wo = x.shape
-            if other is not None and other.shape != (N, g.O, Ho, Wo):  # a broadcast operand
-                return self.fallback(x, other)
-            o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
-            xl = x.permute(0, 2, 3, 1).contiguous()
-            P = N * Ho * Wo
-            out = torch.empty((N, Ho, Wo, g.O), dtype=g.out_dtype)
-            # the checks Int8Gemm.__call__ makes hold here: NHWC rows of K, a fresh out, o4 (P, O)
-            g.run_rows(xl, g.K, None, out, o4, 0, P, parts=row_parts(part_budget(), P * g.K * g.O))
-            return out.permute(0, 3, 1, 2)
-        plan = self._plans.get(tuple(x.shape), False)
-        if plan is False:
-            plan = self._plans[tuple(x.shape)] = self._conv_plan(tuple(x.shape))
-        if plan is None or (other is not None and other.shape != (plan[1][0], g.O, *plan[1][1:3])):
-            return self.fallback(x) if other is None else self.fallback(x, other)  # (or a broadcast operand)
-        geo, shape, rows, work = plan
-        o4 = None if other is None else other.permute(0, 2, 3, 1).contiguous()
-        xl = x.permute(0, 2, 3, 1).contiguous()  # NHWC memory (no copy when it is already)
+            geo, shape, rows = None, (N, Ho, Wo, g.O), N * Ho * Wo
+            work = rows * g.K * g.O
+        else:
+            plan = self._plans.get(tuple(x.shape), False)
+            if plan is False:
+                plan = self._plans[tuple(x.shape)] = self._conv_plan(tuple(x.shape))
+            if plan is None:  # an input smaller than the kernel
+                return None
+            geo, shape, rows, work = plan
+        if other is not None and other.shape != (shape[0], g.O, *shape[1:3]):  # a broadcast operand
+            return None
+        # NHWC memory (no copy when it is already)
+        xo, oo = x.permute(0, 2, 3, 1), None if other is None else other.permute(0, 2, 3, 1)
+        if not copy and not (xo.is_contiguous() and (oo is None or oo.is_contiguous())):
+            return None
+        xo, oo = xo.contiguous(), None if oo is None else oo.contiguous()
         out = torch.empty(shape, dtype=g.out_dtype)
-        g.run_rows(xl, g.K, geo, out, o4, 0, rows, parts=row_parts(part_budget(), work))
-        return out.permute(0, 3, 1, 2)
+        return xo, geo, oo, out, rows, work, out.permute(0, 3, 1, 2)
 
     def _conv_plan(self, shape: tuple) -> Optional[tuple]:
         cv, g = self.conv, self.gemm

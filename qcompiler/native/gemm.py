@@ -50,6 +50,7 @@ from qcompiler.native.kernels import (
     int8_acc_bound,
     vnni_enabled,
 )
+from qcompiler.native.plan import StepSpec
 
 __all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
 
@@ -120,6 +121,7 @@ class Int8Gemm:
             self.f64 = 3
         name = f"qc_gemm_{_INT[out_dtype]}" if add is None else f"qc_gemm_add_{_INT[add[2]]}_{_INT[out_dtype]}"
         self._f, self._fmt = _fn(name, _ARGS), _fn(name + "_mt", _ARGS_MT)
+        self._fstep = _fn(name + "_step", (_P, _P) + _ARGS)
         self.Mb, self.nb = (0, 0) if add is None else (int(add[0]), int(add[1]))
         # the constant arguments, once (a call's Python overhead matters on small layers)
         self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
@@ -213,12 +215,21 @@ class Int8Gemm:
         ``out``'s size is checked (a cheap guard against writing past it)."""
         if m1 <= m0:
             return
+        args = self._args(x, ldx, geo, out, other, m0, m1)
+        _ok(self._fmt(*args, int(parts)) if parts > 1 else self._f(*args))
+
+    def _args(self, x, ldx, geo, out, other, m0, m1) -> tuple:
         if m0 < 0 or out.numel() < m1 * self.O or out.dtype != self.out_dtype or x.dtype != torch.int8:
             raise ConfigError(f"Int8Gemm.run_rows: rows [{m0}, {m1}) do not fit out {tuple(out.shape)} {out.dtype} "
                               f"(x {x.dtype})")
-        args = (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
+        return (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
                 self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr())
-        _ok(self._fmt(*args, int(parts)) if parts > 1 else self._f(*args))
+
+    def step(self, x: torch.Tensor, ldx: int, geo: Optional[torch.Tensor], out: torch.Tensor,
+             other: Optional[torch.Tensor], m0: int, m1: int) -> StepSpec:
+        """:meth:`run_rows` as a plan step (:class:`~qcompiler.native.plan.NativeSteps`): the same
+        arguments and the same guard, run later, on the same buffers."""
+        return StepSpec(self._fstep, self._args(x, ldx, geo, out, other, m0, m1), (self, x, geo, out, other))
 
     def conv(self, x: torch.Tensor, kernel_size, stride, padding, dilation, other: Optional[torch.Tensor] = None,
              m0: int = 0, m1: Optional[int] = None, out: Optional[torch.Tensor] = None, parts: int = 1) -> torch.Tensor:

@@ -14,6 +14,7 @@
 #endif
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -559,6 +560,106 @@ QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t col
 }
 /* ==== end of calibration kernels =========================================================== */
 
+/* ==== a program's native layers in one call (the simulator's plans) =========================
+ * A step is one native kernel on fixed buffers: fn(ctx, r0, r1) computes output rows [r0, r1) of
+ * [m0, m1) (disjoint rows, each computed as by the whole call, so any cut gives the same bits).  The
+ * *_step builders below fill a step and its argument block (caller-owned memory of
+ * qc_plan_sizes()[1] bytes) instead of running the kernel; the simulator builds a program's steps
+ * once per input shape and then runs them all with one qc_run_plan call: no Python between layers.
+ *
+ * qc_run_plan(steps, n, parts, min_work, omp): the steps in order.  parts <= 1: each step whole, on
+ * the calling thread.  parts > 1 with omp (torch's GOMP_parallel, qcompiler/native/openmp.py): one
+ * parallel region of torch's own team for the whole plan.  A step of at least min_work units is cut
+ * into up to 2 * parts chunks of rows (multiples of its align), taken from a shared counter by
+ * whichever member comes; a smaller step is one chunk.  A member that finds no chunk left waits
+ * (spinning, then yielding) until every chunk of the step is done before it starts the next, so a
+ * step reads only finished inputs.  Nothing depends on the team's size (a smaller team than asked
+ * for does more chunks each; a team of one runs them all).  parts > 1 without omp: each large step
+ * through qc_run_rows (the native pool).  Returns the first nonzero step result (out of memory), else 0. */
+typedef struct {
+    qc_rows_fn fn;
+    void *ctx;
+    int64_t m0, m1, align, work;
+} qc_step;
+
+typedef union { /* room for the largest argument block a builder writes (each checks its own) */
+    int64_t words[32];
+    void *ptrs[32];
+} qc_step_args;
+#define QC_STEP_ARGS_FIT(T) _Static_assert(sizeof(T) <= sizeof(qc_step_args), #T " must fit a step's argument block")
+
+QC_API void qc_plan_sizes(int64_t *sizes) {
+    sizes[0] = (int64_t)sizeof(qc_step);
+    sizes[1] = (int64_t)((sizeof(qc_step_args) + 63) / 64 * 64);
+}
+
+typedef struct {
+    const qc_step *steps;
+    int64_t n, min_work;
+    int parts, rc;
+    int64_t *next, *done; /* per step: the next chunk to take, the chunks finished */
+} plan_job;
+
+static int64_t plan_chunks(const qc_step *st, int parts, int64_t min_work) {
+    const int64_t units = (st->m1 - st->m0 + st->align - 1) / st->align;
+    if (parts <= 1 || st->work < min_work || units <= 1) return units > 0 ? 1 : 0;
+    const int64_t want = (int64_t)parts * QC_CHUNKS_PER_PART;
+    return units < want ? units : want;
+}
+
+static void plan_member(void *ctx) {
+    plan_job *j = ctx;
+    for (int64_t s = 0; s < j->n; s++) {
+        const qc_step *st = &j->steps[s];
+        const int64_t nch = plan_chunks(st, j->parts, j->min_work);
+        const int64_t units = (st->m1 - st->m0 + st->align - 1) / st->align;
+        for (int64_t i; (i = __atomic_fetch_add(&j->next[s], 1, __ATOMIC_RELAXED)) < nch;) {
+            int64_t a = st->m0 + units * i / nch * st->align, b = st->m0 + units * (i + 1) / nch * st->align;
+            a = a < st->m1 ? a : st->m1;
+            b = b < st->m1 ? b : st->m1;
+            const int rc = b > a ? st->fn(st->ctx, a, b) : 0;
+            if (rc) {
+                int zero = 0;
+                __atomic_compare_exchange_n(&j->rc, &zero, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+            }
+            __atomic_add_fetch(&j->done[s], 1, __ATOMIC_RELEASE);
+        }
+        for (int64_t spins = 0; __atomic_load_n(&j->done[s], __ATOMIC_ACQUIRE) < nch; spins++) {
+            __builtin_ia32_pause();
+            if (spins >= 4096) { /* a member descheduled mid-chunk: give its core back */
+                sched_yield();
+                spins = 0;
+            }
+        }
+    }
+}
+
+QC_API int qc_run_plan(const qc_step *steps, int64_t n, int parts, int64_t min_work, void *omp) {
+    if (parts > QC_MAX_PARTS) parts = QC_MAX_PARTS;
+    if (parts <= 1 || n <= 0) {
+        for (int64_t s = 0; s < n; s++) {
+            const int rc = steps[s].m1 > steps[s].m0 ? steps[s].fn(steps[s].ctx, steps[s].m0, steps[s].m1) : 0;
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    if (!omp) {
+        for (int64_t s = 0; s < n; s++) {
+            const int rc = qc_run_rows(steps[s].fn, steps[s].ctx, steps[s].m0, steps[s].m1,
+                                       steps[s].work >= min_work ? parts : 1, steps[s].align);
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    int64_t *counters = calloc((size_t)(2 * n), sizeof(int64_t));
+    if (!counters) return -1;
+    plan_job job = {steps, n, min_work, parts, 0, counters, counters + n};
+    ((qc_omp_parallel_fn)omp)(plan_member, &job, (unsigned)parts, 0);
+    free(counters);
+    return job.rc;
+}
+
+
 /* Quantize on entering the BPU (fixed_point.quantize, per-tensor scale): out[i] =
  * clamp(round_half_even(x[i] / s), lo, hi) for N float32 values, int8 / int16 out.  The division is
  * the IEEE float32 one torch does; the clamp to the integers [lo, hi] commutes with rounding, and
@@ -861,6 +962,39 @@ CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
 
 MAXPOOL_FN(qc_maxpool_nhwc_i8, int8_t, INT8_MIN)
 MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
+
+/* max pool rows: output rows (b, oh) of [r0, r1), as the dw4 rows do (the padding shifted by the
+ * first row, the input and output offset to the sample) */
+typedef struct {
+    const void *x;
+    int64_t H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo;
+    void *out;
+} pool_args;
+
+#define MAXPOOL_STEP_FN(NAME, T)                                                                         \
+    static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
+        const pool_args *a = ctx;                                                                         \
+        for (int64_t r = r0; r < r1;) {                                                                   \
+            const int64_t b = r / a->Ho, oh0 = r % a->Ho, oh1 = r1 - b * a->Ho < a->Ho ? r1 - b * a->Ho : a->Ho; \
+            NAME((const T *)a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->kh, a->kw, a->sh, a->sw,  \
+                 a->ph - oh0 * a->sh, a->pw, a->dh, a->dw, oh1 - oh0, a->Wo,                              \
+                 (T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C);                                          \
+            r = b * a->Ho + oh1;                                                                          \
+        }                                                                                                 \
+        return 0;                                                                                         \
+    }                                                                                                     \
+    QC_API int NAME##_step(qc_step *st, void *ctx, const T *x, int64_t N, int64_t H, int64_t W, int64_t C,  \
+                           int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, \
+                           int64_t dw, int64_t Ho, int64_t Wo, T *out) {                                 \
+        pool_args *a = ctx;                                                                               \
+        *a = (pool_args){x, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out};                        \
+        *st = (qc_step){NAME##_rows, ctx, 0, N * Ho, 1, N * Ho * Wo * C * kh * kw};                       \
+        return 0;                                                                                         \
+    }
+QC_STEP_ARGS_FIT(pool_args);
+
+MAXPOOL_STEP_FN(qc_maxpool_nhwc_i8, int8_t)
+MAXPOOL_STEP_FN(qc_maxpool_nhwc_i16, int16_t)
 /* ==== end of max pool ======================================================================= */
 
 /* ================================================================================================
@@ -1421,6 +1555,26 @@ GEMM_MT_FN(qc_gemm_add_i8_i8, int8_t, int8_t)
 GEMM_MT_FN(qc_gemm_add_i16_i8, int16_t, int8_t)
 GEMM_MT_FN(qc_gemm_add_i8_i16, int8_t, int16_t)
 GEMM_MT_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
+QC_STEP_ARGS_FIT(gemm_args);
+
+/* qc_gemm_*_step: the same call as a plan step (qc_run_plan), rows m0..m1 */
+#define GEMM_STEP_FN(NAME, B_T, OUT_T)                                                                   \
+    QC_API int NAME##_step(qc_step *st, void *ctx, const int8_t *x, int64_t ldx, int64_t m0, int64_t m1,  \
+                           int64_t K, int64_t O, const int8_t *wpack, const int32_t *bias32, const int64_t *M, \
+                           const int64_t *n, const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi,  \
+                           int f64, const int64_t *geo, OUT_T *out) {                                    \
+        gemm_args *a = ctx;                                                                               \
+        *a = (gemm_args){x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out};            \
+        *st = (qc_step){NAME##_rows, ctx, m0, m1, GEMM_MR, (m1 - m0) * K * O};                           \
+        return 0;                                                                                         \
+    }
+
+GEMM_STEP_FN(qc_gemm_i8, int8_t, int8_t)
+GEMM_STEP_FN(qc_gemm_i16, int8_t, int16_t)
+GEMM_STEP_FN(qc_gemm_add_i8_i8, int8_t, int8_t)
+GEMM_STEP_FN(qc_gemm_add_i16_i8, int16_t, int8_t)
+GEMM_STEP_FN(qc_gemm_add_i8_i16, int8_t, int16_t)
+GEMM_STEP_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
 
 /* Depthwise int8 conv (as qc_dwconv_* above: same geometry, same results) with AVX512-VNNI, four
  * horizontal taps per int32 lane (vpdpbusd, u8 x s8 -> int32, wrap-around, not the saturating form).
@@ -1689,6 +1843,22 @@ typedef struct {
 
 DW4_MT_FN(qc_dwconv4_i8_i8, int8_t)
 DW4_MT_FN(qc_dwconv4_i8_i16, int16_t)
+QC_STEP_ARGS_FIT(dw4_args);
+
+/* qc_dwconv4_*_step: the same call as a plan step (qc_run_plan), its N * Ho output rows */
+#define DW4_STEP_FN(NAME, OUT_T)                                                                         \
+    QC_API int NAME##_step(qc_step *st, void *ctx, const int8_t *x, int64_t N, int64_t H, int64_t W, int64_t C, \
+                           const int8_t *w4, int64_t kh, int64_t kw, const int32_t *b32, int64_t sh, int64_t sw, \
+                           int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo, const int64_t *M, \
+                           const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out) {               \
+        dw4_args *a = ctx;                                                                                \
+        *a = (dw4_args){x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out}; \
+        *st = (qc_step){NAME##_rows, ctx, 0, N * Ho, 1, N * Ho * Wo * C * kh * kw};                       \
+        return 0;                                                                                         \
+    }
+
+DW4_STEP_FN(qc_dwconv4_i8_i8, int8_t)
+DW4_STEP_FN(qc_dwconv4_i8_i16, int16_t)
 
 #else
 QC_API int qc_gemm_vnni(void) { return 0; }

@@ -23,8 +23,9 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
 from qcompiler.native.openmp import parallel_entry
+from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "max_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -321,6 +322,7 @@ class DepthwiseConv:
         self.geom = [int(v) for v in (*stride, *padding, *dilation)]
         self.out_dtype = out_dtype
         self._call: Optional[tuple] = None  # (function, weight pointer, bias pointer, constants), on first call
+        self._step: Optional[tuple] = None  # (the step builder, constants), on first use
         # AVX512-VNNI (qc_dwconv4_* in kernels.c): int8 weights in groups of 4 taps of a row, (kh, G, Cp, 4)
         # with G = ceil(kw / 4), Cp = 16 * ceil(C / 16), zeros beyond kw and C; the kernel feeds x + 128 as
         # unsigned bytes, so the bias it starts from is bias - 128 * sum(w) (int32: |.| <= bound < 2**31)
@@ -347,9 +349,7 @@ class DepthwiseConv:
         sh, sw, ph, pw, dh, dw = self.geom
         return (H + 2 * ph - dh * (self.kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (self.kw - 1) - 1) // sw + 1
 
-    def __call__(self, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
-        """``parts > 1``: on the VNNI path, the N * Ho output rows are split over that many native
-        threads (the caller's included; disjoint rows of the same computation, so the same bits)."""
+    def _geometry(self, x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
         _check(x, "DepthwiseConv: x", (torch.int8,))
         if x.dim() != 4 or x.shape[3] != self.C:
             raise ConfigError(f"DepthwiseConv: x must be (N, H, W, {self.C}) channels-last, got {tuple(x.shape)}")
@@ -357,6 +357,29 @@ class DepthwiseConv:
         Ho, Wo = self.out_size(H, W)
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"DepthwiseConv: input {H}x{W} is smaller than the kernel")
+        return N, H, W, C, Ho, Wo
+
+    def step(self, x: torch.Tensor, out: torch.Tensor) -> Optional[StepSpec]:
+        """The call as a plan step (:class:`~qcompiler.native.plan.NativeSteps`) writing ``out``
+        ((N, Ho, Wo, C) contiguous of the output type), or None off the VNNI path (the scalar
+        kernel has no step form: the caller calls it)."""
+        N, H, W, C, Ho, Wo = self._geometry(x)
+        _check(out, "DepthwiseConv: out", (self.out_dtype,), (N, Ho, Wo, C))
+        if not self.vnni:
+            return None
+        if self._step is None:
+            p = self.plan
+            args = (_P, _P, _P) + (_I64,) * 4 + (_P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64, ctypes.c_int, _P)
+            self._step = _fn(f"qc_dwconv4_i8_{_INT[self.out_dtype]}_step", args), (p.M.data_ptr(), p.n.data_ptr(),
+                                                                                   p.lo, p.hi, self.epilogue)
+        f, consts = self._step
+        return StepSpec(f, (x.data_ptr(), N, H, W, C, self.w4.data_ptr(), self.kh, self.kw, self.b32.data_ptr(),
+                            *self.geom, Ho, Wo, *consts, out.data_ptr()), (self, x, out))
+
+    def __call__(self, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """``parts > 1``: on the VNNI path, the N * Ho output rows are split over that many native
+        threads (the caller's included; disjoint rows of the same computation, so the same bits)."""
+        N, H, W, C, Ho, Wo = self._geometry(x)
         out = torch.empty((N, Ho, Wo, C), dtype=self.out_dtype)
         if self._call is None:  # the function and the constant arguments, once
             p = self.plan
@@ -601,3 +624,22 @@ def max_pool_nhwc(x: torch.Tensor, kernel, stride, padding, dilation, out_hw) ->
         f = _fn(f"qc_maxpool_nhwc_{_INT[x.dtype]}", (_P,) + (_I64,) * 14 + (_P,))
         _ok(f(x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()))
     return out.permute(0, 3, 1, 2)
+
+
+def max_pool_nhwc_step(x: torch.Tensor, kernel, stride, padding, dilation, out: torch.Tensor) -> StepSpec:
+    """:func:`max_pool_nhwc` as a plan step writing ``out``, an (N, C, Ho, Wo) view of (N, Ho, Wo, C)
+    memory of ``x``'s dtype (what :func:`max_pool_nhwc` returns)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _INT or x.device.type != "cpu" \
+            or not x.is_contiguous(memory_format=torch.channels_last):
+        raise ConfigError("max_pool_nhwc: x must be a 4-d int8/int16 CPU tensor in channels-last memory")
+    N, C, H, W = x.shape
+    if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or out.dim() != 4 or out.shape[:2] != x.shape[:2] \
+            or not out.is_contiguous(memory_format=torch.channels_last):
+        raise ConfigError(f"max_pool_nhwc: out must be an (N, C, Ho, Wo) {x.dtype} tensor in channels-last memory")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (tuple(int(v) for v in p) for p in (kernel, stride, padding, dilation))
+    if min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+        raise ConfigError(f"max_pool_nhwc: bad geometry kernel {kernel}, stride {stride}, padding {padding}, "
+                          f"dilation {dilation}")
+    Ho, Wo = out.shape[2], out.shape[3]
+    f = _fn(f"qc_maxpool_nhwc_{_INT[x.dtype]}_step", (_P, _P, _P) + (_I64,) * 14 + (_P,))
+    return StepSpec(f, (x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()), (x, out))

@@ -1,0 +1,146 @@
+"""The simulator's plans (backends/bpu/plan.py, qc_run_plan in kernels.c): native layers built once as
+C steps on fixed buffers and run back to back, at 2 threads on torch's OpenMP team with their rows cut
+into chunks.  Steps cut over threads equal the direct calls bit for bit over random geometries; whole
+zoo models run planned equal the op-by-op run and the converted model, on the plan's first call (built
+while running) and later ones, at 1 and 2 threads, for two input shapes; outputs do not alias between
+calls; a plan whose values change shape is dropped, not trusted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_native_gemm import _OUT, SETTINGS, _gemm_program, conv_case_tensors, conv_cases, needs_gemm
+from test_native_kernels import dw_case_tensors, dw_cases
+
+import qcompiler.native.plan as plan_mod
+from qcompiler import zoo
+from qcompiler.backends.bpu import plan as program_plan
+from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner
+from qcompiler.native.kernels import DepthwiseConv, max_pool_nhwc, max_pool_nhwc_step
+from qcompiler.native.plan import ENV_PLAN, MIN_WORK, NativeSteps
+from qcompiler.quantization import fixed_point as fp
+from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
+from qcompiler.quantization.convert import convert_fx
+
+
+@needs_gemm
+@SETTINGS
+@given(conv_cases(), dw_cases(), st.integers(1, 3), st.sampled_from([0, 64, MIN_WORK]), st.booleans())
+def test_steps_cut_over_threads_equal_the_direct_calls(cc, dc, parts, min_work, omp):
+    """A GEMM conv, a depthwise conv and a max pool as the steps of one plan, run at 1-3 parts, every
+    step cut (min_work 0) or only the large ones, on torch's team or the native pool: each output is
+    the direct call's, bit for bit."""
+    k, xl, ol, _ = conv_case_tensors({**cc, "extreme": False})
+    x, w, bias, M, n, lo, hi, _ = dw_case_tensors(dc)
+    dw = DepthwiseConv(w, bias, dc["stride"], dc["padding"], dc["dilation"], M, n, lo, hi, _OUT[dc["out"]])
+    xd = x.permute(0, 2, 3, 1).contiguous()
+    geo, (N, Ho, Wo) = k.conv_geometry(tuple(xl.shape), cc["k"], cc["stride"], cc["padding"], cc["dilation"])
+    conv_out = torch.full((N, Ho, Wo, k.O), 77, dtype=k.out_dtype)
+    want_conv = k.conv(xl, cc["k"], cc["stride"], cc["padding"], cc["dilation"], ol)
+    want_dw = dw(xd)
+    dw_out = torch.full_like(want_dw, 77)
+    xp = x.contiguous(memory_format=torch.channels_last)  # the pool: a 3x3 window, stride 2, padding 1
+    pool_hw = (fp.max_pool_out_size(x.shape[2], 3, 2, 1, 1, False), fp.max_pool_out_size(x.shape[3], 3, 2, 1, 1, False))
+    want_pool = max_pool_nhwc(xp, (3, 3), (2, 2), (1, 1), (1, 1), pool_hw)
+    pool_out = torch.full_like(want_pool, 77)
+    specs = [k.step(xl, k.K, geo, conv_out, ol, 0, N * Ho * Wo), max_pool_nhwc_step(xp, (3, 3), (2, 2), (1, 1), (1, 1),
+                                                                                 pool_out)]
+    spec = dw.step(xd, dw_out)
+    if spec is not None:  # (the scalar kernel has no step form: the simulator calls it)
+        specs.append(spec)
+    steps = NativeSteps(specs)
+    if not omp:
+        real = plan_mod.parallel_entry
+        plan_mod.parallel_entry = lambda: None
+    try:
+        for _ in range(2):  # a plan runs again on its buffers
+            steps.run(parts, min_work)
+    finally:
+        if not omp:
+            plan_mod.parallel_entry = real
+    assert torch.equal(conv_out, want_conv)
+    assert torch.equal(pool_out, want_pool)
+    if spec is not None:
+        assert torch.equal(dw_out, want_dw)
+
+
+def _converted(name: str, size: int):
+    x = zoo.example_inputs(name, image_size=size)[0] if name != "unet" else zoo.example_inputs(name)[0]
+    cal = prepare_calibration_fx(zoo.get(name), None, example_inputs=(x,), hybrid=True, march="bayes")
+    cal.eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(2):
+            cal(torch.randn((2, *x.shape[1:]), generator=g))
+    qat = prepare_qat_fx(cal, hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    return convert_fx(qat), x
+
+
+@needs_gemm
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18", "unet"])
+def test_zoo_models_run_planned_equal_the_op_by_op_run(name, monkeypatch):
+    conv, x = _converted(name, 48)
+    g = torch.Generator().manual_seed(1)
+    # (round, batch): each round new values of the same shapes, so a buffer left stale shows
+    xs = {(r, b): x if (r, b) == (0, 1) else torch.randn((b, *x.shape[1:]), generator=g) for r in (0, 1) for b in (1, 2)}
+    with torch.no_grad():
+        want = {k: conv(v) for k, v in xs.items()}
+    monkeypatch.setenv(ENV_PLAN, "0")
+    flat = PartitionedRunner(conv, threads=1)
+    assert not any(s._planned for s in flat.simulators.values())
+    for k, v in xs.items():
+        assert torch.equal(flat(v), want[k])
+    monkeypatch.delenv(ENV_PLAN)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            runner = PartitionedRunner(conv, threads=t)
+            assert all(s._planned for s in runner.simulators.values())
+            first = runner(xs[0, 1])
+            kept = first.clone()
+            for k, v in xs.items():  # built while running, then run: batch 1, batch 2, and back, new values
+                assert torch.equal(runner(v), want[k]), (t, k)
+            assert torch.equal(first, kept)  # a later call did not write into an earlier output
+            sim = next(iter(runner.simulators.values()))
+            plans = [p for p in sim._plans.by_shape.values() if p is not None]
+            assert plans and all(p.native_ops >= 5 for p in plans)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_gemm
+def test_a_plan_whose_value_changes_shape_is_dropped():
+    """A plan copies a Python op's value into the buffer a native step reads; a value of another shape
+    (which copy_ would broadcast) stops the plan, and the call runs op by op, with a new plan after."""
+    prog, inputs = _gemm_program("conv2d", True, "relu", 1, "qint8", 3)
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    sim = BpuSimulator(prog, native=True, plan=True)
+    sim.run(inputs)
+    (old,) = sim._plans.by_shape.values()
+    assert old is not None
+    # the quantize ops run in Python; the conv reads their values from buffers they are copied into
+    records = [r for seg in old.segments if isinstance(seg, list) for r in seg if r[4] is not None]
+    assert [r[2] for r in records] == [op.output for op in prog.ops if op.kind == "quantize"]
+    records[0][4] = torch.empty((1,) * records[0][4].dim(), dtype=records[0][4].dtype)  # as if built for another shape
+    checked = {spec.name: check(inputs[spec.name]) for spec, check in sim._in_checks}
+    with pytest.raises(program_plan.StalePlan):
+        old.run(dict(checked), 1)
+    got = sim.run(inputs)
+    (new,) = sim._plans.by_shape.values()
+    assert new is not old and new is not None
+    for k in ref:
+        assert torch.equal(got[k].int_repr(), ref[k])
+
+
+def test_plans_follow_the_environment_and_the_argument(monkeypatch):
+    prog, _ = _gemm_program("linear", False, "relu", 1, "qint8", 1)
+    monkeypatch.setenv(ENV_PLAN, "0")
+    assert not BpuSimulator(prog)._planned
+    monkeypatch.delenv(ENV_PLAN)
+    assert not BpuSimulator(prog, plan=False)._planned
+    assert not BpuSimulator(prog, kernels="fixed_point")._planned  # the reference kernels are never planned
