@@ -20,13 +20,61 @@ thread and input shape.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import math
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from qcompiler.native.plan import NativeSteps, StepSpec
 
-__all__ = ["ProgramPlan", "StalePlan"]
+__all__ = ["ProgramPlan", "StalePlan", "Alloc", "fresh"]
+
+Alloc = Callable[[Sequence[int], torch.dtype], torch.Tensor]  # (shape, dtype) -> a contiguous tensor
+
+
+def fresh(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor (how a kernel called op by op allocates its output)."""
+    return torch.empty(tuple(shape), dtype=dtype)
+
+
+class _Buffers:
+    """The memory of the native steps' outputs, reused once a value is dead: a value's buffer goes
+    back to the free list when the last value in it (the output, or a view an op made of it) is
+    freed, and the next output takes the smallest free buffer it fits in.  So a plan holds about
+    the memory the op-by-op run has live at its peak, and later layers write to memory the
+    earlier ones left warm in cache."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []  # uint8 buffers no live value uses
+        self.live: dict[int, list] = {}  # storage address -> [its uint8 buffer, live values in it]
+        self.total = 0  # bytes allocated
+
+    def alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+        if fits:
+            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        else:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self.total += buf.numel()
+        self.live[buf.untyped_storage().data_ptr()] = [buf, 0]
+        return buf[:nbytes].view(dtype).view(tuple(shape))
+
+    def made(self, value: Any) -> None:
+        entry = self._entry(value)
+        if entry is not None:
+            entry[1] += 1
+
+    def dropped(self, value: Any) -> None:
+        entry = self._entry(value)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.live[entry[0].untyped_storage().data_ptr()]
+                self.free.append(entry[0])
+
+    def _entry(self, value: Any) -> Optional[list]:
+        return self.live.get(value.untyped_storage().data_ptr()) if isinstance(value, torch.Tensor) else None
 
 
 class StalePlan(Exception):
@@ -48,6 +96,7 @@ class ProgramPlan:
         self.storages: set[int] = set()  # the plan's buffers (an output in one is cloned on the way out)
         self.native_ops = 0
         self.outputs: tuple[str, ...] = ()
+        self.buffer_bytes = 0  # the native steps' output memory (reused across dead values)
 
     @classmethod
     def build(cls, steps: list[Step], outputs: tuple[str, ...], env: dict[str, Any],
@@ -57,6 +106,7 @@ class ProgramPlan:
         a native step, env)."""
         plan = cls()
         plan.outputs = outputs
+        bufs = _Buffers()
         fixed: dict[str, torch.Tensor] = {}  # value name -> the buffer a native step reads it from
         producer: dict[str, list] = {}  # value name -> the Python record that makes it
         native: list[StepSpec] = []
@@ -81,8 +131,8 @@ class ProgramPlan:
             made = None
             if planner is not None and all(isinstance(env[i], torch.Tensor) for i in ins):
                 made = planner(*[env[i] for i in ins])  # would it be one kernel call on these layouts?
-                if made is not None and not all(i in fixed for i in ins):
-                    made = planner(*[fix(i) for i in ins])  # the same call on buffers that stay put
+                if made is not None:  # the same call on buffers that stay put
+                    made = planner(*[fix(i) for i in ins], alloc=bufs.alloc)
             if made is not None:
                 value, spec = made
                 if python:
@@ -101,9 +151,11 @@ class ProgramPlan:
                 python.append(record)
                 producer[out] = record
                 env[out] = fn(*[env[i] for i in ins])
+            bufs.made(env[out])  # (an output is never freed: its buffer is never reused)
             for name in free:
-                del env[name]
+                bufs.dropped(env.pop(name))
         plan.segments.append(NativeSteps(native) if native else python)
+        plan.buffer_bytes = bufs.total
         plan._finish(env)
         return (plan if plan.native_ops else None), env
 

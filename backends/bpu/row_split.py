@@ -119,13 +119,13 @@ class RowSplitConv:
                     self._band = self._build_band(self._band_op)
         return self._band
 
-    def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> Optional[tuple]:
+    def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None, **kw) -> Optional[tuple]:
         """The whole layer's plan step, if it has one (a plan cuts its steps' rows itself); none while
         this split is ``enabled`` (it then runs as asked, op by op)."""
         step = getattr(self.whole, "plan_step", None)
         if step is None or self.enabled:
             return None
-        return step(x) if other is None else step(x, other)
+        return step(x, **kw) if other is None else step(x, other, **kw)
 
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = part_budget() if self.enabled else 1

@@ -104,7 +104,7 @@ import torch.nn.functional as F
 
 from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
-from qcompiler.backends.bpu.plan import ProgramPlan, StalePlan
+from qcompiler.backends.bpu.plan import Alloc, ProgramPlan, StalePlan, fresh
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.backends.bpu.row_split import RowSplitConv
 from qcompiler.errors import ConfigError, UnsupportedOpError
@@ -1425,14 +1425,14 @@ class _NativeDepthwiseLayer:
         return x.dim() == 4 and x.dtype == torch.int8 and x.shape[1] == self.kernel.C and min(
             self.kernel.out_size(x.shape[2], x.shape[3])) > 0
 
-    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+    def plan_step(self, x: torch.Tensor, alloc: Alloc = fresh) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None (the reference, a layout
         copy first, or the scalar kernel)."""
         xl = x.permute(0, 2, 3, 1)
         if not self._native(x) or not xl.is_contiguous():
             return None
         Ho, Wo = self.kernel.out_size(xl.shape[1], xl.shape[2])
-        out = torch.empty((xl.shape[0], Ho, Wo, self.kernel.C), dtype=self.kernel.out_dtype)
+        out = alloc((xl.shape[0], Ho, Wo, self.kernel.C), self.kernel.out_dtype)
         spec = self.kernel.step(xl, out)
         return None if spec is None else (out.permute(0, 3, 1, 2), spec)
 
@@ -1573,13 +1573,13 @@ class _FastMaxPool:
         return (self.native and x.dim() == 4 and x.dtype in (torch.int8, torch.int16) and 2 * ph <= kh
                 and 2 * pw <= kw and x.is_contiguous(memory_format=torch.channels_last))
 
-    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+    def plan_step(self, x: torch.Tensor, alloc: Alloc = fresh) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None where the call is not the
         native pass."""
         if not self._native(x):
             return None
         Ho, Wo = self._out_hw(x)
-        out = torch.empty((x.shape[0], Ho, Wo, x.shape[1]), dtype=x.dtype).permute(0, 3, 1, 2)
+        out = alloc((x.shape[0], Ho, Wo, x.shape[1]), x.dtype).permute(0, 3, 1, 2)
         if not out.numel():
             return None
         return out, max_pool_nhwc_step(x, self.k, self.s, self.p, self.d, out)
@@ -1835,7 +1835,7 @@ class _NativeGemmLayer:
         return _NativeGemmLayer(gemm, conv, None if add is None else add[2], _fixed_point_weight_layer(k.op, k.name))
 
     def __call__(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ops = self._operands(x, other, copy=True)
+        ops = self._operands(x, other, fresh)
         if ops is None:
             return self.fallback(x) if other is None else self.fallback(x, other)
         xo, geo, oo, out, rows, work, result = ops
@@ -1844,20 +1844,21 @@ class _NativeGemmLayer:
         self.gemm.run_rows(xo, self.gemm.K, geo, out, oo, 0, rows, parts=row_parts(part_budget(), work))
         return result
 
-    def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None) -> Optional[tuple]:
-        """The call as a plan step (``backends/bpu/plan.py``): (its result, a
+    def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None, alloc: Alloc = fresh) -> Optional[tuple]:
+        """The call as a plan step (``backends/bpu/plan.py``): (its result, in memory from ``alloc``, and a
         :class:`~qcompiler.native.plan.StepSpec` that fills it), or None when the call would not be
         one kernel call on its inputs as they lie (the reference, or a layout copy first)."""
-        ops = self._operands(x, other, copy=False)
+        ops = self._operands(x, other, alloc, copy=False)
         if ops is None:
             return None
         xo, geo, oo, out, rows, _, result = ops
         return result, self.gemm.step(xo, self.gemm.K, geo, out, oo, 0, rows)
 
-    def _operands(self, x: torch.Tensor, other: Optional[torch.Tensor], copy: bool) -> Optional[tuple]:
-        """(x's rows / NHWC memory, geometry, the fused operand's rows, the output, rows, multiply-adds,
-        the result to return): what one kernel call takes, or None where the reference runs (and,
-        without ``copy``, where an operand is not already in the layout the kernel reads)."""
+    def _operands(self, x: torch.Tensor, other: Optional[torch.Tensor], alloc: Alloc,
+                  copy: bool = True) -> Optional[tuple]:
+        """(x's rows / NHWC memory, geometry, the fused operand's rows, the output (from ``alloc``), rows,
+        multiply-adds, the result to return): what one kernel call takes, or None where the reference
+        runs (and, without ``copy``, where an operand is not already in the layout the kernel reads)."""
         g, cv = self.gemm, self.conv
         if (x.dtype != torch.int8 or (other is not None and other.dtype != self.other_dtype)
                 or (cv is not None and (x.dim() != 4 or x.shape[1] * cv["kernel_size"][0] * cv["kernel_size"][1] != g.K))
@@ -1872,7 +1873,7 @@ class _NativeGemmLayer:
                 return None
             xo, oo = xo.contiguous(), None if oo is None else oo.contiguous()
             P = xo.shape[0]
-            out = torch.empty((P, g.O), dtype=g.out_dtype)
+            out = alloc((P, g.O), g.out_dtype)
             return xo, None, oo, out, P, P * g.K * g.O, out.reshape(*lead, g.O)
         if other is not None and other.dim() != 4:  # not an NCHW operand: the reference says what it is
             return None
@@ -1894,7 +1895,7 @@ class _NativeGemmLayer:
         if not copy and not (xo.is_contiguous() and (oo is None or oo.is_contiguous())):
             return None
         xo, oo = xo.contiguous(), None if oo is None else oo.contiguous()
-        out = torch.empty(shape, dtype=g.out_dtype)
+        out = alloc(shape, g.out_dtype)
         return xo, geo, oo, out, rows, work, out.permute(0, 3, 1, 2)
 
     def _conv_plan(self, shape: tuple) -> Optional[tuple]:

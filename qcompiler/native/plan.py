@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from qcompiler.errors import ConfigError
 from qcompiler.native.build import library
@@ -79,10 +79,11 @@ class NativeSteps:
         self._run = lib.qc_run_plan
         self._run.argtypes, self._run.restype = [_P, _I64, ctypes.c_int, _I64, _P], ctypes.c_int
 
-    def run(self, parts: int = 1, min_work: int = MIN_WORK) -> None:
+    def run(self, parts: int = 1, min_work: Optional[int] = None) -> None:
         """Every step, in order; ``parts`` > 1: on torch's OpenMP team (or the native pool when
-        torch's runtime is not found), cutting the steps of at least ``min_work``."""
+        torch's runtime is not found), cutting the steps of at least ``min_work`` (None:
+        :data:`MIN_WORK`, read at the call, which benchmarks/native_plan.py varies)."""
         omp = parallel_entry() if parts > 1 else None
-        rc = self._run(self._addr, self.n, int(parts), int(min_work), omp)
+        rc = self._run(self._addr, self.n, int(parts), MIN_WORK if min_work is None else int(min_work), omp)
         if rc != 0:
             raise MemoryError("native plan: out of memory for a kernel's scratch")
