@@ -198,8 +198,10 @@ def run_split(fn: Callable[..., Any], args: Sequence[Any], threads: int) -> Any:
     for a chunk is the chunk's rows of the whole output, bit for bit).
 
     ``threads <= 1``, a call from inside a worker, or inputs without one common batch size:
-    ``fn(*args)`` in the calling thread, as without this module. An exception raised by a
-    chunk is raised here (the first chunk's that failed, in batch order).
+    ``fn(*args)`` in the calling thread, as without this module. A batch of one: ``fn(*args)``
+    in the calling thread with a budget of ``threads`` (:func:`part_budget`), so its native
+    plans cut their layers over torch's own OpenMP team, the one the caller's torch ops use.
+    An exception raised by a chunk is raised here (the first chunk's that failed, in batch order).
     """
     args = tuple(args)
     n_batch = batch_size(args) if threads > 1 and not in_worker() else None

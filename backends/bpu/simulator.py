@@ -194,6 +194,10 @@ class BpuSimulator:
     ones.  Weights are prepared once at construction.  A simulator may run in
     several threads at once: scratch buffers are per thread, and the lazily filled caches
     (prepacked weights, GEMM plans) hold values that do not depend on the thread.
+
+    With the native kernels (``plan`` not False, ``QCOMPILER_NATIVE_PLAN`` not 0) the layers that
+    have a native step run as a plan per thread and input shape (``backends/bpu/plan.py``):
+    built on the first call with those shapes, then one C call per run of such layers.
     """
 
     def __init__(self, program: BpuProgram, *, kernels: str = "fast", int8_gemm: Optional[bool] = None,
