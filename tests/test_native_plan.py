@@ -147,3 +147,18 @@ def test_plans_follow_the_environment_and_the_argument(monkeypatch):
     monkeypatch.delenv(ENV_PLAN)
     assert not BpuSimulator(prog, plan=False)._planned
     assert not BpuSimulator(prog, kernels="fixed_point")._planned  # the reference kernels are never planned
+
+
+@needs_gemm
+def test_a_layer_is_a_plan_step_only_on_the_layout_its_kernel_reads():
+    """The conv's step reads NHWC memory as it lies: given NCHW memory (which the op-by-op call would
+    copy first) it is no step, and the plan copies the value into a channels-last buffer instead."""
+    prog, inputs = _gemm_program("conv2d", False, None, 1, "qint8", 3)
+    sim = BpuSimulator(prog, native=True, plan=True)
+    (conv,) = [fn for fn, _, _, _ in sim._steps if hasattr(fn, "plan_step")]
+    x = torch.randint(-128, 128, (2, 40, 7, 9), dtype=torch.int8)
+    assert conv.plan_step(x) is None  # NCHW: a copy first, not one kernel call
+    made = conv.plan_step(x.contiguous(memory_format=torch.channels_last))
+    assert made is not None and made[0].shape == (2, 33, 7, 9)
+    assert made[0].is_contiguous(memory_format=torch.channels_last)
+    assert conv.plan_step(x.to(torch.int16)) is None  # not the int8 kernel's input: the reference runs it
