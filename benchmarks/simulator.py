@@ -178,15 +178,6 @@ def best_times(fns: dict, repeat: int, lead_in: int = 0) -> dict:
     return best
 
 
-def _timed(fn, kind: str, totals: dict):
-    def timed(*args):
-        t0 = time.perf_counter()
-        r = fn(*args)
-        totals[kind] += time.perf_counter() - t0
-        return r
-    return timed
-
-
 def op_kind(op) -> str:
     a = op.attrs
     kind = op.kind
@@ -200,26 +191,29 @@ def op_kind(op) -> str:
 
 
 def op_kind_profile(runner: PartitionedRunner, x: torch.Tensor, repeat: int = 3) -> dict[str, float]:
-    """Seconds per BPU op kind (best total of ``repeat`` runs), each op timed with perf_counter;
-    '(outside ops)' is the rest of the run (CPU nodes, boundary conversion, dispatch)."""
+    """Seconds per BPU op kind (best total of ``repeat`` runs): each op's time as the simulator
+    records it (``BpuSimulator.step_times``: a plan's native steps timed in C, one by one); '(outside
+    ops)' is the rest of the run (CPU nodes, boundary conversion, dispatch)."""
     best: dict[str, float] = {}
-    originals = {sim: sim._steps for sim in runner.simulators.values()}
+    kinds = {op.output: op_kind(op) for sim in runner.simulators.values() for op in sim.program.ops}
     try:
         for _ in range(repeat):
-            totals: dict[str, float] = defaultdict(float)
+            times: dict[str, float] = {}
             for sim in runner.simulators.values():
-                sim._steps = [(_timed(fn, op_kind(op), totals), ins, out, free)
-                              for (fn, ins, out, free), op in zip(originals[sim], sim.program.ops)]
+                sim.step_times = times
             t0 = time.perf_counter()
             runner(x)
             total = time.perf_counter() - t0
+            totals: dict[str, float] = defaultdict(float)
+            for name, t in times.items():
+                totals[kinds[name]] += t
             totals["(outside ops)"] = total - sum(totals.values())
             totals["(total)"] = total
             if not best or total < best["(total)"]:
                 best = dict(totals)
     finally:
-        for sim, steps in originals.items():
-            sim._steps = steps
+        for sim in runner.simulators.values():
+            sim.step_times = None
     return best
 
 

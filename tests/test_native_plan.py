@@ -162,3 +162,20 @@ def test_a_layer_is_a_plan_step_only_on_the_layout_its_kernel_reads():
     assert made is not None and made[0].shape == (2, 33, 7, 9)
     assert made[0].is_contiguous(memory_format=torch.channels_last)
     assert conv.plan_step(x.to(torch.int16)) is None  # not the int8 kernel's input: the reference runs it
+
+
+@needs_gemm
+@pytest.mark.parametrize("planned", [True, False])
+def test_step_times_name_every_op_and_keep_the_result(planned):
+    """The profile (``step_times``): every op's seconds by the value it makes, planned (native steps
+    timed in C) or op by op, and the outputs unchanged."""
+    prog, inputs = _gemm_program("conv2d", True, "relu", 1, "qint8", 3)
+    ref = {k: v.int_repr() for k, v in BpuSimulator(prog, kernels="fixed_point").run(inputs).items()}
+    sim = BpuSimulator(prog, native=True, plan=planned)
+    sim.run(inputs)  # (a plan is built on the first call)
+    times: dict = {}
+    sim.step_times = times
+    got = sim.run(inputs)
+    assert set(times) == {op.output for op in prog.ops} and all(t > 0 for t in times.values())
+    for k in ref:
+        assert torch.equal(got[k].int_repr(), ref[k])

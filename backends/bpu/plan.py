@@ -21,6 +21,7 @@ thread and input shape.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -90,7 +91,8 @@ class ProgramPlan:
     and, between them, the other ops as Python calls."""
 
     def __init__(self) -> None:
-        self.segments: list[Any] = []  # NativeSteps, or a list of [fn, ins, out, free, into] records
+        # (NativeSteps, the names of the values its steps make), or a list of [fn, ins, out, free, into] records
+        self.segments: list[Any] = []
         self.native_values: dict[str, torch.Tensor] = {}  # what the native steps write, by value name
         self.input_copies: list[tuple[str, torch.Tensor]] = []  # program inputs a native step reads
         self.storages: set[int] = set()  # the plan's buffers (an output in one is cloned on the way out)
@@ -110,6 +112,7 @@ class ProgramPlan:
         fixed: dict[str, torch.Tensor] = {}  # value name -> the buffer a native step reads it from
         producer: dict[str, list] = {}  # value name -> the Python record that makes it
         native: list[StepSpec] = []
+        names: list[str] = []  # the values the native steps in `native` make
         python: list[list] = []
 
         def fix(name: str) -> torch.Tensor:
@@ -140,13 +143,14 @@ class ProgramPlan:
                     python = []
                 NativeSteps([spec]).run(parts)  # this call's value, now
                 native.append(spec)
+                names.append(out)
                 env[out] = fixed[out] = plan.native_values[out] = value
                 plan.storages.add(value.untyped_storage().data_ptr())
                 plan.native_ops += 1
             else:
                 if native:
-                    plan.segments.append(NativeSteps(native))
-                    native = []
+                    plan.segments.append((NativeSteps(native), tuple(names)))
+                    native, names = [], []
                 record = [fn, ins, out, free, None]
                 python.append(record)
                 producer[out] = record
@@ -154,15 +158,16 @@ class ProgramPlan:
             bufs.made(env[out])  # (an output is never freed: its buffer is never reused)
             for name in free:
                 bufs.dropped(env.pop(name))
-        plan.segments.append(NativeSteps(native) if native else python)
+        plan.segments.append((NativeSteps(native), tuple(names)) if native else python)
         plan.buffer_bytes = bufs.total
         plan._finish(env)
         return (plan if plan.native_ops else None), env
 
-    def run(self, env: dict[str, Any], parts: int) -> dict:
+    def run(self, env: dict[str, Any], parts: int, times: Optional[dict[str, float]] = None) -> dict:
         """Every op on ``env`` (the checked inputs, of the shapes the plan was built for); returns env
         with every value.  Raises :class:`StalePlan` if a value changed shape (nothing is written
-        into a buffer of the wrong size)."""
+        into a buffer of the wrong size).  ``times``: add each op's seconds to it, by the name of the
+        value it makes (the native steps then run one by one on the calling thread)."""
         for name, buf in self.input_copies:
             v = env[name]
             if v.shape != buf.shape or v.dtype != buf.dtype:
@@ -171,11 +176,21 @@ class ProgramPlan:
             env[name] = buf
         env.update(self.native_values)
         for seg in self.segments:
-            if isinstance(seg, NativeSteps):
-                seg.run(parts)
+            if isinstance(seg, tuple):
+                steps, names = seg
+                if times is None:
+                    steps.run(parts)
+                else:
+                    for name, t in zip(names, steps.run_timed()):
+                        times[name] = times.get(name, 0.0) + t
                 continue
             for fn, ins, out, free, into in seg:
-                v = fn(*[env[i] for i in ins])
+                if times is None:
+                    v = fn(*[env[i] for i in ins])
+                else:
+                    t0 = time.perf_counter()
+                    v = fn(*[env[i] for i in ins])
+                    times[out] = times.get(out, 0.0) + time.perf_counter() - t0
                 if into is not None:
                     if not isinstance(v, torch.Tensor) or v.shape != into.shape or v.dtype != into.dtype:
                         raise StalePlan(out)

@@ -93,6 +93,7 @@ import copy
 import heapq
 import math
 import threading
+import time
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
@@ -242,6 +243,9 @@ class BpuSimulator:
         self._planned = (self.native and (plans_enabled() if plan is None else bool(plan))
                          and any(hasattr(fn, "plan_step") for fn, *_ in self._steps))
         self._plans = threading.local()
+        # a profile: set to a dict, each run adds each op's seconds to it, keyed by the value the op makes
+        # (a plan's native steps then run one by one on the calling thread; benchmarks/simulator.py)
+        self.step_times: Optional[dict[str, float]] = None
 
     def run(self, inputs: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(inputs, dict):
@@ -256,11 +260,22 @@ class BpuSimulator:
             if self._planned:
                 env = self._run_planned(env)
             else:
-                for fn, ins, out, free in self._steps:
-                    env[out] = fn(*[env[i] for i in ins])
-                    for name in free:
-                        del env[name]
+                self._run_ops(env)
         return {name: wrap(env[name]) for name, wrap in self._out_wrap}
+
+    def _run_ops(self, env: dict[str, Any]) -> dict[str, Any]:
+        """The program op by op on ``env``."""
+        times = self.step_times
+        for fn, ins, out, free in self._steps:
+            if times is None:
+                env[out] = fn(*[env[i] for i in ins])
+            else:
+                t0 = time.perf_counter()
+                env[out] = fn(*[env[i] for i in ins])
+                times[out] = times.get(out, 0.0) + time.perf_counter() - t0
+            for name in free:
+                del env[name]
+        return env
 
     def _run_planned(self, env: dict[str, Any]) -> dict[str, Any]:
         """The call through this thread's plan for these input shapes (``backends/bpu/plan.py``),
@@ -277,14 +292,10 @@ class BpuSimulator:
             plans[key], env = ProgramPlan.build(self._steps, self._outputs, env, parts)
             return env
         if plan is None:  # no op of this program has a native step on these shapes
-            for fn, ins, out, free in self._steps:
-                env[out] = fn(*[env[i] for i in ins])
-                for name in free:
-                    del env[name]
-            return env
+            return self._run_ops(env)
         inputs = dict(env)
         try:
-            return plan.run(env, parts)
+            return plan.run(env, parts, self.step_times)
         except StalePlan:
             del plans[key]
             return self._run_planned(inputs)

@@ -963,6 +963,18 @@ CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
 MAXPOOL_FN(qc_maxpool_nhwc_i8, int8_t, INT8_MIN)
 MAXPOOL_FN(qc_maxpool_nhwc_i16, int16_t, INT16_MIN)
 
+/* qc_run_plan_timed: the steps in order on the calling thread, each whole, ns[s] = its nanoseconds
+ * (a profile of a plan: where the time goes per layer).  Returns as qc_run_plan. */
+QC_API int qc_run_plan_timed(const qc_step *steps, int64_t n, int64_t *ns) {
+    for (int64_t s = 0; s < n; s++) {
+        const int64_t t0 = qc_now_ns();
+        const int rc = steps[s].m1 > steps[s].m0 ? steps[s].fn(steps[s].ctx, steps[s].m0, steps[s].m1) : 0;
+        ns[s] = qc_now_ns() - t0;
+        if (rc) return rc;
+    }
+    return 0;
+}
+
 /* max pool rows: output rows (b, oh) of [r0, r1), as the dw4 rows do (the padding shifted by the
  * first row, the input and output offset to the sample) */
 typedef struct {

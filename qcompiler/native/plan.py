@@ -78,6 +78,8 @@ class NativeSteps:
                 raise ConfigError(f"NativeSteps: step {i} was refused by its builder ({rc})")
         self._run = lib.qc_run_plan
         self._run.argtypes, self._run.restype = [_P, _I64, ctypes.c_int, _I64, _P], ctypes.c_int
+        self._run_timed = lib.qc_run_plan_timed
+        self._run_timed.argtypes, self._run_timed.restype = [_P, _I64, _P], ctypes.c_int
 
     def run(self, parts: int = 1, min_work: Optional[int] = None) -> None:
         """Every step, in order; ``parts`` > 1: on torch's OpenMP team (or the native pool when
@@ -87,3 +89,10 @@ class NativeSteps:
         rc = self._run(self._addr, self.n, int(parts), MIN_WORK if min_work is None else int(min_work), omp)
         if rc != 0:
             raise MemoryError("native plan: out of memory for a kernel's scratch")
+
+    def run_timed(self) -> list[float]:
+        """Every step, in order, on the calling thread; returns each step's seconds (a profile)."""
+        ns = (_I64 * max(1, self.n))()
+        if self._run_timed(self._addr, self.n, ns) != 0:
+            raise MemoryError("native plan: out of memory for a kernel's scratch")
+        return [ns[i] * 1e-9 for i in range(self.n)]
