@@ -47,8 +47,13 @@ def _run_cut(spec, parts: int, omp: bool) -> None:
         plan_mod.parallel_entry = real
 
 
-def _nhwc(x: torch.Tensor) -> bool:
-    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+def _check_step(made, want: torch.Tensor, call: torch.Tensor, parts: int, omp: bool) -> None:
+    """``made`` (a plan_step's result buffer and step), cut and run: the reference's values, in the
+    op-by-op call's layout (what the next op's step reads)."""
+    out, spec = made
+    out.fill_(77)
+    _run_cut(spec, parts, omp)
+    assert torch.equal(out, want) and out.stride() == call.stride()
 
 
 @needs_native
@@ -64,12 +69,8 @@ def test_bilinear_step_equals_the_call_and_the_reference(c, parts, omp):
     made = fast.plan_step(x)
     # a step exactly where the call is one qc_resize_nhwc_* pass: exact taps, channels-last memory
     assert (made is not None) == (fast.kernel.exact_for(x) and BilinearResize._layout(x) == "nhwc")
-    if made is None:
-        return
-    out, spec = made
-    out.fill_(77)
-    _run_cut(spec, parts, omp)
-    assert torch.equal(out, want) and out.stride() == call.stride()
+    if made is not None:
+        _check_step(made, want, call, parts, omp)
 
 
 @st.composite
@@ -134,12 +135,8 @@ def test_cat_step_equals_the_call_and_the_reference(c, parts, omp):
     contiguous = all(x.is_contiguous() for x in xs)
     # a step exactly where the call is the native passes on the inputs as they lie
     assert (made is not None) == (channels_last or contiguous), c["layout"]
-    if made is None:
-        return
-    out, spec = made
-    out.fill_(77)
-    _run_cut(spec, parts, omp)
-    assert torch.equal(out, want) and out.stride() == call.stride()
+    if made is not None:
+        _check_step(made, want, call, parts, omp)
 
 
 @st.composite
@@ -173,12 +170,8 @@ def test_nearest_step_equals_the_call_and_the_reference(c, parts, omp):
     made = fast.plan_step(x)
     Ho, Wo = c["size"]
     assert (made is not None) == (c["layout"] == "nhwc" and c["H"] * c["W"] > 1 and Ho * Wo > 1)
-    if made is None:
-        return
-    out, spec = made
-    out.fill_(77)
-    _run_cut(spec, parts, omp)
-    assert torch.equal(out, want) and out.stride() == call.stride()
+    if made is not None:
+        _check_step(made, want, call, parts, omp)
 
 
 @pytest.mark.parametrize("n_in,n_out", [(4, 8), (8, 4), (5, 7), (7, 5), (3, 11), (13, 3), (1, 5), (6, 6)])

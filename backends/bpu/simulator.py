@@ -563,7 +563,8 @@ class _FastCat:
         self.plans = []
         for spec, M, n in zip(k.in_specs, Ms, ns):
             f = math.ldexp(float(M), -int(n))  # exact
-            self.plans.append(None if f == 1.0 and spec.dtype == self.out_dtype else torch.tensor([f], dtype=torch.float64))
+            copy = f == 1.0 and spec.dtype == self.out_dtype
+            self.plans.append(None if copy else torch.tensor([f], dtype=torch.float64))
         self.ws = k.ws
         # native: each input requantized (or copied) into its columns in one integer pass
         self.native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
@@ -697,7 +698,8 @@ class _FastNearestResize:
         if x.dim() != 4 or not x.numel():
             return self.reference(x)
         st = self.st
-        small = x if self.ratio == 1.0 and x.dtype == st else torch.round(x.double() * self.ratio).clamp_(self.lo, self.hi).to(st)
+        small = x if self.ratio == 1.0 and x.dtype == st else \
+            torch.round(x.double() * self.ratio).clamp_(self.lo, self.hi).to(st)
         return F.interpolate(small.view(torch.uint8), size=self.size, mode="nearest").view(st)
 
     def _axis(self, n_in: int, n_out: int) -> torch.Tensor:
@@ -732,8 +734,8 @@ def _fast_resize_bilinear(k: KernelSpec) -> Callable:
     if not k.native or st not in (torch.int8, torch.int16) or k.in_specs[0].dtype not in ("qint8", "qint16"):
         return reference
     lo, hi = fp.qrange(out_dtype)
-    return _FastBilinearResize(BilinearResize(a["size"], a["align_corners"], a["in_scale"] / a["out_scale"], lo, hi, st),
-                               reference)
+    kernel = BilinearResize(a["size"], a["align_corners"], a["in_scale"] / a["out_scale"], lo, hi, st)
+    return _FastBilinearResize(kernel, reference)
 
 
 class _FastBilinearResize:

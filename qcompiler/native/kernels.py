@@ -638,7 +638,8 @@ def requant_columns_step(srcs, dst: torch.Tensor, params, lo: int, hi: int) -> S
         if src.dim() != 2 or src.shape[0] != rows:
             raise ConfigError(f"requant_columns_step: input {i} {tuple(src.shape)} does not fit dst {tuple(dst.shape)}")
         M, n, amax = int(M), int(n), 1 << (8 * src.element_size() - 1)
-        if int32 and not (0 <= n <= 30 and amax * abs(M) + (1 << n >> 1) < 1 << 31 and -(1 << 31) <= lo <= hi < 1 << 31):
+        fits32 = 0 <= n <= 30 and amax * abs(M) + (1 << n >> 1) < 1 << 31 and -(1 << 31) <= lo <= hi < 1 << 31
+        if int32 and not fits32:
             raise ConfigError(f"requant_columns_step: input {i}: multiplier {M} / shift {n} do not fit int32")
         if not int32 and not (0 <= n <= MAX_SHIFT and amax * abs(M) < INT64_LIMIT and -(1 << 62) < lo <= hi < 1 << 62):
             raise ConfigError(f"requant_columns_step: input {i}: multiplier {M} / shift {n} out of range")
@@ -685,7 +686,8 @@ def nearest_nhwc_step(x: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, ratio
         raise ConfigError(f"nearest_nhwc_step: a copy needs one dtype, got {x.dtype} into {out.dtype}")
     if ratio is not None and not (math.isfinite(ratio) and ratio > 0 and -(1 << 31) <= lo <= hi < 1 << 31):
         raise ConfigError(f"nearest_nhwc_step: bad ratio {ratio} or clamp range [{lo}, {hi}]")
-    f = _fn(f"qc_nearest_nhwc_{_INT[x.dtype]}_{_INT[out.dtype]}_step", (_P, _P, _P) + (_I64,) * 6 + (_P, _P, _I64, _F64, _I64, _I64, _P))
+    f = _fn(f"qc_nearest_nhwc_{_INT[x.dtype]}_{_INT[out.dtype]}_step",
+            (_P, _P, _P) + (_I64,) * 6 + (_P, _P, _I64, _F64, _I64, _I64, _P))
     return StepSpec(f, (x.data_ptr(), N, H, W, C, Ho, Wo, hs.data_ptr(), ws.data_ptr(), int(ratio is None),
                         1.0 if ratio is None else float(ratio), int(lo), int(hi), out.data_ptr()), (x, out, hs, ws))
 
