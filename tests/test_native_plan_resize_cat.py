@@ -20,9 +20,10 @@ import qcompiler.native.plan as plan_mod
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
 from qcompiler.backends.bpu.simulator import FAST, REFERENCE, BpuSimulator, KernelSpec, PartitionedRunner, _Workspace
+from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import gemm_available
-from qcompiler.native.kernels import BilinearResize, nearest_taps
+from qcompiler.native.kernels import BilinearResize, nearest_nhwc_step, nearest_taps, requant_columns_step
 from qcompiler.native.plan import NativeSteps
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
@@ -236,3 +237,28 @@ def test_unet_runs_as_one_native_segment():
     shape = [[kinds[r[2]] for r in seg] if isinstance(seg, list) else "native" for seg in plan.segments]
     assert shape == [["quantize"], "native", ["dequantize"]]
     assert plan.native_ops == len(sim.program.ops) - 2
+
+
+@needs_native
+def test_step_builders_refuse_misuse():
+    x = torch.zeros(1, 4, 3, 3, dtype=torch.int8).contiguous(memory_format=torch.channels_last)
+    out = torch.empty(1, 6, 6, 4, dtype=torch.int8).permute(0, 3, 1, 2)
+    hs, ws = nearest_taps(3, 6), nearest_taps(3, 6)
+    with pytest.raises(ConfigError, match="channels-last"):
+        nearest_nhwc_step(x.contiguous(), hs, ws, None, -128, 127, out)
+    with pytest.raises(ConfigError, match="outside"):
+        nearest_nhwc_step(x, hs + 1, ws, None, -128, 127, out)
+    with pytest.raises(ConfigError, match="one dtype"):
+        nearest_nhwc_step(x.to(torch.int16), hs, ws, None, -128, 127, out)
+    src, dst = torch.zeros(4, 3, dtype=torch.int16), torch.zeros(4, 5, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="do not fit int32"):
+        requant_columns_step([src, src[:, :2].contiguous()], dst, [(1 << 20, 0, True), (1, 0, None)], -128, 127)
+    with pytest.raises(ConfigError, match="do not fill"):
+        requant_columns_step([src], dst, [(1, 0, None)], -128, 127)
+    resize = BilinearResize((6, 6), False, 1.0, -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="channels-last"):
+        resize.step(x, out.contiguous())
+    assert resize.step(x.contiguous(), out) is None  # NCHW memory: the planes kernel, op by op
+    overflow = {"N": 1, "C": 4, "H": 3, "W": 3, "size": (6, 6), "in_dtype": "qint8", "in_scale": 1e300,
+                "out_scale": 1e-300}  # a ratio that overflows to inf (0 * inf is NaN): torch's resize, op by op
+    assert FAST["resize_nearest"](_nearest_spec(overflow)).plan_step(x) is None

@@ -711,7 +711,8 @@ class _FastNearestResize:
     def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None off the native kernels or
         where the input is not channels-last int8/int16 (then torch's resize runs, op by op)."""
-        if not (self.native and x.dim() == 4 and x.numel() and x.dtype in (torch.int8, torch.int16) and _nhwc(x)):
+        if not (self.native and x.dim() == 4 and x.numel() and x.dtype in (torch.int8, torch.int16) and _nhwc(x)
+                and math.isfinite(self.ratio) and self.ratio > 0):
             return None
         N, C, H, W = x.shape
         Ho, Wo = (int(v) for v in self.size)
