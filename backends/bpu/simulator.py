@@ -120,9 +120,12 @@ from qcompiler.native.kernels import (
     int32_requant,
     max_pool_nhwc,
     max_pool_nhwc_step,
+    nearest_nhwc_step,
+    nearest_taps,
     quantize_f32,
     requant_columns,
     requant_columns32,
+    requant_columns_step,
 )
 from qcompiler.native.plan import plans_enabled
 from qcompiler.nn import quantized as qnn
@@ -552,31 +555,53 @@ def _like(ws: _Workspace, key: str, x: torch.Tensor, dtype: torch.dtype) -> torc
 
 @_kernel(FAST, "cat")
 def _fast_cat(k: KernelSpec) -> Callable:
+    """Each input requantized straight into its slice of the output (:class:`_FastCat`), or the
+    reference for inputs other than int8/int16."""
+    if any(s.dtype not in ("qint8", "qint16") for s in k.in_specs):
+        return REFERENCE["cat"](k)
+    return _FastCat(k)
+
+
+class _FastCat:
     """Each input requantized straight into its slice of the output: a copy when its factor is 1
     and its dtype the output's, else ``clamp(round(q * (M * 2**-n)))`` in float64, exact for
     int8/int16 inputs (``q * M`` is an integer below 2**53 and the power of two scales it exactly;
-    ``torch.round`` breaks ties to even like ``fixed_point.requantize``).  Channels-last inputs give a channels-last output."""
-    Ms, ns, dim = k.tensors["M"].tolist(), k.tensors["n"].tolist(), int(k.attrs["dim"])
-    bits = {"qint8": 7, "qint16": 15}
-    if any(bits.get(s.dtype) is None for s in k.in_specs):
-        return REFERENCE["cat"](k)
-    out_dtype = k.out_dtype
-    lo, hi = fp.qrange(out_dtype)
-    st = fp.storage_dtype(out_dtype)
-    plans = []
-    for spec, M, n in zip(k.in_specs, Ms, ns):
-        f = math.ldexp(float(M), -int(n))  # exact
-        plans.append(None if f == 1.0 and spec.dtype == out_dtype else torch.tensor([f], dtype=torch.float64))
-    ws = k.ws
-    # native: each input requantized (or copied) into its columns in one integer pass
-    native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
-    # (M, n) and, where proven equal on every input value, the int32 (M32, n32) of the faster pass
-    params = [(int(M), int(n), _narrow(int(M), int(n), _STORAGE[spec.dtype], lo, hi) if native else None)
-              for M, n, spec in zip(Ms, ns, k.in_specs)]
+    ``torch.round`` breaks ties to even like ``fixed_point.requantize``).  Channels-last inputs give a
+    channels-last output.  With the native kernels, one integer pass per input (:func:`_native_cat`)
+    where the layouts allow; as a plan step, all of them in one step."""
 
-    def cat(*xs):
-        if native:
-            y = _native_cat(xs, dim, params, lo, hi, st)
+    def __init__(self, k: KernelSpec) -> None:
+        Ms, ns = k.tensors["M"].tolist(), k.tensors["n"].tolist()
+        self.dim, self.out_dtype = int(k.attrs["dim"]), k.out_dtype
+        self.lo, self.hi = fp.qrange(self.out_dtype)
+        self.st = fp.storage_dtype(self.out_dtype)
+        self.plans = []
+        for spec, M, n in zip(k.in_specs, Ms, ns):
+            f = math.ldexp(float(M), -int(n))  # exact
+            copy = f == 1.0 and spec.dtype == self.out_dtype
+            self.plans.append(None if copy else torch.tensor([f], dtype=torch.float64))
+        self.ws = k.ws
+        # native: each input requantized (or copied) into its columns in one integer pass
+        self.native = k.native and all(0 <= int(n) <= 62 and abs(int(M)) < 1 << 46 for M, n in zip(Ms, ns))
+        # (M, n) and, where proven equal on every input value, the int32 (M32, n32) of the faster pass
+        self.params = [(int(M), int(n), _narrow(int(M), int(n), _STORAGE[spec.dtype], self.lo, self.hi)
+                        if self.native else None) for M, n, spec in zip(Ms, ns, k.in_specs)]
+
+    def plan_step(self, *xs: torch.Tensor) -> Optional[tuple]:
+        """As ``_NativeGemmLayer.plan_step``: (the result, one step for every input's pass), or None
+        where the call is not the native passes on the inputs as they lie."""
+        ops = _native_cat_operands(xs, self.dim, self.st) if self.native else None
+        if ops is None or not ops[1].numel():
+            return None
+        srcs, out2, result = ops
+        params = [(n32[0], n32[1], True) if n32 is not None and src.dtype == n32[2] else (M, n, None)
+                  for src, (M, n, n32) in zip(srcs, self.params)]
+        return result, requant_columns_step(srcs, out2, params, self.lo, self.hi)
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        dim, lo, hi, st, ws = self.dim, self.lo, self.hi, self.st, self.ws
+        if self.native:
+            y = _native_cat(xs, dim, self.params, lo, hi, st)
             if y is not None:
                 return y
         d = dim % xs[0].dim()
@@ -584,7 +609,7 @@ def _fast_cat(k: KernelSpec) -> Callable:
         shape[d] = sum(x.shape[d] for x in xs)
         out = torch.empty(shape, dtype=st, memory_format=torch.channels_last if _nhwc(xs[0]) else torch.contiguous_format)
         off = 0
-        for x, f in zip(xs, plans):
+        for x, f in zip(xs, self.plans):
             dst = out.narrow(d, off, x.shape[d])
             off += x.shape[d]
             if f is None:
@@ -600,7 +625,6 @@ def _fast_cat(k: KernelSpec) -> Callable:
                 torch.mul(xv, f, out=t)
                 dv.copy_(t.round_().clamp_(lo, hi))
         return out
-    return cat
 
 
 def _narrow(M: int, n: int, dtype: torch.dtype, lo: int, hi: int) -> Optional[tuple]:
@@ -610,11 +634,9 @@ def _narrow(M: int, n: int, dtype: torch.dtype, lo: int, hi: int) -> Optional[tu
     return None if m is None else (*m, dtype)
 
 
-def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
-    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`,
-    or its int32 twin ``requant_columns32`` where ``_narrow`` proved it equal on every input value),
-    when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
-    input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
+def _native_cat_operands(xs, dim: int, st: torch.dtype) -> Optional[tuple]:
+    """(each input's rows, the output's rows, the result to return) of :func:`_native_cat` on ``xs``
+    as they lie (the inputs' rows are views), or None where it takes the torch path."""
     if not xs or any(x.dtype not in (torch.int8, torch.int16) or x.dim() != xs[0].dim() for x in xs):
         return None
     d = dim % xs[0].dim()
@@ -636,7 +658,18 @@ def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Opti
         result = out
     else:
         return None
-    out2 = out.view(srcs[0].shape[0], -1)
+    return srcs, out.view(srcs[0].shape[0], -1), result
+
+
+def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
+    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`,
+    or its int32 twin ``requant_columns32`` where ``_narrow`` proved it equal on every input value),
+    when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
+    input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
+    ops = _native_cat_operands(xs, dim, st)
+    if ops is None:
+        return None
+    srcs, out2, result = ops
     col = 0
     for src, (M, n, narrow) in zip(srcs, params):
         if narrow is not None and src.dtype == narrow[2]:
@@ -653,23 +686,56 @@ _CAT_CHUNK = 1 << 16
 
 @_kernel(FAST, "resize_nearest")
 def _fast_resize_nearest(k: KernelSpec) -> Callable:
+    """:class:`_FastNearestResize` for int8 outputs of int8/int16 inputs, else the reference."""
+    if fp.storage_dtype(k.out_dtype) != torch.int8 or k.in_specs[0].dtype not in ("qint8", "qint16"):
+        return REFERENCE["resize_nearest"](k)
+    return _FastNearestResize(k)
+
+
+class _FastNearestResize:
     """Nearest resize of int8 values: the reference's per-element requantization
     ``clamp(round(float64(q) * ratio))`` on the (smaller) input, then torch's nearest resize of
-    the bytes (a selection: the same source element per output position as in float64)."""
-    a, out_dtype = k.attrs, k.out_dtype
-    size, ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
-    lo, hi = fp.qrange(out_dtype)
-    st = fp.storage_dtype(out_dtype)
-    reference = REFERENCE["resize_nearest"](k)
-    if st != torch.int8 or k.in_specs[0].dtype not in ("qint8", "qint16"):
-        return reference
+    the bytes (a selection: the same source element per output position as in float64).  As a plan
+    step (native kernels, channels-last input): one native pass selecting torch's source elements
+    (:func:`~qcompiler.native.kernels.nearest_taps`) and requantizing them with the same float64
+    product, which commutes with the selection."""
 
-    def resize(x):
+    def __init__(self, k: KernelSpec) -> None:
+        a = k.attrs
+        self.size, self.ratio = tuple(a["size"]), a["in_scale"] / a["out_scale"]
+        self.lo, self.hi = fp.qrange(k.out_dtype)
+        self.st = fp.storage_dtype(k.out_dtype)
+        self.reference = REFERENCE["resize_nearest"](k)
+        self.native = k.native
+        self._taps: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or not x.numel():
-            return reference(x)
-        small = x if ratio == 1.0 and x.dtype == st else torch.round(x.double() * ratio).clamp_(lo, hi).to(st)
-        return F.interpolate(small.view(torch.uint8), size=size, mode="nearest").view(st)
-    return resize
+            return self.reference(x)
+        st = self.st
+        small = x if self.ratio == 1.0 and x.dtype == st else \
+            torch.round(x.double() * self.ratio).clamp_(self.lo, self.hi).to(st)
+        return F.interpolate(small.view(torch.uint8), size=self.size, mode="nearest").view(st)
+
+    def _axis(self, n_in: int, n_out: int) -> torch.Tensor:
+        key = (n_in, n_out)
+        if key not in self._taps:
+            self._taps[key] = nearest_taps(n_in, n_out)
+        return self._taps[key]
+
+    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+        """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None off the native kernels or
+        where the input is not channels-last int8/int16 (then torch's resize runs, op by op)."""
+        if not (self.native and x.dim() == 4 and x.numel() and x.dtype in (torch.int8, torch.int16) and _nhwc(x)
+                and math.isfinite(self.ratio) and self.ratio > 0):
+            return None
+        N, C, H, W = x.shape
+        Ho, Wo = (int(v) for v in self.size)
+        out = torch.empty((N, Ho, Wo, C), dtype=self.st).permute(0, 3, 1, 2)
+        if not out.numel() or not _nhwc(out):  # (torch's output would be contiguous)
+            return None
+        ratio = None if self.ratio == 1.0 and x.dtype == self.st else self.ratio
+        return out, nearest_nhwc_step(x, self._axis(H, Ho), self._axis(W, Wo), ratio, self.lo, self.hi, out)
 
 
 @_kernel(FAST, "resize_bilinear")
@@ -684,8 +750,28 @@ def _fast_resize_bilinear(k: KernelSpec) -> Callable:
     if not k.native or st not in (torch.int8, torch.int16) or k.in_specs[0].dtype not in ("qint8", "qint16"):
         return reference
     lo, hi = fp.qrange(out_dtype)
-    plan = BilinearResize(a["size"], a["align_corners"], a["in_scale"] / a["out_scale"], lo, hi, st)
-    return lambda x: plan(x) if plan.exact_for(x) else reference(x)
+    kernel = BilinearResize(a["size"], a["align_corners"], a["in_scale"] / a["out_scale"], lo, hi, st)
+    return _FastBilinearResize(kernel, reference)
+
+
+class _FastBilinearResize:
+    """The native bilinear resize where :meth:`BilinearResize.exact_for` holds, else the reference."""
+
+    def __init__(self, kernel: BilinearResize, reference: Callable) -> None:
+        self.kernel, self.reference = kernel, reference
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x) if self.kernel.exact_for(x) else self.reference(x)
+
+    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+        """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None where the call is not one
+        ``qc_resize_nhwc_*`` pass on ``x`` as it lies (inexact taps: the reference; other layouts)."""
+        k = self.kernel
+        if not k.exact_for(x) or k._layout(x) != "nhwc":
+            return None
+        out = torch.empty((x.shape[0], k.Ho, k.Wo, x.shape[1]), dtype=k.out_dtype).permute(0, 3, 1, 2)
+        spec = k.step(x, out)
+        return None if spec is None else (out, spec)
 
 
 @_kernel(REFERENCE, "relu")

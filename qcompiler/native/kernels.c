@@ -876,7 +876,100 @@ RESIZE_PLANES_FN(qc_resize_planes_i8_i8, int8_t, int8_t)
 RESIZE_PLANES_FN(qc_resize_planes_i8_i16, int8_t, int16_t)
 RESIZE_PLANES_FN(qc_resize_planes_i16_i8, int16_t, int8_t)
 RESIZE_PLANES_FN(qc_resize_planes_i16_i16, int16_t, int16_t)
+
+/* bilinear resize rows (the _nhwc kernel as a plan step): output rows (b, oh) of [r0, r1), each as
+ * the whole call computes it (the row taps offset to the first row, the input and output to the sample) */
+typedef struct {
+    const void *x;
+    int64_t H, W, C, Ho, Wo;
+    const int32_t *h0, *h1, *a0, *a1, *w0, *w1, *b0, *b1;
+    double rD;
+    int64_t lo, hi;
+    void *out;
+} resize_args;
+QC_STEP_ARGS_FIT(resize_args);
+
+#define RESIZE_STEP_FN(NAME, IN_T, OUT_T)                                                                \
+    static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
+        const resize_args *a = ctx;                                                                       \
+        for (int64_t r = r0; r < r1;) {                                                                   \
+            const int64_t b = r / a->Ho, oh0 = r % a->Ho, oh1 = r1 - b * a->Ho < a->Ho ? r1 - b * a->Ho : a->Ho; \
+            const int rc = NAME((const IN_T *)a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, oh1 - oh0,  \
+                                a->Wo, a->h0 + oh0, a->h1 + oh0, a->a0 + oh0, a->a1 + oh0, a->w0, a->w1, a->b0,  \
+                                a->b1, a->rD, a->lo, a->hi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C); \
+            if (rc) return rc;                                                                            \
+            r = b * a->Ho + oh1;                                                                          \
+        }                                                                                                 \
+        return 0;                                                                                         \
+    }                                                                                                     \
+    QC_API int NAME##_step(qc_step *st, void *ctx, const IN_T *x, int64_t N, int64_t H, int64_t W, int64_t C, \
+                           int64_t Ho, int64_t Wo, const int32_t *h0, const int32_t *h1, const int32_t *a0,  \
+                           const int32_t *a1, const int32_t *w0, const int32_t *w1, const int32_t *b0,      \
+                           const int32_t *b1, double rD, int64_t lo, int64_t hi, OUT_T *out) {             \
+        resize_args *a = ctx;                                                                             \
+        *a = (resize_args){x, H, W, C, Ho, Wo, h0, h1, a0, a1, w0, w1, b0, b1, rD, lo, hi, out};           \
+        *st = (qc_step){NAME##_rows, ctx, 0, N * Ho, 1, N * Ho * Wo * C * 4};                             \
+        return 0;                                                                                         \
+    }
+
+RESIZE_STEP_FN(qc_resize_nhwc_i8_i8, int8_t, int8_t)
+RESIZE_STEP_FN(qc_resize_nhwc_i8_i16, int8_t, int16_t)
+RESIZE_STEP_FN(qc_resize_nhwc_i16_i8, int16_t, int8_t)
+RESIZE_STEP_FN(qc_resize_nhwc_i16_i16, int16_t, int16_t)
 /* ==== end of bilinear resize ============================================================== */
+
+/* ==== nearest resize, channels-last (a plan step) ========================================== */
+/* out[n, oh, ow, c] = r(x[n, hs[oh], ws[ow], c]) with r the identity (copy != 0: same type in and out)
+ * or clamp(round_half_even((double)q * ratio), lo, hi) (qc_rs_round: the simulator's requantization of
+ * the input, one correctly rounded float64 product; a selection commutes with it).  x: (N, H, W, C),
+ * out: (N, Ho, Wo, C), contiguous; hs / ws: the source row / column of each output row / column (torch's
+ * nearest indices, from the caller).  Rows: output rows (b, oh), each independent of the others. */
+typedef struct {
+    const void *x;
+    int64_t H, W, C, Ho, Wo;
+    const int32_t *hs, *ws;
+    int64_t copy;
+    double ratio;
+    int64_t lo, hi;
+    void *out;
+} nearest_args;
+QC_STEP_ARGS_FIT(nearest_args);
+
+#define NEAREST_STEP_FN(NAME, IN_T, OUT_T)                                                               \
+    static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
+        const nearest_args *a = ctx;                                                                      \
+        const int64_t C = a->C;                                                                           \
+        const double dlo = (double)a->lo, dhi = (double)a->hi;                                            \
+        for (int64_t r = r0; r < r1; r++) {                                                               \
+            const int64_t b = r / a->Ho, oh = r % a->Ho;                                                  \
+            const IN_T *restrict row = (const IN_T *)a->x + (b * a->H + a->hs[oh]) * a->W * C;            \
+            OUT_T *restrict o = (OUT_T *)a->out + r * a->Wo * C;                                          \
+            for (int64_t ow = 0; ow < a->Wo; ow++) {                                                      \
+                const IN_T *restrict p = row + (int64_t)a->ws[ow] * C;                                    \
+                OUT_T *restrict oo = o + ow * C;                                                          \
+                if (a->copy)                                                                              \
+                    memcpy(oo, p, sizeof(OUT_T) * (size_t)C);                                             \
+                else                                                                                      \
+                    for (int64_t c = 0; c < C; c++) oo[c] = (OUT_T)qc_rs_round((int32_t)p[c], a->ratio, dlo, dhi); \
+            }                                                                                             \
+        }                                                                                                 \
+        return 0;                                                                                         \
+    }                                                                                                     \
+    QC_API int NAME##_step(qc_step *st, void *ctx, const IN_T *x, int64_t N, int64_t H, int64_t W, int64_t C, \
+                           int64_t Ho, int64_t Wo, const int32_t *hs, const int32_t *ws, int64_t copy,      \
+                           double ratio, int64_t lo, int64_t hi, OUT_T *out) {                            \
+        if (copy && sizeof(IN_T) != sizeof(OUT_T)) return -1;                                             \
+        nearest_args *a = ctx;                                                                            \
+        *a = (nearest_args){x, H, W, C, Ho, Wo, hs, ws, copy, ratio, lo, hi, out};                        \
+        *st = (qc_step){NAME##_rows, ctx, 0, N * Ho, 1, N * Ho * Wo * C};                                 \
+        return 0;                                                                                         \
+    }
+
+NEAREST_STEP_FN(qc_nearest_nhwc_i8_i8, int8_t, int8_t)
+NEAREST_STEP_FN(qc_nearest_nhwc_i8_i16, int8_t, int16_t)
+NEAREST_STEP_FN(qc_nearest_nhwc_i16_i8, int16_t, int8_t)
+NEAREST_STEP_FN(qc_nearest_nhwc_i16_i16, int16_t, int16_t)
+/* ==== end of nearest resize ================================================================= */
 
 /* ==== int32 requantization of concatenated inputs ========================================== */
 /* As qc_cat_* (one input of a concatenation into its columns of the output), with int32
@@ -918,6 +1011,57 @@ CAT32_FN(qc_cat32_i8_i8, int8_t, int8_t)
 CAT32_FN(qc_cat32_i8_i16, int8_t, int16_t)
 CAT32_FN(qc_cat32_i16_i8, int16_t, int8_t)
 CAT32_FN(qc_cat32_i16_i16, int16_t, int16_t)
+
+/* A whole concatenation as one plan step: rows [r0, r1) of every input, each by the call the
+ * simulator makes for it (kind[i] = 2 * (input i is int16) + (its int32 pass, qc_cat32_*, else the
+ * int64 qc_cat_*)) on those rows, into its columns of dst (rows of `stride` elements, the inputs'
+ * columns side by side in order).  In blocks of rows (about CAT_STEP_BYTES of output), every input
+ * per block, so a block's output lines are written while in cache.  Every element is computed alone,
+ * as by the whole calls.  src[i]: (rows, cols[i]) contiguous. */
+#define CAT_STEP_BYTES (16 << 10)
+typedef struct {
+    int64_t nin;
+    const int64_t *src, *cols, *M, *n, *kind; /* per input; src holds the pointers */
+    int64_t lo, hi, stride;
+    void *dst;
+} cat_args;
+QC_STEP_ARGS_FIT(cat_args);
+
+#define CAT_STEP_FN(OUT_N, OUT_T)                                                                        \
+    static int qc_cat_##OUT_N##_rows(void *ctx, int64_t r0, int64_t r1) {                                \
+        const cat_args *a = ctx;                                                                          \
+        int64_t block = CAT_STEP_BYTES / ((int64_t)sizeof(OUT_T) * (a->stride > 0 ? a->stride : 1));      \
+        block = block > 0 ? block : 1;                                                                    \
+        for (int64_t b0 = r0; b0 < r1; b0 += block) {                                                     \
+            const int64_t rows = r1 - b0 < block ? r1 - b0 : block;                                       \
+            OUT_T *d = (OUT_T *)a->dst + b0 * a->stride;                                                  \
+            for (int64_t i = 0; i < a->nin; i++) {                                                        \
+                const int64_t cols = a->cols[i];                                                          \
+                const void *s = (const void *)(intptr_t)a->src[i];                                        \
+                switch (a->kind[i]) {                                                                     \
+                case 0: qc_cat_i8_##OUT_N((const int8_t *)s + b0 * cols, rows, cols, d, a->stride, a->M[i], a->n[i], a->lo, a->hi); break; \
+                case 1: qc_cat32_i8_##OUT_N((const int8_t *)s + b0 * cols, rows, cols, d, a->stride, a->M[i], a->n[i], a->lo, a->hi); break; \
+                case 2: qc_cat_i16_##OUT_N((const int16_t *)s + b0 * cols, rows, cols, d, a->stride, a->M[i], a->n[i], a->lo, a->hi); break; \
+                default: qc_cat32_i16_##OUT_N((const int16_t *)s + b0 * cols, rows, cols, d, a->stride, a->M[i], a->n[i], a->lo, a->hi); break; \
+                }                                                                                         \
+                d += cols;                                                                                \
+            }                                                                                             \
+        }                                                                                                 \
+        return 0;                                                                                         \
+    }                                                                                                     \
+    QC_API int qc_cat_##OUT_N##_step(qc_step *st, void *ctx, int64_t nin, const int64_t *src, const int64_t *cols, \
+                                     const int64_t *M, const int64_t *n, const int64_t *kind, int64_t rows,  \
+                                     int64_t lo, int64_t hi, OUT_T *dst, int64_t stride) {                 \
+        for (int64_t i = 0; i < nin; i++)                                                                 \
+            if (kind[i] < 0 || kind[i] > 3) return -1;                                                    \
+        cat_args *a = ctx;                                                                                \
+        *a = (cat_args){nin, src, cols, M, n, kind, lo, hi, stride, dst};                                 \
+        *st = (qc_step){qc_cat_##OUT_N##_rows, ctx, 0, rows, 1, rows * stride};                           \
+        return 0;                                                                                         \
+    }
+
+CAT_STEP_FN(i8, int8_t)
+CAT_STEP_FN(i16, int16_t)
 /* ==== end of int32 requantization of concatenated inputs ==================================== */
 
 /* ==== max pool, channels-last in and out ================================================== */

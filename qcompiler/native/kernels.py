@@ -25,7 +25,7 @@ from qcompiler.native.build import library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "int32_requant", "requant_columns32", "max_pool_nhwc", "max_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -547,6 +547,24 @@ class BilinearResize:
             raise MemoryError("BilinearResize: out of memory for its row buffer")
         return result
 
+    def step(self, x: torch.Tensor, out: torch.Tensor) -> Optional[StepSpec]:
+        """The call as a plan step (:class:`~qcompiler.native.plan.NativeSteps`) writing ``out``, an
+        (N, C, Ho, Wo) view of (N, Ho, Wo, C) memory of the output type (what :meth:`__call__` returns
+        for ``x``), when :meth:`__call__` would make one ``qc_resize_nhwc_*`` call on ``x`` as it lies
+        (exact taps, channels-last memory); else None.  Its rows are the N * Ho output rows."""
+        if not self.exact_for(x) or self._layout(x) != "nhwc":
+            return None
+        N, C, H, W = x.shape
+        if not (isinstance(out, torch.Tensor) and out.dtype == self.out_dtype and out.shape == (N, C, self.Ho, self.Wo)
+                and out.device.type == "cpu" and out.permute(0, 2, 3, 1).is_contiguous()):
+            raise ConfigError(f"BilinearResize: out must be an (N, C, Ho, Wo) {self.out_dtype} tensor in "
+                              f"channels-last memory, got {tuple(out.shape)} {out.dtype}")
+        rows, cols = self._axis(H, self.Ho), self._axis(W, self.Wo)
+        kind = f"{_INT[x.dtype]}_{_INT[self.out_dtype]}"
+        f = _fn(f"qc_resize_nhwc_{kind}_step", (_P, _P, _P) + (_I64,) * 6 + (_P,) * 8 + (_F64, _I64, _I64, _P))
+        return StepSpec(f, (x.data_ptr(), N, H, W, C, self.Ho, self.Wo, *(t.data_ptr() for t in rows + cols),
+                            self.rD, self.lo, self.hi, out.data_ptr()), (self, x, out, rows, cols))
+
 
 def _requant_all(q: torch.Tensor, M: int, n: int, lo: int, hi: int) -> torch.Tensor:
     """``clamp(round_half_even(q * M / 2**n), lo, hi)`` in int64 (Python-sized M and n; small q)."""
@@ -602,6 +620,76 @@ def requant_columns32(src: torch.Tensor, dst: torch.Tensor, col0: int, M32: int,
     f = _fn(f"qc_cat32_{_INT[src.dtype]}_{_INT[dst.dtype]}", (_P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64), None)
     rows, cols = src.shape
     f(src.data_ptr(), rows, cols, dst.data_ptr() + col0 * dst.element_size(), dst.shape[1], M32, n32, lo, hi)
+
+
+def requant_columns_step(srcs, dst: torch.Tensor, params, lo: int, hi: int) -> StepSpec:
+    """A whole concatenation as one plan step: ``srcs[i]`` (rows, cols_i) requantized into its
+    columns of ``dst`` (rows, sum of cols_i), side by side in order, by the pass the direct calls use:
+    ``params[i] = (M, n, None)`` for :func:`requant_columns`, ``(M32, n32, True)`` for
+    :func:`requant_columns32` (the int32 parameters :func:`int32_requant` proved equal).  The same
+    checks as those calls; the step's rows are dst's rows, every input per row."""
+    _check(dst, "requant_columns_step: dst", _INT)
+    if dst.dim() != 2 or not srcs or len(params) != len(srcs):
+        raise ConfigError(f"requant_columns_step: dst {tuple(dst.shape)} must be (rows, cols), with one "
+                          f"(M, n, int32) per input ({len(srcs)} inputs, {len(params)} parameters)")
+    rows, kinds, col = dst.shape[0], [], 0
+    for i, (src, (M, n, int32)) in enumerate(zip(srcs, params)):
+        _check(src, f"requant_columns_step: input {i}", _INT)
+        if src.dim() != 2 or src.shape[0] != rows:
+            raise ConfigError(f"requant_columns_step: input {i} {tuple(src.shape)} does not fit dst {tuple(dst.shape)}")
+        M, n, amax = int(M), int(n), 1 << (8 * src.element_size() - 1)
+        fits32 = 0 <= n <= 30 and amax * abs(M) + (1 << n >> 1) < 1 << 31 and -(1 << 31) <= lo <= hi < 1 << 31
+        if int32 and not fits32:
+            raise ConfigError(f"requant_columns_step: input {i}: multiplier {M} / shift {n} do not fit int32")
+        if not int32 and not (0 <= n <= MAX_SHIFT and amax * abs(M) < INT64_LIMIT and -(1 << 62) < lo <= hi < 1 << 62):
+            raise ConfigError(f"requant_columns_step: input {i}: multiplier {M} / shift {n} out of range")
+        kinds.append(2 * (src.dtype == torch.int16) + bool(int32))
+        col += src.shape[1]
+    if col != dst.shape[1]:
+        raise ConfigError(f"requant_columns_step: the inputs' {col} columns do not fill dst {tuple(dst.shape)}")
+    table = torch.tensor([[s.data_ptr() for s in srcs], [s.shape[1] for s in srcs], [int(p[0]) for p in params],
+                          [int(p[1]) for p in params], kinds], dtype=torch.int64)
+    f = _fn(f"qc_cat_{_INT[dst.dtype]}_step", (_P, _P, _I64) + (_P,) * 5 + (_I64,) * 3 + (_P, _I64))
+    return StepSpec(f, (len(srcs), *(table[j].data_ptr() for j in range(5)), rows, int(lo), int(hi), dst.data_ptr(),
+                        dst.shape[1]), (table, dst, *srcs))
+
+
+def nearest_taps(n_in: int, n_out: int) -> torch.Tensor:
+    """The source index of each of ``n_out`` positions along one axis of torch's nearest resize
+    (``F.interpolate(size=..., mode="nearest")``), as int32: read off torch's own resize of the
+    indices ``0..n_in-1`` (float64, exact), so they are torch's whatever its rule."""
+    idx = torch.arange(n_in, dtype=torch.float64).view(1, 1, n_in, 1)
+    src = torch.nn.functional.interpolate(idx, size=(n_out, 1), mode="nearest")
+    return src.reshape(n_out).to(torch.int32)
+
+
+def nearest_nhwc_step(x: torch.Tensor, hs: torch.Tensor, ws: torch.Tensor, ratio: Optional[float], lo: int, hi: int,
+                      out: torch.Tensor) -> StepSpec:
+    """A plan step of the nearest resize of channels-last ``x`` (an (N, C, H, W) view of (N, H, W, C)
+    memory, int8/int16) into ``out`` (an (N, C, Ho, Wo) view of (N, Ho, Wo, C) memory, int8/int16):
+    ``out[n, c, oh, ow] = r(x[n, c, hs[oh], ws[ow]])`` with r a copy (``ratio`` None: same dtype) or
+    ``clamp(round_half_even(float64(q) * ratio), lo, hi)``.  ``hs`` / ``ws``: int32 source indices
+    (:func:`nearest_taps`).  Its rows are the N * Ho output rows."""
+    for t, what in ((x, "x"), (out, "out")):
+        if not (isinstance(t, torch.Tensor) and t.dim() == 4 and t.dtype in _INT and t.device.type == "cpu"
+                and t.permute(0, 2, 3, 1).is_contiguous()):
+            raise ConfigError(f"nearest_nhwc_step: {what} must be a 4-d int8/int16 CPU tensor in channels-last memory")
+    N, C, H, W = x.shape
+    Ho, Wo = out.shape[2:]
+    if out.shape[:2] != x.shape[:2] or hs.dtype != torch.int32 or ws.dtype != torch.int32 \
+            or tuple(hs.shape) != (Ho,) or tuple(ws.shape) != (Wo,) or not (hs.is_contiguous() and ws.is_contiguous()):
+        raise ConfigError(f"nearest_nhwc_step: x {tuple(x.shape)}, out {tuple(out.shape)} and the int32 indices "
+                          f"({tuple(hs.shape)}, {tuple(ws.shape)}) do not fit")
+    if (Ho and (int(hs.min()) < 0 or int(hs.max()) >= H)) or (Wo and (int(ws.min()) < 0 or int(ws.max()) >= W)):
+        raise ConfigError(f"nearest_nhwc_step: a source index lies outside the input's {H}x{W}")
+    if ratio is None and x.dtype != out.dtype:
+        raise ConfigError(f"nearest_nhwc_step: a copy needs one dtype, got {x.dtype} into {out.dtype}")
+    if ratio is not None and not (math.isfinite(ratio) and ratio > 0 and -(1 << 31) <= lo <= hi < 1 << 31):
+        raise ConfigError(f"nearest_nhwc_step: bad ratio {ratio} or clamp range [{lo}, {hi}]")
+    f = _fn(f"qc_nearest_nhwc_{_INT[x.dtype]}_{_INT[out.dtype]}_step",
+            (_P, _P, _P) + (_I64,) * 6 + (_P, _P, _I64, _F64, _I64, _I64, _P))
+    return StepSpec(f, (x.data_ptr(), N, H, W, C, Ho, Wo, hs.data_ptr(), ws.data_ptr(), int(ratio is None),
+                        1.0 if ratio is None else float(ratio), int(lo), int(hi), out.data_ptr()), (x, out, hs, ws))
 
 
 def max_pool_nhwc(x: torch.Tensor, kernel, stride, padding, dilation, out_hw) -> torch.Tensor:
