@@ -109,9 +109,12 @@ def test_zoo_models_run_planned_equal_the_op_by_op_run(name, monkeypatch):
             sim = next(iter(runner.simulators.values()))
             plans = [p for p in sim._plans.by_shape.values() if p is not None]
             assert plans and all(p.native_ops >= 5 for p in plans)
-            for p in plans:  # dead values' memory is reused: far less than one buffer per layer
+            # dead values' memory is reused: far less than one buffer per layer (unet's skip connections
+            # keep four encoder values alive to the end)
+            share = 0.8 if name == "unet" else 0.5
+            for p in plans:
                 every = sum(v.numel() * v.element_size() for v in p.native_values.values())
-                assert p.buffer_bytes < every / 2, (p.buffer_bytes, every)
+                assert p.buffer_bytes < every * share, (p.buffer_bytes, every)
     finally:
         torch.set_num_threads(threads)
 

@@ -3,7 +3,7 @@
 :class:`~qcompiler.backends.bpu.simulator.BpuSimulator` runs a program op by op in Python.  For
 the ops whose kernel can be one native call on buffers that never move (a layer with a
 ``plan_step`` method: the native GEMM convs and linears, the VNNI depthwise conv, the channels-last
-max pool), a plan fixes those buffers once per input shape and turns each maximal run of such
+max pool, the bilinear and nearest resizes, the cat), a plan fixes those buffers once per input shape and turns each maximal run of such
 ops into one :class:`~qcompiler.native.plan.NativeSteps`: one ctypes call for the run, and at 2
 threads one parallel region of torch's OpenMP team.  The other ops run as before, in between.
 

@@ -587,10 +587,10 @@ class _FastCat:
         self.params = [(int(M), int(n), _narrow(int(M), int(n), _STORAGE[spec.dtype], self.lo, self.hi)
                         if self.native else None) for M, n, spec in zip(Ms, ns, k.in_specs)]
 
-    def plan_step(self, *xs: torch.Tensor) -> Optional[tuple]:
+    def plan_step(self, *xs: torch.Tensor, alloc: Alloc = fresh) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, one step for every input's pass), or None
         where the call is not the native passes on the inputs as they lie."""
-        ops = _native_cat_operands(xs, self.dim, self.st) if self.native else None
+        ops = _native_cat_operands(xs, self.dim, self.st, alloc) if self.native else None
         if ops is None or not ops[1].numel():
             return None
         srcs, out2, result = ops
@@ -634,9 +634,10 @@ def _narrow(M: int, n: int, dtype: torch.dtype, lo: int, hi: int) -> Optional[tu
     return None if m is None else (*m, dtype)
 
 
-def _native_cat_operands(xs, dim: int, st: torch.dtype) -> Optional[tuple]:
-    """(each input's rows, the output's rows, the result to return) of :func:`_native_cat` on ``xs``
-    as they lie (the inputs' rows are views), or None where it takes the torch path."""
+def _native_cat_operands(xs, dim: int, st: torch.dtype, alloc: Alloc = fresh) -> Optional[tuple]:
+    """(each input's rows, the output's rows (memory from ``alloc``), the result to return) of
+    :func:`_native_cat` on ``xs`` as they lie (the inputs' rows are views), or None where it takes the
+    torch path."""
     if not xs or any(x.dtype not in (torch.int8, torch.int16) or x.dim() != xs[0].dim() for x in xs):
         return None
     d = dim % xs[0].dim()
@@ -646,14 +647,14 @@ def _native_cat_operands(xs, dim: int, st: torch.dtype) -> Optional[tuple]:
     total = sum(x.shape[d] for x in xs)
     if d == 1 and xs[0].dim() == 4 and all(x.is_contiguous(memory_format=torch.channels_last) for x in xs):
         N, _, H, W = first
-        out = torch.empty((N, H, W, total), dtype=st)
+        out = alloc((N, H, W, total), st)
         srcs = [x.permute(0, 2, 3, 1).reshape(N * H * W, x.shape[1]) for x in xs]
         result = out.permute(0, 3, 1, 2)
     elif all(x.is_contiguous() for x in xs):
         rows = math.prod(first[:d])
         shape = list(first)
         shape[d] = total
-        out = torch.empty(shape, dtype=st)
+        out = alloc(shape, st)
         srcs = [x.reshape(rows, -1) for x in xs]
         result = out
     else:
@@ -723,7 +724,7 @@ class _FastNearestResize:
             self._taps[key] = nearest_taps(n_in, n_out)
         return self._taps[key]
 
-    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+    def plan_step(self, x: torch.Tensor, alloc: Alloc = fresh) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None off the native kernels or
         where the input is not channels-last int8/int16 (then torch's resize runs, op by op)."""
         if not (self.native and x.dim() == 4 and x.numel() and x.dtype in (torch.int8, torch.int16) and _nhwc(x)
@@ -731,7 +732,7 @@ class _FastNearestResize:
             return None
         N, C, H, W = x.shape
         Ho, Wo = (int(v) for v in self.size)
-        out = torch.empty((N, Ho, Wo, C), dtype=self.st).permute(0, 3, 1, 2)
+        out = alloc((N, Ho, Wo, C), self.st).permute(0, 3, 1, 2)
         if not out.numel() or not _nhwc(out):  # (torch's output would be contiguous)
             return None
         ratio = None if self.ratio == 1.0 and x.dtype == self.st else self.ratio
@@ -763,13 +764,13 @@ class _FastBilinearResize:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x) if self.kernel.exact_for(x) else self.reference(x)
 
-    def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
+    def plan_step(self, x: torch.Tensor, alloc: Alloc = fresh) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None where the call is not one
         ``qc_resize_nhwc_*`` pass on ``x`` as it lies (inexact taps: the reference; other layouts)."""
         k = self.kernel
         if not k.exact_for(x) or k._layout(x) != "nhwc":
             return None
-        out = torch.empty((x.shape[0], k.Ho, k.Wo, x.shape[1]), dtype=k.out_dtype).permute(0, 3, 1, 2)
+        out = alloc((x.shape[0], k.Ho, k.Wo, x.shape[1]), k.out_dtype).permute(0, 3, 1, 2)
         spec = k.step(x, out)
         return None if spec is None else (out, spec)
 
