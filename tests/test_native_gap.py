@@ -1,7 +1,8 @@
 """The native global average pool (qc_gap_nhwc_* in kernels.c): the channels-last sums and their
 requantization against the int64 reference (hypothesis, torch.equal), called directly and as plan
 steps cut over threads; the simulator's pool kernel (its op-by-op call and its plan step) against
-the ``fixed_point`` kernel, a channel-major input left to Python and still exact."""
+the ``fixed_point`` kernel, a channel-major input left to Python and still exact; and the layout ops
+after it kept in a plan as views of its buffer (a copying one is not)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_bpu_reference import Tiny
 
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.plan import ProgramPlan
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.simulator import _LAYOUT, BpuSimulator, _LayoutKernel
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.kernels import global_avg_pool_nhwc, global_avg_pool_nhwc_step
@@ -218,3 +219,33 @@ def test_a_plan_runs_the_pool_natively_only_on_channels_last_memory(channels_las
         for parts in (1, 2):
             assert torch.equal(plan.run({"x": x}, parts)[last], want(x))
     assert torch.equal(first, want(xs[0]))  # an output is not the plan's buffer
+
+
+@needs_native
+def test_layout_ops_after_the_pool_stay_in_the_plan_as_views():
+    """flatten and identity after a keepdim pool are views of its buffer: one native segment, no Python
+    step, the output cloned out of the buffer; a reshape of permuted memory is a copy and stays a Python
+    step (a frozen copy would keep the first call's values)."""
+    flatten = _LayoutKernel(_LAYOUT["flatten"]({"start_dim": 1, "end_dim": -1}))
+    identity = _LayoutKernel(_LAYOUT["identity"]({}))
+    permute = _LayoutKernel(_LAYOUT["permute"]({"dims": [1, 0, 2, 3]}))
+    reshape = _LayoutKernel(_LAYOUT["reshape"]({"shape": [-1]}))
+    g = torch.Generator().manual_seed(9)
+    xs = [_ints((3, 20, 5, 5), torch.int8, "random", g) for _ in range(3)]
+    for ops, n_views in (([flatten, identity], 2), ([permute, reshape], 1)):
+        steps, last, want = _plan_case(True, ops)
+        plan, env = ProgramPlan.build(steps, (last,), {"x": xs[0]}, 1)
+        assert torch.equal(env[last], want(xs[0]))
+        views = [f"v{i + 1}" for i in range(len(ops)) if f"v{i + 1}" in plan.native_values]
+        assert len(views) == n_views, ops
+        python = [rec[2] for seg in plan.segments if isinstance(seg, list) for rec in seg]
+        assert python == [f"v{i + 1}" for i in range(n_views, len(ops))]
+        assert isinstance(plan.segments[0], NativeSteps)
+        first = env[last]
+        for x in xs[1:]:
+            got = plan.run({"x": x}, 1)[last]
+            assert torch.equal(got, want(x))
+            assert got.untyped_storage().data_ptr() not in plan.storages
+        assert torch.equal(first, want(xs[0]))
+    x = xs[0].contiguous()
+    assert reshape.plan_view(x.permute(1, 0, 2, 3)) is None and reshape.plan_view(x) is not None

@@ -878,8 +878,26 @@ _LAYOUT: dict[str, Callable[[dict], Callable]] = {
     "getitem": lambda a: (lambda x, idx=decode_index(a["index"]): x[idx]),
 }
 
+
+class _LayoutKernel:
+    """A layout op's kernel (``fn``, no arithmetic), and its ``plan_view``: in a plan whose buffer
+    holds the input, the op's value where it is a view of that buffer (then it stays one as the
+    buffer is rewritten: the op needs no step, and its readers no copy; backends/bpu/plan.py)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, x: Any) -> Any:
+        return self.fn(x)
+
+    def plan_view(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        v = self.fn(x)
+        shares = isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        return v if shares else None  # (a copy, e.g. a reshape of strided memory, would go stale)
+
+
 for _kind, _make in _LAYOUT.items():
-    _kernel(REFERENCE, _kind)(lambda k, make=_make: make(k.attrs))
+    _kernel(REFERENCE, _kind)(lambda k, make=_make: _LayoutKernel(make(k.attrs)))
 
 
 def _with_constant(op: BpuOp, binary: Callable) -> Callable:
