@@ -809,9 +809,10 @@ class _FastGlobalAvgPool:
         hw = self._hw(x)
         return bool(hw) and self.amax * hw < _I32 and x.dtype == self.in_storage
 
-    def _native(self, x: torch.Tensor) -> bool:
-        """Whether the call is one native pass (a nonempty channels-last int8/int16 input)."""
-        return (self._exact_int32(x) and x.dim() == 4 and x.dtype in (torch.int8, torch.int16) and x.numel() > 0
+    def _nhwc(self, x: torch.Tensor) -> bool:
+        """After :meth:`_exact_int32`: whether the call is one native pass (a nonempty channels-last
+        int8/int16 input, a requantization :meth:`_fits`)."""
+        return (x.dim() == 4 and x.dtype in (torch.int8, torch.int16) and x.numel() > 0
                 and x.is_contiguous(memory_format=torch.channels_last) and self._fits(self._hw(x)))
 
     def _shaped(self, y: torch.Tensor) -> torch.Tensor:
@@ -822,7 +823,7 @@ class _FastGlobalAvgPool:
             return self.ref(x)
         hw = self._hw(x)
         M, n = self._mn(hw)
-        if self._native(x):
+        if self._nhwc(x):
             return self._shaped(global_avg_pool_nhwc(x, M, n, self.lo, self.hi,
                                                      torch.empty(x.shape[:2], dtype=self.st)))
         sums = x.sum(dim=(-2, -1), dtype=torch.int32)
@@ -837,7 +838,7 @@ class _FastGlobalAvgPool:
     def plan_step(self, x: torch.Tensor) -> Optional[tuple]:
         """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None where the call is not the
         native pass."""
-        if not self._native(x):
+        if not (self._exact_int32(x) and self._nhwc(x)):
             return None
         M, n = self._mn(self._hw(x))
         out = torch.empty(x.shape[:2], dtype=self.st)
