@@ -115,6 +115,12 @@ def test_zoo_models_run_planned_equal_the_op_by_op_run(name, monkeypatch):
             for p in plans:
                 every = sum(v.numel() * v.element_size() for v in p.native_values.values())
                 assert p.buffer_bytes < every * share, (p.buffer_bytes, every)
+            if name != "unet" and t == 1:  # the tail (pool, flatten, dropout's identity, linear) stays in C
+                tail = [op.output for op in sim.program.ops if op.kind in ("global_avg_pool", "flatten", "identity",
+                                                                           "linear")]
+                for p in plans:
+                    assert len(tail) >= 3 and all(o in p.native_values for o in tail), name
+                    assert sum(isinstance(s, tuple) for s in p.segments) == 1, p.segments  # (NativeSteps, names)
     finally:
         torch.set_num_threads(threads)
 

@@ -3,9 +3,13 @@
 :class:`~qcompiler.backends.bpu.simulator.BpuSimulator` runs a program op by op in Python.  For
 the ops whose kernel can be one native call on buffers that never move (a layer with a
 ``plan_step`` method: the native GEMM convs and linears, the VNNI depthwise conv, the channels-last
-max pool, the bilinear and nearest resizes, the cat), a plan fixes those buffers once per input shape and turns each maximal run of such
+max pool, the bilinear and nearest resizes, the cat, the global average pool), a plan fixes those buffers once per input shape and turns each maximal run of such
 ops into one :class:`~qcompiler.native.plan.NativeSteps`: one ctypes call for the run, and at 2
 threads one parallel region of torch's OpenMP team.  The other ops run as before, in between.
+
+A layout op (``plan_view``: flatten, reshape, identity ...) whose input is in a buffer and whose
+value is a view of it is neither: the view stands for the value on every run, so the op costs
+nothing and does not end a run of native steps (the tail pool -> flatten -> linear stays in C).
 
 The plan is built while running the first call (``ProgramPlan.build``): each op is asked for its
 step on its actual inputs, the step runs at once, and a value a step reads that another op made
@@ -130,6 +134,15 @@ class ProgramPlan:
             return buf
 
         for fn, ins, out, free in steps:
+            viewer = getattr(fn, "plan_view", None)
+            view = viewer(*[fixed[i] for i in ins]) if viewer is not None and ins and all(
+                i in fixed for i in ins) else None  # a layout op's view of a buffer: no step at all
+            if view is not None:
+                env[out] = fixed[out] = plan.native_values[out] = view
+                bufs.made(view)  # (it keeps its buffer alive as long as it is)
+                for name in free:
+                    bufs.dropped(env.pop(name))
+                continue
             planner = getattr(fn, "plan_step", None)
             made = None
             if planner is not None and all(isinstance(env[i], torch.Tensor) for i in ins):

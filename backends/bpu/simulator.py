@@ -117,6 +117,8 @@ from qcompiler.native.kernels import (
     BilinearResize,
     DepthwiseConv,
     Requant,
+    global_avg_pool_nhwc,
+    global_avg_pool_nhwc_step,
     int32_requant,
     max_pool_nhwc,
     max_pool_nhwc_step,
@@ -855,44 +857,94 @@ def _global_avg_pool(k: KernelSpec) -> Callable:
 
 @_kernel(FAST, "global_avg_pool")
 def _fast_global_avg_pool(k: KernelSpec) -> Callable:
-    """The reference's sums in int32 where ``amax * H * W < 2**31`` proves them in range (any
-    memory layout: the channels-last output of the native GEMM is read in place), its ``(M, n)``
-    computed once per spatial size; the requantization is ``fp.requantize``, or with the native
-    kernels one :class:`~qcompiler.native.kernels.Requant` pass (the int32 sums are exact in
-    float64; ``fp.requantize`` costs 0.15-0.3 ms in small torch ops).  Else the reference."""
-    a, name, out_dtype = k.attrs, k.name, k.out_dtype
-    s_in, s_out, keep = a["in_scale"], a["out_scale"], a["keepdim"]
-    amax = _AMAX[k.in_specs[0].dtype]
-    st = _STORAGE.get(out_dtype)
-    ref = _global_avg_pool(k)
-    params: dict[int, tuple[int, int]] = {}
-    plans: dict[tuple[int, int], Optional[Requant]] = {}
+    return _FastGlobalAvgPool(k)
 
-    def plan(hw: int, C: int) -> Optional[Requant]:
-        if (hw, C) not in plans:
-            M, n = params[hw]
-            lo, hi = fp.qrange(out_dtype)
-            ok = k.native and st in (torch.int8, torch.int16) and 0 <= n <= 62 and amax * hw * abs(M) < 1 << 62
-            plans[(hw, C)] = Requant(torch.full((C,), M, dtype=torch.int64), torch.full((C,), n, dtype=torch.int64),
-                                     lo, hi, amax * hw) if ok else None
-        return plans[(hw, C)]
 
-    def gap(x):
-        hw = x.shape[-1] * x.shape[-2] if x.dim() >= 3 else 0
-        if not hw or amax * hw >= _I32 or x.dtype != _STORAGE.get(k.in_specs[0].dtype):
-            return ref(x)  # (the int32 bound is proven for the declared input type only)
-        if hw not in params:
-            params[hw] = fp.global_avg_pool_params(hw, s_in, s_out, mult_bits=qnn.MULT_BITS, max_shift=qnn.MAX_SHIFT)
+class _FastGlobalAvgPool:
+    """The reference's sums in int32 where ``amax * H * W < 2**31`` proves them in range, its
+    ``(M, n)`` computed once per spatial size.  With the native kernels, a channels-last input
+    (the native GEMM's output) is one native pass, sums and requantization
+    (:func:`~qcompiler.native.kernels.global_avg_pool_nhwc`, also a plan step); any other layout
+    is summed by torch in place and requantized by one :class:`~qcompiler.native.kernels.Requant`
+    pass (the int32 sums are exact in float64; ``fp.requantize`` costs 0.15-0.3 ms in small torch
+    ops), or by ``fp.requantize`` without the native kernels.  Both requantize as
+    ``qc_requant_*`` does.  Else the reference."""
+
+    def __init__(self, k: KernelSpec) -> None:
+        a = k.attrs
+        self.name, self.out_dtype, self.native = k.name, k.out_dtype, k.native
+        self.s_in, self.s_out, self.keep = a["in_scale"], a["out_scale"], a["keepdim"]
+        self.amax = _AMAX[k.in_specs[0].dtype]
+        self.in_storage = _STORAGE.get(k.in_specs[0].dtype)
+        self.st = _STORAGE.get(k.out_dtype)
+        self.lo, self.hi = fp.qrange(k.out_dtype)
+        self.ref = _global_avg_pool(k)
+        self._params: dict[int, tuple[int, int]] = {}
+        self._requants: dict[tuple[int, int], Optional[Requant]] = {}
+
+    def _mn(self, hw: int) -> tuple[int, int]:
+        if hw not in self._params:
+            self._params[hw] = fp.global_avg_pool_params(hw, self.s_in, self.s_out, mult_bits=qnn.MULT_BITS,
+                                                         max_shift=qnn.MAX_SHIFT)
+        return self._params[hw]
+
+    def _fits(self, hw: int) -> bool:
+        """Whether the native requantization of these sums is exact (an int64 product, a shift <= 62)."""
+        M, n = self._mn(hw)
+        return (self.native and self.st in (torch.int8, torch.int16) and 0 <= n <= 62
+                and self.amax * hw * abs(M) < 1 << 62)
+
+    def _requant(self, hw: int, C: int) -> Optional[Requant]:
+        if (hw, C) not in self._requants:
+            M, n = self._mn(hw)
+            self._requants[(hw, C)] = Requant(
+                torch.full((C,), M, dtype=torch.int64), torch.full((C,), n, dtype=torch.int64), self.lo, self.hi,
+                self.amax * hw) if self._fits(hw) else None
+        return self._requants[(hw, C)]
+
+    @staticmethod
+    def _hw(x: torch.Tensor) -> int:
+        return x.shape[-1] * x.shape[-2] if x.dim() >= 3 else 0
+
+    def _exact_int32(self, x: torch.Tensor) -> bool:
+        """Whether the int32 sums are proven (for the declared input type only) and not empty."""
+        hw = self._hw(x)
+        return bool(hw) and self.amax * hw < _I32 and x.dtype == self.in_storage
+
+    def _nhwc(self, x: torch.Tensor) -> bool:
+        """After :meth:`_exact_int32`: whether the call is one native pass (a nonempty channels-last
+        int8/int16 input, a requantization :meth:`_fits`)."""
+        return (x.dim() == 4 and x.dtype in (torch.int8, torch.int16) and x.numel() > 0
+                and x.is_contiguous(memory_format=torch.channels_last) and self._fits(self._hw(x)))
+
+    def _shaped(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(*y.shape, 1, 1) if self.keep else y  # as QuantizedAvgPool (mean without keepdim)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._exact_int32(x):
+            return self.ref(x)
+        hw = self._hw(x)
+        M, n = self._mn(hw)
+        if self._nhwc(x):
+            return self._shaped(global_avg_pool_nhwc(x, M, n, self.lo, self.hi,
+                                                     torch.empty(x.shape[:2], dtype=self.st)))
         sums = x.sum(dim=(-2, -1), dtype=torch.int32)
-        rq = plan(hw, sums.shape[-1]) if sums.numel() else None
+        rq = self._requant(hw, sums.shape[-1]) if sums.numel() else None
         if rq is None:
-            M, n = params[hw]
-            y = fp.requantize(sums, M, n, out_dtype, op=name)
+            y = fp.requantize(sums, M, n, self.out_dtype, op=self.name)
         else:
-            y = torch.empty(sums.shape, dtype=st)
+            y = torch.empty(sums.shape, dtype=self.st)
             rq(sums.to(torch.float64).reshape(-1, sums.shape[-1]), y.view(-1, sums.shape[-1]))
-        return y.reshape(*y.shape, 1, 1) if keep else y  # as QuantizedAvgPool (mean without keepdim)
-    return gap
+        return self._shaped(y)
+
+    def plan_step(self, x: torch.Tensor, alloc: Alloc = fresh) -> Optional[tuple]:
+        """As ``_NativeGemmLayer.plan_step``: (the result, its step), or None where the call is not the
+        native pass."""
+        if not (self._exact_int32(x) and self._nhwc(x)):
+            return None
+        M, n = self._mn(self._hw(x))
+        out = alloc(x.shape[:2], self.st)
+        return self._shaped(out), global_avg_pool_nhwc_step(x, M, n, self.lo, self.hi, out)
 
 
 @_kernel(REFERENCE, "resize_nearest", "resize_bilinear")
@@ -928,8 +980,27 @@ _LAYOUT: dict[str, Callable[[dict], Callable]] = {
     "transpose": lambda a: (lambda x, d0=int(a["dim0"]), d1=int(a["dim1"]): x.transpose(d0, d1)),
     "getitem": lambda a: (lambda x, idx=decode_index(a["index"]): x[idx]),
 }
+
+
+class _LayoutKernel:
+    """A layout op's kernel (``fn``, no arithmetic), and its ``plan_view``: in a plan whose buffer
+    holds the input, the op's value where it is a view of that buffer (then it stays one as the
+    buffer is rewritten: the op needs no step, and its readers no copy; backends/bpu/plan.py)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, x: Any) -> Any:
+        return self.fn(x)
+
+    def plan_view(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        v = self.fn(x)
+        shares = isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        return v if shares else None  # (a copy, e.g. a reshape of strided memory, would go stale)
+
+
 for _kind, _make in _LAYOUT.items():
-    _kernel(REFERENCE, _kind)(lambda k, make=_make: make(k.attrs))
+    _kernel(REFERENCE, _kind)(lambda k, make=_make: _LayoutKernel(make(k.attrs)))
 
 
 def _with_constant(op: BpuOp, binary: Callable) -> Callable:

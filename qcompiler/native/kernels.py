@@ -25,7 +25,7 @@ from qcompiler.native.build import library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -731,3 +731,43 @@ def max_pool_nhwc_step(x: torch.Tensor, kernel, stride, padding, dilation, out: 
     Ho, Wo = out.shape[2], out.shape[3]
     f = _fn(f"qc_maxpool_nhwc_{_INT[x.dtype]}_step", (_P, _P, _P) + (_I64,) * 14 + (_P,))
     return StepSpec(f, (x.data_ptr(), N, H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, out.data_ptr()), (x, out))
+
+
+def _gap_args(x: torch.Tensor, M: int, n: int, lo: int, hi: int, out: torch.Tensor, what: str) -> tuple:
+    """The checked arguments of ``qc_gap_nhwc_*``: the pointers and sizes, after the proofs the C
+    kernel relies on (int32 sums, an int64 product)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in _INT or x.device.type != "cpu" \
+            or not x.is_contiguous(memory_format=torch.channels_last):
+        raise ConfigError(f"{what}: x must be a 4-d int8/int16 CPU tensor in channels-last memory")
+    N, C, H, W = x.shape
+    _check(out, f"{what}: out", _INT, (N, C))
+    M, n, lo, hi, P = int(M), int(n), int(lo), int(hi), H * W
+    bound = (1 << (8 * x.element_size() - 1)) * P  # the largest |sum|
+    if bound >= 1 << 31:
+        raise ConfigError(f"{what}: {P} positions of {x.dtype} may sum past int32; the caller checks first")
+    if not 0 <= n <= MAX_SHIFT or bound * abs(M) >= INT64_LIMIT:
+        raise ConfigError(f"{what}: multiplier {M} / shift {n} do not fit int64 for sums up to {bound}")
+    info = torch.iinfo(out.dtype)
+    if not info.min <= lo <= hi <= info.max:
+        raise ConfigError(f"{what}: clamp range [{lo}, {hi}] is not within {out.dtype}")
+    return (x.data_ptr(), N, P, C, M, n, lo, hi, out.data_ptr())
+
+
+def global_avg_pool_nhwc(x: torch.Tensor, M: int, n: int, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+    """Global average pool of channels-last ``x`` (an (N, C, H, W) view of (N, H, W, C) int8/int16
+    memory) into ``out`` ((N, C) int8/int16, contiguous): ``out[b, c] = clamp(round_half_even(s * M /
+    2**n), lo, hi)`` with ``s`` the exact sum of the sample's H * W values of channel c (what
+    :class:`Requant` does to those sums).  Needs ``128 (32768 for int16) * H * W < 2**31`` and that
+    bound times ``|M|`` below 2**62 (else :class:`~qcompiler.errors.ConfigError`).  Returns ``out``."""
+    args = _gap_args(x, M, n, lo, hi, out, "global_avg_pool_nhwc")
+    if out.numel():
+        f = _fn(f"qc_gap_nhwc_{_INT[x.dtype]}_{_INT[out.dtype]}", (_P,) + (_I64,) * 7 + (_P,))
+        _ok(f(*args))
+    return out
+
+
+def global_avg_pool_nhwc_step(x: torch.Tensor, M: int, n: int, lo: int, hi: int, out: torch.Tensor) -> StepSpec:
+    """:func:`global_avg_pool_nhwc` as a plan step writing ``out`` (its rows: the samples)."""
+    args = _gap_args(x, M, n, lo, hi, out, "global_avg_pool_nhwc")
+    f = _fn(f"qc_gap_nhwc_{_INT[x.dtype]}_{_INT[out.dtype]}_step", (_P, _P, _P) + (_I64,) * 7 + (_P,))
+    return StepSpec(f, args, (x, out))
