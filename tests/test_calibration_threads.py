@@ -26,10 +26,12 @@ from hypothesis import strategies as st
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native import openmp
 from qcompiler.native.build import disabled, native_enabled
-from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax, rows_minmax
+from qcompiler.native.kernels import (NO_RANGE, histogram_abs, histogram_abs_grow, histogram_abs_minmax,
+                                      rows_minmax, rows_minmax_merge)
 from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization import prepare_calibration_fx
-from qcompiler.quantization.observer import HistogramObserver, ObserverBase, PerChannelMinMaxObserver
+from qcompiler.quantization.observer import (HistogramObserver, MovingAveragePerChannelMinMaxObserver, ObserverBase,
+                                             PerChannelMinMaxObserver)
 from qcompiler.quantization.qconfig import get_default_calib_qconfig
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None)
@@ -214,16 +216,16 @@ def test_observers_on_threads_equal_one_thread_sequential(batches, threads, part
         one(x)
     many = HistogramObserver(method=method)
     calls = []
-    real = observer_module.histogram_abs_minmax
+    real = observer_module.histogram_abs_grow
 
-    def spy(x, per_unit, hist, threads=1):
+    def spy(x, e0, hist, threads=1):
         calls.append(threads)
-        return real(x, per_unit, hist, threads, chunk, omp)
+        return real(x, e0, hist, threads, chunk, omp)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch, "get_num_threads", lambda: threads)
         m.setattr(observer_module, "_NATIVE_PART", part)
-        m.setattr(observer_module, "histogram_abs_minmax", spy)
+        m.setattr(observer_module, "histogram_abs_grow", spy)
         for x, (*_, where) in zip(data, batches):
             k = int(where * x.numel())
             for piece in (x[:k], x[k:]):
@@ -265,7 +267,7 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, torch
         cal = prepare_calibration_fx(net, {"": get_default_calib_qconfig(observer=observer)},
                                      hybrid=True, example_inputs=(x,)).eval()
         calls = []
-        real_minmax, real_plain = observer_module.histogram_abs_minmax, observer_module.histogram_abs
+        real_grow, real_plain = observer_module.histogram_abs_grow, observer_module.histogram_abs
 
         def spy(real):
             def call(x, per_unit, hist, threads=1):
@@ -276,7 +278,7 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, torch
         with monkeypatch.context() as m:
             m.setattr(observer_module, "SPLIT_HISTOGRAM", split)
             m.setattr(observer_module, "_NATIVE_PART", 1000)
-            m.setattr(observer_module, "histogram_abs_minmax", spy(real_minmax))
+            m.setattr(observer_module, "histogram_abs_grow", spy(real_grow))
             m.setattr(observer_module, "histogram_abs", spy(real_plain))
             with torch.no_grad():
                 for b in batches:
@@ -291,6 +293,109 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, torch
     assert one.keys() == two.keys()
     for name in one:
         _assert_same(one[name], two[name])
+
+
+# ---------------------------------------------------------------------------- the growing histogram
+
+
+def _grow_reference(x: torch.Tensor, e0: int, base: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The grid exponent and counts the one-pass kernel must give: ``base`` (counts on 2**e0) merged
+    onto the final grid with the observer's torch rebinning, plus bincount of the exact float64 floor."""
+    amax = float(x.abs().max())
+    e = e0
+    if amax > 0.0:
+        need = math.frexp(amax)[1]
+        e = need if e0 == NO_RANGE else max(e0, need)
+    if e == NO_RANGE:
+        out = base.clone()
+        out[0] += x.numel()
+        return e, out
+    old = 0.0 if e0 == NO_RANGE else math.ldexp(1.0, e0)
+    merged = HistogramObserver._rebinned(base, old, math.ldexp(1.0, e)).clone()
+    n = base.numel()
+    idx = torch.floor(x.abs().double() * (n / math.ldexp(1.0, e))).long()
+    return e, merged + torch.bincount(idx, minlength=n).double()
+
+
+@needs_native
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 4000), st.integers(-140, 120), st.sampled_from([0.0, 0.5, 1.0])),
+                min_size=1, max_size=4),
+       st.one_of(st.just(None), st.integers(-150, 130)), st.sampled_from([2, 3, 1000, 4096, 1 << 15]),
+       st.integers(1, 7), st.integers(1, 3000), st.booleans(), st.integers(0, 2 ** 31 - 1))
+def test_growing_histogram_equals_the_torch_reference(pieces, e0, nbins, threads, chunk, omp, seed):
+    """The first-batch kernel (range found while binning, the counts merged onto a wider grid when a
+    chunk needs one) gives the grid and counts of the two-pass torch path -- the old bins merged by
+    the observer's rebinning, then the bincount of the exact floor on the final grid -- and min/max
+    of x, bit for bit, for pieces of growing or shrinking magnitude (all-zero ones too), any grid on
+    entry (none, below or above what x needs), thread count and chunk size."""
+    x = torch.cat([_data(n, e, z, seed + i) for i, (n, e, z) in enumerate(pieces)])
+    e0 = NO_RANGE if e0 is None else e0
+    base = torch.zeros(nbins, dtype=torch.float64)
+    if e0 == NO_RANGE:
+        base[0] = 7.0  # zeros seen before: bin 0 only
+    else:
+        base += torch.arange(nbins, dtype=torch.float64)
+    want_e, want = _grow_reference(x, e0, base)
+    hist = base.clone()
+    got = histogram_abs_grow(x, e0, hist, threads, chunk, omp)
+    assert got is not None
+    assert got == (want_e, float(x.min()), float(x.max()))
+    assert torch.equal(hist, want)
+    one = base.clone()
+    assert histogram_abs_grow(x, e0, one, 1) == got and torch.equal(one, hist)  # one thread, one chunk
+
+
+@needs_native
+@pytest.mark.parametrize("omp", [True, False])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_bad_value_leaves_the_growing_histogram_unchanged(omp, bad):
+    """NaN/Inf anywhere (the first chunk, a chunk edge, after the grid grew, the last value): None
+    and the histogram untouched, on one and on several threads."""
+    for threads in (1, 3):
+        for where in (0, 99, 100, 2500, 4999):
+            x = torch.linspace(-1.0, 1.0, 5000) * torch.linspace(1.0, 64.0, 5000)  # grows chunk by chunk
+            x[where] = bad
+            for e0 in (NO_RANGE, 2, 9):
+                hist = torch.arange(64, dtype=torch.float64) if e0 != NO_RANGE else torch.zeros(64, dtype=torch.float64)
+                before = hist.clone()
+                assert histogram_abs_grow(x, e0, hist, threads, 100, omp) is None, (threads, where, e0)
+                assert torch.equal(hist, before)
+
+
+def test_growing_histogram_rejects_bad_arguments():
+    x, hist = torch.ones(10), torch.zeros(8, dtype=torch.float64)
+    for kwargs, match in (({"threads": 0}, "threads"), ({"chunk": 0}, "chunk"), ({"e0": 1000}, "e0"),
+                          ({"e0": 1.5}, "e0")):
+        with pytest.raises(ConfigError, match=match):
+            histogram_abs_grow(x, kwargs.pop("e0", 0), hist, **kwargs)
+    with pytest.raises(ConfigError, match="float32"):
+        histogram_abs_grow(x.double(), 0, hist)
+    with pytest.raises(ConfigError, match="contiguous"):
+        histogram_abs_grow(torch.ones(4, 4).t(), 0, hist)
+    with pytest.raises(ConfigError, match="1-d"):
+        histogram_abs_grow(x, 0, torch.zeros(2, 2, dtype=torch.float64))
+
+
+@needs_native
+@settings(SETTINGS, max_examples=60)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(-30, 30), st.sampled_from([0.0, 0.5, 1.0]),
+                          st.integers(0, 2 ** 31 - 1)), min_size=1, max_size=5),
+       st.sampled_from([torch.float32, torch.float64]), st.sampled_from(["mse", "kl", "percentile"]))
+def test_histogram_observer_native_equals_the_torch_path(batches, dtype, method):
+    """An observer fed through the one-pass kernel (float32) has the state and qparams of one fed
+    through the checked torch path (the native kernels off), batch after batch: first batches of
+    zeros only, ranges that grow and shrink."""
+    data = [_data(n, e, z, s).to(dtype) for n, e, z, s in batches]
+    fast, slow = HistogramObserver(method=method), HistogramObserver(method=method)
+    for x in data:
+        fast(x)
+        with disabled():
+            slow(x)
+        for name in ("histogram", "hist_max", "min_val", "max_val"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    if fast.has_observed:
+        _assert_same(fast, slow)
 
 
 # ---------------------------------------------------------------------------- per-channel weights
@@ -340,6 +445,89 @@ def test_per_channel_observer_native_equals_torch_path():
         _assert_same(fast, slow)
     with pytest.raises(ConfigError, match="rows_minmax"):
         rows_minmax(torch.zeros(0, 3))
+
+
+@needs_native
+@SETTINGS
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(-60, 60), st.sampled_from([0.0, 0.5]),
+       st.integers(0, 2 ** 31 - 1), st.integers(0, 2 ** 31 - 1))
+def test_rows_minmax_merge_equals_torch_minimum_maximum(rows, cols, exponent, zeros, seed, seed2):
+    x = _data(rows * cols, exponent, zeros, seed).reshape(rows, cols)
+    old_lo, old_hi = _data(rows, exponent, zeros, seed2), _data(rows, exponent, zeros, seed2 + 1)
+    keep = (old_lo.clone(), old_hi.clone())
+    lo, hi = rows_minmax_merge(x, old_lo, old_hi)
+    assert torch.equal(lo, torch.minimum(old_lo, x.amin(1))) and torch.equal(hi, torch.maximum(old_hi, x.amax(1)))
+    assert torch.equal(old_lo, keep[0]) and torch.equal(old_hi, keep[1])  # new tensors, the old untouched
+    assert lo.data_ptr() != old_lo.data_ptr() and hi.data_ptr() != old_hi.data_ptr()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y.view(-1)[seed % y.numel()] = bad
+        assert rows_minmax_merge(y, old_lo, old_hi) is None
+    with pytest.raises(ConfigError, match="one per row"):
+        rows_minmax_merge(x, old_lo[:0], old_hi)
+
+
+@needs_native
+@SETTINGS
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.integers(0, 3),
+       st.lists(st.sampled_from(["same", "scaled", "new", "data-write"]), min_size=1, max_size=5),
+       st.integers(0, 2 ** 31 - 1))
+def test_per_channel_observers_merged_pass_equals_the_torch_path(shape, axis, steps, seed):
+    """A weight observer fed the same tensor every batch, a rescaled one, a new one, or one changed by a
+    ``.data`` write (no version bump), through the merged native pass, has the state of the torch path
+    (native off) after every batch; the moving-average observer keeps its own formula."""
+    axis = axis % len(shape)
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g)
+    fast, slow = PerChannelMinMaxObserver(ch_axis=axis), PerChannelMinMaxObserver(ch_axis=axis)
+    avg_fast, avg_slow = MovingAveragePerChannelMinMaxObserver(0.3, axis), MovingAveragePerChannelMinMaxObserver(0.3, axis)
+    for step in ["same"] + steps:
+        if step == "scaled":
+            w = w * 3.0
+        elif step == "new":
+            w = torch.randn(*shape, generator=g)
+        elif step == "data-write":
+            w.data[(0,) * len(shape)] = -50.0 if seed % 2 else 50.0
+        fast(w)
+        avg_fast(w)
+        with disabled():
+            slow(w)
+            avg_slow(w)
+        _assert_same(fast, slow)
+        _assert_same(avg_fast, avg_slow)
+
+
+@needs_native
+def test_the_merged_weight_pass_is_taken_for_later_batches_only(monkeypatch):
+    """The first batch (no running range), ch_axis 1, a moving average and sync_each_batch keep the
+    checked path; later float32 ch_axis-0 batches take the one merged call; a NaN there still raises
+    with the state unchanged."""
+    calls = []
+    real = observer_module.rows_minmax_merge
+    monkeypatch.setattr(observer_module, "rows_minmax_merge", lambda *a: calls.append(1) or real(*a))
+    w = torch.randn(8, 4, 3, 3)
+    o = PerChannelMinMaxObserver()
+    o(w)
+    assert calls == []
+    o(w * 2)
+    assert calls == [1]
+    for other in (PerChannelMinMaxObserver(ch_axis=1), MovingAveragePerChannelMinMaxObserver()):
+        other(w)
+        other(w)
+    synced = PerChannelMinMaxObserver()
+    synced.sync_each_batch = True
+    synced(w)
+    synced(w)
+    o(w.double())
+    assert calls == [1]
+    before = {k: v.clone() for k, v in o.state_dict().items()}
+    bad = w.clone()
+    bad[3, 1, 2, 0] = float("nan")
+    with pytest.raises(CalibrationError, match="saw NaN/Inf"):
+        o(bad)
+    assert calls == [1, 1]
+    for k, v in before.items():
+        assert torch.equal(o.state_dict()[k], v), k
 
 
 def test_the_histogram_split_follows_torchs_threads(monkeypatch):

@@ -161,13 +161,13 @@ def test_per_channel_extremes_equal_aminmax_along_the_channel(shape, axis, seed)
 
 
 @pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
-def test_batches_inside_the_range_take_the_one_pass_path_and_match_the_reference(monkeypatch):
-    """After the first batch sets the range, float32 batches inside it are observed in one native
-    pass (min, max and counts); batches past the range, float16/64 and non-contiguous ones take the
-    two-pass path; the state equals the float64 reference throughout."""
+def test_float32_batches_take_the_one_pass_path_and_match_the_reference(monkeypatch):
+    """Float32 batches are observed in one native pass (min, max and counts, the range widened on the
+    way: the first batch, and one past the range); float16/64 take the two-pass torch path; the
+    state equals the float64 reference throughout."""
     calls = []
-    real = observer_module.histogram_abs_minmax
-    monkeypatch.setattr(observer_module, "histogram_abs_minmax", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = observer_module.histogram_abs_grow
+    monkeypatch.setattr(observer_module, "histogram_abs_grow", lambda *a: calls.append(real(*a)) or calls[-1])
     g = torch.Generator().manual_seed(11)
     big = torch.randn(4, 8, 16, 16, generator=g) * 4
     fast, ref = HistogramObserver(), ReferenceHistogram()
@@ -179,8 +179,9 @@ def test_batches_inside_the_range_take_the_one_pass_path_and_match_the_reference
         ref(x)
         for name in ("histogram", "hist_max", "min_val", "max_val"):
             assert torch.equal(getattr(fast, name), getattr(ref, name)), name
-    # taken for feeds 2, 3, 4 (None: past the range), 6 and 8 (non-contiguous float32, copied)
-    assert [c is not None for c in calls] == [True, True, False, True, True]
+    # taken for feeds 1 (no range yet), 2, 3, 4 (past the range: grows it), 6 and 8 (non-contiguous
+    # float32, copied); the observer's grid after each: 2**4 above |big| (< 16), 2**9 after feed 4
+    assert [c[0] for c in calls] == [4, 4, 4, 9, 9, 9]
     assert torch.equal(fast.calculate_amax(), ref.calculate_amax())
 
 
@@ -205,13 +206,13 @@ def test_the_native_histogram_uses_the_torch_threads_for_large_batches(monkeypat
     small one on one; the state is that of one thread either way.  (The split's runtime is made
     available to the observer here: torch's OpenMP team where the kernels find it, else the pool.)"""
     seen = []
-    real = observer_module.histogram_abs_minmax
+    real = observer_module.histogram_abs_grow
 
-    def spy(x, per_unit, hist, threads=1):
+    def spy(x, e0, hist, threads=1):
         seen.append(threads)
-        return real(x, per_unit, hist, threads)
+        return real(x, e0, hist, threads)
 
-    monkeypatch.setattr(observer_module, "histogram_abs_minmax", spy)
+    monkeypatch.setattr(observer_module, "histogram_abs_grow", spy)
     monkeypatch.setattr(observer_module, "SPLIT_HISTOGRAM", True)
     monkeypatch.setattr(observer_module, "parallel_entry", lambda: 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -220,10 +221,10 @@ def test_the_native_histogram_uses_the_torch_threads_for_large_batches(monkeypat
     one, two = HistogramObserver(), HistogramObserver()
     for x in (big * 4.0, big, small):  # the first batch sets the range; the others are binned in range
         two(x)
-    assert seen == [2, 1]
+    assert seen == [2, 2, 1]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     for x in (big * 4.0, big, small):
         one(x)
-    assert seen == [2, 1, 1, 1]
+    assert seen == [2, 2, 1, 1, 1, 1]
     for k, v in one.state_dict().items():
         assert torch.equal(two.state_dict()[k], v), k

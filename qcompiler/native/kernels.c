@@ -558,6 +558,250 @@ QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t col
     }
     return bad ? -2 : 0;
 }
+/* qc_hist_abs_grow_f32: the histogram of a batch whose range is not known yet (an observer's first
+ * batch, or one past its range), with the range found in the same pass instead of a min/max pass
+ * over all N values first.  The grid is [0, 2**e) with nbins bins (per_unit = nbins * 2**-e); e0 is
+ * the observer's grid on entry (QC_HIST_NO_RANGE: only zeros seen so far, which sit in bin 0 on any
+ * grid).  Each chunk of `chunk` values is binned on the part's current grid (hist_bin: values at or
+ * past 2**e are left out and flagged); a flagged chunk is read again from cache for its min/max (NaN /
+ * Inf: -2), the part's counts are merged onto the grid 2**e' (e' = frexp's exponent of the chunk's
+ * max |x|: max|x| < 2**e' <= 2 max|x|, what the observer's _grow picks) by bin i -> i >> (e' - e),
+ * and the values left out are counted on it.  (A part with no grid yet reads its first chunk with a
+ * non-zero value for the range first.)
+ * floor(floor(y) / 2**k) = floor(y / 2**k), so a count merged
+ * later equals the count binned on the final grid from the start: the result is the histogram of
+ * all N values on the final grid, bit for bit, whatever the chunk order or split.  Parts as in
+ * qc_hist_abs_f32_mt (each into its own partial, merged onto the widest part's grid at the end).
+ * hist (nbins float64: the caller's counts on the grid 2**e0; with QC_HIST_NO_RANGE only bin 0 may
+ * hold any) is moved onto the final grid the same way and gets the counts; *e_out is that grid's
+ * exponent (QC_HIST_NO_RANGE if e0 is and every value is zero), mm[0..1] min(x), max(x).  Returns -2
+ * if a value is NaN or infinite, -1 out of memory: hist is then unchanged (the parts count into
+ * their own partials; hist is touched only at the end). */
+#define QC_HIST_NO_RANGE INT32_MIN
+
+typedef struct {
+    const float *x;
+    int64_t N, chunk, nchunks, nbins;
+    int e0;
+    double *partial; /* parts x nbins, zeroed */
+    int *e;          /* parts: each part's grid */
+    float *mm;       /* parts x 2 */
+    int64_t next;
+    int parts, taken;
+    int bad, nomem;
+    pthread_t *ran;
+} hist_grow_job;
+
+/* per_unit = nbins * 2**-e, and whether the float32 product is exact (as the Python side decides) */
+static double hist_per_unit(int64_t nbins, int e, int *f32) {
+    const double pu = ldexp((double)nbins, -e);
+    int ex;
+    *f32 = frexp(pu, &ex) == 0.5 && pu >= 0x1p-126 && pu <= 0x1p127;
+    return pu;
+}
+
+/* the counts (nbins entries) moved from the grid 2**from onto 2**to (to > from): bin i -> i >> k */
+#define HIST_COARSEN(T, c, nbins, k)                                                                 \
+    do {                                                                                             \
+        if ((k) >= 62) {                                                                             \
+            for (int64_t i_ = 1; i_ < (nbins); i_++) { (c)[0] += (c)[i_]; (c)[i_] = 0; }             \
+        } else {                                                                                     \
+            for (int64_t i_ = 1; i_ < (nbins); i_++) {                                               \
+                const T t_ = (c)[i_];                                                                \
+                (c)[i_] = 0;                                                                         \
+                (c)[i_ >> (k)] += t_;                                                                \
+            }                                                                                        \
+        }                                                                                            \
+    } while (0)
+
+/* min, max and NaN of n values (a chunk, read again right after from cache) */
+static int hist_scan(const float *restrict x, int64_t n, float *mn_out, float *mx_out) {
+    float mn = INFINITY, mx = -INFINITY;
+    int nan = 0;
+    _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(|:nan)")
+    for (int64_t c = 0; c < n; c++) {
+        const float v = x[c];
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+        nan |= v != v;
+    }
+    *mn_out = mn;
+    *mx_out = mx;
+    return nan || !isfinite(mn) || !isfinite(mx);
+}
+
+/* frexp's exponent of max(-mn, mx): max|x| < 2**e <= 2 max|x| (what the observer's _grow picks);
+ * QC_HIST_NO_RANGE when every value is zero */
+static int hist_exponent(float mn, float mx) {
+    const double amax = -(double)mn > (double)mx ? -(double)mn : (double)mx;
+    int e = QC_HIST_NO_RANGE;
+    if (amax > 0.0) frexp(amax, &e);
+    return e;
+}
+
+static int hist_grow_part(void *ctx, int64_t part, int64_t part_end) {
+    (void)part_end;
+    hist_grow_job *j = ctx;
+    const int64_t nbins = j->nbins;
+    double *hist = j->partial + part * nbins;
+    hist_acc acc = {NULL, 0, INFINITY, -INFINITY, 0};
+    int e = j->e0, f32 = 0, flushed = 0;
+    double per_unit = e == QC_HIST_NO_RANGE ? 0.0 : hist_per_unit(nbins, e, &f32);
+    int64_t unflushed = 0;
+    for (int64_t i = part;; i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED)) {
+        if (i >= j->nchunks || __atomic_load_n(&j->bad, __ATOMIC_RELAXED)) break;
+        if (!acc.counts) {
+            acc.counts = calloc((size_t)(nbins + HIST_SPREAD * 16), sizeof(uint32_t));
+            if (!acc.counts) {
+                __atomic_store_n(&j->nomem, 1, __ATOMIC_RELAXED);
+                __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+                break;
+            }
+        }
+        const int64_t lo = i * j->chunk, n = j->N - lo < j->chunk ? j->N - lo : j->chunk;
+        const float *restrict xc = j->x + lo;
+        float mn, mx;
+        if (unflushed + n > HIST_FLUSH) {
+            hist_flush(&acc, nbins, hist);
+            unflushed = 0;
+            flushed = 1;
+        }
+        unflushed += n;
+        if (e == QC_HIST_NO_RANGE) { /* no grid yet (only zeros so far): this chunk's range first */
+            if (hist_scan(xc, n, &mn, &mx)) {
+                __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+                break;
+            }
+            acc.mn = mn < acc.mn ? mn : acc.mn;
+            acc.mx = mx > acc.mx ? mx : acc.mx;
+            e = hist_exponent(mn, mx);
+            if (e == QC_HIST_NO_RANGE) {
+                acc.zeros += n;
+                continue;
+            }
+            per_unit = hist_per_unit(nbins, e, &f32);
+        }
+        /* optimistic: bin on the current grid; values at or past 2**e (or NaN) are not counted and
+         * set acc.bad, every other value is counted */
+        hist_bin(xc, n, per_unit, f32, nbins, &acc);
+        if (!acc.bad) continue;
+        acc.bad = 0;
+        if (hist_scan(xc, n, &mn, &mx)) { /* NaN or Inf: the caller's checked path */
+            __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+            break;
+        }
+        const int ce = hist_exponent(mn, mx);
+        if (ce == QC_HIST_NO_RANGE || ce <= e) { /* cannot happen: a value was out of range */
+            __atomic_store_n(&j->bad, 1, __ATOMIC_RELAXED);
+            break;
+        }
+        /* the counts so far onto the grid 2**ce (bin i -> i >> k), then the values hist_bin left
+         * out (|v| >= 2**e), counted on it: the counts of the whole chunk on the new grid */
+        HIST_COARSEN(uint32_t, acc.counts, nbins, ce - e);
+        if (flushed) HIST_COARSEN(double, hist, nbins, ce - e);
+        const double old_edge = ldexp(1.0, e);
+        e = ce;
+        per_unit = hist_per_unit(nbins, e, &f32);
+        for (int64_t c = 0; c < n; c++) {
+            const double a = (double)fabsf(xc[c]);
+            if (a >= old_edge) acc.counts[(int64_t)(a * per_unit)]++; /* exact: 24 + 21 bits */
+        }
+    }
+    if (acc.counts) {
+        hist_flush(&acc, nbins, hist);
+        free(acc.counts);
+    }
+    j->ran[part] = pthread_self();
+    j->e[part] = e;
+    j->mm[2 * part] = acc.mn;
+    j->mm[2 * part + 1] = acc.mx;
+    return 0;
+}
+
+static void hist_grow_omp_member(void *ctx) {
+    hist_grow_job *j = ctx;
+    for (int p; (p = __atomic_fetch_add(&j->taken, 1, __ATOMIC_RELAXED)) < j->parts;) hist_grow_part(j, p, p + 1);
+}
+
+QC_API int qc_hist_abs_grow_f32(const float *restrict x, int64_t N, int e0, int64_t nbins, double *restrict hist,
+                                float *restrict mm, int32_t *e_out, int threads, int64_t chunk, void *omp,
+                                int32_t *used) {
+    if (chunk < 1 || chunk > HIST_FLUSH) chunk = HIST_FLUSH;
+    const int64_t nchunks = (N + chunk - 1) / chunk;
+    if (threads > QC_MAX_PARTS) threads = QC_MAX_PARTS;
+    if (threads > nchunks) threads = (int)nchunks;
+    if (threads < 1) threads = 1;
+    double *partial = calloc((size_t)threads * (size_t)nbins, sizeof(double));
+    if (!partial) return -1;
+    float pmm[2 * QC_MAX_PARTS];
+    int pe[QC_MAX_PARTS];
+    pthread_t ran[QC_MAX_PARTS];
+    hist_grow_job job = {x, N, chunk, nchunks, nbins, e0, partial, pe, pmm, threads, threads, 0, 0, 0, ran};
+    if (threads == 1) {
+        hist_grow_part(&job, 0, 1);
+    } else if (omp) {
+        ((qc_omp_parallel_fn)omp)(hist_grow_omp_member, &job, (unsigned)threads, 0);
+        hist_grow_omp_member(&job);
+    } else {
+        qc_run_rows(hist_grow_part, &job, 0, threads, threads, 1);
+    }
+    int rc = job.nomem ? -1 : (job.bad ? -2 : 0);
+    if (rc == 0) {
+        int e = e0;
+        float mn = INFINITY, mx = -INFINITY;
+        for (int t = 0; t < threads; t++) {
+            if (pe[t] != QC_HIST_NO_RANGE && (e == QC_HIST_NO_RANGE || pe[t] > e)) e = pe[t];
+            mn = pmm[2 * t] < mn ? pmm[2 * t] : mn;
+            mx = pmm[2 * t + 1] > mx ? pmm[2 * t + 1] : mx;
+        }
+        if (e0 != QC_HIST_NO_RANGE && e > e0) HIST_COARSEN(double, hist, nbins, e - e0);
+        for (int t = 0; t < threads; t++) {
+            double *pt = partial + (int64_t)t * nbins;
+            if (pe[t] != QC_HIST_NO_RANGE && pe[t] < e) HIST_COARSEN(double, pt, nbins, e - pe[t]);
+            for (int64_t k = 0; k < nbins; k++) hist[k] += pt[k];
+        }
+        mm[0] = mn;
+        mm[1] = mx;
+        *e_out = e;
+    }
+    if (used) {
+        *used = 0;
+        for (int t = 0; t < threads; t++) {
+            int seen = 0;
+            for (int u = 0; u < t && !seen; u++) seen = pthread_equal(ran[u], ran[t]);
+            *used += !seen;
+        }
+    }
+    free(partial);
+    return rc;
+}
+
+/* Per-row min and max of a (rows, cols) float32 matrix merged into running ones (a per-channel weight
+ * observer's later batches): lo[r] = min(old_lo[r], min_c x[r, c]), hi[r] = max(old_hi[r], max_c x[r, c]),
+ * the values torch.minimum / maximum give on qc_rows_minmax_f32's result (of two equal extremes, i.e. +0
+ * and -0, the old one is kept).  One call instead of the native pass and two torch ops.  lo, hi are the
+ * caller's fresh buffers (not old_lo, old_hi).  Returns -2 when a value is NaN or an extreme infinite
+ * (lo, hi then meaningless: the caller takes its checked path), else 0. */
+QC_API int qc_rows_minmax_merge_f32(const float *restrict x, int64_t rows, int64_t cols, const float *restrict old_lo,
+                                    const float *restrict old_hi, float *restrict lo, float *restrict hi) {
+    int bad = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict xr = x + r * cols;
+        float mn = INFINITY, mx = -INFINITY;
+        int nan = 0;
+        _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(|:nan)")
+        for (int64_t c = 0; c < cols; c++) {
+            float v = xr[c];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            nan |= v != v;
+        }
+        bad |= nan | !isfinite(mn) | !isfinite(mx);
+        lo[r] = mn < old_lo[r] ? mn : old_lo[r];
+        hi[r] = mx > old_hi[r] ? mx : old_hi[r];
+    }
+    return bad ? -2 : 0;
+}
 /* ==== end of calibration kernels =========================================================== */
 
 /* ==== a program's native layers in one call (the simulator's plans) =========================

@@ -25,7 +25,7 @@ from qcompiler.native.build import library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "rows_minmax_merge", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -153,7 +153,7 @@ HIST_MAX_THREADS = 16  # qc_hist_abs_f32_mt's cap (the native pool's QC_MAX_PART
 HIST_CHUNK = 1 << 14  # values a thread takes at a time in a split histogram (~10 us of binning)
 
 
-def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Optional[torch.Tensor],
+def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm,
                     threads: int, chunk: int, omp: bool, used: Optional[list]) -> int:
     for name, v in (("threads", threads), ("chunk", chunk)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -169,7 +169,7 @@ def _histogram_call(x: torch.Tensor, per_unit: float, hist: torch.Tensor, mm: Op
     f = _fn("qc_hist_abs_f32_mt", (_P, _I64, _F64, ctypes.c_int, _I64, _P, _P, ctypes.c_int, _I64, _P, _P))
     n_used = ctypes.c_int32(0)
     rc = f(x.data_ptr(), x.numel(), float(per_unit), int(f32), nbins, hist.data_ptr(),
-           None if mm is None else mm.data_ptr(), min(threads, HIST_MAX_THREADS), min(chunk, FUSED_MAX),
+           mm, min(threads, HIST_MAX_THREADS), min(chunk, FUSED_MAX),
            parallel_entry() if omp and threads > 1 else None, ctypes.byref(n_used))
     if used is not None:
         used.append(n_used.value)
@@ -210,10 +210,67 @@ def histogram_abs_minmax(x: torch.Tensor, per_unit: float, hist: torch.Tensor, t
     ``omp`` and ``used`` as in :func:`histogram_abs` (the min/max of the parts are combined: the same result)."""
     if x.numel() > FUSED_MAX:
         raise ConfigError(f"histogram_abs_minmax: at most {FUSED_MAX} values, got {x.numel()}")
-    mm = torch.empty(2, dtype=torch.float32)
+    mm = (ctypes.c_float * 2)()  # (a ctypes array: no tensor allocated per call)
     if _histogram_call(x, per_unit, hist, mm, threads, chunk, omp, used) != 0:
         return None
-    lo, hi = mm.tolist()
+    return mm[0], mm[1]
+
+
+NO_RANGE = -(1 << 31)  # histogram_abs_grow: the exponent of "only zeros so far" (no grid yet)
+
+
+def histogram_abs_grow(x: torch.Tensor, e0: int, hist: torch.Tensor, threads: int = 1, chunk: int = HIST_CHUNK,
+                       omp: bool = True, used: Optional[list] = None) -> Optional[tuple[int, float, float]]:
+    """Add the counts of ``|x|`` (float32, contiguous) to ``hist`` on a grid found in the same pass;
+    ``(e, min(x), max(x))``.  ``hist`` (float64, 1-d, contiguous) holds counts on ``[0, 2**e0)`` with
+    ``hist.numel()`` bins (``e0`` = :data:`NO_RANGE`: no grid yet, counts in bin 0 only); afterwards it
+    holds them and every value of ``x`` on ``[0, 2**e)``, ``e`` the larger of ``e0`` and the exponent
+    with ``max|x| < 2**e <= 2 max|x|`` (:data:`NO_RANGE` when ``e0`` is and every value is zero), the
+    old bins merged ``i -> i >> (e - e0)``.  The counts equal merging ``hist`` so and adding
+    :func:`histogram_abs` of ``x`` on that grid, bit for bit (a chunk binned before the grid grew has its
+    bins merged the same way, exact on integer floors).  None, ``hist`` unchanged, when a value is NaN
+    or infinite (the caller takes its checked path).  ``threads``, ``chunk``, ``omp`` and ``used`` as in
+    :func:`histogram_abs`."""
+    for name, v in (("threads", threads), ("chunk", chunk), ("e0", e0)):
+        if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and name != "e0"):
+            raise ConfigError(f"histogram_abs_grow: {name} must be a {'' if name == 'e0' else 'positive '}int, got {v!r}")
+    if e0 != NO_RANGE and not -200 <= e0 <= 200:
+        raise ConfigError(f"histogram_abs_grow: e0 must be NO_RANGE or in [-200, 200], got {e0}")
+    _check(x, "histogram_abs_grow: x", (torch.float32,))
+    _check(hist, "histogram_abs_grow: hist", (torch.float64,))
+    if hist.dim() != 1 or not hist.numel():
+        raise ConfigError(f"histogram_abs_grow: hist must be a non-empty 1-d tensor, got shape {tuple(hist.shape)}")
+    f = _fn("qc_hist_abs_grow_f32", (_P, _I64, ctypes.c_int, _I64, _P, _P, _P, ctypes.c_int, _I64, _P, _P))
+    mm = (ctypes.c_float * 2)()
+    e, n_used = ctypes.c_int32(0), ctypes.c_int32(0)
+    rc = f(x.data_ptr(), x.numel(), e0, hist.numel(), hist.data_ptr(), mm, ctypes.byref(e),
+           min(threads, HIST_MAX_THREADS), min(chunk, FUSED_MAX), parallel_entry() if omp and threads > 1 else None,
+           ctypes.byref(n_used))
+    if used is not None:
+        used.append(n_used.value)
+    if rc == -1:
+        raise MemoryError("histogram_abs_grow: out of memory for the counters")
+    return None if rc else (e.value, mm[0], mm[1])
+
+
+def rows_minmax_merge(x: torch.Tensor, old_lo: torch.Tensor,
+                      old_hi: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``torch.minimum(old_lo, rows_minmax(x)[0])`` and ``torch.maximum(old_hi, rows_minmax(x)[1])`` in
+    one native call, as two new float32 tensors (``old_lo``, ``old_hi``: float32, contiguous, one value per
+    row of ``x``; of an equal pair +0 / -0 the old value is kept).  None when a value of ``x`` is NaN or an
+    extreme infinite (the caller takes its checked torch path)."""
+    _check(x, "rows_minmax_merge: x", (torch.float32,))
+    if x.dim() < 1 or not x.shape[0] or not x.numel():
+        raise ConfigError(f"rows_minmax_merge: x must have rows and values, got shape {tuple(x.shape)}")
+    rows = x.shape[0]
+    for name, t in (("old_lo", old_lo), ("old_hi", old_hi)):
+        _check(t, f"rows_minmax_merge: {name}", (torch.float32,))
+        if t.numel() != rows:
+            raise ConfigError(f"rows_minmax_merge: {name} must hold {rows} values (one per row), got {t.numel()}")
+    lo, hi = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
+    f = _fn("qc_rows_minmax_merge_f32", (_P, _I64, _I64, _P, _P, _P, _P))
+    if f(x.data_ptr(), rows, x.numel() // rows, old_lo.data_ptr(), old_hi.data_ptr(), lo.data_ptr(), hi.data_ptr()):
+        return None
     return lo, hi
 
 

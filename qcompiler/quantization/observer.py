@@ -48,7 +48,7 @@ import torch.nn as nn
 from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import FUSED_MAX, histogram_abs, histogram_abs_minmax, rows_minmax
+from qcompiler.native.kernels import NO_RANGE, histogram_abs, histogram_abs_grow, rows_minmax, rows_minmax_merge
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
@@ -392,6 +392,8 @@ class PerChannelMinMaxObserver(ObserverBase):
         return self._batch_extremes(mm[0].float(), mm[1].float())
 
     def _observe(self, x: torch.Tensor) -> None:
+        if self._observe_merged(x):
+            return
         mm = self._batch_minmax(x)
         if mm is None:
             return
@@ -400,6 +402,25 @@ class PerChannelMinMaxObserver(ObserverBase):
             self.min_val, self.max_val = lo.clone(), hi.clone()
         else:
             self._merge(lo, hi)
+
+    def _observe_merged(self, x: torch.Tensor) -> bool:
+        """A later batch of a float32 ``ch_axis=0`` tensor (a conv / linear weight, every calibration
+        batch) in one native call: the rows' min/max merged with the running ones
+        (:func:`~qcompiler.native.kernels.rows_minmax_merge`), the values :meth:`_batch_minmax` and
+        :meth:`_merge` give.  False (nothing changed) where that path must decide: the first batch, a
+        shape or layout it checks, a NaN/Inf (it raises), a moving average, ``sync_each_batch``."""
+        lo, hi = self.min_val, self.max_val
+        if (self._ch_axis != 0 or x.dtype != torch.float32 or not lo.numel() or x.dim() == 0
+                or x.shape[0] != lo.numel() or self.sync_each_batch or type(self)._merge is not _PLAIN_MERGE
+                or x.device.type != "cpu" or not x.is_contiguous() or lo.dtype != torch.float32
+                or hi.dtype != torch.float32 or not (lo.is_contiguous() and hi.is_contiguous())
+                or lo.device.type != "cpu" or hi.device.type != "cpu" or not native_enabled()):
+            return False
+        mm = rows_minmax_merge(x, lo, hi)
+        if mm is None:
+            return False
+        self.min_val, self.max_val = mm
+        return True
 
     def _merge(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """Fold one batch's per-channel min/max into the running ones: the overall extremes."""
@@ -423,6 +444,9 @@ class PerChannelMinMaxObserver(ObserverBase):
             return f"ch_axis={self.ch_axis}, min_val=[], max_val=[]{self._dtype_repr()}"
         return (f"ch_axis={self.ch_axis}, min_val={_fmt_vec(self.min_val)}, "
                 f"max_val={_fmt_vec(self.max_val)}{self._dtype_repr()}")
+
+
+_PLAIN_MERGE = PerChannelMinMaxObserver._merge  # subclasses that merge otherwise keep the torch path
 
 
 class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
@@ -584,18 +608,20 @@ class HistogramObserver(ObserverBase):
             return out
         return torch.zeros_like(h).index_add_(0, torch.arange(n, device=h.device) // factor, h)
 
-    def _grow(self, new_max: float) -> None:
-        """Widen the range to ``new_max`` (a power of two >= ``hist_max``), merging bins exactly."""
+    def _grow(self, new_max: float, histogram_done: bool = False) -> None:
+        """Widen the range to ``new_max`` (a power of two >= ``hist_max``), merging bins exactly
+        (``histogram_done``: ``histogram`` is on the new grid already, the native pass merged it)."""
         old = float(self.hist_max)
         if new_max <= old:
             return
-        self.histogram.copy_(self._rebinned(self.histogram, old, new_max))
+        if not histogram_done:
+            self.histogram.copy_(self._rebinned(self.histogram, old, new_max))
         if self._synced is not None:
             self._synced = self._rebinned(self._synced, old, new_max)
         self.hist_max.fill_(new_max)
 
     def _observe(self, x: torch.Tensor) -> None:
-        if self._observe_in_range(x):
+        if self._observe_native(x):
             return
         lo, hi = self._extremes(x)
         lo, hi = lo.float(), hi.float()
@@ -619,27 +645,38 @@ class HistogramObserver(ObserverBase):
         index = self._bin_index(x, n, r, nonnegative=low >= 0.0)
         self.histogram += _bincount(index, n).double()
 
-    def _observe_in_range(self, x: torch.Tensor) -> bool:
-        """One native pass for a float32 batch inside the current range (every batch after the first
-        few, typically): min, max and the bin counts at once.  True when it applied the batch; False
-        (nothing changed) when the batch holds a NaN/Inf or a value at or past ``hist_max``, or the
-        native kernels are off; then :meth:`_observe` takes the batch as before.  The same state
-        either way: a batch within the range leaves ``hist_max`` as it is, and the counts are the
-        same floors (``histogram_abs``)."""
+    def _observe_native(self, x: torch.Tensor) -> bool:
+        """A float32 batch in one native pass (:func:`~qcompiler.native.kernels.histogram_abs_grow`):
+        its min, max and bin counts at once, the grid widened on the way when the batch reaches past
+        ``hist_max`` (the first batch, or a wider one: chunk by chunk, the counts so far merged onto
+        the wider grid), instead of a min/max pass and a binning pass.  The same state as the checked
+        path below: the counts of every value seen on the grid of ``max(hist_max, 2**E)``
+        (``max|x| < 2**E <= 2 max|x|``), the running min/max.  False (nothing changed) on a NaN/Inf
+        (that path raises), where the native kernels are off, or for a ``hist_max`` that is not a
+        power of two (a state loaded from elsewhere)."""
         r = float(self.hist_max)
-        if (r == 0.0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() > FUSED_MAX
-                or not self.histogram.is_contiguous() or not native_enabled()):
+        if r == 0.0:
+            e0 = NO_RANGE
+        else:
+            m, e0 = math.frexp(r)
+            e0 -= 1
+            if m != 0.5 or not -200 <= e0 <= 200:
+                return False
+        h = self.histogram
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not h.is_contiguous() or not native_enabled():
             return False
-        mm = histogram_abs_minmax(x if x.is_contiguous() else x.contiguous(), self.histogram.numel() / r,
-                                  self.histogram.data, _native_threads(x.numel()))
-        if mm is None:
+        got = histogram_abs_grow(x if x.is_contiguous() else x.contiguous(), e0, h, _native_threads(x.numel()))
+        if got is None:
             return False
+        e, lo, hi = got
         # the running extremes as torch.minimum / maximum would give them (no NaN here), without
         # two tensor ops per batch when the batch does not move them (most batches)
-        if mm[0] < float(self.min_val):
-            self.min_val = torch.tensor(mm[0], dtype=torch.float32)
-        if mm[1] > float(self.max_val):
-            self.max_val = torch.tensor(mm[1], dtype=torch.float32)
+        if lo < float(self.min_val):
+            self.min_val = torch.tensor(lo, dtype=torch.float32)
+        if hi > float(self.max_val):
+            self.max_val = torch.tensor(hi, dtype=torch.float32)
+        if e != e0:
+            self._grow(math.ldexp(1.0, e), histogram_done=True)
         return True
 
     @staticmethod
