@@ -26,12 +26,22 @@ from hypothesis import strategies as st
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native import openmp
 from qcompiler.native.build import disabled, native_enabled
-from qcompiler.native.kernels import (NO_RANGE, histogram_abs, histogram_abs_grow, histogram_abs_minmax,
-                                      rows_minmax, rows_minmax_merge)
+from qcompiler.native.kernels import (
+    NO_RANGE,
+    histogram_abs,
+    histogram_abs_grow,
+    histogram_abs_minmax,
+    rows_minmax,
+    rows_minmax_merge,
+)
 from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization import prepare_calibration_fx
-from qcompiler.quantization.observer import (HistogramObserver, MovingAveragePerChannelMinMaxObserver, ObserverBase,
-                                             PerChannelMinMaxObserver)
+from qcompiler.quantization.observer import (
+    HistogramObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    ObserverBase,
+    PerChannelMinMaxObserver,
+)
 from qcompiler.quantization.qconfig import get_default_calib_qconfig
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None)
