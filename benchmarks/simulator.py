@@ -13,10 +13,11 @@ same input (``zoo.example_inputs``):
   ``torch.equal`` to the converted model's (the ``exact`` column; a mismatch stops the run).
   At N > 1 threads it runs as a user's compiled model does (``threads=N``): a batch of B is
   split into ``min(N, B)`` chunks on worker threads at one torch thread each (the ``split``
-  column; a batch smaller than N lends the idle workers to the chunks, which cut their large
-  convolutions into bands of output rows with ``--row-split`` (``row_split.ENABLED``, off by
-  default): ``1 x rows/2`` at batch 1, 2 threads, else ``1 worker``); ``ours whole`` is the
-  same batch unsplit at N torch threads, for comparison;
+  column, ``N x B/N``); a batch of one runs in the calling thread, its native plans cutting
+  each large layer's output rows over torch's OpenMP team (``rows/N``; with ``--row-split``
+  (``row_split.ENABLED``, off by default) the op-by-op bands over idle workers instead,
+  ``1 x rows/N``); ``ours whole`` is the same batch unsplit, its plans on one thread, at N
+  torch threads, for comparison;
 * ``ort``      onnxruntime int8: the float model exported to ONNX, then
   ``onnxruntime.quantization.quantize_static`` (QDQ, uint8 activations, int8 per-channel
   weights, MinMax calibration on the same batches), ``intra_op_num_threads`` = the thread
@@ -301,7 +302,7 @@ def main() -> None:
                     n = min(t, b)
                     split = "-" if t == 1 or ours.split_refusal is not None else \
                         (f"{n} x {b // n}" if b % n == 0 else f"{n} chunks") if n > 1 else \
-                        (f"1 x rows/{t}" if row_split.ENABLED else "1 worker")
+                        (f"1 x rows/{t}" if row_split.ENABLED else f"rows/{t}")
                     whole = f"{tm['whole'] * 1e3:.1f}" if "whole" in tm else "-"
                     rows.append([name, b, t, split, f"{tm['ours'] * 1e3:.1f}", whole, f"{tm['ort'] * 1e3:.1f}",
                                  f"{tm['ao'] * 1e3:.1f}", f"{tm['float'] * 1e3:.1f}", f"{tm['ours'] / peer:.2f}",
