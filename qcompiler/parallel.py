@@ -198,9 +198,10 @@ def run_split(fn: Callable[..., Any], args: Sequence[Any], threads: int) -> Any:
     for a chunk is the chunk's rows of the whole output, bit for bit).
 
     ``threads <= 1``, a call from inside a worker, or inputs without one common batch size:
-    ``fn(*args)`` in the calling thread, as without this module. A batch of one: ``fn(*args)``
-    in the calling thread with a budget of ``threads`` (:func:`part_budget`), so its native
-    plans cut their layers over torch's own OpenMP team, the one the caller's torch ops use.
+    ``fn(*args)`` in the calling thread, as without this module. A batch of one when the caller's
+    torch thread count is ``threads``: ``fn(*args)`` in the calling thread with a budget of
+    ``threads`` (:func:`part_budget`), so its native plans cut their layers over torch's own OpenMP
+    team, the one the caller's torch ops use (with another count, one worker with that budget).
     An exception raised by a chunk is raised here (the first chunk's that failed, in batch order).
     """
     args = tuple(args)
@@ -208,7 +209,9 @@ def run_split(fn: Callable[..., Any], args: Sequence[Any], threads: int) -> Any:
     if n_batch is None or n_batch < 1:
         return fn(*args)
     n = min(threads, n_batch)
-    if n == 1:  # one sample: no chunks to hand out; the caller computes it, cutting its ops over all threads
+    if n == 1 and torch.get_num_threads() == threads:
+        # one sample: no chunks to hand out; the caller computes it with its torch threads, its native plans
+        # cutting each layer over the same OpenMP team (another thread count: a worker, as below)
         return _with_budget(threads, fn, args)
     _POOL.ensure(threads)
     budgets = [threads // n + (i < threads % n) for i in range(n)]  # the idle workers, lent to the chunks

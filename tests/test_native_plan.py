@@ -188,3 +188,39 @@ def test_step_times_name_every_op_and_keep_the_result(planned):
     assert set(times) == {op.output for op in prog.ops} and all(t > 0 for t in times.values())
     for k in ref:
         assert torch.equal(got[k].int_repr(), ref[k])
+
+
+class _TokenMixing(torch.nn.Module):
+    """A linear over the transposed sequence axis (MLP-Mixer's token mixing): its input is a view whose
+    rows are not contiguous, so a reshape would copy it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(24, 24)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).transpose(1, 2))
+
+
+@needs_gemm
+def test_a_linear_over_a_transposed_view_reads_each_calls_values():
+    """A step must read its input's own memory on every call: never a copy made when the plan was
+    built (which would repeat the first call's answer)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    cal = prepare_calibration_fx(_TokenMixing().eval(), None, example_inputs=(torch.randn(1, 24, 16),), hybrid=True,
+                                 march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            cal(torch.randn((2, 24, 16), generator=g))
+    qat = prepare_qat_fx(cal, hybrid=True)
+    set_state(qat, "validation")
+    qat.eval()
+    conv = convert_fx(qat)
+    runner = PartitionedRunner(conv, threads=1)
+    assert all(s._planned for s in runner.simulators.values())
+    for _ in range(3):  # built while running, then run twice on new values
+        x = torch.randn((2, 24, 16), generator=g)
+        with torch.no_grad():
+            assert torch.equal(runner(x), conv(x))

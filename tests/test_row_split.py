@@ -202,13 +202,24 @@ def test_parts_run_on_other_threads_at_one_torch_thread():
     def chunk(x):
         return torch.tensor(parallel.run_parts(part, 2))
 
-    # batch 1: the chunk runs in the calling thread (its native plan uses torch's own team), with a budget of 2
-    assert parallel.run_split(chunk, (torch.zeros(1),), 2).tolist() == [0, 1]
-    assert all(budget == 1 for _, _, budget in seen.values())
-    assert seen[0][0] == threading.get_ident()
-    # a part a worker ran (the caller takes back a part no worker has started) ran at one torch thread
-    assert all(threads == 1 for ident, threads, _ in seen.values() if ident != threading.get_ident())
-    assert parallel.part_budget() == 1  # the caller's budget is untouched
+    saved = torch.get_num_threads()
+    try:
+        # batch 1 with torch at the same thread count: the chunk runs in the calling thread (its native plans
+        # use torch's own team), with a budget of 2
+        torch.set_num_threads(2)
+        assert parallel.run_split(chunk, (torch.zeros(1),), 2).tolist() == [0, 1]
+        assert all(budget == 1 for _, _, budget in seen.values())
+        assert seen[0][0] == threading.get_ident()
+        # a part a worker ran (the caller takes back a part no worker has started) ran at one torch thread
+        assert all(threads == 1 for ident, threads, _ in seen.values() if ident != threading.get_ident())
+        assert parallel.part_budget() == 1  # the caller's budget is untouched
+        # another torch thread count: one worker computes the chunk (the caller's torch ops would use another count)
+        torch.set_num_threads(1)
+        seen.clear()
+        assert parallel.run_split(chunk, (torch.zeros(1),), 2).tolist() == [0, 1]
+        assert seen[0][0] != threading.get_ident() and seen[0][1] == 1
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_the_split_is_off_by_default():

@@ -131,6 +131,8 @@ class ProgramPlan:
                 plan.input_copies.append((name, buf))
             plan.storages.add(buf.untyped_storage().data_ptr())
             fixed[name] = env[name] = buf
+            # a Python op's view of a plan buffer no longer holds it: each run copies it out right after the op
+            bufs.dropped(v)
             return buf
 
         for fn, ins, out, free in steps:

@@ -249,7 +249,8 @@ class BpuSimulator:
                          and any(hasattr(fn, "plan_step") for fn, *_ in self._steps))
         self._plans = threading.local()
         # a profile: set to a dict, each run adds each op's seconds to it, keyed by the value the op makes
-        # (a plan's native steps then run one by one on the calling thread; benchmarks/simulator.py)
+        # (a plan's native steps then run one by one on the calling thread; benchmarks/simulator.py).  The
+        # call that builds a plan records nothing, and a layout op a plan keeps as a view (no work) is absent
         self.step_times: Optional[dict[str, float]] = None
 
     def run(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -2041,9 +2042,9 @@ class _NativeGemmLayer:
             lead = x.shape[:-1]
             if other is not None and other.shape != (*lead, g.O):  # a broadcast operand: the reference takes it
                 return None
+            if not copy and not (x.is_contiguous() and (other is None or other.is_contiguous())):
+                return None  # (a reshape would copy: a step must read the value's own memory, every call)
             xo, oo = x.reshape(-1, g.K), None if other is None else other.reshape(-1, g.O)
-            if not copy and not (xo.is_contiguous() and (oo is None or oo.is_contiguous())):
-                return None
             xo, oo = xo.contiguous(), None if oo is None else oo.contiguous()
             P = xo.shape[0]
             out = alloc((P, g.O), g.out_dtype)

@@ -7,8 +7,9 @@ its own right after a torch op (the calibration observers bin each activation ju
 conv) finds the other core held by that spinning worker, and its helper waits to be scheduled:
 on 1M-value histograms between convs the native pool (``qc_run_rows``) gained nothing, while a
 parallel region of torch's runtime halved the time (docs/performance.md, "Calibration on both
-cores").  Starting a region of the same runtime gives the work to the spinning worker at once, and
-adds no thread to the process.
+cores").  Starting a region of the same runtime, from the thread that ran the op and with no more
+threads than torch's count, gives the work to the spinning worker at once and adds no thread to the
+process (a region from another thread, or of more threads, makes the runtime start threads of its own).
 
 :func:`parallel_entry` is the address of the runtime's ``GOMP_parallel(fn, data, num_threads,
 flags)``, the GNU OpenMP entry point a compiler emits for ``#pragma omp parallel`` (LLVM's and

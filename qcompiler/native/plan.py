@@ -7,8 +7,11 @@ run at batch 1.  A :class:`NativeSteps` holds a run of native layers whose buffe
 ``*_step`` builder and its arguments, pointers included) is turned into a C step once, and
 :meth:`NativeSteps.run` runs them all in order in one ctypes call.
 
-With ``parts`` > 1 the whole run is one parallel region of torch's own OpenMP team
-(:func:`~qcompiler.native.openmp.parallel_entry`): each step of at least :data:`MIN_WORK`
+With ``parts`` > 1 the whole run is one parallel region of ``parts`` threads of torch's OpenMP
+runtime (:func:`~qcompiler.native.openmp.parallel_entry`): from the thread that runs torch's ops
+(a batch of one, ``qcompiler.parallel.run_split``) its own team, whose workers are still spinning
+from the last op; from another thread (a batch-split worker lent idle workers) that thread's team,
+which the runtime starts on first use.  Each step of at least :data:`MIN_WORK`
 multiply-adds is cut into chunks of output rows taken by whichever thread comes, and no thread
 starts a step before every chunk of the one before has finished.  Each chunk computes its rows
 exactly as the whole call does, so the bits do not depend on the cut or on who ran what.
