@@ -832,6 +832,17 @@ typedef union { /* room for the largest argument block a builder writes (each ch
 } qc_step_args;
 #define QC_STEP_ARGS_FIT(T) _Static_assert(sizeof(T) <= sizeof(qc_step_args), #T " must fit a step's argument block")
 
+/* The row functions of kernels over (N, Ho) output rows (b, oh): rows [r0, r1) cut at sample boundaries
+ * into pieces b, oh0..oh1-1, each computed by BODY (an int expression of b, oh0, oh1: the kernel on sample
+ * b's rows oh0..oh1-1; nonzero returns it). */
+#define QC_EACH_SAMPLE_ROWS(r0, r1, Ho, BODY)                                                            \
+    for (int64_t r_ = (r0); r_ < (r1);) {                                                                \
+        const int64_t b = r_ / (Ho), oh0 = r_ % (Ho), oh1 = (r1) - b * (Ho) < (Ho) ? (r1) - b * (Ho) : (Ho); \
+        const int rc_ = (BODY);                                                                           \
+        if (rc_) return rc_;                                                                              \
+        r_ = b * (Ho) + oh1;                                                                              \
+    }
+
 QC_API void qc_plan_sizes(int64_t *sizes) {
     sizes[0] = (int64_t)sizeof(qc_step);
     sizes[1] = (int64_t)((sizeof(qc_step_args) + 63) / 64 * 64);
@@ -1136,14 +1147,10 @@ QC_STEP_ARGS_FIT(resize_args);
 #define RESIZE_STEP_FN(NAME, IN_T, OUT_T)                                                                \
     static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
         const resize_args *a = ctx;                                                                       \
-        for (int64_t r = r0; r < r1;) {                                                                   \
-            const int64_t b = r / a->Ho, oh0 = r % a->Ho, oh1 = r1 - b * a->Ho < a->Ho ? r1 - b * a->Ho : a->Ho; \
-            const int rc = NAME((const IN_T *)a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, oh1 - oh0,  \
-                                a->Wo, a->h0 + oh0, a->h1 + oh0, a->a0 + oh0, a->a1 + oh0, a->w0, a->w1, a->b0,  \
-                                a->b1, a->rD, a->lo, a->hi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C); \
-            if (rc) return rc;                                                                            \
-            r = b * a->Ho + oh1;                                                                          \
-        }                                                                                                 \
+        QC_EACH_SAMPLE_ROWS(r0, r1, a->Ho,                                                                \
+            NAME((const IN_T *)a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, oh1 - oh0, a->Wo,       \
+                 a->h0 + oh0, a->h1 + oh0, a->a0 + oh0, a->a1 + oh0, a->w0, a->w1, a->b0, a->b1, a->rD,    \
+                 a->lo, a->hi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C))                        \
         return 0;                                                                                         \
     }                                                                                                     \
     QC_API int NAME##_step(qc_step *st, void *ctx, const IN_T *x, int64_t N, int64_t H, int64_t W, int64_t C, \
@@ -1374,13 +1381,10 @@ typedef struct {
 #define MAXPOOL_STEP_FN(NAME, T)                                                                         \
     static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
         const pool_args *a = ctx;                                                                         \
-        for (int64_t r = r0; r < r1;) {                                                                   \
-            const int64_t b = r / a->Ho, oh0 = r % a->Ho, oh1 = r1 - b * a->Ho < a->Ho ? r1 - b * a->Ho : a->Ho; \
+        QC_EACH_SAMPLE_ROWS(r0, r1, a->Ho,                                                                \
             NAME((const T *)a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->kh, a->kw, a->sh, a->sw,  \
                  a->ph - oh0 * a->sh, a->pw, a->dh, a->dw, oh1 - oh0, a->Wo,                              \
-                 (T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C);                                          \
-            r = b * a->Ho + oh1;                                                                          \
-        }                                                                                                 \
+                 (T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C))                                          \
         return 0;                                                                                         \
     }                                                                                                     \
     QC_API int NAME##_step(qc_step *st, void *ctx, const T *x, int64_t N, int64_t H, int64_t W, int64_t C,  \
@@ -2322,14 +2326,10 @@ typedef struct {
 #define DW4_MT_FN(NAME, OUT_T)                                                                           \
     static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
         const dw4_args *a = ctx;                                                                          \
-        for (int64_t r = r0; r < r1;) {                                                                   \
-            const int64_t b = r / a->Ho, oh0 = r % a->Ho, oh1 = r1 - b * a->Ho < a->Ho ? r1 - b * a->Ho : a->Ho; \
-            const int rc = NAME(a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->w4, a->kh, a->kw, a->b32, \
-                                a->sh, a->sw, a->ph - oh0 * a->sh, a->pw, a->dh, a->dw, oh1 - oh0, a->Wo, a->M, a->n, \
-                                a->lo, a->hi, a->epi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C);  \
-            if (rc) return rc;                                                                            \
-            r = b * a->Ho + oh1;                                                                          \
-        }                                                                                                 \
+        QC_EACH_SAMPLE_ROWS(r0, r1, a->Ho,                                                                \
+            NAME(a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->w4, a->kh, a->kw, a->b32, a->sh,     \
+                 a->sw, a->ph - oh0 * a->sh, a->pw, a->dh, a->dw, oh1 - oh0, a->Wo, a->M, a->n, a->lo, a->hi, \
+                 a->epi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C))                              \
         return 0;                                                                                         \
     }                                                                                                     \
     QC_API int NAME##_mt(const int8_t *x, int64_t N, int64_t H, int64_t W, int64_t C, const int8_t *w4,    \
