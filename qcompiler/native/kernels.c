@@ -536,10 +536,14 @@ QC_API int qc_hist_abs_f32_mt(const float *restrict x, int64_t N, double per_uni
 }
 
 /* Per-row min and max of a (rows, cols) float32 matrix, row-major (a weight's output channels):
- * lo[r] = min_c x[r, c], hi[r] = max_c x[r, c].  Returns -2 when a value is NaN or an extreme is
- * infinite (the observer's NaN/Inf check; lo, hi are then meaningless), else 0. */
-QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t cols, float *restrict lo,
-                              float *restrict hi) {
+ * lo[r] = min_c x[r, c], hi[r] = max_c x[r, c]; with old_lo / old_hi (non-NULL: a per-channel weight
+ * observer's later batches) merged into those running ones, lo[r] = min(old_lo[r], ...), hi[r] =
+ * max(old_hi[r], ...): the values torch.minimum / maximum give on the plain result (of two equal
+ * extremes, i.e. +0 and -0, the old one is kept), in one call instead of the pass and two torch ops.
+ * lo, hi are the caller's fresh buffers (not old_lo, old_hi).  Returns -2 when a value is NaN or an
+ * extreme is infinite (the observer's NaN/Inf check; lo, hi are then meaningless), else 0. */
+QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t cols, const float *restrict old_lo,
+                              const float *restrict old_hi, float *restrict lo, float *restrict hi) {
     int bad = 0;
     for (int64_t r = 0; r < rows; r++) {
         const float *restrict xr = x + r * cols;
@@ -553,8 +557,8 @@ QC_API int qc_rows_minmax_f32(const float *restrict x, int64_t rows, int64_t col
             nan |= v != v;
         }
         bad |= nan | !isfinite(mn) | !isfinite(mx);
-        lo[r] = mn;
-        hi[r] = mx;
+        lo[r] = old_lo && !(mn < old_lo[r]) ? old_lo[r] : mn;
+        hi[r] = old_hi && !(mx > old_hi[r]) ? old_hi[r] : mx;
     }
     return bad ? -2 : 0;
 }
@@ -774,33 +778,6 @@ QC_API int qc_hist_abs_grow_f32(const float *restrict x, int64_t N, int e0, int6
     }
     free(partial);
     return rc;
-}
-
-/* Per-row min and max of a (rows, cols) float32 matrix merged into running ones (a per-channel weight
- * observer's later batches): lo[r] = min(old_lo[r], min_c x[r, c]), hi[r] = max(old_hi[r], max_c x[r, c]),
- * the values torch.minimum / maximum give on qc_rows_minmax_f32's result (of two equal extremes, i.e. +0
- * and -0, the old one is kept).  One call instead of the native pass and two torch ops.  lo, hi are the
- * caller's fresh buffers (not old_lo, old_hi).  Returns -2 when a value is NaN or an extreme infinite
- * (lo, hi then meaningless: the caller takes its checked path), else 0. */
-QC_API int qc_rows_minmax_merge_f32(const float *restrict x, int64_t rows, int64_t cols, const float *restrict old_lo,
-                                    const float *restrict old_hi, float *restrict lo, float *restrict hi) {
-    int bad = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *restrict xr = x + r * cols;
-        float mn = INFINITY, mx = -INFINITY;
-        int nan = 0;
-        _Pragma("omp simd reduction(min:mn) reduction(max:mx) reduction(|:nan)")
-        for (int64_t c = 0; c < cols; c++) {
-            float v = xr[c];
-            mn = v < mn ? v : mn;
-            mx = v > mx ? v : mx;
-            nan |= v != v;
-        }
-        bad |= nan | !isfinite(mn) | !isfinite(mx);
-        lo[r] = mn < old_lo[r] ? mn : old_lo[r];
-        hi[r] = mx > old_hi[r] ? mx : old_hi[r];
-    }
-    return bad ? -2 : 0;
 }
 /* ==== end of calibration kernels =========================================================== */
 

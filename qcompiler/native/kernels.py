@@ -259,32 +259,31 @@ def rows_minmax_merge(x: torch.Tensor, old_lo: torch.Tensor,
     one native call, as two new float32 tensors (``old_lo``, ``old_hi``: float32, contiguous, one value per
     row of ``x``; of an equal pair +0 / -0 the old value is kept).  None when a value of ``x`` is NaN or an
     extreme infinite (the caller takes its checked torch path)."""
-    _check(x, "rows_minmax_merge: x", (torch.float32,))
-    if x.dim() < 1 or not x.shape[0] or not x.numel():
-        raise ConfigError(f"rows_minmax_merge: x must have rows and values, got shape {tuple(x.shape)}")
-    rows = x.shape[0]
-    for name, t in (("old_lo", old_lo), ("old_hi", old_hi)):
-        _check(t, f"rows_minmax_merge: {name}", (torch.float32,))
-        if t.numel() != rows:
-            raise ConfigError(f"rows_minmax_merge: {name} must hold {rows} values (one per row), got {t.numel()}")
-    lo, hi = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
-    f = _fn("qc_rows_minmax_merge_f32", (_P, _I64, _I64, _P, _P, _P, _P))
-    if f(x.data_ptr(), rows, x.numel() // rows, old_lo.data_ptr(), old_hi.data_ptr(), lo.data_ptr(), hi.data_ptr()):
-        return None
-    return lo, hi
+    return _rows_minmax(x, "rows_minmax_merge", (old_lo, old_hi))
 
 
 def rows_minmax(x: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Per-row ``(min, max)`` of a float32 ``x`` (rows, ...), contiguous, as two float32 tensors
     (one pass, native: what ``x.flatten(1).amin(1)`` / ``amax(1)`` give); None when a value is NaN
     or an extreme infinite (the caller takes its checked torch path)."""
-    _check(x, "rows_minmax: x", (torch.float32,))
+    return _rows_minmax(x, "rows_minmax", None)
+
+
+def _rows_minmax(x: torch.Tensor, what: str, old: Optional[tuple[torch.Tensor, torch.Tensor]]):
+    """:func:`rows_minmax` (``old`` None) or :func:`rows_minmax_merge` (``old`` the running extremes)."""
+    _check(x, f"{what}: x", (torch.float32,))
     if x.dim() < 1 or not x.shape[0] or not x.numel():
-        raise ConfigError(f"rows_minmax: x must have rows and values, got shape {tuple(x.shape)}")
+        raise ConfigError(f"{what}: x must have rows and values, got shape {tuple(x.shape)}")
     rows = x.shape[0]
+    if old is not None:
+        for name, t in zip(("old_lo", "old_hi"), old):
+            _check(t, f"{what}: {name}", (torch.float32,))
+            if t.numel() != rows:
+                raise ConfigError(f"{what}: {name} must hold {rows} values (one per row), got {t.numel()}")
     lo, hi = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
-    f = _fn("qc_rows_minmax_f32", (_P, _I64, _I64, _P, _P))
-    if f(x.data_ptr(), rows, x.numel() // rows, lo.data_ptr(), hi.data_ptr()) != 0:
+    f = _fn("qc_rows_minmax_f32", (_P, _I64, _I64, _P, _P, _P, _P))
+    olds = (None, None) if old is None else (old[0].data_ptr(), old[1].data_ptr())
+    if f(x.data_ptr(), rows, x.numel() // rows, *olds, lo.data_ptr(), hi.data_ptr()) != 0:
         return None
     return lo, hi
 
