@@ -51,11 +51,24 @@ def plans_enabled() -> bool:
     return os.environ.get(ENV_PLAN, "").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _lib():
+_API: dict[int, tuple] = {}  # id of the library -> (step bytes, argument-block bytes, qc_run_plan, qc_run_plan_timed)
+
+
+def _api() -> tuple:
+    """The plan entry points of the loaded library, typed once."""
     lib = library()
     if lib is None:
         raise ConfigError("NativeSteps: the native kernels are off; check native_enabled() first")
-    return lib
+    api = _API.get(id(lib))
+    if api is None:
+        lib.qc_plan_sizes.argtypes, lib.qc_plan_sizes.restype = [_P], None
+        sizes = (_I64 * 2)()
+        lib.qc_plan_sizes(sizes)
+        run, timed = lib.qc_run_plan, lib.qc_run_plan_timed
+        run.argtypes, run.restype = [_P, _I64, ctypes.c_int, _I64, _P], ctypes.c_int
+        timed.argtypes, timed.restype = [_P, _I64, _P], ctypes.c_int
+        api = _API[id(lib)] = (int(sizes[0]), int(sizes[1]), run, timed)
+    return api
 
 
 class NativeSteps:
@@ -64,11 +77,7 @@ class NativeSteps:
     (and ``keep`` of each spec is kept here)."""
 
     def __init__(self, specs: Sequence[StepSpec]) -> None:
-        lib = _lib()
-        sizes = (_I64 * 2)()
-        lib.qc_plan_sizes.argtypes, lib.qc_plan_sizes.restype = [_P], None
-        lib.qc_plan_sizes(sizes)
-        step_bytes, ctx_bytes = int(sizes[0]), int(sizes[1])
+        step_bytes, ctx_bytes, self._run, self._run_timed = _api()
         self.n = len(specs)
         self._steps = ctypes.create_string_buffer(max(1, self.n) * step_bytes)
         self._ctx = ctypes.create_string_buffer(max(1, self.n) * ctx_bytes + 64)
@@ -79,10 +88,6 @@ class NativeSteps:
             rc = spec.fn(self._addr + i * step_bytes, ctx0 + i * ctx_bytes, *spec.args)
             if rc != 0:
                 raise ConfigError(f"NativeSteps: step {i} was refused by its builder ({rc})")
-        self._run = lib.qc_run_plan
-        self._run.argtypes, self._run.restype = [_P, _I64, ctypes.c_int, _I64, _P], ctypes.c_int
-        self._run_timed = lib.qc_run_plan_timed
-        self._run_timed.argtypes, self._run_timed.restype = [_P, _I64, _P], ctypes.c_int
 
     def run(self, parts: int = 1, min_work: Optional[int] = None) -> None:
         """Every step, in order; ``parts`` > 1: on torch's OpenMP team (or the native pool when
