@@ -18,6 +18,8 @@ import qcompiler.native.plan as plan_mod
 from qcompiler import zoo
 from qcompiler.backends.bpu import plan as program_plan
 from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner
+from qcompiler.errors import ConfigError
+from qcompiler.native.gemm import Int8Gemm
 from qcompiler.native.kernels import DepthwiseConv, max_pool_nhwc, max_pool_nhwc_step
 from qcompiler.native.plan import ENV_PLAN, MIN_WORK, NativeSteps
 from qcompiler.quantization import fixed_point as fp
@@ -224,3 +226,24 @@ def test_a_linear_over_a_transposed_view_reads_each_calls_values():
         x = torch.randn((2, 24, 16), generator=g)
         with torch.no_grad():
             assert torch.equal(runner(x), conv(x))
+
+
+@needs_gemm
+def test_step_builders_refuse_what_the_kernels_cannot_read():
+    """A step keeps raw pointers: a wrong layout, dtype or size is a ConfigError naming it, never a step."""
+    x = torch.zeros(1, 8, 6, 6, dtype=torch.int8)
+    out = torch.empty(1, 3, 3, 8, dtype=torch.int8).permute(0, 3, 1, 2)
+    with pytest.raises(ConfigError, match="x must be .*channels-last"):
+        max_pool_nhwc_step(x, (2, 2), (2, 2), (0, 0), (1, 1), out)  # NCHW memory
+    xl = x.contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ConfigError, match="out must be"):
+        max_pool_nhwc_step(xl, (2, 2), (2, 2), (0, 0), (1, 1), out.to(torch.int16))
+    w = torch.ones(8, 1, 3, 3, dtype=torch.int8)
+    dw = DepthwiseConv(w, None, (1, 1), (1, 1), (1, 1), torch.ones(8, dtype=torch.int64),
+                       torch.full((8,), 4, dtype=torch.int64), -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="DepthwiseConv: out"):
+        dw.step(xl.permute(0, 2, 3, 1), torch.empty(1, 5, 5, 8, dtype=torch.int8))  # the output is 6x6
+    k = Int8Gemm(torch.ones(4, 8, dtype=torch.int8), None, torch.ones(4, dtype=torch.int64),
+                 torch.full((4,), 4, dtype=torch.int64), -128, 127, torch.int8)
+    with pytest.raises(ConfigError, match="do not fit out"):
+        k.step(torch.zeros(10, 8, dtype=torch.int8), 8, None, torch.empty(9, 4, dtype=torch.int8), None, 0, 10)
