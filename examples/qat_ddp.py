@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from qcompiler import collectives
 from qcompiler.distributed import evaluate, is_main_process, join_torchrun, shard
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import FakeQuantize, set_state
@@ -154,7 +155,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         top1 = evaluate(converted, test, lambda out, t: float((out.float().argmax(1) == t).float().mean()))
         fp_top1 = evaluate(model, test, lambda out, t: float((out.argmax(1) == t).float().mean()))
         s = scales(qat)
-        same = [torch.equal(s, other) for other in _all_gather(s)]
+        # qcompiler's gather, not dist.all_gather: it holds its tensors until gloo's worker lets go of
+        # them, which a script about to exit must (qcompiler/collectives.py says why)
+        same = [torch.equal(s, other) for other in collectives.all_gather_object(s, "comparing the scales")]
         result = {"world": dist.get_world_size() if dist.is_initialized() else 1, "top1": top1,
                   "float_top1": fp_top1, "scales_equal_on_all_ranks": all(same),
                   "qat_seconds": t_qat - t_float}
@@ -166,14 +169,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     finally:
         if joined:
             dist.destroy_process_group()
-
-
-def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
-    if not dist.is_initialized():
-        return [t]
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return out
 
 
 if __name__ == "__main__":

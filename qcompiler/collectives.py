@@ -9,11 +9,25 @@ Tensors travel on the backend's device (CPU for gloo, the current CUDA device
 for NCCL) and come back on the caller's device.  A failed collective (a rank
 died, a timeout) becomes a :class:`CalibrationError` that says what was being
 reduced and which rank saw the failure, never a raw backend traceback.
+
+gloo wakes the caller when a collective completes, before its worker thread
+drops the work that holds the tensors.  If the caller drops its references
+first, torch hands each tensor's Python object to the tensor, and the worker's
+late release has to take the GIL; during interpreter exit that aborts the
+process ("terminate called without an active exception").  The group's
+destructor would join the workers first, but a DistributedDataParallel model
+keeps the group alive past ``destroy_process_group`` (torch 2.13), and many
+scripts never call it.  So every helper here keeps the tensors it handed to
+gloo until the worker has let go of them (:func:`_wait_released`), and gathers
+objects with its own tensors instead of ``dist.all_gather_object``'s hidden
+ones.
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
+import time
 
 import torch
 import torch.distributed as dist
@@ -58,15 +72,34 @@ def _failed(what: str, err: BaseException) -> CollectiveError:
     )
 
 
+def _wait_released(tensors: list[torch.Tensor], limit: float = 5.0) -> None:
+    """Return once no other thread holds ``tensors`` (fresh tensors only Python refers to), or after ``limit`` s.
+
+    A gloo worker that has completed the work only has to be scheduled to let
+    go, which takes microseconds on an idle machine and a few milliseconds on a
+    loaded one; the limit only bounds a wait nothing should need.
+    """
+    deadline = time.monotonic() + limit
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
+def _collective(what: str, call, tensors: list[torch.Tensor]) -> None:
+    """Run ``call()`` (a blocking collective on ``tensors``); a failure becomes a :class:`CollectiveError`."""
+    try:
+        call()
+    except (RuntimeError, dist.DistError) as err:
+        raise _failed(what, err) from err
+    if dist.get_backend() == "gloo":
+        _wait_released(tensors)
+
+
 def all_reduce(t: torch.Tensor, op: str, what: str) -> torch.Tensor:
     """``t`` reduced over all ranks (``op`` in max/min/sum); a new tensor on ``t``'s device."""
     if not active():
         return t
     buf = t.detach().to(_comm_device(), copy=True)
-    try:
-        dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op]))
-    except (RuntimeError, dist.DistError) as err:
-        raise _failed(what, err) from err
+    _collective(what, lambda: dist.all_reduce(buf, op=getattr(dist.ReduceOp, _OPS[op])), [buf])
     return buf.to(t.device)
 
 
@@ -74,12 +107,31 @@ def all_gather_object(obj, what: str) -> list:
     """One picklable object from every rank, in rank order (``[obj]`` without a group)."""
     if not active():
         return [obj]
-    out = [None] * world_size()
-    try:
-        dist.all_gather_object(out, obj)
-    except (RuntimeError, dist.DistError) as err:
-        raise _failed(what, err) from err
-    return out
+    device, world = _comm_device(), world_size()
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    _collective(f"{what} (sizes)", lambda: dist.all_gather(sizes, size), [size, *sizes])
+    counts = [int(n) for n in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    _collective(what, lambda: dist.all_gather(parts, padded), [padded, *parts])
+    return [pickle.loads(part[:n].cpu().numpy().tobytes()) for part, n in zip(parts, counts)]
+
+
+def broadcast_object(obj, src: int, what: str):
+    """``obj`` from rank ``src`` on every rank (``obj`` itself without a group)."""
+    if not active():
+        return obj
+    device = _comm_device()
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank() == src else None
+    size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=device)
+    _collective(f"{what} (size)", lambda: dist.broadcast(size, src=src), [size])
+    data = mine.to(device, copy=True) if mine is not None else torch.empty(int(size), dtype=torch.uint8,
+                                                                              device=device)
+    _collective(what, lambda: dist.broadcast(data, src=src), [data])
+    return pickle.loads(data.cpu().numpy().tobytes())
 
 
 def barrier(timeout: float, what: str) -> None:
@@ -98,15 +150,3 @@ def barrier(timeout: float, what: str) -> None:
             dist.barrier()
     except (RuntimeError, dist.DistError) as err:
         raise _failed(f"{what} (waited up to {timeout:g} s for every rank)", err) from err
-
-
-def broadcast_object(obj, src: int, what: str):
-    """``obj`` from rank ``src`` on every rank (``obj`` itself without a group)."""
-    if not active():
-        return obj
-    box = [obj]
-    try:
-        dist.broadcast_object_list(box, src=src)
-    except (RuntimeError, dist.DistError) as err:
-        raise _failed(what, err) from err
-    return box[0]
