@@ -357,6 +357,38 @@ def test_growing_histogram_equals_the_torch_reference(pieces, e0, nbins, threads
 
 
 @needs_native
+@pytest.mark.parametrize("threads, chunk", [(1, 1 << 30), (2, 100_003), (3, 262_137)])
+@pytest.mark.parametrize("numel", [262_136, 262_137, 1_000_003])
+def test_long_runs_of_one_bin_are_counted_past_the_uint16_copies(numel, threads, chunk):
+    """The counting goes through four uint16 copies drained every 262136 values (kernels.c, HIST_SUBS):
+    a million values in one bin, or a few, and a stream around the drain point, are counted exactly."""
+    for x in (torch.full((numel,), 0.75),
+              torch.tensor([0.75, 0.25, 0.75, 0.5, 0.125, 0.75, 0.0]).repeat(numel // 7 + 1)[:numel]):
+        want = torch.bincount(torch.floor(x.double() * 4096).long(), minlength=4096).double()
+        hist = torch.zeros(4096, dtype=torch.float64)
+        histogram_abs(x, 4096.0, hist, threads, chunk)
+        assert torch.equal(hist, want)
+        grown = torch.zeros(4096, dtype=torch.float64)
+        grown[0] = 1.0  # zeros seen before: no grid yet
+        assert histogram_abs_grow(x, NO_RANGE, grown, threads, chunk) == (0, float(x.min()), float(x.max()))
+        want[0] += 1.0
+        assert torch.equal(grown, want)
+
+
+@needs_native
+def test_a_grid_widened_after_a_drain_keeps_every_count():
+    """Half a million values on a narrow grid (drained into the uint32 counts on the way), then one
+    chunk that needs a grid 2**4 wider: the counts so far merge onto it, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.rand(500_000, generator=g) * 0.9, torch.rand(50_000, generator=g) * 30.0 - 15.0])
+    base = torch.arange(4096, dtype=torch.float64)
+    want_e, want = _grow_reference(x, 0, base)
+    hist = base.clone()
+    assert histogram_abs_grow(x, 0, hist, 1, 300_000) == (want_e, float(x.min()), float(x.max()))
+    assert want_e == 4 and torch.equal(hist, want)
+
+
+@needs_native
 @pytest.mark.parametrize("omp", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_bad_value_leaves_the_growing_histogram_unchanged(omp, bad):
