@@ -34,7 +34,7 @@ from qcompiler.passes.insert_observers import (
     SCALE_PRESERVING_OPS,
 )
 from qcompiler.quantization import fixed_point as fp
-from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, observe_final_weight
 from qcompiler.quantization.observer import ObserverBase
 
 # element-wise functions evaluated through a table; float64 versions for table building
@@ -112,6 +112,7 @@ def _weight_params(base: nn.Module, where: str):
     if isinstance(wfq, FakeQuantize):
         scale = wfq.scale.detach().clone()
     else:
+        observe_final_weight(wfq, w)
         scale = wfq.calculate_qparams()[0]
     dtype = wfq.dtype
     q = fp.quantize(w, scale, dtype, axis=axis if scale.numel() > 1 else None)

@@ -17,6 +17,8 @@ fake quant in a model at once.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -316,12 +318,71 @@ class CalibFakeQuantize(FakeQuantizeBase):
 
     ``calculate_qparams()`` delegates to the observer.  There is no fake
     quant to switch; ``observer_enabled`` stops the recording.
+
+    A weight (an ``nn.Parameter``) is observed again only when it may have
+    changed: not when it is the same parameter, at the same version (in-place
+    updates bump it) and address, and the observer's state is the one this
+    quantizer left, for an observer whose repeat is a no-op (a plain running
+    min/max).  Each batch of a calibration saw the same weights again: 3 ms a
+    batch on mobilenet_v2.  An update through ``.data`` does not bump the
+    version, so convert observes every such weight once more
+    (:func:`observe_final_weight`): the range always covers the weights that
+    are converted.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.observer_enabled.tolist()[0] == 1:  # (tolist: ~25x cheaper than a tensor compare)
-            self.activation_post_process(x.detach())
+            weight = type(x) is nn.Parameter
+            if not (weight and _seen_unchanged(self, x)):
+                self.activation_post_process(x.detach())
+                if weight:
+                    _remember(self, x)
         return x
+
+
+# A CalibFakeQuantize -> (the weight it last observed, its address and shape, the observer's min_val and
+# max_val, the versions of those three).  Outside the module: a weak reference cannot be pickled.
+_SEEN_WEIGHTS: "weakref.WeakKeyDictionary[CalibFakeQuantize, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _remember(fq: CalibFakeQuantize, w: torch.Tensor) -> None:
+    obs = fq.activation_post_process
+    versions = _versions(w, getattr(obs, "min_val", None), getattr(obs, "max_val", None))
+    if versions is None or not (isinstance(obs, ObserverBase) and obs._repeat_is_noop()):
+        _SEEN_WEIGHTS.pop(fq, None)
+        return
+    obs._skips_repeats = True  # convert observes the final weight once more
+    _SEEN_WEIGHTS[fq] = (weakref.ref(w), w.data_ptr(), w.shape, obs.min_val, obs.max_val, versions)
+
+
+def _versions(*tensors) -> tuple | None:
+    """The version counters of ``tensors``; None if one has none (not a tensor, an inference tensor)."""
+    try:
+        return tuple(t._version for t in tensors)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _seen_unchanged(fq: CalibFakeQuantize, w: torch.Tensor) -> bool:
+    seen = _SEEN_WEIGHTS.get(fq)
+    if seen is None:
+        return False
+    ref, ptr, shape, lo, hi, versions = seen
+    obs = fq.activation_post_process
+    return (ref() is w and w.data_ptr() == ptr and w.shape == shape and getattr(obs, "min_val", None) is lo
+            and getattr(obs, "max_val", None) is hi and _versions(w, lo, hi) == versions and obs._repeat_is_noop())
+
+
+def observe_final_weight(fq: nn.Module, w: torch.Tensor) -> None:
+    """Convert: observe ``w`` once more where calibration skipped repeats of it (:class:`CalibFakeQuantize`).
+
+    A no-op for the observers that skip (a repeat of a tensor seen leaves a running min/max as it
+    is), unless the weight changed through ``.data`` after it was last observed: then its range
+    grows to cover what is converted instead of clipping it.
+    """
+    obs = getattr(fq, "activation_post_process", None)
+    if isinstance(obs, ObserverBase) and getattr(obs, "_skips_repeats", False) and obs._repeat_is_noop():
+        obs(w.detach())
 
 
 # ---------------------------------------------------------------------------

@@ -156,6 +156,14 @@ class ObserverBase(nn.Module):
         """Record ``x``; call :meth:`_check_finite` on the extremes computed from it first."""
         raise NotImplementedError
 
+    def _repeat_is_noop(self) -> bool:
+        """Would observing again a tensor this observer has just seen leave its state as it is?
+
+        True for a plain running min/max (``CalibFakeQuantize`` then skips a weight it saw, unchanged,
+        on the next batches); False for averages, histograms and per-batch syncs.
+        """
+        return False
+
     def _check_finite(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """CalibrationError unless the extremes ``lo``/``hi`` of the input (overall or per channel) are finite.
 
@@ -282,6 +290,9 @@ class MinMaxObserver(ObserverBase):
         lo, hi = self._batch_extremes(*self._extremes(x))
         self.min_val = torch.minimum(self.min_val, lo.float())
         self.max_val = torch.maximum(self.max_val, hi.float())
+
+    def _repeat_is_noop(self) -> bool:
+        return type(self)._observe is MinMaxObserver._observe and not self.sync_each_batch
 
     def calculate_amax(self) -> torch.Tensor:
         self._require_data()
@@ -421,6 +432,10 @@ class PerChannelMinMaxObserver(ObserverBase):
             return False
         self.min_val, self.max_val = mm
         return True
+
+    def _repeat_is_noop(self) -> bool:
+        return (type(self)._observe is PerChannelMinMaxObserver._observe and type(self)._merge is _PLAIN_MERGE
+                and not self.sync_each_batch)
 
     def _merge(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """Fold one batch's per-channel min/max into the running ones: the overall extremes."""
