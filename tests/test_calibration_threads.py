@@ -360,10 +360,15 @@ def test_growing_histogram_equals_the_torch_reference(pieces, e0, nbins, threads
 @pytest.mark.parametrize("threads, chunk", [(1, 1 << 30), (2, 100_003), (3, 262_137)])
 @pytest.mark.parametrize("numel", [262_136, 262_137, 1_000_003])
 def test_long_runs_of_one_bin_are_counted_past_the_uint16_copies(numel, threads, chunk):
-    """The counting goes through four uint16 copies drained every 262136 values (kernels.c, HIST_SUBS):
-    a million values in one bin, or a few, and a stream around the drain point, are counted exactly."""
+    """Blocks whose neighbours repeat are counted through four uint16 copies drained every 262136 values
+    (kernels.c, HIST_SUBS), others directly: a million values in one bin, a few bins, streams that
+    switch between the two kinds of block, around the drain point, are counted exactly."""
+    g = torch.Generator().manual_seed(numel)
+    runs = torch.rand(numel // 64 + 1, generator=g).repeat_interleave(64)[:numel] * 0.99  # runs of 64
+    spread = torch.rand(numel, generator=g) * 0.99
+    mixed = torch.where((torch.arange(numel) // 1500) % 2 == 0, runs, spread)  # blocks of each kind
     for x in (torch.full((numel,), 0.75),
-              torch.tensor([0.75, 0.25, 0.75, 0.5, 0.125, 0.75, 0.0]).repeat(numel // 7 + 1)[:numel]):
+              torch.tensor([0.75, 0.25, 0.75, 0.5, 0.125, 0.75, 0.0]).repeat(numel // 7 + 1)[:numel], mixed):
         want = torch.bincount(torch.floor(x.double() * 4096).long(), minlength=4096).double()
         hist = torch.zeros(4096, dtype=torch.float64)
         histogram_abs(x, 4096.0, hist, threads, chunk)
@@ -384,7 +389,7 @@ def test_a_grid_widened_after_a_drain_keeps_every_count():
     base = torch.arange(4096, dtype=torch.float64)
     want_e, want = _grow_reference(x, 0, base)
     hist = base.clone()
-    assert histogram_abs_grow(x, 0, hist, 1, 300_000) == (want_e, float(x.min()), float(x.max()))
+    assert histogram_abs_grow(x, 0, hist, 1, 300_001) == (want_e, float(x.min()), float(x.max()))
     assert want_e == 4 and torch.equal(hist, want)
 
 
