@@ -90,7 +90,7 @@ def _collective(what: str, call, tensors: list[torch.Tensor]) -> None:
         call()
     except (RuntimeError, dist.DistError) as err:
         raise _failed(what, err) from err
-    if dist.get_backend() == "gloo":
+    if "gloo" in str(dist.get_backend()):  # "gloo", or a device map such as "cpu:gloo,cuda:nccl"
         _wait_released(tensors)
 
 

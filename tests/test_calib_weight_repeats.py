@@ -164,3 +164,32 @@ def test_weights_made_under_inference_mode_are_observed_every_batch():
         for i in range(3):
             cal(X + i)
     assert len(calls) == 3
+
+
+def test_a_range_frozen_by_the_user_is_not_widened_at_convert():
+    """Observers switched off, the weight range narrowed by hand: convert keeps it (review of the skip)."""
+    for batches in (1, 3):
+        cal, obs, calls = calibrated(batches)
+        for m in cal.modules():
+            if hasattr(m, "observer_enabled"):
+                m.observer_enabled.fill_(0)
+        obs.min_val, obs.max_val = obs.min_val * 0.5, obs.max_val * 0.5
+        want = obs.calculate_qparams()[0].reshape(-1)
+        assert torch.equal(convert_fx(cal).fc.w_scale.reshape(-1), want.to(torch.float32))
+
+
+def test_the_qat_hand_over_sees_a_change_through_data():
+    """prepare_qat_fx starts QAT from the calibration ranges: they cover the weights as they are."""
+    from qcompiler.quantization.prepare import prepare_qat_fx
+    from qcompiler.quantization.qconfig import get_default_qat_qconfig
+
+    def hidden(cal, i):
+        if i == 0:
+            cal.fc.weight.data.mul_(3.0)
+
+    cal, obs, calls = calibrated(3, hidden)
+    qat = prepare_qat_fx(cal, {"": get_default_qat_qconfig()})
+    want = PerChannelMinMaxObserver()
+    want(cal.fc.weight.detach())
+    got = qat.fc.weight_fake_quant.activation_post_process  # seeded symmetric from the calibrated range
+    assert torch.equal(got.max_val, torch.maximum(want.min_val.abs(), want.max_val))

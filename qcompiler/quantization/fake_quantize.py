@@ -324,19 +324,25 @@ class CalibFakeQuantize(FakeQuantizeBase):
     updates bump it) and address, and the observer's state is the one this
     quantizer left, for an observer whose repeat is a no-op (a plain running
     min/max).  Each batch of a calibration saw the same weights again: 3 ms a
-    batch on mobilenet_v2.  An update through ``.data`` does not bump the
-    version, so convert observes every such weight once more
-    (:func:`observe_final_weight`): the range always covers the weights that
-    are converted.
+    batch on mobilenet_v2.  Some writes bump no version: through ``.data``,
+    numpy or ctypes, a ``torch.distributed`` collective into the parameter, a
+    fused optimizer step.  So where calibration ends (``sync_observers``, which
+    ``convert_fx``, ``prepare_qat_fx`` and ``compile`` call; weight rounding;
+    convert itself) every weight whose repeats were skipped is observed once
+    more (:func:`observe_final_weights`): the ranges read from then on cover
+    the weights as they are.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.observer_enabled.tolist()[0] == 1:  # (tolist: ~25x cheaper than a tensor compare)
             weight = type(x) is nn.Parameter
-            if not (weight and _seen_unchanged(self, x)):
-                self.activation_post_process(x.detach())
-                if weight:
-                    _remember(self, x)
+            if weight and _seen_unchanged(self, x):
+                self._skipped_repeat = True
+                return x
+            self.activation_post_process(x.detach())
+            if weight:
+                self._skipped_repeat = False
+                _remember(self, x)
         return x
 
 
@@ -351,7 +357,6 @@ def _remember(fq: CalibFakeQuantize, w: torch.Tensor) -> None:
     if versions is None or not (isinstance(obs, ObserverBase) and obs._repeat_is_noop()):
         _SEEN_WEIGHTS.pop(fq, None)
         return
-    obs._skips_repeats = True  # convert observes the final weight once more
     _SEEN_WEIGHTS[fq] = (weakref.ref(w), w.data_ptr(), w.shape, obs.min_val, obs.max_val, versions)
 
 
@@ -374,15 +379,28 @@ def _seen_unchanged(fq: CalibFakeQuantize, w: torch.Tensor) -> bool:
 
 
 def observe_final_weight(fq: nn.Module, w: torch.Tensor) -> None:
-    """Convert: observe ``w`` once more where calibration skipped repeats of it (:class:`CalibFakeQuantize`).
+    """Observe ``w`` once more if ``fq`` (a :class:`CalibFakeQuantize`, observer on) skipped a repeat of it since
+    it last observed it.
 
     A no-op for the observers that skip (a repeat of a tensor seen leaves a running min/max as it
-    is), unless the weight changed through ``.data`` after it was last observed: then its range
-    grows to cover what is converted instead of clipping it.
+    is), unless the weight changed without a version bump after it was last observed: then its
+    range grows to cover it instead of clipping it.  Nothing when the observer is off: a range the
+    user froze or set stays as it is.
     """
-    obs = getattr(fq, "activation_post_process", None)
-    if isinstance(obs, ObserverBase) and getattr(obs, "_skips_repeats", False) and obs._repeat_is_noop():
+    if not getattr(fq, "_skipped_repeat", False) or fq.observer_enabled.tolist()[0] != 1:
+        return
+    obs = fq.activation_post_process
+    if isinstance(obs, ObserverBase) and obs._repeat_is_noop():
         obs(w.detach())
+    fq._skipped_repeat = False
+
+
+def observe_final_weights(model: nn.Module) -> None:
+    """:func:`observe_final_weight` for every weight layer of ``model`` (``weight_fake_quant`` and ``weight``)."""
+    for m in model.modules():
+        fq, w = getattr(m, "weight_fake_quant", None), getattr(m, "weight", None)
+        if isinstance(fq, CalibFakeQuantize) and isinstance(w, torch.Tensor):
+            observe_final_weight(fq, w)
 
 
 # ---------------------------------------------------------------------------

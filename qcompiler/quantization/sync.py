@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from qcompiler import collectives
 from qcompiler.errors import ConfigError
-from qcompiler.quantization.fake_quantize import FakeQuantize
+from qcompiler.quantization.fake_quantize import FakeQuantize, observe_final_weights
 from qcompiler.quantization.observer import ObserverBase, reduce_observers
 
 __all__ = ["sync_observers", "check_same_model", "require_batches", "DEFAULT_TIMEOUT"]
@@ -95,6 +95,7 @@ def sync_observers(model: nn.Module, *, timeout: float = DEFAULT_TIMEOUT) -> nn.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"sync_observers takes a torch.nn.Module, got {type(model).__name__}")
+    observe_final_weights(model)  # weights calibration skipped as unchanged, as they are now (every rank)
     if not collectives.active():
         return model
     collectives.barrier(timeout, "sync_observers")

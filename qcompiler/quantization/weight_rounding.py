@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from qcompiler.batches import as_args
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.passes.convert import check_observed
-from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase, observe_final_weight
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.prepare import GM_KIND
 
@@ -601,6 +601,7 @@ def _round_layer(passes: _Passes, name: str, layer: nn.Module, batches, stop_ear
     (Also moving the mean error ``-dW mu`` into the bias was tried: it lowers this objective but
     did not help the models' outputs in benchmarks/accuracy.py, so it is not done.)"""
     fq = layer.weight_fake_quant
+    observe_final_weight(fq, layer.weight)  # the weight as it is, if calibration skipped it as unchanged
     qmax = qrange(fq.activation_post_process.dtype)[1]
     scale = fq.calculate_qparams()[0].double().reshape(-1)
     reason = _skip_reason(layer)
