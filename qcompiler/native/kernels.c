@@ -162,7 +162,7 @@ REQ_ADD_FN(qc_requant_add_f64_i16_i16, double, int16_t, int16_t)
 /* One thread's running counts: bins in uint32 (flushed into a float64 histogram before they could
  * wrap), bin 0 in an int64, the extremes and whether a value fell outside [0, nbins). */
 typedef struct {
-    uint32_t *counts; /* nbins + HIST_SPREAD * 16 (the bin-0 slots), then the HIST_SUBS uint16 copies */
+    uint32_t *counts; /* nbins + HIST_SPREAD * 16 (the bin-0 slots) */
     int64_t zeros;
     float mn, mx;
     int bad;
