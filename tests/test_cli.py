@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -298,3 +299,25 @@ def test_unwritable_out_parent(capsys, tmp_path):
         locked.chmod(0o700)
     _assert_usage_error(code, stdout, err)
     assert "is not writable" in err and not (locked / "new").exists()
+
+
+def test_an_out_dir_another_process_creates_while_it_is_probed_is_accepted(tmp_path, monkeypatch):
+    """Under torchrun every rank probes --out (mkdir, rmdir) at once: the rank that loses the race
+    finds the directory made by the other and must accept it (it failed CI once: 'File exists')."""
+    from pathlib import Path
+
+    from qcompiler.tools.cli import out_dir
+
+    real_mkdir = Path.mkdir
+
+    def raced(self, *args, **kwargs):  # the other rank's mkdir lands just before ours
+        real_mkdir(self)
+        raise FileExistsError(17, "File exists", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", raced)
+    target = tmp_path / "two" / "deeper"
+    assert out_dir(str(target)) == target
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    (tmp_path / "blocker").write_text("x")  # a real failure still fails
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot create"):
+        out_dir(str(tmp_path / "blocker" / "sub"))

@@ -113,6 +113,8 @@ def out_dir(text: str) -> Path:
         try:
             first.mkdir()
             first.rmdir()
+        except FileExistsError:
+            pass  # made meanwhile by another process probing the same path (another rank under torchrun)
         except OSError as exc:
             raise argparse.ArgumentTypeError(f"cannot create {text!r}: {exc.strerror}") from None
     return out
