@@ -103,12 +103,22 @@ def all_reduce(t: torch.Tensor, op: str, what: str) -> torch.Tensor:
     return buf.to(t.device)
 
 
+def _pickled(obj) -> torch.Tensor:
+    """``obj`` pickled into a fresh uint8 tensor (CPU) that only Python refers to."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(t: torch.Tensor):
+    """The object :func:`_pickled` put in ``t`` (any device)."""
+    return pickle.loads(t.cpu().numpy().tobytes())
+
+
 def all_gather_object(obj, what: str) -> list:
     """One picklable object from every rank, in rank order (``[obj]`` without a group)."""
     if not active():
         return [obj]
     device, world = _comm_device(), world_size()
-    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    mine = _pickled(obj)
     size = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world)]
     _collective(f"{what} (sizes)", lambda: dist.all_gather(sizes, size), [size, *sizes])
@@ -117,7 +127,7 @@ def all_gather_object(obj, what: str) -> list:
     padded[:mine.numel()] = mine.to(device)
     parts = [torch.empty_like(padded) for _ in range(world)]
     _collective(what, lambda: dist.all_gather(parts, padded), [padded, *parts])
-    return [pickle.loads(part[:n].cpu().numpy().tobytes()) for part, n in zip(parts, counts)]
+    return [_unpickled(part[:n]) for part, n in zip(parts, counts)]
 
 
 def broadcast_object(obj, src: int, what: str):
@@ -125,13 +135,13 @@ def broadcast_object(obj, src: int, what: str):
     if not active():
         return obj
     device = _comm_device()
-    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank() == src else None
+    mine = _pickled(obj) if rank() == src else None
     size = torch.tensor([mine.numel() if mine is not None else 0], dtype=torch.int64, device=device)
     _collective(f"{what} (size)", lambda: dist.broadcast(size, src=src), [size])
     data = mine.to(device, copy=True) if mine is not None else torch.empty(int(size), dtype=torch.uint8,
                                                                               device=device)
     _collective(what, lambda: dist.broadcast(data, src=src), [data])
-    return pickle.loads(data.cpu().numpy().tobytes())
+    return _unpickled(data)
 
 
 def barrier(timeout: float, what: str) -> None:
