@@ -39,15 +39,14 @@ X = torch.randn(2, 3, 8, 8)
 
 @pytest.fixture(autouse=True)
 def observed(monkeypatch):
-    """Every call of an observer's forward, as the observer it was made on."""
-    seen = []
+    """Record every call of an observer's forward, as the observer it was made on, in ``_Calls.seen``."""
+    _Calls.seen = []
 
     def forward(self, x, _real=ObserverBase.forward):
-        seen.append(self)
+        _Calls.seen.append(self)
         return _real(self, x)
 
     monkeypatch.setattr(ObserverBase, "forward", forward)
-    return seen
 
 
 def calibrated(batches: int = 3, between=None):
@@ -78,11 +77,6 @@ class _Calls:
 def per_channel_extremes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = w.detach().reshape(w.shape[0], -1)
     return flat.amin(1), flat.amax(1)
-
-
-@pytest.fixture(autouse=True)
-def _route(observed):
-    _Calls.seen = observed
 
 
 def test_an_unchanged_weight_is_observed_once_with_the_state_every_batch_gives():
