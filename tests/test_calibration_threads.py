@@ -381,6 +381,31 @@ def test_long_runs_of_one_bin_are_counted_past_the_uint16_copies(numel, threads,
 
 
 @needs_native
+@SETTINGS
+@given(st.integers(1, 300_000), st.integers(1, 64), st.integers(-130, 120),
+       st.sampled_from([2, 1000, 4096, 8192, 1 << 14]), st.integers(1, 4), st.integers(1, 200_000), st.booleans(),
+       st.integers(0, 2 ** 31 - 1))
+def test_runs_of_repeated_values_equal_the_torch_reference(numel, run, exponent, nbins, threads, chunk, omp, seed):
+    """Values repeated in runs (neighbouring pixels), the blocks kernels.c counts through its uint16 copies:
+    the plain and the growing kernel give the bincount of the exact floor, bit for bit, for any size,
+    run length, bin count (with and without copies), thread count and chunk."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(numel // run + 1, generator=g) * 2.0 ** exponent).repeat_interleave(run)[:numel]
+    amax = float(x.abs().max())
+    if amax == 0.0:
+        return
+    r = math.ldexp(1.0, math.frexp(amax)[1])
+    want = torch.bincount(torch.floor(x.abs().double() * (nbins / r)).long(), minlength=nbins).double()
+    hist = torch.zeros(nbins, dtype=torch.float64)
+    histogram_abs(x, nbins / r, hist, threads, chunk, omp)
+    assert torch.equal(hist, want)
+    grown = torch.zeros(nbins, dtype=torch.float64)
+    e = math.frexp(amax)[1]
+    assert histogram_abs_grow(x, NO_RANGE, grown, threads, chunk, omp) == (e, float(x.min()), float(x.max()))
+    assert torch.equal(grown, want)
+
+
+@needs_native
 def test_a_grid_widened_after_a_drain_keeps_every_count():
     """Half a million values on a narrow grid (drained into the uint32 counts on the way), then one
     chunk that needs a grid 2**4 wider: the counts so far merge onto it, bit for bit."""
