@@ -319,6 +319,60 @@ def test_int8_gemm_conv_equals_the_int64_reference(c):
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(lo, hi))
 
 
+@st.composite
+def wide_conv_cases(draw):
+    """Convs with many output rows (several of the kernel's row blocks) and a row range that starts and
+    ends anywhere: kernel rows read in place (kw * C a multiple of 4, dilation 1 along W) or staged."""
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    dh, dw = draw(st.integers(1, 2)), draw(st.sampled_from([1, 1, 2]))
+    ph, pw = draw(st.integers(0, kh)), draw(st.integers(0, kw))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 14))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 14))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([4, 8, 12, 64, 2, 3, 6])), H=H, W=W,
+                O=draw(st.integers(1, 70)), k=(kh, kw), stride=(draw(st.integers(1, 2)), draw(st.integers(1, 2))),
+                padding=(ph, pw), dilation=(dh, dw), extreme=draw(st.booleans()), add=draw(st.booleans()),
+                out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)),
+                cut=draw(st.tuples(st.floats(0, 1), st.floats(0, 1))))
+
+
+@needs_gemm
+@SETTINGS
+@given(wide_conv_cases())
+def test_a_conv_row_range_equals_the_reference_and_writes_only_its_rows(c):
+    """Output rows m0..m1 of a conv, cut anywhere (inside an image row, across images, across the
+    kernel's row blocks): the rows read in place, the rows staged at the left and right edges and the
+    kernel rows in the vertical padding all equal the int64 reference; no other row is written."""
+    k, xl, ol, want = conv_case_tensors(c)
+    lo, hi = fp.qrange(c["out"])
+    want = want.clamp(lo, hi).permute(0, 2, 3, 1).reshape(-1, c["O"])
+    P = want.shape[0]
+    m0, m1 = sorted(int(f * P) for f in c["cut"])
+    out4 = torch.full((c["N"], *_out_hw(c), c["O"]), 77, dtype=_OUT[c["out"]])
+    k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol, m0=m0, m1=m1, out=out4)
+    out = out4.reshape(P, c["O"])
+    assert torch.equal(out[m0:m1].to(torch.int64), want[m0:m1])
+    assert bool((out[:m0] == 77).all()) and bool((out[m1:] == 77).all())
+
+
+def _out_hw(c: dict) -> tuple[int, int]:
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = c["k"], c["stride"], c["padding"], c["dilation"]
+    return (c["H"] + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (c["W"] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+
+@needs_gemm
+@pytest.mark.parametrize("K", [4, 64, 576, 37])
+def test_rows_with_a_stride_past_k_are_read_in_place(K):
+    """A GEMM over a column slice of a wider matrix (row stride > K): rows read in place when K is a
+    multiple of 4 (else staged), only their K columns."""
+    g = torch.Generator().manual_seed(K)
+    wide = torch.randint(-128, 128, (150, K + 13), dtype=torch.int8, generator=g)
+    x = wide[:, 5:5 + K]
+    w = torch.randint(-128, 128, (40, K), dtype=torch.int8, generator=g)
+    M, n = torch.randint(1, 1 << 15, (40,), generator=g), torch.full((40,), 20)
+    k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
+    assert torch.equal(k(x).to(torch.int64), reference(x.contiguous(), w, None, M, n, -128, 127, None, None))
+
+
 @needs_gemm
 def test_the_strides_of_1_sized_dims_do_not_matter():
     """torch gives 1-sized dims arbitrary strides ((1, 1) rows from a reshape of a view): accepted, read right."""

@@ -1571,7 +1571,8 @@ GAP_STEP_FN(qc_gap_nhwc_i16_i16, int16_t, int16_t)
  *
  * x: rows of int8 (row stride ldx), b and out: rows of O (int8 / int16).  Only rows m0..m1-1 are
  * computed, so callers may split the rows of one call over threads.  With geo != NULL, x is an NHWC
- * conv input and row p is the im2col row of output position p (gemm_stage_conv), K = kh * kw * C.
+ * conv input and row p is the im2col row of output position p, K = kh * kw * C, read in place where
+ * the kernel rows allow it (gemm_rows).
  *
  * AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of four products
  * to int32 lanes, with wrap-around (not the saturating vpdpbusds).  The int8 activation x is fed as
@@ -1597,14 +1598,17 @@ QC_API int qc_gemm_vnni(void) { return 1; }
 #define GEMM_ROWS_L1 (16 << 10) /* bytes of x rows per row block (stay in L1 across the channel groups) */
 
 /* One micro-tile: rows x (16 * NR) int32 accumulators (bias32 included) into tile[GEMM_MR][64].
- * xu: rows of Kq groups of 4 unsigned bytes (x ^ 0x80, row stride 4 * Kq).  Rows beyond `rows`
- * repeat the last row (computed, never stored).  Named accumulators (not an array), so the
- * compiler keeps all 6 * NR of them in registers. */
+ * Row r's K = 4 * nseg * segq int8 values are nseg segments of 4 * segq bytes, segment s at
+ * xp[r * nseg + s] (a row of x itself, a window row of a conv input, or a staged row); each group of
+ * 4 bytes enters vpdpbusd as x ^ 0x80 = x + 128 (unsigned), the xor applied to the broadcast (it runs
+ * beside the vpdpbusd, measured free).  Rows beyond `rows` repeat the last row (computed, never
+ * stored).  Named accumulators (not an array), so the compiler keeps all 6 * NR of them in registers. */
+#define GT_PTR(r) const int8_t *x##r = xp[(rows > r ? r : rows - 1) * nseg + s];
 #define GT_MAC(r)                                                                                        \
     {                                                                                                     \
         int32_t v;                                                                                        \
         memcpy(&v, x##r + 4 * kq, 4);                                                                     \
-        const __m512i a = _mm512_set1_epi32(v);                                                           \
+        const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(v), m80);                                    \
         c##r##0 = _mm512_dpbusd_epi32(c##r##0, a, w0);                                                    \
         if (NR > 1) c##r##1 = _mm512_dpbusd_epi32(c##r##1, a, w1);                                        \
         if (NR > 2) c##r##2 = _mm512_dpbusd_epi32(c##r##2, a, w2);                                        \
@@ -1620,26 +1624,26 @@ QC_API int qc_gemm_vnni(void) { return 1; }
 #define GT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
 #define GT_ACC(r) __m512i c##r##0 = b0, c##r##1 = b1, c##r##2 = b2, c##r##3 = b3;
 #define GEMM_TILE_FN(NAME, NRV)                                                                          \
-    static void NAME(const uint8_t *restrict xu, int64_t rows, int64_t Kq, const int8_t *restrict wp,     \
-                     int64_t wstride, const int32_t *restrict bias32, int32_t *restrict tile) {           \
+    static void NAME(const int8_t *const *restrict xp, int64_t rows, int64_t nseg, int64_t segq,          \
+                     const int8_t *restrict wp, int64_t wstride, const int32_t *restrict bias32,          \
+                     int32_t *restrict tile) {                                                            \
         enum { NR = NRV };                                                                                \
-        const int64_t ld = 4 * Kq;                                                                        \
-        const uint8_t *x0 = xu, *x1 = xu + (rows > 1 ? 1 : 0) * ld, *x2 = xu + (rows > 2 ? 2 : rows - 1) * ld; \
-        const uint8_t *x3 = xu + (rows > 3 ? 3 : rows - 1) * ld, *x4 = xu + (rows > 4 ? 4 : rows - 1) * ld;   \
-        const uint8_t *x5 = xu + (rows > 5 ? 5 : rows - 1) * ld;                                          \
-        const __m512i zero = _mm512_setzero_si512();                                                      \
+        const __m512i zero = _mm512_setzero_si512(), m80 = _mm512_set1_epi32((int)0x80808080u);           \
         const __m512i b0 = _mm512_loadu_si512((const void *)bias32);                                      \
         const __m512i b1 = NR > 1 ? _mm512_loadu_si512((const void *)(bias32 + 16)) : zero;              \
         const __m512i b2 = NR > 2 ? _mm512_loadu_si512((const void *)(bias32 + 32)) : zero;              \
         const __m512i b3 = NR > 3 ? _mm512_loadu_si512((const void *)(bias32 + 48)) : zero;              \
         GT_ROWS(GT_ACC)                                                                                   \
-        for (int64_t kq = 0; kq < Kq; kq++) {                                                             \
-            const int8_t *wk = wp + kq * 64;                                                              \
-            const __m512i w0 = _mm512_loadu_si512((const void *)wk);                                      \
-            const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(wk + wstride)) : zero;          \
-            const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(wk + 2 * wstride)) : zero;      \
-            const __m512i w3 = NR > 3 ? _mm512_loadu_si512((const void *)(wk + 3 * wstride)) : zero;      \
-            GT_ROWS(GT_MAC)                                                                               \
+        const int8_t *wk = wp;                                                                            \
+        for (int64_t s = 0; s < nseg; s++) {                                                              \
+            GT_ROWS(GT_PTR)                                                                               \
+            for (int64_t kq = 0; kq < segq; kq++, wk += 64) {                                             \
+                const __m512i w0 = _mm512_loadu_si512((const void *)wk);                                  \
+                const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(wk + wstride)) : zero;      \
+                const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(wk + 2 * wstride)) : zero;  \
+                const __m512i w3 = NR > 3 ? _mm512_loadu_si512((const void *)(wk + 3 * wstride)) : zero;  \
+                GT_ROWS(GT_MAC)                                                                           \
+            }                                                                                             \
         }                                                                                                 \
         GT_ROWS(GT_STORE)                                                                                 \
     }
@@ -1649,109 +1653,130 @@ GEMM_TILE_FN(gemm_tile2, 2)
 GEMM_TILE_FN(gemm_tile3, 3)
 GEMM_TILE_FN(gemm_tile4, 4)
 
-static void gemm_tile_nr(const uint8_t *xu, int64_t rows, int64_t Kq, const int8_t *wp, int64_t wstride, int nr,
-                         const int32_t *bias32, int32_t *tile) {
+static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, int64_t segq, const int8_t *wp,
+                         int64_t wstride, int nr, const int32_t *bias32, int32_t *tile) {
     switch (nr) {
-    case 1: gemm_tile1(xu, rows, Kq, wp, wstride, bias32, tile); break;
-    case 2: gemm_tile2(xu, rows, Kq, wp, wstride, bias32, tile); break;
-    case 3: gemm_tile3(xu, rows, Kq, wp, wstride, bias32, tile); break;
-    default: gemm_tile4(xu, rows, Kq, wp, wstride, bias32, tile); break;
+    case 1: gemm_tile1(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
+    case 2: gemm_tile2(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
+    case 3: gemm_tile3(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
+    default: gemm_tile4(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
     }
 }
 
-/* d[0:len] = s[0:len] ^ 0x80, 64 bytes at a time (the tail masked: nothing beyond len is read or written). */
-static inline void gemm_xor_copy(uint8_t *restrict d, const uint8_t *restrict s, int64_t len) {
-    const __m512i m80 = _mm512_set1_epi8((char)0x80);
-    int64_t k = 0;
-    for (; k + 64 <= len; k += 64)
-        _mm512_storeu_si512((void *)(d + k), _mm512_xor_si512(_mm512_loadu_si512((const void *)(s + k)), m80));
-    if (k < len) {
-        const __mmask64 mk = ((uint64_t)1 << (len - k)) - 1; /* len - k < 64 */
-        _mm512_mask_storeu_epi8(d + k, mk, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, s + k), m80));
-    }
-}
-
-/* As gemm_xor_copy when the caller allows an overshoot: up to 64 bytes past len may be read (below
+/* d[0:len] = s[0:len] when the caller allows an overshoot: up to 64 bytes past len may be read (below
  * s_end) and written (d's buffer has the slack and its later bytes are written again after this),
- * so a short piece is one unmasked 32- or 64-byte load, xor and store. */
-static inline void gemm_xor_copy_over(uint8_t *restrict d, const uint8_t *restrict s, int64_t len,
-                                      const uint8_t *s_end) {
-    if (len <= 32 && s + 32 <= s_end) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)s);
-        _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)));
-    } else if (len <= 64 && s + 64 <= s_end) {
-        const __m512i v = _mm512_loadu_si512((const void *)s);
-        _mm512_storeu_si512((void *)d, _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)));
-    } else {
-        gemm_xor_copy(d, s, len);
-    }
+ * so a short piece is one unmasked 32- or 64-byte load and store. */
+static inline void gemm_copy_over(int8_t *restrict d, const int8_t *restrict s, int64_t len, const int8_t *s_end) {
+    if (len <= 32 && s + 32 <= s_end)
+        _mm256_storeu_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
+    else if (len <= 64 && s + 64 <= s_end)
+        _mm512_storeu_si512((void *)d, _mm512_loadu_si512((const void *)s));
+    else
+        memcpy(d, s, (size_t)len);
 }
 
-/* Rows r0..r1-1 of x as unsigned bytes x ^ 0x80 (= x + 128), each padded with zeros to 4 * Kq bytes
- * (the padding meets zero weights).  Rows that follow each other in memory (ldx == K == 4 * Kq) are
- * one copy. */
+/* Rows r0..r1-1 of x (row stride ldx) copied, each padded with zeros to 4 * Kq bytes (the padding
+ * meets zero weights): for a K that is not a multiple of 4 (else the rows are read in place). */
 static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
-                       uint8_t *restrict xu) {
-    if (ldx == K && K == 4 * Kq) {
-        gemm_xor_copy(xu, (const uint8_t *)(x + r0 * ldx), (r1 - r0) * K);
-        return;
-    }
+                       int8_t *restrict xu) {
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *restrict s = (const uint8_t *)(x + r * ldx);
-        uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
-        gemm_xor_copy(d, s, K);
+        int8_t *restrict d = xu + (r - r0) * 4 * Kq;
+        memcpy(d, x + r * ldx, (size_t)K);
         for (int64_t k = K; k < 4 * Kq; k++) d[k] = 0;
     }
 }
 
-/* The im2col rows r0..r1-1 of a conv as gemm_stage makes them: output position r = (b, oh, ow) of
- * the NHWC int8 input x, its taps (i, j) in order, C bytes each (x ^ 0x80; a tap in the padding is
- * the zero point, 0x80), K = kh * kw * C.  g = {H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}.
- * Each row is written front to back and may overshoot by up to 64 bytes (gemm_xor_copy_over, the
- * padding taps as whole vectors of 0x80) into bytes written again later: its own later taps, its
- * zero padding, the next row; xu has 64 bytes of slack after the last row. */
-static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g, int64_t r0, int64_t r1, int64_t Kq,
-                            uint8_t *restrict xu) {
+/* The im2col row of output position r = (b, oh, ow) of the NHWC int8 input x (geometry g = {H, W, C,
+ * kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}) into d: its taps (i, j) in order, C bytes each, a tap in the
+ * padding 0 (the zero point), zeros up to 4 * Kq.  Pieces are written front to back and may overshoot
+ * by up to 64 bytes (gemm_copy_over) into bytes written again later: its own later taps, its zero
+ * padding, the next row; d has 64 bytes of slack after the row block's last row. */
+static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, const int64_t *restrict g, int64_t ih0,
+                            int64_t iw0, int8_t *restrict d);
+static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *restrict x, const int64_t *restrict g, int64_t b, int64_t oh, int64_t ow,
+                           int64_t Kq, int8_t *restrict d) {
     const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C, HWC = H * W * C;
-    const int64_t piece = kw * C, rstride = dh * W * C; /* a kernel row's bytes (dw == 1), their stride */
-    const __m512i z80 = _mm512_set1_epi8((char)0x80);
-    const __m256i m80 = _mm256_set1_epi8((char)0x80);
+    const int64_t dh = g[9], dw = g[10], K = kh * kw * C, HWC = H * W * C, piece = kw * C;
+    const int8_t *xb = x + b * HWC, *s_end = xb + HWC; /* reads stay inside sample b */
+    const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw, rstride = dh * W * C;
+    const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
+    const int8_t *base = inside ? xb + (ih0 * W + iw0) * C : NULL;
+    if (inside && base + (kh - 1) * rstride + 32 <= s_end) {
+        /* the window inside the input and short kernel rows (a stem): one 32-byte copy a kernel row */
+        for (int64_t i = 0; i < kh; i++, d += piece)
+            _mm256_storeu_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)(base + i * rstride)));
+    } else {
+        gemm_stage_taps(xb, s_end, g, ih0, iw0, d);
+        d += K;
+    }
+    for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
+}
+
+/* gemm_stage_row's general case: the kernel rows one by one, tap by tap where a row leaves the input. */
+static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, const int64_t *restrict g, int64_t ih0,
+                            int64_t iw0, int8_t *restrict d) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], dh = g[9], dw = g[10], piece = kw * C;
+    for (int64_t i = 0; i < kh; i++) {
+        const int64_t ih = ih0 + i * dh;
+        if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the kernel row's taps are contiguous */
+            gemm_copy_over(d, xb + (ih * W + iw0) * C, piece, s_end);
+            d += piece;
+            continue;
+        }
+        for (int64_t j = 0; j < kw; j++, d += C) {
+            const int64_t iw = iw0 + j * dw;
+            if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
+                if (C <= 64)
+                    _mm512_storeu_si512((void *)d, _mm512_setzero_si512());
+                else
+                    memset(d, 0, (size_t)C);
+                continue;
+            }
+            gemm_copy_over(d, xb + (ih * W + iw) * C, C, s_end);
+        }
+    }
+}
+
+/* Where the micro-tile reads the rows r0..r1-1 of a call (xp: nseg pointers a row, see GEMM_TILE_FN):
+ *  - a plain GEMM (geo NULL): the rows of x in place when K is a multiple of 4, else staged in xu
+ *    (gemm_stage), one segment of Kq groups;
+ *  - a conv whose kernel rows are contiguous in x (dilation 1 along W) and a multiple of 4 bytes
+ *    (kw * C): kh segments of kw * C / 4 groups, in place: kernel row i of output (b, oh, ow) is the
+ *    kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in the vertical
+ *    padding reads `zrow` (kw * C zero bytes, the zero point).  Only an output whose window crosses
+ *    the left or right edge is staged (its im2col row in xu, gemm_stage_row), so no copy of x is
+ *    made for the others (im2col staged every row: 9x the input's bytes for a 3x3);
+ *  - any other conv (a stem's 7 x 3 bytes per kernel row, dilation along W): every im2col row staged.
+ * Returns nseg; the segments hold 4 * segq bytes each (segq = Kq / nseg). */
+static int64_t gemm_rows(const int8_t *restrict x, int64_t ldx, const int64_t *restrict g, int direct, int64_t r0,
+                         int64_t r1, int64_t K, int64_t Kq, int8_t *restrict xu, const int8_t *zrow,
+                         const int8_t **restrict xp) {
+    if (!g) {
+        if (K == 4 * Kq) {
+            for (int64_t r = r0; r < r1; r++) xp[r - r0] = x + r * ldx;
+        } else {
+            gemm_stage(x, ldx, r0, r1, K, Kq, xu);
+            for (int64_t r = r0; r < r1; r++) xp[r - r0] = xu + (r - r0) * 4 * Kq;
+        }
+        return 1;
+    }
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
+    const int64_t dh = g[9], Ho = g[11], Wo = g[12], nseg = direct ? kh : 1, piece = kw * C;
     int64_t b = r0 / (Ho * Wo), oh = r0 / Wo % Ho, ow = r0 % Wo;
     for (int64_t r = r0; r < r1; r++) {
-        const int8_t *xb = x + b * HWC;
-        const uint8_t *s_end = (const uint8_t *)(xb + HWC); /* reads stay inside sample b */
-        uint8_t *restrict d = xu + (r - r0) * 4 * Kq;
+        const int8_t **p = xp + (r - r0) * nseg;
         const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;
-        const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
-        const uint8_t *base = inside ? (const uint8_t *)xb + (ih0 * W + iw0) * C : NULL;
-        if (inside && base + (kh - 1) * rstride + 32 <= s_end) {
-            /* the window inside the input and short kernel rows (a stem): one 32-byte copy per row */
-            for (int64_t i = 0; i < kh; i++, d += piece)
-                _mm256_storeu_si256((__m256i *)d,
-                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(base + i * rstride)), m80));
-        } else {
+        if (direct && iw0 >= 0 && iw0 + kw <= W) {
+            const int8_t *xb = x + (b * H * W + iw0) * C;
             for (int64_t i = 0; i < kh; i++) {
                 const int64_t ih = ih0 + i * dh;
-                if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the row's taps are contiguous */
-                    gemm_xor_copy_over(d, (const uint8_t *)(xb + (ih * W + iw0) * C), piece, s_end);
-                    d += piece;
-                    continue;
-                }
-                for (int64_t j = 0; j < kw; j++, d += C) {
-                    const int64_t iw = iw0 + j * dw;
-                    if (ih < 0 || ih >= H || iw < 0 || iw >= W) {
-                        if (C <= 64)
-                            _mm512_storeu_si512((void *)d, z80);
-                        else
-                            memset(d, 0x80, (size_t)C);
-                        continue;
-                    }
-                    gemm_xor_copy_over(d, (const uint8_t *)(xb + (ih * W + iw) * C), C, s_end);
-                }
+                p[i] = ih >= 0 && ih < H ? xb + ih * W * C : zrow;
             }
+        } else {
+            int8_t *d = xu + (r - r0) * 4 * Kq;
+            gemm_stage_row(x, g, b, oh, ow, Kq, d);
+            for (int64_t i = 0; i < nseg; i++) p[i] = d + i * piece;
         }
-        for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
         if (++ow == Wo) { /* the next output position */
             ow = 0;
             if (++oh == Ho) {
@@ -1760,6 +1785,7 @@ static void gemm_stage_conv(const int8_t *restrict x, const int64_t *restrict g,
             }
         }
     }
+    return nseg;
 }
 
 /* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
@@ -1997,10 +2023,17 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
         int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
         if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
         int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
-        uint8_t *xu = malloc((size_t)(mb * 4 * Kq + 64));                                                 \
-        if (!kc || !xu) {                                                                                 \
+        /* a conv read in place (gemm_rows): kernel rows contiguous along W and whole groups of 4 bytes */ \
+        const int direct = geo && geo[10] == 1 && geo[4] * geo[2] % 4 == 0;                               \
+        const int64_t nsegs = direct ? geo[3] : 1;                                                        \
+        int8_t *xu = malloc((size_t)(mb * 4 * Kq + 64));                                                  \
+        const int8_t **xp = malloc(sizeof(*xp) * (size_t)(mb * nsegs));                                   \
+        int8_t *zrow = direct ? calloc((size_t)(geo[4] * geo[2]), 1) : NULL;                              \
+        if (!kc || !xu || !xp || (direct && !zrow)) {                                                     \
             free(kc);                                                                                     \
             free(xu);                                                                                     \
+            free(xp);                                                                                     \
+            free(zrow);                                                                                   \
             return -1;                                                                                    \
         }                                                                                                 \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
@@ -2015,17 +2048,15 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                                _mm512_set1_pd(gb), _mm512_set1_pd(-0x1.000008p52 * gb)};                  \
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
             const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
-            if (geo)                                                                                      \
-                gemm_stage_conv(x, geo, r0, r1, Kq, xu);                                                  \
-            else                                                                                          \
-                gemm_stage(x, ldx, r0, r1, K, Kq, xu);                                                    \
+            const int64_t nseg = gemm_rows(x, ldx, geo, direct, r0, r1, K, Kq, xu, zrow, xp);              \
+            const int64_t segq = Kq / nseg;                                                               \
             for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
                 const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
                 for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
                     const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
                     if (bx) {                                                                             \
-                        gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr, bx + c0, tile); \
+                        gemm_tile_nr(xp + (m - r0) * nseg, rows, nseg, segq, wpack + ob * wstride, wstride, nr, bx + c0, tile); \
                         for (int64_t r = 0; r < rows && !ADD; r++)                                        \
                             gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
                         for (int64_t r = 0; r < rows && ADD; r++)                                         \
@@ -2033,7 +2064,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                                                            out + (m + r) * O + c0, nc, &ek);              \
                         continue;                                                                         \
                     }                                                                                     \
-                    gemm_tile_nr(xu + (m - r0) * 4 * Kq, rows, Kq, wpack + ob * wstride, wstride, nr,        \
+                    gemm_tile_nr(xp + (m - r0) * nseg, rows, nseg, segq, wpack + ob * wstride, wstride, nr,  \
                                  bias32 + c0, tile);                                                      \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         OUT_T *o = out + (m + r) * O + c0;                                                \
@@ -2075,6 +2106,8 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
         }                                                                                                 \
         free(kc);                                                                                         \
         free(xu);                                                                                         \
+        free(xp);                                                                                         \
+        free(zrow);                                                                                       \
         free(bx);                                                                                         \
         return 0;                                                                                         \
     }
