@@ -323,12 +323,12 @@ def test_int8_gemm_conv_equals_the_int64_reference(c):
 def wide_conv_cases(draw):
     """Convs with many output rows (several of the kernel's row blocks) and a row range that starts and
     ends anywhere: kernel rows read in place (kw * C a multiple of 4, dilation 1 along W) or staged."""
-    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
-    dh, dw = draw(st.integers(1, 2)), draw(st.sampled_from([1, 1, 2]))
+    kh, kw = draw(st.integers(1, 7)), draw(st.integers(1, 7))
+    dh, dw = draw(st.sampled_from([1, 1, 2])), draw(st.sampled_from([1, 1, 2]))
     ph, pw = draw(st.integers(0, kh)), draw(st.integers(0, kw))
-    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 14))
-    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 14))
-    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([4, 8, 12, 64, 2, 3, 6])), H=H, W=W,
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 16))
+    W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 16))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([4, 8, 12, 64, 2, 3, 5, 6, 1])), H=H, W=W,
                 O=draw(st.integers(1, 70)), k=(kh, kw), stride=(draw(st.integers(1, 2)), draw(st.integers(1, 2))),
                 padding=(ph, pw), dilation=(dh, dw), extreme=draw(st.booleans()), add=draw(st.booleans()),
                 out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)),
@@ -340,8 +340,9 @@ def wide_conv_cases(draw):
 @given(wide_conv_cases())
 def test_a_conv_row_range_equals_the_reference_and_writes_only_its_rows(c):
     """Output rows m0..m1 of a conv, cut anywhere (inside an image row, across images, across the
-    kernel's row blocks): the rows read in place, the rows staged at the left and right edges and the
-    kernel rows in the vertical padding all equal the int64 reference; no other row is written."""
+    kernel's row blocks), in each of the kernel's layouts ("direct", "tail", "im2col"): the rows read
+    in place, the rows staged at the left and right edges and the kernel rows in the vertical padding
+    all equal the int64 reference; no other row is written."""
     k, xl, ol, want = conv_case_tensors(c)
     lo, hi = fp.qrange(c["out"])
     want = want.clamp(lo, hi).permute(0, 2, 3, 1).reshape(-1, c["O"])
@@ -357,6 +358,26 @@ def test_a_conv_row_range_equals_the_reference_and_writes_only_its_rows(c):
 def _out_hw(c: dict) -> tuple[int, int]:
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = c["k"], c["stride"], c["padding"], c["dilation"]
     return (c["H"] + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (c["W"] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+
+@needs_gemm
+@pytest.mark.parametrize("C,k,stride,dilation,layout", [
+    (64, 3, 1, 1, "direct"), (64, 3, 2, 1, "direct"), (64, 1, 2, 1, "direct"), (4, 1, 1, 2, "direct"),
+    (3, 7, 2, 1, "tail"), (3, 3, 2, 1, "tail"), (5, 1, 1, 1, "tail"),
+    (64, 3, 1, (1, 2), "im2col"), (3, 7, 2, (2, 1), "im2col"), (3, 5, 1, 1, "im2col"), (1, 1, 1, 1, "im2col"),
+    (2, 3, 1, 1, "im2col")])
+def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(C, k, stride, dilation, layout):
+    """In place when a kernel row is a multiple of 4 bytes without dilation along W (any stride, and
+    dilation along H); with the tail plane when it is one past (a 7x7 or 3x3 stem on 3 channels; not
+    with dilation, which would leave the tail's column); im2col otherwise (2 or 3 past: 5x5 or 3x3 on
+    1-2 channels; a kernel row of one byte).  Then the layout's output against the int64 reference."""
+    dil = dilation if isinstance(dilation, tuple) else (dilation, dilation)
+    c = dict(N=2, C=C, H=19, W=17, O=40, k=(k, k), stride=(stride, stride), padding=(k // 2, k // 2), dilation=dil,
+             extreme=False, add=False, out="qint8", seed=C * 100 + k)
+    kern, xl, _, want = conv_case_tensors(c)
+    assert kern.conv_layout(tuple(xl.shape), c["k"], c["stride"], c["padding"], dil) == layout
+    got = kern.conv(xl, c["k"], c["stride"], c["padding"], dil)
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(-128, 127))
 
 
 @needs_gemm

@@ -257,6 +257,15 @@ class Int8Gemm:
         self.run_rows(x, self.K, geo, out, other, m0, m1, parts=parts)
         return out
 
+    def conv_layout(self, shape: tuple, kernel_size, stride, padding, dilation) -> str:
+        """How the kernel reads a conv's input (``kernels.c``, ``gemm_rows``): ``"direct"`` (each kernel
+        row's ``kw * C`` bytes in place: a multiple of 4, no dilation along W), ``"tail"`` (``kw * C`` one
+        past a multiple of 4, no dilation: in place, the kernel rows' last bytes from a transposed plane
+        of the last channel) or ``"im2col"`` (every output's window copied).  For tests and benchmarks."""
+        geo, _ = self.conv_geometry(shape, kernel_size, stride, padding, dilation)
+        mode = _fn("qc_gemm_conv_layout", (_P, _I64))(geo.data_ptr(), self.O)
+        return {1: "direct", 2: "tail", 3: "im2col"}[mode]
+
     def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[torch.Tensor, tuple]:
         """For a conv of an (N, H, W, C) input ``shape``: the kernel's geometry argument and the output's
         (N, Ho, Wo), after checking that the layer's K is C * kh * kw and the geometry is valid

@@ -1597,13 +1597,20 @@ QC_API int qc_gemm_vnni(void) { return 1; }
 #define GEMM_NR 4     /* zmm (16 output channels each) per micro-tile */
 #define GEMM_ROWS_L1 (16 << 10) /* bytes of x rows per row block (stay in L1 across the channel groups) */
 
+/* rows per row block for rows of Kq groups of 4 bytes: GEMM_ROWS_L1 of them, whole micro-tiles */
+static int64_t gemm_block_rows(int64_t Kq) {
+    const int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;
+    return mb < GEMM_MR ? GEMM_MR : mb;
+}
+
 /* One micro-tile: rows x (16 * NR) int32 accumulators (bias32 included) into tile[GEMM_MR][64].
- * Row r's K = 4 * nseg * segq int8 values are nseg segments of 4 * segq bytes, segment s at
- * xp[r * nseg + s] (a row of x itself, a window row of a conv input, or a staged row); each group of
+ * Row r's 4 * (nseg * segq + tq) int8 values are nseg segments of 4 * segq bytes and, if tq > 0, one
+ * of 4 * tq bytes, segment s at xp[r * (nseg + (tq > 0)) + s] (a row of x itself, a window row of a
+ * conv input, a column of a tail plane, or a staged row: gemm_rows); each group of
  * 4 bytes enters vpdpbusd as x ^ 0x80 = x + 128 (unsigned), the xor applied to the broadcast (it runs
  * beside the vpdpbusd, measured free).  Rows beyond `rows` repeat the last row (computed, never
  * stored).  Named accumulators (not an array), so the compiler keeps all 6 * NR of them in registers. */
-#define GT_PTR(r) const int8_t *x##r = xp[(rows > r ? r : rows - 1) * nseg + s];
+#define GT_PTR(r) const int8_t *x##r = xp[(rows > r ? r : rows - 1) * rstride + s];
 #define GT_MAC(r)                                                                                        \
     {                                                                                                     \
         int32_t v;                                                                                        \
@@ -1623,8 +1630,8 @@ QC_API int qc_gemm_vnni(void) { return 1; }
     }
 #define GT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
 #define GT_ACC(r) __m512i c##r##0 = b0, c##r##1 = b1, c##r##2 = b2, c##r##3 = b3;
-#define GEMM_TILE_FN(NAME, NRV)                                                                          \
-    static void NAME(const int8_t *const *restrict xp, int64_t rows, int64_t nseg, int64_t segq,          \
+#define GEMM_TILE_FN(NAME, NRV, SEGQ)                                                                    \
+    static void NAME(const int8_t *const *restrict xp, int64_t rows, int64_t nseg, int64_t segq, int64_t tq, \
                      const int8_t *restrict wp, int64_t wstride, const int32_t *restrict bias32,          \
                      int32_t *restrict tile) {                                                            \
         enum { NR = NRV };                                                                                \
@@ -1635,9 +1642,11 @@ QC_API int qc_gemm_vnni(void) { return 1; }
         const __m512i b3 = NR > 3 ? _mm512_loadu_si512((const void *)(bias32 + 48)) : zero;              \
         GT_ROWS(GT_ACC)                                                                                   \
         const int8_t *wk = wp;                                                                            \
-        for (int64_t s = 0; s < nseg; s++) {                                                              \
+        const int64_t rstride = nseg + (tq > 0); /* pointers a row */                                     \
+        for (int64_t s = 0; s < rstride; s++) {                                                           \
             GT_ROWS(GT_PTR)                                                                               \
-            for (int64_t kq = 0; kq < segq; kq++, wk += 64) {                                             \
+            const int64_t nq = s < nseg ? (SEGQ ? SEGQ : segq) : tq;                                      \
+            for (int64_t kq = 0; kq < nq; kq++, wk += 64) {                                               \
                 const __m512i w0 = _mm512_loadu_si512((const void *)wk);                                  \
                 const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(wk + wstride)) : zero;      \
                 const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(wk + 2 * wstride)) : zero;  \
@@ -1648,18 +1657,27 @@ QC_API int qc_gemm_vnni(void) { return 1; }
         GT_ROWS(GT_STORE)                                                                                 \
     }
 
-GEMM_TILE_FN(gemm_tile1, 1)
-GEMM_TILE_FN(gemm_tile2, 2)
-GEMM_TILE_FN(gemm_tile3, 3)
-GEMM_TILE_FN(gemm_tile4, 4)
+GEMM_TILE_FN(gemm_tile1, 1, 0)
+GEMM_TILE_FN(gemm_tile2, 2, 0)
+GEMM_TILE_FN(gemm_tile3, 3, 0)
+GEMM_TILE_FN(gemm_tile4, 4, 0)
+GEMM_TILE_FN(gemm_tile4_q5, 4, 5)
+GEMM_TILE_FN(gemm_tile4_q2, 4, 2)
 
-static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, int64_t segq, const int8_t *wp,
-                         int64_t wstride, int nr, const int32_t *bias32, int32_t *tile) {
+static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, int64_t segq, int64_t tq,
+                         const int8_t *wp, int64_t wstride, int nr, const int32_t *bias32, int32_t *tile) {
     switch (nr) {
-    case 1: gemm_tile1(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
-    case 2: gemm_tile2(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
-    case 3: gemm_tile3(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
-    default: gemm_tile4(xp, rows, nseg, segq, wp, wstride, bias32, tile); break;
+    case 1: gemm_tile1(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+    case 2: gemm_tile2(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+    case 3: gemm_tile3(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+    default:
+        if (segq == 5)
+            gemm_tile4_q5(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile);
+        else if (segq == 2)
+            gemm_tile4_q2(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile);
+        else
+            gemm_tile4(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile);
+        break;
     }
 }
 
@@ -1737,47 +1755,220 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
     }
 }
 
-/* Where the micro-tile reads the rows r0..r1-1 of a call (xp: nseg pointers a row, see GEMM_TILE_FN):
- *  - a plain GEMM (geo NULL): the rows of x in place when K is a multiple of 4, else staged in xu
- *    (gemm_stage), one segment of Kq groups;
- *  - a conv whose kernel rows are contiguous in x (dilation 1 along W) and a multiple of 4 bytes
- *    (kw * C): kh segments of kw * C / 4 groups, in place: kernel row i of output (b, oh, ow) is the
- *    kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in the vertical
- *    padding reads `zrow` (kw * C zero bytes, the zero point).  Only an output whose window crosses
- *    the left or right edge is staged (its im2col row in xu, gemm_stage_row), so no copy of x is
- *    made for the others (im2col staged every row: 9x the input's bytes for a 3x3);
- *  - any other conv (a stem's 7 x 3 bytes per kernel row, dilation along W): every im2col row staged.
- * Returns nseg; the segments hold 4 * segq bytes each (segq = Kq / nseg). */
-static int64_t gemm_rows(const int8_t *restrict x, int64_t ldx, const int64_t *restrict g, int direct, int64_t r0,
-                         int64_t r1, int64_t K, int64_t Kq, int8_t *restrict xu, const int8_t *zrow,
-                         const int8_t **restrict xp) {
-    if (!g) {
-        if (K == 4 * Kq) {
-            for (int64_t r = r0; r < r1; r++) xp[r - r0] = x + r * ldx;
-        } else {
-            gemm_stage(x, ldx, r0, r1, K, Kq, xu);
-            for (int64_t r = r0; r < r1; r++) xp[r - r0] = xu + (r - r0) * 4 * Kq;
-        }
-        return 1;
-    }
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], Ho = g[11], Wo = g[12], nseg = direct ? kh : 1, piece = kw * C;
-    int64_t b = r0 / (Ho * Wo), oh = r0 / Wo % Ho, ow = r0 % Wo;
-    for (int64_t r = r0; r < r1; r++) {
-        const int8_t **p = xp + (r - r0) * nseg;
-        const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw;
-        if (direct && iw0 >= 0 && iw0 + kw <= W) {
-            const int8_t *xb = x + (b * H * W + iw0) * C;
-            for (int64_t i = 0; i < kh; i++) {
-                const int64_t ih = ih0 + i * dh;
-                p[i] = ih >= 0 && ih < H ? xb + ih * W * C : zrow;
+/* Where the micro-tile reads a call's rows (gemm_src_open picks the layout once per call, gemm_rows
+ * fills a row block's pointers):
+ *  - GEMM_PLAIN (geo NULL): the rows of x in place when K is a multiple of 4, else staged (gemm_stage),
+ *    one segment of Kq groups;
+ *  - GEMM_DIRECT, a conv whose kernel rows are contiguous in x (dilation 1 along W) and a multiple of
+ *    4 bytes (kw * C): kh segments of kw * C / 4 groups, in place: kernel row i of output (b, oh, ow)
+ *    is the kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in the
+ *    vertical padding reads `zrow` (zero bytes, the zero point).  No copy of x is made (im2col copies
+ *    9x the input's bytes for a 3x3);
+ *  - GEMM_TAIL, the same for kernel rows of 4 * q + 1 bytes (a stem: 7 taps x 3 channels, dilation 1):
+ *    the first 4 * q bytes of each kernel row in place (kh segments of q groups), and the kernel rows'
+ *    last bytes (channel C - 1 of tap kw - 1), which are kh bytes down one column of channel C - 1,
+ *    from a tail plane: channel C - 1 of each image transposed (T[iw][ph + ih] = x[ih, iw, C - 1],
+ *    zero in the vertical padding), built once per call, read as one segment of ceil(kh / 4) groups.
+ *    The weights are repacked per call in that order (a few KB; the extra bytes of the last group
+ *    meet zero weights), so K stays 4 * ceil(kh * kw * C / 4) (7x7x3: 147 -> 148 either way);
+ *  - GEMM_IM2COL, any other conv (dilation along W, other remainders): every im2col row staged.
+ * In the conv layouts an output whose window crosses the left or right edge is staged (its im2col row,
+ * rearranged into the layout's order for GEMM_TAIL). */
+enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL };
+#define GEMM_TAIL_MAX_W (256 << 10) /* bytes of repacked weights past which a tail-layout conv is staged */
+
+typedef struct {
+    const int8_t *x;
+    int64_t ldx;
+    const int64_t *g;
+    int mode;
+    int64_t K, Kq0;              /* K as given and its groups; */
+    int64_t Kq, nseg, segq, tq;  /* a row's groups in this layout: nseg segments of segq, a tail of tq */
+    const int8_t *wp;            /* the packed weights in this layout (the caller's, or wrep) */
+    int8_t *xu, *row, *zrow, *tail, *wrep;
+    int64_t *q;                  /* an in-place output's pointers and their steps (gemm_window) */
+    int64_t tlen, tb0;           /* a tail plane's column length, the first image with planes */
+    int64_t b, oh, ow;           /* the output position of the next row gemm_rows fills */
+} gemm_src;
+
+static void gemm_src_close(gemm_src *s) {
+    free(s->q);
+    free(s->xu);
+    free(s->row);
+    free(s->zrow);
+    free(s->tail);
+    free(s->wrep);
+}
+
+/* The tail layout's weights: per block of 16 channels, groups of 4 in the order of GEMM_TAIL (kernel
+ * row i's first 4 * segq values, then the kh last values and zeros), from wpack's plain order. */
+static void gemm_tail_weights(const int8_t *restrict wpack, int64_t nob, const gemm_src *s, int8_t *restrict wrep) {
+    const int64_t kwc = s->g[4] * s->g[2], kh = s->g[3], main = kh * 4 * s->segq;
+    for (int64_t ob = 0; ob < nob; ob++)
+        for (int64_t kq = 0; kq < s->Kq; kq++)
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t t = 0; t < 4; t++) {
+                    const int64_t k2 = 4 * kq + t;
+                    int64_t k = -1; /* the plain K index of this value (-1: a zero weight) */
+                    if (k2 < main)
+                        k = k2 / (4 * s->segq) * kwc + k2 % (4 * s->segq);
+                    else if (k2 - main < kh)
+                        k = (k2 - main) * kwc + kwc - 1;
+                    wrep[((ob * s->Kq + kq) * 16 + j) * 4 + t] =
+                        k < 0 ? 0 : wpack[((ob * s->Kq0 + k / 4) * 16 + j) * 4 + k % 4];
+                }
+}
+
+/* The layout of a conv of geometry g (GEMM_FN's geo) over nob blocks of 16 output channels. */
+static int gemm_layout(const int64_t *g, int64_t nob) {
+    const int64_t kh = g[3], kwc = g[4] * g[2];
+    const int dw1 = g[10] == 1 || g[4] == 1, dh1 = g[9] == 1 || kh == 1; /* (a dilation over one tap is none) */
+    if (dw1 && kwc % 4 == 0) return GEMM_DIRECT;
+    if (dw1 && dh1 && kwc % 4 == 1 && kwc > 4 && nob * 64 * (kh * (kwc / 4) + (kh + 3) / 4) <= GEMM_TAIL_MAX_W)
+        return GEMM_TAIL;
+    return GEMM_IM2COL;
+}
+
+/* qc_gemm_conv_layout: which layout a conv of geometry geo with O output channels is read in
+ * (1 in place, 2 in place with a tail plane, 3 im2col rows staged; gemm.py's Int8Gemm.conv_layout). */
+QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) { return gemm_layout(geo, (O + 15) / 16); }
+
+/* The layout of rows m0..m1-1 (rows of mb per block) and its buffers; 0, or -1 out of memory (nothing
+ * left allocated). */
+static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_t *g, int64_t m0, int64_t m1,
+                         int64_t K, int64_t nob, const int8_t *wpack) {
+    *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
+                    .nseg = 1, .segq = (K + 3) / 4, .wp = wpack};
+    if (g) {
+        const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], ph = g[7];
+        const int64_t Ho = g[11], Wo = g[12], kwc = kw * C;
+        s->mode = gemm_layout(g, nob);
+        if (s->mode == GEMM_DIRECT) {
+            s->nseg = kh, s->segq = kwc / 4;
+        } else if (s->mode == GEMM_TAIL) {
+            s->nseg = kh, s->segq = kwc / 4, s->tq = (kh + 3) / 4;
+            s->Kq = kh * s->segq + s->tq; /* == Kq0: kh * (kwc - 1) + 4 * ceil(kh / 4) is 4 * ceil(kh * kwc / 4) */
+            s->tb0 = m0 / (Ho * Wo);
+            const int64_t nb = (m1 - 1) / (Ho * Wo) - s->tb0 + 1;
+            const int64_t need = (Ho - 1) * sh + 4 * s->tq; /* the last output row's reads */
+            s->tlen = need > H + ph ? need : H + ph;
+            s->tail = calloc((size_t)(nb * W * s->tlen), 1);
+            s->wrep = malloc((size_t)(nob * s->Kq * 64));
+            if (!s->tail || !s->wrep) {
+                gemm_src_close(s);
+                return -1;
             }
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *xb = x + (s->tb0 + b) * H * W * C + C - 1;
+                int8_t *tb = s->tail + b * W * s->tlen + ph;
+                for (int64_t ih = 0; ih < H; ih++)
+                    for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C];
+            }
+            gemm_tail_weights(wpack, nob, s, s->wrep);
+            s->wp = s->wrep;
         } else {
-            int8_t *d = xu + (r - r0) * 4 * Kq;
-            gemm_stage_row(x, g, b, oh, ow, Kq, d);
-            for (int64_t i = 0; i < nseg; i++) p[i] = d + i * piece;
+            s->segq = s->Kq0;
         }
-        if (++ow == Wo) { /* the next output position */
+        s->b = m0 / (Ho * Wo), s->oh = m0 / Wo % Ho, s->ow = m0 % Wo;
+    }
+    const int64_t mb = gemm_block_rows(s->Kq);
+    s->xu = malloc((size_t)(mb * 4 * s->Kq + 64));
+    s->row = s->mode == GEMM_TAIL ? malloc((size_t)(4 * s->Kq0 + 64)) : NULL;
+    const int inplace = s->mode == GEMM_DIRECT || s->mode == GEMM_TAIL;
+    s->zrow = inplace ? calloc((size_t)(g[4] * g[2]), 1) : NULL;
+    s->q = inplace ? malloc(sizeof(int64_t) * (size_t)(2 * (s->nseg + 1))) : NULL;
+    if (!s->xu || (s->mode == GEMM_TAIL && !s->row) || (inplace && (!s->zrow || !s->q))) {
+        gemm_src_close(s);
+        return -1;
+    }
+    return 0;
+}
+
+#define GEMM_PTRS_VEC 8 /* pointers a row up to which they are made in one vector (a 7x7 stem: 7 + 1) */
+
+/* The pointers of the in-place output (b, oh, ow) (kernel row i at q[i], the tail at q[kh]) and their
+ * steps to (b, oh, ow + 1): sw pixels along x (0 for a kernel row in the vertical padding, which
+ * stays on zrow), sw columns along the tail plane. */
+static void gemm_window(const gemm_src *s, int64_t b, int64_t oh, int64_t ow, int64_t *q, int64_t *d) {
+    const int64_t *g = s->g;
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
+    const int64_t dh = g[9], ih0 = oh * sh - ph, iw0 = ow * sw - pw;
+    const int8_t *xb = s->x + (b * H * W + iw0) * C;
+    for (int64_t i = 0; i < kh; i++) {
+        const int64_t ih = ih0 + i * dh, in = ih >= 0 && ih < H;
+        q[i] = (int64_t)(intptr_t)(in ? xb + ih * W * C : s->zrow);
+        d[i] = in ? sw * C : 0;
+    }
+    if (s->tq) {
+        q[kh] = (int64_t)(intptr_t)(s->tail + ((b - s->tb0) * W + iw0 + kw - 1) * s->tlen + oh * sh);
+        d[kh] = sw * s->tlen;
+    }
+}
+
+/* Pointers to rows r0..r1-1 (the rows after the previous call's) into xp, nseg + (tq > 0) a row, rows
+ * staged into s->xu from its start where the layout needs it. */
+static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t **restrict xp) {
+    const int8_t *x = s->x;
+    const int64_t Kq = s->Kq;
+    if (s->mode == GEMM_PLAIN) {
+        if (s->K == 4 * Kq) {
+            for (int64_t r = r0; r < r1; r++) xp[r - r0] = x + r * s->ldx;
+        } else {
+            gemm_stage(x, s->ldx, r0, r1, s->K, Kq, s->xu);
+            for (int64_t r = r0; r < r1; r++) xp[r - r0] = s->xu + (r - r0) * 4 * Kq;
+        }
+        return;
+    }
+    const int64_t *g = s->g;
+    const int64_t W = g[1], C = g[2], kh = g[3], kw = g[4], sw = g[6], pw = g[8], Ho = g[11], Wo = g[12];
+    const int64_t seg = 4 * s->segq, per = s->nseg + (s->tq > 0);
+    /* outputs whose window lies inside the input along W: ow in [ow_lo, ow_hi) */
+    const int64_t ow_lo = (pw + sw - 1) / sw, ow_hi = W - kw + pw >= 0 ? (W - kw + pw) / sw + 1 : 0;
+    const int inplace = s->mode == GEMM_DIRECT || s->mode == GEMM_TAIL;
+    int64_t b = s->b, oh = s->oh, ow = s->ow, *q = s->q, *d = s->q + per;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t run = r1 - r < Wo - ow ? r1 - r : Wo - ow; /* rows left in this output row */
+        for (int64_t k = 0; k < run;) {
+            const int64_t o = ow + k;
+            const int8_t **p = xp + (r + k - r0) * per;
+            if (inplace && o >= ow_lo && o < ow_hi) {
+                /* a stretch of inside outputs: the first one's pointers, then each a step further */
+                const int64_t n = run - k < ow_hi - o ? run - k : ow_hi - o;
+                gemm_window(s, b, oh, o, q, d);
+                if (per <= GEMM_PTRS_VEC) {
+                    const __mmask8 mk = (__mmask8)((1u << per) - 1);
+                    __m512i vq = _mm512_maskz_loadu_epi64(mk, q);
+                    const __m512i vd = _mm512_maskz_loadu_epi64(mk, d);
+                    for (int64_t j = 0; j < n; j++, p += per, vq = _mm512_add_epi64(vq, vd))
+                        _mm512_mask_storeu_epi64((void *)p, mk, vq);
+                } else {
+                    for (int64_t j = 0; j < n; j++, p += per)
+                        for (int64_t i = 0; i < per; i++) {
+                            p[i] = (const int8_t *)(intptr_t)q[i];
+                            q[i] += d[i];
+                        }
+                }
+                k += n;
+                continue;
+            }
+            int8_t *dst = s->xu + (r + k - r0) * 4 * s->Kq;
+            if (s->mode == GEMM_TAIL) { /* the im2col row, then its bytes in the tail layout's order */
+                gemm_stage_row(x, g, b, oh, o, s->Kq0, s->row);
+                const int64_t kwc = kw * C;
+                for (int64_t i = 0; i < kh; i++) {
+                    memcpy(dst + i * seg, s->row + i * kwc, (size_t)seg);
+                    dst[kh * seg + i] = s->row[i * kwc + kwc - 1];
+                }
+                for (int64_t t = kh * seg + kh; t < 4 * s->Kq; t++) dst[t] = 0;
+                for (int64_t i = 0; i <= kh; i++) p[i] = dst + i * seg;
+            } else {
+                gemm_stage_row(x, g, b, oh, o, s->Kq, dst);
+                for (int64_t i = 0; i < s->nseg; i++) p[i] = dst + i * seg;
+            }
+            k++;
+        }
+        r += run;
+        if ((ow += run) == Wo) { /* the next output row */
             ow = 0;
             if (++oh == Ho) {
                 oh = 0;
@@ -1785,7 +1976,7 @@ static int64_t gemm_rows(const int8_t *restrict x, int64_t ldx, const int64_t *r
             }
         }
     }
-    return nseg;
+    s->b = b, s->oh = oh, s->ow = ow;
 }
 
 /* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
@@ -2017,23 +2208,18 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                     const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
                     const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
                     int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
-        const int64_t nob = (O + 15) / 16, Op = nob * 16, Kq = (K + 3) / 4, wstride = Kq * 64;            \
+        const int64_t nob = (O + 15) / 16, Op = nob * 16;                                                  \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
-        int64_t mb = GEMM_ROWS_L1 / (4 * Kq > 0 ? 4 * Kq : 1) / GEMM_MR * GEMM_MR;                       \
-        if (mb < GEMM_MR) mb = GEMM_MR;                                                                   \
+        gemm_src src;                                                                                     \
+        if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack)) return -1;                           \
+        const int64_t Kq = src.Kq, wstride = Kq * 64, mb = gemm_block_rows(Kq), per = src.nseg + (src.tq > 0); \
         int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
-        /* a conv read in place (gemm_rows): kernel rows contiguous along W and whole groups of 4 bytes */ \
-        const int direct = geo && geo[10] == 1 && geo[4] * geo[2] % 4 == 0;                               \
-        const int64_t nsegs = direct ? geo[3] : 1;                                                        \
-        int8_t *xu = malloc((size_t)(mb * 4 * Kq + 64));                                                  \
-        const int8_t **xp = malloc(sizeof(*xp) * (size_t)(mb * nsegs));                                   \
-        int8_t *zrow = direct ? calloc((size_t)(geo[4] * geo[2]), 1) : NULL;                              \
-        if (!kc || !xu || !xp || (direct && !zrow)) {                                                     \
+        const int8_t **xp = malloc(sizeof(*xp) * (size_t)(mb * per));                                    \
+        if (!kc || !xp) {                                                                                 \
             free(kc);                                                                                     \
-            free(xu);                                                                                     \
             free(xp);                                                                                     \
-            free(zrow);                                                                                   \
+            gemm_src_close(&src);                                                                         \
             return -1;                                                                                    \
         }                                                                                                 \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
@@ -2048,15 +2234,15 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                                _mm512_set1_pd(gb), _mm512_set1_pd(-0x1.000008p52 * gb)};                  \
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
             const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
-            const int64_t nseg = gemm_rows(x, ldx, geo, direct, r0, r1, K, Kq, xu, zrow, xp);              \
-            const int64_t segq = Kq / nseg;                                                               \
+            gemm_rows(&src, r0, r1, xp);                                                                  \
             for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
                 const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
                 for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
                     const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
                     if (bx) {                                                                             \
-                        gemm_tile_nr(xp + (m - r0) * nseg, rows, nseg, segq, wpack + ob * wstride, wstride, nr, bx + c0, tile); \
+                        gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.wp + ob * wstride, wstride, nr, \
+                                     bx + c0, tile);                                                      \
                         for (int64_t r = 0; r < rows && !ADD; r++)                                        \
                             gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
                         for (int64_t r = 0; r < rows && ADD; r++)                                         \
@@ -2064,8 +2250,8 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                                                            out + (m + r) * O + c0, nc, &ek);              \
                         continue;                                                                         \
                     }                                                                                     \
-                    gemm_tile_nr(xp + (m - r0) * nseg, rows, nseg, segq, wpack + ob * wstride, wstride, nr,  \
-                                 bias32 + c0, tile);                                                      \
+                    gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.wp + ob * wstride,  \
+                                 wstride, nr, bias32 + c0, tile);                                         \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         OUT_T *o = out + (m + r) * O + c0;                                                \
                         const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
@@ -2105,9 +2291,8 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
             }                                                                                             \
         }                                                                                                 \
         free(kc);                                                                                         \
-        free(xu);                                                                                         \
         free(xp);                                                                                         \
-        free(zrow);                                                                                       \
+        gemm_src_close(&src);                                                                             \
         free(bx);                                                                                         \
         return 0;                                                                                         \
     }
