@@ -82,7 +82,7 @@ def pools(draw):
     dh, dw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 12))
     W = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 12))
-    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 8, 16, 32, 40, 64])), H=H, W=W, k=(kh, kw),
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 8, 16, 32, 40, 64, 96, 128])), H=H, W=W, k=(kh, kw),
                 s=(draw(st.integers(1, 3)), draw(st.integers(1, 3))), p=(ph, pw), d=(dh, dw), ceil=draw(st.booleans()),
                 dtype=draw(st.sampled_from([torch.int8, torch.int16])), extremes=draw(st.booleans()),
                 seed=draw(st.integers(0, 2 ** 31 - 1)))

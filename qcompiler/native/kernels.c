@@ -1402,10 +1402,42 @@ CAT_STEP_FN(i16, int16_t)
                 }                                                                                         \
             }
 
+/* C a multiple of CC: each block of CC channels of an output pixel gathered in a local (registers:
+ * one or two vectors), stored once, so the taps do not chain through a store and a reload */
+#define MAXPOOL_REG(T, TMIN, CC)                                                                         \
+    for (int64_t n = 0; n < N; n++)                                                                       \
+        for (int64_t oh = 0; oh < Ho; oh++) {                                                             \
+            const int64_t ih0 = oh * sh - ph;                                                             \
+            for (int64_t ow = 0; ow < Wo; ow++) {                                                         \
+                const int64_t iw0 = ow * sw - pw;                                                         \
+                for (int64_t c0 = 0; c0 < C; c0 += (CC)) {                                                \
+                    T acc[CC];                                                                            \
+                    for (int64_t c = 0; c < (CC); c++) acc[c] = TMIN;                                     \
+                    for (int64_t i = 0; i < kh; i++) {                                                    \
+                        const int64_t ih = ih0 + i * dh;                                                  \
+                        if (ih < 0 || ih >= H) continue;                                                  \
+                        const T *restrict row = x + ((n * H + ih) * W) * C + c0;                          \
+                        for (int64_t j = 0; j < kw; j++) {                                                \
+                            const int64_t iw = iw0 + j * dw;                                              \
+                            if (iw < 0 || iw >= W) continue;                                              \
+                            const T *restrict p = row + iw * C;                                           \
+                            for (int64_t c = 0; c < (CC); c++) acc[c] = p[c] > acc[c] ? p[c] : acc[c];    \
+                        }                                                                                 \
+                    }                                                                                     \
+                    T *restrict m = out + ((n * Ho + oh) * Wo + ow) * C + c0;                             \
+                    for (int64_t c = 0; c < (CC); c++) m[c] = acc[c];                                     \
+                }                                                                                         \
+            }                                                                                             \
+        }
+
 #define MAXPOOL_FN(NAME, T, TMIN)                                                                        \
     QC_API int NAME(const T *restrict x, int64_t N, int64_t H, int64_t W, int64_t C, int64_t kh,          \
                     int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw,    \
                     int64_t Ho, int64_t Wo, T *restrict out) {                                            \
+        if (C % (64 / (int)sizeof(T)) == 0) {                                                             \
+            MAXPOOL_REG(T, TMIN, 64 / (int)sizeof(T))                                                     \
+            return 0;                                                                                     \
+        }                                                                                                 \
         switch (C) {                                                                                      \
         case 8: MAXPOOL_ROWS(T, TMIN, 8) break;                                                           \
         case 16: MAXPOOL_ROWS(T, TMIN, 16) break;                                                         \
@@ -1630,7 +1662,6 @@ static int64_t gemm_block_rows(int64_t Kq) {
     }
 #define GT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
 #define GT_ACC(r) __m512i c##r##0 = b0, c##r##1 = b1, c##r##2 = b2, c##r##3 = b3;
-/* (SEGQ: the segment length when fixed at compile time, 0: segq) */
 #define GEMM_TILE_FN(NAME, NRV, SEGQ)                                                                    \
     static void NAME(const int8_t *const *restrict xp, int64_t rows, int64_t nseg, int64_t segq, int64_t tq, \
                      const int8_t *restrict wp, int64_t wstride, const int32_t *restrict bias32,          \
@@ -1662,8 +1693,6 @@ GEMM_TILE_FN(gemm_tile1, 1, 0)
 GEMM_TILE_FN(gemm_tile2, 2, 0)
 GEMM_TILE_FN(gemm_tile3, 3, 0)
 GEMM_TILE_FN(gemm_tile4, 4, 0)
-/* the short kernel rows of the 7x7 and 3x3 stems on 3 channels (GEMM_TAIL: 5 and 2 groups) with the
- * segment length known to the compiler, its inner loop unrolled: 1-2% on resnet18's stem */
 GEMM_TILE_FN(gemm_tile4_q5, 4, 5)
 GEMM_TILE_FN(gemm_tile4_q2, 4, 2)
 
