@@ -1796,16 +1796,16 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
  *    is the kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in the
  *    vertical padding reads `zrow` (zero bytes, the zero point).  No copy of x is made (im2col copies
  *    9x the input's bytes for a 3x3);
- *  - GEMM_TAIL, the same for kernel rows of 4 * q + 1 bytes (a stem: 7 taps x 3 channels, dilation 1):
- *    the first 4 * q bytes of each kernel row in place (kh segments of q groups), and the kernel rows'
- *    last bytes (channel C - 1 of tap kw - 1), which are kh bytes down one column of channel C - 1,
- *    from a tail plane: channel C - 1 of each image transposed (T[iw][ph + ih] = x[ih, iw, C - 1],
- *    zero in the vertical padding), built once per call, read as one segment of ceil(kh / 4) groups.
- *    The weights are repacked per call in that order (a few KB; the extra bytes of the last group
- *    meet zero weights), so K stays 4 * ceil(kh * kw * C / 4) (7x7x3: 147 -> 148 either way);
+ *  - GEMM_TAIL, the same for kernel rows of 4 * q + 1 bytes (a stem: 7 taps x 3 channels, dilation 1),
+ *    from a copy of the call's images padded left and right with zeros (a stem's input is small: every
+ *    window then lies inside a row, none is staged): the first 4 * q bytes of each kernel row in place
+ *    (kh segments of q groups), and the kernel rows' last bytes (channel C - 1 of tap kw - 1), which are
+ *    kh bytes down one column of channel C - 1, from a tail plane: channel C - 1 of each padded image
+ *    transposed (T[pw + iw][ph + ih] = x[ih, iw, C - 1], zero in the padding), read as one segment of
+ *    ceil(kh / 4) groups.  The weights are repacked per call in that order (a few KB; the extra bytes
+ *    of the last group meet zero weights), so K stays 4 * ceil(kh * kw * C / 4) (7x7x3: 148 either way);
  *  - GEMM_IM2COL, any other conv (dilation along W, other remainders): every im2col row staged.
- * In the conv layouts an output whose window crosses the left or right edge is staged (its im2col row,
- * rearranged into the layout's order for GEMM_TAIL). */
+ * In GEMM_DIRECT an output whose window crosses the left or right edge is staged (its im2col row). */
 enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL };
 #define GEMM_TAIL_MAX_W (256 << 10) /* bytes of repacked weights past which a tail-layout conv is staged */
 
@@ -1817,17 +1817,19 @@ typedef struct {
     int64_t K, Kq0;              /* K as given and its groups; */
     int64_t Kq, nseg, segq, tq;  /* a row's groups in this layout: nseg segments of segq, a tail of tq */
     const int8_t *wp;            /* the packed weights in this layout (the caller's, or wrep) */
-    int8_t *xu, *row, *zrow, *tail, *wrep;
+    int8_t *xu, *zrow, *xpad, *tail, *wrep;
     int64_t *q;                  /* an in-place output's pointers and their steps (gemm_window) */
-    int64_t tlen, tb0;           /* a tail plane's column length, the first image with planes */
+    const int8_t *win;           /* where windows are read: x, or (GEMM_TAIL) xpad */
+    int64_t wrow, wpad, wb0;     /* its pixels a row, the padding left of its pixel 0, its first image */
+    int64_t tlen;                /* a tail plane's column length */
     int64_t b, oh, ow;           /* the output position of the next row gemm_rows fills */
 } gemm_src;
 
 static void gemm_src_close(gemm_src *s) {
     free(s->q);
     free(s->xu);
-    free(s->row);
     free(s->zrow);
+    free(s->xpad);
     free(s->tail);
     free(s->wrep);
 }
@@ -1877,24 +1879,34 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
         s->mode = gemm_layout(g, nob);
         if (s->mode == GEMM_DIRECT) {
             s->nseg = kh, s->segq = kwc / 4;
+            s->win = x, s->wrow = W, s->wpad = g[8], s->wb0 = 0;
         } else if (s->mode == GEMM_TAIL) {
+            /* the images of rows m0..m1-1 copied with their left and right padding (zeros: every window
+             * then lies inside a row), and their tail planes (zero in the padding both ways) */
+            const int64_t pw = g[8], Wp = W + 2 * pw, b0 = m0 / (Ho * Wo), nb = (m1 - 1) / (Ho * Wo) - b0 + 1;
+            const int64_t need = (Ho - 1) * sh + 4 * ((kh + 3) / 4); /* the last output row's tail reads */
             s->nseg = kh, s->segq = kwc / 4, s->tq = (kh + 3) / 4;
             s->Kq = kh * s->segq + s->tq; /* == Kq0: kh * (kwc - 1) + 4 * ceil(kh / 4) is 4 * ceil(kh * kwc / 4) */
-            s->tb0 = m0 / (Ho * Wo);
-            const int64_t nb = (m1 - 1) / (Ho * Wo) - s->tb0 + 1;
-            const int64_t need = (Ho - 1) * sh + 4 * s->tq; /* the last output row's reads */
             s->tlen = need > H + ph ? need : H + ph;
-            s->tail = calloc((size_t)(nb * W * s->tlen), 1);
+            s->xpad = malloc((size_t)(nb * H * Wp * C));
+            s->tail = calloc((size_t)(nb * Wp * s->tlen), 1);
             s->wrep = malloc((size_t)(nob * s->Kq * 64));
-            if (!s->tail || !s->wrep) {
+            if (!s->xpad || !s->tail || !s->wrep) {
                 gemm_src_close(s);
                 return -1;
             }
+            s->win = s->xpad, s->wrow = Wp, s->wpad = 0, s->wb0 = b0;
             for (int64_t b = 0; b < nb; b++) {
-                const int8_t *xb = x + (s->tb0 + b) * H * W * C + C - 1;
-                int8_t *tb = s->tail + b * W * s->tlen + ph;
+                const int8_t *xb = x + (b0 + b) * H * W * C;
+                for (int64_t ih = 0; ih < H; ih++) {
+                    int8_t *row = s->xpad + (b * H + ih) * Wp * C;
+                    memset(row, 0, (size_t)(pw * C));
+                    memcpy(row + pw * C, xb + ih * W * C, (size_t)(W * C));
+                    memset(row + (pw + W) * C, 0, (size_t)(pw * C));
+                }
+                int8_t *tb = s->tail + (b * Wp + pw) * s->tlen + ph;
                 for (int64_t ih = 0; ih < H; ih++)
-                    for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C];
+                    for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C + C - 1];
             }
             gemm_tail_weights(wpack, nob, s, s->wrep);
             s->wp = s->wrep;
@@ -1905,11 +1917,10 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
     }
     const int64_t mb = gemm_block_rows(s->Kq);
     s->xu = malloc((size_t)(mb * 4 * s->Kq + 64));
-    s->row = s->mode == GEMM_TAIL ? malloc((size_t)(4 * s->Kq0 + 64)) : NULL;
     const int inplace = s->mode == GEMM_DIRECT || s->mode == GEMM_TAIL;
     s->zrow = inplace ? calloc((size_t)(g[4] * g[2]), 1) : NULL;
     s->q = inplace ? malloc(sizeof(int64_t) * (size_t)(2 * (s->nseg + 1))) : NULL;
-    if (!s->xu || (s->mode == GEMM_TAIL && !s->row) || (inplace && (!s->zrow || !s->q))) {
+    if (!s->xu || (inplace && (!s->zrow || !s->q))) {
         gemm_src_close(s);
         return -1;
     }
@@ -1923,16 +1934,16 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
  * stays on zrow), sw columns along the tail plane. */
 static void gemm_window(const gemm_src *s, int64_t b, int64_t oh, int64_t ow, int64_t *q, int64_t *d) {
     const int64_t *g = s->g;
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], ih0 = oh * sh - ph, iw0 = ow * sw - pw;
-    const int8_t *xb = s->x + (b * H * W + iw0) * C;
+    const int64_t H = g[0], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], dh = g[9];
+    const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - s->wpad, rowb = s->wrow * C;
+    const int8_t *xb = s->win + ((b - s->wb0) * H * s->wrow + iw0) * C;
     for (int64_t i = 0; i < kh; i++) {
         const int64_t ih = ih0 + i * dh, in = ih >= 0 && ih < H;
-        q[i] = (int64_t)(intptr_t)(in ? xb + ih * W * C : s->zrow);
+        q[i] = (int64_t)(intptr_t)(in ? xb + ih * rowb : s->zrow);
         d[i] = in ? sw * C : 0;
     }
     if (s->tq) {
-        q[kh] = (int64_t)(intptr_t)(s->tail + ((b - s->tb0) * W + iw0 + kw - 1) * s->tlen + oh * sh);
+        q[kh] = (int64_t)(intptr_t)(s->tail + ((b - s->wb0) * s->wrow + iw0 + kw - 1) * s->tlen + oh * sh);
         d[kh] = sw * s->tlen;
     }
 }
@@ -1952,10 +1963,11 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
         return;
     }
     const int64_t *g = s->g;
-    const int64_t W = g[1], C = g[2], kh = g[3], kw = g[4], sw = g[6], pw = g[8], Ho = g[11], Wo = g[12];
+    const int64_t W = g[1], kw = g[4], sw = g[6], pw = g[8], Ho = g[11], Wo = g[12];
     const int64_t seg = 4 * s->segq, per = s->nseg + (s->tq > 0);
     /* outputs whose window lies inside the input along W: ow in [ow_lo, ow_hi) */
-    const int64_t ow_lo = (pw + sw - 1) / sw, ow_hi = W - kw + pw >= 0 ? (W - kw + pw) / sw + 1 : 0;
+    const int64_t ow_lo = s->mode == GEMM_TAIL ? 0 : (pw + sw - 1) / sw; /* (GEMM_TAIL: its copy is padded) */
+    const int64_t ow_hi = s->mode == GEMM_TAIL ? Wo : W - kw + pw >= 0 ? (W - kw + pw) / sw + 1 : 0;
     const int inplace = s->mode == GEMM_DIRECT || s->mode == GEMM_TAIL;
     int64_t b = s->b, oh = s->oh, ow = s->ow, *q = s->q, *d = s->q + per;
     for (int64_t r = r0; r < r1;) {
@@ -1983,20 +1995,9 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
                 k += n;
                 continue;
             }
-            int8_t *dst = s->xu + (r + k - r0) * 4 * s->Kq;
-            if (s->mode == GEMM_TAIL) { /* the im2col row, then its bytes in the tail layout's order */
-                gemm_stage_row(x, g, b, oh, o, s->Kq0, s->row);
-                const int64_t kwc = kw * C;
-                for (int64_t i = 0; i < kh; i++) {
-                    memcpy(dst + i * seg, s->row + i * kwc, (size_t)seg);
-                    dst[kh * seg + i] = s->row[i * kwc + kwc - 1];
-                }
-                for (int64_t t = kh * seg + kh; t < 4 * s->Kq; t++) dst[t] = 0;
-                for (int64_t i = 0; i <= kh; i++) p[i] = dst + i * seg;
-            } else {
-                gemm_stage_row(x, g, b, oh, o, s->Kq, dst);
-                for (int64_t i = 0; i < s->nseg; i++) p[i] = dst + i * seg;
-            }
+            int8_t *dst = s->xu + (r + k - r0) * 4 * s->Kq; /* (not GEMM_TAIL: all its rows are in place) */
+            gemm_stage_row(x, g, b, oh, o, s->Kq, dst);
+            for (int64_t i = 0; i < s->nseg; i++) p[i] = dst + i * seg;
             k++;
         }
         r += run;
