@@ -36,7 +36,7 @@ from benchmarks.simulator import calibration_batches, converted_model  # noqa: E
 from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.build import FLAGS, SOURCE  # noqa: E402
 
-_GEO = 13  # int64 entries of a conv's geometry
+_GEO = 14  # int64 entries of a conv's geometry (the last: the address of the tail layout's weights, or 0)
 
 
 def build(source: bytes, cache: Path) -> ctypes.CDLL:
@@ -65,6 +65,11 @@ def record_calls(name: str, batch: int) -> list:
                 geo = torch.tensor((ctypes.c_int64 * _GEO).from_address(a[16])[:], dtype=torch.int64)
                 H, W, C, Ho, Wo = (int(geo[i]) for i in (0, 1, 2, 11, 12))
                 nx = -(-m1 // (Ho * Wo)) * H * W * C
+                if int(geo[13]):  # the tail layout's weights (Op x Kp bytes), kept as the input is
+                    nw = -(-O // 16) * 16 * -(-K // 4) * 4
+                    wt = torch.frombuffer((ctypes.c_int8 * nw).from_address(int(geo[13])), dtype=torch.int8).clone()
+                    keep.append(wt)
+                    geo[13] = wt.data_ptr()
                 keep.append(geo)
                 a[16] = geo.data_ptr()
             else:

@@ -381,6 +381,30 @@ def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(C, k, str
 
 
 @needs_gemm
+def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repack():
+    """The tail layout's weights come repacked once per kernel shape (``geo[13]``, kept by the layer);
+    with ``geo[13] = 0`` the kernel repacks them itself: the same bits, whole and over row ranges that
+    cut images anywhere (each range copies only the input rows it reads)."""
+    c = dict(N=3, C=3, H=23, W=21, O=70, k=(7, 7), stride=(2, 2), padding=(3, 3), dilation=(1, 1), extreme=False,
+             add=False, out="qint8", seed=5)
+    k, xl, _, want = conv_case_tensors(c)
+    geo, (N, Ho, Wo) = k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])
+    assert k.conv_layout_of(geo) == "tail" and int(geo[13]) != 0
+    assert int(k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])[0][13]) == int(geo[13])
+    want = want.clamp(-128, 127).permute(0, 2, 3, 1).reshape(-1, c["O"])
+    P = N * Ho * Wo
+    for own in (True, False):
+        g = geo.clone()
+        if not own:
+            g[13] = 0
+        out = torch.empty(P, c["O"], dtype=torch.int8)
+        cuts = [0, 5, Ho * Wo - 3, Ho * Wo + 7, 2 * Ho * Wo + Wo, P]
+        for m0, m1 in zip(cuts, cuts[1:]):
+            k.run_rows(xl, k.K, g, out, None, m0, m1)
+        assert torch.equal(out.to(torch.int64), want), own
+
+
+@needs_gemm
 @pytest.mark.parametrize("K", [4, 64, 576, 37])
 def test_rows_with_a_stride_past_k_are_read_in_place(K):
     """A GEMM over a column slice of a wider matrix (row stride > K): rows read in place when K is a

@@ -126,6 +126,8 @@ class Int8Gemm:
         # the constant arguments, once (a call's Python overhead matters on small layers)
         self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
                         self.n.data_ptr())
+        # (kh, kw, C, dh, dw) -> the weights repacked for the tail layout (conv_geometry), None where it does not apply
+        self._tail_w: dict[tuple[int, ...], Optional[torch.Tensor]] = {}
 
     acc_bound = staticmethod(int8_acc_bound)
 
@@ -212,7 +214,8 @@ class Int8Gemm:
         theirs, for a caller that has made the same checks once (the simulator's layers, per input
         shape).  ``x``: rows of stride ``ldx`` (``geo`` None) or the NHWC input of ``geo``
         (:meth:`conv_geometry`); ``out``/``other`` contiguous (rows, O).  Only the row range against
-        ``out``'s size is checked (a cheap guard against writing past it)."""
+        ``out``'s size is checked (a cheap guard against writing past it).  ``out`` must not overlap ``x``:
+        the kernel reads ``x`` in place while it writes ``out``."""
         if m1 <= m0:
             return
         args = self._args(x, ldx, geo, out, other, m0, m1)
@@ -258,13 +261,17 @@ class Int8Gemm:
         return out
 
     def conv_layout(self, shape: tuple, kernel_size, stride, padding, dilation) -> str:
-        """How the kernel reads a conv's input (``kernels.c``, ``gemm_rows``): ``"direct"`` (each kernel
-        row's ``kw * C`` bytes in place: a multiple of 4, no dilation along W), ``"tail"`` (``kw * C`` one
-        past a multiple of 4, no dilation: in place, the kernel rows' last bytes from a transposed plane
-        of the last channel) or ``"im2col"`` (every output's window copied).  For tests and benchmarks."""
-        geo, _ = self.conv_geometry(shape, kernel_size, stride, padding, dilation)
-        mode = _fn("qc_gemm_conv_layout", (_P, _I64))(geo.data_ptr(), self.O)
-        return {1: "direct", 2: "tail", 3: "im2col"}[mode]
+        """How the kernel reads a conv's input (``kernels.c``, ``gemm_src_open``): ``"direct"`` (each kernel
+        row's ``kw * C`` bytes in place: a multiple of 4, no dilation along W unless ``kw`` is 1; the windows
+        that cross the left or right edge copied), ``"tail"`` (``kw * C`` one past a multiple of 4, no
+        dilation unless the kernel is 1 wide / high, the weights within ``GEMM_TAIL_MAX_W``: from a copy of
+        the rows padded left and right, the kernel rows' last bytes from a transposed plane of the last
+        channel) or ``"im2col"`` (every output's window copied).  For tests and benchmarks."""
+        return self.conv_layout_of(self.conv_geometry(shape, kernel_size, stride, padding, dilation)[0])
+
+    def conv_layout_of(self, geo: torch.Tensor) -> str:
+        """:meth:`conv_layout` of a geometry argument from :meth:`conv_geometry`."""
+        return {1: "direct", 2: "tail", 3: "im2col"}[_fn("qc_gemm_conv_layout", (_P, _I64))(geo.data_ptr(), self.O)]
 
     def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[torch.Tensor, tuple]:
         """For a conv of an (N, H, W, C) input ``shape``: the kernel's geometry argument and the output's
@@ -280,4 +287,15 @@ class Int8Gemm:
         Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
-        return torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo], dtype=torch.int64), (N, Ho, Wo)
+        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, 0], dtype=torch.int64)
+        # a conv read in the tail layout: its weights in that layout's order, repacked once per kernel shape
+        # and passed by address in geo[13] (the kernel repacks them per call when it is 0)
+        wt = self._tail_w.get((kh, kw, C, dh, dw), False)
+        if wt is False:
+            wt = torch.empty(self.wpack.numel(), dtype=torch.int8)
+            wt = wt if _fn("qc_gemm_tail_weights", (_P, _I64, _P, _P))(self.wpack.data_ptr(), self.O, geo.data_ptr(),
+                                                                       wt.data_ptr()) == 0 else None
+            self._tail_w[(kh, kw, C, dh, dw)] = wt  # (None: not the tail layout for this kernel shape)
+        if wt is not None:
+            geo[13] = wt.data_ptr()
+        return geo, (N, Ho, Wo)

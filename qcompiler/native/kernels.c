@@ -1791,21 +1791,23 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
  * fills a row block's pointers):
  *  - GEMM_PLAIN (geo NULL): the rows of x in place when K is a multiple of 4, else staged (gemm_stage),
  *    one segment of Kq groups;
- *  - GEMM_DIRECT, a conv whose kernel rows are contiguous in x (dilation 1 along W) and a multiple of
- *    4 bytes (kw * C): kh segments of kw * C / 4 groups, in place: kernel row i of output (b, oh, ow)
- *    is the kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in the
- *    vertical padding reads `zrow` (zero bytes, the zero point).  No copy of x is made (im2col copies
- *    9x the input's bytes for a 3x3);
- *  - GEMM_TAIL, the same for kernel rows of 4 * q + 1 bytes (a stem: 7 taps x 3 channels, dilation 1),
- *    from a copy of the call's images padded left and right with zeros (a stem's input is small: every
- *    window then lies inside a row, none is staged): the first 4 * q bytes of each kernel row in place
- *    (kh segments of q groups), and the kernel rows' last bytes (channel C - 1 of tap kw - 1), which are
- *    kh bytes down one column of channel C - 1, from a tail plane: channel C - 1 of each padded image
- *    transposed (T[pw + iw][ph + ih] = x[ih, iw, C - 1], zero in the padding), read as one segment of
- *    ceil(kh / 4) groups.  The weights are repacked per call in that order (a few KB; the extra bytes
- *    of the last group meet zero weights), so K stays 4 * ceil(kh * kw * C / 4) (7x7x3: 148 either way);
- *  - GEMM_IM2COL, any other conv (dilation along W, other remainders): every im2col row staged.
- * In GEMM_DIRECT an output whose window crosses the left or right edge is staged (its im2col row). */
+ *  - GEMM_DIRECT, a conv whose kernel rows are contiguous in x (dilation 1 along W, or kw 1) and a
+ *    multiple of 4 bytes (kw * C): kh segments of kw * C / 4 groups, in place: kernel row i of output
+ *    (b, oh, ow) is the kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in
+ *    the vertical padding reads `zrow` (zero bytes, the zero point); a window that crosses the left or
+ *    right edge is staged (its im2col row).  No other copy of x is made (im2col copies 9x the input's
+ *    bytes for a 3x3);
+ *  - GEMM_TAIL, the same for kernel rows of 4 * q + 1 bytes (a stem: 7 taps x 3 channels; dilation 1,
+ *    or a kernel 1 wide / high) and weights within GEMM_TAIL_MAX_W (gemm_tail_open): the input rows the
+ *    call reads copied with their left and right padding (zeros: every window then lies inside a row,
+ *    none is staged), the first 4 * q bytes of each kernel row read in place there (kh segments of q
+ *    groups), and the kernel rows' last bytes (channel C - 1 of tap kw - 1), which are kh bytes down one
+ *    column of channel C - 1, from a tail plane: channel C - 1 of the padded rows transposed
+ *    (T[pw + iw][ph + ih] = x[ih, iw, C - 1], zero in the padding), read as one segment of ceil(kh / 4)
+ *    groups.  The weights in that order (qc_gemm_tail_weights, once per layer; the extra bytes of the
+ *    last group meet zero weights), so K stays 4 * ceil(kh * kw * C / 4) (7x7x3: 148 either way);
+ *  - GEMM_IM2COL, any other conv (dilation along W, other remainders, a kernel row of one byte, tail
+ *    weights past GEMM_TAIL_MAX_W, or the tail layout's buffers not allocated): every im2col row staged. */
 enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL };
 #define GEMM_TAIL_MAX_W (256 << 10) /* bytes of repacked weights past which a tail-layout conv is staged */
 
@@ -1867,6 +1869,69 @@ static int gemm_layout(const int64_t *g, int64_t nob) {
  * (1 in place, 2 in place with a tail plane, 3 im2col rows staged; gemm.py's Int8Gemm.conv_layout). */
 QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) { return gemm_layout(geo, (O + 15) / 16); }
 
+/* qc_gemm_tail_weights: a layer's weights wpack (O channels) in the tail layout's order for geometry geo,
+ * into out (16 * ceil(O / 16) * K bytes, K = 4 * ceil(kh * kw * C / 4)): once per layer, passed back in
+ * geo[13] (gemm.py), so a call (and each part of a split one) does not repack them.  -1 if geo does
+ * not take the tail layout. */
+QC_API int qc_gemm_tail_weights(const int8_t *wpack, int64_t O, const int64_t *geo, int8_t *out) {
+    const int64_t nob = (O + 15) / 16, kwc = geo[4] * geo[2], kh = geo[3];
+    if (gemm_layout(geo, nob) != GEMM_TAIL) return -1;
+    const int64_t K = kh * kwc;
+    gemm_src s = {.g = geo, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4, .nseg = kh, .segq = kwc / 4};
+    gemm_tail_weights(wpack, nob, &s, out);
+    return 0;
+}
+
+/* GEMM_TAIL's buffers for rows m0..m1-1 (m0 < m1): the input rows their windows read, copied with the
+ * left and right padding (zeros: every window then lies inside a row, none is staged), and the same
+ * rows of the tail planes (zero in the padding both ways); the weights in the layout's order (geo[13]
+ * when the caller repacked them once, else here).  Only the rows the call reads are copied, so a call
+ * split over parts copies about the input once in all.  0, or -1 (nothing left allocated). */
+static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_t m0, int64_t m1, int64_t nob,
+                          const int8_t *wpack) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], ph = g[7], pw = g[8];
+    const int64_t Ho = g[11], Wo = g[12], kwc = kw * C, Wp = W + 2 * pw, tq = (kh + 3) / 4;
+    const int64_t b0 = m0 / (Ho * Wo), b1 = (m1 - 1) / (Ho * Wo), nb = b1 - b0 + 1;
+    const int64_t oh0 = m0 / Wo % Ho, oh1 = (m1 - 1) / Wo % Ho;
+    const int64_t need = (Ho - 1) * sh + 4 * tq; /* the last output row's tail reads */
+    s->nseg = kh, s->segq = kwc / 4, s->tq = tq;
+    s->Kq = kh * s->segq + tq; /* == Kq0: kh * (kwc - 1) + 4 * ceil(kh / 4) is 4 * ceil(kh * kwc / 4) */
+    s->tlen = need > H + ph ? need : H + ph;
+    s->xpad = malloc((size_t)(nb * H * Wp * C));
+    s->tail = calloc((size_t)(nb * Wp * s->tlen), 1);
+    s->wrep = g[13] ? NULL : malloc((size_t)(nob * s->Kq * 64));
+    if (!s->xpad || !s->tail || (!g[13] && !s->wrep)) {
+        free(s->xpad), free(s->tail), free(s->wrep);
+        s->xpad = s->tail = s->wrep = NULL;
+        s->nseg = 1, s->tq = 0, s->Kq = s->Kq0;
+        return -1;
+    }
+    s->win = s->xpad, s->wrow = Wp, s->wpad = 0, s->wb0 = b0;
+    for (int64_t b = 0; b < nb; b++) {
+        /* the input rows of output rows oh0.. (first image) ..oh1 (last image): dilation 1 (or kh 1) */
+        const int64_t oa = b == 0 ? oh0 : 0, ob = b == nb - 1 ? oh1 : Ho - 1;
+        const int64_t ia = oa * sh - ph > 0 ? oa * sh - ph : 0;
+        const int64_t ib = ob * sh - ph + kh < H ? ob * sh - ph + kh : H;
+        const int8_t *xb = x + (b0 + b) * H * W * C;
+        for (int64_t ih = ia; ih < ib; ih++) {
+            int8_t *row = s->xpad + (b * H + ih) * Wp * C;
+            memset(row, 0, (size_t)(pw * C));
+            memcpy(row + pw * C, xb + ih * W * C, (size_t)(W * C));
+            memset(row + (pw + W) * C, 0, (size_t)(pw * C));
+        }
+        int8_t *tb = s->tail + (b * Wp + pw) * s->tlen + ph;
+        for (int64_t ih = ia; ih < ib; ih++)
+            for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C + C - 1];
+    }
+    if (g[13]) {
+        s->wp = (const int8_t *)(intptr_t)g[13];
+    } else {
+        gemm_tail_weights(wpack, nob, s, s->wrep);
+        s->wp = s->wrep;
+    }
+    return 0;
+}
+
 /* The layout of rows m0..m1-1 (rows of mb per block) and its buffers; 0, or -1 out of memory (nothing
  * left allocated). */
 static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_t *g, int64_t m0, int64_t m1,
@@ -1874,43 +1939,15 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
                     .nseg = 1, .segq = (K + 3) / 4, .wp = wpack};
     if (g) {
-        const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], ph = g[7];
-        const int64_t Ho = g[11], Wo = g[12], kwc = kw * C;
+        const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
         s->mode = gemm_layout(g, nob);
         if (s->mode == GEMM_DIRECT) {
             s->nseg = kh, s->segq = kwc / 4;
             s->win = x, s->wrow = W, s->wpad = g[8], s->wb0 = 0;
-        } else if (s->mode == GEMM_TAIL) {
-            /* the images of rows m0..m1-1 copied with their left and right padding (zeros: every window
-             * then lies inside a row), and their tail planes (zero in the padding both ways) */
-            const int64_t pw = g[8], Wp = W + 2 * pw, b0 = m0 / (Ho * Wo), nb = (m1 - 1) / (Ho * Wo) - b0 + 1;
-            const int64_t need = (Ho - 1) * sh + 4 * ((kh + 3) / 4); /* the last output row's tail reads */
-            s->nseg = kh, s->segq = kwc / 4, s->tq = (kh + 3) / 4;
-            s->Kq = kh * s->segq + s->tq; /* == Kq0: kh * (kwc - 1) + 4 * ceil(kh / 4) is 4 * ceil(kh * kwc / 4) */
-            s->tlen = need > H + ph ? need : H + ph;
-            s->xpad = malloc((size_t)(nb * H * Wp * C));
-            s->tail = calloc((size_t)(nb * Wp * s->tlen), 1);
-            s->wrep = malloc((size_t)(nob * s->Kq * 64));
-            if (!s->xpad || !s->tail || !s->wrep) {
-                gemm_src_close(s);
-                return -1;
-            }
-            s->win = s->xpad, s->wrow = Wp, s->wpad = 0, s->wb0 = b0;
-            for (int64_t b = 0; b < nb; b++) {
-                const int8_t *xb = x + (b0 + b) * H * W * C;
-                for (int64_t ih = 0; ih < H; ih++) {
-                    int8_t *row = s->xpad + (b * H + ih) * Wp * C;
-                    memset(row, 0, (size_t)(pw * C));
-                    memcpy(row + pw * C, xb + ih * W * C, (size_t)(W * C));
-                    memset(row + (pw + W) * C, 0, (size_t)(pw * C));
-                }
-                int8_t *tb = s->tail + (b * Wp + pw) * s->tlen + ph;
-                for (int64_t ih = 0; ih < H; ih++)
-                    for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C + C - 1];
-            }
-            gemm_tail_weights(wpack, nob, s, s->wrep);
-            s->wp = s->wrep;
-        } else {
+        } else if (s->mode == GEMM_TAIL && gemm_tail_open(s, x, g, m0, m1, nob, wpack)) {
+            s->mode = GEMM_IM2COL; /* (its buffers could not be allocated: the rows are staged instead) */
+            s->segq = s->Kq0;
+        } else if (s->mode == GEMM_IM2COL) {
             s->segq = s->Kq0;
         }
         s->b = m0 / (Ho * Wo), s->oh = m0 / Wo % Ho, s->ow = m0 % Wo;
@@ -2241,6 +2278,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                     const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
                     const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
                     int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
+        if (m1 <= m0) return 0;                                                                           \
         const int64_t nob = (O + 15) / 16, Op = nob * 16;                                                  \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
