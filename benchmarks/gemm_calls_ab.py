@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import calibration_batches, converted_model  # noqa: E402
 from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.build import FLAGS, SOURCE  # noqa: E402
+from qcompiler.native.plan import ENV_PLAN  # noqa: E402
 
 _GEO = 14  # int64 entries of a conv's geometry (the last: the address of the tail layout's weights, or 0)
 
@@ -50,12 +52,15 @@ def build(source: bytes, cache: Path) -> ctypes.CDLL:
 
 
 def record_calls(name: str, batch: int) -> list:
-    """``(kernel name, argtypes, args, kept tensors)`` of every single-threaded ``qc_gemm_*`` call of one run."""
+    """``(kernel name, argtypes, args, kept tensors)`` of every single-threaded ``qc_gemm_*`` call of one run.
+    The arguments point into the layers' own tensors (weights, bias, multipliers) as well: each call's
+    kept list holds the runner, so they outlive the replay."""
     calls, orig = [], kernels_mod._fn
 
     def fn(kname, argtypes, restype=ctypes.c_int):
         f = orig(kname, argtypes, restype)
-        if not kname.startswith("qc_gemm_") or kname.endswith("_mt") or kname == "qc_gemm_vnni":
+        if (not kname.startswith("qc_gemm_") or kname.endswith(("_mt", "_step"))
+                or kname in ("qc_gemm_vnni", "qc_gemm_tail_weights", "qc_gemm_conv_layout")):
             return f
 
         def wrapped(*a):
@@ -87,12 +92,20 @@ def record_calls(name: str, batch: int) -> list:
         return wrapped
 
     kernels_mod._fn = gemm_mod._fn = fn
+    saved = os.environ.get(ENV_PLAN)
+    os.environ[ENV_PLAN] = "0"  # op by op: each layer's call goes through _fn (a plan calls its steps in C)
     try:
         conv = converted_model(name, 224, calibration_batches(224))
         runner = PartitionedRunner(conv, kernels="fast", threads=1)
         runner(zoo.example_inputs(name, image_size=224)[0].repeat(batch, 1, 1, 1))
+        for call in calls:  # (the layers' weights, bias and multipliers the arguments point into)
+            call[3].append(runner)
     finally:
         kernels_mod._fn = gemm_mod._fn = orig
+        if saved is None:
+            del os.environ[ENV_PLAN]
+        else:
+            os.environ[ENV_PLAN] = saved
     return calls
 
 

@@ -402,6 +402,39 @@ def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repa
         for m0, m1 in zip(cuts, cuts[1:]):
             k.run_rows(xl, k.K, g, out, None, m0, m1)
         assert torch.equal(out.to(torch.int64), want), own
+    zeros = torch.zeros(k.wpack.numel(), dtype=torch.int8)  # geo[13] is what the kernel reads: zero weights there
+    g = geo.clone()
+    g[13] = zeros.data_ptr()
+    out = torch.empty(P, c["O"], dtype=torch.int8)
+    k.run_rows(xl, k.K, g, out, None, 0, P)
+    assert not torch.equal(out.to(torch.int64), want)
+
+
+@needs_gemm
+def test_threads_building_a_tail_layers_geometry_at_once_share_one_repack():
+    """The batch split builds a layer's first plan on several threads at once: every geometry they get
+    points at the one repack the layer keeps (a second thread's repack is not stored over the first's,
+    which would free the weights a geometry already points at)."""
+    import threading
+    c = dict(N=2, C=3, H=30, W=30, O=1000, k=(7, 7), stride=(2, 2), padding=(3, 3), dilation=(1, 1), extreme=False,
+             add=False, out="qint8", seed=11)
+    k, xl, _, want = conv_case_tensors(c)
+    barrier, geos = threading.Barrier(4), []
+
+    def build(n):
+        barrier.wait()
+        geos.append(k.conv_geometry((n, *xl.shape[1:]), c["k"], c["stride"], c["padding"], c["dilation"])[0])
+    threads = [threading.Thread(target=build, args=(1 + i % 2,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({int(g[13]) for g in geos}) == 1
+    assert int(geos[0][13]) == k._tail_w[(7, 7, 3, 1, 1)].data_ptr()
+    geo, (N, Ho, Wo) = k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])
+    out = torch.empty(N * Ho * Wo, c["O"], dtype=torch.int8)
+    k.run_rows(xl, k.K, geo, out, None, 0, out.shape[0])
+    assert torch.equal(out.to(torch.int64), want.clamp(-128, 127).permute(0, 2, 3, 1).reshape(-1, c["O"]))
 
 
 @needs_gemm

@@ -295,7 +295,10 @@ class Int8Gemm:
             wt = torch.empty(self.wpack.numel(), dtype=torch.int8)
             wt = wt if _fn("qc_gemm_tail_weights", (_P, _I64, _P, _P))(self.wpack.data_ptr(), self.O, geo.data_ptr(),
                                                                        wt.data_ptr()) == 0 else None
-            self._tail_w[(kh, kw, C, dh, dw)] = wt  # (None: not the tail layout for this kernel shape)
+            # (None: not the tail layout for this kernel shape.)  setdefault: threads that build the same
+            # layer's first plan at once (the batch split) all keep the first tensor stored, so no geo[13]
+            # points at a repack another thread's store dropped
+            wt = self._tail_w.setdefault((kh, kw, C, dh, dw), wt)
         if wt is not None:
             geo[13] = wt.data_ptr()
         return geo, (N, Ho, Wo)
