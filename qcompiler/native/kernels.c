@@ -1640,14 +1640,17 @@ static int64_t gemm_block_rows(int64_t Kq) {
  * of 4 * tq bytes, segment s at xp[r * (nseg + (tq > 0)) + s] (a row of x itself, a window row of a
  * conv input, a column of a tail plane, or a staged row: gemm_rows); each group of
  * 4 bytes enters vpdpbusd as x ^ 0x80 = x + 128 (unsigned), the xor applied to the broadcast (it runs
- * beside the vpdpbusd, measured free).  Rows beyond `rows` repeat the last row (computed, never
- * stored).  Named accumulators (not an array), so the compiler keeps all 6 * NR of them in registers. */
-#define GT_PTR(r) const int8_t *x##r = xp[(rows > r ? r : rows - 1) * rstride + s];
+ * beside the vpdpbusd, measured free with 4 channel blocks).  XOR 0: the rows were staged as x ^ 0x80
+ * already, one segment each, one after another (only xp[0] is read: 3-5% on the short-K GEMMs).
+ * Rows beyond `rows` repeat the last row (computed, never stored).  Named accumulators (not an array),
+ * so the compiler keeps all 6 * NR of them in registers. */
+#define GT_PTR(r) const int8_t *x##r = XOR ? xp[(rows > r ? r : rows - 1) * rstride + s]                     \
+                                          : xp[0] + (rows > r ? r : rows - 1) * 4 * segq;
 #define GT_MAC(r)                                                                                        \
     {                                                                                                     \
         int32_t v;                                                                                        \
         memcpy(&v, x##r + 4 * kq, 4);                                                                     \
-        const __m512i a = _mm512_xor_si512(_mm512_set1_epi32(v), m80);                                    \
+        const __m512i a = XOR ? _mm512_xor_si512(_mm512_set1_epi32(v), m80) : _mm512_set1_epi32(v);     \
         c##r##0 = _mm512_dpbusd_epi32(c##r##0, a, w0);                                                    \
         if (NR > 1) c##r##1 = _mm512_dpbusd_epi32(c##r##1, a, w1);                                        \
         if (NR > 2) c##r##2 = _mm512_dpbusd_epi32(c##r##2, a, w2);                                        \
@@ -1662,11 +1665,11 @@ static int64_t gemm_block_rows(int64_t Kq) {
     }
 #define GT_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5)
 #define GT_ACC(r) __m512i c##r##0 = b0, c##r##1 = b1, c##r##2 = b2, c##r##3 = b3;
-#define GEMM_TILE_FN(NAME, NRV, SEGQ)                                                                    \
+#define GEMM_TILE_FN(NAME, NRV, SEGQ, XORV)                                                              \
     static void NAME(const int8_t *const *restrict xp, int64_t rows, int64_t nseg, int64_t segq, int64_t tq, \
                      const int8_t *restrict wp, int64_t wstride, const int32_t *restrict bias32,          \
                      int32_t *restrict tile) {                                                            \
-        enum { NR = NRV };                                                                                \
+        enum { NR = NRV, XOR = XORV };                                                                    \
         const __m512i zero = _mm512_setzero_si512(), m80 = _mm512_set1_epi32((int)0x80808080u);           \
         const __m512i b0 = _mm512_loadu_si512((const void *)bias32);                                      \
         const __m512i b1 = NR > 1 ? _mm512_loadu_si512((const void *)(bias32 + 16)) : zero;              \
@@ -1674,7 +1677,7 @@ static int64_t gemm_block_rows(int64_t Kq) {
         const __m512i b3 = NR > 3 ? _mm512_loadu_si512((const void *)(bias32 + 48)) : zero;              \
         GT_ROWS(GT_ACC)                                                                                   \
         const int8_t *wk = wp;                                                                            \
-        const int64_t rstride = nseg + (tq > 0); /* pointers a row */                                     \
+        const int64_t rstride = XOR ? nseg + (tq > 0) : 1; /* pointers a row (staged rows: one segment) */ \
         for (int64_t s = 0; s < rstride; s++) {                                                           \
             GT_ROWS(GT_PTR)                                                                               \
             const int64_t nq = s < nseg ? (SEGQ ? SEGQ : segq) : tq;                                      \
@@ -1689,15 +1692,29 @@ static int64_t gemm_block_rows(int64_t Kq) {
         GT_ROWS(GT_STORE)                                                                                 \
     }
 
-GEMM_TILE_FN(gemm_tile1, 1, 0)
-GEMM_TILE_FN(gemm_tile2, 2, 0)
-GEMM_TILE_FN(gemm_tile3, 3, 0)
-GEMM_TILE_FN(gemm_tile4, 4, 0)
-GEMM_TILE_FN(gemm_tile4_q5, 4, 5)
-GEMM_TILE_FN(gemm_tile4_q2, 4, 2)
+GEMM_TILE_FN(gemm_tile1, 1, 0, 1)
+GEMM_TILE_FN(gemm_tile2, 2, 0, 1)
+GEMM_TILE_FN(gemm_tile3, 3, 0, 1)
+GEMM_TILE_FN(gemm_tile4, 4, 0, 1)
+/* rows staged already as x ^ 0x80 (gemm_src.xored), one after another (4 * segq bytes apart) */
+GEMM_TILE_FN(gemm_tile1_u, 1, 0, 0)
+GEMM_TILE_FN(gemm_tile2_u, 2, 0, 0)
+GEMM_TILE_FN(gemm_tile3_u, 3, 0, 0)
+GEMM_TILE_FN(gemm_tile4_u, 4, 0, 0)
+GEMM_TILE_FN(gemm_tile4_q5, 4, 5, 1)
+GEMM_TILE_FN(gemm_tile4_q2, 4, 2, 1)
 
-static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, int64_t segq, int64_t tq,
+static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, int64_t segq, int64_t tq, int xored,
                          const int8_t *wp, int64_t wstride, int nr, const int32_t *bias32, int32_t *tile) {
+    if (xored) { /* (one segment: rows staged by gemm_rows) */
+        switch (nr) {
+        case 1: gemm_tile1_u(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+        case 2: gemm_tile2_u(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+        case 3: gemm_tile3_u(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+        default: gemm_tile4_u(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
+        }
+        return;
+    }
     switch (nr) {
     case 1: gemm_tile1(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
     case 2: gemm_tile2(xp, rows, nseg, segq, tq, wp, wstride, bias32, tile); break;
@@ -1712,6 +1729,20 @@ static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, in
         break;
     }
 }
+
+/* d[0:len] = s[0:len] ^ 0x80 (staged rows as the unsigned bytes vpdpbusd reads), 64 bytes at a time, the tail
+ * masked (nothing past len read or written); d == s xors in place */
+static void gemm_xor80_copy(int8_t *d, const int8_t *s, int64_t len) {
+    const __m512i m80 = _mm512_set1_epi8((char)0x80);
+    int64_t k = 0;
+    for (; k + 64 <= len; k += 64)
+        _mm512_storeu_si512((void *)(d + k), _mm512_xor_si512(_mm512_loadu_si512((const void *)(s + k)), m80));
+    if (k < len) {
+        const __mmask64 mk = ((uint64_t)1 << (len - k)) - 1; /* len - k < 64 */
+        _mm512_mask_storeu_epi8(d + k, mk, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, s + k), m80));
+    }
+}
+static void gemm_xor80(int8_t *d, int64_t len) { gemm_xor80_copy(d, d, len); }
 
 /* d[0:len] = s[0:len] when the caller allows an overshoot: up to 64 bytes past len may be read (below
  * s_end) and written (d's buffer has the slack and its later bytes are written again after this),
@@ -1789,8 +1820,8 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
 
 /* Where the micro-tile reads a call's rows (gemm_src_open picks the layout once per call, gemm_rows
  * fills a row block's pointers):
- *  - GEMM_PLAIN (geo NULL): the rows of x in place when K is a multiple of 4, else staged (gemm_stage),
- *    one segment of Kq groups;
+ *  - GEMM_PLAIN (geo NULL): the rows of x in place when K is a multiple of 4 and at least
+ *    GEMM_INPLACE_MIN_K, else staged as x ^ 0x80 (the tile then does not xor), one segment of Kq groups;
  *  - GEMM_DIRECT, a conv whose kernel rows are contiguous in x (dilation 1 along W, or kw 1) and a
  *    multiple of 4 bytes (kw * C): kh segments of kw * C / 4 groups, in place: kernel row i of output
  *    (b, oh, ow) is the kw * C bytes of x from (b, oh * sh - ph + i * dh, ow * sw - pw); a kernel row in
@@ -1807,8 +1838,14 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
  *    groups.  The weights in that order (qc_gemm_tail_weights, once per layer; the extra bytes of the
  *    last group meet zero weights), so K stays 4 * ceil(kh * kw * C / 4) (7x7x3: 148 either way);
  *  - GEMM_IM2COL, any other conv (dilation along W, other remainders, a kernel row of one byte, tail
- *    weights past GEMM_TAIL_MAX_W, or the tail layout's buffers not allocated): every im2col row staged. */
+ *    weights past GEMM_TAIL_MAX_W, or the tail layout's buffers not allocated): every im2col row staged,
+ *    as x ^ 0x80. */
 enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL };
+/* K (bytes a row) from which a plain GEMM reads its rows in place; below it they are staged as x ^ 0x80 and
+ * the tile does not xor: the xor on each broadcast costs where a tile has few vpdpbusd per broadcast
+ * (one or two channel blocks) and a short K leaves the copy cheap (mobilenet_v2's K = 16-64 1x1 convs:
+ * 3-10% slower in place, K = 144 10% faster) */
+#define GEMM_INPLACE_MIN_K 128
 #define GEMM_TAIL_MAX_W (256 << 10) /* bytes of repacked weights past which a tail-layout conv is staged */
 
 typedef struct {
@@ -1816,6 +1853,7 @@ typedef struct {
     int64_t ldx;
     const int64_t *g;
     int mode;
+    int xored;                   /* every row staged, as x ^ 0x80 (the tile then does not xor) */
     int64_t K, Kq0;              /* K as given and its groups; */
     int64_t Kq, nseg, segq, tq;  /* a row's groups in this layout: nseg segments of segq, a tail of tq */
     const int8_t *wp;            /* the packed weights in this layout (the caller's, or wrep) */
@@ -1938,6 +1976,7 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
                          int64_t K, int64_t nob, const int8_t *wpack) {
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
                     .nseg = 1, .segq = (K + 3) / 4, .wp = wpack};
+    s->xored = !g && (K % 4 || K < GEMM_INPLACE_MIN_K);
     if (g) {
         const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
         s->mode = gemm_layout(g, nob);
@@ -1946,10 +1985,8 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
             s->win = x, s->wrow = W, s->wpad = g[8], s->wb0 = 0;
         } else if (s->mode == GEMM_TAIL && gemm_tail_open(s, x, g, m0, m1, nob, wpack)) {
             s->mode = GEMM_IM2COL; /* (its buffers could not be allocated: the rows are staged instead) */
-            s->segq = s->Kq0;
-        } else if (s->mode == GEMM_IM2COL) {
-            s->segq = s->Kq0;
         }
+        if (s->mode == GEMM_IM2COL) s->segq = s->Kq0, s->xored = 1;
         s->b = m0 / (Ho * Wo), s->oh = m0 / Wo % Ho, s->ow = m0 % Wo;
     }
     const int64_t mb = gemm_block_rows(s->Kq);
@@ -1991,11 +2028,17 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
     const int8_t *x = s->x;
     const int64_t Kq = s->Kq;
     if (s->mode == GEMM_PLAIN) {
-        if (s->K == 4 * Kq) {
+        if (!s->xored) {
             for (int64_t r = r0; r < r1; r++) xp[r - r0] = x + r * s->ldx;
         } else {
-            gemm_stage(x, s->ldx, r0, r1, s->K, Kq, s->xu);
-            for (int64_t r = r0; r < r1; r++) xp[r - r0] = s->xu + (r - r0) * 4 * Kq;
+            if (s->ldx == s->K && s->K == 4 * Kq) { /* the rows follow each other: one pass */
+                gemm_xor80_copy(s->xu, x + r0 * s->ldx, (r1 - r0) * s->K);
+            } else {
+                gemm_stage(x, s->ldx, r0, r1, s->K, Kq, s->xu);
+                gemm_xor80(s->xu, (r1 - r0) * 4 * Kq);
+            }
+            /* (a tile of staged rows reads only its first row's pointer: GEMM_TILE_FN) */
+            for (int64_t r = r0; r < r1; r += GEMM_MR) xp[r - r0] = s->xu + (r - r0) * 4 * Kq;
         }
         return;
     }
@@ -2047,6 +2090,7 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
         }
     }
     s->b = b, s->oh = oh, s->ow = ow;
+    if (s->xored) gemm_xor80(s->xu, (r1 - r0) * 4 * Kq); /* (GEMM_IM2COL: every row staged) */
 }
 
 /* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
@@ -2312,7 +2356,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                 for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
                     const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
                     if (bx) {                                                                             \
-                        gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.wp + ob * wstride, wstride, nr, \
+                        gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored, src.wp + ob * wstride, wstride, nr, \
                                      bx + c0, tile);                                                      \
                         for (int64_t r = 0; r < rows && !ADD; r++)                                        \
                             gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
@@ -2321,7 +2365,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                                                            out + (m + r) * O + c0, nc, &ek);              \
                         continue;                                                                         \
                     }                                                                                     \
-                    gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.wp + ob * wstride,  \
+                    gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored, src.wp + ob * wstride, \
                                  wstride, nr, bias32 + c0, tile);                                         \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         OUT_T *o = out + (m + r) * O + c0;                                                \
