@@ -95,6 +95,28 @@ def test_int8_gemm_equals_the_int64_reference(c):
 
 
 @needs_gemm
+@SETTINGS
+@given(gemm_cases())
+def test_constants_prepared_once_equal_the_ones_built_per_call(c):
+    """A layer's per-channel constants come prepared once (``qc_gemm_prep``, the last argument); with
+    it NULL the kernel builds them itself, as before: the same bits, every epilogue mode and fused add."""
+    x, w, bias, M, n, lo, hi, add, other = _case(c)
+    if Int8Gemm.refusal(w, bias, M, n, lo, hi, _OUT[c["out"]], add) is not None:
+        return
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], add)
+    outs = []
+    for prepared in (True, False):
+        out = torch.empty(x.shape[0], k.O, dtype=_OUT[c["out"]])
+        args = list(k._args(x, x.stride(0) if x.shape[0] > 1 else k.K, None, out, other, 0, x.shape[0]))
+        if not prepared:
+            args[-1] = None
+        assert k._f(*args) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0].to(torch.int64), reference(x, w, bias, M, n, lo, hi, add, other))
+
+
+@needs_gemm
 def test_the_largest_proven_accumulator_is_exact():
     """-128 * -128 over the largest K (and bias) the bound admits: the true sum is 2**31 - 2, while
     the unsigned-activation sums before the compensation wrap around int32 and must come back exactly."""

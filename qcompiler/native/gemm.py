@@ -56,7 +56,7 @@ __all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_W
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _INT = {torch.int8: "i8", torch.int16: "i16"}
-_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P)
+_ARGS = (_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _P, _P)
 _ARGS_MT = _ARGS + (ctypes.c_int,)
 _I32 = 1 << 31
 
@@ -126,6 +126,12 @@ class Int8Gemm:
         # the constant arguments, once (a call's Python overhead matters on small layers)
         self._consts = (self.K, self.O, self.wpack.data_ptr(), self.bias32.data_ptr(), self.M.data_ptr(),
                         self.n.data_ptr())
+        # the per-channel constants the kernel would otherwise build on every call (and in every part of a
+        # split one): qc_gemm_prep, once
+        self._pre = torch.empty(int(_fn("qc_gemm_prep_bytes", (_I64,), _I64)(O)), dtype=torch.uint8)
+        _fn("qc_gemm_prep", (_P, _P, _P, _I64, ctypes.c_int, _I64, _P))(
+            self.bias32.data_ptr(), self.M.data_ptr(), self.n.data_ptr(), O, int(add is not None), self.nb,
+            self._pre.data_ptr())
         # (kh, kw, C, dh, dw) -> the weights repacked for the tail layout (conv_geometry), None where it does not apply
         self._tail_w: dict[tuple[int, ...], Optional[torch.Tensor]] = {}
 
@@ -226,7 +232,8 @@ class Int8Gemm:
             raise ConfigError(f"Int8Gemm.run_rows: rows [{m0}, {m1}) do not fit out {tuple(out.shape)} {out.dtype} "
                               f"(x {x.dtype})")
         return (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
-                self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr())
+                self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr(),
+                self._pre.data_ptr())
 
     def step(self, x: torch.Tensor, ldx: int, geo: Optional[torch.Tensor], out: torch.Tensor,
              other: Optional[torch.Tensor], m0: int, m1: int) -> StepSpec:

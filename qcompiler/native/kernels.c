@@ -2097,10 +2097,8 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
  * allocation of 7 arrays: M, hm1(s), pm = (s > 0), s, s - n, s - nb, with s = n (no fused add) or
  * max(n, nb) (fused add; s - n and s - nb then bring both terms to the denominator 2**s), and the
  * float64 factors M * 2**-n (exact: M < 2**53, a power-of-two scaling in the normal range). */
-static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb) {
+static void gemm_consts_fill(const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb, int64_t *k) {
     const int64_t Op = (O + 15) / 16 * 16;
-    int64_t *k = calloc((size_t)(7 * Op + 1), sizeof(int64_t));
-    if (!k) return NULL;
     double *f = (double *)(k + 6 * Op);
     for (int64_t c = 0; c < O; c++) {
         int64_t s = add && nb > n[c] ? nb : n[c];
@@ -2112,6 +2110,11 @@ static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int a
         k[5 * Op + c] = s - nb;
         f[c] = ldexp((double)M[c], (int)-n[c]);
     }
+}
+
+static int64_t *gemm_consts(const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb) {
+    int64_t *k = calloc((size_t)(7 * ((O + 15) / 16 * 16) + 1), sizeof(int64_t));
+    if (k) gemm_consts_fill(M, n, O, add, nb, k);
     return k;
 }
 
@@ -2299,9 +2302,7 @@ GEMM_EPI_ADD_FN(int16_t, 16, int16_t, 16)
 
 /* The packed epilogue's constants for Op channels, in one allocation: the accumulators' start
  * bias32 ^ 2**31 (int32, Op entries) and the permuted float64 factors (Op entries) that follow. */
-static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_t Op) {
-    int32_t *bx = malloc(sizeof(int32_t) * (size_t)Op + sizeof(double) * (size_t)Op + 64);
-    if (!bx) return NULL;
+static void gemm_epi_fill(const int32_t *bias32, const int64_t *kc, int64_t Op, int32_t *bx) {
     const double *f = (const double *)(kc + 6 * Op);
     double *fq = (double *)(bx + Op); /* (Op is a multiple of 16: aligned) */
     for (int64_t c = 0; c < Op; c++) bx[c] = (int32_t)((uint32_t)bias32[c] ^ 0x80000000u);
@@ -2311,7 +2312,30 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                 fq[c + 2 * l + t] = f[c + 4 * l + t];
                 fq[c + 8 + 2 * l + t] = f[c + 4 * l + 2 + t];
             }
+}
+
+static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_t Op) {
+    int32_t *bx = malloc(sizeof(int32_t) * (size_t)Op + sizeof(double) * (size_t)Op + 64);
+    if (bx) gemm_epi_fill(bias32, kc, Op, bx);
     return bx;
+}
+
+/* A layer's constants prepared once (gemm.py), instead of on every call (and in every part of a split
+ * one): gemm_consts' arrays, then the packed epilogue's (used where a call's f64, lo and hi take it),
+ * qc_gemm_prep_bytes(O) bytes from qc_gemm_prep.  Building them cost 2-18 us a call (O = 96-1280),
+ * against a few us of work for a small layer's part. */
+#define GEMM_KC_BYTES(Op) ((size_t)(7 * (Op) + 1) * sizeof(int64_t))
+QC_API int64_t qc_gemm_prep_bytes(int64_t O) {
+    const int64_t Op = (O + 15) / 16 * 16;
+    return (int64_t)(GEMM_KC_BYTES(Op) + sizeof(int32_t) * (size_t)Op + sizeof(double) * (size_t)Op);
+}
+QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *n, int64_t O, int add, int64_t nb,
+                        void *pre) {
+    const int64_t Op = (O + 15) / 16 * 16;
+    memset(pre, 0, (size_t)qc_gemm_prep_bytes(O));
+    gemm_consts_fill(M, n, O, add, nb, (int64_t *)pre);
+    gemm_epi_fill(bias32, (const int64_t *)pre, Op, (int32_t *)((char *)pre + GEMM_KC_BYTES(Op)));
+    return 0;
 }
 
 /* The epilogue of one row of a tile, 8 channels at a time (the last group masked): int32 acc
@@ -2321,7 +2345,7 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
     QC_API int NAME(const int8_t *restrict x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,   \
                     const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
                     const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
-                    int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out) {              \
+                    int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out, const void *pre) { \
         if (m1 <= m0) return 0;                                                                           \
         const int64_t nob = (O + 15) / 16, Op = nob * 16;                                                  \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
@@ -2329,10 +2353,11 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
         gemm_src src;                                                                                     \
         if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack)) return -1;                           \
         const int64_t Kq = src.Kq, wstride = Kq * 64, mb = gemm_block_rows(Kq), per = src.nseg + (src.tq > 0); \
-        int64_t *kc = gemm_consts(M, n, O, ADD, nb);                                                      \
+        /* the layer's constants: prepared once (qc_gemm_prep), or built for this call */                 \
+        int64_t *kc = pre ? (int64_t *)pre : gemm_consts(M, n, O, ADD, nb);                               \
         const int8_t **xp = malloc(sizeof(*xp) * (size_t)(mb * per));                                    \
         if (!kc || !xp) {                                                                                 \
-            free(kc);                                                                                     \
+            if (!pre) free(kc);                                                                           \
             free(xp);                                                                                     \
             gemm_src_close(&src);                                                                         \
             return -1;                                                                                    \
@@ -2341,7 +2366,9 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
         int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
         const int64_t tmax = OBITS == 8 ? 127 : 32767;                                                    \
         /* the packed epilogue when it applies (and its tables could be allocated), else the one below */ \
-        int32_t *bx = f64 == (ADD ? 3 : 2) && lo >= -tmax - 1 && hi <= tmax ? gemm_epi_consts(bias32, kc, Op) : NULL; \
+        int32_t *bx = f64 == (ADD ? 3 : 2) && lo >= -tmax - 1 && hi <= tmax                              \
+                          ? pre ? (int32_t *)((char *)pre + GEMM_KC_BYTES(Op)) : gemm_epi_consts(bias32, kc, Op) \
+                          : NULL;                                                                         \
         const double *fq = bx ? (const double *)(bx + Op) : NULL;                                          \
         const double gb = ldexp((double)Mb, (int)-nb);                                                    \
         const gemm_epi_k ek = {_mm512_set1_epi32(0x43300000), GEMM_PERM_##OBITS, GEMM_SET1_##OBITS(lo),   \
@@ -2405,10 +2432,12 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
-        free(kc);                                                                                         \
+        if (!pre) {                                                                                       \
+            free(kc);                                                                                     \
+            free(bx);                                                                                     \
+        }                                                                                                 \
         free(xp);                                                                                         \
         gemm_src_close(&src);                                                                             \
-        free(bx);                                                                                         \
         return 0;                                                                                         \
     }
 
@@ -2432,19 +2461,20 @@ typedef struct {
     int f64;
     const int64_t *geo;
     void *out;
+    const void *pre;
 } gemm_args;
 
 #define GEMM_MT_FN(NAME, B_T, OUT_T)                                                                     \
     static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
         const gemm_args *a = ctx;                                                                         \
         return NAME(a->x, a->ldx, r0, r1, a->K, a->O, a->wpack, a->bias32, a->M, a->n, (const B_T *)a->b, \
-                    a->Mb, a->nb, a->lo, a->hi, a->f64, a->geo, (OUT_T *)a->out);                         \
+                    a->Mb, a->nb, a->lo, a->hi, a->f64, a->geo, (OUT_T *)a->out, a->pre);                         \
     }                                                                                                     \
     QC_API int NAME##_mt(const int8_t *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,      \
                          const int8_t *wpack, const int32_t *bias32, const int64_t *M, const int64_t *n,   \
                          const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi, int f64,             \
-                         const int64_t *geo, OUT_T *out, int parts) {                                     \
-        gemm_args a = {x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out};              \
+                         const int64_t *geo, OUT_T *out, const void *pre, int parts) {                                     \
+        gemm_args a = {x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};              \
         return qc_run_rows(NAME##_rows, &a, m0, m1, parts, GEMM_MR);                                     \
     }
 
@@ -2461,9 +2491,9 @@ QC_STEP_ARGS_FIT(gemm_args);
     QC_API int NAME##_step(qc_step *st, void *ctx, const int8_t *x, int64_t ldx, int64_t m0, int64_t m1,  \
                            int64_t K, int64_t O, const int8_t *wpack, const int32_t *bias32, const int64_t *M, \
                            const int64_t *n, const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi,  \
-                           int f64, const int64_t *geo, OUT_T *out) {                                    \
+                           int f64, const int64_t *geo, OUT_T *out, const void *pre) {                                    \
         gemm_args *a = ctx;                                                                               \
-        *a = (gemm_args){x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out};            \
+        *a = (gemm_args){x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};            \
         *st = (qc_step){NAME##_rows, ctx, m0, m1, GEMM_MR, (m1 - m0) * K * O};                           \
         return 0;                                                                                         \
     }
