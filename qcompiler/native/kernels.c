@@ -1757,7 +1757,7 @@ static inline void gemm_copy_over(int8_t *restrict d, const int8_t *restrict s, 
 }
 
 /* Rows r0..r1-1 of x (row stride ldx) copied, each padded with zeros to 4 * Kq bytes (the padding
- * meets zero weights): for a K that is not a multiple of 4 (else the rows are read in place). */
+ * meets zero weights): a plain GEMM's staged rows (GEMM_INPLACE_MIN_K), xored after by the caller. */
 static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_t r1, int64_t K, int64_t Kq,
                        int8_t *restrict xu) {
     for (int64_t r = r0; r < r1; r++) {
@@ -1765,32 +1765,6 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
         memcpy(d, x + r * ldx, (size_t)K);
         for (int64_t k = K; k < 4 * Kq; k++) d[k] = 0;
     }
-}
-
-/* The im2col row of output position r = (b, oh, ow) of the NHWC int8 input x (geometry g = {H, W, C,
- * kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}) into d: its taps (i, j) in order, C bytes each, a tap in the
- * padding 0 (the zero point), zeros up to 4 * Kq.  Pieces are written front to back and may overshoot
- * by up to 64 bytes (gemm_copy_over) into bytes written again later: its own later taps, its zero
- * padding, the next row; d has 64 bytes of slack after the row block's last row. */
-static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, const int64_t *restrict g, int64_t ih0,
-                            int64_t iw0, int8_t *restrict d);
-static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *restrict x, const int64_t *restrict g, int64_t b, int64_t oh, int64_t ow,
-                           int64_t Kq, int8_t *restrict d) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], dw = g[10], K = kh * kw * C, HWC = H * W * C, piece = kw * C;
-    const int8_t *xb = x + b * HWC, *s_end = xb + HWC; /* reads stay inside sample b */
-    const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw, rstride = dh * W * C;
-    const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
-    const int8_t *base = inside ? xb + (ih0 * W + iw0) * C : NULL;
-    if (inside && base + (kh - 1) * rstride + 32 <= s_end) {
-        /* the window inside the input and short kernel rows (a stem): one 32-byte copy a kernel row */
-        for (int64_t i = 0; i < kh; i++, d += piece)
-            _mm256_storeu_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)(base + i * rstride)));
-    } else {
-        gemm_stage_taps(xb, s_end, g, ih0, iw0, d);
-        d += K;
-    }
-    for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
 }
 
 /* gemm_stage_row's general case: the kernel rows one by one, tap by tap where a row leaves the input. */
@@ -1816,6 +1790,31 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
             gemm_copy_over(d, xb + (ih * W + iw) * C, C, s_end);
         }
     }
+}
+
+/* The im2col row of output position r = (b, oh, ow) of the NHWC int8 input x (geometry g = {H, W, C,
+ * kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}) into d: its taps (i, j) in order, C bytes each, a tap in the
+ * padding 0 (the zero point), zeros up to 4 * Kq.  Pieces are written front to back and may overshoot
+ * by up to 64 bytes (gemm_copy_over) into bytes written again later: its own later taps, its zero
+ * padding, the next row; d has 64 bytes of slack after the row block's last row. */
+static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *restrict x, const int64_t *restrict g,
+                                                                 int64_t b, int64_t oh, int64_t ow, int64_t Kq,
+                                                                 int8_t *restrict d) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
+    const int64_t dh = g[9], dw = g[10], K = kh * kw * C, HWC = H * W * C, piece = kw * C;
+    const int8_t *xb = x + b * HWC, *s_end = xb + HWC; /* reads stay inside sample b */
+    const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw, rstride = dh * W * C;
+    const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
+    const int8_t *base = inside ? xb + (ih0 * W + iw0) * C : NULL;
+    if (inside && base + (kh - 1) * rstride + 32 <= s_end) {
+        /* the window inside the input and short kernel rows (a stem): one 32-byte copy a kernel row */
+        for (int64_t i = 0; i < kh; i++, d += piece)
+            _mm256_storeu_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)(base + i * rstride)));
+    } else {
+        gemm_stage_taps(xb, s_end, g, ih0, iw0, d);
+        d += K;
+    }
+    for (int64_t k = K; k < 4 * Kq; k++) d[k - K] = 0;
 }
 
 /* Where the micro-tile reads a call's rows (gemm_src_open picks the layout once per call, gemm_rows
@@ -1951,15 +1950,14 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
         const int64_t ia = oa * sh - ph > 0 ? oa * sh - ph : 0;
         const int64_t ib = ob * sh - ph + kh < H ? ob * sh - ph + kh : H;
         const int8_t *xb = x + (b0 + b) * H * W * C;
+        int8_t *tb = s->tail + (b * Wp + pw) * s->tlen + ph;
         for (int64_t ih = ia; ih < ib; ih++) {
             int8_t *row = s->xpad + (b * H + ih) * Wp * C;
             memset(row, 0, (size_t)(pw * C));
             memcpy(row + pw * C, xb + ih * W * C, (size_t)(W * C));
             memset(row + (pw + W) * C, 0, (size_t)(pw * C));
-        }
-        int8_t *tb = s->tail + (b * Wp + pw) * s->tlen + ph;
-        for (int64_t ih = ia; ih < ib; ih++)
             for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C + C - 1];
+        }
     }
     if (g[13]) {
         s->wp = (const int8_t *)(intptr_t)g[13];
