@@ -7,7 +7,8 @@ input, fused operand and conv geometry copied); each call is then replayed on th
 from ``kernels.c`` at git revision ``--base`` and on the one built from the working tree (the
 compiler flags of ``qcompiler/native/build.py``), alternating, the best of ``--repeat`` each, into
 separate outputs that must be equal bit for bit (both builds get the layers' current ``Int8Gemm``
-arguments, so the base must accept them: any revision with the same ``qc_gemm_*`` signatures).
+arguments, so the base must accept them: any revision whose ``qc_gemm_*`` take the same leading arguments;
+a base before the prepared constants ignores the last one).
 Prints per call rows, K, O, the epilogue mode (``f64``), both times and the ratio, then the totals.
 For comparing kernel changes on a shared machine: both builds see the same load at the same moment.
 """
@@ -18,6 +19,7 @@ import argparse
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,7 @@ from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.build import FLAGS, SOURCE  # noqa: E402
 from qcompiler.native.plan import ENV_PLAN  # noqa: E402
 
+_KERNEL = re.compile(r"qc_gemm_(add_i(8|16)_)?i(8|16)")  # the GEMM kernels themselves, one call a layer
 _GEO = 14  # int64 entries of a conv's geometry (the last: the address of the tail layout's weights, or 0)
 
 
@@ -59,8 +62,7 @@ def record_calls(name: str, batch: int) -> list:
 
     def fn(kname, argtypes, restype=ctypes.c_int):
         f = orig(kname, argtypes, restype)
-        if (not kname.startswith("qc_gemm_") or kname.endswith(("_mt", "_step"))
-                or kname in ("qc_gemm_vnni", "qc_gemm_tail_weights", "qc_gemm_conv_layout")):
+        if not _KERNEL.fullmatch(kname):  # (not the row-split, step, layout, repack or constants entries)
             return f
 
         def wrapped(*a):
@@ -124,7 +126,7 @@ def compare(calls: list, libs: list, repeat: int) -> tuple[list, float, float, i
         for _ in range(repeat):
             for i, f in enumerate(fs):
                 args = list(a)
-                args[-1] = outs[i].data_ptr()
+                args[17] = outs[i].data_ptr()  # (then the prepared constants, args[18])
                 t = time.perf_counter()
                 if f(*args) != 0:
                     raise MemoryError(f"{kname}: the kernel could not allocate its tables")
