@@ -364,6 +364,29 @@ needs_vnni = pytest.mark.skipif(not (build.native_enabled() and vnni_enabled()),
 
 
 @needs_vnni
+@settings(SETTINGS, max_examples=100)
+@given(dw_cases())
+def test_the_depthwise_constants_prepared_once_equal_the_ones_built_per_call(c):
+    """The VNNI depthwise kernel reads its per-channel constants prepared once (``qc_gemm_prep``, the
+    argument after ``out``); with it NULL it builds them itself, in every part of a split call and for
+    every sample: the same bits, one call and split over 2 threads, every epilogue mode."""
+    x, w, bias, M, n, lo, hi, want = dw_case_tensors(c)
+    k = DepthwiseConv(w, bias, c["stride"], c["padding"], c["dilation"], M, n, lo, hi, _OUT[c["out"]], vnni=True)
+    if not k.vnni:
+        return  # (a +128 weight: the scalar kernel, no constants)
+    xl = x.permute(0, 2, 3, 1).contiguous()
+    prepared = k(xl)
+    f, wptr, bptr, consts = k._call
+    N, H, W, C, Ho, Wo = k._geometry(xl)
+    for parts in (1, 2):
+        out = torch.full_like(prepared, 77)
+        args = (xl.data_ptr(), N, H, W, C, wptr, k.kh, k.kw, bptr, *k.geom, Ho, Wo, *consts, out.data_ptr(), None)
+        assert (f(*args) if parts == 1 else k._call_mt(*args, parts)) == 0
+        assert torch.equal(out, prepared)
+    assert torch.equal(prepared.permute(0, 3, 1, 2).to(torch.int64), want)
+
+
+@needs_vnni
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("out", ["qint8", "qint16"])
 def test_each_vnni_depthwise_epilogue_equals_the_reference_at_its_limits(mode, out):

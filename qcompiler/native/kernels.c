@@ -2318,10 +2318,11 @@ static int32_t *gemm_epi_consts(const int32_t *bias32, const int64_t *kc, int64_
     return bx;
 }
 
-/* A layer's constants prepared once (gemm.py), instead of on every call (and in every part of a split
- * one): gemm_consts' arrays, then the packed epilogue's (used where a call's f64, lo and hi take it),
- * qc_gemm_prep_bytes(O) bytes from qc_gemm_prep.  Building them cost 2-18 us a call (O = 96-1280),
- * against a few us of work for a small layer's part. */
+/* A layer's constants prepared once (gemm.py, DepthwiseConv), instead of on every call (and in every part
+ * of a split one): gemm_consts' arrays, then the packed epilogue's (used where a call's f64, lo and hi take
+ * it; not filled for bias32 NULL, the depthwise kernel's use), qc_gemm_prep_bytes(O) bytes from
+ * qc_gemm_prep.  Building them cost 2-18 us a call (O = 96-1280), against a few us of work for a small
+ * layer's part. */
 #define GEMM_KC_BYTES(Op) ((size_t)(7 * (Op) + 1) * sizeof(int64_t))
 QC_API int64_t qc_gemm_prep_bytes(int64_t O) {
     const int64_t Op = (O + 15) / 16 * 16;
@@ -2332,7 +2333,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
     const int64_t Op = (O + 15) / 16 * 16;
     memset(pre, 0, (size_t)qc_gemm_prep_bytes(O));
     gemm_consts_fill(M, n, O, add, nb, (int64_t *)pre);
-    gemm_epi_fill(bias32, (const int64_t *)pre, Op, (int32_t *)((char *)pre + GEMM_KC_BYTES(Op)));
+    if (bias32) gemm_epi_fill(bias32, (const int64_t *)pre, Op, (int32_t *)((char *)pre + GEMM_KC_BYTES(Op)));
     return 0;
 }
 
@@ -2532,14 +2533,16 @@ GEMM_STEP_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
  *    1.5 * 2**52 + round_half_even(acc * M / 2**n) (1.5 * 2**52 is even, so ties keep their parity);
  *  - its low 32 bits are that rounded value modulo 2**32, i.e. the value itself (|.| < 2**31): gathered
  *    back into channel order (vpermt2d) and clamped to [lo, hi] in int32.
- * 11 instructions per 16 outputs, none on the conversion units (gemm_requant_f64i_x16 takes 4 converts). */
+ * 11 instructions per 16 outputs, none on the conversion units (gemm_requant_f64i_x16 takes 4 converts).
+ * pre: the layer's per-channel constants from qc_gemm_prep (bias32 NULL, add 0), or NULL to build them in
+ * the call from M and n (a split call builds them in every part and for every sample). */
 #define DW4_BAND (192 << 10)
 #define DW4_FN(NAME, OUT_T, OBITS)                                                                       \
     QC_API int NAME(const int8_t *restrict x, int64_t N, int64_t H, int64_t W, int64_t C,                  \
                     const int8_t *restrict w4, int64_t kh, int64_t kw, const int32_t *restrict b32,         \
                     int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho,     \
                     int64_t Wo, const int64_t *restrict M, const int64_t *restrict n, int64_t lo,           \
-                    int64_t hi, int epi, OUT_T *restrict out) {                                           \
+                    int64_t hi, int epi, OUT_T *restrict out, const void *pre) {                          \
         const int64_t G = (kw + 3) / 4, KT = kh * G, Cp = (C + 15) / 16 * 16;                             \
         const int64_t Wq = (Wo - 1) * sw + 4 * (G - 1) * dw + 1, Wx = Wq + 3 * dw;                        \
         const int64_t qs = (4 * dw) % sw == 0 ? sw : 1; /* every Z entry read is a multiple of qs */      \
@@ -2553,13 +2556,14 @@ GEMM_STEP_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
         }                                                                                                 \
         const int direct = gd == 1;                                                                       \
         const int sat = hi == (OBITS == 8 ? INT8_MAX : INT16_MAX); /* DW4_ST_* clamps at hi */             \
-        int64_t *kc = gemm_consts(M, n, C, 0, 0);                                                         \
+        /* the layer's constants: prepared once (qc_gemm_prep, bias32 NULL), or built for this call */     \
+        int64_t *kc = pre ? (int64_t *)pre : gemm_consts(M, n, C, 0, 0);                                  \
         uint8_t *zb = aligned_alloc(64, (size_t)(64 * ((kh + 1) * Wq + Wx / 4 + 1)));                     \
         int64_t *tag = malloc(sizeof(int64_t) * (size_t)kh);                                              \
         const uint8_t **rp = malloc(sizeof(uint8_t *) * (size_t)kh);                                      \
         __m512i *wv = aligned_alloc(64, 64 * (size_t)KT);                                                 \
         if (!kc || !zb || !tag || !rp || !wv) {                                                           \
-            free(kc);                                                                                     \
+            if (!pre) free(kc);                                                                           \
             free(zb);                                                                                     \
             free(tag);                                                                                    \
             free(rp);                                                                                     \
@@ -2672,7 +2676,7 @@ GEMM_STEP_FN(qc_gemm_add_i16_i16, int16_t, int16_t)
                         DW4_ROW(OBITS, KT)                                                                \
                 }                                                                                         \
             }                                                                                             \
-        free(kc);                                                                                         \
+        if (!pre) free(kc);                                                                               \
         free(zb);                                                                                         \
         free(tag);                                                                                        \
         free(rp);                                                                                         \
@@ -2743,6 +2747,7 @@ typedef struct {
     int64_t lo, hi;
     int epi;
     void *out;
+    const void *pre;
 } dw4_args;
 
 #define DW4_MT_FN(NAME, OUT_T)                                                                           \
@@ -2751,16 +2756,17 @@ typedef struct {
         QC_EACH_SAMPLE_ROWS(r0, r1, a->Ho,                                                                \
             NAME(a->x + b * a->H * a->W * a->C, 1, a->H, a->W, a->C, a->w4, a->kh, a->kw, a->b32, a->sh,     \
                  a->sw, a->ph - oh0 * a->sh, a->pw, a->dh, a->dw, oh1 - oh0, a->Wo, a->M, a->n, a->lo, a->hi, \
-                 a->epi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C))                              \
+                 a->epi, (OUT_T *)a->out + (b * a->Ho + oh0) * a->Wo * a->C, a->pre))                      \
         return 0;                                                                                         \
     }                                                                                                     \
     QC_API int NAME##_mt(const int8_t *x, int64_t N, int64_t H, int64_t W, int64_t C, const int8_t *w4,    \
                          int64_t kh, int64_t kw, const int32_t *b32, int64_t sh, int64_t sw, int64_t ph,    \
                          int64_t pw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo, const int64_t *M,      \
-                         const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out, int parts) {      \
+                         const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out, const void *pre,   \
+                         int parts) {                                                                      \
         if (parts <= 1)                                                                                   \
-            return NAME(x, N, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out); \
-        dw4_args a = {x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out}; \
+            return NAME(x, N, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out, pre); \
+        dw4_args a = {x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out, pre}; \
         return qc_run_rows(NAME##_rows, &a, 0, N * Ho, parts, 1);                                         \
     }
 
@@ -2773,9 +2779,9 @@ QC_STEP_ARGS_FIT(dw4_args);
     QC_API int NAME##_step(qc_step *st, void *ctx, const int8_t *x, int64_t N, int64_t H, int64_t W, int64_t C, \
                            const int8_t *w4, int64_t kh, int64_t kw, const int32_t *b32, int64_t sh, int64_t sw, \
                            int64_t ph, int64_t pw, int64_t dh, int64_t dw, int64_t Ho, int64_t Wo, const int64_t *M, \
-                           const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out) {               \
+                           const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out, const void *pre) { \
         dw4_args *a = ctx;                                                                                \
-        *a = (dw4_args){x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out}; \
+        *a = (dw4_args){x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out, pre}; \
         *st = (qc_step){NAME##_rows, ctx, 0, N * Ho, 1, N * Ho * Wo * C * kh * kw};                       \
         return 0;                                                                                         \
     }

@@ -398,6 +398,12 @@ class DepthwiseConv:
             self.b32 = b32.to(torch.int32)
             # the epilogue of qc_dwconv4_* (kernels.c): 2 / 1 float64, 0 int64, each where proven exact
             self.epilogue = f64_epilogue(self.bound, M, n)
+            # the per-channel constants the kernel would otherwise build on every call, in every part of a
+            # split one and for every sample: qc_gemm_prep (no bias: the GEMM's packed epilogue), once
+            p = self.plan
+            self._pre = torch.empty(int(_fn("qc_gemm_prep_bytes", (_I64,), _I64)(C)), dtype=torch.uint8)
+            _fn("qc_gemm_prep", (_P, _P, _P, _I64, ctypes.c_int, _I64, _P))(
+                None, p.M.data_ptr(), p.n.data_ptr(), C, 0, 0, self._pre.data_ptr())
 
     acc_bound = staticmethod(int8_acc_bound)
 
@@ -425,12 +431,13 @@ class DepthwiseConv:
             return None
         if self._step is None:
             p = self.plan
-            args = (_P, _P, _P) + (_I64,) * 4 + (_P, _I64, _I64, _P) + (_I64,) * 8 + (_P, _P, _I64, _I64, ctypes.c_int, _P)
+            args = ((_P, _P, _P) + (_I64,) * 4 + (_P, _I64, _I64, _P) + (_I64,) * 8
+                    + (_P, _P, _I64, _I64, ctypes.c_int, _P, _P))
             self._step = _fn(f"qc_dwconv4_i8_{_INT[self.out_dtype]}_step", args), (p.M.data_ptr(), p.n.data_ptr(),
                                                                                    p.lo, p.hi, self.epilogue)
         f, consts = self._step
         return StepSpec(f, (x.data_ptr(), N, H, W, C, self.w4.data_ptr(), self.kh, self.kw, self.b32.data_ptr(),
-                            *self.geom, Ho, Wo, *consts, out.data_ptr()), (self, x, out))
+                            *self.geom, Ho, Wo, *consts, out.data_ptr(), self._pre.data_ptr()), (self, x, out))
 
     def __call__(self, x: torch.Tensor, parts: int = 1) -> torch.Tensor:
         """``parts > 1``: on the VNNI path, the N * Ho output rows are split over that many native
@@ -443,17 +450,22 @@ class DepthwiseConv:
             consts = (p.M.data_ptr(), p.n.data_ptr(), p.lo, p.hi)
             if self.vnni:
                 name = f"qc_dwconv4_i8_{_INT[self.out_dtype]}"
-                self._call = (_fn(name, args + (ctypes.c_int, _P)), self.w4.data_ptr(), self.b32.data_ptr(),
+                self._call = (_fn(name, args + (ctypes.c_int, _P, _P)), self.w4.data_ptr(), self.b32.data_ptr(),
                               consts + (self.epilogue,))
-                self._call_mt = _fn(name + "_mt", args + (ctypes.c_int, _P, ctypes.c_int))
+                self._call_mt = _fn(name + "_mt", args + (ctypes.c_int, _P, _P, ctypes.c_int))
             else:
                 bptr = None if self.bias is None else self.bias.data_ptr()
                 self._call = (_fn(f"qc_dwconv_i8_{_INT[self.out_dtype]}", args + (_P,)), self.w.data_ptr(), bptr,
                               consts)
         f, wptr, bptr, consts = self._call
-        if parts > 1 and self.vnni:
-            _ok(self._call_mt(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts,
-                              out.data_ptr(), int(parts)))
+        if self.vnni:
+            pre = self._pre.data_ptr()
+            if parts > 1:
+                _ok(self._call_mt(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo,
+                                  *consts, out.data_ptr(), pre, int(parts)))
+            else:
+                _ok(f(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts,
+                      out.data_ptr(), pre))
             return out
         _ok(f(x.data_ptr(), N, H, W, C, wptr, self.kh, self.kw, bptr, *self.geom, Ho, Wo, *consts, out.data_ptr()))
         return out
