@@ -10,12 +10,18 @@ over the same batches with ``HistogramObserver.forward`` and ``PerChannelMinMaxO
 wrapped in a timer.  Each column is the best of ``--repeat`` rounds (after a warm-up round), per
 batch.  On a shared machine the float forward at 2 threads swings with the load (torch's two
 intra-op threads wait for the second core); the observers' own times are the steadier measure.
+The page-fault columns (minor faults per batch, the median over the rounds) show the other cause of
+its swings: glibc gives freed activation memory back to the kernel and faults it in again on the next
+allocation, tens of thousands of 4 KiB pages a batch at this size (see docs/performance.md,
+"Calibration at 2 threads").
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
+import statistics
 import sys
 import time
 import warnings
@@ -58,23 +64,31 @@ def measure(name: str, args) -> dict[str, float]:
     spent = dict.fromkeys(KINDS, 0.0)
     _timed(spent)
     best: dict[str, float] = {}
+    faults: dict[str, list[int]] = {"float forward": [], "calibration": []}
     for r in range(args.repeat + 1):
         with torch.no_grad():
-            t0 = time.perf_counter()
+            f0, t0 = _minor_faults(), time.perf_counter()
             for b in data:
                 model(b)
-            fwd = time.perf_counter() - t0
+            fwd, f_fwd = time.perf_counter() - t0, _minor_faults() - f0
             cal = prepare_calibration_fx(model, example_inputs=(x,), hybrid=True).eval()
             for k in spent:
                 spent[k] = 0.0
-            t0 = time.perf_counter()
+            f0, t0 = _minor_faults(), time.perf_counter()
             for b in batches:
                 cal(*b)
-            calib = time.perf_counter() - t0
+            calib, f_cal = time.perf_counter() - t0, _minor_faults() - f0
         if r:  # round 0 warms up
             for k, v in {"float forward": fwd, "calibration": calib, **spent}.items():
                 best[k] = min(best.get(k, float("inf")), v / len(data))
-    return best
+            faults["float forward"].append(f_fwd // len(data))
+            faults["calibration"].append(f_cal // len(data))
+    return best, {k: statistics.median(v) for k, v in faults.items()}
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (a page the kernel hands out again, zeroed)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -90,12 +104,14 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     rows = []
     for name in args.models.split(","):
-        b = measure(name, args)
+        b, faults = measure(name, args)
         rows.append((name, *(f"{b[k] * 1e3:.1f}" for k in ("float forward", "calibration", *KINDS)),
-                     f"{b['calibration'] / b['float forward']:.2f}x"))
+                     f"{b['calibration'] / b['float forward']:.2f}x", f"{faults['float forward']:.0f}",
+                     f"{faults['calibration']:.0f}"))
     print(f"{torch.get_num_threads()} threads, best of {args.repeat} per column, ms per batch of "
           f"{args.batch}x3x{args.image_size}x{args.image_size}; load average {os.getloadavg()[0]:.2f}")
-    print(tabulate(rows, headers=["model", "float forward", "calibration", *KINDS, "calibration / float"]))
+    print(tabulate(rows, headers=["model", "float forward", "calibration", *KINDS, "calibration / float",
+                                  "page faults: float", "page faults: calibration"]))
 
 
 if __name__ == "__main__":
