@@ -399,7 +399,8 @@ class DepthwiseConv:
             # the epilogue of qc_dwconv4_* (kernels.c): 2 / 1 float64, 0 int64, each where proven exact
             self.epilogue = f64_epilogue(self.bound, M, n)
             # the per-channel constants the kernel would otherwise build on every call, in every part of a
-            # split one and for every sample: qc_gemm_prep (no bias: the GEMM's packed epilogue), once
+            # split one and for every sample: qc_gemm_prep, once (bias32 NULL: the GEMM's packed-epilogue
+            # tables, which this kernel does not read, are left zero)
             p = self.plan
             self._pre = torch.empty(int(_fn("qc_gemm_prep_bytes", (_I64,), _I64)(C)), dtype=torch.uint8)
             _fn("qc_gemm_prep", (_P, _P, _P, _I64, ctypes.c_int, _I64, _P))(
