@@ -28,6 +28,7 @@ from qcompiler.native import openmp
 from qcompiler.native.build import disabled, native_enabled
 from qcompiler.native.kernels import (
     NO_RANGE,
+    HistogramState,
     histogram_abs,
     histogram_abs_grow,
     histogram_abs_minmax,
@@ -226,16 +227,16 @@ def test_observers_on_threads_equal_one_thread_sequential(batches, threads, part
         one(x)
     many = HistogramObserver(method=method)
     calls = []
-    real = observer_module.histogram_abs_grow
+    real = HistogramState.observe
 
-    def spy(x, e0, hist, threads=1):
+    def spy(state, x, threads=1):
         calls.append(threads)
-        return real(x, e0, hist, threads, chunk, omp)
+        return real(state, x, threads, chunk, omp)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch, "get_num_threads", lambda: threads)
         m.setattr(observer_module, "_NATIVE_PART", part)
-        m.setattr(observer_module, "histogram_abs_grow", spy)
+        m.setattr(HistogramState, "observe", spy)
         for x, (*_, where) in zip(data, batches):
             k = int(where * x.numel())
             for piece in (x[:k], x[k:]):
@@ -277,7 +278,7 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, torch
         cal = prepare_calibration_fx(net, {"": get_default_calib_qconfig(observer=observer)},
                                      hybrid=True, example_inputs=(x,)).eval()
         calls = []
-        real_grow, real_plain = observer_module.histogram_abs_grow, observer_module.histogram_abs
+        real_grow, real_plain = HistogramState.observe, observer_module.histogram_abs
 
         def spy(real):
             def call(x, per_unit, hist, threads=1):
@@ -285,10 +286,14 @@ def test_calibrating_a_model_on_two_threads_equals_one_thread(monkeypatch, torch
                 return real(x, per_unit, hist, threads, 64)
             return call
 
+        def spy_state(state, x, threads=1):
+            calls.append(threads)
+            return real_grow(state, x, threads, 64)
+
         with monkeypatch.context() as m:
             m.setattr(observer_module, "SPLIT_HISTOGRAM", split)
             m.setattr(observer_module, "_NATIVE_PART", 1000)
-            m.setattr(observer_module, "histogram_abs_grow", spy(real_grow))
+            m.setattr(HistogramState, "observe", spy_state)
             m.setattr(observer_module, "histogram_abs", spy(real_plain))
             with torch.no_grad():
                 for b in batches:

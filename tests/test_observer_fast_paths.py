@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from qcompiler.errors import CalibrationError
 from qcompiler.native.build import disabled, native_enabled
+from qcompiler.native.kernels import NO_RANGE, HistogramState
 from qcompiler.quantization import observer as observer_module
 from qcompiler.quantization.observer import (
     HistogramObserver,
@@ -166,8 +167,8 @@ def test_float32_batches_take_the_one_pass_path_and_match_the_reference(monkeypa
     way: the first batch, and one past the range); float16/64 take the two-pass torch path; the
     state equals the float64 reference throughout."""
     calls = []
-    real = observer_module.histogram_abs_grow
-    monkeypatch.setattr(observer_module, "histogram_abs_grow", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = HistogramState.observe
+    monkeypatch.setattr(HistogramState, "observe", lambda st, *a: calls.append(real(st, *a)) or calls[-1])
     g = torch.Generator().manual_seed(11)
     big = torch.randn(4, 8, 16, 16, generator=g) * 4
     fast, ref = HistogramObserver(), ReferenceHistogram()
@@ -180,9 +181,64 @@ def test_float32_batches_take_the_one_pass_path_and_match_the_reference(monkeypa
         for name in ("histogram", "hist_max", "min_val", "max_val"):
             assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     # taken for feeds 1 (no range yet), 2, 3, 4 (past the range: grows it), 6 and 8 (non-contiguous
-    # float32, copied); the observer's grid after each: 2**4 above |big| (< 16), 2**9 after feed 4
-    assert [c[0] for c in calls] == [4, 4, 4, 9, 9, 9]
+    # float32, copied); the observer's grid before and after each: 2**4 above |big| (< 16), 2**9 after feed 4
+    assert [c[0] for c in calls] == [NO_RANGE, 4, 4, 4, 9, 9]
+    assert [c[1] for c in calls] == [4, 4, 4, 9, 9, 9]
     assert torch.equal(fast.calculate_amax(), ref.calculate_amax())
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+def test_the_native_state_follows_replaced_buffers_and_moves_the_extremes_in_place():
+    """The native call reads and writes the observer's buffers through pointers taken for the buffer
+    objects it was built for: the extremes move in place (the same objects), a buffer replaced by a
+    new object (a loaded or seeded state) is the one written next, and with the kernels turned off
+    the torch path gives the reference state."""
+    g = torch.Generator().manual_seed(5)
+    o, ref = HistogramObserver(), ReferenceHistogram()
+    x1, x2 = torch.randn(3000, generator=g), torch.randn(3000, generator=g) * 3
+    for x in (x1, x2):
+        before = o.min_val, o.max_val
+        o(x)
+        ref(x)
+        assert o.min_val is before[0] and o.max_val is before[1]  # in place
+    o.min_val, ref.min_val = torch.tensor(100.0), torch.tensor(100.0)  # new objects, above the next minimum
+    x3 = torch.randn(500, generator=g)
+    o(x3)
+    ref(x3)
+    assert float(o.min_val) == float(x3.min())  # written into the new object, not the old one
+    with disabled():
+        x4 = torch.randn(700, generator=g) * 5
+        o(x4)
+        ref(x4)
+    for name in ("histogram", "hist_max", "min_val", "max_val"):
+        assert torch.equal(getattr(o, name), getattr(ref, name)), name
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+def test_buffers_the_native_call_does_not_take_are_left_to_the_checked_path():
+    """A ``hist_max`` that is not 0 or a power of two, or a float64 extreme (states loaded from
+    elsewhere): the native call declines and changes nothing, and the observer takes its torch path."""
+    o = HistogramObserver()
+    o(torch.randn(1000) * 3)
+    st = HistogramState.of(o.histogram, o.hist_max, o.min_val, o.max_val)
+    assert st is not None
+    o.hist_max.fill_(3.0)
+    before = {k: getattr(o, k).clone() for k in ("histogram", "hist_max", "min_val", "max_val")}
+    assert st.observe(torch.randn(100) * 10, 1) is None
+    for k, v in before.items():
+        assert torch.equal(getattr(o, k), v), k
+    assert HistogramState.of(o.histogram, o.hist_max, o.min_val.double(), o.max_val) is None
+    assert HistogramState.of(o.histogram.float(), o.hist_max, o.min_val, o.max_val) is None
+    assert HistogramState.of(o.histogram[::2], o.hist_max, o.min_val, o.max_val) is None
+    calls = []
+    real = observer_module.HistogramObserver._observe_native
+    o2 = HistogramObserver()
+    o2.min_val = torch.tensor(float("inf"), dtype=torch.float64)  # a float64 state
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(observer_module.HistogramObserver, "_observe_native",
+                  lambda self, x: calls.append(real(self, x)) or calls[-1])
+        o2(torch.randn(200))
+    assert calls == [False] and o2.has_observed  # declined, then observed by the torch path
 
 
 @pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
@@ -206,13 +262,13 @@ def test_the_native_histogram_uses_the_torch_threads_for_large_batches(monkeypat
     small one on one; the state is that of one thread either way.  (The split's runtime is made
     available to the observer here: torch's OpenMP team where the kernels find it, else the pool.)"""
     seen = []
-    real = observer_module.histogram_abs_grow
+    real = HistogramState.observe
 
-    def spy(x, e0, hist, threads=1):
+    def spy(state, x, threads=1):
         seen.append(threads)
-        return real(x, e0, hist, threads)
+        return real(state, x, threads)
 
-    monkeypatch.setattr(observer_module, "histogram_abs_grow", spy)
+    monkeypatch.setattr(HistogramState, "observe", spy)
     monkeypatch.setattr(observer_module, "SPLIT_HISTOGRAM", True)
     monkeypatch.setattr(observer_module, "parallel_entry", lambda: 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)

@@ -253,6 +253,64 @@ def histogram_abs_grow(x: torch.Tensor, e0: int, hist: torch.Tensor, threads: in
     return None if rc else (e.value, mm[0], mm[1])
 
 
+class HistogramState:
+    """One :class:`~qcompiler.quantization.observer.HistogramObserver`'s buffers as the native
+    ``qc_hist_observe_f32`` reads and writes them: the histogram (float64, 1-d, contiguous), ``hist_max``
+    (float64, one value), ``min_val`` and ``max_val`` (float32, one value each), all on the CPU.
+
+    Built once per set of buffer objects (:meth:`of` checks the layouts, ``matches`` the objects), so
+    a batch costs one native call and a few pointer reads: inside a model every tensor call around the
+    native one cost 5-10 us (the convs in between evict the interpreter's and torch's code), 40-65 us
+    an observer before.  The pointers are read on every call (a buffer filled in place keeps its
+    object, one resized does not always keep its storage)."""
+
+    __slots__ = ("lib", "tensors", "_e", "_f")
+
+    def __init__(self, lib: ctypes.CDLL, tensors: tuple) -> None:
+        self.lib, self.tensors = lib, tensors
+        self._e = (ctypes.c_int32 * 2)()  # (the call's e0 and e: one array per observer, no allocation per call)
+        self._f = _fn("qc_hist_observe_f32", (_P, _I64, _I64, _P, _P, _P, _P, ctypes.c_int, _I64, _P, _P))
+
+    @classmethod
+    def of(cls, hist: torch.Tensor, hist_max: torch.Tensor, min_val: torch.Tensor,
+           max_val: torch.Tensor) -> Optional["HistogramState"]:
+        """The state of these buffers, or None where the native call does not apply (the kernels off,
+        or a buffer of another dtype, device, size or layout: a state loaded from elsewhere)."""
+        lib = library()
+        if lib is None:
+            return None
+        ok = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                 for t in (hist, hist_max, min_val, max_val))
+        if not (ok and hist.dtype == torch.float64 and hist.dim() == 1 and hist.numel() > 0
+                and hist_max.dtype == torch.float64 and hist_max.numel() == 1
+                and min_val.dtype == torch.float32 and min_val.numel() == 1
+                and max_val.dtype == torch.float32 and max_val.numel() == 1):
+            return None
+        return cls(lib, (hist, hist_max, min_val, max_val))
+
+    def matches(self, hist, hist_max, min_val, max_val) -> bool:
+        """Whether these are the buffer objects this state was built for, with the library still loaded
+        (False once the kernels are turned off or reloaded)."""
+        t = self.tensors
+        return (t[0] is hist and t[1] is hist_max and t[2] is min_val and t[3] is max_val
+                and library() is self.lib)
+
+    def observe(self, x: torch.Tensor, threads: int, chunk: int = HIST_CHUNK,
+                omp: bool = True) -> Optional[tuple[int, int]]:
+        """Bin ``x`` (float32, contiguous, on the CPU: the caller checks) into the state on a grid
+        found in the same pass (:func:`histogram_abs_grow`'s counts; ``threads``, ``chunk`` and
+        ``omp`` as there) and move ``min_val`` / ``max_val`` in place; ``(e0, e)``, the grid's
+        exponent before and after (:data:`NO_RANGE`: none yet).  None, nothing changed, on a NaN / Inf
+        in ``x`` or a ``hist_max`` that is not 0 or a power of two in ``[2**-200, 2**200]``."""
+        h, hm, lo, hi = self.tensors
+        rc = self._f(x.data_ptr(), x.numel(), h.numel(), h.data_ptr(), hm.data_ptr(), lo.data_ptr(), hi.data_ptr(),
+                     min(threads, HIST_MAX_THREADS), min(chunk, FUSED_MAX),
+                     parallel_entry() if omp and threads > 1 else None, self._e)
+        if rc == -1:
+            raise MemoryError("HistogramState.observe: out of memory for the counters")
+        return None if rc else (self._e[0], self._e[1])
+
+
 def rows_minmax_merge(x: torch.Tensor, old_lo: torch.Tensor,
                       old_hi: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``torch.minimum(old_lo, rows_minmax(x)[0])`` and ``torch.maximum(old_hi, rows_minmax(x)[1])`` in

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -48,7 +49,7 @@ import torch.nn as nn
 from qcompiler import collectives
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import NO_RANGE, histogram_abs, histogram_abs_grow, rows_minmax, rows_minmax_merge
+from qcompiler.native.kernels import HistogramState, histogram_abs, rows_minmax, rows_minmax_merge
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.quantization.fixed_point import dtype_name, qrange, symmetric_scale
 
@@ -146,7 +147,7 @@ class ObserverBase(nn.Module):
     # -- observing --------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel():
-            d = x.detach()
+            d = x.detach() if x.requires_grad else x  # (no graph to cut: no detach call, whose cost counts here)
             if not d.is_floating_point():
                 d = d.float()
             self._observe(d)
@@ -529,6 +530,11 @@ def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
     return first.result() + second
 
 
+# HistogramObserver -> its buffers as the native call takes them (outside the module: the state holds a
+# ctypes function, which neither pickles nor deep-copies)
+_NATIVE_STATES: "weakref.WeakKeyDictionary[HistogramObserver, HistogramState]" = weakref.WeakKeyDictionary()
+
+
 class HistogramObserver(ObserverBase):
     """One-pass, fixed-memory histogram of ``|x|``; the clipping threshold is searched.
 
@@ -661,35 +667,31 @@ class HistogramObserver(ObserverBase):
         self.histogram += _bincount(index, n).double()
 
     def _observe_native(self, x: torch.Tensor) -> bool:
-        """A float32 batch in one native pass (:func:`~qcompiler.native.kernels.histogram_abs_grow`):
-        its min, max and bin counts at once, the grid widened on the way when the batch reaches past
-        ``hist_max`` (the first batch, or a wider one: chunk by chunk, the counts so far merged onto
-        the wider grid), instead of a min/max pass and a binning pass.  The same state as the checked
-        path below: the counts of every value seen on the grid of ``max(hist_max, 2**E)``
-        (``max|x| < 2**E <= 2 max|x|``), the running min/max.  False (nothing changed) on a NaN/Inf
-        (that path raises), where the native kernels are off, or for a ``hist_max`` that is not a
-        power of two (a state loaded from elsewhere)."""
-        r = float(self.hist_max)
-        if r == 0.0:
-            e0 = NO_RANGE
-        else:
-            m, e0 = math.frexp(r)
-            e0 -= 1
-            if m != 0.5 or not -200 <= e0 <= 200:
+        """A float32 batch in one native pass (:class:`~qcompiler.native.kernels.HistogramState`, the
+        counts of :func:`~qcompiler.native.kernels.histogram_abs_grow`): its min, max and bin counts at
+        once, the grid widened on the way when the batch reaches past ``hist_max`` (the first batch,
+        or a wider one: chunk by chunk, the counts so far merged onto the wider grid), instead of a
+        min/max pass and a binning pass.  The same state as the checked path below: the counts of
+        every value seen on the grid of ``max(hist_max, 2**E)`` (``max|x| < 2**E <= 2 max|x|``), the
+        running min/max (moved in place).  The native call reads ``hist_max`` and the extremes itself:
+        no tensor call around it.  False (nothing changed) on a NaN/Inf (that path raises), where the
+        native kernels are off, or for buffers it does not take (a ``hist_max`` that is not a power of
+        two, another dtype or layout: a state loaded from elsewhere)."""
+        b = self._buffers
+        h, hm, lo, hi = b["histogram"], b["hist_max"], b["min_val"], b["max_val"]
+        st = _NATIVE_STATES.get(self)
+        if st is None or not st.matches(h, hm, lo, hi):
+            st = HistogramState.of(h, hm, lo, hi)
+            if st is None:
+                _NATIVE_STATES.pop(self, None)
                 return False
-        h = self.histogram
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not h.is_contiguous() or not native_enabled():
+            _NATIVE_STATES[self] = st
+        if x.dtype != torch.float32 or not x.is_cpu:
             return False
-        got = histogram_abs_grow(x if x.is_contiguous() else x.contiguous(), e0, h, _native_threads(x.numel()))
+        got = st.observe(x if x.is_contiguous() else x.contiguous(), _native_threads(x.numel()))
         if got is None:
             return False
-        e, lo, hi = got
-        # the running extremes as torch.minimum / maximum would give them (no NaN here), without
-        # two tensor ops per batch when the batch does not move them (most batches)
-        if lo < float(self.min_val):
-            self.min_val = torch.tensor(lo, dtype=torch.float32)
-        if hi > float(self.max_val):
-            self.max_val = torch.tensor(hi, dtype=torch.float32)
+        e0, e = got
         if e != e0:
             self._grow(math.ldexp(1.0, e), histogram_done=True)
         return True
