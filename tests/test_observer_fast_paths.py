@@ -215,6 +215,30 @@ def test_the_native_state_follows_replaced_buffers_and_moves_the_extremes_in_pla
 
 
 @pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
+@pytest.mark.parametrize("how", ["assign", "data"])
+def test_a_buffer_that_changes_dtype_in_place_is_not_written_as_float32(how):
+    """The same buffer objects turned float64 in place (``load_state_dict(assign=True)`` in swap mode, or
+    ``.data =``) after the native state was built: the next batch takes the torch path and gives the right
+    extremes (written through the old float32 view they came out as -2.0000014 / 1.0000002)."""
+    o = HistogramObserver()
+    o(torch.tensor([1.0, -2.0]))
+    lo, hi = o.min_val, o.max_val
+    if how == "assign":
+        sd = {k: v.double() if k in ("min_val", "max_val") else v.clone() for k, v in o.state_dict().items()}
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            o.load_state_dict(sd, assign=True)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+    else:
+        o.min_val.data, o.max_val.data = o.min_val.data.double(), o.max_val.data.double()
+    assert o.min_val is lo and o.max_val is hi and o.min_val.dtype == torch.float64  # the same objects
+    o(torch.tensor([100.0, -50.0]))
+    assert float(o.min_val) == -50.0 and float(o.max_val) == 100.0
+
+
+@pytest.mark.skipif(not native_enabled(), reason="native kernels are off on this machine")
 def test_buffers_the_native_call_does_not_take_are_left_to_the_checked_path():
     """A ``hist_max`` that is not 0 or a power of two, or a float64 extreme (states loaded from
     elsewhere): the native call declines and changes nothing, and the observer takes its torch path."""

@@ -253,16 +253,27 @@ def histogram_abs_grow(x: torch.Tensor, e0: int, hist: torch.Tensor, threads: in
     return None if rc else (e.value, mm[0], mm[1])
 
 
+def _takes(hist: torch.Tensor, hist_max: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
+    """Whether ``qc_hist_observe_f32`` takes these buffers: float64 1-d non-empty counts, one float64
+    ``hist_max``, one float32 ``min_val`` and ``max_val``, all contiguous on the CPU (attribute reads only)."""
+    return (hist.dtype == torch.float64 and hist_max.dtype == torch.float64 and min_val.dtype == torch.float32
+            and max_val.dtype == torch.float32 and hist.dim() == 1 and hist.numel() > 0 and hist_max.numel() == 1
+            and min_val.numel() == 1 and max_val.numel() == 1 and hist.is_cpu and hist_max.is_cpu and min_val.is_cpu
+            and max_val.is_cpu and hist.is_contiguous() and hist_max.is_contiguous() and min_val.is_contiguous()
+            and max_val.is_contiguous())
+
+
 class HistogramState:
     """One :class:`~qcompiler.quantization.observer.HistogramObserver`'s buffers as the native
     ``qc_hist_observe_f32`` reads and writes them: the histogram (float64, 1-d, contiguous), ``hist_max``
     (float64, one value), ``min_val`` and ``max_val`` (float32, one value each), all on the CPU.
 
-    Built once per set of buffer objects (:meth:`of` checks the layouts, ``matches`` the objects), so
-    a batch costs one native call and a few pointer reads: inside a model every tensor call around the
-    native one cost 5-10 us (the convs in between evict the interpreter's and torch's code), 40-65 us
-    an observer before.  The pointers are read on every call (a buffer filled in place keeps its
-    object, one resized does not always keep its storage)."""
+    Built once per set of buffer objects, so a batch costs one native call and a few attribute reads:
+    inside a model every tensor call around the native one cost 5-10 us (the convs in between evict the
+    interpreter's and torch's code), 40-65 us an observer before.  The layouts are checked again and the
+    pointers read on every call (:meth:`matches`): a buffer object can change its dtype, size or storage
+    in place (``.data =``, ``torch.utils.swap_tensors``, ``load_state_dict(assign=True)`` in swap mode),
+    and a float64 extreme written as float32 would be a wrong state with no error."""
 
     __slots__ = ("lib", "tensors", "_e", "_f")
 
@@ -277,23 +288,18 @@ class HistogramState:
         """The state of these buffers, or None where the native call does not apply (the kernels off,
         or a buffer of another dtype, device, size or layout: a state loaded from elsewhere)."""
         lib = library()
-        if lib is None:
+        if lib is None or not all(isinstance(t, torch.Tensor) for t in (hist, hist_max, min_val, max_val)):
             return None
-        ok = all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-                 for t in (hist, hist_max, min_val, max_val))
-        if not (ok and hist.dtype == torch.float64 and hist.dim() == 1 and hist.numel() > 0
-                and hist_max.dtype == torch.float64 and hist_max.numel() == 1
-                and min_val.dtype == torch.float32 and min_val.numel() == 1
-                and max_val.dtype == torch.float32 and max_val.numel() == 1):
+        if not _takes(hist, hist_max, min_val, max_val):
             return None
         return cls(lib, (hist, hist_max, min_val, max_val))
 
     def matches(self, hist, hist_max, min_val, max_val) -> bool:
-        """Whether these are the buffer objects this state was built for, with the library still loaded
-        (False once the kernels are turned off or reloaded)."""
+        """Whether these are the buffer objects this state was built for, still of the layouts it takes,
+        with the library still loaded (False once the kernels are turned off or reloaded)."""
         t = self.tensors
         return (t[0] is hist and t[1] is hist_max and t[2] is min_val and t[3] is max_val
-                and library() is self.lib)
+                and library() is self.lib and _takes(hist, hist_max, min_val, max_val))
 
     def observe(self, x: torch.Tensor, threads: int, chunk: int = HIST_CHUNK,
                 omp: bool = True) -> Optional[tuple[int, int]]:

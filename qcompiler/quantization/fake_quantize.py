@@ -339,7 +339,7 @@ class CalibFakeQuantize(FakeQuantizeBase):
             if weight and _seen_unchanged(self, x):
                 self._skipped_repeat = True
                 return x
-            self.activation_post_process(x.detach() if x.requires_grad else x)
+            self.activation_post_process(x.detach())
             if weight:
                 self._skipped_repeat = False
                 _remember(self, x)

@@ -147,7 +147,7 @@ class ObserverBase(nn.Module):
     # -- observing --------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel():
-            d = x.detach() if x.requires_grad else x  # (no graph to cut: no detach call, whose cost counts here)
+            d = x.detach()
             if not d.is_floating_point():
                 d = d.float()
             self._observe(d)
