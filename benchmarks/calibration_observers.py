@@ -56,7 +56,7 @@ def _timed(spent: dict) -> None:
         cls.forward = forward
 
 
-def measure(name: str, args) -> dict[str, float]:
+def measure(name: str, args) -> tuple[dict[str, float], dict[str, float]]:
     (x,) = zoo.example_inputs(name, image_size=args.image_size)
     data = calib_data(name, args.image_size, args.calib_batches, args.batch)
     model = zoo.get(name).eval()

@@ -678,7 +678,7 @@ class HistogramObserver(ObserverBase):
         native kernels are off, or for buffers it does not take (a ``hist_max`` that is not a power of
         two, another dtype or layout: a state loaded from elsewhere)."""
         b = self._buffers
-        h, hm, lo, hi = b["histogram"], b["hist_max"], b["min_val"], b["max_val"]
+        h, hm, lo, hi = b.get("histogram"), b.get("hist_max"), b.get("min_val"), b.get("max_val")
         st = _NATIVE_STATES.get(self)
         if st is None or not st.matches(h, hm, lo, hi):
             st = HistogramState.of(h, hm, lo, hi)
