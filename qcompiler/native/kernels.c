@@ -868,11 +868,11 @@ QC_API int qc_hist_abs_grow_f32(const float *restrict x, int64_t N, int e0, int6
  * passed as values, so the Python around the call makes no tensor calls (inside a model each cost
  * 5-10 us: the convs between two observers evict the interpreter's and torch's code and data).
  * The grid comes from *hist_max: 0 is QC_HIST_NO_RANGE, 2**E gives e0 = E; anything else, or E
- * outside [-200, 200], returns -3 with nothing read or changed (a state loaded from elsewhere: the
- * caller's checked path).  On success (0) hist holds the counts on the grid e_out[1] (e_out[0] = e0;
- * the caller records a wider grid), and *min_val / *max_val take the batch's min / max where these
- * are below / above them (a NaN held there stays).  -2 (a NaN or Inf in x) and -1 (out of memory)
- * leave everything unchanged. */
+ * outside [-200, 200], returns -3 with nothing else read and nothing changed (a state loaded from
+ * elsewhere: the caller's checked path).  On success (0) hist holds the counts on the grid e_out[1]
+ * (e_out[0] = e0; the caller records a wider grid), and *min_val / *max_val take the batch's min / max
+ * where these are below / above them (a NaN held there stays).  -2 (a NaN or Inf in x) and -1 (out of
+ * memory) leave everything unchanged. */
 QC_API int qc_hist_observe_f32(const float *restrict x, int64_t N, int64_t nbins, double *restrict hist,
                                const double *hist_max, float *min_val, float *max_val, int threads, int64_t chunk,
                                void *omp, int32_t *e_out) {
