@@ -48,6 +48,7 @@ from qcompiler.native.kernels import (
     _ok,
     f64_epilogue,
     int8_acc_bound,
+    prepared_constants,
     vnni_enabled,
 )
 from qcompiler.native.plan import StepSpec
@@ -128,10 +129,7 @@ class Int8Gemm:
                         self.n.data_ptr())
         # the per-channel constants the kernel would otherwise build on every call (and in every part of a
         # split one): qc_gemm_prep, once
-        self._pre = torch.empty(int(_fn("qc_gemm_prep_bytes", (_I64,), _I64)(O)), dtype=torch.uint8)
-        _fn("qc_gemm_prep", (_P, _P, _P, _I64, ctypes.c_int, _I64, _P))(
-            self.bias32.data_ptr(), self.M.data_ptr(), self.n.data_ptr(), O, int(add is not None), self.nb,
-            self._pre.data_ptr())
+        self._pre = prepared_constants(self.bias32, self.M, self.n, O, add is not None, self.nb)
         # (kh, kw, C, dh, dw) -> the weights repacked for the tail layout (conv_geometry), None where it does not apply
         self._tail_w: dict[tuple[int, ...], Optional[torch.Tensor]] = {}
 

@@ -25,7 +25,7 @@ from qcompiler.native.build import library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "rows_minmax_merge", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "rows_minmax_merge", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -253,6 +253,19 @@ def histogram_abs_grow(x: torch.Tensor, e0: int, hist: torch.Tensor, threads: in
     return None if rc else (e.value, mm[0], mm[1])
 
 
+def prepared_constants(bias32: Optional[torch.Tensor], M: torch.Tensor, n: torch.Tensor, O: int, add: bool,
+                       nb: int) -> torch.Tensor:
+    """A layer's per-channel requantization constants as the GEMM and depthwise kernels take them in
+    their last argument (``qc_gemm_prep``: ``qc_gemm_prep_bytes(O)`` bytes), built once instead of on
+    every call.  ``M``/``n`` int64 contiguous (O,); ``bias32`` int32 (16 * ceil(O / 16),) for the GEMM's
+    packed epilogue, None for the depthwise kernel (those tables are then left zero); ``add``/``nb``: a
+    fused add and its shift."""
+    pre = torch.empty(int(_fn("qc_gemm_prep_bytes", (_I64,), _I64)(O)), dtype=torch.uint8)
+    _fn("qc_gemm_prep", (_P, _P, _P, _I64, ctypes.c_int, _I64, _P))(
+        None if bias32 is None else bias32.data_ptr(), M.data_ptr(), n.data_ptr(), O, int(add), nb, pre.data_ptr())
+    return pre
+
+
 def _takes(hist: torch.Tensor, hist_max: torch.Tensor, min_val: torch.Tensor, max_val: torch.Tensor) -> bool:
     """Whether ``qc_hist_observe_f32`` takes these buffers: float64 1-d non-empty counts, one float64
     ``hist_max``, one float32 ``min_val`` and ``max_val``, all contiguous on the CPU (attribute reads only)."""
@@ -465,10 +478,7 @@ class DepthwiseConv:
             # the per-channel constants the kernel would otherwise build on every call, in every part of a
             # split one and for every sample: qc_gemm_prep, once (bias32 NULL: the GEMM's packed-epilogue
             # tables, which this kernel does not read, are left zero)
-            p = self.plan
-            self._pre = torch.empty(int(_fn("qc_gemm_prep_bytes", (_I64,), _I64)(C)), dtype=torch.uint8)
-            _fn("qc_gemm_prep", (_P, _P, _P, _I64, ctypes.c_int, _I64, _P))(
-                None, p.M.data_ptr(), p.n.data_ptr(), C, 0, 0, self._pre.data_ptr())
+            self._pre = prepared_constants(None, self.plan.M, self.plan.n, C, False, 0)
 
     acc_bound = staticmethod(int8_acc_bound)
 
