@@ -2412,8 +2412,8 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
                 for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
                     const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
                     if (bx) {                                                                             \
-                        gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored, src.wp + ob * wstride, wstride, nr, \
-                                     bx + c0, tile);                                                      \
+                        gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored,    \
+                                     src.wp + ob * wstride, wstride, nr, bx + c0, tile);                  \
                         for (int64_t r = 0; r < rows && !ADD; r++)                                        \
                             gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
                         for (int64_t r = 0; r < rows && ADD; r++)                                         \
@@ -2421,8 +2421,8 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
                                                            out + (m + r) * O + c0, nc, &ek);              \
                         continue;                                                                         \
                     }                                                                                     \
-                    gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored, src.wp + ob * wstride, \
-                                 wstride, nr, bias32 + c0, tile);                                         \
+                    gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored,        \
+                                 src.wp + ob * wstride, wstride, nr, bias32 + c0, tile);                  \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         OUT_T *o = out + (m + r) * O + c0;                                                \
                         const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
@@ -2497,13 +2497,13 @@ typedef struct {
     static int NAME##_rows(void *ctx, int64_t r0, int64_t r1) {                                          \
         const gemm_args *a = ctx;                                                                         \
         return NAME(a->x, a->ldx, r0, r1, a->K, a->O, a->wpack, a->bias32, a->M, a->n, (const B_T *)a->b, \
-                    a->Mb, a->nb, a->lo, a->hi, a->f64, a->geo, (OUT_T *)a->out, a->pre);                         \
+                    a->Mb, a->nb, a->lo, a->hi, a->f64, a->geo, (OUT_T *)a->out, a->pre);                 \
     }                                                                                                     \
     QC_API int NAME##_mt(const int8_t *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,      \
                          const int8_t *wpack, const int32_t *bias32, const int64_t *M, const int64_t *n,   \
                          const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi, int f64,             \
-                         const int64_t *geo, OUT_T *out, const void *pre, int parts) {                                     \
-        gemm_args a = {x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};              \
+                         const int64_t *geo, OUT_T *out, const void *pre, int parts) {                    \
+        gemm_args a = {x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};         \
         return qc_run_rows(NAME##_rows, &a, m0, m1, parts, GEMM_MR);                                     \
     }
 
@@ -2520,9 +2520,9 @@ QC_STEP_ARGS_FIT(gemm_args);
     QC_API int NAME##_step(qc_step *st, void *ctx, const int8_t *x, int64_t ldx, int64_t m0, int64_t m1,  \
                            int64_t K, int64_t O, const int8_t *wpack, const int32_t *bias32, const int64_t *M, \
                            const int64_t *n, const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi,  \
-                           int f64, const int64_t *geo, OUT_T *out, const void *pre) {                                    \
+                           int f64, const int64_t *geo, OUT_T *out, const void *pre) {                    \
         gemm_args *a = ctx;                                                                               \
-        *a = (gemm_args){x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};            \
+        *a = (gemm_args){x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};       \
         *st = (qc_step){NAME##_rows, ctx, m0, m1, GEMM_MR, (m1 - m0) * K * O};                           \
         return 0;                                                                                         \
     }
@@ -2795,7 +2795,8 @@ typedef struct {
                          const int64_t *n, int64_t lo, int64_t hi, int epi, OUT_T *out, const void *pre,   \
                          int parts) {                                                                      \
         if (parts <= 1)                                                                                   \
-            return NAME(x, N, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out, pre); \
+            return NAME(x, N, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out, \
+                        pre);                                                                             \
         dw4_args a = {x, H, W, C, w4, kh, kw, b32, sh, sw, ph, pw, dh, dw, Ho, Wo, M, n, lo, hi, epi, out, pre}; \
         return qc_run_rows(NAME##_rows, &a, 0, N * Ho, parts, 1);                                         \
     }
