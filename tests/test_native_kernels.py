@@ -161,12 +161,14 @@ def test_nhwc_requant_native_equals_its_float64_path():
 @needs_native
 @settings(SETTINGS, max_examples=100)
 @given(st.integers(1, 5000), st.integers(-140, 120), st.sampled_from([2, 3, 1000, 4096, 1 << 15, 1 << 16]),
-       st.booleans(), st.integers(0, 2 ** 31 - 1))
-def test_histogram_abs_equals_bincount_of_the_float64_floor(numel, exponent, nbins, edges, seed):
+       st.sampled_from(["normal", "edges", "relu runs"]), st.integers(0, 2 ** 31 - 1))
+def test_histogram_abs_equals_bincount_of_the_float64_floor(numel, exponent, nbins, values, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=g) * 2.0 ** exponent
-    if edges:  # exact bin edges
+    if values == "edges":  # exact bin edges
         x = torch.round(x * 2.0 ** -exponent * 8) / 8 * 2.0 ** exponent
+    elif values == "relu runs":  # an activation's shape: half exact zeros (-0.0 too), runs of equal values
+        x = torch.where(x > 0, x, torch.where(x < -1, -0.0, 0.0)).repeat_interleave(3)[:numel]
     amax = float(x.abs().max())
     if amax == 0.0 or not torch.isfinite(x).all():
         return
