@@ -137,8 +137,10 @@ REQ_ADD_FN(qc_requant_add_f64_i16_i16, double, int16_t, int16_t)
  * ReLU, often half the values) is counted in the vector loop instead; its elements increment 16
  * scratch slots in rotation, so the scalar loop never waits on a chain of increments of one
  * counter, or (AVX-512, a block with at least 1/8 zeros) are dropped from the index list before the
- * scalar loop (a compress per 16 lanes: 20% less time on a ReLU's output, the same without zeros).  A value whose index is not in [0, nbins) (|x| >= r, or NaN) is never counted: the
- * call returns -2 and leaves hist unchanged (for N <= 2**30; beyond, earlier chunks are added).
+ * scalar loop (a compress per 16 lanes: 20% less time on a ReLU's output, the same without zeros).
+ * With AVX-512 and a float32 product (hist_bin_f32x16) the index pass itself leaves them out.  A
+ * value whose index is not in [0, nbins) (|x| >= r, or NaN) is never counted: the call returns -2
+ * and leaves hist unchanged (for N <= 2**30; beyond, earlier chunks are added).
  * With mm != NULL it also stores min(x), max(x) there (the same pass; meaningful when it
  * returns 0, i.e. no NaN).  Returns -1 if the counters cannot be allocated. */
 #define HIST_BLOCK 512
