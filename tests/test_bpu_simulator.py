@@ -180,3 +180,16 @@ def test_program_validation():
                                                                                     "out_scale": 1.0})])
     with pytest.raises(ConfigError, match="not JSON-able"):
         BpuOp("relu", ["x"], "y", {"f": object()})
+
+
+def test_input_channel_chunks_sum_in_int64_whatever_the_weight_sums_are_stored_in():
+    """The linear layer keeps its |w| per input channel as int16 (2 bytes a weight instead of int64's
+    8): the chunks' running sums must still be int64, or a chunk started from an int16 column wraps
+    past 32767 and is taken as within the float32-exact limit (wrong GEMM results, no error)."""
+    import numpy as np
+
+    from qcompiler.backends.bpu.simulator import _chunks
+
+    l1 = np.full((2, 900), 128, dtype=np.int16)  # 312 columns of 128 stay below 40000
+    assert _chunks(l1, 1, 40000) == [(0, 312), (312, 624), (624, 900)]
+    assert _chunks(l1.astype(np.int64), 1, 40000) == _chunks(l1, 1, 40000)

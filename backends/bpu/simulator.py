@@ -117,6 +117,7 @@ from qcompiler.native.kernels import (
     BilinearResize,
     DepthwiseConv,
     Requant,
+    abs_sums,
     global_avg_pool_nhwc,
     global_avg_pool_nhwc_step,
     int32_requant,
@@ -1206,7 +1207,7 @@ def _chunks(l1: np.ndarray, amax: int, limit: int) -> Optional[list[tuple[int, i
         if c == c0:
             return None
         out.append((c0, c))
-        c0, acc = c, l1[:, c].copy()
+        c0, acc = c, l1[:, c].astype(np.int64)  # (l1 may be a narrow type: the sums are int64)
         if int(acc.max(initial=0)) * amax >= limit:
             return None
     out.append((c0, C))
@@ -1336,7 +1337,7 @@ class _FastConv:
         self.dilation, self.groups = tuple(a["dilation"]), int(a["groups"])
         self.in_dtype = in_specs[0].dtype
         self.static_amax = _AMAX[self.in_dtype] if self.in_dtype == "qint8" else None
-        self.l1 = w.to(torch.int64).abs().sum(dim=(2, 3)).numpy()  # (O, Cg)
+        self.l1 = abs_sums(w, (2, 3)).numpy()  # (O, Cg)
         self.l1_row = int(self.l1.sum(axis=1).max(initial=0))  # max_o sum |w_o|
         self.depthwise = Cg == 1 and self.groups == O
         self.grouped = self.groups > 1 and not self.depthwise
@@ -1649,7 +1650,7 @@ class _OnednnConvLayer:
         groups = int(a["groups"])
         max_bias = 0 if bias is None else int(bias.to(torch.int64).abs().max())
         # input-channel chunks whose partial sums (+ the bias, added to the first) stay below 2**24
-        l1 = w.to(torch.int64).abs().sum(dim=(2, 3)).numpy()
+        l1 = abs_sums(w, (2, 3)).numpy()
         chunks = _chunks(l1, _AMAX["qint8"], F32_EXACT - max_bias)
         if chunks is None or (len(chunks) > 1 and groups != 1):
             return None
@@ -1781,8 +1782,8 @@ class _FastLinear:
         self.O, self.K = w.shape
         self.in_dtype = in_specs[0].dtype
         self.static_amax = _AMAX[self.in_dtype] if self.in_dtype == "qint8" else None
-        self.l1 = w.to(torch.int64).abs().numpy()  # (O, K)
-        self.l1_row = int(self.l1.sum(axis=1).max(initial=0))
+        self.l1 = w.to(torch.int16).abs_().numpy()  # (O, K): |w| <= 128 (int16: 2 bytes a weight, not int64's 8)
+        self.l1_row = int(abs_sums(w).max()) if w.numel() else 0
         self.int8 = int8_gemm and self.in_dtype == "qint8" and _AMAX["qint8"] * self.l1_row < _I32
         self.wt_i8 = _gemm_operand(w.t())  # (K, O) row-major
         self._plans: dict = {}

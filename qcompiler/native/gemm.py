@@ -46,6 +46,7 @@ from qcompiler.native.kernels import (
     _check,
     _fn,
     _ok,
+    abs_sums,
     f64_epilogue,
     int8_acc_bound,
     prepared_constants,
@@ -100,11 +101,10 @@ class Int8Gemm:
             raise ConfigError(f"Int8Gemm: {why}")
         O, K = w.shape
         self.O, self.K, self.out_dtype, self.lo, self.hi = O, K, out_dtype, int(lo), int(hi)
-        w64 = w.to(torch.int64)
         b64 = torch.zeros(O, dtype=torch.int64) if bias is None else bias.to(torch.int64).reshape(O)
         Op, Kp = -(-O // 16) * 16, -(-K // 4) * 4
         b32 = torch.zeros(Op, dtype=torch.int32)
-        b32[:O] = (b64 - 128 * w64.sum(1)).to(torch.int32)  # in range: refusal() checked the bound
+        b32[:O] = (b64 - 128 * abs_sums(w, signed=True)).to(torch.int32)  # in range: refusal() checked the bound
         self.bias32 = b32
         wp = F.pad(w.to(torch.int8), (0, Kp - K, 0, Op - O))  # zero weights beyond O and K
         # [ob][kq][16][4]: a zmm of 16 channels x 4 consecutive k per group of 4

@@ -25,7 +25,7 @@ from qcompiler.native.build import library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "rows_minmax_merge", "quantize_f32", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -399,10 +399,34 @@ def quantize_f32(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         raise ConfigError("quantize: the input contains NaN; it has no integer value")
 
 
+ABS_SUMS_BLOCK = 1 << 17  # weights widened to int64 at a time by abs_sums (1 MiB)
+
+
+def abs_sums(w: torch.Tensor, dims: tuple[int, ...] = (1,), signed: bool = False) -> torch.Tensor:
+    """``w.to(torch.int64).abs().sum(dims)`` of an integer ``w`` with rows along dim 0, summed over
+    ``dims`` (not empty, without 0), exactly, as int64; ``signed``: the plain sum instead of the sum
+    of ``|w|``.  Widening a large layer whole cost 8 bytes a weight (16 with the ``abs``: the peak of a
+    compile; ``sum(dtype=torch.int64)`` widens its whole input too), so rows are widened
+    :data:`ABS_SUMS_BLOCK` weights at a time, each block freed before the next and the sums written
+    into one output: small tensors kept between large blocks leave the freed blocks unusable to
+    glibc (8 MiB blocks with a list of sums grew the resident set by 227 MiB on a 32 MiB weight)."""
+    if w.dtype.is_floating_point or w.dim() < 2 or not dims or any(not 0 < d < w.dim() for d in dims):
+        raise ConfigError(f"abs_sums: an integer tensor of rows, summed over dims other than 0; got {w.dtype}, "
+                          f"shape {tuple(w.shape)}, dims {dims}")
+    out = torch.empty(w.shape[:1] + tuple(d for i, d in enumerate(w.shape) if i and i not in dims),
+                      dtype=torch.int64)
+    step = max(1, ABS_SUMS_BLOCK // max(1, w[:1].numel()))
+    for r in range(0, w.shape[0], step):
+        block = w[r:r + step].to(torch.int64, copy=True)  # a copy: abs_ must not touch w
+        torch.sum(block if signed else block.abs_(), dims, out=out[r:r + step])
+        del block
+    return out
+
+
 def int8_acc_bound(w: torch.Tensor, bias: Optional[torch.Tensor]) -> int:
     """``128 * max_o sum |w[o]| + max |bias|`` (``w[o]`` all of output channel o's weights): a bound on
     every |accumulator| of a layer with int8 inputs, which the native kernels keep below 2**31."""
-    l1 = int(w.to(torch.int64).abs().flatten(1).sum(1).max()) if w.numel() else 0
+    l1 = int(abs_sums(w, tuple(range(1, w.dim()))).max()) if w.numel() else 0
     return 128 * l1 + (0 if bias is None or not bias.numel() else int(bias.to(torch.int64).abs().max()))
 
 
@@ -471,7 +495,7 @@ class DepthwiseConv:
             b32 = torch.zeros(Cp, dtype=torch.int64)
             if bias is not None:
                 b32[:C] = bias.to(torch.int64).reshape(C)
-            b32[:C] -= 128 * w.to(torch.int64).reshape(C, -1).sum(1)
+            b32[:C] -= 128 * abs_sums(w.reshape(C, -1), signed=True)
             self.b32 = b32.to(torch.int32)
             # the epilogue of qc_dwconv4_* (kernels.c): 2 / 1 float64, 0 int64, each where proven exact
             self.epilogue = f64_epilogue(self.bound, M, n)
