@@ -20,8 +20,7 @@ from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.onednn_conv import NhwcRequant
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError, QCompilerWarning
-from qcompiler.native import build
-from qcompiler.native import kernels
+from qcompiler.native import build, kernels
 from qcompiler.native.kernels import (
     DepthwiseConv,
     abs_sums,
