@@ -5,16 +5,20 @@ from __future__ import annotations
 import functools
 import json
 
+import int_reference as ref
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 from simulator_configs import CONFIGS
+from test_bpu_reference import Tiny, rand_scales
 
 import qcompiler.zoo as zoo
 from qcompiler.backends.bpu.lower import bpu_partition_names, lower_bpu_partitions, lower_partition
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
-from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, run_partitioned
+from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, _chunks, run_partitioned
 from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
+from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.qtensor import QTensor
@@ -186,10 +190,29 @@ def test_input_channel_chunks_sum_in_int64_whatever_the_weight_sums_are_stored_i
     """The linear layer keeps its |w| per input channel as int16 (2 bytes a weight instead of int64's
     8): the chunks' running sums must still be int64, or a chunk started from an int16 column wraps
     past 32767 and is taken as within the float32-exact limit (wrong GEMM results, no error)."""
-    import numpy as np
-
-    from qcompiler.backends.bpu.simulator import _chunks
-
     l1 = np.full((2, 900), 128, dtype=np.int16)  # 312 columns of 128 stay below 40000
     assert _chunks(l1, 1, 40000) == [(0, 312), (312, 624), (624, 900)]
     assert _chunks(l1.astype(np.int64), 1, 40000) == _chunks(l1, 1, 40000)
+
+
+def test_an_int16_weight_is_left_as_it_is_by_the_simulator_it_builds():
+    """A linear layer with int16 weights (``weight_dtype="qint16"``) and a qint16 input runs in the float-GEMM
+    layer, which keeps ``|w|`` per input channel: computed from a copy (``w.to(torch.int16)`` is ``w`` itself,
+    and an ``abs_`` on it turned the program's weights, shared with the converted model, into ``|w|``), in a
+    type that holds ``|-32768|``.  The outputs equal the int64 reference."""
+    t = Tiny(seed=0)
+    x = t.input(torch.randint(-1000, 1001, (3, 8), generator=t.gen), 0.05, "qint16")
+    w16 = torch.randint(-120, 121, (5, 8), generator=t.gen).to(torch.int16)
+    w16[0, 0] = -(1 << 15)
+    layer = qnn.QuantizedWeightLayer("linear", w16, rand_scales(t.gen, 5), None, 0.05, 0.5, "qint16", {}, None, None,
+                                     name="fc")
+    prog = lower_partition(t.build(t.call(layer, x, name="fc")), "bpu0")
+    weight = next(o for o in prog.ops if o.kind == "linear").tensors["weight"]
+    before = weight.clone()
+    inputs = dict(zip([v.name for v in prog.inputs], t.inputs))
+    want = ref.run_program(prog, {k: v.numpy() for k, v in inputs.items()})
+    out = BpuSimulator(prog).run(inputs)
+    assert weight.dtype == torch.int16 and torch.equal(weight, before)
+    for spec in prog.outputs:
+        got = out[spec.name].int_repr() if isinstance(out[spec.name], QTensor) else out[spec.name]
+        assert np.array_equal(got.numpy().astype(np.int64), want[spec.name])
