@@ -390,3 +390,35 @@ def test_sensitivity_of_an_attention_block_measures_every_quantizer(tmp_path):
     names = {r[0] for r in rows}
     assert "softmax_activation_post_process" in names  # the quantizer that failed alone
     assert all(math.isfinite(r[3]) for r in rows)
+
+
+class _InPlaceAfterConv(nn.Module):
+    """A conv whose output the model then changes in place (``y += 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y += 1.0
+        return self.conv2(y)
+
+
+def test_a_recorded_layer_output_is_not_changed_by_a_later_in_place_op(tmp_path):
+    """The float baseline's layer outputs are recorded by hooks; the model's ``y += 1`` right after the conv
+    must not change what was recorded for the conv (a detached view was kept: every value was off by 1)."""
+    torch.manual_seed(0)
+    m = _InPlaceAfterConv().eval()
+    x = torch.randn(2, 3, 8, 8)
+    cal = prepare_calibration_fx(m, example_inputs=(x,), hybrid=True)
+    with torch.no_grad():
+        for _ in range(4):
+            cal(torch.randn(2, 3, 8, 8))
+    qa = QuantAnalysis(m, convert_fx(cal), "quantized", out_dir=str(tmp_path))
+    qa.set_bad_case(x)
+    layers = {row["node"]: row for row in qa.run()}
+    with torch.no_grad():
+        want = m.conv(x).double()
+    assert torch.equal(layers["conv"]["base"].reshape(want.shape).double(), want)

@@ -33,16 +33,21 @@ def _check_metric(metric: str) -> str:
     return m
 
 
-def _to_float(x: Any) -> Any:
-    """Dequantize QTensors (anything with ``dequantize``), recursively through tuples/lists/dicts."""
+def _to_float(x: Any, copy: bool = False) -> Any:
+    """Dequantize QTensors (anything with ``dequantize``), recursively through tuples/lists/dicts.
+
+    ``copy``: tensors are copied, not detached views.  A recorder that keeps a layer's output needs
+    it: a later in-place op of the model (``y += 1``, an ``inplace=True`` activation) would otherwise
+    change the recorded value."""
     if isinstance(x, torch.Tensor):
-        return x.detach()
+        return x.detach().clone() if copy else x.detach()
     if isinstance(x, QTensor):
         return x.dequantize().detach()
     if isinstance(x, (tuple, list)):
-        return type(x)(_to_float(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(_to_float(v) for v in x))
+        items = (_to_float(v, copy) for v in x)
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
     if isinstance(x, dict):
-        return {k: _to_float(v) for k, v in x.items()}
+        return {k: _to_float(v, copy) for k, v in x.items()}
     return x
 
 

@@ -144,7 +144,7 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         if n.op not in ("placeholder", "output"):
             self.raw[n.name] = out
-            self.values[n.name] = _to_float(out)
+            self.values[n.name] = _to_float(out, copy=True)  # kept: a later in-place op must not change it
         return out
 
 
@@ -488,7 +488,7 @@ class QuantAnalysis:
                 k = calls.get(base, 0)
                 calls[base] = k + 1
                 key = base if k == 0 else f"{base}_{k}"
-                values[key] = _to_float(out)
+                values[key] = _to_float(out, copy=True)  # kept: a later in-place op must not change it
                 types[key] = _type_name(type(m))
                 hook_paths[key] = path
             return hook

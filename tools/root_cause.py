@@ -67,7 +67,7 @@ def _feeds_bpu(gm: fx.GraphModule, quantizer: str) -> bool:
 def _tensor_values(model: nn.Module, fq: FakeQuantize, run: Callable[[nn.Module], float]) -> torch.Tensor:
     """The values ``fq`` quantizes on the bad case (one run, its SQNR unused)."""
     seen: list[torch.Tensor] = []
-    hook = fq.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().float()))
+    hook = fq.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach().to(torch.float32, copy=True)))
     try:
         run(model)
     finally:
