@@ -176,7 +176,9 @@ class _Measure:
     (``train()`` on them alone, observers off) instead of the exact float64 evaluation: the same grid
     up to rare rounding ties, good enough to rank candidates, and 2-3x faster. And every node's output
     of the run with the current chosen set is kept, so measuring one more candidate re-runs the graph
-    only from the first node that candidate changes (``fx.Interpreter`` with an initial env).
+    only from the first node that candidate changes (``fx.Interpreter`` with an initial env).  Unless the
+    graph changes a kept value in place (``a.mul_(0.5)`` after ``a`` fed a later conv): then the kept
+    ``a`` is no longer the value that conv read, and every measurement reruns the whole graph.
     """
 
     def __init__(self, cal: fx.GraphModule, batches: list[tuple], quantizers: list[str]) -> None:
@@ -200,6 +202,7 @@ class _Measure:
                 self.start.setdefault(str(n.target), i)
                 self.start.setdefault(f"{n.target}.activation_post_process", i)
         self._cache: Optional[tuple[tuple[str, ...], list[dict]]] = None
+        self.restarts = True  # False once a base run saw a kept value changed in place
         self.count = 0
 
     def _set(self, names: Iterable[str], dtype: str) -> None:
@@ -218,9 +221,10 @@ class _Measure:
             try:
                 envs = []
                 for b in self.batches:
-                    run = fx.Interpreter(self.model, garbage_collect_values=False)
+                    run = _KeepingInterpreter(self.model)
                     run.run(*b)
                     envs.append(run.env)
+                    self.restarts = self.restarts and not run.changed_in_place()
             finally:
                 self._set(base, "qint8")
             self._cache = (key, envs)
@@ -231,7 +235,9 @@ class _Measure:
         extra = [q for q in int16 if q not in base]
         k = min((self.start.get(q, 0) for q in extra), default=len(self.nodes) - 1)
         with torch.no_grad():
-            envs = self._envs(list(base)) if k > 0 else [{} for _ in self.batches]
+            envs = self._envs(list(base)) if k > 0 and self.restarts else None
+        if envs is None or not self.restarts:  # (known only after a base run: a kept value changed in place)
+            k, envs = 0, [{} for _ in self.batches]
         self._set(int16, "qint16")
         try:
             with torch.no_grad():
@@ -244,6 +250,33 @@ class _Measure:
         self.count += 1
         noise = (self.ref - torch.cat(outs).double()).norm()
         return float("inf") if noise == 0 else float(20 * torch.log10(self.ref.norm() / noise))
+
+
+class _KeepingInterpreter(fx.Interpreter):
+    """Keeps every node's output (``env``) and the version counter of each tensor in it when it was made,
+    so :meth:`changed_in_place` can tell whether a later node wrote into a kept value."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.made: list[tuple[torch.Tensor, int]] = []
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.append((t, _version(t)))
+        return out
+
+    def changed_in_place(self) -> bool:
+        return any(v is None or _version(t) != v for t, v in self.made)
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """``t._version`` (None for a tensor without one, an inference tensor: treated as changed)."""
+    try:
+        return t._version
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _flat_out(out: Any) -> torch.Tensor:
