@@ -262,13 +262,22 @@ class _KeepingInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.made.append((t, _version(t)))
+        self.made.extend((t, _version(t)) for t in _tensors(out))
         return out
 
     def changed_in_place(self) -> bool:
         return any(v is None or _version(t) != v for t, v in self.made)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a node's output (a tensor, or tuples / lists / dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _version(t: torch.Tensor) -> Optional[int]:
