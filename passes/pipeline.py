@@ -10,6 +10,7 @@ belongs to the BPU partition whose boundary it marks.
 from __future__ import annotations
 
 from qcompiler.passes.fuse import FUSE
+from qcompiler.passes.inplace_reads import INPLACE_READS
 from qcompiler.passes.insert_observers import INSERT_OBSERVERS
 from qcompiler.passes.insert_stubs import INSERT_STUBS
 from qcompiler.passes.partition import PARTITION
@@ -17,11 +18,11 @@ from qcompiler.passes.place import PLACE
 from qcompiler.passes.rewrite import REWRITE
 from qcompiler.passes.shape_prop import SHAPE_PROP
 
-ANALYZE = [SHAPE_PROP, REWRITE, PLACE]
+ANALYZE = [INPLACE_READS, SHAPE_PROP, REWRITE, PLACE]
 OPTIMIZE = [FUSE]
 SPLIT = [INSERT_STUBS, PARTITION]
 
-# trace -> shapes -> rewrites -> placement -> fusion -> boundary stubs -> partitions
+# trace -> reads after in-place ops rewired -> shapes -> rewrites -> placement -> fusion -> boundary stubs -> partitions
 PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
 # ... and observers / fake quants on the BPU ops, before grouping
 PREPARE_PIPELINE = ANALYZE + OPTIMIZE + [INSERT_STUBS, INSERT_OBSERVERS, PARTITION]
