@@ -23,7 +23,6 @@ import torch.nn as nn
 
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
-
 # torch.nn modules whose ``inplace=True`` writes the result into their input (exactly these classes: a
 # module of another class may keep an ``inplace`` flag it does not act on, as timm's GELU does)
 INPLACE_MODULES = frozenset({
