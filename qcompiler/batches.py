@@ -29,6 +29,24 @@ def as_args(batch: Any) -> tuple:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
+def fresh_args(args: Sequence[Any]) -> tuple:
+    """``args`` with every tensor (inside tuples, lists and dicts too) copied, for one run of a model over
+    inputs that are run again: a model may change its input in place (``x.sub_(mean).div_(std)``), and
+    the next run over the same stored batch would then see the changed one."""
+    return tuple(_fresh(a) for a in args)
+
+
+def _fresh(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, (tuple, list)):
+        items = [_fresh(x) for x in v]
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+    if isinstance(v, dict):
+        return {k: _fresh(x) for k, x in v.items()}
+    return v
+
+
 def input_signature(example_inputs: Sequence[Any]) -> list:
     """JSON-able description of example inputs, what :func:`check_inputs` compares with.
 

@@ -25,7 +25,7 @@ from qcompiler.atomic_write import write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_island
-from qcompiler.batches import as_args, check_inputs, input_signature, require_samples
+from qcompiler.batches import as_args, check_inputs, fresh_args, input_signature, require_samples
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
@@ -345,7 +345,7 @@ def compile(
         prepared.eval()
         with torch.no_grad():
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
-                prepared(*batch)
+                prepared(*fresh_args(batch))  # the batches are run again (int16, rounding, the report)
         if int16_budget is not None:  # before weight rounding: it rounds for the int16 input scales
             auto_int16(prepared, batches, budget=int16_budget, progress=progress)
         if weight_rounding:

@@ -236,6 +236,42 @@ def test_a_value_changed_in_place_is_not_reused_by_the_incremental_measurement()
     assert got == [want] * 3
 
 
+class _NormalizesItsInput(nn.Module):
+    """Normalizes its input in place, deployment style, then convs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        x = x.sub_(0.5).div_(0.25)
+        return self.c1(torch.relu(self.c0(x)))
+
+
+def test_a_model_that_changes_its_input_in_place_is_measured_on_the_batches_as_given():
+    """Every run gets its own copy of a batch: with the stored one each run normalized it once more (1.29,
+    1.00, 0.92, 0.87 dB on identical calls, the batch's max growing from 1 to 2702); compile leaves the
+    user's calibration batches as they were."""
+    from qcompiler.quantization.mixed_precision import _Measure
+
+    torch.manual_seed(0)
+    m = _NormalizesItsInput().eval()
+    xs = [torch.rand(2, 3, 8, 8) for _ in range(2)]
+    cal = prepare_calibration_fx(m, example_inputs=(xs[0].clone(),), hybrid=True, march="bayes")
+    with torch.no_grad():
+        for x in xs:
+            cal(x.clone())
+    qs = [n for n, mod in cal.named_modules() if isinstance(mod, CalibFakeQuantize) and "weight" not in n]
+    batches = [(x.clone(),) for x in xs]
+    measure = _Measure(cal, batches, qs)
+    got = [measure.sqnr([], base=[]) for _ in range(3)]
+    assert got[0] > 30.0 and got == [got[0]] * 3
+    assert all(torch.equal(b[0], x) for b, x in zip(batches, xs))
+    data = [x.clone() for x in xs]
+    qcompiler.compile(m, (xs[0].clone(),), calib_data=data, progress=False, int16_budget=0.5)
+    assert all(torch.equal(d, x) for d, x in zip(data, xs))
+
+
 def test_returned_qconfig_dict_keeps_the_users_own_entries():
     m, data = model_and_data()
     user = {"": get_default_calib_qconfig(), "module_name": [("fc", get_default_calib_out_qconfig())]}

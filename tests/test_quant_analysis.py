@@ -422,3 +422,34 @@ def test_a_recorded_layer_output_is_not_changed_by_a_later_in_place_op(tmp_path)
     with torch.no_grad():
         want = m.conv(x).double()
     assert torch.equal(layers["conv"]["base"].reshape(want.shape).double(), want)
+
+
+class _ScalesItsInput(nn.Module):
+    """Scales its input in place after a conv read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(3, 8, 1), nn.Conv2d(3, 8, 1)
+
+    def forward(self, x):
+        p = self.c0(x)
+        x.mul_(0.5)
+        return p + self.c1(x)
+
+
+def test_a_model_that_changes_its_input_in_place_is_analysed_on_the_bad_case_as_given(tmp_path):
+    """The analysis runs several models on one stored bad case: each run gets its own copy (the first run
+    halved the stored input for the others: the base output was 2.11 off the model's)."""
+    torch.manual_seed(0)
+    m = _ScalesItsInput().eval()
+    x = torch.randn(2, 3, 8, 8)
+    cal = prepare_calibration_fx(m, example_inputs=(x.clone(),), hybrid=True)
+    with torch.no_grad():
+        for _ in range(4):
+            cal(torch.randn(2, 3, 8, 8))
+    qa = QuantAnalysis(m, convert_fx(cal), "quantized", out_dir=str(tmp_path))
+    qa.set_bad_case(x.clone())
+    qa.run()
+    with torch.no_grad():
+        want = m(x.clone())
+    assert torch.equal(qa.base_output, want)

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from qcompiler.batches import fresh_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.shape_prop import eval_mode
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase
@@ -51,7 +52,7 @@ def run_inspected(model: Any, which: str, args: tuple) -> Any:
     (e.g. "baseline") and the inputs, chained to the original error, not a traceback from torch."""
     try:
         with evaluating(model):
-            return model(*args)
+            return model(*fresh_args(args))  # a model may change its input in place; it is run again
     except ConfigError:
         raise
     except Exception as e:

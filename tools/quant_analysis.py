@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.atomic_write import write_file
-from qcompiler.batches import as_args
+from qcompiler.batches import as_args, fresh_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
 from qcompiler.quantization.fake_quantize import FakeQuantize
@@ -151,7 +151,7 @@ class _Recorder(fx.Interpreter):
 def _record_graph(gm: fx.GraphModule, args: tuple) -> tuple[dict, dict, Any]:
     rec = _Recorder(gm)
     with evaluating(gm):
-        out = rec.run(*args)
+        out = rec.run(*fresh_args(args))
     return rec.values, rec.raw, out
 
 
@@ -218,7 +218,7 @@ def _layer_flops(model: nn.Module, args: tuple) -> dict[str, int]:
             hooks.append(mod.register_forward_hook(hook_for(name)))
     try:
         with torch.no_grad():
-            model(*args)
+            model(*fresh_args(args))
     finally:
         for h in hooks:
             h.remove()
@@ -498,7 +498,7 @@ class QuantAnalysis:
                 hooks.append(mod.register_forward_hook(hook_for(path, mod)))
         try:
             with evaluating(self.baseline_model):
-                self.baseline_model(*args)
+                self.baseline_model(*fresh_args(args))
         finally:
             for h in hooks:
                 h.remove()

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
-from qcompiler.batches import as_args
+from qcompiler.batches import as_args, fresh_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_OP, META_SCOPE, META_STUB, placement
 from qcompiler.ir.ops import META_OPS
@@ -188,7 +188,7 @@ class _Measure:
                 m.train()
         self.batches = batches
         with torch.no_grad():
-            self.ref = torch.cat([_flat_out(cal(*b)) for b in batches]).double()
+            self.ref = torch.cat([_flat_out(cal(*fresh_args(b))) for b in batches]).double()
         self.scales: dict[str, dict[str, torch.Tensor]] = {}
         for name in quantizers:
             obs = copy.deepcopy(cal.get_submodule(name).activation_post_process)
@@ -222,7 +222,7 @@ class _Measure:
                 envs = []
                 for b in self.batches:
                     run = _KeepingInterpreter(self.model)
-                    run.run(*b)
+                    run.run(*fresh_args(b))
                     envs.append(run.env)
                     self.restarts = self.restarts and not run.changed_in_place()
             finally:
@@ -244,7 +244,7 @@ class _Measure:
                 outs = []
                 for b, env in zip(self.batches, envs):
                     initial = {n: env[n] for n in self.nodes[:k] if n in env}
-                    outs.append(_flat_out(fx.Interpreter(self.model).run(*b, initial_env=initial)))
+                    outs.append(_flat_out(fx.Interpreter(self.model).run(*fresh_args(b), initial_env=initial)))
         finally:
             self._set(int16, "qint8")
         self.count += 1

@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qcompiler.batches import as_args
+from qcompiler.batches import as_args, fresh_args
 from qcompiler.errors import CalibrationError, ConfigError
 from qcompiler.passes.convert import check_observed
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase, observe_final_weight
@@ -337,7 +337,7 @@ def _call_order(model: nn.Module, layers: list[tuple[str, nn.Module]], batch: tu
 
     handles = [m.register_forward_pre_hook(hook) for _, m in layers]
     try:
-        _forward(lambda: model(*batch), 0)
+        _forward(lambda: model(*fresh_args(batch)), 0)
     finally:
         for h in handles:
             h.remove()
@@ -438,7 +438,7 @@ class _Passes:
         """One pass of batch ``index``; ends at the end of the graph or at a :class:`_Stop`."""
         if not self.resumable or _inference(batch):
             try:
-                _forward(lambda: self.model(*batch), index)
+                _forward(lambda: self.model(*fresh_args(batch)), index)
             except _Stop:
                 pass
             return
