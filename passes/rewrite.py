@@ -10,7 +10,8 @@ padding inside may sum its products in another order than torch's conv of the pa
 (float32 rounding, a few ULPs; tests/test_rewrite.py states the tolerance).
 
 * ``F.pad`` with zeros (constant mode, value 0), read by nothing else, before a conv or an
-  average pool (counting the padding) whose only caller it is: the padding moves into the
+  average pool (counting the padding) whose only caller it is, its input not changed in place
+  between the two (the layer would read the changed value): the padding moves into the
   conv / pool when the march's constraints accept the new padding. The sides may differ
   (TF-style "same" padding, ``F.pad(x, (0, 1, 0, 1))`` before a stride-2 conv): the layer then
   holds four sides ``(top, left, bottom, right)`` (``fixed_point.pads4``; the conv with
@@ -46,6 +47,7 @@ from qcompiler.ir.modules import set_module
 from qcompiler.ir.ops import node_op
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.inplace_reads import mutated_input
 from qcompiler.quantization.fixed_point import pads4
 
 
@@ -130,13 +132,38 @@ def _match_pad(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
     if pad is None or len(node.users) != 1:
         return None
     user = next(iter(node.users))
-    if not user.args or user.args[0] is not node:
+    if not user.args or user.args[0] is not node or _changed_between(node.args[0], node, user, gm):
         return None
     m = _padded_layer(user, gm)
     if m is None:
         return None
     new = with_zero_padding(m, _with_padding(m, pad))
     return (user, new) if _march_accepts(user, new, gm, ctx) else None
+
+
+def _changed_between(value: fx.Node, start: fx.Node, end: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether a node after ``start`` and before ``end`` changes ``value`` in place: the layer would then
+    read the changed value where the pad read the old one (``p = F.pad(a); a.mul_(2); conv(p)``)."""
+    modules = _Modules(gm)
+    n = start.next
+    while n is not end and n.op != "root":
+        if mutated_input(n, modules) is value:
+            return True
+        n = n.next
+    return False
+
+
+class _Modules:
+    """``gm``'s submodules by name, looked up one at a time (what :func:`mutated_input` reads)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+
+    def get(self, name):
+        try:
+            return self.gm.get_submodule(name)
+        except AttributeError:
+            return None
 
 
 def _replace_pad(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:

@@ -170,6 +170,21 @@ class TwoUsers(nn.Module):
         return self.conv(p), p.sum()
 
 
+class ChangedBetween(nn.Module):
+    """The pad's input is changed in place between the pad and the conv: folded, the conv would read it
+    changed (0.66 off the model, found by review)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3)
+
+    def forward(self, x):
+        a = x * 1.0
+        p = F.pad(a, (1, 1, 1, 1))
+        a.mul_(2.0)
+        return self.conv(p) + a
+
+
 @pytest.mark.parametrize("model", [
     PadConv(value=0.5),  # not zeros
     PadConv(pads=TF_SAME, value=0.5),
@@ -184,9 +199,10 @@ class TwoUsers(nn.Module):
     PadPool(nn.AvgPool2d(3, 1, padding=1)),  # 2 > kernel // 2: torch refuses such a pool
     PadPool(nn.AvgPool2d(2), pads=(0, 2, 0, 0)),  # one side over kernel // 2
     TwoUsers(),  # the padded value is read elsewhere too
+    ChangedBetween(),  # the pad's input changes in place before the conv reads the pad
 ], ids=["nonzero", "nonzero-asymmetric", "reflect", "reflect-asymmetric", "replicate-asymmetric", "max-pool",
         "max-pool-asymmetric", "not-counted", "not-counted-asymmetric", "ceil-mode", "over-half-kernel",
-        "one-side-over-half-kernel", "two-users"])
+        "one-side-over-half-kernel", "two-users", "changed-in-place-between"])
 def test_pad_rows_decline(model):
     ref = model(X)
     gm, _, result = _run(model)
