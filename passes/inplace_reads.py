@@ -36,7 +36,7 @@ def _in_place_name(name: str) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def mutated_input(node: fx.Node, modules: dict) -> Optional[fx.Node]:
+def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     """The value ``node`` changes in place (its first argument), or None: a tensor method ``x.op_()``,
     a ``torch`` function ``op_`` or a ``torch.nn.functional`` one with ``inplace=True``, a module of
     :data:`INPLACE_MODULES` with ``inplace=True``.  (A user function or module with such a name or flag
@@ -47,7 +47,7 @@ def mutated_input(node: fx.Node, modules: dict) -> Optional[fx.Node]:
     if node.op == "call_method":
         return first if _in_place_name(node.target) else None
     if node.op == "call_module":
-        mod = modules.get(node.target)
+        mod = gm.get_submodule(node.target)
         return first if type(mod) in INPLACE_MODULES and getattr(mod, "inplace", False) is True else None
     if node.op == "call_function":
         where = getattr(node.target, "__module__", None) or ""
@@ -58,18 +58,19 @@ def mutated_input(node: fx.Node, modules: dict) -> Optional[fx.Node]:
     return None
 
 
+def _late_reads(node: fx.Node, value: fx.Node, order: dict) -> list[fx.Node]:
+    """The users of ``value`` after ``node`` (in graph order), ``node`` itself not counted."""
+    return [u for u in value.users if u is not node and order[u] > order[node]]
+
+
 def inplace_reads(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    modules = dict(gm.named_modules())
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
     for node in list(gm.graph.nodes):
-        value = mutated_input(node, modules)
-        if value is None:
-            continue
-        for user in list(value.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(value, node)
-                changed = True
+        value = mutated_input(node, gm)
+        for user in _late_reads(node, value, order) if value is not None else ():
+            user.replace_input_with(value, node)
+            changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
@@ -77,12 +78,11 @@ def inplace_reads(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
 
 def verify_inplace_reads(gm: fx.GraphModule, ctx: CompileContext) -> None:
-    modules = dict(gm.named_modules())
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in gm.graph.nodes:
-        value = mutated_input(node, modules)
+        value = mutated_input(node, gm)
         if value is not None:
-            late = [u.name for u in value.users if u is not node and order[u] > order[node]]
+            late = [u.name for u in _late_reads(node, value, order)]
             assert not late, f"{late} read {value.name} after {node.name} changed it in place"
 
 

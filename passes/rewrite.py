@@ -144,26 +144,12 @@ def _match_pad(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
 def _changed_between(value: fx.Node, start: fx.Node, end: fx.Node, gm: fx.GraphModule) -> bool:
     """Whether a node after ``start`` and before ``end`` changes ``value`` in place: the layer would then
     read the changed value where the pad read the old one (``p = F.pad(a); a.mul_(2); conv(p)``)."""
-    modules = _Modules(gm)
     n = start.next
     while n is not end and n.op != "root":
-        if mutated_input(n, modules) is value:
+        if mutated_input(n, gm) is value:
             return True
         n = n.next
     return False
-
-
-class _Modules:
-    """``gm``'s submodules by name, looked up one at a time (what :func:`mutated_input` reads)."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
-
-    def get(self, name):
-        try:
-            return self.gm.get_submodule(name)
-        except AttributeError:
-            return None
 
 
 def _replace_pad(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:

@@ -1785,7 +1785,7 @@ class _FastLinear:
         # (O, K) |w|: int16 for int8 weights (2 bytes a weight, not int64's 8), int64 otherwise (|-32768| of an
         # int16 weight); always a copy (to() of a weight already of the type is the weight, and abs_ would change it)
         self.l1 = w.to(torch.int16 if w.dtype == torch.int8 else torch.int64, copy=True).abs_().numpy()
-        self.l1_row = int(abs_sums(w).max()) if w.numel() else 0
+        self.l1_row = int(self.l1.sum(axis=1).max(initial=0))  # (numpy sums int16 in int64)
         self.int8 = int8_gemm and self.in_dtype == "qint8" and _AMAX["qint8"] * self.l1_row < _I32
         self.wt_i8 = _gemm_operand(w.t())  # (K, O) row-major
         self._plans: dict = {}
