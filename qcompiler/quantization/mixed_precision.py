@@ -42,7 +42,7 @@ from qcompiler.ir.ops import META_OPS
 from qcompiler.march import to_march
 from qcompiler.passes.insert_observers import CONSTANT_QUANT, OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
-from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, set_state
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, _versions, set_state
 from qcompiler.quantization.observer import observer_name
 from qcompiler.quantization.prepare import GM_HYBRID, GM_KIND, GM_QCONFIG_DICT, prepare_qat_fx
 from qcompiler.quantization.qconfig import (
@@ -258,15 +258,15 @@ class _KeepingInterpreter(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=False)
-        self.made: list[tuple[torch.Tensor, int]] = []
+        self.made: list[tuple[torch.Tensor, Optional[tuple]]] = []
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        self.made.extend((t, _version(t)) for t in _tensors(out))
+        self.made.extend((t, _versions(t)) for t in _tensors(out))
         return out
 
     def changed_in_place(self) -> bool:
-        return any(v is None or _version(t) != v for t, v in self.made)
+        return any(v is None or _versions(t) != v for t, v in self.made)  # (None: no counter, taken as changed)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -278,14 +278,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    """``t._version`` (None for a tensor without one, an inference tensor: treated as changed)."""
-    try:
-        return t._version
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def _flat_out(out: Any) -> torch.Tensor:
