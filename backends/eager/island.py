@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from qcompiler.errors import ConfigError
+from qcompiler.passes.inplace_reads import mutated_input
 
 TORCH = "torch"  # the step kind of an eager-torch island
 
@@ -26,7 +27,13 @@ TORCH = "torch"  # the step kind of an eager-torch island
 def island_module(gm: fx.GraphModule, nodes: Sequence[str], inputs: Sequence[str],
                   outputs: Sequence[str]) -> fx.GraphModule:
     """The nodes ``nodes`` of ``gm`` as a GraphModule taking ``inputs`` and returning the tuple ``outputs``
-    (values by FX name); it shares ``gm``'s submodules and attributes."""
+    (values by FX name); it shares ``gm``'s submodules and attributes.
+
+    An in-place op on a value that leaves the island (an input or an output) runs on a clone of it: other
+    steps share that tensor, and the partitioner may run one of its earlier readers after this island
+    (:mod:`~qcompiler.passes.inplace_reads` made every later read go through the op's result, so the
+    op's own value is the only one that must change).  In-place ops on values the island keeps to itself
+    run as they are."""
     by_name = {n.name: n for n in gm.graph.nodes}
     missing = [n for n in (*nodes, *inputs) if n not in by_name]
     if missing:
@@ -41,11 +48,27 @@ def island_module(gm: fx.GraphModule, nodes: Sequence[str], inputs: Sequence[str
                               f"nor one of its inputs")
         return values[node.name]
 
+    shared = {*inputs, *outputs}
     for node in gm.graph.nodes:  # graph order is a topological order
-        if node.name in wanted:
-            values[node.name] = graph.node_copy(node, arg)
+        if node.name not in wanted:
+            continue
+        copy = graph.node_copy(node, arg)
+        changed = mutated_input(node, gm)
+        if changed is not None and changed.name in shared:
+            _change_a_clone(graph, copy, values[changed.name])
+        values[node.name] = copy
     graph.output(tuple(values[o] for o in outputs))
     return fx.GraphModule(gm, graph, class_name="EagerIsland")
+
+
+def _change_a_clone(graph: fx.Graph, node: fx.Node, value: fx.Node) -> None:
+    """Make the in-place ``node`` change a clone of ``value`` (its first argument) made just before it."""
+    with graph.inserting_before(node):
+        clone = graph.call_method("clone", (value,))
+    if node.args:
+        node.args = (clone, *node.args[1:])
+    else:
+        node.kwargs = {**node.kwargs, "input": clone}
 
 
 class EagerIsland:
