@@ -162,8 +162,8 @@ def test_a_0d_result_of_a_cpu_island_stays_0d(fn):
 
 
 class DoubledAfterARead(nn.Module):
-    """``a`` leaves the torch island for c0 on the BPU, then is doubled in place in the island; the
-    partitioner runs the whole island (gate, mul_, atan) before c0."""
+    """``a`` leaves the torch island for c0 on the BPU, then is changed in place in the island; the
+    partitioner runs the whole island (gate, atan_, atan) before c0."""
 
     def __init__(self, shared=True):
         super().__init__()
@@ -173,25 +173,26 @@ class DoubledAfterARead(nn.Module):
     def forward(self, x):
         a = self.gate(torch.atan(x))
         p = self.c0(a) if self.shared else self.c0(x)
-        a.mul_(2.0)
+        a.atan_()
         return p + self.c1(torch.atan(a))
 
 
 def test_an_in_place_op_on_a_value_another_step_reads_changes_a_clone():
-    """Done in place, the island's ``mul_`` doubled the tensor c0 later read: 0.46 off float, where the
-    converted model is 0.017 off."""
+    """Done in place, the island's ``atan_`` changed the tensor c0 later read: 0.32 off float, where the
+    converted model is 0.015 off."""
     torch.manual_seed(0)
     model = DoubledAfterARead().eval()
-    ref = model(X.clone())
+    x = torch.rand(2, 3, 8, 8)
+    ref = model(x.clone())
     cm = _compile(model, "bayes", prepare_custom_config_dict=LEAF)
     (name,) = cm.torch_islands()
     step = next(s for s in cm.runtime.steps if s.name == name)
-    assert {"gate", "mul_"} <= set(step.nodes) and "gate" in step.outputs
+    assert {"gate", "atan_"} <= set(step.nodes) and "gate" in step.outputs
     assert cm.runtime.steps.index(step) == 0  # before c0's step: the order that went wrong
     code = cm.runtime.eager[name].code()
-    assert "clone = gate.clone()" in code and "clone.mul_(2.0)" in code
-    assert torch.equal(cm(X), cm.converted(X))
-    assert (cm(X) - ref).abs().max() < 0.03
+    assert "clone = gate.clone()" in code and "clone.atan_()" in code
+    assert torch.equal(cm(x), cm.converted(x))
+    assert (cm(x) - ref).abs().max() < 0.05
 
 
 def test_an_in_place_op_on_a_value_the_island_keeps_runs_in_place():
@@ -199,7 +200,7 @@ def test_an_in_place_op_on_a_value_the_island_keeps_runs_in_place():
     cm = _compile(DoubledAfterARead(shared=False).eval(), "bayes", prepare_custom_config_dict=LEAF)
     (name,) = cm.torch_islands()
     code = cm.runtime.eager[name].code()
-    assert "clone" not in code and "gate.mul_(2.0)" in code
+    assert "clone" not in code and "gate.atan_()" in code
     assert torch.equal(cm(X), cm.converted(X))
 
 
@@ -210,7 +211,7 @@ def test_an_in_place_op_on_the_models_input_leaves_the_callers_tensor_alone():
             self.gate, self.conv = Gate(), nn.Conv2d(3, 4, 1)
 
         def forward(self, x):
-            x.mul_(2.0)
+            x.atan_()
             return self.conv(self.gate(x))
 
     torch.manual_seed(0)

@@ -190,3 +190,42 @@ def test_a_module_of_another_class_with_an_inplace_flag_is_not_taken_for_an_in_p
     cal = prepare_calibration_fx(model, example_inputs=(X,), hybrid=True)
     with torch.no_grad():
         assert torch.equal(cal(X), model(X))
+
+
+class InPlaceSpellings(nn.Module):
+    """In-place methods whose out-of-place twins the BPU and onnxruntime run (qcompiler.ir.ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(3, 8, 1)
+        self.c2, self.c3 = nn.Conv2d(8, 4, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = self.c0(x)
+        y.relu_()
+        z = y.mul_(0.5).add_(self.c1(x))
+        z.clamp_(0, 6)
+        w = torch.atan(z)
+        w.atan_()
+        return self.c2(z) + self.c3(w)
+
+
+def test_in_place_spellings_compile_without_a_torch_island_and_save_and_export(tmp_path):
+    """They ran as eager-torch islands (no op without the twin), which save and export_onnx refuse."""
+    import qcompiler  # the facade: not imported by this module's pass-level tests
+    torch.manual_seed(0)
+    model = InPlaceSpellings().eval()
+    calib = [torch.rand(2, 3, 8, 8) for _ in range(3)]
+    x = torch.rand(2, 3, 8, 8)
+    ref = model(x.clone())
+    cm = qcompiler.compile(model, (x,), march="bayes", calib_data=calib, progress=False)
+    assert cm.torch_islands() == {}
+    where = {node: step.kind for step in cm.runtime.steps for node in step.nodes}
+    assert [where.get(n) for n in ("mul_", "clamp_", "atan", "atan_")] == ["bpu", "bpu", "cpu", "cpu"]
+    assert "relu_" not in where and "add_" not in where  # fused: c0 + relu_, c1 + add_
+    out = cm(x)
+    assert torch.equal(out, cm.converted(x))
+    assert (out - ref).abs().max() < 0.05
+    cm.save(tmp_path / "m.qc")
+    assert torch.equal(qcompiler.load(tmp_path / "m.qc")(x), out)
+    cm.export_onnx(tmp_path / "m.onnx")
