@@ -42,12 +42,12 @@ import torch.nn as nn
 from qcompiler.backends.bpu import op_table
 from qcompiler.backends.bpu.op_info import op_info
 from qcompiler.errors import PassError
+from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.modules import set_module
 from qcompiler.ir.ops import node_op
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
-from qcompiler.passes.inplace_reads import mutated_input
 from qcompiler.quantization.fixed_point import pads4
 
 

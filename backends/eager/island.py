@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from qcompiler.errors import ConfigError
-from qcompiler.passes.inplace_reads import mutated_input
+from qcompiler.ir.inplace import mutated_input
 
 TORCH = "torch"  # the step kind of an eager-torch island
 

@@ -9,6 +9,9 @@ the TraceError would tell the user to do, and warns:
   ``non_traceable_module_name``), and tracing starts again; repeated until the model traces;
 * the failure is in the top-level ``forward``: the graph is one call of the whole model.
 
+A module whose forward changes a parameter or buffer in place keeps state from call to call, which
+a graph cannot hold: it becomes a leaf the same way (:func:`_raise_on_state_writes`).
+
 Each such node carries ``META_AUTO_LEAF`` (why), so placement keeps it on the CPU, where it runs
 as an eager-torch island (ONNX has no form for arbitrary Python): the model compiles and runs,
 but ``export_onnx`` and ``save`` refuse it (docs/stubs_and_tracing.md). With ``strict=True``
@@ -19,16 +22,19 @@ so it is for an error in the model's code (a NameError: the forward fails eagerl
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import QCompilerWarning, TraceError
-from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry
+from qcompiler.ir.inplace import state_writes
+from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.shape_prop import normalize_inputs
-from qcompiler.ir.tracer import trace
+from qcompiler.ir.tracer import is_user_file, leaf_fix, module_where, trace
 
 WHOLE_MODEL = "model"  # the submodule name of a model that runs as one leaf
 
@@ -40,9 +46,14 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
     leaves = list(leaf_module_names)
     auto: dict[str, str] = {}  # module path -> why it is a leaf
     while True:
+        state = _State(model)
         try:
-            gm = trace(model, leaf_module_names=leaves, leaf_module_types=leaf_module_types,
-                       example_inputs=example_inputs)
+            try:
+                gm = trace(model, leaf_module_names=leaves, leaf_module_types=leaf_module_types,
+                           example_inputs=example_inputs)
+            finally:
+                written = state.restore()
+            _raise_on_state_writes(model, gm, written, leaves)
             break
         except TraceError as err:
             if strict or getattr(err, "code_error", False) or err.module_path in leaves:
@@ -60,6 +71,75 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
             node.meta[META_AUTO_LEAF] = (f"module '{node.target}' ({type(module).__name__}) cannot be traced "
                                          f"({auto[node.target]}): it runs as a whole, in eager torch on the CPU")
     return gm
+
+
+class _State:
+    """The model's parameters and buffers before a trace.  Tracing runs the forward's Python on the
+    real tensors wherever no proxy is involved: ``self.mean.mul_(0.5)`` changes the buffer then and
+    there (fx makes a buffer a graph value only once an op mixes it with one)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.kept = [(name, t, t._version, None) for name, t in model.named_parameters()]
+        self.kept += [(name, t, t._version, t.detach().clone()) for name, t in model.named_buffers()]
+
+    def restore(self) -> list[str]:
+        """Names of those changed in place since; buffers get their values back."""
+        written = []
+        for name, t, version, saved in self.kept:
+            if t._version != version:
+                written.append(name)
+                if saved is not None:
+                    with torch.no_grad():
+                        t.copy_(saved)
+        return written
+
+
+def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, written: list[str], leaves: list[str]) -> None:
+    """A TraceError if the traced forward changes a parameter or buffer in place: state that carries
+    from one call to the next, which a graph of values cannot hold (the compiled model would compute
+    with the value from before the write, with no error).  It names the module doing it, or the one
+    owning the tensor for a write made while tracing, or the closest enclosing module that is not a
+    leaf yet; that module becomes a leaf and keeps its state as it runs in torch."""
+    params = dict(model.named_parameters())
+    if written:
+        attr, path, op = written[0], written[0].rpartition(".")[0], None
+    else:
+        writes = state_writes(gm)
+        if not writes:
+            return
+        node, attr = writes[0]
+        path, op = (scope(node)[-1].path if scope(node) else ""), node
+    if attr in params and written:  # its old value is gone (only buffers are kept: parameters are large)
+        err = TraceError(f"tracing {type(model).__name__} changed its parameter '{attr}' in place, which cannot "
+                         f"be undone: change it outside forward, or mark the module doing it a leaf.")
+        err.module_path, err.reason, err.code_error = path, "parameter changed while tracing", True  # no retry
+        raise err
+    while path in leaves:
+        path = path.rpartition(".")[0]
+    typ = type(model.get_submodule(path)) if path else type(model)
+    kind = "parameter" if attr in params else "buffer"
+    how = f"`{op.name}`{_source(op)}" if op is not None else "an in-place op run while tracing"
+    reason = f"{how} changes its {kind} '{attr}' in place, state a traced graph cannot hold"
+    err = TraceError(f"cannot trace {module_where(path, typ)}: {reason} (each call would start from the "
+                     f"value before the write). {leaf_fix(path, 'stateful')}")
+    err.module_path, err.reason, err.code_error = path, reason, False
+    raise err
+
+
+_FRAME = re.compile(r'\s*File "(.+)", line (\d+)')
+
+
+def _source(node: fx.Node) -> str:
+    """`` at file:line `code` `` of the innermost user code that made ``node`` (fx records the stack
+    in ``meta["stack_trace"]``), or ``""``."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    found = ""
+    for i, line in enumerate(lines):
+        frame = _FRAME.match(line)
+        if frame and is_user_file(frame[1]):
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            found = f" at {frame[1]}:{frame[2]}" + (f" `{code}`" if code else "")
+    return found
 
 
 def _warn_leaf(model: nn.Module, err: TraceError) -> None:

@@ -142,13 +142,15 @@ def _user_frame(tb) -> Optional[traceback.FrameSummary]:
     """The innermost traceback frame in user code (not torch, qcompiler or the stdlib)."""
     user = None
     for frame in traceback.extract_tb(tb):
-        path = os.path.abspath(frame.filename)
-        if path.startswith((_TORCH_DIR, _QCOMPILER_DIR, _STDLIB_DIR)):
-            continue
-        if frame.filename.startswith("<"):
-            continue
-        user = frame
+        if is_user_file(frame.filename):
+            user = frame
     return user
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether a frame's file is the user's code (not torch, qcompiler, the stdlib or generated code)."""
+    return not filename.startswith("<") and not os.path.abspath(filename).startswith(
+        (_TORCH_DIR, _QCOMPILER_DIR, _STDLIB_DIR))
 
 
 def trace(
@@ -223,10 +225,24 @@ def _defaulted_inputs(model: nn.Module, tracer: QTracer) -> list[str]:
     return [t for t in placeholders if t in defaulted and t not in tracer.constant_args]
 
 
+def leaf_fix(path: str, what: str) -> str:
+    """How to make the module at ``path`` (``""``: the top level, whose ``what`` code must move into a
+    submodule) a leaf, in the words of the config and the CLI."""
+    if path:
+        return (f"Mark it a leaf so it is called as a whole (it then runs on CPU): "
+                f"prepare_custom_config_dict={{'non_traceable_module_name': ['{path}']}} (CLI: --leaf-module {path}).")
+    return (f"Move the {what} code into a submodule and mark that submodule a leaf "
+            f"with prepare_custom_config_dict={{'non_traceable_module_name': [...]}} (it then runs on CPU).")
+
+
+def module_where(path: str, typ: type) -> str:
+    return f"module '{path}' ({typ.__name__})" if path else f"the top-level module ({typ.__name__})"
+
+
 def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception, inputs_given: bool) -> TraceError:
     stack = list(tracer.module_stack.values())
     path, typ = stack[-1] if stack else ("", type(model))
-    where = f"module '{path}' ({typ.__name__})" if path else f"the top-level module ({typ.__name__})"
+    where = module_where(path, typ)
     frame = _user_frame(exc.__traceback__)
     line = ""
     if frame is not None:
@@ -239,17 +255,7 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception, inputs_given
                    f"model's code, not a tracing limit: its forward raises it when run eagerly too; fix the "
                    f"code (check that model(*example_inputs) runs).")
     else:
-        if path:
-            fix = (
-                f"Mark it a leaf so it is called as a whole (it then runs on CPU): "
-                f"prepare_custom_config_dict={{'non_traceable_module_name': ['{path}']}} "
-                f"(CLI: --leaf-module {path})."
-            )
-        else:
-            fix = (
-                "Move the data-dependent code into a submodule and mark that submodule a leaf "
-                "with prepare_custom_config_dict={'non_traceable_module_name': [...]} (it then runs on CPU)."
-            )
+        fix = leaf_fix(path, "data-dependent")
         given = _defaulted_inputs(model, tracer) if inputs_given else []
         if given:
             fix += (f" If it branches on {', '.join(repr(g) for g in given)} (a forward parameter with a default, "

@@ -1,0 +1,207 @@
+"""A forward that changes a parameter or buffer in place keeps state from one call to the next, which a
+traced graph cannot hold: without a leaf, the compiled model started every call from the value before the
+write, 0.22 off float with no error.  Tracing makes the module doing it a leaf that runs in torch
+(qcompiler/ir/auto_leaf.py, qcompiler/ir/inplace.py)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.errors import QCompilerWarning, TraceError
+from qcompiler.ir.inplace import state_writes
+from qcompiler.ir.tracer import trace
+
+X = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
+class EagerEma(nn.Module):
+    """``mul_(0.5)`` has no proxy argument: fx runs it on the real buffer while tracing."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.ones(1, 3, 1, 1))
+
+    def forward(self, x):
+        self.mean.mul_(0.5).add_(x.mean((0, 2, 3), keepdim=True) * 0.5)
+        return x - self.mean
+
+
+class GraphEma(nn.Module):
+    """Every write has a proxy argument, so the graph records them (a chain of two)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.ones(1, 3, 1, 1))
+
+    def forward(self, x):
+        self.mean.sub_(x.mean((0, 2, 3), keepdim=True)).mul_(0.5)
+        return x - self.mean
+
+
+class ScaleDecay(nn.Module):
+    """A parameter changed in place (fx proxies parameters, so the graph records it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((1, 3, 1, 1), 2.0), requires_grad=False)
+
+    def forward(self, x):
+        self.scale.mul_(x.abs().mean() * 0 + 0.5)
+        return x * self.scale
+
+
+class Parent(nn.Module):
+    """Writes its child's buffer while tracing: making the child a leaf does not stop it."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = EagerEma()
+
+    def forward(self, x):
+        self.child.mean.mul_(0.5)
+        return self.child(x)
+
+
+class Net(nn.Module):
+    """The stateful module reads the model's input, so its leaf sees the float model's values."""
+
+    def __init__(self, stateful):
+        super().__init__()
+        self.state, self.conv = stateful, nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(torch.relu(self.state(x)))
+
+
+class TopLevel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.conv(x) * self.calls
+
+
+def _compile(model, **kw):
+    torch.manual_seed(0)
+    calib = [torch.rand(2, 3, 8, 8) for _ in range(3)]
+    return qcompiler.compile(model, (X,), march="bayes", calib_data=calib, progress=False, **kw)
+
+
+@pytest.mark.parametrize("stateful, leaf, message", [
+    (EagerEma, "state", r"cannot trace module 'state' \(EagerEma\): an in-place op run while tracing changes its "
+                        r"buffer 'state.mean' in place, state a traced graph cannot hold"),
+    (GraphEma, "state", r"cannot trace module 'state' \(GraphEma\): `sub_` at .*test_state_writes.py:\d+ "
+                        r"`self.mean.sub_\(x.mean\(\(0, 2, 3\), keepdim=True\)\).mul_\(0.5\)` changes its buffer "
+                        r"'state.mean' in place"),
+    (ScaleDecay, "state", r"`mul_` at .*changes its parameter 'state.scale' in place"),
+    (Parent, "state", r"cannot trace module 'state' \(Parent\): an in-place op run while tracing changes its "
+                      r"buffer 'state.child.mean'"),
+], ids=["eager-write", "graph-writes", "parameter", "parent-writes-childs-buffer"])
+def test_a_module_that_changes_its_state_runs_as_a_leaf_and_keeps_it(stateful, leaf, message):
+    torch.manual_seed(0)
+    model = Net(stateful()).eval()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.warns(QCompilerWarning, match=message + r".*Done automatically: 'state' is a leaf"):
+        cm = _compile(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the user's model is untouched
+    (name,) = cm.torch_islands()
+    assert cm.torch_islands()[name].startswith(f"cannot emit node '{leaf}' ({stateful.__name__})")
+    # from the same state, the compiled model's leaf moves its state as the float model's module does,
+    # bit for bit (it reads the model's input), and the outputs agree within the quantization error
+    leaf_module = cm.converted.get_submodule(leaf)
+    model.get_submodule(leaf).load_state_dict(leaf_module.state_dict())  # calibration moved the leaf's state
+    torch.manual_seed(1)
+    for x in (X, X.flip(-1), torch.rand(2, 3, 8, 8)):
+        ref, out = model(x), cm(x)
+        assert all(torch.equal(a, b) for a, b in zip(leaf_module.state_dict().values(),
+                                                     model.get_submodule(leaf).state_dict().values()))
+        assert (out - ref).abs().max() < 0.1
+
+
+def test_a_top_level_forward_that_changes_a_buffer_runs_whole_in_torch():
+    torch.manual_seed(0)
+    model = TopLevel().eval()
+    with pytest.warns(QCompilerWarning, match=r"cannot trace the top-level module \(TopLevel\): an in-place op run "
+                                              r"while tracing changes its buffer 'calls'.*the whole model runs"):
+        cm = _compile(model)
+    assert float(model.calls) == 0
+    model.calls.fill_(7)
+    cm.converted.get_submodule("model").calls.fill_(7)
+    assert torch.equal(cm(X), model(X))  # the whole model in torch: the same code on the same state
+
+
+def test_strict_tracing_raises_with_the_fix():
+    model = Net(EagerEma()).eval()
+    with pytest.raises(TraceError, match=r"cannot trace module 'state' \(EagerEma\).*buffer 'state.mean'.*"
+                                         r"'non_traceable_module_name': \['state'\]"):
+        _compile(model, prepare_custom_config_dict={"strict_tracing": True})
+    assert torch.equal(model.state.mean, torch.ones(1, 3, 1, 1))
+
+
+class ReadsState(nn.Module):
+    """Reads a buffer and changes activations in place: no state is written."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("shift", torch.full((1, 3, 1, 1), 0.25))
+
+    def forward(self, x):
+        y = x - self.shift
+        y.relu_()
+        return torch.relu(y, inplace=True) if False else y.mul_(2.0)
+
+
+def test_reading_state_and_in_place_ops_on_activations_trace_without_a_leaf():
+    torch.manual_seed(0)
+    model = Net(ReadsState()).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QCompilerWarning)
+        cm = _compile(model)
+    assert cm.torch_islands() == {}
+    assert (cm(X) - model(X)).abs().max() < 0.05
+
+
+def test_state_writes_follow_chains_of_in_place_ops_to_the_attribute():
+    gm = trace(GraphEma())
+    assert [(n.name, attr) for n, attr in state_writes(gm)] == [("sub_", "mean"), ("mul_", "mean")]
+    assert state_writes(trace(ReadsState())) == []
+    # fx makes a view of a buffer a constant sharing its memory: a write into it is a write into the buffer
+    buffer_view = fx.symbolic_trace(type("B", (GraphEma,), {"forward": lambda s, x: s.mean[0].add_(x.mean())})())
+    assert [attr for _, attr in state_writes(buffer_view)] == ["_tensor_constant0"]
+    # a write through a view of a graph value is not followed
+    param_view = fx.symbolic_trace(type("P", (ScaleDecay,), {"forward": lambda s, x: s.scale[0].add_(x.mean())})())
+    assert state_writes(param_view) == []
+
+
+class DecaysWhileTracing(nn.Module):
+    """Its parameters reach Python as tensors (not proxies), so fx runs the write while tracing."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for p in self.conv.parameters():
+                p.mul_(0.99)
+        return self.conv(x)
+
+
+def test_a_parameter_written_while_tracing_is_an_error_not_a_leaf():
+    """Its value from before cannot be put back (only buffers are kept), so no graph is built from it."""
+    model = DecaysWhileTracing().eval()
+    before = model.conv.weight.clone()
+    with pytest.raises(TraceError, match=r"tracing DecaysWhileTracing changed its parameter 'conv.weight' in "
+                                         r"place, which cannot be undone"):
+        _compile(model)
+    assert torch.equal(model.conv.weight, before)  # compile traced a copy
