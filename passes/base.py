@@ -2,7 +2,8 @@
 
 The manager adds what every pass would otherwise repeat: timing, wrapping a
 failure with the pass name and the passes that ran before it, linting and
-verifying the graph after each pass, and dumping the graph after each pass
+verifying the graph after each pass (and re-verifying a ``lasting`` pass's
+invariant after every later one), and dumping the graph after each pass
 into a folder (``NN_<pass>.txt``) for review.
 """
 
@@ -46,11 +47,14 @@ Verifier = Callable[[fx.GraphModule, CompileContext], None]
 
 @dataclass(frozen=True)
 class Pass:
-    """A named pass with an optional verifier of the invariants it establishes."""
+    """A named pass with an optional verifier of the invariants it establishes.  With ``lasting``, the
+    invariant must survive every later pass too (a later pass may not undo it), and the manager checks
+    it after each of them."""
 
     name: str
     run: PassFn
     verify: Optional[Verifier] = None
+    lasting: bool = False
 
     def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         return self.run(gm, ctx)
@@ -81,6 +85,7 @@ class PassManager:
     def run(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         modified_any = False
         done: list[str] = []
+        lasting: list[Verifier] = []  # verifiers of earlier passes whose invariants must still hold
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         for index, p in enumerate(self.passes):
@@ -91,8 +96,8 @@ class PassManager:
                     raise TypeError(f"returned {type(result).__name__}, expected PassResult")
                 if self.verify:
                     result.gm.graph.lint()
-                    if p.verify is not None:
-                        p.verify(result.gm, ctx)
+                    for verify in (*lasting, *([p.verify] if p.verify is not None else [])):
+                        verify(result.gm, ctx)
             except QCompilerError as exc:
                 # A user-facing error keeps its type (callers catch ConfigError etc.); we add where.
                 exc.pass_name, exc.passes_before = p.name, tuple(done)
@@ -104,6 +109,8 @@ class PassManager:
             gm = result.gm
             modified_any |= result.modified
             done.append(p.name)
+            if p.lasting and p.verify is not None:
+                lasting.append(p.verify)
             if self.dump_dir is not None:
                 (self.dump_dir / f"{index:02d}_{p.name}.txt").write_text(annotated_code(gm))
         return PassResult(gm, modified_any)

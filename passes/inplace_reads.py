@@ -50,4 +50,6 @@ def verify_inplace_reads(gm: fx.GraphModule, ctx: CompileContext) -> None:
             assert not late, f"{late} read {value.name} after {node.name} changed it in place"
 
 
-INPLACE_READS = Pass("inplace_reads", inplace_reads, verify_inplace_reads)
+# lasting: a later pass that moved a read of ``a`` after ``a.mul_()`` (as rewrite's pad fold once did) would
+# bring the wrong answer back, so every pass after this one is checked for it
+INPLACE_READS = Pass("inplace_reads", inplace_reads, verify_inplace_reads, lasting=True)

@@ -90,3 +90,25 @@ def test_dump_after_each_pass(tmp_path):
     assert files == ["00_one.txt", "01_two.txt"]
     text = (tmp_path / "d" / "00_one.txt").read_text()
     assert "conv = self.conv(x)" in text and "relu = torch.relu(conv)" in text
+
+
+def test_a_lasting_invariant_is_checked_after_every_later_pass():
+    """INPLACE_READS is lasting: a later pass that reads a value after its in-place change is named."""
+    from qcompiler.passes.inplace_reads import INPLACE_READS
+
+    class MulThenRead(nn.Module):
+        def forward(self, x):
+            a = torch.relu(x)
+            a.mul_(2.0)
+            return torch.atan(a)
+
+    def read_the_old_value(gm, c):  # undoes the rewiring: atan reads relu, after mul_ changed it
+        relu, mul_, atan = (n for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method")
+        atan.replace_input_with(mul_, relu)
+        return PassResult(gm, True)
+
+    passes = [INPLACE_READS, Pass("harmless", noop), Pass("read_the_old_value", read_the_old_value)]
+    with pytest.raises(PassError, match=r"pass 'read_the_old_value' failed: AssertionError: \['atan'\] read relu "
+                                        r"after mul_ changed it in place.*passes run before it: inplace_reads, harmless"):
+        PassManager(passes).run(trace(MulThenRead()), ctx())
+    PassManager(passes[:2]).run(trace(MulThenRead()), ctx())  # holds after the harmless pass
