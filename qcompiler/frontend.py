@@ -82,6 +82,7 @@ def build_graph(
         leaf_module_types=custom.get("non_traceable_module_class", ()),
         example_inputs=ctx.example_inputs,  # defaulted forward args they leave out: constants
         strict=custom.get("strict_tracing", False),
+        pristine=None if inplace else model,  # what tracing writes into the copy's state is undone from it
     )
     for attr in preserved:
         setattr(gm, attr, getattr(work, attr))

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import qcompiler
 from qcompiler.errors import ConfigError
@@ -199,7 +200,8 @@ def test_incremental_measurement_equals_a_full_run():
 
 
 class _InPlaceAfterUse(nn.Module):
-    """``a`` feeds conv1, then the model halves it in place before adding it."""
+    """``a`` feeds conv1, then the model rectifies it in place before adding it (``F.relu(inplace=True)``
+    stays an in-place op; ``a.mul_(0.5)``, with which this was found, is now computed out of place)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -209,7 +211,7 @@ class _InPlaceAfterUse(nn.Module):
     def forward(self, x):
         a = self.conv0(x)
         b = self.conv1(a)
-        a.mul_(0.5)
+        F.relu(a, inplace=True)
         return b + a
 
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import qcompiler
 from qcompiler.errors import QCompilerWarning, TraceError
+from qcompiler.ir.auto_leaf import trace_or_fallback
 from qcompiler.ir.inplace import state_writes
 from qcompiler.ir.tracer import trace
 
@@ -98,13 +99,13 @@ def _compile(model, **kw):
 
 
 @pytest.mark.parametrize("stateful, leaf, message", [
-    (EagerEma, "state", r"cannot trace module 'state' \(EagerEma\): an in-place op run while tracing changes its "
+    (EagerEma, "state", r"cannot trace module 'state' \(EagerEma\): tracing it changed its "
                         r"buffer 'state.mean' in place, state a traced graph cannot hold"),
     (GraphEma, "state", r"cannot trace module 'state' \(GraphEma\): `sub_` at .*test_state_writes.py:\d+ "
                         r"`self.mean.sub_\(x.mean\(\(0, 2, 3\), keepdim=True\)\).mul_\(0.5\)` changes its buffer "
                         r"'state.mean' in place"),
     (ScaleDecay, "state", r"`mul_` at .*changes its parameter 'state.scale' in place"),
-    (Parent, "state", r"cannot trace module 'state' \(Parent\): an in-place op run while tracing changes its "
+    (Parent, "state", r"cannot trace module 'state' \(Parent\): tracing it changed its "
                       r"buffer 'state.child.mean'"),
 ], ids=["eager-write", "graph-writes", "parameter", "parent-writes-childs-buffer"])
 def test_a_module_that_changes_its_state_runs_as_a_leaf_and_keeps_it(stateful, leaf, message):
@@ -131,8 +132,8 @@ def test_a_module_that_changes_its_state_runs_as_a_leaf_and_keeps_it(stateful, l
 def test_a_top_level_forward_that_changes_a_buffer_runs_whole_in_torch():
     torch.manual_seed(0)
     model = TopLevel().eval()
-    with pytest.warns(QCompilerWarning, match=r"cannot trace the top-level module \(TopLevel\): an in-place op run "
-                                              r"while tracing changes its buffer 'calls'.*the whole model runs"):
+    with pytest.warns(QCompilerWarning, match=r"cannot trace the top-level module \(TopLevel\): tracing it changed "
+                                              r"its buffer 'calls'.*the whole model runs"):
         cm = _compile(model)
     assert float(model.calls) == 0
     model.calls.fill_(7)
@@ -188,7 +189,7 @@ class DecaysWhileTracing(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
+        self.conv = nn.Conv2d(3, 3, 1)
 
     def forward(self, x):
         with torch.no_grad():
@@ -197,11 +198,78 @@ class DecaysWhileTracing(nn.Module):
         return self.conv(x)
 
 
-def test_a_parameter_written_while_tracing_is_an_error_not_a_leaf():
-    """Its value from before cannot be put back (only buffers are kept), so no graph is built from it."""
-    model = DecaysWhileTracing().eval()
-    before = model.conv.weight.clone()
-    with pytest.raises(TraceError, match=r"tracing DecaysWhileTracing changed its parameter 'conv.weight' in "
-                                         r"place, which cannot be undone"):
-        _compile(model)
-    assert torch.equal(model.conv.weight, before)  # compile traced a copy
+def test_a_parameter_written_while_tracing_is_put_back_and_the_writer_runs_in_torch():
+    """compile traces a copy: what fx wrote into it comes back from the user's model.  The write is in
+    ``state``'s forward; the tensor is ``state.conv``'s, a torch.nn leaf already, so ``state`` is named."""
+    model = Net(DecaysWhileTracing()).eval()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.warns(QCompilerWarning, match=r"cannot trace module 'state' \(DecaysWhileTracing\): tracing it "
+                                              r"changed its parameter 'state.conv.weight' in place"):
+        cm = _compile(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    weight = cm.converted.get_submodule("state").conv.weight
+    # calibration ran the leaf once per batch (three), from the user's values; each call decays it again
+    assert torch.allclose(weight, before["state.conv.weight"] * 0.99 ** 3, rtol=1e-6, atol=0)
+    kept = weight.detach().clone()
+    cm(X)
+    assert torch.equal(weight, kept * 0.99)
+
+
+def test_tracing_the_users_own_model_cannot_put_a_parameter_back():
+    model = Net(DecaysWhileTracing()).eval()
+    with pytest.raises(TraceError, match=r"tracing Net changed its parameter 'state.conv.weight' in place, which "
+                                         r"cannot be undone \(the model is traced as it is, not a copy\)"):
+        trace_or_fallback(model)
+
+
+class Grows(nn.Module):
+    """Resizes its buffer while tracing: putting it back must resize it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(0))
+
+    def forward(self, x):
+        if self.table.numel() < 3:
+            self.table.resize_(3).fill_(0.5)
+        return x * self.table.sum()
+
+
+class Counts(nn.Module):
+    """Replaces its buffer (``self.calls = self.calls + 1`` runs on the real tensor while tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return x * self.calls
+
+
+@pytest.mark.parametrize("stateful", [Grows, Counts])
+def test_a_buffer_resized_or_replaced_while_tracing_is_put_back(stateful):
+    for pristine in (True, False):  # from the user's model, and from the copy kept without one
+        model = Net(stateful()).eval()
+        work = copy.deepcopy(model)
+        buffer = next(work.buffers())
+        with pytest.warns(QCompilerWarning, match=r"cannot trace module 'state'.*tracing it changed its buffer"):
+            trace_or_fallback(work, pristine=model if pristine else None)
+        assert next(work.buffers()) is buffer and torch.equal(buffer, next(model.buffers()))
+
+
+def test_a_method_named_like_an_in_place_op_that_writes_nothing_is_no_state_write():
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1, 3, 1, 1))
+
+        def forward(self, x):
+            self.scale.requires_grad_(False)
+            return x * self.scale
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QCompilerWarning)
+        gm = trace_or_fallback(Net(Frozen()).eval())
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv"]  # state traced through
+    assert state_writes(gm) == []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -33,27 +33,32 @@ import torch.nn as nn
 from qcompiler.errors import QCompilerWarning, TraceError
 from qcompiler.ir.inplace import state_writes
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
+from qcompiler.ir.names import resolve_type
 from qcompiler.ir.shape_prop import normalize_inputs
-from qcompiler.ir.tracer import is_user_file, leaf_fix, module_where, trace
+from qcompiler.ir.tracer import QTracer, is_user_file, leaf_fix, module_where, trace
 
 WHOLE_MODEL = "model"  # the submodule name of a model that runs as one leaf
 
 
 def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = (),
                       leaf_module_types: Sequence[Any] = (), example_inputs: Any = None,
-                      strict: bool = False) -> fx.GraphModule:
-    """:func:`~qcompiler.ir.tracer.trace`, making untraceable modules leaves (see the module doc)."""
+                      strict: bool = False, pristine: Optional[nn.Module] = None) -> fx.GraphModule:
+    """:func:`~qcompiler.ir.tracer.trace`, making untraceable modules leaves (see the module doc).
+    ``pristine``: the model ``model`` is a copy of, whose tensors undo what tracing wrote into the
+    copy's (without it, tracing ``model`` itself, only its buffers can be put back)."""
     leaves = list(leaf_module_names)
     auto: dict[str, str] = {}  # module path -> why it is a leaf
     while True:
-        state = _State(model)
+        state = _State(model, pristine)
         try:
             try:
                 gm = trace(model, leaf_module_names=leaves, leaf_module_types=leaf_module_types,
                            example_inputs=example_inputs)
             finally:
-                written = state.restore()
-            _raise_on_state_writes(model, gm, written, leaves)
+                written, lost = state.restore()
+            tracer = QTracer(leaves, [resolve_type(t, "non_traceable_module_class") for t in leaf_module_types])
+            _raise_on_state_writes(model, gm, state, written, lost,
+                                   lambda path: tracer.is_leaf_module(model.get_submodule(path), path))
             break
         except TraceError as err:
             if strict or getattr(err, "code_error", False) or err.module_path in leaves:
@@ -76,31 +81,59 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
 class _State:
     """The model's parameters and buffers before a trace.  Tracing runs the forward's Python on the
     real tensors wherever no proxy is involved: ``self.mean.mul_(0.5)`` changes the buffer then and
-    there (fx makes a buffer a graph value only once an op mixes it with one)."""
+    there, ``self.calls = self.calls + 1`` replaces it (fx makes a buffer a graph value only once an
+    op mixes it with a proxy).  :meth:`restore` puts them back, from ``pristine`` (the user's model,
+    of which ``model`` is a copy) or, without one, from copies of the buffers made here."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.kept = [(name, t, t._version, None) for name, t in model.named_parameters()]
-        self.kept += [(name, t, t._version, t.detach().clone()) for name, t in model.named_buffers()]
+    def __init__(self, model: nn.Module, pristine: Optional[nn.Module]) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self.versions = {name: t._version for name, t in (*self.params.items(), *self.buffers.items())}
+        if pristine is not None:
+            self.sources = {**dict(pristine.named_parameters()), **dict(pristine.named_buffers())}
+        else:  # tracing the user's own model: only buffers can be kept (parameters are large)
+            self.sources = {name: t.detach().clone() for name, t in self.buffers.items()}
 
-    def restore(self) -> list[str]:
-        """Names of those changed in place since; buffers get their values back."""
-        written = []
-        for name, t, version, saved in self.kept:
-            if t._version != version:
-                written.append(name)
-                if saved is not None:
-                    with torch.no_grad():
-                        t.copy_(saved)
-        return written
+    def restore(self) -> tuple[list[str], list[str]]:
+        """``(written, lost)``: names changed or replaced since, and those of them that could not be
+        put back (a parameter changed in the user's own model)."""
+        written, lost = [], []
+        now = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        for name, t in (*self.params.items(), *self.buffers.items()):
+            replaced, changed = now.get(name) is not t, t._version != self.versions[name]
+            if not (replaced or changed):
+                continue
+            written.append(name)
+            if replaced:
+                owner, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(owner)
+                (module._parameters if name in self.params else module._buffers)[attr] = t
+            if changed:
+                source = self.sources.get(name)
+                if source is None:
+                    lost.append(name)
+                    continue
+                with torch.no_grad():
+                    if t.shape != source.shape:
+                        t.resize_(source.shape)
+                    t.copy_(source)
+        return written, lost
 
 
-def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, written: list[str], leaves: list[str]) -> None:
+def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, state: _State, written: list[str],
+                           lost: list[str], is_leaf: Callable[[str], bool]) -> None:
     """A TraceError if the traced forward changes a parameter or buffer in place: state that carries
     from one call to the next, which a graph of values cannot hold (the compiled model would compute
     with the value from before the write, with no error).  It names the module doing it, or the one
     owning the tensor for a write made while tracing, or the closest enclosing module that is not a
-    leaf yet; that module becomes a leaf and keeps its state as it runs in torch."""
-    params = dict(model.named_parameters())
+    leaf already; that module becomes a leaf and keeps its state as it runs in torch."""
+    if lost:
+        err = TraceError(f"tracing {type(model).__name__} changed its parameter '{lost[0]}' in place, which cannot "
+                         f"be undone (the model is traced as it is, not a copy): change it outside forward, or "
+                         f"mark the module doing it a leaf.")
+        err.module_path, err.reason, err.code_error = "", "parameter changed while tracing", True  # no retry
+        raise err
     if written:
         attr, path, op = written[0], written[0].rpartition(".")[0], None
     else:
@@ -109,17 +142,17 @@ def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, written: list[s
             return
         node, attr = writes[0]
         path, op = (scope(node)[-1].path if scope(node) else ""), node
-    if attr in params and written:  # its old value is gone (only buffers are kept: parameters are large)
-        err = TraceError(f"tracing {type(model).__name__} changed its parameter '{attr}' in place, which cannot "
-                         f"be undone: change it outside forward, or mark the module doing it a leaf.")
-        err.module_path, err.reason, err.code_error = path, "parameter changed while tracing", True  # no retry
-        raise err
-    while path in leaves:
+    while path and is_leaf(path):
         path = path.rpartition(".")[0]
     typ = type(model.get_submodule(path)) if path else type(model)
-    kind = "parameter" if attr in params else "buffer"
-    how = f"`{op.name}`{_source(op)}" if op is not None else "an in-place op run while tracing"
-    reason = f"{how} changes its {kind} '{attr}' in place, state a traced graph cannot hold"
+    if attr in state.params:
+        what = f"its parameter '{attr}'"
+    elif attr in state.buffers:
+        what = f"its buffer '{attr}'"
+    else:
+        what = f"a tensor it holds ('{attr}', kept by fx as a constant)"
+    how = f"`{op.name}`{_source(op)} changes" if op is not None else "tracing it changed"
+    reason = f"{how} {what} in place, state a traced graph cannot hold"
     err = TraceError(f"cannot trace {module_where(path, typ)}: {reason} (each call would start from the "
                      f"value before the write). {leaf_fix(path, 'stateful')}")
     err.module_path, err.reason, err.code_error = path, reason, False

@@ -3,15 +3,20 @@
 ``a.mul_(2.0)`` writes into ``a``; passes that reorder or copy values must know it
 (:mod:`~qcompiler.passes.inplace_reads`, eager islands, the pad fold).  A write into a parameter
 or buffer (``self.mean.mul_(0.5)``) is state that outlives the call: a traced graph cannot hold it,
-so tracing makes the module doing it a leaf (:mod:`~qcompiler.ir.auto_leaf`).
+so tracing makes the module doing it a leaf (:mod:`~qcompiler.ir.auto_leaf`).  Most in-place
+methods have an out-of-place twin (``x.add_(y)``: ``x.add(y)``), which passes/out_of_place.py puts
+in their place once every later read goes through their result.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from qcompiler.ir.meta import META_TENSOR, TensorInfo
 
 # torch.nn modules whose ``inplace=True`` writes the result into their input (exactly these classes: a
 # module of another class may keep an ``inplace`` flag it does not act on, as timm's GELU does)
@@ -22,8 +27,12 @@ INPLACE_MODULES = frozenset({
 })
 
 
+# methods named like in-place ops that change no tensor's values
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
+
+
 def _in_place_name(name: str) -> bool:
-    return name.endswith("_") and not name.endswith("__")
+    return name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES
 
 
 def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
@@ -48,6 +57,37 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     return None
 
 
+# In-place tensor methods with an out-of-place twin that computes the same value whenever every tensor
+# involved has one dtype (in place, the result keeps ``x``'s dtype where the twin would promote; where the
+# dtypes differ, eager torch refuses the in-place op or the twin would give another dtype).  Comparisons
+# and logical ops are left out: in place they write 0 / 1 in ``x``'s dtype, where the twin gives bool.
+OUT_OF_PLACE_TWINS = frozenset(f"{name}_" for name in (
+    "relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "log", "log1p", "sin", "cos", "tan", "erf",
+    "reciprocal", "floor", "ceil", "round", "sign", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "log2", "log10", "exp2", "square", "trunc", "fix", "logit", "nan_to_num",
+    "add", "sub", "mul", "div", "pow", "true_divide", "atan2", "fmod", "remainder", "floor_divide", "lerp",
+    "addcmul", "addcdiv", "addmm", "baddbmm", "addmv", "masked_fill", "scatter",
+    "squeeze", "unsqueeze", "transpose", "t",
+    "clamp", "clip", "clamp_min", "clamp_max",
+) if hasattr(torch.Tensor, f"{name}_"))
+
+
+def out_of_place_twin(node: fx.Node) -> Optional[str]:
+    """The out-of-place method computing what the in-place ``call_method`` node computes (``"add"`` for
+    ``x.add_(y)``), or None: not one of :data:`OUT_OF_PLACE_TWINS`, or shape propagation did not record
+    one dtype for the node and each tensor it reads (nothing then says the values agree)."""
+    if node.op != "call_method" or node.target not in OUT_OF_PLACE_TWINS:
+        return None
+    info = node.meta.get(META_TENSOR)
+    if not isinstance(info, TensorInfo):
+        return None
+    for read in node.all_input_nodes:
+        r = read.meta.get(META_TENSOR)
+        if not isinstance(r, TensorInfo) or r.dtype != info.dtype:
+            return None
+    return node.target[:-1]
+
+
 def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     """``(node, attribute)`` for each in-place node whose changed value is a parameter or buffer of
     the model (a ``get_attr``, followed back through a chain of in-place ops: ``self.m.mul_(a).add_(b)``).
@@ -62,4 +102,4 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return writes
 
 
-__all__ = ["INPLACE_MODULES", "mutated_input", "state_writes"]
+__all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "mutated_input", "out_of_place_twin", "state_writes"]

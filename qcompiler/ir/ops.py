@@ -12,10 +12,6 @@ fuse and convert like the ReLUs MARCH_OPS.md lists; clamps with other
 bounds have no canonical op (they run on CPU; :func:`emit_op` names them "clamp" for the
 CPU backends, which read the bounds with :func:`clamp_bounds`).
 
-In-place methods (``x.add_(y)``, ``x.relu_()``, ``x.clamp_(0, 6)``) read as their out-of-place
-twin's op when every tensor involved has one dtype (``_INPLACE_TWINS``): passes/inplace_reads makes
-their result the value later reads see, so the BPU and onnxruntime compute them as new values.
-
 Ops only the CPU runs (``neg``, ``abs``, the comparisons, ``pad``, ``getattr``) are named
 here too: one table of spellings serves the placement, the passes and the ONNX emitter.
 """
@@ -31,8 +27,6 @@ import torch.ao.quantization as taq
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-
-from qcompiler.ir.meta import META_TENSOR, TensorInfo
 
 # nn.Module classes -> op. Subclasses match too (checked along the MRO).
 MODULE_OPS: dict[type, str] = {
@@ -642,38 +636,6 @@ _CLAMP_METHODS: dict[str, tuple[tuple[str, object], ...]] = {
     "clamp_max": (("max", None),),
 }
 
-# In-place tensor methods read as the op of their out-of-place twin (``x.add_(y)`` as ``x.add(y)``): once
-# passes/inplace_reads has made every later read of ``x`` go through the node, its result is all that
-# differs, and it is the twin's result whenever every tensor involved has one dtype (in place, the result
-# keeps ``x``'s dtype where the twin would promote: see :func:`_method`).  Comparisons and logical ops are
-# left out: in place they write 0 / 1 in ``x``'s dtype, where the twin gives bool.
-_INPLACE_TWINS = frozenset(f"{name}_" for name in (
-    "relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "log", "log1p", "sin", "cos", "tan", "erf",
-    "reciprocal", "floor", "ceil", "round", "sign", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
-    "atanh", "log2", "log10", "exp2", "square", "trunc", "fix", "logit", "nan_to_num",
-    "add", "sub", "mul", "div", "pow", "true_divide", "atan2", "fmod", "remainder", "floor_divide", "lerp",
-    "addcmul", "addcdiv", "addmm", "baddbmm", "addmv", "masked_fill", "scatter",
-    "squeeze", "unsqueeze", "transpose", "t",
-    "clamp", "clip", "clamp_min", "clamp_max",
-) if hasattr(torch.Tensor, f"{name}_"))
-
-
-def _one_dtype(node: fx.Node) -> bool:
-    """Whether shape propagation recorded one dtype for ``node`` and each tensor it reads (False when
-    it recorded none: then nothing says the in-place op computes what its twin would)."""
-    info = node.meta.get(META_TENSOR)
-    if not isinstance(info, TensorInfo):
-        return False
-    reads = [a.meta.get(META_TENSOR) for a in node.all_input_nodes]
-    return all(isinstance(r, TensorInfo) and r.dtype == info.dtype for r in reads if not isinstance(r, (tuple, list)))
-
-
-def _method(node: fx.Node) -> str:
-    """A ``call_method`` node's method name as the tables know it: an in-place twin (``add_``) reads as
-    ``add`` when :func:`_one_dtype` (see ``_INPLACE_TWINS``)."""
-    name = node.target
-    return name[:-1] if name in _INPLACE_TWINS and _one_dtype(node) else name
-
 
 def is_number(v: object) -> bool:
     """A Python int or float operand (a bool is not one): a constant baked into the op."""
@@ -743,9 +705,8 @@ def node_op(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str]:
             return None
         return _clamp_node_op(node, clamp) if clamp is not None else op
     if node.op == "call_method":
-        method = _method(node)
-        clamp = _CLAMP_METHODS.get(method)
-        return _clamp_node_op(node, clamp) if clamp is not None else METHOD_OPS.get(method)
+        clamp = _CLAMP_METHODS.get(node.target)
+        return _clamp_node_op(node, clamp) if clamp is not None else METHOD_OPS.get(node.target)
     return None
 
 
@@ -758,7 +719,7 @@ def is_clamp(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
             return node.target in _CLAMP_FUNCTIONS
         except TypeError:  # unhashable target
             return False
-    return node.op == "call_method" and _method(node) in _CLAMP_METHODS
+    return node.op == "call_method" and node.target in _CLAMP_METHODS
 
 
 def clamp_bounds(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[tuple[object, object]]:
@@ -773,7 +734,7 @@ def clamp_bounds(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[tuple
         except TypeError:  # unhashable target
             return None
     else:
-        params = _CLAMP_METHODS.get(_method(node)) if node.op == "call_method" else None
+        params = _CLAMP_METHODS.get(node.target) if node.op == "call_method" else None
     return _clamp_bounds(node, params) if params is not None else None
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.batches import fresh_args
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import META_TENSOR, TensorInfo, format_tensor_info
 
@@ -147,5 +148,5 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Any) -> None:
             return
         except Exception:  # fall back to the real thing, which reports errors properly
             pass
-        with torch.no_grad():
-            _Recorder(gm).run(*inputs)
+        with torch.no_grad():  # on copies: a model may change its input in place (the example is the user's)
+            _Recorder(gm).run(*fresh_args(inputs))

@@ -27,6 +27,7 @@ import torch.nn as nn
 from tabulate import tabulate
 
 from qcompiler.atomic_write import write_file
+from qcompiler.batches import fresh_args
 from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.tracer import trace
@@ -192,7 +193,7 @@ def _count_calls(model: nn.Module, example_inputs: Any) -> dict[str, int]:
     try:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         with torch.no_grad():
-            work(*args)
+            work(*fresh_args(args))  # the example is the user's: a model may change its input in place
     finally:
         for h in handles:
             h.remove()
