@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -229,3 +230,30 @@ def test_in_place_spellings_compile_without_a_torch_island_and_save_and_export(t
     cm.save(tmp_path / "m.qc")
     assert torch.equal(qcompiler.load(tmp_path / "m.qc")(x), out)
     cm.export_onnx(tmp_path / "m.onnx")
+
+
+class FunctionalInPlace(nn.Module):
+    """``F.leaky_relu_`` / ``F.elu_`` / ``F.hardtanh_`` live in ``torch._C._nn``, not ``torch``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        a = torch.atan(x)
+        b = torch.sin(a)
+        self.fn(a)
+        return b + torch.cos(a)
+
+
+@pytest.mark.parametrize("fn", [lambda a: F.leaky_relu_(a, 0.1), F.elu_, lambda a: F.hardtanh_(a, -0.5, 0.5),
+                                torch.relu_, F.rrelu_], ids=["leaky_relu_", "elu_", "hardtanh_", "relu_", "rrelu_"])
+def test_torch_nn_functional_in_place_functions_are_in_place_ops(fn):
+    gm, ctx, res = _run(FunctionalInPlace(fn))
+    assert res.modified
+    (changed,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target not in (torch.atan, torch.sin,
+                                                                                              torch.cos)][:1]
+    assert [n.name for n in gm.graph.nodes if n.target is torch.cos][0] in [u.name for u in changed.users]
+    verify_inplace_reads(gm, ctx)
+    torch.manual_seed(0)
+    assert torch.equal(gm(X.clone()), FunctionalInPlace(fn)(X.clone()))

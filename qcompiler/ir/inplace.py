@@ -37,8 +37,8 @@ def _in_place_name(name: str) -> bool:
 
 def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     """The value ``node`` changes in place (its first argument), or None: a tensor method ``x.op_()``,
-    a ``torch`` function ``op_`` or a ``torch.nn.functional`` one with ``inplace=True``, a module of
-    :data:`INPLACE_MODULES` with ``inplace=True``.  (A user function or module with such a name or flag
+    a ``torch`` function ``op_`` (``F.leaky_relu_`` and its like too), a ``torch.nn.functional`` one
+    with ``inplace=True``, a module of :data:`INPLACE_MODULES` with ``inplace=True``.  (A user function or module with such a name or flag
     is not taken at its word.)"""
     first = node.args[0] if node.args else node.kwargs.get("input")
     if not isinstance(first, fx.Node):
@@ -52,8 +52,8 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
         where = getattr(node.target, "__module__", None) or ""
         if where == "torch.nn.functional" and node.kwargs.get("inplace") is True:
             return first
-        if where == "torch" and _in_place_name(getattr(node.target, "__name__", "")):
-            return first
+        if where in ("torch", "torch._C._nn") and _in_place_name(getattr(node.target, "__name__", "")):
+            return first  # torch._C._nn: F.leaky_relu_, F.elu_, F.hardtanh_
     return None
 
 
