@@ -3,36 +3,36 @@
 After :mod:`~qcompiler.passes.inplace_reads` every read of ``x`` that follows ``x.add_(y)`` reads the
 node's result, so nothing but the node's own result depends on the write, and the twin computes that
 value (bit for bit, when every tensor involved has one dtype: see
-:func:`~qcompiler.ir.inplace.out_of_place_twin`).  Written as the twin, the node is an ordinary op
+:func:`~qcompiler.ir.inplace.out_of_place_twins`).  Written as the twin, the node is an ordinary op
 for every later stage: it places, fuses, quantizes, lowers to the BPU and emits to ONNX under the
 twin's name (``y.relu_()``, ``x.clamp_(0, 6)`` and ``y.transpose_(0, 1)`` ran as eager-torch
-islands, which save and export refuse).  The calibration model no longer writes into a tensor that
-an alias (a view) shares; the converted model never did, so the two now agree.  The node keeps its
-name; in-place ops without a twin (``x.gt_(0)``, ``x.fill_(1)``) stay as they are.
+islands, which save and export refuse).  The node keeps its name.
+
+In-place ops without a twin (``x.gt_(0)``, ``x.fill_(1)``) stay as they are, and so does one whose
+written value has an alias read after it (``v = y.view(-1); y.mul_(2)``, then ``v`` read): the write
+must reach ``v``, which only the in-place op does.  Shape propagation records which values share a
+storage (``META_STORAGE``); where it recorded nothing, the op stays in place.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from qcompiler.ir.inplace import out_of_place_twin
+from qcompiler.ir.inplace import out_of_place_twins
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
 
 def out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    changed = False
-    for node in gm.graph.nodes:
-        twin = out_of_place_twin(node)
-        if twin is not None:
-            node.target = twin
-            changed = True
-    if changed:
+    twins = out_of_place_twins(gm)  # decided on the whole graph first: rewriting breaks in-place chains
+    for node, twin in twins.items():
+        node.target = twin
+    if twins:
         gm.recompile()
-    return PassResult(gm, changed)
+    return PassResult(gm, bool(twins))
 
 
 def verify_out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> None:
-    left = [n.name for n in gm.graph.nodes if out_of_place_twin(n) is not None]
+    left = [n.name for n in out_of_place_twins(gm)]
     assert not left, f"{left} still run in place, with an out-of-place twin"
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import qcompiler
 from qcompiler.ir import trace
-from qcompiler.ir.inplace import OUT_OF_PLACE_TWINS, out_of_place_twin
+from qcompiler.ir.inplace import OUT_OF_PLACE_TWINS, out_of_place_twins
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.inplace_reads import INPLACE_READS
@@ -81,12 +81,58 @@ def test_without_one_recorded_dtype_the_op_stays_in_place():
     assert _body(gm)[0].startswith("add_ = a.add_(b)")
     no_shapes = trace(Spellings())
     assert not out_of_place(no_shapes, ctx).modified  # shape propagation has not run: nothing said
-    assert [out_of_place_twin(n) for n in no_shapes.graph.nodes] == [None] * len(no_shapes.graph.nodes)
+    assert out_of_place_twins(no_shapes) == {}
 
 
 def test_the_twins_table_names_only_methods_torch_has():
     assert all(hasattr(torch.Tensor, name) and hasattr(torch.Tensor, name[:-1]) for name in OUT_OF_PLACE_TWINS)
     assert not {"gt_", "eq_", "logical_not_", "fill_", "copy_", "zero_"} & OUT_OF_PLACE_TWINS
+
+
+# a write through an alias: (pattern, the node that stays in place); the calibration model must equal float
+ALIASES = {
+    "a slice written, the whole read": (lambda s, y: (y[:, :2].mul_(2.0), y + 0)[1], "mul_"),
+    "a view read after the write": (lambda s, y: (lambda v: (y.mul_(2.0), v.sum())[1])(y.view(-1)), "mul_"),
+    ".float() returns its input": (lambda s, y: (lambda z: (z.add_(1.0), y * 1)[1])(y.float()), "add_"),
+    ".contiguous() returns its input": (lambda s, y: (lambda z: (z.relu_(), y * 1)[1])(y.contiguous()), "relu_"),
+    "nn.Identity returns its input": (lambda s, y: (lambda z: (z.relu_(), y * 1)[1])(s.id(y)), "relu_"),
+    ".detach() shares the storage": (lambda s, y: (lambda z: (z.sub_(1.0), y * 1)[1])(y.detach()), "sub_"),
+}
+
+
+class Aliased(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.c, self.id = fn, nn.Conv2d(3, 4, 1), nn.Identity()
+
+    def forward(self, x):
+        return self.fn(self, self.c(x) - 0.5)
+
+
+@pytest.mark.parametrize("fn, kept", ALIASES.values(), ids=list(ALIASES))
+def test_a_write_an_alias_reads_stays_in_place(fn, kept):
+    """Out of place, the alias missed the write: the calibration model was 0.96-33 off float (review)."""
+    torch.manual_seed(0)
+    model = Aliased(fn).eval()
+    x = torch.rand(1, 3, 4, 4)
+    gm, _ = _passes(model, (x,))
+    assert kept in [n.target for n in gm.graph.nodes if n.op == "call_method"]
+    assert torch.equal(gm(x.clone()), model(x.clone()))
+    cal = qcompiler.quantization.prepare_calibration_fx(model, example_inputs=(x,), hybrid=True)
+    with torch.no_grad():
+        assert torch.equal(cal(x.clone()), model(x.clone()))
+
+
+def test_a_view_made_after_the_write_does_not_keep_it_in_place():
+    class ViewAfter(nn.Module):
+        def forward(self, x):
+            y = torch.atan(x)
+            y.mul_(2.0)
+            return y.view(-1), y + 1
+
+    gm, _ = _passes(ViewAfter())
+    assert "mul_ = atan.mul(2.0)" in gm.code
+    assert all(torch.equal(a, b) for a, b in zip(gm(X.clone()), ViewAfter()(X.clone())))
 
 
 def _compile(model, x, **kw):

@@ -17,7 +17,9 @@ import qcompiler
 from qcompiler.errors import QCompilerWarning, TraceError
 from qcompiler.ir.auto_leaf import trace_or_fallback
 from qcompiler.ir.inplace import state_writes
+from qcompiler.ir.state import ModelState
 from qcompiler.ir.tracer import trace
+from qcompiler.quantization import prepare_calibration_fx
 
 X = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 
@@ -273,3 +275,36 @@ def test_a_method_named_like_an_in_place_op_that_writes_nothing_is_no_state_writ
         gm = trace_or_fallback(Net(Frozen()).eval())
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["conv"]  # state traced through
     assert state_writes(gm) == []
+
+
+class Step(nn.Module):
+    """Counts its calls; ``.item()`` fails on meta tensors, so shape propagation runs the graph for real."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, y):
+        self.n += 1
+        return y * self.n if self.n.item() >= 0 else y
+
+
+def test_shape_propagations_real_run_leaves_a_leafs_state_alone():
+    """It ran the leaf once more: the calibration model's first call counted 2 where the float model's
+    counted 1 (review)."""
+    model = Net(Step()).eval()
+    with pytest.warns(QCompilerWarning, match="tracing it changed its buffer 'state.n'"):
+        cal = prepare_calibration_fx(model, example_inputs=(X,), hybrid=True)
+    assert float(cal.get_submodule("state").n) == 0
+    with torch.no_grad():
+        assert torch.equal(cal(X), model(X))
+
+
+def test_inference_tensors_and_lazy_modules_are_no_state_to_watch():
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    prepare_calibration_fx(model, example_inputs=(X,), hybrid=True, inplace=True)  # raised on t._version
+    lazy = nn.Sequential(nn.LazyConv2d(4, 1), nn.ReLU())
+    state = ModelState(lazy)
+    assert list(state.buffers) == [] and list(state.params) == []
+    assert state.restore() == ([], [])

@@ -26,7 +26,6 @@ import re
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -35,6 +34,7 @@ from qcompiler.ir.inplace import state_writes
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.ir.state import ModelState
 from qcompiler.ir.tracer import QTracer, is_user_file, leaf_fix, module_where, trace
 
 WHOLE_MODEL = "model"  # the submodule name of a model that runs as one leaf
@@ -49,7 +49,7 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
     leaves = list(leaf_module_names)
     auto: dict[str, str] = {}  # module path -> why it is a leaf
     while True:
-        state = _State(model, pristine)
+        state = ModelState(model, pristine)
         try:
             try:
                 gm = trace(model, leaf_module_names=leaves, leaf_module_types=leaf_module_types,
@@ -78,50 +78,7 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
     return gm
 
 
-class _State:
-    """The model's parameters and buffers before a trace.  Tracing runs the forward's Python on the
-    real tensors wherever no proxy is involved: ``self.mean.mul_(0.5)`` changes the buffer then and
-    there, ``self.calls = self.calls + 1`` replaces it (fx makes a buffer a graph value only once an
-    op mixes it with a proxy).  :meth:`restore` puts them back, from ``pristine`` (the user's model,
-    of which ``model`` is a copy) or, without one, from copies of the buffers made here."""
-
-    def __init__(self, model: nn.Module, pristine: Optional[nn.Module]) -> None:
-        self.model = model
-        self.params = dict(model.named_parameters())
-        self.buffers = dict(model.named_buffers())
-        self.versions = {name: t._version for name, t in (*self.params.items(), *self.buffers.items())}
-        if pristine is not None:
-            self.sources = {**dict(pristine.named_parameters()), **dict(pristine.named_buffers())}
-        else:  # tracing the user's own model: only buffers can be kept (parameters are large)
-            self.sources = {name: t.detach().clone() for name, t in self.buffers.items()}
-
-    def restore(self) -> tuple[list[str], list[str]]:
-        """``(written, lost)``: names changed or replaced since, and those of them that could not be
-        put back (a parameter changed in the user's own model)."""
-        written, lost = [], []
-        now = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        for name, t in (*self.params.items(), *self.buffers.items()):
-            replaced, changed = now.get(name) is not t, t._version != self.versions[name]
-            if not (replaced or changed):
-                continue
-            written.append(name)
-            if replaced:
-                owner, _, attr = name.rpartition(".")
-                module = self.model.get_submodule(owner)
-                (module._parameters if name in self.params else module._buffers)[attr] = t
-            if changed:
-                source = self.sources.get(name)
-                if source is None:
-                    lost.append(name)
-                    continue
-                with torch.no_grad():
-                    if t.shape != source.shape:
-                        t.resize_(source.shape)
-                    t.copy_(source)
-        return written, lost
-
-
-def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, state: _State, written: list[str],
+def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, state: ModelState, written: list[str],
                            lost: list[str], is_leaf: Callable[[str], bool]) -> None:
     """A TraceError if the traced forward changes a parameter or buffer in place: state that carries
     from one call to the next, which a graph of values cannot hold (the compiled model would compute

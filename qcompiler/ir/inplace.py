@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qcompiler.ir.meta import META_TENSOR, TensorInfo
+from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo
 
 # torch.nn modules whose ``inplace=True`` writes the result into their input (exactly these classes: a
 # module of another class may keep an ``inplace`` flag it does not act on, as timm's GELU does)
@@ -72,10 +72,9 @@ OUT_OF_PLACE_TWINS = frozenset(f"{name}_" for name in (
 ) if hasattr(torch.Tensor, f"{name}_"))
 
 
-def out_of_place_twin(node: fx.Node) -> Optional[str]:
-    """The out-of-place method computing what the in-place ``call_method`` node computes (``"add"`` for
-    ``x.add_(y)``), or None: not one of :data:`OUT_OF_PLACE_TWINS`, or shape propagation did not record
-    one dtype for the node and each tensor it reads (nothing then says the values agree)."""
+def _twin(node: fx.Node) -> Optional[str]:
+    """The twin's name if ``node`` is one of :data:`OUT_OF_PLACE_TWINS` and shape propagation recorded one
+    dtype for it and each tensor it reads, else None."""
     if node.op != "call_method" or node.target not in OUT_OF_PLACE_TWINS:
         return None
     info = node.meta.get(META_TENSOR)
@@ -86,6 +85,50 @@ def out_of_place_twin(node: fx.Node) -> Optional[str]:
         if not isinstance(r, TensorInfo) or r.dtype != info.dtype:
             return None
     return node.target[:-1]
+
+
+def _aliased(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> bool:
+    """Whether the value ``node`` writes into may have an alias that is read after the write (or whether
+    nothing says it has none): a value made before ``node``, outside the chain of in-place ops on that
+    one tensor, sharing a storage with it (shape propagation's ``META_STORAGE``: a view, a slice, an op
+    returning its input such as ``.float()`` or ``.contiguous()``).  passes/inplace_reads rewires only
+    reads of the written value itself, so such an alias sees the write only while it runs in place."""
+    value = mutated_input(node, gm)
+    shared = value.meta.get(META_STORAGE) if value is not None else None
+    if not shared:
+        return True
+    root = value
+    while mutated_input(root, gm) is not None:
+        root = mutated_input(root, gm)
+    family, stack = {root}, [root]  # the nodes whose result is this one tensor
+    while stack:
+        for user in stack.pop().users:
+            if user not in family and mutated_input(user, gm) in family:
+                family.add(user)
+                stack.append(user)
+    at = order[node]
+    for other in gm.graph.nodes:
+        if order[other] >= at:
+            break
+        if other in family or not (other.meta.get(META_STORAGE, frozenset()) & shared):
+            continue
+        if any(order[u] > at for u in other.users):
+            return True
+    return False
+
+
+def out_of_place_twins(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """In-place ``call_method`` nodes that may run as their out-of-place twin, with the twin's name: one of
+    :data:`OUT_OF_PLACE_TWINS`, shape propagation recorded one dtype for the node and each tensor it reads,
+    and no alias of the value it writes into is read after it (:func:`_aliased`).  Decided on the graph
+    as it is (a node already rewritten no longer counts as an in-place op)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    twins = {}
+    for node in gm.graph.nodes:
+        twin = _twin(node)
+        if twin is not None and not _aliased(node, gm, order):
+            twins[node] = twin
+    return twins
 
 
 def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
@@ -102,4 +145,4 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return writes
 
 
-__all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "mutated_input", "out_of_place_twin", "state_writes"]
+__all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "mutated_input", "out_of_place_twins", "state_writes"]

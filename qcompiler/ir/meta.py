@@ -16,6 +16,9 @@ META_SCOPE = "qc_scope"
 # tensor facts from shape propagation: TensorInfo, a (nested) tuple/list of
 # them for containers, or None for a non-tensor value (an int from .size())
 META_TENSOR = "qc_tensor"
+# the storages a node's tensors live in, from shape propagation (frozenset of opaque ints): two nodes
+# sharing one are aliases (a view, or an op that returns its input), which an in-place write changes both of
+META_STORAGE = "qc_storage"
 # canonical op name ("conv2d", "add", ...) or None for graph plumbing
 META_OP = "qc_op"
 # placement: "bpu" | "cpu"; and the human-readable reason for it

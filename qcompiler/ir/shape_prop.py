@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from qcompiler.batches import fresh_args
 from qcompiler.errors import ConfigError
-from qcompiler.ir.meta import META_TENSOR, TensorInfo, format_tensor_info
+from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo, format_tensor_info
+from qcompiler.ir.state import ModelState
 
 _DTYPE_NAMES = {
     torch.float32: "f32",
@@ -80,7 +81,21 @@ class _Recorder(fx.Interpreter):
         except Exception as exc:
             raise _input_error(self.module, n, exc) from None
         n.meta[META_TENSOR] = describe_value(value)
+        n.meta[META_STORAGE] = frozenset(_storages(value))
         return value
+
+
+def _storages(value: Any) -> Iterator[int]:
+    """Keys of the storages of the tensors in ``value`` (the StorageImpl's address: equal for views and
+    for ops returning their input, on meta tensors too; compared only among values alive together)."""
+    if isinstance(value, torch.Tensor):
+        yield value.untyped_storage()._cdata
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _storages(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _storages(v)
 
 
 def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:
@@ -148,5 +163,9 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Any) -> None:
             return
         except Exception:  # fall back to the real thing, which reports errors properly
             pass
-        with torch.no_grad():  # on copies: a model may change its input in place (the example is the user's)
-            _Recorder(gm).run(*fresh_args(inputs))
+        state = ModelState(gm)  # a module writing its own state (a leaf's running mean) must not move it here
+        try:
+            with torch.no_grad():  # on copies: a model may change its input in place (the example is the user's)
+                _Recorder(gm).run(*fresh_args(inputs))
+        finally:
+            state.restore()
