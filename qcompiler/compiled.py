@@ -32,6 +32,7 @@ from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import BPU, META_PLACEMENT, META_QDTYPE, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.ir.state import ModelState
 from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
 from qcompiler.parallel import resolve_threads
@@ -44,6 +45,19 @@ from qcompiler.quantization.weight_rounding import optimize_weight_rounding
 from qcompiler.runtime import Runtime, Step, output_structure, plan_steps
 
 MODES = ("ptq", "qat")
+
+
+def _leaf_state(gm: fx.GraphModule) -> ModelState:
+    """The state of the modules ``gm`` calls as a whole that are the user's own (torch's layers and
+    qcompiler's quantizers are not leaves of that kind): one that writes its state (a running mean, a
+    call counter) moves it on every forward, and calibration has run it once per batch already."""
+    own = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if not type(module).__module__.startswith(("torch.", "qcompiler.")):
+                own[node.target.replace(".", "/")] = module
+    return ModelState(nn.ModuleDict(own))
 
 
 class CompiledModel:
@@ -346,10 +360,14 @@ def compile(
         with torch.no_grad():
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
                 prepared(*fresh_args(batch))  # the batches are run again (int16, rounding, the report)
-        if int16_budget is not None:  # before weight rounding: it rounds for the int16 input scales
-            auto_int16(prepared, batches, budget=int16_budget, progress=progress)
-        if weight_rounding:
-            optimize_weight_rounding(prepared, batches, progress=progress)
+        leaves = _leaf_state(prepared)  # their extra forwards must not move a leaf's own state again
+        try:
+            if int16_budget is not None:  # before weight rounding: it rounds for the int16 input scales
+                auto_int16(prepared, batches, budget=int16_budget, progress=progress)
+            if weight_rounding:
+                optimize_weight_rounding(prepared, batches, progress=progress)
+        finally:
+            leaves.restore()
         name = type(model).__name__
     converted = convert_fx(prepared, inplace=True)  # ``prepared`` is compile's own copy
     runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs, threads=threads)

@@ -308,3 +308,14 @@ def test_inference_tensors_and_lazy_modules_are_no_state_to_watch():
     state = ModelState(lazy)
     assert list(state.buffers) == [] and list(state.params) == []
     assert state.restore() == ([], [])
+
+
+@pytest.mark.parametrize("options", [{"weight_rounding": True}, {"int16_budget": 0.5}],
+                         ids=["weight_rounding", "int16_budget"])
+def test_compiles_extra_forwards_leave_a_leafs_state_where_calibration_left_it(options):
+    """Their forwards over the batches ran the leaf again: 7 and 6 calls where calibration made 3 (review)."""
+    torch.manual_seed(0)
+    model = Net(Counts()).eval()
+    with pytest.warns(QCompilerWarning, match="tracing it changed its buffer 'state.calls'"):
+        cm = _compile(model, **options)
+    assert float(cm.converted.get_submodule("state").calls) == 3  # the three calibration batches
