@@ -142,6 +142,10 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             assign(node, CPU, forced)
         elif node.op == "get_attr" or op == "quant":
             pending.append(node)
+        elif op in PASSTHROUGH_OPS and getattr(_producer(node), "op", None) == "get_attr":
+            # a constant reaches the BPU only as an op's operand (a quantized constant), not passed on
+            assign(node, CPU, f"{op} of the constant '{_producer(node).name}': a constant reaches the BPU "
+                              f"only as an operand")
         elif _is_follower(node, op):
             src = _producer(node)
             where = placement(src) if src is not None else None

@@ -281,3 +281,29 @@ def test_verifier_raises_pass_errors_not_asserts():
     del node.meta[META_PLACEMENT]
     with pytest.raises(PassError, match=f"place: node '{node.name}' has no placement"):
         verify_placed(gm, ctx)
+
+
+class ConstantPassedOn(nn.Module):
+    """A parameter through a passthrough op (``clone``, ``contiguous``) into a BPU sub."""
+
+    def __init__(self, method):
+        super().__init__()
+        self.method = method
+        self.conv, self.head = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 1)
+        self.p = nn.Parameter(torch.full((1, 8, 1, 1), 0.25))
+
+    def forward(self, x):
+        return self.head(self.conv(x) - getattr(self.p, self.method)())
+
+
+@pytest.mark.parametrize("method", ["clone", "contiguous"])
+def test_a_passthrough_of_a_constant_is_cpu_and_the_model_compiles(method):
+    """On the BPU it read an unquantized constant: convert raised 'input 0 is not a quantized BPU value'."""
+    import qcompiler
+
+    model = ConstantPassedOn(method).eval()
+    where = placed(model, X, "bayes")
+    assert where[method] == ("cpu", "identity of the constant 'p': a constant reaches the BPU only as an operand")
+    assert where["p"][0] == "cpu" and where["sub"][0] == "bpu"
+    cm = qcompiler.compile(model, (X,), march="bayes", progress=False)
+    assert torch.equal(cm(X), cm.converted(X)) and (cm(X) - model(X)).abs().max() < 0.05

@@ -319,3 +319,52 @@ def test_compiles_extra_forwards_leave_a_leafs_state_where_calibration_left_it(o
     with pytest.warns(QCompilerWarning, match="tracing it changed its buffer 'state.calls'"):
         cm = _compile(model, **options)
     assert float(cm.converted.get_submodule("state").calls) == 3  # the three calibration batches
+
+
+class FreshBias(nn.Module):
+    """``torch.zeros`` of constants runs while tracing: the graph keeps one tensor, read twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.c0(x)
+        bias = torch.zeros(1, 4, 1, 1)
+        bias.add_(y.mean((0, 2, 3), keepdim=True))
+        return self.c1(y - bias)
+
+
+def test_a_tensor_made_in_forward_and_written_in_place_is_made_anew_on_each_call():
+    """The graph's one constant took the writes of every call (and the second read of it is a second
+    get_attr): each call now writes into its own copy, which both reads see.  No leaf, no warning."""
+    torch.manual_seed(0)
+    model = FreshBias().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QCompilerWarning)
+        cm = _compile(model)
+    assert cm.torch_islands() == {}
+    code = cm.converted.code
+    assert code.count("_tensor_constant0.clone()") == 1 and code.count("= self._tensor_constant0\n") == 1
+    for _ in range(3):  # the same error on every call: no state
+        assert (cm(X) - model(X)).abs().max() < 0.02
+    assert torch.equal(cm.converted._tensor_constant0, torch.zeros(1, 4, 1, 1))
+
+
+def test_a_constant_that_is_a_view_of_a_buffer_is_state():
+    """fx made ``self.mean[0]`` a constant sharing the buffer's memory: a write into it is a write into
+    the buffer."""
+
+    class ViewWrite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(1, 3, 1, 1))
+
+        def forward(self, x):
+            self.mean[0].add_(x.mean((0, 2, 3), keepdim=True)[0])
+            return x - self.mean
+
+    with pytest.warns(QCompilerWarning, match=r"cannot trace module 'state' \(ViewWrite\): `add_` at .* changes a "
+                                              r"tensor it holds \('_tensor_constant0', kept by fx as a constant\)"):
+        cm = _compile(Net(ViewWrite()).eval())
+    assert len(cm.torch_islands()) == 1

@@ -26,6 +26,7 @@ import re
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -34,7 +35,7 @@ from qcompiler.ir.inplace import state_writes
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.shape_prop import normalize_inputs
-from qcompiler.ir.state import ModelState
+from qcompiler.ir.state import ModelState, tracked
 from qcompiler.ir.tracer import QTracer, is_user_file, leaf_fix, module_where, trace
 
 WHOLE_MODEL = "model"  # the submodule name of a model that runs as one leaf
@@ -49,13 +50,14 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
     leaves = list(leaf_module_names)
     auto: dict[str, str] = {}  # module path -> why it is a leaf
     while True:
-        state = ModelState(model, pristine)
+        state, attributes = ModelState(model, pristine), set(vars(model))
         try:
             try:
                 gm = trace(model, leaf_module_names=leaves, leaf_module_types=leaf_module_types,
                            example_inputs=example_inputs)
             finally:
                 written, lost = state.restore()
+            _fresh_constants(gm, model, attributes)
             tracer = QTracer(leaves, [resolve_type(t, "non_traceable_module_class") for t in leaf_module_types])
             _raise_on_state_writes(model, gm, state, written, lost,
                                    lambda path: tracer.is_leaf_module(model.get_submodule(path), path))
@@ -76,6 +78,39 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
             node.meta[META_AUTO_LEAF] = (f"module '{node.target}' ({type(module).__name__}) cannot be traced "
                                          f"({auto[node.target]}): it runs as a whole, in eager torch on the CPU")
     return gm
+
+
+def _fresh_constants(gm: fx.GraphModule, model: nn.Module, attributes: set[str]) -> None:
+    """A tensor the forward makes from constants (``bias = torch.zeros(1, 4, 1, 1)``) runs eagerly while
+    tracing and becomes one constant of the graph (fx sets it on the model as ``_tensor_constant0``):
+    eager torch makes it anew on each call, the graph keeps one.  A constant written in place would then
+    carry the writes from call to call; each call gets a copy of it instead (the writes are the call's
+    own, as in eager torch), which every read of the constant reads (passes/inplace_reads then orders
+    the reads after a write).  Not a constant sharing memory with the model's tensors (a view fx made of
+    a buffer, ``self.mean[0]``): those writes are state (:func:`_raise_on_state_writes`).
+    ``attributes``: the model's own attribute names before tracing (fx's constants are the new ones)."""
+    ours = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers()) if tracked(t)}
+    written = {attr for _, attr in state_writes(gm)}
+    first: dict[str, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or node.target not in written or not _FX_CONSTANT.fullmatch(node.target):
+            continue
+        constant = getattr(gm, node.target, None)
+        if node.target in attributes or not isinstance(constant, torch.Tensor) \
+                or constant.untyped_storage()._cdata in ours:
+            continue
+        if node.target in first:  # each read of the constant is its own get_attr: all read the one copy
+            node.replace_all_uses_with(first[node.target])
+            gm.graph.erase_node(node)
+            continue
+        with gm.graph.inserting_after(node):
+            fresh = gm.graph.call_method("clone", (node,))
+        node.replace_all_uses_with(fresh, delete_user_cb=lambda user: user is not fresh)
+        first[node.target] = fresh
+    gm.recompile()
+
+
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 
 def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, state: ModelState, written: list[str],

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 
-def _tracked(t: torch.Tensor) -> bool:
+def tracked(t: torch.Tensor) -> bool:
     """Tensors whose writes can be seen: not inference tensors (no version counter; nothing writes them
     outside inference mode) nor a lazy module's uninitialized ones."""
     return not isinstance(t, UninitializedTensorMixin) and not t.is_inference()
@@ -29,8 +29,8 @@ class ModelState:
 
     def __init__(self, model: nn.Module, pristine: Optional[nn.Module] = None) -> None:
         self.model = model
-        self.params = {name: t for name, t in model.named_parameters() if _tracked(t)}
-        self.buffers = {name: t for name, t in model.named_buffers() if _tracked(t)}
+        self.params = {name: t for name, t in model.named_parameters() if tracked(t)}
+        self.buffers = {name: t for name, t in model.named_buffers() if tracked(t)}
         self.versions = {name: t._version for name, t in (*self.params.items(), *self.buffers.items())}
         if pristine is not None:
             self.sources = {**dict(pristine.named_parameters()), **dict(pristine.named_buffers())}
@@ -63,4 +63,4 @@ class ModelState:
         return written, lost
 
 
-__all__ = ["ModelState"]
+__all__ = ["ModelState", "tracked"]
