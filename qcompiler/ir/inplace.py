@@ -72,15 +72,25 @@ OUT_OF_PLACE_TWINS = frozenset(f"{name}_" for name in (
 ) if hasattr(torch.Tensor, f"{name}_"))
 
 
+# operands whose dtype never takes part in the result's (a bool mask, an int64 index): (position, keyword)
+_NOT_PROMOTED = {"masked_fill_": (1, "mask"), "scatter_": (2, "index")}
+
+
 def _twin(node: fx.Node) -> Optional[str]:
     """The twin's name if ``node`` is one of :data:`OUT_OF_PLACE_TWINS` and shape propagation recorded one
-    dtype for it and each tensor it reads, else None."""
+    dtype for it and each tensor it reads (a mask or an index aside), else None."""
     if node.op != "call_method" or node.target not in OUT_OF_PLACE_TWINS:
         return None
     info = node.meta.get(META_TENSOR)
     if not isinstance(info, TensorInfo):
         return None
+    where = _NOT_PROMOTED.get(node.target)
+    skip = None
+    if where is not None:
+        skip = node.args[where[0]] if len(node.args) > where[0] else node.kwargs.get(where[1])
     for read in node.all_input_nodes:
+        if read is skip:
+            continue
         r = read.meta.get(META_TENSOR)
         if not isinstance(r, TensorInfo) or r.dtype != info.dtype:
             return None
