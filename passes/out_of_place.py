@@ -11,19 +11,24 @@ islands, which save and export refuse).  The node keeps its name.
 In-place ops without a twin (``x.gt_(0)``, ``x.fill_(1)``) stay as they are, and so does one whose
 written value has an alias read after it (``v = y.view(-1); y.mul_(2)``, then ``v`` read): the write
 must reach ``v``, which only the in-place op does.  Shape propagation records which values share a
-storage (``META_STORAGE``); where it recorded nothing, the op stays in place.
+storage (``META_STORAGE``); where it recorded nothing, the op stays in place.  Such an op is marked
+(``META_ALIASED_WRITE``): once the graph is partitioned, a value that reaches it from another partition
+comes through a stub of its own, which the alias does not share, and convert_fx warns.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from qcompiler.ir.inplace import out_of_place_twins
+from qcompiler.ir.inplace import aliased_writes, out_of_place_twins
+from qcompiler.ir.meta import META_ALIASED_WRITE
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
 
 def out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     twins = out_of_place_twins(gm)  # decided on the whole graph first: rewriting breaks in-place chains
+    for node in aliased_writes(gm):  # stays in place; convert_fx warns if the alias may miss the write
+        node.meta[META_ALIASED_WRITE] = True
     for node, twin in twins.items():
         node.target = twin
     if twins:

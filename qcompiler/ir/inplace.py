@@ -127,6 +127,12 @@ def _aliased(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> bo
     return False
 
 
+def aliased_writes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The in-place nodes whose written value may have an alias read after the write (:func:`_aliased`)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return [n for n in gm.graph.nodes if mutated_input(n, gm) is not None and _aliased(n, gm, order)]
+
+
 def out_of_place_twins(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """In-place ``call_method`` nodes that may run as their out-of-place twin, with the twin's name: one of
     :data:`OUT_OF_PLACE_TWINS`, shape propagation recorded one dtype for the node and each tensor it reads,
@@ -155,4 +161,5 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return writes
 
 
-__all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "mutated_input", "out_of_place_twins", "state_writes"]
+__all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "aliased_writes", "mutated_input", "out_of_place_twins",
+           "state_writes"]

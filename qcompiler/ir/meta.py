@@ -19,6 +19,9 @@ META_TENSOR = "qc_tensor"
 # the storages a node's tensors live in, from shape propagation (frozenset of opaque ints): two nodes
 # sharing one are aliases (a view, or an op that returns its input), which an in-place write changes both of
 META_STORAGE = "qc_storage"
+# set on an in-place op left in place because an alias of the value it writes is read after it
+# (passes/out_of_place.py); convert warns when the value reaches the op from another partition
+META_ALIASED_WRITE = "qc_aliased_write"
 # canonical op name ("conv2d", "add", ...) or None for graph plumbing
 META_OP = "qc_op"
 # placement: "bpu" | "cpu"; and the human-readable reason for it

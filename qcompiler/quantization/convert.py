@@ -7,11 +7,14 @@ partitions and float for CPU partitions: it is for measuring accuracy.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Optional
 
 import torch.fx as fx
 
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ConfigError, QCompilerWarning
+from qcompiler.ir.inplace import mutated_input
+from qcompiler.ir.meta import META_ALIASED_WRITE, META_PARTITION
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.convert import CONVERT
 from qcompiler.quantization.prepare import GM_KIND
@@ -44,8 +47,25 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
     sync_observers(gm)
     ctx = CompileContext(march=graph_module.meta.get("qc_march"))
     gm = PassManager([CONVERT]).run(gm, ctx).gm
+    _warn_split_aliases(gm)
     for attr in config.get("preserved_attributes", []):
         setattr(gm, attr, getattr(graph_module, attr))
     gm.meta[GM_KIND] = "quantized"
     gm.eval()
     return gm
+
+
+def _warn_split_aliases(gm: fx.GraphModule) -> None:
+    """Warn for each in-place op left in place for an alias (passes/out_of_place.py) whose written value
+    comes from another partition: the stubs give each consumer its own dequantized tensor, so the
+    alias misses the write, which only the calibration model (one graph, run in place) makes."""
+    for node in gm.graph.nodes:
+        value = mutated_input(node, gm) if node.meta.get(META_ALIASED_WRITE) else None
+        if value is None or value.meta.get(META_PARTITION) == node.meta.get(META_PARTITION):
+            continue
+        warnings.warn(
+            f"convert_fx: '{node.name}' writes in place into the value of '{value.name}', and an alias of it (a "
+            f"view, or an op returning its input) is read after the write; that value comes from partition "
+            f"'{value.meta.get(META_PARTITION)}' through a stub of its own, so the alias does not see the write and "
+            f"the converted model differs from float there. Keep the alias and the write on one side (hybrid_dict) "
+            f"or write out of place (y = y * 2 for y.mul_(2)).", QCompilerWarning, stacklevel=3)
