@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import qcompiler
+from qcompiler.errors import QCompilerWarning
 from qcompiler.ir import trace
 from qcompiler.ir.inplace import OUT_OF_PLACE_TWINS, out_of_place_twins
 from qcompiler.march import March
@@ -246,3 +247,48 @@ def test_convert_warns_where_an_alias_and_its_write_come_through_separate_stubs(
         if split:
             assert split[0].startswith("convert_fx: 'mul_' writes in place into the value of 'mul__input_dequant_0'")
         assert (float((cm(x) - model(x.clone())).abs().max()) < 0.05) is right  # 0.19 split, 0.008 together
+
+
+class SizeRead(nn.Module):
+    """``y.size(0)`` after ``f.mul_`` on a view of ``y`` reads no value the write changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.fc = nn.Conv2d(3, 4, 1), nn.Linear(64, 4)
+
+    def forward(self, x):
+        y = self.c0(x)
+        f = y.flatten(1)
+        f.mul_(0.5)
+        return self.fc(f).view(y.size(0), 2, 2)
+
+
+def test_a_read_of_an_aliases_size_does_not_keep_the_write_in_place():
+    """It kept ``mul_`` in place: an eager-torch island, which save refuses (review)."""
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 4, 4)
+    gm, _ = _passes(SizeRead(), (x,))
+    assert "mul_ = flatten.mul(0.5)" in gm.code
+    cm = _compile(SizeRead(), x)
+    assert cm.torch_islands() == {}
+
+
+class SliceWrittenWholeRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.h = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.c(x) - 0.5
+        y[:, :2].mul_(2.0)  # on the CPU, into a copy of y; h reads y on the BPU
+        return self.h(y)
+
+
+def test_convert_warns_where_the_alias_is_on_the_bpu_and_the_write_is_dropped():
+    """``mul_``'s result is read by nobody, so convert drops it; the warning is decided before (review:
+    0.76 off float, no warning)."""
+    torch.manual_seed(0)
+    x = torch.rand(1, 3, 4, 4)
+    with pytest.warns(QCompilerWarning, match=r"convert_fx: 'mul_' writes in place into the value of 'getitem', "
+                                              r"and an alias of it \(a view, or an op returning its input: sub\)"):
+        _compile(SliceWrittenWholeRead().eval(), x)

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import QCompilerWarning, TraceError
-from qcompiler.ir.inplace import state_writes
+from qcompiler.ir.inplace import UNKNOWN_STORAGE, state_writes, storage_key
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.shape_prop import normalize_inputs
@@ -86,18 +86,22 @@ def _fresh_constants(gm: fx.GraphModule, model: nn.Module, attributes: set[str])
     eager torch makes it anew on each call, the graph keeps one.  A constant written in place would then
     carry the writes from call to call; each call gets a copy of it instead (the writes are the call's
     own, as in eager torch), which every read of the constant reads (passes/inplace_reads then orders
-    the reads after a write).  Not a constant sharing memory with the model's tensors (a view fx made of
-    a buffer, ``self.mean[0]``): those writes are state (:func:`_raise_on_state_writes`).
+    the reads after a write).  Not for a constant sharing memory with any other tensor the model or the
+    graph holds (:func:`_held_storages`): a view fx made of a buffer (``self.mean[0]``), of a plain
+    tensor attribute, or of another constant; those writes reach the other tensor, so they are state.
+    (A module-level tensor written in forward is taken for a fresh one: nothing here tells them apart.)
     ``attributes``: the model's own attribute names before tracing (fx's constants are the new ones)."""
-    ours = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers()) if tracked(t)}
     written = {attr for _, attr in state_writes(gm)}
+    if not any(_FX_CONSTANT.fullmatch(attr) and attr not in attributes for attr in written):
+        return
+    held = _held_storages(model, gm, written)
     first: dict[str, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op != "get_attr" or node.target not in written or not _FX_CONSTANT.fullmatch(node.target):
             continue
         constant = getattr(gm, node.target, None)
         if node.target in attributes or not isinstance(constant, torch.Tensor) \
-                or constant.untyped_storage()._cdata in ours:
+                or storage_key(constant) in held:
             continue
         if node.target in first:  # each read of the constant is its own get_attr: all read the one copy
             node.replace_all_uses_with(first[node.target])
@@ -111,6 +115,22 @@ def _fresh_constants(gm: fx.GraphModule, model: nn.Module, attributes: set[str])
 
 
 _FX_CONSTANT = re.compile(r"_tensor_constant\d+")
+
+
+def _held_storages(model: nn.Module, gm: fx.GraphModule, written: set[str]) -> set[int]:
+    """Storage keys of every tensor the model or the graph holds, the written constants aside: the
+    parameters, buffers and plain tensor attributes of every module, and fx's other constants (a view
+    fx made of a constant is a constant of its own).  Unknown storage counts as held."""
+    held = {UNKNOWN_STORAGE}
+    for root in (model, gm):
+        for path, module in root.named_modules():
+            prefix = f"{path}." if path else ""
+            for name, value in (*vars(module).items(), *module._parameters.items(), *module._buffers.items()):
+                if isinstance(value, torch.Tensor) and prefix + name not in written and tracked(value):
+                    held.add(storage_key(value))
+    keys = [storage_key(getattr(gm, attr)) for attr in written if isinstance(getattr(gm, attr, None), torch.Tensor)]
+    held.update(k for k in keys if keys.count(k) > 1)  # two written constants, one memory
+    return held
 
 
 def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, state: ModelState, written: list[str],

@@ -57,6 +57,20 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     return None
 
 
+UNKNOWN_STORAGE = -1  # a tensor whose storage cannot be read (sparse, mkldnn): it may alias anything
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An opaque key of ``t``'s storage (the StorageImpl's address), equal for views and for ops returning
+    their input, on meta tensors too; :data:`UNKNOWN_STORAGE` for a layout without one."""
+    if t.layout != torch.strided:
+        return UNKNOWN_STORAGE
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return UNKNOWN_STORAGE
+
+
 # In-place tensor methods with an out-of-place twin that computes the same value whenever every tensor
 # involved has one dtype (in place, the result keeps ``x``'s dtype where the twin would promote; where the
 # dtypes differ, eager torch refuses the in-place op or the twin would give another dtype).  Comparisons
@@ -97,16 +111,17 @@ def _twin(node: fx.Node) -> Optional[str]:
     return node.target[:-1]
 
 
-def _aliased(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> bool:
-    """Whether the value ``node`` writes into may have an alias that is read after the write (or whether
-    nothing says it has none): a value made before ``node``, outside the chain of in-place ops on that
+def _aliases(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> Optional[list[fx.Node]]:
+    """The values that may be aliases of the one ``node`` writes into and are read after the write, or
+    None where nothing says which (no storage recorded): a value made before ``node``, outside the chain of in-place ops on that
     one tensor, sharing a storage with it (shape propagation's ``META_STORAGE``: a view, a slice, an op
     returning its input such as ``.float()`` or ``.contiguous()``).  passes/inplace_reads rewires only
     reads of the written value itself, so such an alias sees the write only while it runs in place."""
     value = mutated_input(node, gm)
     shared = value.meta.get(META_STORAGE) if value is not None else None
-    if not shared:
-        return True
+    if not shared or UNKNOWN_STORAGE in shared:
+        return None
+    shared = shared | {UNKNOWN_STORAGE}  # a value of unknown storage may be an alias too
     root = value
     while mutated_input(root, gm) is not None:
         root = mutated_input(root, gm)
@@ -117,20 +132,46 @@ def _aliased(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> bo
                 family.add(user)
                 stack.append(user)
     at = order[node]
+    metadata_kept = node.target not in _METADATA_WRITES
+    found = []
     for other in gm.graph.nodes:
         if order[other] >= at:
             break
         if other in family or not (other.meta.get(META_STORAGE, frozenset()) & shared):
             continue
-        if any(order[u] > at for u in other.users):
-            return True
-    return False
+        if any(order[u] > at and not (metadata_kept and _reads_metadata_only(u)) for u in other.users):
+            found.append(other)
+    return found
 
 
-def aliased_writes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The in-place nodes whose written value may have an alias read after the write (:func:`_aliased`)."""
+def _aliased(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> bool:
+    aliases = _aliases(node, gm, order)
+    return aliases is None or bool(aliases)
+
+
+# in-place methods that change a tensor's shape or strides, not only its values
+_METADATA_WRITES = frozenset({"squeeze_", "unsqueeze_", "transpose_", "t_"})
+
+
+def _reads_metadata_only(node: fx.Node) -> bool:
+    """``x.size(0)``, ``x.dim()``, ``x.shape``: a read no write of values changes."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return node.op == "call_function" and node.target is getattr and len(node.args) > 1 \
+        and node.args[1] in ("shape", "dtype", "device", "ndim")
+
+
+def aliased_writes(gm: fx.GraphModule) -> dict[fx.Node, Optional[list[fx.Node]]]:
+    """The in-place nodes whose written value may have an alias read after the write, with those aliases
+    (None: unknown) (:func:`_aliases`)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return [n for n in gm.graph.nodes if mutated_input(n, gm) is not None and _aliased(n, gm, order)]
+    found = {}
+    for n in gm.graph.nodes:
+        if mutated_input(n, gm) is not None:
+            aliases = _aliases(n, gm, order)
+            if aliases is None or aliases:
+                found[n] = aliases
+    return found
 
 
 def out_of_place_twins(gm: fx.GraphModule) -> dict[fx.Node, str]:

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from qcompiler.batches import fresh_args
 from qcompiler.errors import ConfigError
+from qcompiler.ir.inplace import storage_key
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo, format_tensor_info
 from qcompiler.ir.state import ModelState
 
@@ -86,10 +87,10 @@ class _Recorder(fx.Interpreter):
 
 
 def _storages(value: Any) -> Iterator[int]:
-    """Keys of the storages of the tensors in ``value`` (the StorageImpl's address: equal for views and
-    for ops returning their input, on meta tensors too; compared only among values alive together)."""
+    """:func:`~qcompiler.ir.inplace.storage_key` of each tensor in ``value`` (compared only among values
+    alive together)."""
     if isinstance(value, torch.Tensor):
-        yield value.untyped_storage()._cdata
+        yield storage_key(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
             yield from _storages(v)

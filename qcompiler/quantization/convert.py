@@ -46,8 +46,8 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
     type(gm).__name__ = type(graph_module).__name__
     sync_observers(gm)
     ctx = CompileContext(march=graph_module.meta.get("qc_march"))
+    _warn_split_aliases(gm)  # before convert, which drops an in-place op whose result nobody reads
     gm = PassManager([CONVERT]).run(gm, ctx).gm
-    _warn_split_aliases(gm)
     for attr in config.get("preserved_attributes", []):
         setattr(gm, attr, getattr(graph_module, attr))
     gm.meta[GM_KIND] = "quantized"
@@ -56,16 +56,24 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
 
 
 def _warn_split_aliases(gm: fx.GraphModule) -> None:
-    """Warn for each in-place op left in place for an alias (passes/out_of_place.py) whose written value
-    comes from another partition: the stubs give each consumer its own dequantized tensor, so the
-    alias misses the write, which only the calibration model (one graph, run in place) makes."""
+    """Warn for each in-place op left in place for an alias (passes/out_of_place.py) where the written value
+    or an alias lives in another partition than the op: the stubs give each consumer its own dequantized
+    tensor, so the alias misses the write, which only the calibration model (one graph, run in place) makes."""
+    by_name = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
-        value = mutated_input(node, gm) if node.meta.get(META_ALIASED_WRITE) else None
-        if value is None or value.meta.get(META_PARTITION) == node.meta.get(META_PARTITION):
+        aliases = node.meta.get(META_ALIASED_WRITE)
+        value = mutated_input(node, gm) if aliases is not None else None
+        if value is None:
+            continue
+        group = [value, *(by_name.get(a) for a in aliases)]
+        apart = [m.name if m is not None else "?" for m in group
+                 if m is None or m.meta.get(META_PARTITION) != node.meta.get(META_PARTITION)]
+        if not apart:
             continue
         warnings.warn(
             f"convert_fx: '{node.name}' writes in place into the value of '{value.name}', and an alias of it (a "
-            f"view, or an op returning its input) is read after the write; that value comes from partition "
-            f"'{value.meta.get(META_PARTITION)}' through a stub of its own, so the alias does not see the write and "
-            f"the converted model differs from float there. Keep the alias and the write on one side (hybrid_dict) "
-            f"or write out of place (y = y * 2 for y.mul_(2)).", QCompilerWarning, stacklevel=3)
+            f"view, or an op returning its input{': ' + ', '.join(aliases) if aliases else ''}) is read after "
+            f"the write; {', '.join(repr(a) for a in apart)} {'is' if len(apart) == 1 else 'are'} in another "
+            f"partition, which gets a copy of its own through a stub, so the write does not reach it there and "
+            f"the converted model differs from float. Keep the alias and the write on one side (hybrid_dict) or "
+            f"write out of place (y = y * 2 for y.mul_(2)).", QCompilerWarning, stacklevel=3)
