@@ -38,8 +38,8 @@ def _in_place_name(name: str) -> bool:
 def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     """The value ``node`` changes in place (its first argument), or None: a tensor method ``x.op_()``,
     a ``torch`` function ``op_`` (``F.leaky_relu_`` and its like too), a ``torch.nn.functional`` one
-    with ``inplace=True``, a module of :data:`INPLACE_MODULES` with ``inplace=True``.  (A user function or module with such a name or flag
-    is not taken at its word.)"""
+    with ``inplace=True``, a module of :data:`INPLACE_MODULES` with ``inplace=True``.  (A user function
+    or module with such a name or flag is not taken at its word.)"""
     first = node.args[0] if node.args else node.kwargs.get("input")
     if not isinstance(first, fx.Node):
         return None
@@ -111,10 +111,21 @@ def _twin(node: fx.Node) -> Optional[str]:
     return node.target[:-1]
 
 
-def _aliases(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> Optional[list[fx.Node]]:
+class _Storages:
+    """The graph's nodes by storage key (``META_STORAGE``) and their order, built once per graph."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.nodes: dict[int, list[fx.Node]] = {}
+        for n in gm.graph.nodes:
+            for key in n.meta.get(META_STORAGE, ()):
+                self.nodes.setdefault(key, []).append(n)
+
+
+def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[list[fx.Node]]:
     """The values that may be aliases of the one ``node`` writes into and are read after the write, or
-    None where nothing says which (no storage recorded): a value made before ``node``, outside the chain of in-place ops on that
-    one tensor, sharing a storage with it (shape propagation's ``META_STORAGE``: a view, a slice, an op
+    None where nothing says which (no storage recorded): a value made before ``node``, outside the chain
+    of in-place ops on that one tensor, sharing a storage with it (shape propagation's ``META_STORAGE``: a view, a slice, an op
     returning its input such as ``.float()`` or ``.contiguous()``).  passes/inplace_reads rewires only
     reads of the written value itself, so such an alias sees the write only while it runs in place."""
     value = mutated_input(node, gm)
@@ -131,21 +142,20 @@ def _aliases(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> Op
             if user not in family and mutated_input(user, gm) in family:
                 family.add(user)
                 stack.append(user)
-    at = order[node]
+    order, at = graph.order, graph.order[node]
     metadata_kept = node.target not in _METADATA_WRITES
+    sharing = {n for key in shared for n in graph.nodes.get(key, ())}
     found = []
-    for other in gm.graph.nodes:
-        if order[other] >= at:
-            break
-        if other in family or not (other.meta.get(META_STORAGE, frozenset()) & shared):
+    for other in sorted(sharing, key=order.__getitem__):
+        if order[other] >= at or other in family:
             continue
         if any(order[u] > at and not (metadata_kept and _reads_metadata_only(u)) for u in other.users):
             found.append(other)
     return found
 
 
-def _aliased(node: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> bool:
-    aliases = _aliases(node, gm, order)
+def _aliased(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> bool:
+    aliases = _aliases(node, gm, graph)
     return aliases is None or bool(aliases)
 
 
@@ -164,11 +174,11 @@ def _reads_metadata_only(node: fx.Node) -> bool:
 def aliased_writes(gm: fx.GraphModule) -> dict[fx.Node, Optional[list[fx.Node]]]:
     """The in-place nodes whose written value may have an alias read after the write, with those aliases
     (None: unknown) (:func:`_aliases`)."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    graph = _Storages(gm)
     found = {}
     for n in gm.graph.nodes:
         if mutated_input(n, gm) is not None:
-            aliases = _aliases(n, gm, order)
+            aliases = _aliases(n, gm, graph)
             if aliases is None or aliases:
                 found[n] = aliases
     return found
@@ -179,11 +189,11 @@ def out_of_place_twins(gm: fx.GraphModule) -> dict[fx.Node, str]:
     :data:`OUT_OF_PLACE_TWINS`, shape propagation recorded one dtype for the node and each tensor it reads,
     and no alias of the value it writes into is read after it (:func:`_aliased`).  Decided on the graph
     as it is (a node already rewritten no longer counts as an in-place op)."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    graph = _Storages(gm)
     twins = {}
     for node in gm.graph.nodes:
         twin = _twin(node)
-        if twin is not None and not _aliased(node, gm, order):
+        if twin is not None and not _aliased(node, gm, graph):
             twins[node] = twin
     return twins
 
