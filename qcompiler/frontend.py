@@ -10,6 +10,7 @@ import copy
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -75,7 +76,7 @@ def build_graph(
     for attr in preserved:
         if not hasattr(model, attr):
             raise ConfigError(f"prepare_custom_config_dict['preserved_attributes']: model has no attribute {attr!r}")
-    work = model if inplace else copy.deepcopy(model)
+    work = model if inplace else _copy(model)
     gm = trace_or_fallback(  # untraceable code runs as a whole in torch, with a warning (unless strict)
         work,
         leaf_module_names=custom.get("non_traceable_module_name", ()),
@@ -90,6 +91,29 @@ def build_graph(
     gm = PassManager(passes, verify=verify, dump_dir=dump_dir).run(gm, ctx).gm
     gm.recompile()
     return gm
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` to trace and rewrite; a ConfigError naming the tensor if torch cannot copy it."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError as exc:
+        if "deepcopy" not in str(exc):
+            raise
+        made = [name for name, value in _tensor_attributes(model) if value.grad_fn is not None]
+        which = f" ('{made[0]}')" if made else ""
+        raise ConfigError(
+            f"{type(model).__name__} cannot be copied: a tensor it holds{which} is the result of an autograd "
+            f"computation (its forward changed it while gradients were recorded), and torch copies only tensors "
+            f"made directly. Detach it (self.x = self.x.detach()), or run the model under torch.no_grad() "
+            f"before compiling; the model is left as it is.") from None
+
+
+def _tensor_attributes(model: nn.Module):
+    for path, module in model.named_modules():
+        for name, value in (*vars(module).items(), *module._parameters.items(), *module._buffers.items()):
+            if isinstance(value, torch.Tensor):
+                yield (f"{path}.{name}" if path else name), value
 
 
 def partition(

@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import qcompiler
-from qcompiler.errors import QCompilerWarning, TraceError
+from qcompiler.errors import ConfigError, QCompilerWarning, TraceError
 from qcompiler.ir.auto_leaf import trace_or_fallback
 from qcompiler.ir.inplace import state_writes
 from qcompiler.ir.state import ModelState
@@ -434,3 +434,26 @@ def test_a_sparse_buffer_has_no_storage_to_compare_and_compiles():
     model = SparseGraph().eval()
     cm = qcompiler.compile(model, (x,), march="bayes", calib_data=[x], progress=False)
     assert (cm(x) - model(x)).abs().max() < 0.05
+
+
+class RunningSumWithGrad(nn.Module):
+    """Its plain tensor attribute took a write while gradients were recorded: torch cannot deepcopy it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.acc = nn.Conv2d(3, 3, 1), torch.zeros(1, 3, 1, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        self.acc[:, :].add_(y.mean((0, 2, 3), keepdim=True))
+        return y - self.acc
+
+
+def test_a_model_torch_cannot_copy_is_a_config_error_naming_the_tensor():
+    model = RunningSumWithGrad().eval()
+    model(X)  # outside no_grad: acc now has a grad_fn
+    acc = model.acc
+    with pytest.raises(ConfigError, match=r"RunningSumWithGrad cannot be copied: a tensor it holds \('acc'\) is the "
+                                          r"result of an autograd computation.*Detach it"):
+        _compile(model)
+    assert model.acc is acc
