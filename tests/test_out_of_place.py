@@ -292,3 +292,35 @@ def test_convert_warns_where_the_alias_is_on_the_bpu_and_the_write_is_dropped():
     with pytest.warns(QCompilerWarning, match=r"convert_fx: 'mul_' writes in place into the value of 'getitem', "
                                               r"and an alias of it \(a view, or an op returning its input: sub\)"):
         _compile(SliceWrittenWholeRead().eval(), x)
+
+
+class ViewHead(nn.Module):
+    def forward(self, y):
+        v = y[:, 0:2]
+        v.mul_(2.0)  # y, read after, sees it
+        return torch.cat([v, y], 1)
+
+
+class HeadAfterConvBn(nn.Module):
+    """The alias of ``mul_``'s value is ``bn``'s output, and fusion folds ``bn`` into ``c``."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.c, self.bn, self.head = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), ViewHead()
+
+    def forward(self, x):
+        return self.head(self.bn(self.c(self.c0(x))))
+
+
+@pytest.mark.parametrize("forced, warned", [(["c", "bn", "head"], False), (["head"], True)], ids=["together", "split"])
+def test_an_alias_fused_away_is_found_in_the_fused_node(forced, warned):
+    """The alias is looked up by name; ``bn`` is gone after fusion (review: a false alarm, ``'?'``)."""
+    torch.manual_seed(0)
+    x = torch.rand(1, 3, 4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compile(HeadAfterConvBn().eval(), x, hybrid_dict={"module_name": forced})
+    split = [str(w.message) for w in caught if "an alias of it" in str(w.message)]
+    assert bool(split) is warned
+    if warned:
+        assert "(a view, or an op returning its input: bn) is read after the write; 'c' is in another partition" in split[0]

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.ir.inplace import mutated_input
-from qcompiler.ir.meta import META_ALIASED_WRITE, META_PARTITION
+from qcompiler.ir.meta import META_ALIASED_WRITE, META_FUSED_FROM, META_PARTITION
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.convert import CONVERT
 from qcompiler.quantization.prepare import GM_KIND
@@ -60,14 +60,16 @@ def _warn_split_aliases(gm: fx.GraphModule) -> None:
     or an alias lives in another partition than the op: the stubs give each consumer its own dequantized
     tensor, so the alias misses the write, which only the calibration model (one graph, run in place) makes."""
     by_name = {n.name: n for n in gm.graph.nodes}
+    for n in gm.graph.nodes:  # a node fusion folded away (a BN into its conv) is now the fused node
+        for name in n.meta.get(META_FUSED_FROM) or ():
+            by_name.setdefault(name, n)
     for node in gm.graph.nodes:
         aliases = node.meta.get(META_ALIASED_WRITE)
         value = mutated_input(node, gm) if aliases is not None else None
         if value is None:
             continue
-        group = [value, *(by_name.get(a) for a in aliases)]
-        apart = [m.name if m is not None else "?" for m in group
-                 if m is None or m.meta.get(META_PARTITION) != node.meta.get(META_PARTITION)]
+        group = [value, *(by_name[a] for a in aliases if a in by_name)]  # one gone altogether reads nothing
+        apart = [m.name for m in group if m.meta.get(META_PARTITION) != node.meta.get(META_PARTITION)]
         if not apart:
             continue
         warnings.warn(
