@@ -160,7 +160,8 @@ def _aliased(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> bool:
 
 
 # in-place methods that change a tensor's shape or strides, not only its values
-_METADATA_WRITES = frozenset({"squeeze_", "unsqueeze_", "transpose_", "t_"})
+_METADATA_WRITES = frozenset({"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_",
+                              "resize_", "resize_as_"})
 
 
 def _reads_metadata_only(node: fx.Node) -> bool:
