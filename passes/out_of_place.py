@@ -26,8 +26,9 @@ from qcompiler.passes.base import CompileContext, Pass, PassResult
 
 
 def out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    twins = out_of_place_twins(gm)  # decided on the whole graph first: rewriting breaks in-place chains
-    for node, aliases in aliased_writes(gm).items():  # stays in place; convert_fx warns where an alias may miss it
+    aliased = aliased_writes(gm)  # decided on the whole graph first: rewriting breaks in-place chains
+    twins = out_of_place_twins(gm, aliased)
+    for node, aliases in aliased.items():  # stays in place; convert_fx warns where an alias may miss it
         node.meta[META_ALIASED_WRITE] = tuple(a.name for a in aliases) if aliases is not None else ()
     for node, twin in twins.items():
         node.target = twin

@@ -154,11 +154,6 @@ def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[li
     return found
 
 
-def _aliased(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> bool:
-    aliases = _aliases(node, gm, graph)
-    return aliases is None or bool(aliases)
-
-
 # in-place methods that change a tensor's shape or strides, not only its values
 _METADATA_WRITES = frozenset({"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_",
                               "resize_", "resize_as_"})
@@ -185,16 +180,16 @@ def aliased_writes(gm: fx.GraphModule) -> dict[fx.Node, Optional[list[fx.Node]]]
     return found
 
 
-def out_of_place_twins(gm: fx.GraphModule) -> dict[fx.Node, str]:
+def out_of_place_twins(gm: fx.GraphModule, aliased: Optional[dict] = None) -> dict[fx.Node, str]:
     """In-place ``call_method`` nodes that may run as their out-of-place twin, with the twin's name: one of
     :data:`OUT_OF_PLACE_TWINS`, shape propagation recorded one dtype for the node and each tensor it reads,
-    and no alias of the value it writes into is read after it (:func:`_aliased`).  Decided on the graph
-    as it is (a node already rewritten no longer counts as an in-place op)."""
-    graph = _Storages(gm)
+    and it is none of ``aliased`` (:func:`aliased_writes` of ``gm``, computed here if not given).  Decided
+    on the graph as it is (a node already rewritten no longer counts as an in-place op)."""
+    aliased = aliased_writes(gm) if aliased is None else aliased
     twins = {}
     for node in gm.graph.nodes:
         twin = _twin(node)
-        if twin is not None and not _aliased(node, gm, graph):
+        if twin is not None and node not in aliased:
             twins[node] = twin
     return twins
 
