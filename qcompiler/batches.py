@@ -136,6 +136,17 @@ def require_samples(args: Sequence[Any], *, where: str) -> None:
                           "calibration needs at least one sample in every batch")
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a value: a tensor, or tuples / lists / dicts of them (a node's output, a batch)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
 def _tensors(v: Any) -> list[torch.Tensor]:
     if isinstance(v, torch.Tensor):
         return [v]

@@ -10,7 +10,6 @@ import copy
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -18,6 +17,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir.auto_leaf import trace_or_fallback
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.ir.state import tensor_attributes
 from qcompiler.march import MarchLike, resolve_march
 from qcompiler.passes.base import CompileContext, Pass, PassManager
 from qcompiler.passes.pipeline import PARTITION_PIPELINE
@@ -100,20 +100,13 @@ def _copy(model: nn.Module) -> nn.Module:
     except RuntimeError as exc:
         if "deepcopy" not in str(exc):
             raise
-        made = [name for name, value in _tensor_attributes(model) if value.grad_fn is not None]
+        made = [name for name, value in tensor_attributes(model) if value.grad_fn is not None]
         which = f" ('{made[0]}')" if made else ""
         raise ConfigError(
             f"{type(model).__name__} cannot be copied: a tensor it holds{which} is the result of an autograd "
             f"computation (its forward changed it while gradients were recorded), and torch copies only tensors "
             f"made directly. Detach it (self.x = self.x.detach()), or run the model under torch.no_grad() "
             f"before compiling; the model is left as it is.") from None
-
-
-def _tensor_attributes(model: nn.Module):
-    for path, module in model.named_modules():
-        for name, value in (*vars(module).items(), *module._parameters.items(), *module._buffers.items()):
-            if isinstance(value, torch.Tensor):
-                yield (f"{path}.{name}" if path else name), value
 
 
 def partition(

@@ -35,7 +35,7 @@ from qcompiler.ir.inplace import UNKNOWN_STORAGE, state_writes, storage_key
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.shape_prop import normalize_inputs
-from qcompiler.ir.state import ModelState, tracked
+from qcompiler.ir.state import ModelState, tensor_attributes, tracked
 from qcompiler.ir.tracer import QTracer, is_user_file, leaf_fix, module_where, trace
 
 WHOLE_MODEL = "model"  # the submodule name of a model that runs as one leaf
@@ -48,6 +48,7 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
     ``pristine``: the model ``model`` is a copy of, whose tensors undo what tracing wrote into the
     copy's (without it, tracing ``model`` itself, only its buffers can be put back)."""
     leaves = list(leaf_module_names)
+    leaf_types = [resolve_type(t, "non_traceable_module_class") for t in leaf_module_types]
     auto: dict[str, str] = {}  # module path -> why it is a leaf
     while True:
         state, attributes = ModelState(model, pristine), set(vars(model))
@@ -58,7 +59,7 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
             finally:
                 written, lost = state.restore()
             _fresh_constants(gm, model, attributes)
-            tracer = QTracer(leaves, [resolve_type(t, "non_traceable_module_class") for t in leaf_module_types])
+            tracer = QTracer(leaves, leaf_types)
             _raise_on_state_writes(model, gm, state, written, lost,
                                    lambda path: tracer.is_leaf_module(model.get_submodule(path), path))
             break
@@ -122,12 +123,8 @@ def _held_storages(model: nn.Module, gm: fx.GraphModule, written: set[str]) -> s
     parameters, buffers and plain tensor attributes of every module, and fx's other constants (a view
     fx made of a constant is a constant of its own).  Unknown storage counts as held."""
     held = {UNKNOWN_STORAGE}
-    for root in (model, gm):
-        for path, module in root.named_modules():
-            prefix = f"{path}." if path else ""
-            for name, value in (*vars(module).items(), *module._parameters.items(), *module._buffers.items()):
-                if isinstance(value, torch.Tensor) and prefix + name not in written and tracked(value):
-                    held.add(storage_key(value))
+    held.update(storage_key(t) for root in (model, gm) for name, t in tensor_attributes(root)
+                if name not in written and tracked(t))
     keys = [storage_key(getattr(gm, attr)) for attr in written if isinstance(getattr(gm, attr, None), torch.Tensor)]
     held.update(k for k in keys if keys.count(k) > 1)  # two written constants, one memory
     return held

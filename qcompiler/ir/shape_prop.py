@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qcompiler.batches import fresh_args
+from qcompiler.batches import fresh_args, tensors_in
 from qcompiler.errors import ConfigError
 from qcompiler.ir.inplace import storage_key
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo, format_tensor_info
@@ -82,21 +82,8 @@ class _Recorder(fx.Interpreter):
         except Exception as exc:
             raise _input_error(self.module, n, exc) from None
         n.meta[META_TENSOR] = describe_value(value)
-        n.meta[META_STORAGE] = frozenset(_storages(value))
+        n.meta[META_STORAGE] = frozenset(storage_key(t) for t in tensors_in(value))  # compared among live values
         return value
-
-
-def _storages(value: Any) -> Iterator[int]:
-    """:func:`~qcompiler.ir.inplace.storage_key` of each tensor in ``value`` (compared only among values
-    alive together)."""
-    if isinstance(value, torch.Tensor):
-        yield storage_key(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _storages(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _storages(v)
 
 
 def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:

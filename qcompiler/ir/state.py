@@ -8,7 +8,7 @@ tensor's identity and version counter, and restores what moved.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,16 @@ def tracked(t: torch.Tensor) -> bool:
     """Tensors whose writes can be seen: not inference tensors (no version counter; nothing writes them
     outside inference mode) nor a lazy module's uninitialized ones."""
     return not isinstance(t, UninitializedTensorMixin) and not t.is_inference()
+
+
+def tensor_attributes(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(qualified name, tensor)`` for every parameter, buffer and plain tensor attribute of every module
+    of ``root`` (fx's constants among them)."""
+    for path, module in root.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, value in (*vars(module).items(), *module._parameters.items(), *module._buffers.items()):
+            if isinstance(value, torch.Tensor):
+                yield prefix + name, value
 
 
 class ModelState:
@@ -63,4 +73,4 @@ class ModelState:
         return written, lost
 
 
-__all__ = ["ModelState", "tracked"]
+__all__ = ["ModelState", "tensor_attributes", "tracked"]

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
-from qcompiler.batches import as_args, fresh_args
+from qcompiler.batches import as_args, fresh_args, tensors_in
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_OP, META_SCOPE, META_STUB, placement
 from qcompiler.ir.ops import META_OPS
@@ -262,22 +262,11 @@ class _KeepingInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        self.made.extend((t, _versions(t)) for t in _tensors(out))
+        self.made.extend((t, _versions(t)) for t in tensors_in(out))
         return out
 
     def changed_in_place(self) -> bool:
         return any(v is None or _versions(t) != v for t, v in self.made)  # (None: no counter, taken as changed)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a node's output (a tensor, or tuples / lists / dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _flat_out(out: Any) -> torch.Tensor:
