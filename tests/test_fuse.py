@@ -763,3 +763,104 @@ def test_fold_bn_leaves_inputs_alone_and_adds_bias():
     x = inputs((5, 3))[0]
     with torch.no_grad():
         torch.testing.assert_close(folded(x), bn.eval()(lin(x)), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------- fused add and activation in place
+
+
+class _AtenCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops a region runs (names like "hardtanh_")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name.split("::")[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _aten_calls(fn) -> tuple[torch.Tensor, list[str]]:
+    with _AtenCalls() as calls:
+        out = fn()
+    return out, calls.names
+
+
+def _fused_relu6_add() -> tuple[FusedModule, nn.Module]:
+    seq = init(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), set_bn_stats(nn.BatchNorm2d(3), 7)))
+    return build_fused(seq[0], bn=seq[1], act="relu6", with_add=True), seq
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6"])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_fused_add_and_activation_run_in_place_without_grad(act, with_add):
+    """Without autograd the add and the activation write the conv's fresh output (no new
+    activation per step) and give the same bits as the out-of-place ops."""
+    seq = init(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), set_bn_stats(nn.BatchNorm2d(3), 7)))
+    fused = build_fused(seq[0], bn=seq[1], act=act, with_add=with_add)
+    x, other = inputs((2, 2, 5, 5), (2, 3, 5, 5))
+    extra = (other,) if with_add else ()
+    with torch.no_grad():
+        y = fused.op(x)
+        want = F.relu(y + other) if act == "relu" and with_add else (
+            F.relu(y) if act == "relu" else F.relu6(y + other if with_add else y))
+        got, names = _aten_calls(lambda: fused(x, *extra))
+    assert torch.equal(got, want)
+    act_op = "relu" if act == "relu" else "hardtanh"
+    assert f"{act_op}_" in names and act_op not in names, names
+    assert ("add_" in names and "add" not in names) if with_add else not any(n.startswith("add") for n in names)
+
+
+def test_fused_ops_stay_out_of_place_under_autograd():
+    """QAT training: autograd records the conv's output, so nothing is written in place and the
+    gradients are those of the unfused layers."""
+    fused, _ = _fused_relu6_add()
+    x, other = inputs((2, 2, 5, 5), (2, 3, 5, 5))
+    x.requires_grad_(True)
+    got, names = _aten_calls(lambda: fused(x, other))
+    assert "hardtanh" in names and "hardtanh_" not in names and "add_" not in names, names
+    got.sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    F.relu6(fused.op(x2) + other).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_fused_ops_stay_out_of_place_when_the_conv_output_was_shown_to_a_hook():
+    """A forward hook on the base layer may keep the tensor it saw: it must not change after."""
+    fused, _ = _fused_relu6_add()
+    kept = []
+    fused.op.register_forward_hook(lambda mod, args, out: kept.append(out))
+    x, other = inputs((2, 2, 5, 5), (2, 3, 5, 5))
+    with torch.no_grad():
+        before = fused.op(x).clone()
+        kept.clear()
+        got = fused(x, other)
+    assert torch.equal(kept[0], before)
+    assert torch.equal(got, F.relu6(before + other))
+
+
+def test_fused_add_out_of_place_where_in_place_would_change_the_result():
+    """``y.add_(other)`` keeps y's shape and dtype: a broadcasting or wider operand adds out of place."""
+    fused, _ = _fused_relu6_add()
+    x = inputs((1, 2, 5, 5))[0]
+    with torch.no_grad():
+        y = fused.op(x)
+        wide = inputs((3, 3, 5, 5))[0]  # broadcasts y from batch 1 to 3
+        assert torch.equal(fused(x, wide), F.relu6(y + wide))
+        as_f64 = inputs((1, 3, 5, 5))[0].double()
+        got = fused(x, as_f64)
+        assert got.dtype == torch.float64 and torch.equal(got, F.relu6(y + as_f64))
+
+
+def test_fused_activation_subclass_is_called_not_replaced():
+    """Only nn.ReLU / nn.ReLU6 themselves are applied in place; a subclass runs its own forward."""
+
+    class LeakyAsReLU(nn.ReLU):
+        def forward(self, x):
+            return F.leaky_relu(x, 0.5)
+
+    fused, _ = _fused_relu6_add()
+    fused.act = LeakyAsReLU()
+    x, other = inputs((2, 2, 5, 5), (2, 3, 5, 5))
+    with torch.no_grad():
+        assert torch.equal(fused(x, other), F.leaky_relu(fused.op(x) + other, 0.5))
