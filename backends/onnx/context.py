@@ -377,7 +377,11 @@ class NodeContext:
 
     def const(self, tag: str, value: Any, dtype: int = TensorProto.FLOAT) -> Tensor:
         """A constant initializer ``<node>/<tag>`` (a python scalar becomes a 0-d tensor)."""
-        arr = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
+        np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+        try:
+            arr = np.asarray(value, dtype=np_dtype)
+        except OverflowError:  # torch wraps such a number around in an integer tensor; numpy refuses it
+            raise self.unsupported(f"the number {value!r} does not fit {np.dtype(np_dtype).name}") from None
         return self.b.initializer(f"{self.node.name}/{tag}", arr)
 
     def initializer(self, name: str, array: np.ndarray) -> Tensor:

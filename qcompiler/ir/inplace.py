@@ -10,13 +10,14 @@ in their place once every later read goes through their result.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo
+from qcompiler.ir.meta import META_STORAGE, META_TENSOR, META_WRITE_BACK, TensorInfo
+from qcompiler.ir.setitem import setitem, setitem_
 
 # torch.nn modules whose ``inplace=True`` writes the result into their input (exactly these classes: a
 # module of another class may keep an ``inplace`` flag it does not act on, as timm's GELU does)
@@ -38,7 +39,8 @@ def _in_place_name(name: str) -> bool:
 def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     """The value ``node`` changes in place (its first argument), or None: a tensor method ``x.op_()``,
     a ``torch`` function ``op_`` (``F.leaky_relu_`` and its like too), a ``torch.nn.functional`` one
-    with ``inplace=True``, a module of :data:`INPLACE_MODULES` with ``inplace=True``.  (A user function
+    with ``inplace=True``, a module of :data:`INPLACE_MODULES` with ``inplace=True``, ``x[index] = value``
+    (:func:`~qcompiler.ir.setitem.setitem_`).  (A user function
     or module with such a name or flag is not taken at its word.)"""
     first = node.args[0] if node.args else node.kwargs.get("input")
     if not isinstance(first, fx.Node):
@@ -49,6 +51,8 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
         mod = gm.get_submodule(node.target)
         return first if type(mod) in INPLACE_MODULES and getattr(mod, "inplace", False) is True else None
     if node.op == "call_function":
+        if node.target is setitem_:  # x[index] = value
+            return first
         where = getattr(node.target, "__module__", None) or ""
         if where == "torch.nn.functional" and node.kwargs.get("inplace") is True:
             return first
@@ -90,9 +94,13 @@ OUT_OF_PLACE_TWINS = frozenset(f"{name}_" for name in (
 _NOT_PROMOTED = {"masked_fill_": (1, "mask"), "scatter_": (2, "index")}
 
 
-def _twin(node: fx.Node) -> Optional[str]:
-    """The twin's name if ``node`` is one of :data:`OUT_OF_PLACE_TWINS` and shape propagation recorded one
-    dtype for it and each tensor it reads (a mask or an index aside), else None."""
+def _twin(node: fx.Node) -> Union[str, Callable, None]:
+    """The twin's target if ``node`` is one of :data:`OUT_OF_PLACE_TWINS` and shape propagation recorded one
+    dtype for it and each tensor it reads (a mask or an index aside), or ``x[index] = value`` (its twin,
+    :func:`~qcompiler.ir.setitem.setitem`, converts ``value`` as the statement does, whatever the dtypes);
+    else None."""
+    if node.op == "call_function" and node.target is setitem_:  # on a tensor (a list or a dict has no copy)
+        return setitem if isinstance(node.args[0].meta.get(META_TENSOR), TensorInfo) else None
     if node.op != "call_method" or node.target not in OUT_OF_PLACE_TWINS:
         return None
     info = node.meta.get(META_TENSOR)
@@ -112,10 +120,11 @@ def _twin(node: fx.Node) -> Optional[str]:
 
 
 class _Storages:
-    """The graph's nodes by storage key (``META_STORAGE``) and their order, built once per graph."""
+    """The graph's nodes by storage key (``META_STORAGE``), their order and names, built once per graph."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.by_name = {n.name: n for n in gm.graph.nodes}
         self.nodes: dict[int, list[fx.Node]] = {}
         for n in gm.graph.nodes:
             for key in n.meta.get(META_STORAGE, ()):
@@ -133,15 +142,8 @@ def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[li
     if not shared or UNKNOWN_STORAGE in shared:
         return None
     shared = shared | {UNKNOWN_STORAGE}  # a value of unknown storage may be an alias too
-    root = value
-    while mutated_input(root, gm) is not None:
-        root = mutated_input(root, gm)
-    family, stack = {root}, [root]  # the nodes whose result is this one tensor
-    while stack:
-        for user in stack.pop().users:
-            if user not in family and mutated_input(user, gm) in family:
-                family.add(user)
-                stack.append(user)
+    _, family = same_tensor(value, gm)
+    names = {n.name for n in family}
     order, at = graph.order, graph.order[node]
     metadata_kept = node.target not in _METADATA_WRITES
     sharing = {n for key in shared for n in graph.nodes.get(key, ())}
@@ -149,9 +151,37 @@ def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[li
     for other in sorted(sharing, key=order.__getitem__):
         if order[other] >= at or other in family:
             continue
-        if any(order[u] > at and not (metadata_kept and _reads_metadata_only(u)) for u in other.users):
+        if any(order[u] > at and not (metadata_kept and _reads_metadata_only(u))
+               and not _writes_back(u, names, graph) for u in other.users):
             found.append(other)
     return found
+
+
+def _writes_back(node: fx.Node, names: set[str], graph: "_Storages") -> bool:
+    """Is ``node`` passes/view_writes' write-back of one of the nodes ``names``, or of a write-back of
+    one, in turn (a write through a view of a view goes back up one view at a time)?"""
+    seen = set()
+    name = node.meta.get(META_WRITE_BACK)
+    while name is not None and name not in names and name not in seen:
+        seen.add(name)
+        up = graph.by_name.get(name)
+        name = up.meta.get(META_WRITE_BACK) if up is not None else None
+    return name in names
+
+
+def same_tensor(value: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, set[fx.Node]]:
+    """``(root, family)``: the node that made the tensor ``value`` is, and the nodes whose result is that
+    one tensor (the root and the chain of in-place ops on it, ``y``, ``y.mul_(2)``, ``.add_(1)``)."""
+    root = value
+    while mutated_input(root, gm) is not None:
+        root = mutated_input(root, gm)
+    family, stack = {root}, [root]
+    while stack:
+        for user in stack.pop().users:
+            if user not in family and mutated_input(user, gm) in family:
+                family.add(user)
+                stack.append(user)
+    return root, family
 
 
 # in-place methods that change a tensor's shape or strides, not only its values
@@ -180,10 +210,10 @@ def aliased_writes(gm: fx.GraphModule) -> dict[fx.Node, Optional[list[fx.Node]]]
     return found
 
 
-def out_of_place_twins(gm: fx.GraphModule, aliased: Optional[dict] = None) -> dict[fx.Node, str]:
-    """In-place ``call_method`` nodes that may run as their out-of-place twin, with the twin's name: one of
-    :data:`OUT_OF_PLACE_TWINS`, shape propagation recorded one dtype for the node and each tensor it reads,
-    and it is none of ``aliased`` (:func:`aliased_writes` of ``gm``, computed here if not given).  Decided
+def out_of_place_twins(gm: fx.GraphModule, aliased: Optional[dict] = None) -> dict[fx.Node, Union[str, Callable]]:
+    """In-place nodes that may run as their out-of-place twin, with the twin's target: a ``call_method`` of
+    :data:`OUT_OF_PLACE_TWINS` for which shape propagation recorded one dtype for the node and each tensor it
+    reads, or ``x[index] = value``; and none of ``aliased`` (:func:`aliased_writes` of ``gm``, computed here if not given).  Decided
     on the graph as it is (a node already rewritten no longer counts as an in-place op)."""
     aliased = aliased_writes(gm) if aliased is None else aliased
     twins = {}
@@ -209,4 +239,4 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
 
 
 __all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "aliased_writes", "mutated_input", "out_of_place_twins",
-           "state_writes"]
+           "same_tensor", "state_writes"]

@@ -22,6 +22,9 @@ META_STORAGE = "qc_storage"
 # set on an in-place op left in place because an alias of the value it writes is read after it
 # (passes/out_of_place.py); convert warns when the value reaches the op from another partition
 META_ALIASED_WRITE = "qc_aliased_write"
+# set on the ``setitem_`` node passes/view_writes.py adds to write an in-place op's result back into the
+# tensor it wrote through a view: the name of that op (the write-back is no read the op must precede)
+META_WRITE_BACK = "qc_write_back"
 # canonical op name ("conv2d", "add", ...) or None for graph plumbing
 META_OP = "qc_op"
 # placement: "bpu" | "cpu"; and the human-readable reason for it

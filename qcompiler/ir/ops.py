@@ -28,6 +28,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qcompiler.ir.setitem import setitem
+
 # nn.Module classes -> op. Subclasses match too (checked along the MRO).
 MODULE_OPS: dict[type, str] = {
     nn.Conv1d: "conv1d",
@@ -158,6 +160,7 @@ FUNCTION_OPS: dict[object, str] = {
     torch.chunk: "split",
     torch.split: "split",  # torch.functional.split
     operator.getitem: "getitem",
+    setitem: "setitem",  # x[index] = value, out of place (qcompiler.ir.setitem)
     builtins.getattr: "getattr",
     F.pad: "pad",
     operator.neg: "neg",

@@ -1,6 +1,6 @@
 """Tracing a float model into an FX graph with module scopes.
 
-Our tracer differs from ``torch.fx.Tracer`` in five ways:
+Our tracer differs from ``torch.fx.Tracer`` in six ways:
 
 * every node records the modules it was created inside (``META_SCOPE``), so a
   functional op inside ``conv1`` inherits ``conv1``'s qconfig and placement;
@@ -14,7 +14,9 @@ Our tracer differs from ``torch.fx.Tracer`` in five ways:
   not supply is traced as that constant and is no input of the graph
   (``mask=None`` takes the ``None`` branch, ``scale=2.0`` multiplies by 2.0).
   torch.fx makes it an input and traces a Proxy in its place, so the graph
-  failed when called with ``x`` alone.  A supplied parameter stays an input.
+  failed when called with ``x`` alone.  A supplied parameter stays an input;
+* ``x[index] = value`` is recorded (as :func:`qcompiler.ir.setitem.setitem_`) where
+  torch.fx's Proxy does not support item assignment.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.ao.nn.quantized import FloatFunctional
 from qcompiler.errors import TraceError
 from qcompiler.ir.meta import META_SCOPE, ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
+from qcompiler.ir.setitem import setitem_
 from qcompiler.ir.shape_prop import normalize_inputs
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -58,6 +61,17 @@ def is_stub(module: nn.Module) -> bool:
     return isinstance(module, (taq.QuantStub, taq.DeQuantStub)) or getattr(
         type(module), "qc_op", None
     ) in ("quant", "dequant")
+
+
+class QProxy(fx.Proxy):
+    """A Proxy that records ``x[index] = value`` (torch.fx's raises): :mod:`qcompiler.ir.setitem`."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", setitem_, (self, index, value), {})
+
+
+# torch's messages name the type ("float() argument must be ... not 'Proxy'"): keep torch's word in them
+QProxy.__name__ = QProxy.__qualname__ = "Proxy"
 
 
 class QTracer(fx.Tracer):
@@ -84,6 +98,9 @@ class QTracer(fx.Tracer):
         if self.leaf_module_types and isinstance(m, self.leaf_module_types):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return QProxy(node, self)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         """fx's root arguments, with each of ``constant_args`` passed as its value and its

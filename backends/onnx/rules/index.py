@@ -1,8 +1,9 @@
-"""Indexing rules: ``x[...]`` with ints, slices, None, Ellipsis and index tensors (``getitem``); gather,
-index_select, masked_fill, scatter; topk, sort and argsort (TopK)."""
+"""Indexing rules: ``x[...]`` with ints, slices, None, Ellipsis and index tensors (``getitem``), and
+``x[...] = value`` (``setitem``); gather, index_select, masked_fill, scatter; topk, sort and argsort (TopK)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -18,6 +19,7 @@ from qcompiler.backends.onnx.context import (
 )
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis
+from qcompiler.ir.meta import META_TENSOR, TensorInfo
 
 
 @emits("getitem")
@@ -85,6 +87,8 @@ def _plan_index(ctx: NodeContext, items: list, rank: int) -> _IndexPlan:
             if bounds is not None:
                 plan.slice(d, *bounds)
             d, out_dim = d + 1, out_dim + 1
+        elif isinstance(it, fx.Node) and _is_bool(it):  # a Gather would read its True / False as 1 / 0
+            raise ctx.unsupported("a boolean mask index (the result's size depends on the mask's values)")
         elif isinstance(it, fx.Node) and plan.gather is None:
             plan.gather = (d, ctx.tensor(it, I64))
             d, out_dim = d + 1, out_dim + 1
@@ -93,24 +97,32 @@ def _plan_index(ctx: NodeContext, items: list, rank: int) -> _IndexPlan:
     return plan
 
 
-def _apply_index(ctx: NodeContext, x: str, plan: _IndexPlan) -> Tensor:
-    """The plan's nodes; the last one is the FX node's main (untagged) node."""
+def _apply_index(ctx: NodeContext, x: str, plan: _IndexPlan, tag: Optional[str] = None) -> Tensor:
+    """The plan's nodes; the last one is the FX node's main (untagged) node, or with ``tag`` every one is
+    tagged ``<tag>_<step>`` (the index is part of a larger rule)."""
+    def named(step: str, last: bool) -> Optional[str]:
+        return f"{tag}_{step}" if tag is not None else (None if last else step)
+
     y = x
     last = not plan.squeeze and not plan.unsqueeze and plan.gather is None
     if plan.starts:
-        y = ctx.make("Slice", [y, ctx.const("starts", plan.starts, I64), ctx.const("ends", plan.ends, I64),
-                               ctx.const("axes", plan.axes, I64), ctx.const("steps", plan.steps, I64)],
-                     tag=None if last else "slice")
+        y = ctx.make("Slice", [y, ctx.const(named("starts", False), plan.starts, I64),
+                               ctx.const(named("ends", False), plan.ends, I64),
+                               ctx.const(named("axes", False), plan.axes, I64),
+                               ctx.const(named("steps", False), plan.steps, I64)],
+                     tag=named("slice", last))
     if plan.squeeze:
         last = not plan.unsqueeze and plan.gather is None
-        y = ctx.make("Squeeze", [y], tag=None if last else "squeeze", axes=plan.squeeze)
+        y = ctx.make("Squeeze", [y], tag=named("squeeze", last), axes=plan.squeeze)
     if plan.gather is not None:
         axis, index = plan.gather
         axis -= sum(1 for s in plan.squeeze if s < axis)
-        y = ctx.make("Gather", [y, index], tag=None if not plan.unsqueeze else "gather", axis=axis)
+        y = ctx.make("Gather", [y, index], tag=named("gather", not plan.unsqueeze), axis=axis)
     if plan.unsqueeze:
-        y = ctx.make("Unsqueeze", [y], axes=plan.unsqueeze)
-    return ctx.identity(x) if y == x else y
+        y = ctx.make("Unsqueeze", [y], tag=named("unsqueeze", True), axes=plan.unsqueeze)
+    if y == x:
+        return ctx.make("Identity", [x], tag=named("identity", True))
+    return y
 
 
 def _index_tensor(ctx: NodeContext, x: str, idx: Any) -> Tensor:
@@ -125,6 +137,63 @@ def _index_tensor(ctx: NodeContext, x: str, idx: Any) -> Tensor:
             return out
         raise ctx.unsupported("indexing a tensor of unknown shape")
     return _apply_index(ctx, x, _plan_index(ctx, items, len(shape)))
+
+
+@emits("setitem", since=11)
+def setitem(ctx: NodeContext) -> Tensor:
+    """``x[index] = value`` as a new tensor (:func:`qcompiler.ir.setitem.setitem`), ``value`` in x's dtype.
+
+    A boolean mask of x's shape with a number or a one-element value: Where.  ``...`` alone: the value
+    expanded to x's shape.  Any other index getitem
+    takes (ints, slices, None, Ellipsis, one index tensor): the flat positions of the elements it picks
+    (a Range over x's size, shaped as x, indexed as getitem indexes x), the value expanded to their
+    shape, both flattened, and ScatterElements into x flattened.  No position repeats except through a
+    repeating index tensor, where torch keeps an unspecified one of the values too."""
+    x = ctx.x()
+    shape = ctx.shape(ctx.arg(0, None))
+    if shape is None:
+        raise ctx.unsupported("assigning into a tensor of unknown shape")
+    index, value = ctx.call.args[1], ctx.call.args[2]
+    dtype = ctx.dtype(x)
+    items = list(index) if isinstance(index, tuple) else [index]
+    if len(items) == 1 and isinstance(items[0], fx.Node) and _is_bool(items[0]):
+        if ctx.shape(items[0]) != tuple(shape):
+            raise ctx.unsupported("a boolean mask of another shape than the tensor assigned into")
+        if isinstance(value, fx.Node) and (ctx.shape(value) is None or math.prod(ctx.shape(value)) != 1):
+            raise ctx.unsupported("a masked assignment of a value with more than one element (one per "
+                                  "True of the mask)")
+        mask = ctx.tensor(items[0], TensorProto.BOOL)
+        v = ctx.tensor(value, dtype)
+        if isinstance(value, fx.Node) and ctx.shape(value) != ():
+            v = ctx.make("Reshape", [v, ctx.const("scalar_shape", [], I64)], tag="value_0d")
+        return ctx.make("Where", [mask, v, x], dtype=dtype)
+    if items == [Ellipsis]:  # the whole tensor (a write back through a reshaped view)
+        if isinstance(value, fx.Node) and (ctx.shape(value) is None or len(ctx.shape(value)) > len(shape)):
+            raise ctx.unsupported("a value of unknown shape or of more dims than the tensor")
+        return ctx.make("Expand", [ctx.tensor(value, dtype), ctx.make("Shape", [x], tag="shape", dtype=I64)])
+    plan = _plan_index(ctx, items, len(shape))
+    picked_rank = len(shape) - len(plan.squeeze) + len(plan.unsqueeze)
+    if isinstance(value, fx.Node) and (ctx.shape(value) is None or len(ctx.shape(value)) > picked_rank):
+        raise ctx.unsupported("a value of unknown shape or of more dims than the elements it is assigned to")
+    x_shape = ctx.make("Shape", [x], tag="shape", dtype=I64)  # at run time: the batch may differ
+    count = ctx.make("Size", [x], tag="count", dtype=I64)
+    positions = ctx.make("Range", [ctx.const("zero", 0, I64), count, ctx.const("one", 1, I64)],
+                         tag="positions", dtype=I64)
+    positions = ctx.make("Reshape", [positions, x_shape], tag="positions_shaped")
+    picked = _apply_index(ctx, positions, plan, tag="picked")
+    updates = ctx.make("Expand", [ctx.tensor(value, dtype), ctx.make("Shape", [picked], tag="picked_shape",
+                                                                    dtype=I64)], tag="updates")
+    flat = ctx.const("flat", [-1], I64)
+    out = ctx.make("ScatterElements", [ctx.make("Reshape", [x, flat], tag="x_flat"),
+                                       ctx.make("Reshape", [picked, flat], tag="picked_flat"),
+                                       ctx.make("Reshape", [updates, flat], tag="updates_flat")],
+                   tag="scatter", axis=0)
+    return ctx.make("Reshape", [out, x_shape])
+
+
+def _is_bool(node: fx.Node) -> bool:
+    info = node.meta.get(META_TENSOR)
+    return isinstance(info, TensorInfo) and info.dtype == "bool"
 
 
 # ---------------------------------------------------------------------------
