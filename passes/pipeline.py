@@ -18,12 +18,13 @@ from qcompiler.passes.partition import PARTITION
 from qcompiler.passes.place import PLACE
 from qcompiler.passes.rewrite import REWRITE
 from qcompiler.passes.shape_prop import SHAPE_PROP
+from qcompiler.passes.view_writes import VIEW_WRITES
 
-ANALYZE = [INPLACE_READS, SHAPE_PROP, OUT_OF_PLACE, REWRITE, PLACE]
+ANALYZE = [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE, REWRITE, PLACE]
 OPTIMIZE = [FUSE]
 SPLIT = [INSERT_STUBS, PARTITION]
 
-# trace -> reads after in-place ops rewired -> shapes -> in-place twins out of place -> rewrites -> placement -> fusion -> boundary stubs -> partitions
+# trace -> reads after in-place ops rewired -> shapes -> views re-made after writes, writes through views written back -> in-place twins out of place -> rewrites -> placement -> fusion -> boundary stubs -> partitions
 PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
 # ... and observers / fake quants on the BPU ops, before grouping
 PREPARE_PIPELINE = ANALYZE + OPTIMIZE + [INSERT_STUBS, INSERT_OBSERVERS, PARTITION]

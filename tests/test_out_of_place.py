@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 
 import qcompiler
-from qcompiler.errors import QCompilerWarning
 from qcompiler.ir import trace
 from qcompiler.ir.inplace import OUT_OF_PLACE_TWINS, out_of_place_twins
 from qcompiler.march import March
@@ -215,8 +214,12 @@ def test_a_mask_or_an_index_of_another_dtype_does_not_keep_the_op_in_place():
 
 
 class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.keep = nn.Identity()
+
     def forward(self, y):
-        v = y[:, 0:2]  # a view of y, read after y.mul_
+        v = self.keep(y)  # an alias of y (a module returning its input: not re-made by view_writes), read after
         y.mul_(2.0)
         return torch.cat([v, y], 1)
 
@@ -284,20 +287,24 @@ class SliceWrittenWholeRead(nn.Module):
         return self.h(y)
 
 
-def test_convert_warns_where_the_alias_is_on_the_bpu_and_the_write_is_dropped():
-    """``mul_``'s result is read by nobody, so convert drops it; the warning is decided before (review:
-    0.76 off float, no warning)."""
+def test_a_write_into_a_slice_reaches_the_tensor_a_bpu_op_reads():
+    """``mul_``'s result was read by nobody and convert dropped it (0.76 off float; later a warning).
+    view_writes writes it back into ``y`` (``setitem``), which ``h`` then reads: right, no warning."""
     torch.manual_seed(0)
     x = torch.rand(1, 3, 4, 4)
-    with pytest.warns(QCompilerWarning, match=r"convert_fx: 'mul_' writes in place into the value of 'getitem', "
-                                              r"and an alias of it \(a view, or an op returning its input: sub\)"):
-        _compile(SliceWrittenWholeRead().eval(), x)
+    model = SliceWrittenWholeRead().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm = _compile(model, x)
+    assert not [w for w in caught if "an alias of it" in str(w.message)]
+    with torch.no_grad():
+        assert float((cm(x) - model(x.clone())).abs().max()) < 0.05
 
 
 class ViewHead(nn.Module):
     def forward(self, y):
-        v = y[:, 0:2]
-        v.mul_(2.0)  # y, read after, sees it
+        v = y.transpose(2, 3)
+        v.mul_(2.0)  # y, read after, sees it (no write-back through a transpose in view_writes)
         return torch.cat([v, y], 1)
 
 

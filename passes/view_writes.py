@@ -1,0 +1,229 @@
+"""Views read after an in-place write, and writes through views, said with the write's result.
+
+``v = y[:, :4]; y.mul_(2); h(v)``: in eager ``v`` shares ``y``'s memory and ``h`` sees the doubled values.
+The graph's ``h(v)`` reads the node ``v``, which keeps the old values once the write runs out of place or
+behind a BPU stub (each reader gets its own dequantized copy).  ``v = y[:, :2]; v.clamp_(0, 1); g(y)``:
+the write reaches ``y`` through the view.  This pass turns both into data edges, after which the write
+has no alias read after it and passes/out_of_place computes it out of place:
+
+* **replay**: a view of the written tensor made before the write and read after it is made again from
+  the write's result, right after the write (``v2 = n[:, :4]``, views of views in turn), and its later
+  reads read the new one;
+* **write-back**: a write into a view ``v = y[index]`` (ints, slices, None, Ellipsis; ``select`` and
+  ``narrow`` said as one) is written back,
+  ``s = setitem_(y, index, n)`` right after it; into ``v = y.view(...)`` (``reshape``, ``flatten``,
+  ``view_as``, ``reshape_as``, ``squeeze``, ``unsqueeze``, ``contiguous``, ``detach``, and ``float``,
+  ``to`` ... where they return their input: same elements in the same order) as
+  ``setitem_(y, Ellipsis, n.reshape_as(y))``.  The later reads of ``y`` read ``s``,
+  itself a write of ``y``, taken in turn (``y``'s other views, ``y`` a view of something else).
+
+A view here is a value made by one op from the tensor and sharing its storage (shape propagation's
+``META_STORAGE``).  Other aliases (a view whose inverse is not known, such as a transpose written into)
+are left as they were: out_of_place keeps the write in place and convert_fx warns where a stub splits it.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Optional
+
+import torch.fx as fx
+
+from qcompiler.ir.inplace import mutated_input, same_tensor
+from qcompiler.ir.meta import META_STORAGE, META_TENSOR, META_WRITE_BACK, TensorInfo
+from qcompiler.ir.setitem import setitem_
+from qcompiler.passes.base import CompileContext, Pass, PassResult
+
+# views written back whole: the same elements in the same order as their input (the conversions return
+# their input itself when they share its storage and dtype, which _written_back_into checks)
+_RESHAPES = frozenset({"view", "reshape", "flatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
+                       "contiguous", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as"})
+
+
+class _Order:
+    """Graph positions, with room for nodes inserted after a node (between it and the next): exact
+    fractions, so any number of insertions in one place keeps them apart."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.at = {n: Fraction(i) for i, n in enumerate(gm.graph.nodes)}
+
+    def insert_after(self, anchor: fx.Node, new: fx.Node) -> None:
+        nxt = new.next
+        self.at[new] = (self.at[anchor] + self.at[nxt]) / 2 if nxt in self.at else self.at[anchor] + 1
+
+
+def _shares(a: fx.Node, b: fx.Node) -> bool:
+    sa, sb = a.meta.get(META_STORAGE), b.meta.get(META_STORAGE)
+    return bool(sa and sb and (sa & sb))
+
+
+class _Tensors:
+    """Questions about the tensors of a graph as they are just before position ``at``."""
+
+    def __init__(self, gm: fx.GraphModule, order: _Order, at: Fraction) -> None:
+        self.gm, self.order, self.at = gm, order, at
+
+    def before(self, v: fx.Node) -> list[fx.Node]:
+        """The nodes before ``at`` whose result is the tensor ``v`` is (``v`` and the writes into it)."""
+        return [m for m in same_tensor(v, self.gm)[1] if self.order.at[m] < self.at]
+
+    def views(self, v: fx.Node, skip: set) -> list[fx.Node]:
+        """Values made before ``at`` by one op from the tensor ``v`` is (its first argument), sharing its
+        storage: views (and ops returning their input); none of ``skip``."""
+        return [u for m in self.before(v) for u in m.users
+                if self.order.at[u] < self.at and u not in skip and u.args and u.args[0] is m
+                and mutated_input(u, self.gm) is None and u.op in ("call_method", "call_function") and _shares(u, m)]
+
+    def late_reads(self, v: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+        """``(node, reader)``: reads after ``at`` of the tensor ``v`` is, as it was before ``at``."""
+        return [(m, u) for m in self.before(v) for u in m.users if self.order.at[u] > self.at]
+
+    def read_later(self, v: fx.Node, skip: set) -> bool:
+        """Is the tensor ``v`` is, or a view of it (in turn), read after ``at``?"""
+        return bool(self.late_reads(v)) or any(self.read_later(w, skip) for w in self.views(v, skip))
+
+
+def _copy_after(anchor: fx.Node, like: fx.Node, args: tuple, gm: fx.GraphModule, order: _Order) -> fx.Node:
+    with gm.graph.inserting_after(anchor):
+        new = gm.graph.create_node(like.op, like.target, args, dict(like.kwargs), name=f"{like.name}_after")
+    new.meta = dict(like.meta)
+    order.insert_after(anchor, new)
+    return new
+
+
+def _replay(node: fx.Node, gm: fx.GraphModule, order: _Order) -> fx.Node:
+    """Views of the tensor ``node`` writes, made before it and read after it (they or the writes into
+    them), made again from ``node``; returns the last node added (``node`` if none), after which later
+    additions go."""
+    tensors = _Tensors(gm, order, order.at[node])
+    _, family = same_tensor(mutated_input(node, gm), gm)
+    anchor, replaced = node, []
+    stack = [(v, node) for v in tensors.views(node, family)]
+    while stack:
+        v, base_now = stack.pop()
+        if not tensors.read_later(v, family):
+            continue
+        readers = tensors.late_reads(v)
+        children = tensors.views(v, family)
+        again = _copy_after(anchor, v, (base_now,) + tuple(v.args[1:]), gm, order)
+        anchor = again
+        for old, u in readers:
+            u.replace_input_with(old, again)
+        stack.extend((w, again) for w in children)
+        replaced.append(v)
+    for v in reversed(replaced):  # views of views first
+        if not v.users:  # every read was late: the old view is dead
+            gm.graph.erase_node(v)
+    return anchor
+
+
+def _basic_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(it is None or it is Ellipsis or (isinstance(it, int) and not isinstance(it, bool))
+               or (isinstance(it, slice) and all(b is None or isinstance(b, (int, fx.Node))
+                                                 for b in (it.start, it.stop, it.step)))
+               for it in items)
+
+
+def _same_dtype(a: fx.Node, b: fx.Node) -> bool:
+    ia, ib = a.meta.get(META_TENSOR), b.meta.get(META_TENSOR)
+    return isinstance(ia, TensorInfo) and isinstance(ib, TensorInfo) and ia.dtype == ib.dtype
+
+
+def _write_back(node: fx.Node, anchor: fx.Node, gm: fx.GraphModule, order: _Order) -> Optional[fx.Node]:
+    """``setitem_`` of the tensor ``node`` wrote through a view into the view's input (as that input is
+    just before ``node``: its last write before, or itself), added after ``anchor`` when that input is
+    read after ``node`` (itself, a view of it, or what it is a view of, in turn); the later reads of it
+    then read the write-back.  None where nothing is written back."""
+    tensors = _Tensors(gm, order, order.at[node])
+    root, family = same_tensor(mutated_input(node, gm), gm)
+    source = _written_back_into(root)
+    if source is None or not _read_later_up(source, tensors, family):
+        return None
+    base = max(tensors.before(source), key=order.at.__getitem__)
+    readers = [u for u in base.users if order.at[u] > tensors.at and u not in family]
+    graph = gm.graph
+    index = _as_index(root)
+    if index is not None:
+        value = node
+    else:
+        with graph.inserting_after(anchor):
+            value = graph.call_method("reshape_as", (node, base))
+        value.meta = dict(node.meta)
+        value.meta[META_TENSOR] = base.meta.get(META_TENSOR)
+        value.meta[META_WRITE_BACK] = node.name  # reads only the base's shape
+        order.insert_after(anchor, value)
+        index, anchor = Ellipsis, value
+    with graph.inserting_after(anchor):
+        back = graph.call_function(setitem_, (base, index, value))
+    back.meta = dict(node.meta)
+    back.meta[META_TENSOR] = base.meta.get(META_TENSOR)
+    back.meta[META_STORAGE] = base.meta.get(META_STORAGE)
+    back.meta[META_WRITE_BACK] = node.name
+    order.insert_after(anchor, back)
+    for u in readers:
+        u.replace_input_with(base, back)
+    return back
+
+
+def _written_back_into(view: fx.Node) -> Optional[fx.Node]:
+    """The node a write into ``view`` can be written back into: ``view``'s input, when ``view`` is a
+    basic-index getitem or a reshape of it, of one dtype, sharing its storage; else None."""
+    if view.op not in ("call_method", "call_function") or not view.args or not isinstance(view.args[0], fx.Node):
+        return None
+    source = view.args[0]
+    if not _shares(view, source) or not _same_dtype(view, source):
+        return None
+    if _as_index(view) is not None:
+        return source
+    return source if view.op == "call_method" and view.target in _RESHAPES else None
+
+
+def _as_index(view: fx.Node):
+    """The basic index ``x[index]`` that ``view`` is of its input: a getitem's, or ``select(dim, i)`` /
+    ``narrow(dim, start, length)`` said as one (ints, ``start >= 0``); None for any other op."""
+    name = view.target if view.op == "call_method" else getattr(view.target, "__name__", "")
+    args = view.args
+    if name == "getitem" and view.op == "call_function" and len(args) == 2 and _basic_index(args[1]):
+        return args[1]
+    if view.kwargs or name not in ("select", "narrow") or len(args) != (3 if name == "select" else 4):
+        return None
+    if not all(isinstance(a, int) and not isinstance(a, bool) for a in args[1:]):
+        return None
+    info = args[0].meta.get(META_TENSOR)
+    if not isinstance(info, TensorInfo) or not -len(info.shape) <= args[1] < len(info.shape):
+        return None
+    lead = (slice(None),) * (args[1] % len(info.shape))
+    if name == "select":
+        return lead + (args[2],)
+    start, length = args[2], args[3]
+    return lead + (slice(start, start + length),) if start >= 0 else None
+
+
+def _read_later_up(source: fx.Node, tensors: _Tensors, family: set) -> bool:
+    """Is the tensor ``source`` is read after the write (itself or a view of it), or what it is a view
+    of, in turn?"""
+    if tensors.read_later(source, family):
+        return True
+    up = _written_back_into(same_tensor(source, tensors.gm)[0])
+    return up is not None and _read_later_up(up, tensors, family)
+
+
+def view_writes(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    order = _Order(gm)
+    work = [n for n in gm.graph.nodes if mutated_input(n, gm) is not None]
+    changed = False
+    while work:
+        node = work.pop(0)
+        anchor = _replay(node, gm, order)
+        back = _write_back(node, anchor, gm, order)
+        changed |= anchor is not node or back is not None
+        if back is not None:
+            work.insert(0, back)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, changed)
+
+
+VIEW_WRITES = Pass("view_writes", view_writes)
