@@ -864,3 +864,24 @@ def test_fused_activation_subclass_is_called_not_replaced():
     x, other = inputs((2, 2, 5, 5), (2, 3, 5, 5))
     with torch.no_grad():
         assert torch.equal(fused(x, other), F.leaky_relu(fused.op(x) + other, 0.5))
+
+
+def test_fused_add_under_vmap_stays_out_of_place():
+    """Review: vmap over ``other`` hides its batch dim from the shape check; ``y.add_`` then failed."""
+    fused, _ = _fused_relu6_add()
+    x, others = inputs((1, 2, 5, 5), (3, 1, 3, 5, 5))
+    with torch.no_grad():
+        got = torch.func.vmap(lambda o: fused(x, o))(others)
+        want = torch.stack([F.relu6(fused.op(x) + o) for o in others])
+    assert torch.equal(got, want)
+
+
+def test_fused_activation_with_a_hook_of_its_own_is_called():
+    """Review: a hook on ``act`` stopped firing when the activation ran as ``F.hardtanh_``."""
+    fused, _ = _fused_relu6_add()
+    seen = []
+    fused.act.register_forward_hook(lambda mod, args, out: seen.append(out.clone()))
+    x, other = inputs((2, 2, 5, 5), (2, 3, 5, 5))
+    with torch.no_grad():
+        got = fused(x, other)
+    assert len(seen) == 1 and torch.equal(seen[0], got)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.modules.module import _global_forward_hooks
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from qcompiler.quantization.fixed_point import pads4
 
@@ -88,7 +88,12 @@ class FusedModule(nn.Module):
         elif other is not None:
             raise TypeError(f"{type(self).__name__}({self.extra_repr()}) has no add; got a second input")
         if self.act is not None:
-            y = _ACT_IN_PLACE[type(self.act)](y) if own and type(self.act) in _ACT_IN_PLACE else self.act(y)
+            act = self.act
+            if own and type(act) in _ACT_IN_PLACE and not act._forward_hooks and not act._forward_pre_hooks \
+                    and not _global_forward_pre_hooks:
+                y = _ACT_IN_PLACE[type(act)](y)
+            else:
+                y = act(y)
         return y
 
     def _owns(self, y: torch.Tensor, x: torch.Tensor) -> bool:
@@ -98,12 +103,15 @@ class FusedModule(nn.Module):
         faulting in a new activation per step: one calibration batch of mobilenet_v2 at
         4x3x224x224, 75 -> 66 ms (docs/performance.md, "Fused activations in place").  Only
         when nothing else can hold ``y``: autograd is not recording it (QAT training keeps the
-        out-of-place ops), it is a new tensor (not ``x``, not a view), and no forward hook or
-        observer of the base layer saw it (a hook may keep the tensor it was shown).
+        out-of-place ops), no torch.func transform wraps it (``vmap`` hides batch dims from its
+        shape), it is a new tensor (not ``x``, not a view), and no forward hook or observer of the base
+        layer saw it (a hook may keep the tensor it was shown).  The activation is called as a module
+        where it has hooks of its own.
         """
         op = self.op
         return (
             not _recorded(y)
+            and not _transformed(y)
             and y is not x
             and y._base is None
             and getattr(op, "activation_post_process", None) is None
@@ -120,11 +128,17 @@ def _recorded(y: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and y.requires_grad
 
 
+def _transformed(t: torch.Tensor) -> bool:
+    """Is ``t`` wrapped by a torch.func transform (``vmap``'s batch dims are not in its shape)?"""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 def _adds_in_place(y: torch.Tensor, other: torch.Tensor) -> bool:
     """Is ``y.add_(other)`` the same tensor as ``y + other``: same shape and dtype out?"""
     return (
         isinstance(other, torch.Tensor)
         and not _recorded(other)
+        and not _transformed(other)
         and torch.result_type(y, other) == y.dtype
         and torch.broadcast_shapes(y.shape, other.shape) == y.shape
     )
