@@ -109,6 +109,35 @@ def test_split_equals_unsplit_with_a_cpu_island(batch, threads, seed):
     assert _equal(cm(x), want)
 
 
+class _Decode(nn.Module):
+    """Item assignments a detection head's decode makes: slices, an int, a mask and a number, a batched
+    value; each writes within its own sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.conv(x))
+        y[:, 0:2] = y[:, 0:2] * 2 - 0.5
+        y[..., 1:3] *= 4
+        y[:, 5] = 0.25
+        y[y > 0.9] = 1.0
+        return y
+
+
+@SETTINGS
+@given(batch=st.integers(1, 7), threads=st.integers(2, 4), seed=st.integers(0, 2 ** 16))
+def test_item_assignments_within_a_sample_are_split_exactly(batch, threads, seed):
+    cm = _compile(_Decode().eval(), torch.randn(2, 3, 6, 6))
+    assert cm.split_refusal is None
+    x = torch.randn(batch, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+    want = _unsplit(cm, x)
+    cm.threads = threads
+    assert _equal(cm(x), want)
+
+
 def test_partitioned_runner_splits_too():
     cm = zoo_model("unet")
     x = torch.randn(5, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(3))
@@ -164,6 +193,9 @@ class _Mixer(nn.Module):
             return y.flatten(0)
         if self.how == "index0":
             return y[0]
+        if self.how == "setitem0":  # the batch's first sample written (each chunk's first, split)
+            y[0] = 0.0
+            return y
         if self.how == "squeeze":
             return y.squeeze()
         if self.how == "softmax0":
@@ -181,7 +213,7 @@ class _Mixer(nn.Module):
 
 @pytest.mark.parametrize("how, reason", [
     ("flip", "flip"), ("cat0", "batch dim"), ("view_fixed", "moves samples"), ("flatten0", "flattens"),
-    ("index0", "selects from the batch dim"), ("squeeze", "squeeze"), ("softmax0", "softmax"), ("sum_all", "sum"),
+    ("index0", "selects from the batch dim"), ("setitem0", "selects from the batch dim"), ("squeeze", "squeeze"), ("softmax0", "softmax"), ("sum_all", "sum"),
     ("T_mean", "attribute 'T'"), ("mT_matmul", "attribute 'mT'"),
 ])
 def test_ops_that_mix_samples_are_refused(how, reason):

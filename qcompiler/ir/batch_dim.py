@@ -27,6 +27,7 @@ None means proven; a string names the first node that stops it and why.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -469,7 +470,12 @@ def _getitem(call: _Call, states: dict, out_info: Any) -> Any:
         return CONST
     if not isinstance(s, _Batched):
         raise Refused("indexing a value that is not a batched tensor")
-    d, rank = s.dim, len(_shape(base))
+    return _Batched(_indexed_batch_dim(s.dim, len(_shape(base)), idx))
+
+
+def _indexed_batch_dim(d: int, rank: int, idx: Any) -> int:
+    """Where the batch dim ``d`` of a rank-``rank`` tensor lands in ``x[idx]`` (ints, slices, None,
+    Ellipsis); refused where the index selects from it."""
     items = list(idx) if isinstance(idx, tuple) else [idx]
     if any(i is Ellipsis for i in items):
         k = items.index(Ellipsis)
@@ -483,14 +489,50 @@ def _getitem(call: _Call, states: dict, out_info: Any) -> Any:
         if pos == d:
             if it != slice(None):
                 raise Refused("indexing selects from the batch dim")
-            return _Batched(out)
+            return out
         if isinstance(it, int) and not isinstance(it, bool):
             pos += 1
         elif isinstance(it, slice):
             pos, out = pos + 1, out + 1
         else:
             raise Refused(f"index {it!r}")
-    return _Batched(out + (d - pos))
+    return out + (d - pos)
+
+
+def _setitem(call: _Call, states: dict, out_info: Any) -> Any:
+    """``x[idx] = value`` out of place: per sample when ``x`` is batched, the index leaves the batch dim
+    whole (or is a mask batched like ``x``), and the value is a number, a constant that does not lie
+    along the batch dim, or batched where the picked elements are."""
+    base, idx, value = call.node.args[0], call.node.args[1], call.node.args[2]
+    s = states[base] if isinstance(base, fx.Node) else CONST
+    sv = states[value] if isinstance(value, fx.Node) else CONST
+    if s is CONST:
+        if sv is CONST and not (isinstance(idx, fx.Node) and states[idx] is not CONST):
+            return CONST
+        raise Refused("a batched value assigned into a constant")
+    if not isinstance(s, _Batched):
+        raise Refused("assigning into a value that is not a batched tensor")
+    rank = len(_shape(base))
+    if isinstance(idx, fx.Node):  # a boolean mask of x's shape, batched as x
+        one = not isinstance(value, fx.Node) or math.prod(_shape(value)) == 1
+        if states[idx] != s or _shape(idx) != _shape(base) or sv is not CONST or not one:
+            raise Refused("an index tensor, or a mask not batched as the tensor, or a value of many elements")
+        return s
+    if isinstance(idx, (tuple, list)) and any(isinstance(i, fx.Node) for i in idx):
+        raise Refused("indexing with a computed index")
+    picked = _indexed_batch_dim(s.dim, rank, idx)
+    picked_rank = rank - sum(isinstance(i, int) and not isinstance(i, bool)
+                             for i in (idx if isinstance(idx, tuple) else (idx,))) \
+        + sum(i is None for i in (idx if isinstance(idx, tuple) else (idx,)))
+    if sv is CONST:
+        vshape = _shape(value) if isinstance(value, fx.Node) else ()
+        k = picked - (picked_rank - len(vshape or ()))
+        if vshape is None or (0 <= k < len(vshape) and vshape[k] != 1):
+            raise Refused("a constant value lies along the batch dim")
+        return s
+    if not isinstance(sv, _Batched) or sv.dim + (picked_rank - len(_shape(value))) != picked:
+        raise Refused("the value's batch dim is not where the picked elements' is")
+    return s
 
 
 def _const_only(call: _Call, states: dict, out_info: Any) -> Any:
@@ -539,6 +581,7 @@ RULES: dict[str, Rule] = {
     "size": _size,
     "getattr": _size,
     "getitem": _getitem,
+    "setitem": _setitem,
     "constant": _const_only,
 }
 
@@ -549,7 +592,7 @@ CPU_EXACT = frozenset({
     "masked_fill", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
     "sign", "floor", "ceil", "round", "trunc", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d",
     "adaptive_max_pool2d", "reshape", "flatten", "permute", "transpose", "t", "cat", "stack", "split", "unbind",
-    "size", "getattr", "getitem", "cast", "float", "constant", "pad", "constant_pad_nd", "flip",
+    "size", "getattr", "getitem", "setitem", "cast", "float", "constant", "pad", "constant_pad_nd", "flip",
     "add", "sub", "rsub", "mul", "div", "rdiv", "leaky_relu", "prelu", "quant", "dequant", "requantize",
 })
 
