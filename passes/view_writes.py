@@ -18,8 +18,11 @@ has no alias read after it and passes/out_of_place computes it out of place:
   itself a write of ``y``, taken in turn (``y``'s other views, ``y`` a view of something else).
 
 A view here is a value made by one op from the tensor and sharing its storage (shape propagation's
-``META_STORAGE``).  Other aliases (a view whose inverse is not known, such as a transpose written into)
-are left as they were: out_of_place keeps the write in place and convert_fx warns where a stub splits it.
+``META_STORAGE``).  A layout write (``transpose_``, ``squeeze_`` ...) changes no values: nothing is
+re-made or written back across one.  Other aliases (a view whose inverse is not known, such as a
+transpose written into) are left as they were: out_of_place keeps the write in place and convert_fx
+warns where a stub splits it.  A write whose storage no node outside its own chain of writes shares is
+skipped at once, so a long chain of in-place ops costs no more than its length.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from qcompiler.ir.inplace import mutated_input, same_tensor
+from qcompiler.ir.inplace import METADATA_WRITES, mutated_input
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, META_WRITE_BACK, TensorInfo
 from qcompiler.ir.setitem import setitem_
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -40,16 +43,67 @@ _RESHAPES = frozenset({"view", "reshape", "flatten", "view_as", "reshape_as", "s
                        "contiguous", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as"})
 
 
-class _Order:
-    """Graph positions, with room for nodes inserted after a node (between it and the next): exact
-    fractions, so any number of insertions in one place keeps them apart."""
+class _Graph:
+    """The graph as the pass sees it, kept up to date as it adds nodes: positions (exact fractions, so any
+    number of insertions in one place keeps them apart), which value each in-place node writes, the
+    tensors (a root and the in-place writes into it, in order) and which nodes share a storage."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
         self.at = {n: Fraction(i) for i, n in enumerate(gm.graph.nodes)}
+        self.writes: dict[fx.Node, fx.Node] = {}  # in-place node -> the value it writes
+        self.root: dict[fx.Node, fx.Node] = {}
+        self.members: dict[fx.Node, list[fx.Node]] = {}
+        self.sharing: dict[int, set[fx.Node]] = {}
+        for n in gm.graph.nodes:
+            value = mutated_input(n, gm)
+            if value is not None:
+                self._add_write(n, value)
+            for key in n.meta.get(META_STORAGE, ()):
+                self.sharing.setdefault(key, set()).add(n)
 
-    def insert_after(self, anchor: fx.Node, new: fx.Node) -> None:
+    def _add_write(self, node: fx.Node, value: fx.Node) -> None:
+        self.writes[node] = value
+        root = self.root_of(value)
+        self.root[node] = root
+        self.members[root].append(node)
+
+    def root_of(self, v: fx.Node) -> fx.Node:
+        root = self.root.get(v)
+        if root is None:
+            self.root[v], self.members[v] = v, [v]
+            root = v
+        return root
+
+    def family(self, v: fx.Node) -> list[fx.Node]:
+        """The nodes whose result is the tensor ``v`` is, in graph order."""
+        return self.members[self.root_of(v)]
+
+    def added(self, anchor: fx.Node, new: fx.Node, writes: Optional[fx.Node] = None) -> None:
+        """``new`` was inserted right after ``anchor``; it writes ``writes`` in place, if given."""
         nxt = new.next
         self.at[new] = (self.at[anchor] + self.at[nxt]) / 2 if nxt in self.at else self.at[anchor] + 1
+        if writes is not None:
+            self._add_write(new, writes)
+            self.members[self.root[new]].sort(key=self.at.__getitem__)
+        for key in new.meta.get(META_STORAGE, ()):
+            self.sharing.setdefault(key, set()).add(new)
+
+    def has_aliases(self, node: fx.Node) -> bool:
+        """Does a node outside the tensor ``node`` writes share its storage (else nothing to do)?  Every
+        member of the tensor shares it, so equal counts mean none (a long chain of writes stays linear)."""
+        family = self.family(node)
+        keys = node.meta.get(META_STORAGE) or self.writes[node].meta.get(META_STORAGE) or ()
+        for key in keys:
+            sharing = self.sharing.get(key, ())
+            if len(sharing) != len(family) and any(self.root_of(n) is not family[0] for n in sharing):
+                return True
+        return False
+
+
+def _metadata_write(node: fx.Node) -> bool:
+    """``transpose_``, ``squeeze_`` ...: a write of the layout, not of the values (see inplace.py)."""
+    return node.op == "call_method" and node.target in METADATA_WRITES
 
 
 def _shares(a: fx.Node, b: fx.Node) -> bool:
@@ -60,52 +114,66 @@ def _shares(a: fx.Node, b: fx.Node) -> bool:
 class _Tensors:
     """Questions about the tensors of a graph as they are just before position ``at``."""
 
-    def __init__(self, gm: fx.GraphModule, order: _Order, at: Fraction) -> None:
-        self.gm, self.order, self.at = gm, order, at
+    def __init__(self, graph: _Graph, at: Fraction) -> None:
+        self.graph, self.at = graph, at
 
     def before(self, v: fx.Node) -> list[fx.Node]:
         """The nodes before ``at`` whose result is the tensor ``v`` is (``v`` and the writes into it)."""
-        return [m for m in same_tensor(v, self.gm)[1] if self.order.at[m] < self.at]
+        at = self.graph.at
+        return [m for m in self.graph.family(v) if at[m] < self.at]
 
-    def views(self, v: fx.Node, skip: set) -> list[fx.Node]:
+    def relaid(self, v: fx.Node, after: Fraction) -> bool:
+        """Did a layout write (``transpose_`` ...) change the tensor ``v`` is between ``after`` and ``at``?"""
+        at = self.graph.at
+        return any(_metadata_write(m) and after < at[m] < self.at for m in self.graph.family(v))
+
+    def views(self, v: fx.Node, skip) -> list[fx.Node]:
         """Values made before ``at`` by one op from the tensor ``v`` is (its first argument), sharing its
         storage: views (and ops returning their input); none of ``skip``."""
+        at, writes = self.graph.at, self.graph.writes
         return [u for m in self.before(v) for u in m.users
-                if self.order.at[u] < self.at and u not in skip and u.args and u.args[0] is m
-                and mutated_input(u, self.gm) is None and u.op in ("call_method", "call_function") and _shares(u, m)]
+                if at[u] < self.at and u not in skip and u.args and u.args[0] is m and u not in writes
+                and u.op in ("call_method", "call_function") and _shares(u, m)]
 
     def late_reads(self, v: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
         """``(node, reader)``: reads after ``at`` of the tensor ``v`` is, as it was before ``at``."""
-        return [(m, u) for m in self.before(v) for u in m.users if self.order.at[u] > self.at]
+        at = self.graph.at
+        return [(m, u) for m in self.before(v) for u in m.users if at[u] > self.at]
 
-    def read_later(self, v: fx.Node, skip: set) -> bool:
+    def read_later(self, v: fx.Node, skip) -> bool:
         """Is the tensor ``v`` is, or a view of it (in turn), read after ``at``?"""
         return bool(self.late_reads(v)) or any(self.read_later(w, skip) for w in self.views(v, skip))
 
 
-def _copy_after(anchor: fx.Node, like: fx.Node, args: tuple, gm: fx.GraphModule, order: _Order) -> fx.Node:
-    with gm.graph.inserting_after(anchor):
-        new = gm.graph.create_node(like.op, like.target, args, dict(like.kwargs), name=f"{like.name}_after")
+def _copy_after(anchor: fx.Node, like: fx.Node, args: tuple, graph: _Graph) -> fx.Node:
+    g = graph.gm.graph
+    with g.inserting_after(anchor):
+        new = g.create_node(like.op, like.target, args, dict(like.kwargs), name=f"{like.name}_after")
     new.meta = dict(like.meta)
-    order.insert_after(anchor, new)
+    graph.added(anchor, new)
     return new
 
 
-def _replay(node: fx.Node, gm: fx.GraphModule, order: _Order) -> fx.Node:
+def _replay(node: fx.Node, graph: _Graph) -> fx.Node:
     """Views of the tensor ``node`` writes, made before it and read after it (they or the writes into
     them), made again from ``node``; returns the last node added (``node`` if none), after which later
-    additions go."""
-    tensors = _Tensors(gm, order, order.at[node])
-    _, family = same_tensor(mutated_input(node, gm), gm)
+    additions go.  Not after a layout write (the old views keep their values), and not for a view made
+    before a layout write of the tensor or written in its own layout since (its values are not those
+    of the same op on the relaid tensor)."""
+    if _metadata_write(node):
+        return node
+    tensors = _Tensors(graph, graph.at[node])
+    family = set(graph.family(node))
     anchor, replaced = node, []
     stack = [(v, node) for v in tensors.views(node, family)]
     while stack:
         v, base_now = stack.pop()
-        if not tensors.read_later(v, family):
+        if not tensors.read_later(v, family) or tensors.relaid(node, graph.at[v]) \
+                or tensors.relaid(v, graph.at[v] - 1):
             continue
         readers = tensors.late_reads(v)
         children = tensors.views(v, family)
-        again = _copy_after(anchor, v, (base_now,) + tuple(v.args[1:]), gm, order)
+        again = _copy_after(anchor, v, (base_now,) + tuple(v.args[1:]), graph)
         anchor = again
         for old, u in readers:
             u.replace_input_with(old, again)
@@ -113,7 +181,7 @@ def _replay(node: fx.Node, gm: fx.GraphModule, order: _Order) -> fx.Node:
         replaced.append(v)
     for v in reversed(replaced):  # views of views first
         if not v.users:  # every read was late: the old view is dead
-            gm.graph.erase_node(v)
+            graph.gm.graph.erase_node(v)
     return anchor
 
 
@@ -130,37 +198,43 @@ def _same_dtype(a: fx.Node, b: fx.Node) -> bool:
     return isinstance(ia, TensorInfo) and isinstance(ib, TensorInfo) and ia.dtype == ib.dtype
 
 
-def _write_back(node: fx.Node, anchor: fx.Node, gm: fx.GraphModule, order: _Order) -> Optional[fx.Node]:
+def _write_back(node: fx.Node, anchor: fx.Node, graph: _Graph) -> Optional[fx.Node]:
     """``setitem_`` of the tensor ``node`` wrote through a view into the view's input (as that input is
     just before ``node``: its last write before, or itself), added after ``anchor`` when that input is
     read after ``node`` (itself, a view of it, or what it is a view of, in turn); the later reads of it
-    then read the write-back.  None where nothing is written back."""
-    tensors = _Tensors(gm, order, order.at[node])
-    root, family = same_tensor(mutated_input(node, gm), gm)
-    source = _written_back_into(root)
-    if source is None or not _read_later_up(source, tensors, family):
+    then read the write-back.  None where nothing is written back: after a layout write, or where one
+    came between the view and the write (the view's elements no longer sit where its index says)."""
+    if _metadata_write(node):
         return None
-    base = max(tensors.before(source), key=order.at.__getitem__)
-    readers = [u for u in base.users if order.at[u] > tensors.at and u not in family]
-    graph = gm.graph
+    tensors = _Tensors(graph, graph.at[node])
+    family = graph.family(node)
+    root = family[0]
+    source = _written_back_into(root)
+    if source is None or tensors.relaid(root, graph.at[root] - 1) or tensors.relaid(source, graph.at[root]):
+        return None
+    if not _read_later_up(source, tensors, set(family)):
+        return None
+    base = tensors.before(source)[-1]
+    readers = [u for u in base.users if graph.at[u] > tensors.at]
+    g = graph.gm.graph
     index = _as_index(root)
     if index is not None:
         value = node
     else:
-        with graph.inserting_after(anchor):
-            value = graph.call_method("reshape_as", (node, base))
+        with g.inserting_after(anchor):
+            value = g.call_method("reshape_as", (node, base))
         value.meta = dict(node.meta)
         value.meta[META_TENSOR] = base.meta.get(META_TENSOR)
         value.meta[META_WRITE_BACK] = node.name  # reads only the base's shape
-        order.insert_after(anchor, value)
+        graph.added(anchor, value)
         index, anchor = Ellipsis, value
-    with graph.inserting_after(anchor):
-        back = graph.call_function(setitem_, (base, index, value))
+    with g.inserting_after(anchor):
+        back = g.call_function(setitem_, (base, index, value))
     back.meta = dict(node.meta)
     back.meta[META_TENSOR] = base.meta.get(META_TENSOR)
     back.meta[META_STORAGE] = base.meta.get(META_STORAGE)
     back.meta[META_WRITE_BACK] = node.name
-    order.insert_after(anchor, back)
+    graph.added(anchor, back, writes=base)
     for u in readers:
         u.replace_input_with(base, back)
     return back
@@ -205,18 +279,20 @@ def _read_later_up(source: fx.Node, tensors: _Tensors, family: set) -> bool:
     of, in turn?"""
     if tensors.read_later(source, family):
         return True
-    up = _written_back_into(same_tensor(source, tensors.gm)[0])
+    up = _written_back_into(tensors.graph.family(source)[0])
     return up is not None and _read_later_up(up, tensors, family)
 
 
 def view_writes(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    order = _Order(gm)
-    work = [n for n in gm.graph.nodes if mutated_input(n, gm) is not None]
+    graph = _Graph(gm)
+    work = list(graph.writes)
     changed = False
     while work:
         node = work.pop(0)
-        anchor = _replay(node, gm, order)
-        back = _write_back(node, anchor, gm, order)
+        if not graph.has_aliases(node):
+            continue
+        anchor = _replay(node, graph)
+        back = _write_back(node, anchor, graph)
         changed |= anchor is not node or back is not None
         if back is not None:
             work.insert(0, back)

@@ -184,3 +184,73 @@ def test_writes_through_select_and_narrow_are_written_back_as_indices():
     gm = _run(SelectAndNarrowWrites(), [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE])
     assert gm.code.count("setitem_setitem(") == 3 and "_(" not in gm.code.replace("setitem_setitem(", ""), gm.code
     assert torch.equal(gm(X), SelectAndNarrowWrites()(X))
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(torch.atan(x))
+
+
+def _base_relaid(y):  # eager: v keeps its values; re-made from the transposed y it would not
+    v = y[:, :2]
+    y.transpose_(2, 3)
+    return v + 0, y + 0
+
+
+def _view_relaid_then_written(y):  # eager: the swapped view's mul_ lands in y, in y's own layout
+    v = y[:, :2]
+    v.swapdims_(2, 3)
+    v.mul_(2.0)
+    return y + 0
+
+
+def _base_squeezed(y):  # eager: v keeps the unsqueezed shape
+    y = y[:, :, :1]
+    v = y[:, :2]
+    y.squeeze_(2)
+    return v * 1, y * 1
+
+
+def _view_written_reading_the_base(y):  # review: add_ read y before the write-back of mul_ (PassError)
+    v = y[..., :]
+    v.mul_(0.5)
+    v.add_(y)
+    return y + 0
+
+
+def test_layout_writes_are_left_to_the_in_place_fallback():
+    """Review: ``transpose_`` / ``squeeze_`` change a layout, not values: views made before keep their
+    values, and a view's layout write is no value to write back (the graph was 1.9 off eager)."""
+    for fn in (_base_relaid, _view_relaid_then_written, _base_squeezed):
+        model = _Fn(fn)
+        gm = _run(model, [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE])
+        out, ref = gm(X), model(X)
+        out, ref = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, ref)), fn.__name__
+
+
+def test_a_write_into_a_view_that_reads_the_base_reads_it_written_back():
+    model = _Fn(_view_written_reading_the_base)
+    gm = _run(model, [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE])
+    assert torch.equal(gm(X), model(X))
+    assert "_(" not in gm.code.replace("setitem_setitem(", ""), gm.code
+
+
+def test_a_long_chain_of_writes_without_aliases_is_left_alone():
+    """Linear: every node sharing the storage is one of the tensor's writes, so nothing is looked at."""
+
+    class Chain(nn.Module):
+        def forward(self, x):
+            y = torch.atan(x)
+            for _ in range(300):
+                y.mul_(1.001)
+            return y
+
+    gm = _run(Chain(), [INPLACE_READS, SHAPE_PROP])
+    before = gm.code
+    PassManager([VIEW_WRITES]).run(gm, CompileContext(march=March.BAYES, example_inputs=(X,)))
+    assert gm.code == before

@@ -126,27 +126,46 @@ class _Storages:
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.by_name = {n.name: n for n in gm.graph.nodes}
         self.nodes: dict[int, list[fx.Node]] = {}
+        self.writes: dict[fx.Node, fx.Node] = {}  # in-place node -> the value it writes
+        self.root: dict[fx.Node, fx.Node] = {}  # in-place node -> the node that made the tensor
+        self.families: dict[fx.Node, set[fx.Node]] = {}  # root -> it and the in-place writes into it
         for n in gm.graph.nodes:
             for key in n.meta.get(META_STORAGE, ()):
                 self.nodes.setdefault(key, []).append(n)
+            value = mutated_input(n, gm)
+            if value is not None:
+                self.writes[n] = value
+                root = self.root.get(value, value)
+                self.root[n] = root
+                self.families.setdefault(root, {root}).add(n)
+
+    def family(self, value: fx.Node) -> set[fx.Node]:
+        """The nodes whose result is the tensor ``value`` is: the node that made it and the chain of in-place
+        writes into it (``y``, ``y.mul_(2)``, ``.add_(1)``)."""
+        root = self.root.get(value, value)
+        return self.families.get(root, {root})
 
 
 def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[list[fx.Node]]:
     """The values that may be aliases of the one ``node`` writes into and are read after the write, or
     None where nothing says which (no storage recorded): a value made before ``node``, outside the chain
-    of in-place ops on that one tensor, sharing a storage with it (shape propagation's ``META_STORAGE``: a view, a slice, an op
-    returning its input such as ``.float()`` or ``.contiguous()``).  passes/inplace_reads rewires only
-    reads of the written value itself, so such an alias sees the write only while it runs in place."""
-    value = mutated_input(node, gm)
+    of in-place ops on that one tensor, sharing a storage with it (shape propagation's ``META_STORAGE``: a
+    view, a slice, an op returning its input such as ``.float()`` or ``.contiguous()``).  passes/inplace_reads
+    rewires only reads of the written value itself, and passes/view_writes the aliases it can re-make or
+    write back, so such an alias sees the write only while it runs in place.  Reads by view_writes'
+    write-backs of this write are none: they carry it."""
+    value = graph.writes.get(node)
     shared = value.meta.get(META_STORAGE) if value is not None else None
     if not shared or UNKNOWN_STORAGE in shared:
         return None
+    family = graph.family(value)
     shared = shared | {UNKNOWN_STORAGE}  # a value of unknown storage may be an alias too
-    _, family = same_tensor(value, gm)
+    sharing = {n for key in shared for n in graph.nodes.get(key, ())}
+    if sharing <= family:  # the common case, a chain of writes and nothing else: linear in its length
+        return []
     names = {n.name for n in family}
     order, at = graph.order, graph.order[node]
-    metadata_kept = node.target not in _METADATA_WRITES
-    sharing = {n for key in shared for n in graph.nodes.get(key, ())}
+    metadata_kept = node.target not in METADATA_WRITES
     found = []
     for other in sorted(sharing, key=order.__getitem__):
         if order[other] >= at or other in family:
@@ -169,23 +188,8 @@ def _writes_back(node: fx.Node, names: set[str], graph: "_Storages") -> bool:
     return name in names
 
 
-def same_tensor(value: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, set[fx.Node]]:
-    """``(root, family)``: the node that made the tensor ``value`` is, and the nodes whose result is that
-    one tensor (the root and the chain of in-place ops on it, ``y``, ``y.mul_(2)``, ``.add_(1)``)."""
-    root = value
-    while mutated_input(root, gm) is not None:
-        root = mutated_input(root, gm)
-    family, stack = {root}, [root]
-    while stack:
-        for user in stack.pop().users:
-            if user not in family and mutated_input(user, gm) in family:
-                family.add(user)
-                stack.append(user)
-    return root, family
-
-
 # in-place methods that change a tensor's shape or strides, not only its values
-_METADATA_WRITES = frozenset({"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_",
+METADATA_WRITES = frozenset({"squeeze_", "unsqueeze_", "transpose_", "t_", "swapdims_", "swapaxes_", "as_strided_",
                               "resize_", "resize_as_"})
 
 
@@ -210,11 +214,12 @@ def aliased_writes(gm: fx.GraphModule) -> dict[fx.Node, Optional[list[fx.Node]]]
     return found
 
 
-def out_of_place_twins(gm: fx.GraphModule, aliased: Optional[dict] = None) -> dict[fx.Node, Union[str, Callable]]:
+def out_of_place_twins(gm: fx.GraphModule,
+                       aliased: Optional[dict] = None) -> dict[fx.Node, Union[str, Callable]]:
     """In-place nodes that may run as their out-of-place twin, with the twin's target: a ``call_method`` of
     :data:`OUT_OF_PLACE_TWINS` for which shape propagation recorded one dtype for the node and each tensor it
-    reads, or ``x[index] = value``; and none of ``aliased`` (:func:`aliased_writes` of ``gm``, computed here if not given).  Decided
-    on the graph as it is (a node already rewritten no longer counts as an in-place op)."""
+    reads, or ``x[index] = value``; and none of ``aliased`` (:func:`aliased_writes` of ``gm``, computed here
+    if not given).  Decided on the graph as it is (a node already rewritten no longer counts as an in-place op)."""
     aliased = aliased_writes(gm) if aliased is None else aliased
     twins = {}
     for node in gm.graph.nodes:
@@ -238,5 +243,5 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return writes
 
 
-__all__ = ["INPLACE_MODULES", "OUT_OF_PLACE_TWINS", "aliased_writes", "mutated_input", "out_of_place_twins",
-           "same_tensor", "state_writes"]
+__all__ = ["INPLACE_MODULES", "METADATA_WRITES", "OUT_OF_PLACE_TWINS", "aliased_writes", "mutated_input",
+           "out_of_place_twins", "state_writes"]
