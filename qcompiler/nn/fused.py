@@ -84,7 +84,7 @@ class FusedModule(nn.Module):
                 y.add_(other)
             else:
                 y = y + other
-                own = not _recorded(y)
+                own = not _recorded(y) and not _transformed(y)
         elif other is not None:
             raise TypeError(f"{type(self).__name__}({self.extra_repr()}) has no add; got a second input")
         if self.act is not None:
