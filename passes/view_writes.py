@@ -51,6 +51,12 @@ class _Graph:
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.at = {n: Fraction(i) for i, n in enumerate(gm.graph.nodes)}
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """The tensors and storages read from the graph again (positions kept): after a replay rewired a
+        later write into an old view, that write belongs to the new view's tensor."""
+        gm = self.gm
         self.writes: dict[fx.Node, fx.Node] = {}  # in-place node -> the value it writes
         self.root: dict[fx.Node, fx.Node] = {}
         self.members: dict[fx.Node, list[fx.Node]] = {}
@@ -101,6 +107,11 @@ class _Graph:
         return False
 
 
+def _tensor(node: fx.Node) -> bool:
+    """Is ``node`` one tensor (not a list or tuple, whose storages are its elements')?"""
+    return isinstance(node.meta.get(META_TENSOR), TensorInfo)
+
+
 def _metadata_write(node: fx.Node) -> bool:
     """``transpose_``, ``squeeze_`` ...: a write of the layout, not of the values (see inplace.py)."""
     return node.op == "call_method" and node.target in METADATA_WRITES
@@ -133,7 +144,7 @@ class _Tensors:
         at, writes = self.graph.at, self.graph.writes
         return [u for m in self.before(v) for u in m.users
                 if at[u] < self.at and u not in skip and u.args and u.args[0] is m and u not in writes
-                and u.op in ("call_method", "call_function") and _shares(u, m)]
+                and u.op in ("call_method", "call_function") and _shares(u, m) and _tensor(u) and _tensor(m)]
 
     def late_reads(self, v: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
         """``(node, reader)``: reads after ``at`` of the tensor ``v`` is, as it was before ``at``."""
@@ -164,7 +175,7 @@ def _replay(node: fx.Node, graph: _Graph) -> fx.Node:
         return node
     tensors = _Tensors(graph, graph.at[node])
     family = set(graph.family(node))
-    anchor, replaced = node, []
+    anchor, replaced, moved = node, [], False
     stack = [(v, node) for v in tensors.views(node, family)]
     while stack:
         v, base_now = stack.pop()
@@ -177,11 +188,14 @@ def _replay(node: fx.Node, graph: _Graph) -> fx.Node:
         anchor = again
         for old, u in readers:
             u.replace_input_with(old, again)
+            moved |= u in graph.writes  # a later write into the view: now into the new one
         stack.extend((w, again) for w in children)
         replaced.append(v)
     for v in reversed(replaced):  # views of views first
         if not v.users:  # every read was late: the old view is dead
             graph.gm.graph.erase_node(v)
+    if moved:
+        graph.rebuild()
     return anchor
 
 
@@ -289,7 +303,7 @@ def view_writes(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     changed = False
     while work:
         node = work.pop(0)
-        if not graph.has_aliases(node):
+        if node not in graph.writes or not _tensor(graph.writes[node]) or not graph.has_aliases(node):
             continue
         anchor = _replay(node, graph)
         back = _write_back(node, anchor, graph)

@@ -196,6 +196,12 @@ class _Mixer(nn.Module):
         if self.how == "setitem0":  # the batch's first sample written (each chunk's first, split)
             y[0] = 0.0
             return y
+        if self.how == "setitem_long":  # an int index picks samples by value (review: taken for a mask)
+            y[(y > 0).long()] = 0.0
+            return y
+        if self.how == "setitem_bound":  # a bound read from the batch size (review: cut per chunk)
+            y[:, :y.shape[0]] = 0.0
+            return y
         if self.how == "squeeze":
             return y.squeeze()
         if self.how == "softmax0":
@@ -213,7 +219,8 @@ class _Mixer(nn.Module):
 
 @pytest.mark.parametrize("how, reason", [
     ("flip", "flip"), ("cat0", "batch dim"), ("view_fixed", "moves samples"), ("flatten0", "flattens"),
-    ("index0", "selects from the batch dim"), ("setitem0", "selects from the batch dim"), ("squeeze", "squeeze"), ("softmax0", "softmax"), ("sum_all", "sum"),
+    ("index0", "selects from the batch dim"), ("setitem0", "selects from the batch dim"),
+    ("setitem_long", "an index tensor"), ("setitem_bound", "slice bound computed from the batch"), ("squeeze", "squeeze"), ("softmax0", "softmax"), ("sum_all", "sum"),
     ("T_mean", "attribute 'T'"), ("mT_matmul", "attribute 'mT'"),
 ])
 def test_ops_that_mix_samples_are_refused(how, reason):

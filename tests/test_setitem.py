@@ -255,3 +255,30 @@ def test_onnx_refuses_a_number_its_integer_dtype_cannot_hold():
     """Negative: numpy refuses -1 as uint8 (an OverflowError from deep inside); a clear refusal instead."""
     with pytest.raises(UnsupportedOpError, match="does not fit uint8"):
         emit(_uint8_minus_one, torch.randn(2, 6, 4, 5))
+
+
+class _ListLeaf(nn.Module):
+    def forward(self, y):
+        return [y[:, :4], y[:, 4:]]
+
+
+class ListWrite(nn.Module):
+    """Third review: ``a = feats[0]`` was taken for a view of the list and re-made after the
+    assignment (5.0 off eager): a list's element is no view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.leaf = nn.Conv2d(3, 8, 3, padding=1), _ListLeaf()
+
+    def forward(self, x):
+        feats = self.leaf(self.c(x))
+        a = feats[0]
+        feats[0] = feats[1] * 2
+        return a + feats[0]
+
+
+def test_an_element_read_before_an_assignment_into_a_list_keeps_its_value():
+    m = ListWrite().eval()
+    cal = prepare_calibration_fx(m, example_inputs=(X,), hybrid=True,
+                                 prepare_custom_config_dict={"non_traceable_module_name": ["leaf"]})
+    assert torch.equal(cal(X), m(X))

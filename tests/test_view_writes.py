@@ -254,3 +254,40 @@ def test_a_long_chain_of_writes_without_aliases_is_left_alone():
     before = gm.code
     PassManager([VIEW_WRITES]).run(gm, CompileContext(march=March.BAYES, example_inputs=(X,)))
     assert gm.code == before
+
+
+def _view_written_after_a_base_write(y):  # review: the replayed view's later writes kept the old family
+    v0 = y.select(-1, 0)
+    v1 = v0[1]
+    v1.clamp_(-0.5, 1.0)
+    y.sigmoid_()
+    v1.clamp_(-0.5, 1.0)
+    return v0
+
+
+def _view_reshaped_written_after_a_base_write(y):
+    v0 = y[..., :]
+    v1 = y.view(2, -1)
+    v2 = v1[1]
+    v2.add_(1.0)
+    y.add_(v0)
+    v2.sigmoid_()
+    return v1
+
+
+def _view_replayed_then_written(y):  # review: the write-back of add_ into the base was lost
+    v = y[:, :2]
+    y.mul_(2.0)
+    v.add_(1.0)
+    return y * 1
+
+
+def test_writes_into_a_replayed_view_belong_to_it():
+    """Third review: a replay rewired later writes into the old view onto the new one without moving them
+    to its tensor, so their write-back went into a stale node (1.38 off eager, or a PassError)."""
+    for fn in (_view_written_after_a_base_write, _view_reshaped_written_after_a_base_write,
+               _view_replayed_then_written):
+        model = _Fn(fn)
+        gm = _run(model, [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE])
+        assert torch.equal(gm(X), model(X)), fn.__name__
+        assert "_(" not in gm.code.replace("setitem_setitem(", ""), (fn.__name__, gm.code)

@@ -470,6 +470,7 @@ def _getitem(call: _Call, states: dict, out_info: Any) -> Any:
         return CONST
     if not isinstance(s, _Batched):
         raise Refused("indexing a value that is not a batched tensor")
+    _check_slice_bounds(idx, states)
     return _Batched(_indexed_batch_dim(s.dim, len(_shape(base)), idx))
 
 
@@ -499,6 +500,15 @@ def _indexed_batch_dim(d: int, rank: int, idx: Any) -> int:
     return out + (d - pos)
 
 
+def _check_slice_bounds(idx: Any, states: dict) -> None:
+    """Refused where a slice bound is computed from the batch (``y[:, :y.shape[0]]``: each chunk would
+    cut at its own size)."""
+    for it in idx if isinstance(idx, (tuple, list)) else (idx,):
+        if isinstance(it, slice) and any(isinstance(b, fx.Node) and states.get(b) is not CONST
+                                         for b in (it.start, it.stop, it.step)):
+            raise Refused("a slice bound computed from the batch")
+
+
 def _setitem(call: _Call, states: dict, out_info: Any) -> Any:
     """``x[idx] = value`` out of place: per sample when ``x`` is batched, the index leaves the batch dim
     whole (or is a mask batched like ``x``), and the value is a number, a constant that does not lie
@@ -515,11 +525,13 @@ def _setitem(call: _Call, states: dict, out_info: Any) -> Any:
     rank = len(_shape(base))
     if isinstance(idx, fx.Node):  # a boolean mask of x's shape, batched as x
         one = not isinstance(value, fx.Node) or math.prod(_shape(value)) == 1
-        if states[idx] != s or _shape(idx) != _shape(base) or sv is not CONST or not one:
+        mask = isinstance(_info(idx), TensorInfo) and _info(idx).dtype == "bool"  # (an int index picks samples)
+        if not mask or states[idx] != s or _shape(idx) != _shape(base) or sv is not CONST or not one:
             raise Refused("an index tensor, or a mask not batched as the tensor, or a value of many elements")
         return s
     if isinstance(idx, (tuple, list)) and any(isinstance(i, fx.Node) for i in idx):
         raise Refused("indexing with a computed index")
+    _check_slice_bounds(idx, states)
     picked = _indexed_batch_dim(s.dim, rank, idx)
     picked_rank = rank - sum(isinstance(i, int) and not isinstance(i, bool)
                              for i in (idx if isinstance(idx, tuple) else (idx,))) \
