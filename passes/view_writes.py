@@ -22,7 +22,7 @@ A view here is a value made by one op from the tensor and sharing its storage (s
 re-made or written back across one.  Other aliases (a view whose inverse is not known, such as a
 transpose written into) are left as they were: out_of_place keeps the write in place and convert_fx
 warns where a stub splits it.  A write whose storage no node outside its own chain of writes shares is
-skipped at once, so a long chain of in-place ops costs no more than its length.
+skipped after one look at the nodes sharing it (``Tensors.has_aliases``, as out_of_place's alias check).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from qcompiler.ir.inplace import METADATA_WRITES, mutated_input
+from qcompiler.ir.inplace import METADATA_WRITES, Tensors
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, META_WRITE_BACK, TensorInfo
 from qcompiler.ir.setitem import setitem_
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -43,68 +43,26 @@ _RESHAPES = frozenset({"view", "reshape", "flatten", "view_as", "reshape_as", "s
                        "contiguous", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as"})
 
 
-class _Graph:
-    """The graph as the pass sees it, kept up to date as it adds nodes: positions (exact fractions, so any
-    number of insertions in one place keeps them apart), which value each in-place node writes, the
-    tensors (a root and the in-place writes into it, in order) and which nodes share a storage."""
+class _Graph(Tensors):
+    """The graph's tensors (:class:`~qcompiler.ir.inplace.Tensors`) kept up to date as the pass adds nodes,
+    with positions: exact fractions, so any number of insertions in one place keeps them apart."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
+        super().__init__(gm)
         self.at = {n: Fraction(i) for i, n in enumerate(gm.graph.nodes)}
-        self.rebuild()
 
     def rebuild(self) -> None:
-        """The tensors and storages read from the graph again (positions kept): after a replay rewired a
-        later write into an old view, that write belongs to the new view's tensor."""
-        gm = self.gm
-        self.writes: dict[fx.Node, fx.Node] = {}  # in-place node -> the value it writes
-        self.root: dict[fx.Node, fx.Node] = {}
-        self.members: dict[fx.Node, list[fx.Node]] = {}
-        self.sharing: dict[int, set[fx.Node]] = {}
-        for n in gm.graph.nodes:
-            value = mutated_input(n, gm)
-            if value is not None:
-                self._add_write(n, value)
-            for key in n.meta.get(META_STORAGE, ()):
-                self.sharing.setdefault(key, set()).add(n)
-
-    def _add_write(self, node: fx.Node, value: fx.Node) -> None:
-        self.writes[node] = value
-        root = self.root_of(value)
-        self.root[node] = root
-        self.members[root].append(node)
-
-    def root_of(self, v: fx.Node) -> fx.Node:
-        root = self.root.get(v)
-        if root is None:
-            self.root[v], self.members[v] = v, [v]
-            root = v
-        return root
-
-    def family(self, v: fx.Node) -> list[fx.Node]:
-        """The nodes whose result is the tensor ``v`` is, in graph order."""
-        return self.members[self.root_of(v)]
+        """The tensors read from the graph again (positions kept): after a replay rewired a later write
+        into an old view, that write belongs to the new view's tensor."""
+        Tensors.__init__(self, self.gm)
 
     def added(self, anchor: fx.Node, new: fx.Node, writes: Optional[fx.Node] = None) -> None:
         """``new`` was inserted right after ``anchor``; it writes ``writes`` in place, if given."""
         nxt = new.next
         self.at[new] = (self.at[anchor] + self.at[nxt]) / 2 if nxt in self.at else self.at[anchor] + 1
+        self.add(new, writes)
         if writes is not None:
-            self._add_write(new, writes)
             self.members[self.root[new]].sort(key=self.at.__getitem__)
-        for key in new.meta.get(META_STORAGE, ()):
-            self.sharing.setdefault(key, set()).add(new)
-
-    def has_aliases(self, node: fx.Node) -> bool:
-        """Does a node outside the tensor ``node`` writes share its storage (else nothing to do)?  Every
-        member of the tensor shares it, so equal counts mean none (a long chain of writes stays linear)."""
-        family = self.family(node)
-        keys = node.meta.get(META_STORAGE) or self.writes[node].meta.get(META_STORAGE) or ()
-        for key in keys:
-            sharing = self.sharing.get(key, ())
-            if len(sharing) != len(family) and any(self.root_of(n) is not family[0] for n in sharing):
-                return True
-        return False
 
 
 def _tensor(node: fx.Node) -> bool:

@@ -119,31 +119,58 @@ def _twin(node: fx.Node) -> Union[str, Callable, None]:
     return node.target[:-1]
 
 
-class _Storages:
-    """The graph's nodes by storage key (``META_STORAGE``), their order and names, built once per graph."""
+class Tensors:
+    """A graph's tensors as in-place writes make them: which value each in-place node writes, each tensor's
+    nodes (the node that made it, then the writes into it: ``y``, ``y.mul_(2)``, ``.add_(1)``) and the
+    nodes by storage key (``META_STORAGE``).  Built in graph order; :meth:`add` registers a node a pass
+    inserts.  Shared by out_of_place's alias check and passes/view_writes."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.writes: dict[fx.Node, fx.Node] = {}  # in-place node -> the value it writes
+        self.root: dict[fx.Node, fx.Node] = {}  # node -> the node that made its tensor
+        self.members: dict[fx.Node, list[fx.Node]] = {}  # root -> the tensor's nodes
+        self.sharing: dict[int, list[fx.Node]] = {}  # storage key -> the nodes holding it
+        for n in gm.graph.nodes:
+            self.add(n, mutated_input(n, gm))
+
+    def add(self, node: fx.Node, writes: Optional[fx.Node] = None) -> None:
+        """Register ``node``, an in-place write of ``writes`` if given (appended to that tensor's nodes)."""
+        if writes is not None:
+            self.writes[node] = writes
+            root = self.root_of(writes)
+            self.root[node] = root
+            self.members[root].append(node)
+        for key in node.meta.get(META_STORAGE, ()):
+            self.sharing.setdefault(key, []).append(node)
+
+    def root_of(self, v: fx.Node) -> fx.Node:
+        root = self.root.get(v)
+        if root is None:
+            self.root[v], self.members[v] = v, [v]
+            root = v
+        return root
+
+    def family(self, v: fx.Node) -> list[fx.Node]:
+        """The nodes whose result is the tensor ``v`` is, the node that made it first."""
+        return self.members[self.root_of(v)]
+
+    def has_aliases(self, node: fx.Node) -> bool:
+        """Does a node outside the tensor the write ``node`` writes share its storage, or one of unknown
+        storage exist?  (Else that write has no alias to look at: one pass over the sharing nodes.)"""
+        root = self.root_of(self.writes[node])
+        keys = set(node.meta.get(META_STORAGE) or self.writes[node].meta.get(META_STORAGE) or ())
+        return any(self.root_of(n) is not root for key in keys | {UNKNOWN_STORAGE}
+                   for n in self.sharing.get(key, ()))
+
+
+class _Storages(Tensors):
+    """:class:`Tensors` with the graph's order and names, built once per graph for the alias check."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.by_name = {n.name: n for n in gm.graph.nodes}
-        self.nodes: dict[int, list[fx.Node]] = {}
-        self.writes: dict[fx.Node, fx.Node] = {}  # in-place node -> the value it writes
-        self.root: dict[fx.Node, fx.Node] = {}  # in-place node -> the node that made the tensor
-        self.families: dict[fx.Node, set[fx.Node]] = {}  # root -> it and the in-place writes into it
-        for n in gm.graph.nodes:
-            for key in n.meta.get(META_STORAGE, ()):
-                self.nodes.setdefault(key, []).append(n)
-            value = mutated_input(n, gm)
-            if value is not None:
-                self.writes[n] = value
-                root = self.root.get(value, value)
-                self.root[n] = root
-                self.families.setdefault(root, {root}).add(n)
-
-    def family(self, value: fx.Node) -> set[fx.Node]:
-        """The nodes whose result is the tensor ``value`` is: the node that made it and the chain of in-place
-        writes into it (``y``, ``y.mul_(2)``, ``.add_(1)``)."""
-        root = self.root.get(value, value)
-        return self.families.get(root, {root})
 
 
 def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[list[fx.Node]]:
@@ -158,11 +185,11 @@ def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[li
     shared = value.meta.get(META_STORAGE) if value is not None else None
     if not shared or UNKNOWN_STORAGE in shared:
         return None
-    family = graph.family(value)
-    shared = shared | {UNKNOWN_STORAGE}  # a value of unknown storage may be an alias too
-    sharing = {n for key in shared for n in graph.nodes.get(key, ())}
-    if sharing <= family:  # the common case, a chain of writes and nothing else: linear in its length
+    if not graph.has_aliases(node):  # the common case, a chain of writes and nothing else
         return []
+    family = set(graph.family(value))
+    shared = shared | {UNKNOWN_STORAGE}  # a value of unknown storage may be an alias too
+    sharing = {n for key in shared for n in graph.sharing.get(key, ())}
     names = {n.name for n in family}
     order, at = graph.order, graph.order[node]
     metadata_kept = node.target not in METADATA_WRITES
@@ -243,5 +270,5 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return writes
 
 
-__all__ = ["INPLACE_MODULES", "METADATA_WRITES", "OUT_OF_PLACE_TWINS", "aliased_writes", "mutated_input",
-           "out_of_place_twins", "state_writes"]
+__all__ = ["INPLACE_MODULES", "METADATA_WRITES", "OUT_OF_PLACE_TWINS", "Tensors", "aliased_writes",
+           "mutated_input", "out_of_place_twins", "state_writes"]
