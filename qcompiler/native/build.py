@@ -30,10 +30,11 @@ from typing import Optional
 
 from qcompiler.errors import QCompilerWarning
 
-__all__ = ["library", "native_enabled", "reset", "disabled", "ENV_DISABLE", "ENV_CACHE", "SOURCE", "FLAGS"]
+__all__ = ["library", "native_enabled", "reset", "disabled", "ENV_DISABLE", "ENV_CACHE", "ENV_AMX", "SOURCE", "FLAGS"]
 
 ENV_DISABLE = "QCOMPILER_NATIVE"  # "0" / "off" / "false": never build or load
 ENV_CACHE = "QCOMPILER_NATIVE_CACHE"
+ENV_AMX = "QCOMPILER_NATIVE_AMX"  # "0" / "off": the int8 GEMM on AVX512-VNNI vectors, never on AMX tiles
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden", "-std=gnu11",
          "-fopenmp-simd", "-pthread",  # the simd pragmas only (no OpenMP runtime); pthreads for qc_hist_abs_f32_mt
@@ -126,6 +127,10 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
             return None, f"loading the native kernels failed ({e}), and so did a fresh build: {e2}"
     if lib.qc_abi_version() != ABI_VERSION:
         return None, "the cached library has a different ABI version"
+    # the int8 GEMM on AMX tiles where the CPU and OS have them, unless QCOMPILER_NATIVE_AMX=0
+    # (kernels.set_amx changes it later; the results are the same bits either way)
+    lib.qc_gemm_amx_set.argtypes, lib.qc_gemm_amx_set.restype = [ctypes.c_int], ctypes.c_int
+    lib.qc_gemm_amx_set(0 if os.environ.get(ENV_AMX, "").strip().lower() in ("0", "off", "false", "no") else 1)
     return lib, ""
 
 

@@ -1700,7 +1700,9 @@ GAP_STEP_FN(qc_gap_nhwc_i16_i16, int16_t, int16_t)
  * the caller proves the float64 bounds (f64 == 2 without, f64 == 3 with a fused add) the packed
  * float64 epilogue (gemm_epi_x16) runs instead.
  * ================================================================================================ */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* (VBMI too: the depthwise kernel's byte permutations; without it, e.g. on Cascade Lake, the library still builds
+ * and these layers keep their other paths) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 
 QC_API int qc_gemm_vnni(void) { return 1; }
@@ -1809,6 +1811,143 @@ static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, in
         break;
     }
 }
+
+/* ---- AMX tiles (Intel AMX-INT8): the same GEMM, 32 rows x 32 channels per tdpbusd block -------------
+ * tdpbusd is vpdpbusd on tiles: C[m][n] += sum_k A[m][k] * B[k / 4][4 n + k % 4], A unsigned bytes (here
+ * x ^ 0x80, as the vector kernel reads them), B signed bytes, int32 lanes with wrap-around (no
+ * saturation), so the arithmetic and its exactness argument are the vector kernel's: the same bias32
+ * start, the same final int32 per lane.  A B tile (16 groups of 4 k x 16 channels) is 16 consecutive
+ * 64-byte groups of the packed weights as they are, wp + (ob * Kq + 16 * kc) * 64 with a stride of 64.
+ * The last chunk of a block whose Kq is not a multiple of 16 comes from a copy padded with zero
+ * weights (gemm_amx_wtail), so the A bytes it meets past K (the next row's, or the panel's padding)
+ * add nothing.  A tiles are 16 rows of 64 bytes of a contiguous panel of rows lda bytes apart: the
+ * rows gemm_rows staged as x ^ 0x80 already (GEMM_PLAIN staged, GEMM_IM2COL), or the row pointers'
+ * bytes copied xored into a panel (gemm_amx_panel).  Tiles 0-3 accumulate (rows 0-15 / 16-31 x
+ * channels 0-15 / 16-31), 4-5 hold A, 6-7 hold B.  Linux grants a process the tile state only on
+ * request (arch_prctl ARCH_REQ_XCOMP_PERM), made once by qc_gemm_amx_set; each call loads its tile
+ * configuration and releases the tiles when it returns. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GEMM_AMX_BUILT 1
+#define GEMM_AMX_MIN_ROWS 16 /* rows of a call from which it runs on tiles */
+#define GEMM_AMX_PANEL (384 << 10) /* bytes of A rows per row block (kept in L2 across the channel groups) */
+static int gemm_amx_on;
+static int gemm_amx_perm = -1; /* -1: not asked yet; 1: the kernel granted the tile data state */
+
+/* qc_gemm_amx_set: GEMM calls run on AMX tiles (on = 1, where the OS grants them) or on the vector
+ * kernel (on = 0); on < 0 changes nothing.  The result is bit for bit the same either way.  Returns the
+ * state now in force. */
+QC_API int qc_gemm_amx_set(int on) {
+    if (on < 0) return __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED); /* (a query) */
+    if (on && gemm_amx_perm < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        gemm_amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    __atomic_store_n(&gemm_amx_on, on && gemm_amx_perm > 0, __ATOMIC_RELAXED);
+    return __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) gemm_amx_cfg;
+
+static void gemm_amx_config(void) {
+    gemm_amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* rows per row block: a panel of about GEMM_AMX_PANEL bytes, whole 32-row blocks */
+static int64_t gemm_amx_rows(int64_t lda) {
+    const int64_t mb = GEMM_AMX_PANEL / (lda > 0 ? lda : 1) / 32 * 32;
+    return mb < 32 ? 32 : mb;
+}
+
+#define AMX_STEP(AO, B0, B1)                                                                             \
+    {                                                                                                     \
+        _tile_loadd(4, a + (AO), lda);                                                                    \
+        if (RA > 1) _tile_loadd(5, a + 16 * lda + (AO), lda);                                             \
+        _tile_loadd(6, B0, 64);                                                                           \
+        if (CB > 1) _tile_loadd(7, B1, 64);                                                               \
+        _tile_dpbusd(0, 4, 6);                                                                            \
+        if (CB > 1) _tile_dpbusd(1, 4, 7);                                                                \
+        if (RA > 1) _tile_dpbusd(2, 5, 6);                                                                \
+        if (RA > 1 && CB > 1) _tile_dpbusd(3, 5, 7);                                                      \
+    }
+/* RA x 16 rows of A (a, lda bytes apart) times CB blocks of 16 channels (w0, w1: their packed weights,
+ * nfull whole chunks of 16 groups, then t0, t1: the zero-padded last chunk when tail), each lane
+ * starting from init[c]; the int32 results to tile[r * 64 + c]. */
+#define GEMM_AMX_FN(NAME, RAV, CBV)                                                                      \
+    static void NAME(const uint8_t *restrict a, int64_t lda, int64_t nfull, int tail, const int8_t *w0,    \
+                     const int8_t *w1, const int8_t *t0, const int8_t *t1, const int32_t *init,           \
+                     int32_t *tile) {                                                                     \
+        enum { RA = RAV, CB = CBV };                                                                      \
+        _tile_loadd(0, init, 0); /* (stride 0: the same 16 values in every row) */                        \
+        if (CB > 1) _tile_loadd(1, init + 16, 0);                                                         \
+        if (RA > 1) _tile_loadd(2, init, 0);                                                              \
+        if (RA > 1 && CB > 1) _tile_loadd(3, init + 16, 0);                                               \
+        for (int64_t kc = 0; kc < nfull; kc++) AMX_STEP(64 * kc, w0 + 1024 * kc, w1 + 1024 * kc)          \
+        if (tail) AMX_STEP(64 * nfull, t0, t1)                                                            \
+        _tile_stored(0, tile, 256);                                                                       \
+        if (CB > 1) _tile_stored(1, tile + 16, 256);                                                      \
+        if (RA > 1) _tile_stored(2, tile + 16 * 64, 256);                                                 \
+        if (RA > 1 && CB > 1) _tile_stored(3, tile + 16 * 64 + 16, 256);                                  \
+    }
+GEMM_AMX_FN(gemm_amx_11, 1, 1)
+GEMM_AMX_FN(gemm_amx_12, 1, 2)
+GEMM_AMX_FN(gemm_amx_21, 2, 1)
+GEMM_AMX_FN(gemm_amx_22, 2, 2)
+
+/* rows x 16 * nr channels (nr <= 4) of the tile: pairs of channel blocks on tdpbusd blocks */
+static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t rows, int64_t Kq, const int8_t *wp, const int8_t *wt,
+                          int nr, const int32_t *init, int32_t *tile) {
+    const int64_t nfull = Kq / 16;
+    const int tail = Kq % 16 != 0;
+    for (int p = 0; p < nr; p += 2) {
+        const int8_t *w0 = wp + p * Kq * 64, *w1 = w0 + Kq * 64;
+        const int8_t *t0 = tail ? wt + p * 1024 : NULL, *t1 = tail ? t0 + 1024 : NULL;
+        if (nr - p >= 2) {
+            if (rows > 16) gemm_amx_22(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+            else gemm_amx_12(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+        } else {
+            if (rows > 16) gemm_amx_21(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+            else gemm_amx_11(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+        }
+    }
+}
+
+/* The last, partial chunk (Kq % 16 groups) of each of nob blocks of the packed weights wp, padded
+ * with zero weights to 16 groups: nob * 1024 bytes (NULL when Kq is a multiple of 16). */
+static int8_t *gemm_amx_wtail(const int8_t *wp, int64_t nob, int64_t Kq) {
+    const int64_t left = Kq % 16;
+    if (!left) return NULL;
+    int8_t *t = calloc((size_t)(nob * 1024), 1);
+    if (t)
+        for (int64_t ob = 0; ob < nob; ob++) memcpy(t + ob * 1024, wp + (ob * Kq + Kq - left) * 64, (size_t)(left * 64));
+    return t;
+}
+#define GEMM_AMX_ON __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED)
+#else /* no AMX here: calls never take the tile path (GEMM_AMX_ON is 0), so these are never reached */
+QC_API int qc_gemm_amx_set(int on) {
+    (void)on;
+    return 0;
+}
+#define GEMM_AMX_ON 0
+#define GEMM_AMX_MIN_ROWS 0
+static void gemm_amx_config(void) {}
+static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t rows, int64_t Kq, const int8_t *wp, const int8_t *wt,
+                          int nr, const int32_t *init, int32_t *tile) {
+    (void)a, (void)lda, (void)rows, (void)Kq, (void)wp, (void)wt, (void)nr, (void)init, (void)tile;
+}
+static int8_t *gemm_amx_wtail(const int8_t *wp, int64_t nob, int64_t Kq) {
+    (void)wp, (void)nob, (void)Kq;
+    return NULL;
+}
+#define _tile_release() ((void)0)
+#endif
 
 /* d[0:len] = s[0:len] ^ 0x80 (staged rows as the unsigned bytes vpdpbusd reads), 64 bytes at a time, the tail
  * masked (nothing past len read or written); d == s xors in place */
@@ -1942,6 +2081,8 @@ typedef struct {
     int64_t wrow, wpad, wb0;     /* its pixels a row, the padding left of its pixel 0, its first image */
     int64_t tlen;                /* a tail plane's column length */
     int64_t b, oh, ow;           /* the output position of the next row gemm_rows fills */
+    int64_t mb;                  /* rows per row block (xu and the callers' pointer arrays hold that many) */
+    int amx;                     /* the call runs on AMX tiles (row blocks of gemm_amx_rows, xu zeroed) */
 } gemm_src;
 
 static void gemm_src_close(gemm_src *s) {
@@ -2051,9 +2192,9 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
 /* The layout of rows m0..m1-1 (rows of mb per block) and its buffers; 0, or -1 out of memory (nothing
  * left allocated). */
 static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_t *g, int64_t m0, int64_t m1,
-                         int64_t K, int64_t nob, const int8_t *wpack) {
+                         int64_t K, int64_t nob, const int8_t *wpack, int amx) {
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
-                    .nseg = 1, .segq = (K + 3) / 4, .wp = wpack};
+                    .nseg = 1, .segq = (K + 3) / 4, .wp = wpack, .amx = amx};
     s->xored = !g && (K % 4 || K < GEMM_INPLACE_MIN_K);
     if (g) {
         const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
@@ -2067,8 +2208,13 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
         if (s->mode == GEMM_IM2COL) s->segq = s->Kq0, s->xored = 1;
         s->b = m0 / (Ho * Wo), s->oh = m0 / Wo % Ho, s->ow = m0 % Wo;
     }
-    const int64_t mb = gemm_block_rows(s->Kq);
-    s->xu = malloc((size_t)(mb * 4 * s->Kq + 64));
+#ifdef GEMM_AMX_BUILT
+    s->mb = amx ? gemm_amx_rows(4 * s->Kq) : gemm_block_rows(s->Kq);
+#else
+    s->mb = gemm_block_rows(s->Kq);
+#endif
+    /* (AMX: zeroed, so a tile's rows past the call's last one read defined bytes) */
+    s->xu = amx ? calloc((size_t)(s->mb * 4 * s->Kq + 64), 1) : malloc((size_t)(s->mb * 4 * s->Kq + 64));
     const int inplace = s->mode == GEMM_DIRECT || s->mode == GEMM_TAIL;
     s->zrow = inplace ? calloc((size_t)(g[4] * g[2]), 1) : NULL;
     s->q = inplace ? malloc(sizeof(int64_t) * (size_t)(2 * (s->nseg + 1))) : NULL;
@@ -2169,6 +2315,19 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
     }
     s->b = b, s->oh = oh, s->ow = ow;
     if (s->xored) gemm_xor80(s->xu, (r1 - r0) * 4 * Kq); /* (GEMM_IM2COL: every row staged) */
+}
+
+/* AMX: rows 0..rows-1 of a row block from gemm_rows' pointers (a row: nseg segments of 4 * segq bytes,
+ * then 4 * tq bytes if tq) copied as x ^ 0x80 into a panel of rows lda bytes apart (the bytes past
+ * 4 * Kq are left as they are: they meet zero weights). */
+static void gemm_amx_panel(const gemm_src *s, const int8_t *const *xp, int64_t rows, uint8_t *panel, int64_t lda) {
+    const int64_t per = s->nseg + (s->tq > 0), seg = 4 * s->segq;
+    for (int64_t r = 0; r < rows; r++) {
+        int8_t *d = (int8_t *)panel + r * lda;
+        const int8_t *const *p = xp + r * per;
+        for (int64_t i = 0; i < s->nseg; i++, d += seg) gemm_xor80_copy(d, p[i], seg);
+        if (s->tq) gemm_xor80_copy(d, p[s->nseg], 4 * s->tq);
+    }
 }
 
 /* Per-channel constants of the epilogue, padded with zeros to Op = 16 * ceil(O / 16) channels, in one
@@ -2429,20 +2588,30 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const int64_t nob = (O + 15) / 16, Op = nob * 16;                                                  \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
+        const int amx = GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS; /* tiles (32 rows) or vectors (GEMM_MR) */ \
         gemm_src src;                                                                                     \
-        if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack)) return -1;                           \
-        const int64_t Kq = src.Kq, wstride = Kq * 64, mb = gemm_block_rows(Kq), per = src.nseg + (src.tq > 0); \
+        if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack, amx)) return -1;                      \
+        const int64_t Kq = src.Kq, wstride = Kq * 64, mb = src.mb, per = src.nseg + (src.tq > 0);         \
+        const int64_t MR = amx ? 32 : GEMM_MR;                                                            \
+        /* AMX: A rows from xu as staged (x ^ 0x80 already), else copied into a panel; the weights' last chunks */ \
+        const int64_t lda = !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64;                         \
+        uint8_t *panel = amx && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;                   \
+        int8_t *wt = amx ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                                        \
         /* the layer's constants: prepared once (qc_gemm_prep), or built for this call */                 \
         int64_t *kc = pre ? (int64_t *)pre : gemm_consts(M, n, O, ADD, nb);                               \
         const int8_t **xp = malloc(sizeof(*xp) * (size_t)(mb * per));                                    \
-        if (!kc || !xp) {                                                                                 \
+        if (!kc || !xp || (amx && !src.xored && !panel) || (amx && Kq % 16 && !wt)) {                     \
             if (!pre) free(kc);                                                                           \
             free(xp);                                                                                     \
+            free(panel);                                                                                  \
+            free(wt);                                                                                     \
             gemm_src_close(&src);                                                                         \
             return -1;                                                                                    \
         }                                                                                                 \
+        const uint8_t *arows = amx ? (src.xored ? (const uint8_t *)src.xu : panel) : NULL;               \
+        if (amx) gemm_amx_config();                                                                       \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
-        int32_t tile[GEMM_MR * 64] __attribute__((aligned(64)));                                          \
+        int32_t tile[32 * 64] __attribute__((aligned(64))); /* (GEMM_MR or 32 rows of 64 channels) */    \
         const int64_t tmax = OBITS == 8 ? 127 : 32767;                                                    \
         /* the packed epilogue when it applies (and its tables could be allocated), else the one below */ \
         int32_t *bx = f64 == (ADD ? 3 : 2) && lo >= -tmax - 1 && hi <= tmax                              \
@@ -2456,14 +2625,20 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
             const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
             gemm_rows(&src, r0, r1, xp);                                                                  \
+            if (panel) gemm_amx_panel(&src, xp, r1 - r0, panel, lda);                                     \
             for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
                 const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
-                for (int64_t m = r0; m < r1; m += GEMM_MR) {                                              \
-                    const int64_t rows = r1 - m < GEMM_MR ? r1 - m : GEMM_MR;                             \
-                    if (bx) {                                                                             \
+                for (int64_t m = r0; m < r1; m += MR) {                                                   \
+                    const int64_t rows = r1 - m < MR ? r1 - m : MR;                                       \
+                    const int32_t *init = bx ? bx : bias32; /* the accumulators' start (bias32 ^ 2**31 packed) */ \
+                    if (amx)                                                                              \
+                        gemm_amx_tile(arows + (m - r0) * lda, lda, rows, Kq, src.wp + ob * wstride,       \
+                                      wt ? wt + ob * 1024 : NULL, nr, init + c0, tile);                   \
+                    else                                                                                  \
                         gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored,    \
-                                     src.wp + ob * wstride, wstride, nr, bx + c0, tile);                  \
+                                     src.wp + ob * wstride, wstride, nr, init + c0, tile);                \
+                    if (bx) {                                                                             \
                         for (int64_t r = 0; r < rows && !ADD; r++)                                        \
                             gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
                         for (int64_t r = 0; r < rows && ADD; r++)                                         \
@@ -2471,8 +2646,6 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
                                                            out + (m + r) * O + c0, nc, &ek);              \
                         continue;                                                                         \
                     }                                                                                     \
-                    gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored,        \
-                                 src.wp + ob * wstride, wstride, nr, bias32 + c0, tile);                  \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
                         OUT_T *o = out + (m + r) * O + c0;                                                \
                         const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
@@ -2511,11 +2684,14 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
+        if (amx) _tile_release();                                                                         \
         if (!pre) {                                                                                       \
             free(kc);                                                                                     \
             free(bx);                                                                                     \
         }                                                                                                 \
         free(xp);                                                                                         \
+        free(panel);                                                                                      \
+        free(wt);                                                                                         \
         gemm_src_close(&src);                                                                             \
         return 0;                                                                                         \
     }
@@ -2872,5 +3048,9 @@ DW4_STEP_FN(qc_dwconv4_i8_i16, int16_t)
 
 #else
 QC_API int qc_gemm_vnni(void) { return 0; }
+QC_API int qc_gemm_amx_set(int on) {
+    (void)on;
+    return 0;
+}
 #endif
 /* ===================================== end of the int8 GEMM ===================================== */

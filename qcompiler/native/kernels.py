@@ -21,11 +21,11 @@ from typing import Optional
 import torch
 
 from qcompiler.errors import ConfigError
-from qcompiler.native.build import library
+from qcompiler.native.build import ENV_AMX, library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "amx_enabled", "set_amx", "ENV_AMX", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -56,6 +56,19 @@ def vnni_enabled() -> bool:
     if os.environ.get(ENV_VNNI, "").strip().lower() in ("0", "off", "false", "no"):
         return False
     return library() is not None and _fn("qc_gemm_vnni", ())() == 1
+
+
+def set_amx(on: bool) -> bool:
+    """Run the int8 GEMM's calls of at least 16 rows on AMX tiles (``on``; where the library was compiled
+    with AMX-INT8 and the OS grants the tile state) or on AVX512-VNNI vectors.  Process-wide; the results
+    are bit for bit the same either way (``kernels.c``, "AMX tiles").  The library starts with tiles on
+    unless ``QCOMPILER_NATIVE_AMX=0``.  Returns whether tiles are in use now."""
+    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(1 if on else 0) == 1
+
+
+def amx_enabled() -> bool:
+    """Whether the int8 GEMM runs on AMX tiles (see :func:`set_amx`)."""
+    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(-1) == 1
 
 
 def _ok(rc: int) -> None:
