@@ -15,14 +15,30 @@ from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
-from qcompiler.native.kernels import DepthwiseConv
+from qcompiler.native.kernels import DepthwiseConv, amx_calls, amx_enabled, set_amx
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 needs_gemm = pytest.mark.skipif(not build.native_enabled() or not gemm_available(),
                                 reason="the native int8 GEMM needs the native kernels built for AVX512-VNNI")
 _OUT = {"qint8": torch.int8, "qint16": torch.int16}
+# the kernel's two paths: AVX512-VNNI vectors, and AMX tiles (where the CPU and OS have them); every
+# reference test runs on both, and a path this machine lacks is skipped by name
+_AMX_HERE = build.native_enabled() and gemm_available() and amx_enabled()
+PATHS = pytest.mark.parametrize("on_path", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _AMX_HERE, reason="AMX tiles: this CPU or OS has none"))], ids=["vnni", "amx"], indirect=True)
+
+
+@pytest.fixture
+def on_path(request):
+    """The GEMM on the path the test is parametrized with (True: AMX tiles), then back to the default;
+    the tile path's tests must have run calls on it."""
+    was, calls = amx_enabled(), amx_calls()
+    assert set_amx(request.param) == request.param
+    yield request.param
+    set_amx(was)
+    assert (amx_calls() > calls) == request.param
 
 
 @st.composite
@@ -82,9 +98,10 @@ def reference(x, w, bias, M, n, lo, hi, add, other):
 
 
 @needs_gemm
+@PATHS
 @SETTINGS
 @given(gemm_cases())
-def test_int8_gemm_equals_the_int64_reference(c):
+def test_int8_gemm_equals_the_int64_reference(on_path, c):
     x, w, bias, M, n, lo, hi, add, other = _case(c)
     if Int8Gemm.refusal(w, bias, M, n, lo, hi, _OUT[c["out"]], add) is not None:
         return  # (a fused sum beyond 2**62: refused, tested below)
@@ -95,9 +112,10 @@ def test_int8_gemm_equals_the_int64_reference(c):
 
 
 @needs_gemm
+@PATHS
 @SETTINGS
 @given(gemm_cases())
-def test_constants_prepared_once_equal_the_ones_built_per_call(c):
+def test_constants_prepared_once_equal_the_ones_built_per_call(on_path, c):
     """A layer's per-channel constants come prepared once (``qc_gemm_prep``, the last argument); with
     it NULL the kernel builds them itself, as before: the same bits, every epilogue mode and fused add."""
     x, w, bias, M, n, lo, hi, add, other = _case(c)
@@ -117,35 +135,103 @@ def test_constants_prepared_once_equal_the_ones_built_per_call(c):
 
 
 @needs_gemm
-def test_the_largest_proven_accumulator_is_exact():
+@PATHS
+def test_the_largest_proven_accumulator_is_exact(on_path):
     """-128 * -128 over the largest K (and bias) the bound admits: the true sum is 2**31 - 2, while
     the unsigned-activation sums before the compensation wrap around int32 and must come back exactly."""
     K = (2 ** 31 - 1) // (128 * 128) - 1
     w = torch.full((17, K), -128, dtype=torch.int8)
     w[1] = 127
     bias = torch.full((17,), 2 ** 31 - 1 - 128 * 128 * K - 1)
-    x = torch.full((3, K), -128, dtype=torch.int8)
+    x = torch.full((40, K), -128, dtype=torch.int8)  # (40 rows: the tile path takes calls of 16 or more)
     x[1] = 127
+    x[37] = 127
     M, n = torch.ones(17, dtype=torch.int64), torch.full((17,), 24)
     k = Int8Gemm(w, bias, M, n, -(1 << 15), (1 << 15) - 1, torch.int16)
     assert torch.equal(k(x).to(torch.int64), reference(x, w, bias, M, n, -(1 << 15), (1 << 15) - 1, None, None))
 
 
 @needs_gemm
-def test_a_row_range_writes_only_its_rows():
+@PATHS
+def test_a_row_range_writes_only_its_rows(on_path):
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(-128, 128, (23, 37), dtype=torch.int8, generator=g)
+    x = torch.randint(-128, 128, (83, 37), dtype=torch.int8, generator=g)
     w = torch.randint(-128, 128, (19, 37), dtype=torch.int8, generator=g)
     M, n = torch.randint(1, 1 << 15, (19,), generator=g), torch.full((19,), 20)
     k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
-    out = torch.full((23, 19), 55, dtype=torch.int8)
-    k(x, out, m0=5, m1=14)
+    out = torch.full((83, 19), 55, dtype=torch.int8)
+    k(x, out, m0=5, m1=54)  # (49 rows: a 32-row tile and a partial one, on the tile path)
     want = reference(x, w, None, M, n, -128, 127, None, None).to(torch.int8)
-    assert torch.equal(out[5:14], want[5:14])
-    assert bool((out[:5] == 55).all()) and bool((out[14:] == 55).all())
+    assert torch.equal(out[5:54], want[5:54])
+    assert bool((out[:5] == 55).all()) and bool((out[54:] == 55).all())
     k(x, out, m0=0, m1=5)
-    k(x, out, m0=14, m1=23)
+    k(x, out, m0=54, m1=83)
     assert torch.equal(out, want)
+
+
+@st.composite
+def tall_cases(draw):
+    """Many rows (several of the tile path's row blocks, whose size follows K), K around the tiles' 64-byte
+    chunks (a whole number of them, a partial last one, fewer than one), channel counts that leave a
+    single block of 16 or a partial one, and a row range cut anywhere (fewer than the 16 rows from which a
+    call takes the tiles, a partial 32-row tile, a partial 16-row half)."""
+    K = draw(st.sampled_from([3, 4, 60, 64, 68, 128, 576, 1000, 1024, 4608]))
+    P = draw(st.integers(1, 1400 if K <= 1024 else 200))
+    return dict(P=P, K=K, O=draw(st.sampled_from([1, 15, 16, 17, 32, 40, 64, 65, 100, 130])),
+                cut=draw(st.tuples(st.integers(0, P), st.integers(0, P))), add=draw(st.booleans()),
+                out=draw(st.sampled_from(["qint8", "qint16"])), seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+@needs_gemm
+@PATHS
+@settings(SETTINGS, max_examples=40)
+@given(tall_cases())
+def test_tall_gemms_over_several_row_blocks_equal_the_reference(on_path, c):
+    g = torch.Generator().manual_seed(c["seed"])
+    P, K, O = c["P"], c["K"], c["O"]
+    x = torch.randint(-128, 128, (P, K), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (O, K), dtype=torch.int8, generator=g)
+    bias = torch.randint(-(1 << 16), 1 << 16, (O,), generator=g)
+    M, n = torch.randint(1, 1 << 15, (O,), generator=g), torch.randint(14, 22, (O,), generator=g)
+    lo, hi = fp.qrange(c["out"])
+    other = add = None
+    if c["add"]:
+        other = torch.randint(-128, 128, (P, O), dtype=torch.int8, generator=g)
+        add = (int(torch.randint(-(1 << 15), 1 << 15, (1,), generator=g)), 13, torch.int8)
+    k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], add)
+    m0, m1 = sorted(c["cut"])
+    out = torch.full((P, O), 77, dtype=_OUT[c["out"]])
+    k(x, out, other=other, m0=m0, m1=m1)
+    want = reference(x, w, bias, M, n, lo, hi, add, other)
+    assert torch.equal(out[m0:m1].to(torch.int64), want[m0:m1])
+    assert bool((out[:m0] == 77).all()) and bool((out[m1:] == 77).all())
+
+
+@needs_gemm
+@pytest.mark.skipif(not _AMX_HERE, reason="AMX tiles: this CPU or OS has none")
+def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits():
+    """``set_amx`` switches the kernel between its two paths (both exact: the same int32 lanes, the same
+    epilogue), and ``QCOMPILER_NATIVE_AMX=0`` keeps a fresh process on the vectors."""
+    import subprocess
+    import sys
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-128, 128, (333, 300), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (70, 300), dtype=torch.int8, generator=g)
+    M, n = torch.randint(1, 1 << 15, (70,), generator=g), torch.full((70,), 19)
+    k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
+    was = amx_enabled()
+    try:
+        assert set_amx(False) is False and not amx_enabled()
+        vec = k(x)
+        assert set_amx(True) is True and amx_enabled()
+        assert torch.equal(k(x), vec)
+    finally:
+        set_amx(was)
+    code = "from qcompiler.native.kernels import amx_enabled; print(amx_enabled())"
+    for env, want in (("0", "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**__import__("os").environ, "QCOMPILER_NATIVE_AMX": env}).stdout.strip()
+        assert out == want, (env, out)
 
 
 @needs_gemm
@@ -245,9 +331,10 @@ def test_large_kernels_over_few_channels_run_on_the_gemm_exactly(C, k, stride, p
 
 
 @needs_gemm
+@PATHS
 @settings(SETTINGS, max_examples=80)
 @given(gemm_cases(), st.integers(0, 40))
-def test_both_float64_epilogues_equal_the_reference(c, n0):
+def test_both_float64_epilogues_equal_the_reference(on_path, c, n0):
     """Without a fused add: the float64 epilogue clamps in int32 (``f64 == 2``) where
     ``|acc| * M / 2**n < 2**31 - 1`` on every channel, else in float64 (``f64 == 1``); the shift drawn
     over [0, 40] gives both (and saturating outputs at small shifts), checked against the int64 reference."""
@@ -274,9 +361,10 @@ def test_the_float64_epilogue_modes_are_chosen_by_their_bounds():
 
 
 @needs_gemm
+@PATHS
 @settings(SETTINGS, max_examples=60)
 @given(gemm_cases())
-def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(c):
+def test_the_int64_epilogue_without_a_fused_add_equals_the_reference(on_path, c):
     """Multipliers near 2**31 and a bias near 2**26: |acc * M| may pass 2**53, so the kernel takes its
     int64 epilogue (not the float64 one) without a fused add."""
     c = {**c, "add": None, "m_bits": 31, "bias": True, "ties": False}
@@ -330,9 +418,10 @@ def conv_case_tensors(c: dict):
 
 
 @needs_gemm
+@PATHS
 @SETTINGS
 @given(conv_cases())
-def test_int8_gemm_conv_equals_the_int64_reference(c):
+def test_int8_gemm_conv_equals_the_int64_reference(on_path, c):
     """The im2col inside the kernel (taps in the padding are the zero point) against conv2d in float64
     (exact for these sums) and the int64 requantization."""
     k, xl, ol, want = conv_case_tensors(c)
@@ -358,9 +447,10 @@ def wide_conv_cases(draw):
 
 
 @needs_gemm
+@PATHS
 @SETTINGS
 @given(wide_conv_cases())
-def test_a_conv_row_range_equals_the_reference_and_writes_only_its_rows(c):
+def test_a_conv_row_range_equals_the_reference_and_writes_only_its_rows(on_path, c):
     """Output rows m0..m1 of a conv, cut anywhere (inside an image row, across images, across the
     kernel's row blocks), in each of the kernel's layouts ("direct", "tail", "im2col"): the rows read
     in place, the rows staged at the left and right edges and the kernel rows in the vertical padding
@@ -383,12 +473,13 @@ def _out_hw(c: dict) -> tuple[int, int]:
 
 
 @needs_gemm
+@PATHS
 @pytest.mark.parametrize("C,k,stride,dilation,layout", [
     (64, 3, 1, 1, "direct"), (64, 3, 2, 1, "direct"), (64, 1, 2, 1, "direct"), (4, 1, 1, 2, "direct"),
     (3, 7, 2, 1, "tail"), (3, 3, 2, 1, "tail"), (5, 1, 1, 1, "tail"),
     (64, 3, 1, (1, 2), "im2col"), (3, 7, 2, (2, 1), "im2col"), (3, 5, 1, 1, "im2col"), (1, 1, 1, 1, "im2col"),
     (2, 3, 1, 1, "im2col")])
-def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(C, k, stride, dilation, layout):
+def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(on_path, C, k, stride, dilation, layout):
     """In place when a kernel row is a multiple of 4 bytes without dilation along W (any stride, and
     dilation along H); with the tail plane when it is one past (a 7x7 or 3x3 stem on 3 channels; not
     with dilation, which would leave the tail's column); im2col otherwise (2 or 3 past: 5x5 or 3x3 on
@@ -460,8 +551,9 @@ def test_threads_building_a_tail_layers_geometry_at_once_share_one_repack():
 
 
 @needs_gemm
+@PATHS
 @pytest.mark.parametrize("K", [4, 64, 576, 37])
-def test_rows_with_a_stride_past_k_are_read_in_place(K):
+def test_rows_with_a_stride_past_k_are_read_in_place(on_path, K):
     """A GEMM over a column slice of a wider matrix (row stride > K): rows read in place when K is a
     multiple of 4 (else staged), only their K columns."""
     g = torch.Generator().manual_seed(K)

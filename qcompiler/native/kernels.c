@@ -1833,6 +1833,8 @@ static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, in
 #define GEMM_AMX_MIN_ROWS 16 /* rows of a call from which it runs on tiles */
 #define GEMM_AMX_PANEL (384 << 10) /* bytes of A rows per row block (kept in L2 across the channel groups) */
 static int gemm_amx_on;
+static int64_t gemm_amx_calls; /* calls that ran on tiles (tests check the path they name was taken) */
+QC_API int64_t qc_gemm_amx_calls(void) { return __atomic_load_n(&gemm_amx_calls, __ATOMIC_RELAXED); }
 static int gemm_amx_perm = -1; /* -1: not asked yet; 1: the kernel granted the tile data state */
 
 /* qc_gemm_amx_set: GEMM calls run on AMX tiles (on = 1, where the OS grants them) or on the vector
@@ -1853,6 +1855,7 @@ typedef struct {
 } __attribute__((aligned(64))) gemm_amx_cfg;
 
 static void gemm_amx_config(void) {
+    __atomic_add_fetch(&gemm_amx_calls, 1, __ATOMIC_RELAXED);
     gemm_amx_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -1937,6 +1940,7 @@ QC_API int qc_gemm_amx_set(int on) {
 }
 #define GEMM_AMX_ON 0
 #define GEMM_AMX_MIN_ROWS 0
+QC_API int64_t qc_gemm_amx_calls(void) { return 0; }
 static void gemm_amx_config(void) {}
 static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t rows, int64_t Kq, const int8_t *wp, const int8_t *wt,
                           int nr, const int32_t *init, int32_t *tile) {
@@ -3052,5 +3056,6 @@ QC_API int qc_gemm_amx_set(int on) {
     (void)on;
     return 0;
 }
+QC_API int64_t qc_gemm_amx_calls(void) { return 0; }
 #endif
 /* ===================================== end of the int8 GEMM ===================================== */

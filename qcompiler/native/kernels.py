@@ -25,7 +25,7 @@ from qcompiler.native.build import ENV_AMX, library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "amx_enabled", "set_amx", "ENV_AMX", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "amx_enabled", "amx_calls", "set_amx", "ENV_AMX", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -69,6 +69,11 @@ def set_amx(on: bool) -> bool:
 def amx_enabled() -> bool:
     """Whether the int8 GEMM runs on AMX tiles (see :func:`set_amx`)."""
     return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(-1) == 1
+
+
+def amx_calls() -> int:
+    """How many GEMM calls (or parts of split ones) have run on AMX tiles in this process (tests)."""
+    return int(_fn("qc_gemm_amx_calls", (), ctypes.c_int64)()) if library() is not None else 0
 
 
 def _ok(rc: int) -> None:
