@@ -132,6 +132,8 @@ class Int8Gemm:
         self._pre = prepared_constants(self.bias32, self.M, self.n, O, add is not None, self.nb)
         # (kh, kw, C, dh, dw) -> the weights repacked for the tail layout (conv_geometry), None where it does not apply
         self._tail_w: dict[tuple[int, ...], Optional[torch.Tensor]] = {}
+        # (kh, kw, C, sh, sw, dw) -> the weights in the AMX sliding layout's order (conv_geometry), None where not needed
+        self._slide_w: dict[tuple[int, ...], Optional[torch.Tensor]] = {}
 
     acc_bound = staticmethod(int8_acc_bound)
 
@@ -292,7 +294,7 @@ class Int8Gemm:
         Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
-        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, 0], dtype=torch.int64)
+        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, 0, 0], dtype=torch.int64)
         # a conv read in the tail layout: its weights in that layout's order, repacked once per kernel shape
         # and passed by address in geo[13] (the kernel repacks them per call when it is 0)
         wt = self._tail_w.get((kh, kw, C, dh, dw), False)
@@ -306,4 +308,15 @@ class Int8Gemm:
             wt = self._tail_w.setdefault((kh, kw, C, dh, dw), wt)
         if wt is not None:
             geo[13] = wt.data_ptr()
+        # a stride-1 conv the AMX tiles read in place (kernels.c, GEMM_SLIDE): its weights with each kernel row
+        # padded to 64-byte chunks, once per kernel shape, in geo[14] (none needed when kw * C is a multiple of 64)
+        ws = self._slide_w.get((kh, kw, C, sh, sw, dw), False)
+        if ws is False:
+            L = -(-kw * C // 64) * 64
+            ws = torch.empty(-(-self.O // 16) * 16 * kh * L, dtype=torch.int8)
+            ws = ws if _fn("qc_gemm_slide_weights", (_P, _I64, _P, _P))(self.wpack.data_ptr(), self.O, geo.data_ptr(),
+                                                                        ws.data_ptr()) == 0 else None
+            ws = self._slide_w.setdefault((kh, kw, C, sh, sw, dw), ws)
+        if ws is not None:
+            geo[14] = ws.data_ptr()
         return geo, (N, Ho, Wo)

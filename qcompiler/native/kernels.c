@@ -1880,20 +1880,23 @@ static int64_t gemm_amx_rows(int64_t lda) {
         if (RA > 1) _tile_dpbusd(2, 5, 6);                                                                \
         if (RA > 1 && CB > 1) _tile_dpbusd(3, 5, 7);                                                      \
     }
-/* RA x 16 rows of A (a, lda bytes apart) times CB blocks of 16 channels (w0, w1: their packed weights,
- * nfull whole chunks of 16 groups, then t0, t1: the zero-padded last chunk when tail), each lane
- * starting from init[c]; the int32 results to tile[r * 64 + c]. */
+/* RA x 16 rows of A (a, lda bytes apart) times CB blocks of 16 channels (w0, w1: their packed weights),
+ * each lane starting from init[c], the int32 results to tile[r * 64 + c].  K runs over nseg segments
+ * segstep bytes apart in A, each of lc whole 64-byte chunks (a panel: one segment; GEMM_SLIDE: the
+ * kernel rows), then, when tail, one more chunk after the last segment whose weights are t0, t1 (the
+ * zero-padded last chunk). */
 #define GEMM_AMX_FN(NAME, RAV, CBV)                                                                      \
-    static void NAME(const uint8_t *restrict a, int64_t lda, int64_t nfull, int tail, const int8_t *w0,    \
-                     const int8_t *w1, const int8_t *t0, const int8_t *t1, const int32_t *init,           \
-                     int32_t *tile) {                                                                     \
+    static void NAME(const uint8_t *restrict a, int64_t lda, int64_t nseg, int64_t segstep, int64_t lc,    \
+                     int tail, const int8_t *w0, const int8_t *w1, const int8_t *t0, const int8_t *t1,    \
+                     const int32_t *init, int32_t *tile) {                                                \
         enum { RA = RAV, CB = CBV };                                                                      \
         _tile_loadd(0, init, 0); /* (stride 0: the same 16 values in every row) */                        \
         if (CB > 1) _tile_loadd(1, init + 16, 0);                                                         \
         if (RA > 1) _tile_loadd(2, init, 0);                                                              \
         if (RA > 1 && CB > 1) _tile_loadd(3, init + 16, 0);                                               \
-        for (int64_t kc = 0; kc < nfull; kc++) AMX_STEP(64 * kc, w0 + 1024 * kc, w1 + 1024 * kc)          \
-        if (tail) AMX_STEP(64 * nfull, t0, t1)                                                            \
+        for (int64_t i = 0; i < nseg; i++)                                                                \
+            for (int64_t kc = 0; kc < lc; kc++, w0 += 1024, w1 += 1024) AMX_STEP(i * segstep + 64 * kc, w0, w1) \
+        if (tail) AMX_STEP((nseg - 1) * segstep + 64 * lc, t0, t1)                                        \
         _tile_stored(0, tile, 256);                                                                       \
         if (CB > 1) _tile_stored(1, tile + 16, 256);                                                      \
         if (RA > 1) _tile_stored(2, tile + 16 * 64, 256);                                                 \
@@ -1904,20 +1907,21 @@ GEMM_AMX_FN(gemm_amx_12, 1, 2)
 GEMM_AMX_FN(gemm_amx_21, 2, 1)
 GEMM_AMX_FN(gemm_amx_22, 2, 2)
 
-/* rows x 16 * nr channels (nr <= 4) of the tile: pairs of channel blocks on tdpbusd blocks */
-static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t rows, int64_t Kq, const int8_t *wp, const int8_t *wt,
-                          int nr, const int32_t *init, int32_t *tile) {
-    const int64_t nfull = Kq / 16;
-    const int tail = Kq % 16 != 0;
+/* rows x 16 * nr channels (nr <= 4) of the tile, pairs of channel blocks on tdpbusd blocks: A as
+ * GEMM_AMX_FN reads it (nseg segments of lc chunks), the blocks' weights Kq groups apart from wp, the
+ * last partial chunk's from wt (NULL: none) */
+static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t nseg, int64_t segstep, int64_t lc, int64_t rows,
+                          int64_t Kq, const int8_t *wp, const int8_t *wt, int nr, const int32_t *init, int32_t *tile) {
+    const int tail = wt != NULL;
     for (int p = 0; p < nr; p += 2) {
         const int8_t *w0 = wp + p * Kq * 64, *w1 = w0 + Kq * 64;
         const int8_t *t0 = tail ? wt + p * 1024 : NULL, *t1 = tail ? t0 + 1024 : NULL;
         if (nr - p >= 2) {
-            if (rows > 16) gemm_amx_22(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
-            else gemm_amx_12(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+            if (rows > 16) gemm_amx_22(a, lda, nseg, segstep, lc, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+            else gemm_amx_12(a, lda, nseg, segstep, lc, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
         } else {
-            if (rows > 16) gemm_amx_21(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
-            else gemm_amx_11(a, lda, nfull, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+            if (rows > 16) gemm_amx_21(a, lda, nseg, segstep, lc, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
+            else gemm_amx_11(a, lda, nseg, segstep, lc, tail, w0, w1, t0, t1, init + 16 * p, tile + 16 * p);
         }
     }
 }
@@ -1942,9 +1946,10 @@ QC_API int qc_gemm_amx_set(int on) {
 #define GEMM_AMX_MIN_ROWS 0
 QC_API int64_t qc_gemm_amx_calls(void) { return 0; }
 static void gemm_amx_config(void) {}
-static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t rows, int64_t Kq, const int8_t *wp, const int8_t *wt,
-                          int nr, const int32_t *init, int32_t *tile) {
-    (void)a, (void)lda, (void)rows, (void)Kq, (void)wp, (void)wt, (void)nr, (void)init, (void)tile;
+static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t nseg, int64_t segstep, int64_t lc, int64_t rows,
+                          int64_t Kq, const int8_t *wp, const int8_t *wt, int nr, const int32_t *init, int32_t *tile) {
+    (void)a, (void)lda, (void)nseg, (void)segstep, (void)lc, (void)rows, (void)Kq, (void)wp, (void)wt, (void)nr;
+    (void)init, (void)tile;
 }
 static int8_t *gemm_amx_wtail(const int8_t *wp, int64_t nob, int64_t Kq) {
     (void)wp, (void)nob, (void)Kq;
@@ -2062,7 +2067,17 @@ static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *r
  *  - GEMM_IM2COL, any other conv (dilation along W, other remainders, a kernel row of one byte, tail
  *    weights past GEMM_TAIL_MAX_W, or the tail layout's buffers not allocated): every im2col row staged,
  *    as x ^ 0x80. */
-enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL };
+/*  - GEMM_SLIDE (AMX tiles only), a stride-1 conv whose kernel rows are contiguous (dilation 1 along W, or
+ *    kw 1): the input copied once as x ^ 0x80 with its padding (the byte 0x80: the zero point), so
+ *    output (b, oh, ow) is computed at position q = (b * Hp + oh) * Wp + ow of the padded grid (Hp x Wp),
+ *    its kernel row i the kw * C bytes from q + i * dh * Wp pixels on; 16 consecutive positions are then
+ *    16 rows C bytes apart, an A tile read in place (no row copied).  Positions past an image row's last
+ *    output (the kw - 1 right columns) and the rows between images are computed and dropped
+ *    (gemm_slide_map), so the layout is taken where that share times the channels stays small
+ *    (gemm_slide_ok).  Each kernel row's weights are padded with zeros to L = 64 * ceil(kw * C / 64)
+ *    (qc_gemm_slide_weights, once per layer; the packed weights as they are when kw * C is a multiple
+ *    of 64): a 64-byte chunk never spans two kernel rows, and the bytes past a kernel row meet zeros. */
+enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL, GEMM_SLIDE };
 /* K (bytes a row) from which a plain GEMM reads its rows in place; below it they are staged as x ^ 0x80 and
  * the tile does not xor: the xor on each broadcast costs where a tile has few vpdpbusd per broadcast
  * (one or two channel blocks) and a short K leaves the copy cheap (mobilenet_v2's K = 16-64 1x1 convs:
@@ -2087,9 +2102,13 @@ typedef struct {
     int64_t b, oh, ow;           /* the output position of the next row gemm_rows fills */
     int64_t mb;                  /* rows per row block (xu and the callers' pointer arrays hold that many) */
     int amx;                     /* the call runs on AMX tiles (row blocks of gemm_amx_rows, xu zeroed) */
+    /* GEMM_SLIDE: the padded copy, its grid, the call's positions [qa, qb) in it, its first image, L / 64 */
+    uint8_t *xs;
+    int64_t Hp, Wp, qa, qb, sb0, lc;
 } gemm_src;
 
 static void gemm_src_close(gemm_src *s) {
+    free(s->xs);
     free(s->q);
     free(s->xu);
     free(s->zrow);
@@ -2193,6 +2212,95 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
     return 0;
 }
 
+/* Whether a conv of geometry g over Op output channels takes GEMM_SLIDE: stride 1, kernel rows contiguous,
+ * and the share of dropped positions j = 1 - Ho * Wo / (Hp * Wp) small beside the copies it saves: each
+ * dropped position costs its K * Op multiply-adds on tiles (about K * Op / 1000 cycles here), each row
+ * the panel would copy about K / 32 cycles, so GEMM_SLIDE wins while j * Op < 32 (resnet18's 56x56 3x3
+ * convs: j = 0.07 at Op = 64; its 7x7 ones, j = 0.40 at Op = 512, keep the panel). */
+static int gemm_slide_ok(const int64_t *g, int64_t Op) {
+    const int64_t H = g[0], W = g[1], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8], dw = g[10];
+    if (sh != 1 || sw != 1 || (dw != 1 && kw != 1)) return 0;
+    const double j = 1.0 - (double)(g[11] * g[12]) / (double)((H + 2 * ph) * (W + 2 * pw));
+    return j * (double)Op < 32.0;
+}
+
+/* L = 64 * ceil(kw * C / 64): the bytes of a kernel row in GEMM_SLIDE's weights */
+static int64_t gemm_slide_len(const int64_t *g) { return (g[4] * g[2] + 63) / 64 * 64; }
+
+/* qc_gemm_slide_weights: a layer's weights wpack (O channels, K = kh * kw * C) in GEMM_SLIDE's order for
+ * geometry geo, into out (16 * ceil(O / 16) * kh * L bytes): per block of 16 channels, kernel row i's
+ * kw * C values then zeros up to L, in groups of 4 as wpack has them.  Once per layer, passed back in
+ * geo[14] (gemm.py).  -1 when the layer needs none (kw * C a multiple of 64: wpack is in that order
+ * already) or the geometry can never slide. */
+QC_API int qc_gemm_slide_weights(const int8_t *wpack, int64_t O, const int64_t *geo, int8_t *out) {
+    const int64_t kwc = geo[4] * geo[2], kh = geo[3], L = gemm_slide_len(geo), nob = (O + 15) / 16;
+    const int64_t Kq0 = (kh * kwc + 3) / 4, Kq = kh * L / 4;
+    if (kwc % 64 == 0 || geo[5] != 1 || geo[6] != 1 || (geo[10] != 1 && geo[4] != 1)) return -1;
+    for (int64_t ob = 0; ob < nob; ob++)
+        for (int64_t kq = 0; kq < Kq; kq++)
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t t = 0; t < 4; t++) {
+                    const int64_t k2 = 4 * kq + t, i = k2 / L, r = k2 % L, k = i * kwc + r;
+                    out[((ob * Kq + kq) * 16 + j) * 4 + t] = r < kwc ? wpack[((ob * Kq0 + k / 4) * 16 + j) * 4 + k % 4] : 0;
+                }
+    return 0;
+}
+
+/* GEMM_SLIDE's source for output rows m0..m1-1: the padded rows those outputs read, of images b0..b1,
+ * copied as x ^ 0x80 (padding 0x80) into s->xs, laid out as whole padded images (rows no output of the
+ * call reads are left unwritten: only dropped positions read them); the positions [qa, qb).  The slack
+ * after the last image covers a tile's 32 rows past qb and a chunk past its last kernel row.  0, or -1
+ * out of memory. */
+static int gemm_slide_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_t m0, int64_t m1, const int8_t *ws) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], ph = g[7], pw = g[8], dh = g[9], Ho = g[11], Wo = g[12];
+    const int64_t Hp = H + 2 * ph, Wp = W + 2 * pw, L = gemm_slide_len(g);
+    const int64_t b0 = m0 / (Ho * Wo), b1 = (m1 - 1) / (Ho * Wo), nb = b1 - b0 + 1;
+    const int64_t oh0 = m0 / Wo % Ho, ow0 = m0 % Wo, oh1 = (m1 - 1) / Wo % Ho, ow1 = (m1 - 1) % Wo;
+    const size_t bytes = (size_t)(nb * Hp * Wp * C + 32 * C + L + 64);
+    s->xs = malloc(bytes);
+    if (!s->xs) return -1;
+    memset(s->xs + nb * Hp * Wp * C, 0x80, bytes - (size_t)(nb * Hp * Wp * C));
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t ra = b == 0 ? oh0 : 0, rb = b == nb - 1 ? oh1 + (kh - 1) * dh + 1 : Hp; /* padded rows read */
+        const int8_t *xb = x + (b0 + b) * H * W * C;
+        for (int64_t r = ra; r < rb; r++) {
+            uint8_t *d = s->xs + ((b * Hp + r) * Wp) * C;
+            const int64_t ih = r - ph;
+            if (ih < 0 || ih >= H) {
+                memset(d, 0x80, (size_t)(Wp * C));
+                continue;
+            }
+            memset(d, 0x80, (size_t)(pw * C));
+            gemm_xor80_copy((int8_t *)d + pw * C, xb + ih * W * C, W * C);
+            memset(d + (pw + W) * C, 0x80, (size_t)(pw * C));
+        }
+    }
+    s->mode = GEMM_SLIDE, s->Hp = Hp, s->Wp = Wp, s->sb0 = b0, s->lc = L / 64;
+    s->qa = oh0 * Wp + ow0, s->qb = ((nb - 1) * Hp + oh1) * Wp + ow1 + 1;
+    s->Kq = kh * L / 4, s->nseg = 1, s->segq = s->Kq, s->tq = 0, s->wp = ws;
+    /* positions a block: the windows it reads (its positions and kh - 1 rows below) about 32 KiB */
+    const int64_t mb = ((32 << 10) / (C > 0 ? C : 1) - (kh - 1) * dh * Wp) / 32 * 32;
+    s->mb = mb < 64 ? 64 : mb;
+    return 0;
+}
+
+/* GEMM_SLIDE: the output row each position q0..q1-1 computes (-1: dropped, or outside the call's rows
+ * m0..m1-1) into map[0..q1-q0); the number kept. */
+static int64_t gemm_slide_map(const gemm_src *s, int64_t q0, int64_t q1, int64_t m0, int64_t m1, int64_t *map) {
+    const int64_t Ho = s->g[11], Wo = s->g[12], Hp = s->Hp, Wp = s->Wp;
+    int64_t lb = q0 / (Hp * Wp), rem = q0 % (Hp * Wp), oh = rem / Wp, ow = rem % Wp, kept = 0;
+    for (int64_t q = q0; q < q1; q++) {
+        const int64_t m = oh < Ho && ow < Wo ? ((s->sb0 + lb) * Ho + oh) * Wo + ow : -1;
+        map[q - q0] = m >= m0 && m < m1 ? m : -1;
+        kept += map[q - q0] >= 0;
+        if (++ow == Wp) {
+            ow = 0;
+            if (++oh == Hp) oh = 0, lb++;
+        }
+    }
+    return kept;
+}
+
 /* The layout of rows m0..m1-1 (rows of mb per block) and its buffers; 0, or -1 out of memory (nothing
  * left allocated). */
 static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_t *g, int64_t m0, int64_t m1,
@@ -2200,6 +2308,10 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
                     .nseg = 1, .segq = (K + 3) / 4, .wp = wpack, .amx = amx};
     s->xored = !g && (K % 4 || K < GEMM_INPLACE_MIN_K);
+    if (amx && g && gemm_slide_ok(g, 16 * nob)) { /* GEMM_SLIDE, where its weights are at hand */
+        const int8_t *ws = g[14] ? (const int8_t *)(intptr_t)g[14] : g[4] * g[2] % 64 == 0 ? wpack : NULL;
+        if (ws) return gemm_slide_open(s, x, g, m0, m1, ws);
+    }
     if (g) {
         const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
         s->mode = gemm_layout(g, nob);
@@ -2595,24 +2707,32 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const int amx = GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS; /* tiles (32 rows) or vectors (GEMM_MR) */ \
         gemm_src src;                                                                                     \
         if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack, amx)) return -1;                      \
+        const int slide = src.mode == GEMM_SLIDE; /* (rows are then positions of the padded grid) */       \
         const int64_t Kq = src.Kq, wstride = Kq * 64, mb = src.mb, per = src.nseg + (src.tq > 0);         \
         const int64_t MR = amx ? 32 : GEMM_MR;                                                            \
-        /* AMX: A rows from xu as staged (x ^ 0x80 already), else copied into a panel; the weights' last chunks */ \
-        const int64_t lda = !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64;                         \
-        uint8_t *panel = amx && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;                   \
-        int8_t *wt = amx ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                                        \
+        /* AMX: A rows from the padded copy in place (GEMM_SLIDE), from xu as staged (x ^ 0x80 already), or   \
+         * copied into a panel; the weights' zero-padded last chunks */                                  \
+        const int64_t lda = slide ? geo[2] : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64;       \
+        uint8_t *panel = amx && !slide && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;         \
+        int8_t *wt = amx && !slide ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                              \
         /* the layer's constants: prepared once (qc_gemm_prep), or built for this call */                 \
         int64_t *kc = pre ? (int64_t *)pre : gemm_consts(M, n, O, ADD, nb);                               \
-        const int8_t **xp = malloc(sizeof(*xp) * (size_t)(mb * per));                                    \
-        if (!kc || !xp || (amx && !src.xored && !panel) || (amx && Kq % 16 && !wt)) {                     \
+        const int8_t **xp = slide ? NULL : malloc(sizeof(*xp) * (size_t)(mb * per));                     \
+        int64_t *map = slide ? malloc(sizeof(int64_t) * (size_t)mb) : NULL;                               \
+        if (!kc || (!slide && !xp) || (slide && !map) || (amx && !slide && !src.xored && !panel) ||       \
+            (amx && !slide && Kq % 16 && !wt)) {                                                          \
             if (!pre) free(kc);                                                                           \
             free(xp);                                                                                     \
+            free(map);                                                                                    \
             free(panel);                                                                                  \
             free(wt);                                                                                     \
             gemm_src_close(&src);                                                                         \
             return -1;                                                                                    \
         }                                                                                                 \
-        const uint8_t *arows = amx ? (src.xored ? (const uint8_t *)src.xu : panel) : NULL;               \
+        const uint8_t *arows = !amx ? NULL : slide ? src.xs : src.xored ? (const uint8_t *)src.xu : panel; \
+        /* A as the tile kernel reads it: the kernel rows dh * Wp pixels apart (GEMM_SLIDE), else one segment */ \
+        const int64_t nseg = slide ? geo[3] : 1, segstep = slide ? geo[9] * src.Wp * geo[2] : 0;          \
+        const int64_t lc = slide ? src.lc : Kq / 16;                                                      \
         if (amx) gemm_amx_config();                                                                       \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
         int32_t tile[32 * 64] __attribute__((aligned(64))); /* (GEMM_MR or 32 rows of 64 channels) */    \
@@ -2626,33 +2746,45 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const gemm_epi_k ek = {_mm512_set1_epi32(0x43300000), GEMM_PERM_##OBITS, GEMM_SET1_##OBITS(lo),   \
                                GEMM_SET1_##OBITS(hi), _mm512_set1_pd(0x1.000008p52), _mm512_set1_pd(0x1.8p52), \
                                _mm512_set1_pd(gb), _mm512_set1_pd(-0x1.000008p52 * gb)};                  \
-        for (int64_t r0 = m0; r0 < m1; r0 += mb) {                                                        \
-            const int64_t r1 = r0 + mb < m1 ? r0 + mb : m1;                                               \
-            gemm_rows(&src, r0, r1, xp);                                                                  \
-            if (panel) gemm_amx_panel(&src, xp, r1 - r0, panel, lda);                                     \
+        const int64_t rbeg = slide ? src.qa : m0, rend = slide ? src.qb : m1;                             \
+        for (int64_t r0 = rbeg; r0 < rend; r0 += mb) {                                                    \
+            const int64_t r1 = r0 + mb < rend ? r0 + mb : rend;                                           \
+            if (slide) {                                                                                  \
+                if (!gemm_slide_map(&src, r0, r1, m0, m1, map)) continue;                                 \
+            } else {                                                                                      \
+                gemm_rows(&src, r0, r1, xp);                                                              \
+                if (panel) gemm_amx_panel(&src, xp, r1 - r0, panel, lda);                                 \
+            }                                                                                             \
             for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
                 const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
                 for (int64_t m = r0; m < r1; m += MR) {                                                   \
                     const int64_t rows = r1 - m < MR ? r1 - m : MR;                                       \
+                    const int64_t *mp = slide ? map + (m - r0) : NULL; /* each tile row's output row */   \
+                    if (mp) {                                                                             \
+                        int64_t any = 0;                                                                  \
+                        for (int64_t r = 0; r < rows; r++) any |= mp[r] >= 0;                            \
+                        if (!any) continue;                                                               \
+                    }                                                                                     \
                     const int32_t *init = bx ? bx : bias32; /* the accumulators' start (bias32 ^ 2**31 packed) */ \
                     if (amx)                                                                              \
-                        gemm_amx_tile(arows + (m - r0) * lda, lda, rows, Kq, src.wp + ob * wstride,       \
-                                      wt ? wt + ob * 1024 : NULL, nr, init + c0, tile);                   \
+                        gemm_amx_tile(arows + (slide ? m : m - r0) * lda, lda, nseg, segstep, lc, rows, Kq, \
+                                      src.wp + ob * wstride, wt ? wt + ob * 1024 : NULL, nr, init + c0, tile); \
                     else                                                                                  \
                         gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored,    \
                                      src.wp + ob * wstride, wstride, nr, init + c0, tile);                \
-                    if (bx) {                                                                             \
-                        for (int64_t r = 0; r < rows && !ADD; r++)                                        \
-                            gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, out + (m + r) * O + c0, nc, &ek); \
-                        for (int64_t r = 0; r < rows && ADD; r++)                                         \
-                            gemm_epi_add_##BBITS##_##OBITS(nr, tile + r * 64, b + (m + r) * O + c0, fq + c0,     \
-                                                           out + (m + r) * O + c0, nc, &ek);              \
-                        continue;                                                                         \
-                    }                                                                                     \
                     for (int64_t r = 0; r < rows; r++) {                                                  \
-                        OUT_T *o = out + (m + r) * O + c0;                                                \
-                        const B_T *bb = ADD ? b + (m + r) * O + c0 : NULL;                                \
+                        const int64_t mr = mp ? mp[r] : m + r;                                            \
+                        if (mr < 0) continue;                                                             \
+                        OUT_T *o = out + mr * O + c0;                                                     \
+                        const B_T *bb = ADD ? b + mr * O + c0 : NULL;                                     \
+                        if (bx) {                                                                         \
+                            if (ADD)                                                                      \
+                                gemm_epi_add_##BBITS##_##OBITS(nr, tile + r * 64, bb, fq + c0, o, nc, &ek); \
+                            else                                                                          \
+                                gemm_epi_tile_##OBITS(nr, tile + r * 64, fq + c0, o, nc, &ek);            \
+                            continue;                                                                     \
+                        }                                                                                 \
                         for (int64_t c = 0; c < nc; c += 16) {                                            \
                             const int full = nc - c >= 16;                                                \
                             const __mmask16 mk = full ? (__mmask16)0xFFFF : (__mmask16)((1u << (nc - c)) - 1); \
@@ -2694,6 +2826,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
             free(bx);                                                                                     \
         }                                                                                                 \
         free(xp);                                                                                         \
+        free(map);                                                                                        \
         free(panel);                                                                                      \
         free(wt);                                                                                         \
         gemm_src_close(&src);                                                                             \
