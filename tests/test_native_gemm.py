@@ -475,21 +475,84 @@ def _out_hw(c: dict) -> tuple[int, int]:
 @needs_gemm
 @PATHS
 @pytest.mark.parametrize("C,k,stride,dilation,layout", [
-    (64, 3, 1, 1, "direct"), (64, 3, 2, 1, "direct"), (64, 1, 2, 1, "direct"), (4, 1, 1, 2, "direct"),
-    (3, 7, 2, 1, "tail"), (3, 3, 2, 1, "tail"), (5, 1, 1, 1, "tail"),
-    (64, 3, 1, (1, 2), "im2col"), (3, 7, 2, (2, 1), "im2col"), (3, 5, 1, 1, "im2col"), (1, 1, 1, 1, "im2col"),
-    (2, 3, 1, 1, "im2col")])
+    (64, 3, 1, 1, "direct/slide"), (64, 3, 2, 1, "direct"), (64, 1, 2, 1, "direct"), (4, 1, 1, 2, "direct/slide"),
+    (3, 7, 2, 1, "tail"), (3, 3, 2, 1, "tail"), (5, 1, 1, 1, "tail/slide"),
+    (64, 3, 1, (1, 2), "im2col"), (3, 7, 2, (2, 1), "im2col"), (3, 5, 1, 1, "im2col/slide"),
+    (1, 1, 1, 1, "im2col/slide"), (2, 3, 1, 1, "im2col/slide")])
 def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(on_path, C, k, stride, dilation, layout):
     """In place when a kernel row is a multiple of 4 bytes without dilation along W (any stride, and
     dilation along H); with the tail plane when it is one past (a 7x7 or 3x3 stem on 3 channels; not
     with dilation, which would leave the tail's column); im2col otherwise (2 or 3 past: 5x5 or 3x3 on
-    1-2 channels; a kernel row of one byte).  Then the layout's output against the int64 reference."""
+    1-2 channels; a kernel row of one byte).  On AMX tiles (the name after the slash) a stride-1 conv
+    without dilation along W reads a padded copy in place instead ("slide").  Then the layout's output
+    against the int64 reference."""
+    layout = layout.split("/")[-1] if on_path else layout.split("/")[0]
     dil = dilation if isinstance(dilation, tuple) else (dilation, dilation)
     c = dict(N=2, C=C, H=19, W=17, O=40, k=(k, k), stride=(stride, stride), padding=(k // 2, k // 2), dilation=dil,
              extreme=False, add=False, out="qint8", seed=C * 100 + k)
     kern, xl, _, want = conv_case_tensors(c)
     assert kern.conv_layout(tuple(xl.shape), c["k"], c["stride"], c["padding"], dil) == layout
     got = kern.conv(xl, c["k"], c["stride"], c["padding"], dil)
+    assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(-128, 127))
+
+
+@st.composite
+def slide_cases(draw):
+    """Stride-1 convs the AMX tiles read in place from the padded copy: kernel rows of any length (a
+    multiple of 64 bytes or padded to one with zero weights), dilation along H, padding up to the kernel,
+    images up to 30 wide, row ranges cut anywhere (inside a row, across images, past the tile blocks)."""
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    dh = draw(st.sampled_from([1, 1, 2]))
+    ph, pw = draw(st.integers(0, kh)), draw(st.integers(0, kw))
+    H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 30))
+    W = draw(st.integers(max(1, kw - 2 * pw), 30))
+    return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 4, 16, 21, 48, 64, 96])), H=H, W=W,
+                O=draw(st.integers(1, 40)), k=(kh, kw), stride=(1, 1), padding=(ph, pw), dilation=(dh, 1),
+                extreme=draw(st.booleans()), add=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
+                seed=draw(st.integers(0, 2 ** 31 - 1)), cut=draw(st.tuples(st.floats(0, 1), st.floats(0, 1))))
+
+
+@needs_gemm
+@pytest.mark.skipif(not _AMX_HERE, reason="AMX tiles: this CPU or OS has none")
+@pytest.mark.parametrize("on_path", [True], ids=["amx"], indirect=True)
+@SETTINGS
+@given(slide_cases())
+def test_the_padded_copy_read_in_place_by_tiles_equals_the_reference(on_path, c):
+    """GEMM_SLIDE (kernels.c): positions of the padded grid past a row's outputs and between images are
+    computed and dropped; only rows m0..m1 are written, each equal to the int64 reference."""
+    from hypothesis import assume
+    k, xl, ol, want = conv_case_tensors(c)
+    assume(k.conv_layout(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"]) == "slide")
+    lo, hi = fp.qrange(c["out"])
+    want = want.clamp(lo, hi).permute(0, 2, 3, 1).reshape(-1, c["O"])
+    P = want.shape[0]
+    m0, m1 = sorted(int(f * P) for f in c["cut"])
+    assume(m1 - m0 >= 16)  # (fewer rows take the vectors)
+    out4 = torch.full((c["N"], *_out_hw(c), c["O"]), 77, dtype=_OUT[c["out"]])
+    k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol, m0=m0, m1=m1, out=out4)
+    out = out4.reshape(P, c["O"])
+    assert torch.equal(out[m0:m1].to(torch.int64), want[m0:m1])
+    assert bool((out[:m0] == 77).all()) and bool((out[m1:] == 77).all())
+
+
+@needs_gemm
+@pytest.mark.skipif(not _AMX_HERE, reason="AMX tiles: this CPU or OS has none")
+@pytest.mark.parametrize("on_path", [True], ids=["amx"], indirect=True)
+def test_the_slide_layout_is_taken_where_few_positions_are_dropped(on_path):
+    """resnet18's 56x56 3x3 convs (7% of the padded positions dropped, 64 channels) slide; its 7x7 ones
+    (40% dropped, 512 channels) keep the panel; a stride-2 conv never slides."""
+    def layout(H, C, O, stride=1):
+        k = Int8Gemm(torch.zeros(O, 9 * C, dtype=torch.int8), None, torch.ones(O, dtype=torch.int64),
+                     torch.full((O,), 8), -128, 127, torch.int8)
+        return k.conv_layout((8, H, H, C), (3, 3), (stride, stride), (1, 1), (1, 1))
+    assert layout(56, 64, 64) == "slide"
+    assert layout(7, 512, 512) == "direct"
+    assert layout(56, 64, 128, stride=2) == "direct"
+    c = dict(N=2, C=64, H=56, W=56, O=64, k=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), extreme=False,
+             add=True, out="qint8", seed=4)
+    k, xl, ol, want = conv_case_tensors(c)
+    assert k.conv_layout(tuple(xl.shape), (3, 3), (1, 1), (1, 1), (1, 1)) == "slide"
+    got = k.conv(xl, (3, 3), (1, 1), (1, 1), (1, 1), ol)
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want.clamp(-128, 127))
 
 

@@ -273,12 +273,16 @@ class Int8Gemm:
         that cross the left or right edge copied), ``"tail"`` (``kw * C`` one past a multiple of 4, no
         dilation unless the kernel is 1 wide / high, the weights within ``GEMM_TAIL_MAX_W``: from a copy of
         the rows padded left and right, the kernel rows' last bytes from a transposed plane of the last
-        channel) or ``"im2col"`` (every output's window copied).  For tests and benchmarks."""
+        channel), ``"im2col"`` (every output's window copied) or, on AMX tiles (calls of 16 rows or more),
+        ``"slide"`` (a stride-1 conv: the input copied once with its padding, 16 positions of the padded
+        grid read in place as one tile; the positions between output rows computed and dropped, so only
+        where their share times the channels is small).  For tests and benchmarks."""
         return self.conv_layout_of(self.conv_geometry(shape, kernel_size, stride, padding, dilation)[0])
 
     def conv_layout_of(self, geo: torch.Tensor) -> str:
         """:meth:`conv_layout` of a geometry argument from :meth:`conv_geometry`."""
-        return {1: "direct", 2: "tail", 3: "im2col"}[_fn("qc_gemm_conv_layout", (_P, _I64))(geo.data_ptr(), self.O)]
+        return {1: "direct", 2: "tail", 3: "im2col", 4: "slide"}[
+            _fn("qc_gemm_conv_layout", (_P, _I64))(geo.data_ptr(), self.O)]
 
     def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[torch.Tensor, tuple]:
         """For a conv of an (N, H, W, C) input ``shape``: the kernel's geometry argument and the output's

@@ -2146,9 +2146,17 @@ static int gemm_layout(const int64_t *g, int64_t nob) {
     return GEMM_IM2COL;
 }
 
+static int gemm_slide_ok(const int64_t *g, int64_t Op);
+
 /* qc_gemm_conv_layout: which layout a conv of geometry geo with O output channels is read in
- * (1 in place, 2 in place with a tail plane, 3 im2col rows staged; gemm.py's Int8Gemm.conv_layout). */
-QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) { return gemm_layout(geo, (O + 15) / 16); }
+ * (1 in place, 2 in place with a tail plane, 3 im2col rows staged, 4 the padded copy read in place by
+ * AMX tiles; gemm.py's Int8Gemm.conv_layout). */
+QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) {
+    const int64_t nob = (O + 15) / 16;
+    /* (4: GEMM_SLIDE, which calls of 16 rows or more take on AMX tiles: gemm_src_open) */
+    if (GEMM_AMX_ON && gemm_slide_ok(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
+    return gemm_layout(geo, nob);
+}
 
 /* qc_gemm_tail_weights: a layer's weights wpack (O channels) in the tail layout's order for geometry geo,
  * into out (16 * ceil(O / 16) * K bytes, K = 4 * ceil(kh * kw * C / 4)): once per layer, passed back in
