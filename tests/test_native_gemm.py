@@ -475,17 +475,18 @@ def _out_hw(c: dict) -> tuple[int, int]:
 @needs_gemm
 @PATHS
 @pytest.mark.parametrize("C,k,stride,dilation,layout", [
-    (64, 3, 1, 1, "direct/slide"), (64, 3, 2, 1, "direct"), (64, 1, 2, 1, "direct"), (4, 1, 1, 2, "direct/slide"),
-    (3, 7, 2, 1, "tail"), (3, 3, 2, 1, "tail"), (5, 1, 1, 1, "tail/slide"),
-    (64, 3, 1, (1, 2), "im2col"), (3, 7, 2, (2, 1), "im2col"), (3, 5, 1, 1, "im2col/slide"),
+    (64, 3, 1, 1, "direct/slide"), (64, 3, 2, 1, "direct/slide"), (64, 1, 2, 1, "direct/slide"),
+    (4, 1, 1, 2, "direct/slide"), (3, 7, 2, 1, "tail/slide"), (3, 3, 2, 1, "tail/slide"), (5, 1, 1, 1, "tail/slide"),
+    (64, 3, 1, (1, 2), "im2col"), (3, 7, 2, (2, 1), "im2col/slide"), (3, 5, 1, 1, "im2col/slide"),
     (1, 1, 1, 1, "im2col/slide"), (2, 3, 1, 1, "im2col/slide")])
 def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(on_path, C, k, stride, dilation, layout):
     """In place when a kernel row is a multiple of 4 bytes without dilation along W (any stride, and
     dilation along H); with the tail plane when it is one past (a 7x7 or 3x3 stem on 3 channels; not
     with dilation, which would leave the tail's column); im2col otherwise (2 or 3 past: 5x5 or 3x3 on
-    1-2 channels; a kernel row of one byte).  On AMX tiles (the name after the slash) a stride-1 conv
-    without dilation along W reads a padded copy in place instead ("slide").  Then the layout's output
-    against the int64 reference."""
+    1-2 channels; a kernel row of one byte).  On AMX tiles (the name after the slash) a conv without
+    dilation along W reads a padded copy in place instead ("slide") where that costs less than copying
+    its rows (all these, the tiles computing 9 of every 16 rows where the output rows are 9 wide).  Then
+    the layout's output against the int64 reference."""
     layout = layout.split("/")[-1] if on_path else layout.split("/")[0]
     dil = dilation if isinstance(dilation, tuple) else (dilation, dilation)
     c = dict(N=2, C=C, H=19, W=17, O=40, k=(k, k), stride=(stride, stride), padding=(k // 2, k // 2), dilation=dil,
@@ -498,16 +499,19 @@ def test_each_conv_reads_its_input_in_the_layout_its_kernel_rows_allow(on_path, 
 
 @st.composite
 def slide_cases(draw):
-    """Stride-1 convs the AMX tiles read in place from the padded copy: kernel rows of any length (a
-    multiple of 64 bytes or padded to one with zero weights), dilation along H, padding up to the kernel,
-    images up to 30 wide, row ranges cut anywhere (inside a row, across images, past the tile blocks)."""
+    """Convs the AMX tiles read in place from the padded copy: kernel rows of any length (a multiple of 64
+    bytes or padded to one with zero weights), strides (stride 1 walks the padded grid, others the output
+    rows), dilation along H, padding up to the kernel, images up to 30 wide, row ranges cut anywhere
+    (inside a row, across images, past the tile blocks)."""
     kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
     dh = draw(st.sampled_from([1, 1, 2]))
     ph, pw = draw(st.integers(0, kh)), draw(st.integers(0, kw))
     H = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 30))
     W = draw(st.integers(max(1, kw - 2 * pw), 30))
     return dict(N=draw(st.integers(1, 3)), C=draw(st.sampled_from([1, 3, 4, 16, 21, 48, 64, 96])), H=H, W=W,
-                O=draw(st.integers(1, 40)), k=(kh, kw), stride=(1, 1), padding=(ph, pw), dilation=(dh, 1),
+                O=draw(st.integers(1, 40)), k=(kh, kw), stride=(draw(st.sampled_from([1, 1, 2, 3])),
+                                                               draw(st.sampled_from([1, 1, 2, 3]))),
+                padding=(ph, pw), dilation=(dh, 1),
                 extreme=draw(st.booleans()), add=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
                 seed=draw(st.integers(0, 2 ** 31 - 1)), cut=draw(st.tuples(st.floats(0, 1), st.floats(0, 1))))
 
@@ -518,8 +522,9 @@ def slide_cases(draw):
 @SETTINGS
 @given(slide_cases())
 def test_the_padded_copy_read_in_place_by_tiles_equals_the_reference(on_path, c):
-    """GEMM_SLIDE (kernels.c): positions of the padded grid past a row's outputs and between images are
-    computed and dropped; only rows m0..m1 are written, each equal to the int64 reference."""
+    """GEMM_SLIDE (kernels.c): positions of the padded grid past a row's outputs and between images, and
+    the tile rows past an output row's end, are computed and dropped; only rows m0..m1 are written,
+    each equal to the int64 reference."""
     from hypothesis import assume
     k, xl, ol, want = conv_case_tensors(c)
     assume(k.conv_layout(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"]) == "slide")
@@ -539,15 +544,16 @@ def test_the_padded_copy_read_in_place_by_tiles_equals_the_reference(on_path, c)
 @pytest.mark.skipif(not _AMX_HERE, reason="AMX tiles: this CPU or OS has none")
 @pytest.mark.parametrize("on_path", [True], ids=["amx"], indirect=True)
 def test_the_slide_layout_is_taken_where_few_positions_are_dropped(on_path):
-    """resnet18's 56x56 3x3 convs (7% of the padded positions dropped, 64 channels) slide; its 7x7 ones
-    (40% dropped, 512 channels) keep the panel; a stride-2 conv never slides."""
+    """resnet18's 56x56 3x3 convs (7% of the padded positions dropped, 64 channels) and its stride-2 ones
+    (walked by output rows, 28 of every 32 tile rows kept) slide; its 7x7 ones keep the panel (40% of the
+    padded grid dropped at 512 channels, or 9 of every 16 tile rows walking output rows)."""
     def layout(H, C, O, stride=1):
         k = Int8Gemm(torch.zeros(O, 9 * C, dtype=torch.int8), None, torch.ones(O, dtype=torch.int64),
                      torch.full((O,), 8), -128, 127, torch.int8)
         return k.conv_layout((8, H, H, C), (3, 3), (stride, stride), (1, 1), (1, 1))
     assert layout(56, 64, 64) == "slide"
     assert layout(7, 512, 512) == "direct"
-    assert layout(56, 64, 128, stride=2) == "direct"
+    assert layout(56, 64, 128, stride=2) == "slide"
     c = dict(N=2, C=64, H=56, W=56, O=64, k=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), extreme=False,
              add=True, out="qint8", seed=4)
     k, xl, ol, want = conv_case_tensors(c)
@@ -557,7 +563,8 @@ def test_the_slide_layout_is_taken_where_few_positions_are_dropped(on_path):
 
 
 @needs_gemm
-def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repack():
+@pytest.mark.parametrize("on_path", [False], ids=["vnni"], indirect=True)  # (tiles slide these)
+def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repack(on_path):
     """The tail layout's weights come repacked once per kernel shape (``geo[13]``, kept by the layer);
     with ``geo[13] = 0`` the kernel repacks them itself: the same bits, whole and over row ranges that
     cut images anywhere (each range copies only the input rows it reads)."""
@@ -587,7 +594,8 @@ def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repa
 
 
 @needs_gemm
-def test_threads_building_a_tail_layers_geometry_at_once_share_one_repack():
+@pytest.mark.parametrize("on_path", [False], ids=["vnni"], indirect=True)  # (tiles slide these)
+def test_threads_building_a_tail_layers_geometry_at_once_share_one_repack(on_path):
     """The batch split builds a layer's first plan on several threads at once: every geometry they get
     points at the one repack the layer keeps (a second thread's repack is not stored over the first's,
     which would free the weights a geometry already points at)."""
@@ -800,10 +808,11 @@ def test_the_packed_fused_add_epilogue_equals_the_reference(c):
     Mb = -Mb if c["neg"] else Mb
     lo, hi = fp.qrange(c["out"])
     lo, hi = {None: (lo, hi), "relu": (0, hi), "relu6": (0, 90)}[c["act"]]
-    while True:  # halve the multipliers until the packed epilogue's bounds hold
-        k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], (Mb, nb, c["other"]))
-        if k.f64 == 3:
-            break
+    while True:  # halve the multipliers until the packed epilogue's bounds hold (and the int64 ones: no refusal)
+        if Int8Gemm.refusal(w, bias, M, n, lo, hi, _OUT[c["out"]], (Mb, nb, c["other"])) is None:
+            k = Int8Gemm(w, bias, M, n, lo, hi, _OUT[c["out"]], (Mb, nb, c["other"]))
+            if k.f64 == 3:
+                break
         M, Mb = torch.clamp(M // 2, min=1), Mb // 2 or 1
     m0, m1 = sorted(min(r, P) for r in c["rows"])
     out = torch.full((P + 1, O), 77, dtype=_OUT[c["out"]])

@@ -2067,16 +2067,17 @@ static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *r
  *  - GEMM_IM2COL, any other conv (dilation along W, other remainders, a kernel row of one byte, tail
  *    weights past GEMM_TAIL_MAX_W, or the tail layout's buffers not allocated): every im2col row staged,
  *    as x ^ 0x80. */
-/*  - GEMM_SLIDE (AMX tiles only), a stride-1 conv whose kernel rows are contiguous (dilation 1 along W, or
- *    kw 1): the input copied once as x ^ 0x80 with its padding (the byte 0x80: the zero point), so
- *    output (b, oh, ow) is computed at position q = (b * Hp + oh) * Wp + ow of the padded grid (Hp x Wp),
- *    its kernel row i the kw * C bytes from q + i * dh * Wp pixels on; 16 consecutive positions are then
- *    16 rows C bytes apart, an A tile read in place (no row copied).  Positions past an image row's last
- *    output (the kw - 1 right columns) and the rows between images are computed and dropped
- *    (gemm_slide_map), so the layout is taken where that share times the channels stays small
- *    (gemm_slide_ok).  Each kernel row's weights are padded with zeros to L = 64 * ceil(kw * C / 64)
+/*  - GEMM_SLIDE (AMX tiles only), a conv whose kernel rows are contiguous (dilation 1 along W, or kw 1):
+ *    the input copied once as x ^ 0x80 with its padding (the byte 0x80: the zero point) into whole
+ *    padded images (Hp x Wp); kernel row i of output (b, oh, ow) is then the kw * C bytes at padded
+ *    (b, oh * sh + i * dh, ow * sw), and 16 outputs sw * C bytes apart are one A tile read in place (no
+ *    row copied).  Each kernel row's weights are padded with zeros to L = 64 * ceil(kw * C / 64)
  *    (qc_gemm_slide_weights, once per layer; the packed weights as they are when kw * C is a multiple
- *    of 64): a 64-byte chunk never spans two kernel rows, and the bytes past a kernel row meet zeros. */
+ *    of 64), so a 64-byte chunk never spans two kernel rows and the bytes past one meet zeros.  Two ways
+ *    to walk the outputs (gemm_slide_mode): at stride 1, the positions q = (b * Hp + oh) * Wp + ow of the
+ *    padded grid, one after another (tiles cross output rows; the kw - 1 positions past a row's outputs
+ *    and the rows between images are computed and dropped: gemm_slide_map); at any stride, the outputs
+ *    of one output row at a time (a row's last tile may compute up to 15 rows it drops). */
 enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL, GEMM_SLIDE };
 /* K (bytes a row) from which a plain GEMM reads its rows in place; below it they are staged as x ^ 0x80 and
  * the tile does not xor: the xor on each broadcast costs where a tile has few vpdpbusd per broadcast
@@ -2104,6 +2105,7 @@ typedef struct {
     int amx;                     /* the call runs on AMX tiles (row blocks of gemm_amx_rows, xu zeroed) */
     /* GEMM_SLIDE: the padded copy, its grid, the call's positions [qa, qb) in it, its first image, L / 64 */
     uint8_t *xs;
+    int srows; /* walked by output rows (any stride), not by positions of the padded grid */
     int64_t Hp, Wp, qa, qb, sb0, lc;
 } gemm_src;
 
@@ -2146,7 +2148,7 @@ static int gemm_layout(const int64_t *g, int64_t nob) {
     return GEMM_IM2COL;
 }
 
-static int gemm_slide_ok(const int64_t *g, int64_t Op);
+static int gemm_slide_mode(const int64_t *g, int64_t Op);
 
 /* qc_gemm_conv_layout: which layout a conv of geometry geo with O output channels is read in
  * (1 in place, 2 in place with a tail plane, 3 im2col rows staged, 4 the padded copy read in place by
@@ -2154,7 +2156,7 @@ static int gemm_slide_ok(const int64_t *g, int64_t Op);
 QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) {
     const int64_t nob = (O + 15) / 16;
     /* (4: GEMM_SLIDE, which calls of 16 rows or more take on AMX tiles: gemm_src_open) */
-    if (GEMM_AMX_ON && gemm_slide_ok(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
+    if (GEMM_AMX_ON && gemm_slide_mode(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
     return gemm_layout(geo, nob);
 }
 
@@ -2220,16 +2222,26 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
     return 0;
 }
 
-/* Whether a conv of geometry g over Op output channels takes GEMM_SLIDE: stride 1, kernel rows contiguous,
- * and the share of dropped positions j = 1 - Ho * Wo / (Hp * Wp) small beside the copies it saves: each
- * dropped position costs its K * Op multiply-adds on tiles (about K * Op / 1000 cycles here), each row
- * the panel would copy about K / 32 cycles, so GEMM_SLIDE wins while j * Op < 32 (resnet18's 56x56 3x3
- * convs: j = 0.07 at Op = 64; its 7x7 ones, j = 0.40 at Op = 512, keep the panel). */
-static int gemm_slide_ok(const int64_t *g, int64_t Op) {
-    const int64_t H = g[0], W = g[1], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8], dw = g[10];
-    if (sh != 1 || sw != 1 || (dw != 1 && kw != 1)) return 0;
-    const double j = 1.0 - (double)(g[11] * g[12]) / (double)((H + 2 * ph) * (W + 2 * pw));
-    return j * (double)Op < 32.0;
+/* How a conv of geometry g over Op output channels walks GEMM_SLIDE (1: the padded grid, 2: output rows)
+ * or 0 (not at all: a panel of copied rows instead), by a rough cost per output in cycles on this
+ * machine's tiles (about 1000 multiply-adds a cycle): the panel computes 64 * ceil(K / 64) bytes of K
+ * per row and copies its kh (+1) pieces (about 6 cycles each, plus K / 32); the grid walk computes
+ * kh * L per position, of which the share Ho * Wo / (Hp * Wp) is kept; the row walk kh * L per row
+ * plus the dropped rows of each output row's last 16-row tile.  (resnet18: its 56x56 3x3 convs walk the
+ * grid, 7% dropped; its 7x7 ones keep the panel, 40% would be dropped at 512 channels; the 7x7 stem,
+ * stride 2 on 3 channels, walks rows: 7 x 64 bytes a row against 8 copied pieces.) */
+static int gemm_slide_mode(const int64_t *g, int64_t Op) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
+    const int64_t dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C, L = (kw * C + 63) / 64 * 64;
+    if (dw != 1 && kw != 1) return 0;
+    const double per = (double)Op / 1000.0;
+    const double panel = (double)((K + 63) / 64 * 64) * per + 6.0 * (double)(kh + ((kw * C) % 4 != 0)) + (double)K / 32.0;
+    const double grid = sh == 1 && sw == 1 ? (double)(kh * L) * per * (double)((H + 2 * ph) * (W + 2 * pw)) /
+                                                 (double)(Ho * Wo)
+                                           : 1e300;
+    const double rows = (double)(kh * L) * per * (double)((Wo + 15) / 16 * 16) / (double)Wo;
+    if (panel <= grid && panel <= rows) return 0;
+    return grid <= rows ? 1 : 2;
 }
 
 /* L = 64 * ceil(kw * C / 64): the bytes of a kernel row in GEMM_SLIDE's weights */
@@ -2243,7 +2255,7 @@ static int64_t gemm_slide_len(const int64_t *g) { return (g[4] * g[2] + 63) / 64
 QC_API int qc_gemm_slide_weights(const int8_t *wpack, int64_t O, const int64_t *geo, int8_t *out) {
     const int64_t kwc = geo[4] * geo[2], kh = geo[3], L = gemm_slide_len(geo), nob = (O + 15) / 16;
     const int64_t Kq0 = (kh * kwc + 3) / 4, Kq = kh * L / 4;
-    if (kwc % 64 == 0 || geo[5] != 1 || geo[6] != 1 || (geo[10] != 1 && geo[4] != 1)) return -1;
+    if (kwc % 64 == 0 || (geo[10] != 1 && geo[4] != 1)) return -1;
     for (int64_t ob = 0; ob < nob; ob++)
         for (int64_t kq = 0; kq < Kq; kq++)
             for (int64_t j = 0; j < 16; j++)
@@ -2254,22 +2266,26 @@ QC_API int qc_gemm_slide_weights(const int8_t *wpack, int64_t O, const int64_t *
     return 0;
 }
 
-/* GEMM_SLIDE's source for output rows m0..m1-1: the padded rows those outputs read, of images b0..b1,
- * copied as x ^ 0x80 (padding 0x80) into s->xs, laid out as whole padded images (rows no output of the
- * call reads are left unwritten: only dropped positions read them); the positions [qa, qb).  The slack
- * after the last image covers a tile's 32 rows past qb and a chunk past its last kernel row.  0, or -1
- * out of memory. */
-static int gemm_slide_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_t m0, int64_t m1, const int8_t *ws) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], ph = g[7], pw = g[8], dh = g[9], Ho = g[11], Wo = g[12];
-    const int64_t Hp = H + 2 * ph, Wp = W + 2 * pw, L = gemm_slide_len(g);
+/* GEMM_SLIDE's source for output rows m0..m1-1, walked as `mode` says (gemm_slide_mode): the padded rows
+ * those outputs read, of images b0..b1, copied as x ^ 0x80 (padding 0x80) into s->xs, laid out as whole
+ * padded images (rows no output of the call reads are left unwritten: only dropped positions read them);
+ * the positions [qa, qb) (mode 1: of the padded grid; mode 2: the rows m0..m1 themselves).  The slack
+ * after the last image covers a tile's 32 rows past the last position and a chunk past its last kernel
+ * row.  0, or -1 out of memory. */
+static int gemm_slide_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_t m0, int64_t m1, const int8_t *ws,
+                           int mode) {
+    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], sh = g[5], sw = g[6], ph = g[7], pw = g[8], dh = g[9];
+    const int64_t Ho = g[11], Wo = g[12], Hp = H + 2 * ph, Wp = W + 2 * pw, L = gemm_slide_len(g);
     const int64_t b0 = m0 / (Ho * Wo), b1 = (m1 - 1) / (Ho * Wo), nb = b1 - b0 + 1;
     const int64_t oh0 = m0 / Wo % Ho, ow0 = m0 % Wo, oh1 = (m1 - 1) / Wo % Ho, ow1 = (m1 - 1) % Wo;
-    const size_t bytes = (size_t)(nb * Hp * Wp * C + 32 * C + L + 64);
+    const size_t bytes = (size_t)(nb * Hp * Wp * C + 32 * sw * C + L + 64);
     s->xs = malloc(bytes);
     if (!s->xs) return -1;
     memset(s->xs + nb * Hp * Wp * C, 0x80, bytes - (size_t)(nb * Hp * Wp * C));
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t ra = b == 0 ? oh0 : 0, rb = b == nb - 1 ? oh1 + (kh - 1) * dh + 1 : Hp; /* padded rows read */
+        /* the padded rows the call's outputs of this image read */
+        const int64_t ra = b == 0 ? oh0 * sh : 0, last = oh1 * sh + (kh - 1) * dh + 1;
+        const int64_t rb = b == nb - 1 && last < Hp ? last : Hp;
         const int8_t *xb = x + (b0 + b) * H * W * C;
         for (int64_t r = ra; r < rb; r++) {
             uint8_t *d = s->xs + ((b * Hp + r) * Wp) * C;
@@ -2283,13 +2299,20 @@ static int gemm_slide_open(gemm_src *s, const int8_t *x, const int64_t *g, int64
             memset(d + (pw + W) * C, 0x80, (size_t)(pw * C));
         }
     }
-    s->mode = GEMM_SLIDE, s->Hp = Hp, s->Wp = Wp, s->sb0 = b0, s->lc = L / 64;
-    s->qa = oh0 * Wp + ow0, s->qb = ((nb - 1) * Hp + oh1) * Wp + ow1 + 1;
+    s->mode = GEMM_SLIDE, s->srows = mode == 2, s->Hp = Hp, s->Wp = Wp, s->sb0 = b0, s->lc = L / 64;
+    s->qa = mode == 2 ? m0 : oh0 * Wp + ow0, s->qb = mode == 2 ? m1 : ((nb - 1) * Hp + oh1) * Wp + ow1 + 1;
     s->Kq = kh * L / 4, s->nseg = 1, s->segq = s->Kq, s->tq = 0, s->wp = ws;
-    /* positions a block: the windows it reads (its positions and kh - 1 rows below) about 32 KiB */
+    /* positions a block: the windows it reads (its positions and the kernel rows below) about 32 KiB */
     const int64_t mb = ((32 << 10) / (C > 0 ? C : 1) - (kh - 1) * dh * Wp) / 32 * 32;
     s->mb = mb < 64 ? 64 : mb;
     return 0;
+}
+
+/* GEMM_SLIDE walked by output rows: where output row m's window starts in the padded copy */
+static inline const uint8_t *gemm_slide_at(const gemm_src *s, int64_t m) {
+    const int64_t *g = s->g, C = g[2], Ho = g[11], Wo = g[12];
+    const int64_t lb = m / (Ho * Wo) - s->sb0, oh = m / Wo % Ho, ow = m % Wo;
+    return s->xs + ((lb * s->Hp + oh * g[5]) * s->Wp + ow * g[6]) * C;
 }
 
 /* GEMM_SLIDE: the output row each position q0..q1-1 computes (-1: dropped, or outside the call's rows
@@ -2316,9 +2339,10 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
                     .nseg = 1, .segq = (K + 3) / 4, .wp = wpack, .amx = amx};
     s->xored = !g && (K % 4 || K < GEMM_INPLACE_MIN_K);
-    if (amx && g && gemm_slide_ok(g, 16 * nob)) { /* GEMM_SLIDE, where its weights are at hand */
+    const int walk = amx && g ? gemm_slide_mode(g, 16 * nob) : 0;
+    if (walk) { /* GEMM_SLIDE, where its weights are at hand */
         const int8_t *ws = g[14] ? (const int8_t *)(intptr_t)g[14] : g[4] * g[2] % 64 == 0 ? wpack : NULL;
-        if (ws) return gemm_slide_open(s, x, g, m0, m1, ws);
+        if (ws) return gemm_slide_open(s, x, g, m0, m1, ws, walk);
     }
     if (g) {
         const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
@@ -2715,20 +2739,22 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const int amx = GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS; /* tiles (32 rows) or vectors (GEMM_MR) */ \
         gemm_src src;                                                                                     \
         if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack, amx)) return -1;                      \
-        const int slide = src.mode == GEMM_SLIDE; /* (rows are then positions of the padded grid) */       \
+        /* GEMM_SLIDE: rows are positions of the padded grid (slide), or output rows walked row by row */ \
+        const int slide = src.mode == GEMM_SLIDE && !src.srows, srows = src.mode == GEMM_SLIDE && src.srows; \
         const int64_t Kq = src.Kq, wstride = Kq * 64, mb = src.mb, per = src.nseg + (src.tq > 0);         \
         const int64_t MR = amx ? 32 : GEMM_MR;                                                            \
         /* AMX: A rows from the padded copy in place (GEMM_SLIDE), from xu as staged (x ^ 0x80 already), or   \
          * copied into a panel; the weights' zero-padded last chunks */                                  \
-        const int64_t lda = slide ? geo[2] : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64;       \
-        uint8_t *panel = amx && !slide && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;         \
-        int8_t *wt = amx && !slide ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                              \
+        const int64_t lda = slide || srows ? geo[6] * geo[2] : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64; \
+        const int inplace_a = slide || srows; /* (A read from the padded copy) */                          \
+        uint8_t *panel = amx && !inplace_a && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;     \
+        int8_t *wt = amx && !inplace_a ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                          \
         /* the layer's constants: prepared once (qc_gemm_prep), or built for this call */                 \
         int64_t *kc = pre ? (int64_t *)pre : gemm_consts(M, n, O, ADD, nb);                               \
-        const int8_t **xp = slide ? NULL : malloc(sizeof(*xp) * (size_t)(mb * per));                     \
+        const int8_t **xp = inplace_a ? NULL : malloc(sizeof(*xp) * (size_t)(mb * per));                 \
         int64_t *map = slide ? malloc(sizeof(int64_t) * (size_t)mb) : NULL;                               \
-        if (!kc || (!slide && !xp) || (slide && !map) || (amx && !slide && !src.xored && !panel) ||       \
-            (amx && !slide && Kq % 16 && !wt)) {                                                          \
+        if (!kc || (!inplace_a && !xp) || (slide && !map) || (amx && !inplace_a && !src.xored && !panel) || \
+            (amx && !inplace_a && Kq % 16 && !wt)) {                                                      \
             if (!pre) free(kc);                                                                           \
             free(xp);                                                                                     \
             free(map);                                                                                    \
@@ -2737,10 +2763,10 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
             gemm_src_close(&src);                                                                         \
             return -1;                                                                                    \
         }                                                                                                 \
-        const uint8_t *arows = !amx ? NULL : slide ? src.xs : src.xored ? (const uint8_t *)src.xu : panel; \
+        const uint8_t *arows = !amx ? NULL : inplace_a ? src.xs : src.xored ? (const uint8_t *)src.xu : panel; \
         /* A as the tile kernel reads it: the kernel rows dh * Wp pixels apart (GEMM_SLIDE), else one segment */ \
-        const int64_t nseg = slide ? geo[3] : 1, segstep = slide ? geo[9] * src.Wp * geo[2] : 0;          \
-        const int64_t lc = slide ? src.lc : Kq / 16;                                                      \
+        const int64_t nseg = inplace_a ? geo[3] : 1, segstep = inplace_a ? geo[9] * src.Wp * geo[2] : 0;  \
+        const int64_t lc = inplace_a ? src.lc : Kq / 16;                                                  \
         if (amx) gemm_amx_config();                                                                       \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
         int32_t tile[32 * 64] __attribute__((aligned(64))); /* (GEMM_MR or 32 rows of 64 channels) */    \
@@ -2759,15 +2785,16 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
             const int64_t r1 = r0 + mb < rend ? r0 + mb : rend;                                           \
             if (slide) {                                                                                  \
                 if (!gemm_slide_map(&src, r0, r1, m0, m1, map)) continue;                                 \
-            } else {                                                                                      \
+            } else if (!srows) {                                                                          \
                 gemm_rows(&src, r0, r1, xp);                                                              \
                 if (panel) gemm_amx_panel(&src, xp, r1 - r0, panel, lda);                                 \
             }                                                                                             \
             for (int64_t ob = 0; ob < nob; ob += GEMM_NR) {                                               \
                 const int nr = (int)(nob - ob < GEMM_NR ? nob - ob : GEMM_NR);                            \
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
-                for (int64_t m = r0; m < r1; m += MR) {                                                   \
-                    const int64_t rows = r1 - m < MR ? r1 - m : MR;                                       \
+                for (int64_t m = r0, rows; m < r1; m += rows) {                                           \
+                    rows = r1 - m < MR ? r1 - m : MR;                                                     \
+                    if (srows && geo[12] - m % geo[12] < rows) rows = geo[12] - m % geo[12]; /* (one output row) */ \
                     const int64_t *mp = slide ? map + (m - r0) : NULL; /* each tile row's output row */   \
                     if (mp) {                                                                             \
                         int64_t any = 0;                                                                  \
@@ -2776,7 +2803,8 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
                     }                                                                                     \
                     const int32_t *init = bx ? bx : bias32; /* the accumulators' start (bias32 ^ 2**31 packed) */ \
                     if (amx)                                                                              \
-                        gemm_amx_tile(arows + (slide ? m : m - r0) * lda, lda, nseg, segstep, lc, rows, Kq, \
+                        gemm_amx_tile(srows ? gemm_slide_at(&src, m) : arows + (slide ? m : m - r0) * lda, lda, \
+                                      nseg, segstep, lc, rows, Kq,                                        \
                                       src.wp + ob * wstride, wt ? wt + ob * 1024 : NULL, nr, init + c0, tile); \
                     else                                                                                  \
                         gemm_tile_nr(xp + (m - r0) * per, rows, src.nseg, src.segq, src.tq, src.xored,    \
