@@ -65,6 +65,7 @@ from benchmarks._data import SmoothNoise, stack  # noqa: E402
 from qcompiler.backends.bpu import row_split  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
 from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available  # noqa: E402
+from qcompiler.native.kernels import amx_enabled  # noqa: E402
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state  # noqa: E402
 from qcompiler.quantization.convert import convert_fx  # noqa: E402
 
@@ -239,7 +240,8 @@ def environment() -> str:
     return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {_commit()}, "
             f"{cpu} ({os.cpu_count()} cpus, {torch.backends.cpu.get_cpu_capability()}), "
             f"python {platform.python_version()}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
-            f"numpy {np.__version__}; exact int8 GEMM: {int8_gemm_available()}; load average at start {load:.2f}")
+            f"numpy {np.__version__}; exact int8 GEMM: {int8_gemm_available()}, on AMX tiles: {amx_enabled()}; "
+            f"load average at start {load:.2f}")
 
 
 def main() -> None:
