@@ -15,7 +15,7 @@ from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
-from qcompiler.native.kernels import DepthwiseConv, amx_calls, amx_enabled, set_amx
+from qcompiler.native.kernels import DepthwiseConv, amx_mode, amx_calls, amx_enabled, set_amx
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
@@ -34,10 +34,10 @@ PATHS = pytest.mark.parametrize("on_path", [False, pytest.param(True, marks=pyte
 def on_path(request):
     """The GEMM on the path the test is parametrized with (True: AMX tiles), then back to the default;
     the tile path's tests must have run calls on it."""
-    was, calls = amx_enabled(), amx_calls()
-    assert set_amx(request.param) == request.param
+    was, calls = amx_mode(), amx_calls()
+    assert set_amx(request.param, every_call=True) == request.param  # (every call: the small ones too)
     yield request.param
-    set_amx(was)
+    set_amx(was > 0, every_call=was == 2)
     assert (amx_calls() > calls) == request.param
 
 
@@ -211,7 +211,8 @@ def test_tall_gemms_over_several_row_blocks_equal_the_reference(on_path, c):
 @pytest.mark.skipif(not _AMX_HERE, reason="AMX tiles: this CPU or OS has none")
 def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits():
     """``set_amx`` switches the kernel between its two paths (both exact: the same int32 lanes, the same
-    epilogue), and ``QCOMPILER_NATIVE_AMX=0`` keeps a fresh process on the vectors."""
+    epilogue; by default tiles take only calls of 2**22 multiply-adds or more), and ``QCOMPILER_NATIVE_AMX=0``
+    keeps a fresh process on the vectors."""
     import subprocess
     import sys
     g = torch.Generator().manual_seed(3)
@@ -219,14 +220,20 @@ def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits(
     w = torch.randint(-128, 128, (70, 300), dtype=torch.int8, generator=g)
     M, n = torch.randint(1, 1 << 15, (70,), generator=g), torch.full((70,), 19)
     k = Int8Gemm(w, None, M, n, -128, 127, torch.int8)
-    was = amx_enabled()
+    was = amx_mode()
     try:
         assert set_amx(False) is False and not amx_enabled()
+        calls = amx_calls()
         vec = k(x)
-        assert set_amx(True) is True and amx_enabled()
-        assert torch.equal(k(x), vec)
+        assert amx_calls() == calls
+        assert set_amx(True) is True and amx_enabled() and amx_mode() == 1
+        assert torch.equal(k(x), vec) and amx_calls() == calls + 1  # (7M multiply-adds: on tiles)
+        k(x[:40])  # 40 * 300 * 70 = 840k multiply-adds: below the tiles' threshold, on vectors
+        assert amx_calls() == calls + 1
+        assert set_amx(True, every_call=True) and amx_mode() == 2
+        assert torch.equal(k(x[:40]), vec[:40]) and amx_calls() == calls + 2
     finally:
-        set_amx(was)
+        set_amx(was > 0, every_call=was == 2)
     code = "from qcompiler.native.kernels import amx_enabled; print(amx_enabled())"
     for env, want in (("0", "False"), ("1", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

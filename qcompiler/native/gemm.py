@@ -273,10 +273,11 @@ class Int8Gemm:
         that cross the left or right edge copied), ``"tail"`` (``kw * C`` one past a multiple of 4, no
         dilation unless the kernel is 1 wide / high, the weights within ``GEMM_TAIL_MAX_W``: from a copy of
         the rows padded left and right, the kernel rows' last bytes from a transposed plane of the last
-        channel), ``"im2col"`` (every output's window copied) or, on AMX tiles (calls of 16 rows or more),
-        ``"slide"`` (a stride-1 conv: the input copied once with its padding, 16 positions of the padded
-        grid read in place as one tile; the positions between output rows computed and dropped, so only
-        where their share times the channels is small).  For tests and benchmarks."""
+        channel), ``"im2col"`` (every output's window copied) or, on AMX tiles (the calls they take:
+        ``set_amx``), ``"slide"`` (no dilation along W: the input copied once with its padding, 16 outputs read
+        in place as one tile, walking the padded grid at stride 1 or output rows at any stride; the positions
+        computed and dropped are weighed against the copies saved, ``gemm_slide_mode``).  For tests and
+        benchmarks."""
         return self.conv_layout_of(self.conv_geometry(shape, kernel_size, stride, padding, dilation)[0])
 
     def conv_layout_of(self, geo: torch.Tensor) -> str:

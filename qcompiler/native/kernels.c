@@ -1831,20 +1831,26 @@ static void gemm_tile_nr(const int8_t *const *xp, int64_t rows, int64_t nseg, in
 #include <unistd.h>
 #define GEMM_AMX_BUILT 1
 #define GEMM_AMX_MIN_ROWS 16 /* rows of a call from which it runs on tiles */
+/* multiply-adds (rows * K * O) of a call from which it runs on tiles: below, the tile path's fixed costs
+ * (its configuration, the copies' allocations, the switch between tile and vector code) outweigh its
+ * speed.  Measured on mobilenet_v2 at batch 1, its layers cut over 2 threads: tiles on every call of 16
+ * rows or more 2.40 ms against the vectors' 1.90; from 2**20 multiply-adds 2.35, 2**21 2.05, 3 * 2**20
+ * 1.91, 2**22 1.91, 2**24 1.94 (docs/performance.md, "AMX tiles"). */
+#define GEMM_AMX_MIN_WORK ((int64_t)1 << 22)
 #define GEMM_AMX_PANEL (384 << 10) /* bytes of A rows per row block (kept in L2 across the channel groups) */
 static int gemm_amx_on;
 static int64_t gemm_amx_calls; /* calls that ran on tiles (tests check the path they name was taken) */
 QC_API int64_t qc_gemm_amx_calls(void) { return __atomic_load_n(&gemm_amx_calls, __ATOMIC_RELAXED); }
 static int gemm_amx_perm = -1; /* -1: not asked yet; 1: the kernel granted the tile data state */
 
-/* qc_gemm_amx_set: GEMM calls run on AMX tiles (on = 1, where the OS grants them) or on the vector
- * kernel (on = 0); on < 0 changes nothing.  The result is bit for bit the same either way.  Returns the
- * state now in force. */
+/* qc_gemm_amx_set: GEMM calls run on AMX tiles (on = 1: those of GEMM_AMX_MIN_ROWS rows and GEMM_AMX_MIN_WORK
+ * multiply-adds; on = 2: every call, for tests) where the OS grants them, or on the vector kernel (on = 0);
+ * on < 0 changes nothing.  The result is bit for bit the same either way.  Returns the state now in force. */
 QC_API int qc_gemm_amx_set(int on) {
     if (on < 0) return __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED); /* (a query) */
     if (on && gemm_amx_perm < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
         gemm_amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    __atomic_store_n(&gemm_amx_on, on && gemm_amx_perm > 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&gemm_amx_on, gemm_amx_perm > 0 ? on : 0, __ATOMIC_RELAXED);
     return __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED);
 }
 
@@ -1944,6 +1950,7 @@ QC_API int qc_gemm_amx_set(int on) {
 }
 #define GEMM_AMX_ON 0
 #define GEMM_AMX_MIN_ROWS 0
+#define GEMM_AMX_MIN_WORK 0
 QC_API int64_t qc_gemm_amx_calls(void) { return 0; }
 static void gemm_amx_config(void) {}
 static void gemm_amx_tile(const uint8_t *a, int64_t lda, int64_t nseg, int64_t segstep, int64_t lc, int64_t rows,
@@ -2155,7 +2162,8 @@ static int gemm_slide_mode(const int64_t *g, int64_t Op);
  * AMX tiles; gemm.py's Int8Gemm.conv_layout). */
 QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) {
     const int64_t nob = (O + 15) / 16;
-    /* (4: GEMM_SLIDE, which calls of 16 rows or more take on AMX tiles: gemm_src_open) */
+    /* (4: GEMM_SLIDE, which calls take on AMX tiles when they have GEMM_AMX_MIN_ROWS rows and
+     * GEMM_AMX_MIN_WORK multiply-adds: gemm_src_open) */
     if (GEMM_AMX_ON && gemm_slide_mode(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
     return gemm_layout(geo, nob);
 }
@@ -2736,7 +2744,9 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const int64_t nob = (O + 15) / 16, Op = nob * 16;                                                  \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
-        const int amx = GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS; /* tiles (32 rows) or vectors (GEMM_MR) */ \
+        /* tiles (32 rows) or vectors (GEMM_MR) */                                                        \
+        const int amx = GEMM_AMX_ON == 2 ||                                                               \
+                        (GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS && (m1 - m0) * K * O >= GEMM_AMX_MIN_WORK); \
         gemm_src src;                                                                                     \
         if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack, amx)) return -1;                      \
         /* GEMM_SLIDE: rows are positions of the padded grid (slide), or output rows walked row by row */ \

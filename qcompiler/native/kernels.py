@@ -25,7 +25,7 @@ from qcompiler.native.build import ENV_AMX, library
 from qcompiler.native.openmp import parallel_entry
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "amx_enabled", "amx_calls", "set_amx", "ENV_AMX", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
+__all__ = ["Requant", "DepthwiseConv", "BilinearResize", "bilinear_taps", "nearest_taps", "nearest_nhwc_step", "int32_requant", "requant_columns32", "requant_columns_step", "max_pool_nhwc", "max_pool_nhwc_step", "global_avg_pool_nhwc", "global_avg_pool_nhwc_step", "requant_columns", "requant_rows", "histogram_abs", "histogram_abs_minmax", "histogram_abs_grow", "HistogramState", "prepared_constants", "NO_RANGE", "FUSED_MAX", "MAX_SHIFT", "INT64_LIMIT", "vnni_enabled", "ENV_VNNI", "amx_enabled", "amx_mode", "amx_calls", "set_amx", "ENV_AMX", "rows_minmax", "rows_minmax_merge", "quantize_f32", "abs_sums", "int8_acc_bound", "f64_epilogue"]
 
 MAX_SHIFT = 62
 ENV_VNNI = "QCOMPILER_NATIVE_VNNI"  # "0" / "off": not the AVX512-VNNI kernels (benchmarks compare both paths)
@@ -58,17 +58,24 @@ def vnni_enabled() -> bool:
     return library() is not None and _fn("qc_gemm_vnni", ())() == 1
 
 
-def set_amx(on: bool) -> bool:
-    """Run the int8 GEMM's calls of at least 16 rows on AMX tiles (``on``; where the library was compiled
-    with AMX-INT8 and the OS grants the tile state) or on AVX512-VNNI vectors.  Process-wide; the results
-    are bit for bit the same either way (``kernels.c``, "AMX tiles").  The library starts with tiles on
-    unless ``QCOMPILER_NATIVE_AMX=0``.  Returns whether tiles are in use now."""
-    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(1 if on else 0) == 1
+def set_amx(on: bool, every_call: bool = False) -> bool:
+    """Run the int8 GEMM on AMX tiles (``on``; where the library was compiled with AMX-INT8 and the OS
+    grants the tile state) or on AVX512-VNNI vectors.  Tiles take the calls of at least 16 rows and 2**22
+    multiply-adds (smaller ones stay faster on vectors), or every call with ``every_call`` (tests).
+    Process-wide; the results are bit for bit the same either way (``kernels.c``, "AMX tiles").  The
+    library starts with tiles on unless ``QCOMPILER_NATIVE_AMX=0``.  Returns whether tiles are in use now."""
+    mode = (2 if every_call else 1) if on else 0
+    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(mode) != 0
 
 
 def amx_enabled() -> bool:
     """Whether the int8 GEMM runs on AMX tiles (see :func:`set_amx`)."""
-    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(-1) == 1
+    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(-1) != 0
+
+
+def amx_mode() -> int:
+    """0: the GEMM on vectors; 1: on AMX tiles from 16 rows and 2**22 multiply-adds; 2: every call on tiles."""
+    return int(_fn("qc_gemm_amx_set", (ctypes.c_int,))(-1)) if library() is not None else 0
 
 
 def amx_calls() -> int:
