@@ -112,6 +112,11 @@ def _stack(rows: list) -> Any:
     return type(first)(_stack([r[i] for r in rows]) for i in range(len(first)))
 
 
+def _one_torch_thread() -> None:
+    torch.get_num_threads()  # (torch sets a thread's count lazily from the process-wide one: do that first)
+    torch.set_num_threads(1)
+
+
 def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], Any], *,
              timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> Any:
     """``metric(outputs, targets)`` over every sample of ``loader.dataset``; the value on rank 0, None elsewhere.
@@ -158,11 +163,17 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
         return batch[0], batch[1]
 
     bar = tqdm(total=len(mine), desc="evaluating", unit="sample", disable=not progress or rank != 0, leave=False)
+    caller_threads = torch.get_num_threads()
     try:
-        with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-evaluate") as reader:
+        # the reader collates on one torch thread: the model's calls use every core, and a second OpenMP
+        # team of the reader's own would only contend with them (torch's thread count is per thread)
+        with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-evaluate",
+                                                 initializer=_one_torch_thread) as reader:
             upcoming = reader.submit(load, chunks[0]) if chunks else None
             for k, indices in enumerate(chunks):
                 x, y = upcoming.result()  # the reader's exception, if any, is raised here
+                if k == 0:  # (the reader's set_num_threads also set the count later threads start with)
+                    torch.set_num_threads(caller_threads)
                 upcoming = reader.submit(load, chunks[k + 1]) if k + 1 < len(chunks) else None
                 out = model(*_to(x, device)) if isinstance(x, (tuple, list)) else model(_to(x, device))
                 outs += _rows(_as_cpu(out), len(indices))

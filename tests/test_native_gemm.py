@@ -230,8 +230,13 @@ def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits(
         assert torch.equal(k(x), vec) and amx_calls() == calls + 1  # (7M multiply-adds: on tiles)
         k(x[:40])  # 40 * 300 * 70 = 840k multiply-adds: below the tiles' threshold, on vectors
         assert amx_calls() == calls + 1
+        small = Int8Gemm(torch.zeros(16, 9 * 64, dtype=torch.int8), None, torch.ones(16, dtype=torch.int64),
+                         torch.full((16,), 8), -128, 127, torch.int8)
+        conv = ((1, 8, 8, 64), (3, 3), (1, 1), (1, 1), (1, 1))  # 64 rows x 576 x 16: 590k multiply-adds
+        assert small.conv_layout(*conv) == "direct"  # (the layout the call takes: on vectors)
         assert set_amx(True, every_call=True) and amx_mode() == 2
         assert torch.equal(k(x[:40]), vec[:40]) and amx_calls() == calls + 2
+        assert small.conv_layout(*conv) == "slide"
     finally:
         set_amx(was > 0, every_call=was == 2)
     code = "from qcompiler.native.kernels import amx_enabled; print(amx_enabled())"
@@ -579,7 +584,7 @@ def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repa
              add=False, out="qint8", seed=5)
     k, xl, _, want = conv_case_tensors(c)
     geo, (N, Ho, Wo) = k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])
-    assert k.conv_layout_of(geo) == "tail" and int(geo[13]) != 0
+    assert k.conv_layout_of(geo, N * Ho * Wo) == "tail" and int(geo[13]) != 0
     assert int(k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])[0][13]) == int(geo[13])
     want = want.clamp(-128, 127).permute(0, 2, 3, 1).reshape(-1, c["O"])
     P = N * Ho * Wo

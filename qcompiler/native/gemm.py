@@ -47,6 +47,7 @@ from qcompiler.native.kernels import (
     _fn,
     _ok,
     abs_sums,
+    amx_enabled,
     f64_epilogue,
     int8_acc_bound,
     prepared_constants,
@@ -278,12 +279,13 @@ class Int8Gemm:
         in place as one tile, walking the padded grid at stride 1 or output rows at any stride; the positions
         computed and dropped are weighed against the copies saved, ``gemm_slide_mode``).  For tests and
         benchmarks."""
-        return self.conv_layout_of(self.conv_geometry(shape, kernel_size, stride, padding, dilation)[0])
+        geo, (N, Ho, Wo) = self.conv_geometry(shape, kernel_size, stride, padding, dilation)
+        return self.conv_layout_of(geo, N * Ho * Wo)
 
-    def conv_layout_of(self, geo: torch.Tensor) -> str:
-        """:meth:`conv_layout` of a geometry argument from :meth:`conv_geometry`."""
+    def conv_layout_of(self, geo: torch.Tensor, rows: int) -> str:
+        """:meth:`conv_layout` of a call over ``rows`` output rows with a geometry from :meth:`conv_geometry`."""
         return {1: "direct", 2: "tail", 3: "im2col", 4: "slide"}[
-            _fn("qc_gemm_conv_layout", (_P, _I64))(geo.data_ptr(), self.O)]
+            _fn("qc_gemm_conv_layout", (_P, _I64, _I64))(geo.data_ptr(), self.O, int(rows))]
 
     def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[torch.Tensor, tuple]:
         """For a conv of an (N, H, W, C) input ``shape``: the kernel's geometry argument and the output's
@@ -313,9 +315,10 @@ class Int8Gemm:
             wt = self._tail_w.setdefault((kh, kw, C, dh, dw), wt)
         if wt is not None:
             geo[13] = wt.data_ptr()
-        # a stride-1 conv the AMX tiles read in place (kernels.c, GEMM_SLIDE): its weights with each kernel row
-        # padded to 64-byte chunks, once per kernel shape, in geo[14] (none needed when kw * C is a multiple of 64)
-        ws = self._slide_w.get((kh, kw, C, sh, sw, dw), False)
+        # a conv the AMX tiles read in place (kernels.c, GEMM_SLIDE): its weights with each kernel row padded to
+        # 64-byte chunks, once per kernel shape, in geo[14] (none needed when kw * C is a multiple of 64); only
+        # while the tiles are on (a geometry built with them off reads the input another way)
+        ws = self._slide_w.get((kh, kw, C, sh, sw, dw), False) if amx_enabled() else None
         if ws is False:
             L = -(-kw * C // 64) * 64
             ws = torch.empty(-(-self.O // 16) * 16 * kh * L, dtype=torch.int8)

@@ -1848,9 +1848,9 @@ static int gemm_amx_perm = -1; /* -1: not asked yet; 1: the kernel granted the t
  * on < 0 changes nothing.  The result is bit for bit the same either way.  Returns the state now in force. */
 QC_API int qc_gemm_amx_set(int on) {
     if (on < 0) return __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED); /* (a query) */
-    if (on && gemm_amx_perm < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-        gemm_amx_perm = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    __atomic_store_n(&gemm_amx_on, gemm_amx_perm > 0 ? on : 0, __ATOMIC_RELAXED);
+    if (on && __atomic_load_n(&gemm_amx_perm, __ATOMIC_RELAXED) < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        __atomic_store_n(&gemm_amx_perm, syscall(SYS_arch_prctl, 0x1023, 18) == 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&gemm_amx_on, __atomic_load_n(&gemm_amx_perm, __ATOMIC_RELAXED) > 0 ? on : 0, __ATOMIC_RELAXED);
     return __atomic_load_n(&gemm_amx_on, __ATOMIC_RELAXED);
 }
 
@@ -2157,14 +2157,13 @@ static int gemm_layout(const int64_t *g, int64_t nob) {
 
 static int gemm_slide_mode(const int64_t *g, int64_t Op);
 
-/* qc_gemm_conv_layout: which layout a conv of geometry geo with O output channels is read in
- * (1 in place, 2 in place with a tail plane, 3 im2col rows staged, 4 the padded copy read in place by
- * AMX tiles; gemm.py's Int8Gemm.conv_layout). */
-QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O) {
-    const int64_t nob = (O + 15) / 16;
-    /* (4: GEMM_SLIDE, which calls take on AMX tiles when they have GEMM_AMX_MIN_ROWS rows and
-     * GEMM_AMX_MIN_WORK multiply-adds: gemm_src_open) */
-    if (GEMM_AMX_ON && gemm_slide_mode(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
+/* qc_gemm_conv_layout: which layout a call over `rows` output rows of a conv of geometry geo with O output
+ * channels reads its input in (1 in place, 2 in place with a tail plane, 3 im2col rows staged, 4 the padded
+ * copy read in place by AMX tiles, when the call takes them: GEMM_FN; gemm.py's Int8Gemm.conv_layout). */
+QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O, int64_t rows) {
+    const int64_t nob = (O + 15) / 16, K = geo[2] * geo[3] * geo[4];
+    const int amx = GEMM_AMX_ON == 2 || (GEMM_AMX_ON && rows >= GEMM_AMX_MIN_ROWS && rows * K * O >= GEMM_AMX_MIN_WORK);
+    if (amx && gemm_slide_mode(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
     return gemm_layout(geo, nob);
 }
 
@@ -2365,7 +2364,7 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
         s->b = m0 / (Ho * Wo), s->oh = m0 / Wo % Ho, s->ow = m0 % Wo;
     }
 #ifdef GEMM_AMX_BUILT
-    s->mb = amx ? gemm_amx_rows(4 * s->Kq) : gemm_block_rows(s->Kq);
+    s->mb = amx ? gemm_amx_rows((4 * s->Kq + 63) / 64 * 64) : gemm_block_rows(s->Kq); /* (the panel's row) */
 #else
     s->mb = gemm_block_rows(s->Kq);
 #endif
