@@ -66,6 +66,33 @@ def test_batches_are_read_in_a_background_thread_in_order():
     assert model_threads == {threading.current_thread().name}
 
 
+def test_the_reader_collates_on_one_torch_thread_and_the_callers_count_stays():
+    """The reader thread runs at one torch thread (a second OpenMP team of its own would contend with the
+    model's, which use every core); the caller's count, and the one threads started later take, stay."""
+    class Counting(_Recording):
+        counts: set = set()
+
+        def __getitem__(self, i):
+            self.counts.add(torch.get_num_threads())
+            return super().__getitem__(i)
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ds, seen = Counting(10), []
+        evaluate(lambda x: (seen.append(torch.get_num_threads()), x)[1], DataLoader(ds, batch_size=3),
+                 lambda o, t: o, progress=False)
+        assert ds.counts == {1}, ds.counts
+        assert seen == [2] * 4 and torch.get_num_threads() == 2
+        later = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [2]
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_a_failing_item_raises_its_own_error():
     with pytest.raises(KeyError, match="item 7 is corrupt"):
         evaluate(lambda x: x, DataLoader(_Recording(10, bad=7), batch_size=3), lambda o, t: o, progress=False)
