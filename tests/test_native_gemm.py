@@ -525,7 +525,15 @@ def slide_cases(draw):
                                                                draw(st.sampled_from([1, 1, 2, 3]))),
                 padding=(ph, pw), dilation=(dh, 1),
                 extreme=draw(st.booleans()), add=draw(st.booleans()), out=draw(st.sampled_from(["qint8", "qint16"])),
-                seed=draw(st.integers(0, 2 ** 31 - 1)), cut=draw(st.tuples(st.floats(0, 1), st.floats(0, 1))))
+                seed=draw(st.integers(0, 2 ** 31 - 1)), cut=draw(st.tuples(st.floats(0, 1), st.floats(0, 1))),
+                cap=draw(st.sampled_from([None, 1, 3000])))
+
+
+def _slide_cap(nbytes: int = 0) -> int:
+    """The padded copy's cap per call (kernels.c, gemm_slide_cap): set it (> 0), return it."""
+    from qcompiler.native.kernels import _fn
+    import ctypes
+    return int(_fn("qc_gemm_slide_cap", (ctypes.c_int64,), ctypes.c_int64)(nbytes))
 
 
 @needs_gemm
@@ -546,10 +554,39 @@ def test_the_padded_copy_read_in_place_by_tiles_equals_the_reference(on_path, c)
     m0, m1 = sorted(int(f * P) for f in c["cut"])
     assume(m1 - m0 >= 16)  # (fewer rows take the vectors)
     out4 = torch.full((c["N"], *_out_hw(c), c["O"]), 77, dtype=_OUT[c["out"]])
-    k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol, m0=m0, m1=m1, out=out4)
+    saved = _slide_cap()
+    try:
+        if c["cap"]:  # (a cap below the images' copies: the call runs an image or a few at a time)
+            _slide_cap(c["cap"])
+        k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol, m0=m0, m1=m1, out=out4)
+    finally:
+        _slide_cap(saved)
     out = out4.reshape(P, c["O"])
     assert torch.equal(out[m0:m1].to(torch.int64), want[m0:m1])
     assert bool((out[:m0] == 77).all()) and bool((out[m1:] == 77).all())
+
+
+@needs_gemm
+@pytest.mark.skipif(not _AMX_HERE, reason="AMX tiles: this CPU or OS has none")
+@pytest.mark.parametrize("on_path", [True], ids=["amx"], indirect=True)
+def test_the_padded_copy_is_made_a_few_images_at_a_time_past_its_cap(on_path):
+    """A batch whose padded copy would pass the cap runs a few whole images at a time (one tile call
+    each here): the same bits, whatever the cap."""
+    c = dict(N=5, C=16, H=9, W=11, O=20, k=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), extreme=False,
+             add=True, out="qint8", seed=8)
+    k, xl, ol, want = conv_case_tensors(c)
+    want = want.clamp(-128, 127).permute(0, 2, 3, 1)
+    img = 11 * 13 * 16  # one padded image's bytes
+    saved = _slide_cap()
+    try:
+        for cap, calls in ((saved, 1), (2 * img, 3), (1, 5), (5 * img, 1)):
+            _slide_cap(cap)
+            before = amx_calls()
+            got = k.conv(xl, c["k"], c["stride"], c["padding"], c["dilation"], ol)
+            assert torch.equal(got.to(torch.int64), want), cap
+            assert amx_calls() - before == calls, (cap, amx_calls() - before)
+    finally:
+        _slide_cap(saved)
 
 
 @needs_gemm

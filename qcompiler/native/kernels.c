@@ -2318,6 +2318,27 @@ static int gemm_slide_open(gemm_src *s, const int8_t *x, const int64_t *g, int64
     return 0;
 }
 
+/* The bytes of padded copy (GEMM_SLIDE) a call may make at once: a call whose images would need more
+ * runs a few images at a time (gemm_slide_images), so the copy stays within this whatever the batch
+ * (64 images of unet's 224x224 x 48 would copy 157 MB at once; the same bits either way).
+ * qc_gemm_slide_cap changes it (tests: a small cap cuts small inputs). */
+static int64_t gemm_slide_cap = (int64_t)32 << 20;
+QC_API int64_t qc_gemm_slide_cap(int64_t bytes) {
+    if (bytes > 0) __atomic_store_n(&gemm_slide_cap, bytes, __ATOMIC_RELAXED);
+    return __atomic_load_n(&gemm_slide_cap, __ATOMIC_RELAXED);
+}
+
+/* Rows m0..m1-1 of a conv of geometry g on tiles: 0 when they read the input as one call, else the rows
+ * of each piece to run them in (whole images, pieces starting at multiples of it), where GEMM_SLIDE's
+ * padded copy of their images would pass gemm_slide_cap. */
+static int64_t gemm_slide_images(const int64_t *g, int64_t m0, int64_t m1, int64_t nob) {
+    const int64_t HoWo = g[11] * g[12], img = (g[0] + 2 * g[7]) * (g[1] + 2 * g[8]) * g[2];
+    const int64_t nimg = (m1 - 1) / HoWo - m0 / HoWo + 1, cap = __atomic_load_n(&gemm_slide_cap, __ATOMIC_RELAXED);
+    if (nimg <= 1 || nimg * img <= cap || !gemm_slide_mode(g, 16 * nob)) return 0;
+    const int64_t k = cap / (img > 0 ? img : 1);
+    return (k > 1 ? k : 1) * HoWo;
+}
+
 /* GEMM_SLIDE walked by output rows: where output row m's window starts in the padded copy */
 static inline const uint8_t *gemm_slide_at(const gemm_src *s, int64_t m) {
     const int64_t *g = s->g, C = g[2], Ho = g[11], Wo = g[12];
@@ -2754,6 +2775,13 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         /* tiles (32 rows) or vectors (GEMM_MR) */                                                        \
         const int amx = GEMM_AMX_ON == 2 ||                                                               \
                         (GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS && (m1 - m0) * K * O >= GEMM_AMX_MIN_WORK); \
+        /* a padded copy (GEMM_SLIDE) of more than gemm_slide_cap bytes: a few images at a time */        \
+        const int64_t step = amx && geo ? gemm_slide_images(geo, m0, m1, nob) : 0;                        \
+        for (int64_t a0 = m0; step && a0 < m1;) {                                                         \
+            const int64_t a1 = (a0 / step + 1) * step < m1 ? (a0 / step + 1) * step : m1;                 \
+            if (NAME(x, ldx, a0, a1, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre)) return -1; \
+            if ((a0 = a1) == m1) return 0;                                                                \
+        }                                                                                                 \
         gemm_src src;                                                                                     \
         if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack, amx)) return -1;                      \
         /* GEMM_SLIDE: rows are positions of the padded grid (slide), or output rows walked row by row */ \
