@@ -1968,6 +1968,12 @@ static int8_t *gemm_amx_wtail(const int8_t *wp, int64_t nob, int64_t Kq) {
 #define _tile_release() ((void)0)
 #endif
 
+/* Whether a call of `rows` rows of a K x O GEMM runs on tiles (the mode qc_gemm_amx_set put in force) */
+static inline int gemm_amx_takes(int64_t rows, int64_t K, int64_t O) {
+    const int on = GEMM_AMX_ON;
+    return on == 2 || (on && rows >= GEMM_AMX_MIN_ROWS && rows * K * O >= GEMM_AMX_MIN_WORK);
+}
+
 /* d[0:len] = s[0:len] ^ 0x80 (staged rows as the unsigned bytes vpdpbusd reads), 64 bytes at a time, the tail
  * masked (nothing past len read or written); d == s xors in place */
 static void gemm_xor80_copy(int8_t *d, const int8_t *s, int64_t len) {
@@ -2158,15 +2164,14 @@ static int gemm_layout(const int64_t *g, int64_t nob) {
     return GEMM_IM2COL;
 }
 
-static int gemm_slide_mode(const int64_t *g, int64_t Op);
+static int gemm_slide_walk(const int64_t *g, int64_t nob);
 
 /* qc_gemm_conv_layout: which layout a call over `rows` output rows of a conv of geometry geo with O output
  * channels reads its input in (1 in place, 2 in place with a tail plane, 3 im2col rows staged, 4 the padded
  * copy read in place by AMX tiles, when the call takes them: GEMM_FN; gemm.py's Int8Gemm.conv_layout). */
 QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O, int64_t rows) {
-    const int64_t nob = (O + 15) / 16, K = geo[2] * geo[3] * geo[4];
-    const int amx = GEMM_AMX_ON == 2 || (GEMM_AMX_ON && rows >= GEMM_AMX_MIN_ROWS && rows * K * O >= GEMM_AMX_MIN_WORK);
-    if (amx && gemm_slide_mode(geo, 16 * nob) && (geo[14] || geo[4] * geo[2] % 64 == 0)) return 4;
+    const int64_t nob = (O + 15) / 16;
+    if (gemm_amx_takes(rows, geo[2] * geo[3] * geo[4], O) && gemm_slide_walk(geo, nob)) return 4;
     return gemm_layout(geo, nob);
 }
 
@@ -2254,6 +2259,12 @@ static int gemm_slide_mode(const int64_t *g, int64_t Op) {
     return grid <= rows ? 1 : 2;
 }
 
+/* gemm_slide_mode over nob blocks of 16 channels where the layer's GEMM_SLIDE weights are at hand (repacked in
+ * geo[14], or the packed weights themselves when kw * C is a multiple of 64), else 0 */
+static int gemm_slide_walk(const int64_t *g, int64_t nob) {
+    return g[14] || g[4] * g[2] % 64 == 0 ? gemm_slide_mode(g, 16 * nob) : 0;
+}
+
 /* L = 64 * ceil(kw * C / 64): the bytes of a kernel row in GEMM_SLIDE's weights */
 static int64_t gemm_slide_len(const int64_t *g) { return (g[4] * g[2] + 63) / 64 * 64; }
 
@@ -2334,7 +2345,7 @@ QC_API int64_t qc_gemm_slide_cap(int64_t bytes) {
 static int64_t gemm_slide_images(const int64_t *g, int64_t m0, int64_t m1, int64_t nob) {
     const int64_t HoWo = g[11] * g[12], img = (g[0] + 2 * g[7]) * (g[1] + 2 * g[8]) * g[2];
     const int64_t nimg = (m1 - 1) / HoWo - m0 / HoWo + 1, cap = __atomic_load_n(&gemm_slide_cap, __ATOMIC_RELAXED);
-    if (nimg <= 1 || nimg * img <= cap || !gemm_slide_mode(g, 16 * nob)) return 0;
+    if (nimg <= 1 || nimg * img <= cap || !gemm_slide_walk(g, nob)) return 0;
     const int64_t k = cap / (img > 0 ? img : 1);
     return (k > 1 ? k : 1) * HoWo;
 }
@@ -2370,11 +2381,8 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
                     .nseg = 1, .segq = (K + 3) / 4, .wp = wpack, .amx = amx};
     s->xored = !g && (K % 4 || K < GEMM_INPLACE_MIN_K);
-    const int walk = amx && g ? gemm_slide_mode(g, 16 * nob) : 0;
-    if (walk) { /* GEMM_SLIDE, where its weights are at hand */
-        const int8_t *ws = g[14] ? (const int8_t *)(intptr_t)g[14] : g[4] * g[2] % 64 == 0 ? wpack : NULL;
-        if (ws) return gemm_slide_open(s, x, g, m0, m1, ws, walk);
-    }
+    const int walk = amx && g ? gemm_slide_walk(g, nob) : 0;
+    if (walk) return gemm_slide_open(s, x, g, m0, m1, g[14] ? (const int8_t *)(intptr_t)g[14] : wpack, walk);
     if (g) {
         const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
         s->mode = gemm_layout(g, nob);
@@ -2773,8 +2781,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
         const __m512i ilo = _mm512_set1_epi32((int32_t)lo), ihi = _mm512_set1_epi32((int32_t)hi);         \
         /* tiles (32 rows) or vectors (GEMM_MR) */                                                        \
-        const int amx = GEMM_AMX_ON == 2 ||                                                               \
-                        (GEMM_AMX_ON && m1 - m0 >= GEMM_AMX_MIN_ROWS && (m1 - m0) * K * O >= GEMM_AMX_MIN_WORK); \
+        const int amx = gemm_amx_takes(m1 - m0, K, O);                                                    \
         /* a padded copy (GEMM_SLIDE) of more than gemm_slide_cap bytes: a few images at a time */        \
         const int64_t step = amx && geo ? gemm_slide_images(geo, m0, m1, nob) : 0;                        \
         for (int64_t a0 = m0; step && a0 < m1;) {                                                         \
@@ -2785,13 +2792,13 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         gemm_src src;                                                                                     \
         if (gemm_src_open(&src, x, ldx, geo, m0, m1, K, nob, wpack, amx)) return -1;                      \
         /* GEMM_SLIDE: rows are positions of the padded grid (slide), or output rows walked row by row */ \
-        const int slide = src.mode == GEMM_SLIDE && !src.srows, srows = src.mode == GEMM_SLIDE && src.srows; \
+        const int inplace_a = src.mode == GEMM_SLIDE; /* (A read from the padded copy) */                  \
+        const int slide = inplace_a && !src.srows, srows = inplace_a && src.srows;                        \
         const int64_t Kq = src.Kq, wstride = Kq * 64, mb = src.mb, per = src.nseg + (src.tq > 0);         \
         const int64_t MR = amx ? 32 : GEMM_MR;                                                            \
         /* AMX: A rows from the padded copy in place (GEMM_SLIDE), from xu as staged (x ^ 0x80 already), or   \
          * copied into a panel; the weights' zero-padded last chunks */                                  \
-        const int64_t lda = slide || srows ? geo[6] * geo[2] : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64; \
-        const int inplace_a = slide || srows; /* (A read from the padded copy) */                          \
+        const int64_t lda = inplace_a ? geo[6] * geo[2] : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64; \
         uint8_t *panel = amx && !inplace_a && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;     \
         int8_t *wt = amx && !inplace_a ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                          \
         /* the layer's constants: prepared once (qc_gemm_prep), or built for this call */                 \

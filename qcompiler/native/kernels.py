@@ -70,7 +70,7 @@ def set_amx(on: bool, every_call: bool = False) -> bool:
 
 def amx_enabled() -> bool:
     """Whether the int8 GEMM runs on AMX tiles (see :func:`set_amx`)."""
-    return library() is not None and _fn("qc_gemm_amx_set", (ctypes.c_int,))(-1) != 0
+    return amx_mode() != 0
 
 
 def amx_mode() -> int:
