@@ -4,9 +4,14 @@ int64 reference (hypothesis, torch.equal), its refusals and argument checks, and
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_bpu_reference import Tiny, geometry, rand_scales, weight_layer
 
@@ -15,7 +20,7 @@ from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
-from qcompiler.native.kernels import DepthwiseConv, amx_mode, amx_calls, amx_enabled, set_amx
+from qcompiler.native.kernels import DepthwiseConv, _fn, amx_calls, amx_enabled, amx_mode, set_amx
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
@@ -213,8 +218,6 @@ def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits(
     """``set_amx`` switches the kernel between its two paths (both exact: the same int32 lanes, the same
     epilogue; by default tiles take only calls of 2**22 multiply-adds or more), and ``QCOMPILER_NATIVE_AMX=0``
     keeps a fresh process on the vectors."""
-    import subprocess
-    import sys
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-128, 128, (333, 300), dtype=torch.int8, generator=g)
     w = torch.randint(-128, 128, (70, 300), dtype=torch.int8, generator=g)
@@ -242,7 +245,7 @@ def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits(
     code = "from qcompiler.native.kernels import amx_enabled; print(amx_enabled())"
     for env, want in (("0", "False"), ("1", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**__import__("os").environ, "QCOMPILER_NATIVE_AMX": env}).stdout.strip()
+                             env={**os.environ, "QCOMPILER_NATIVE_AMX": env}).stdout.strip()
         assert out == want, (env, out)
 
 
@@ -531,8 +534,6 @@ def slide_cases(draw):
 
 def _slide_cap(nbytes: int = 0) -> int:
     """The padded copy's cap per call (kernels.c, gemm_slide_cap): set it (> 0), return it."""
-    from qcompiler.native.kernels import _fn
-    import ctypes
     return int(_fn("qc_gemm_slide_cap", (ctypes.c_int64,), ctypes.c_int64)(nbytes))
 
 
@@ -545,7 +546,6 @@ def test_the_padded_copy_read_in_place_by_tiles_equals_the_reference(on_path, c)
     """GEMM_SLIDE (kernels.c): positions of the padded grid past a row's outputs and between images, and
     the tile rows past an output row's end, are computed and dropped; only rows m0..m1 are written,
     each equal to the int64 reference."""
-    from hypothesis import assume
     k, xl, ol, want = conv_case_tensors(c)
     assume(k.conv_layout(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"]) == "slide")
     lo, hi = fp.qrange(c["out"])
