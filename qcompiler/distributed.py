@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.errors import ConfigError
+from qcompiler.parallel import one_torch_thread
 from qcompiler.quantization.sync import DEFAULT_TIMEOUT, check_same_model, require_batches, sync_observers
 
 __all__ = ["sync_observers", "check_same_model", "require_batches", "shard", "evaluate", "is_main_process",
@@ -112,11 +113,6 @@ def _stack(rows: list) -> Any:
     return type(first)(_stack([r[i] for r in rows]) for i in range(len(first)))
 
 
-def _one_torch_thread() -> None:
-    torch.get_num_threads()  # (torch sets a thread's count lazily from the process-wide one: do that first)
-    torch.set_num_threads(1)
-
-
 def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], Any], *,
              timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> Any:
     """``metric(outputs, targets)`` over every sample of ``loader.dataset``; the value on rank 0, None elsewhere.
@@ -168,7 +164,7 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
         # the reader collates on one torch thread: the model's calls use every core, and a second OpenMP
         # team of the reader's own would only contend with them (torch's thread count is per thread)
         with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="qcompiler-evaluate",
-                                                 initializer=_one_torch_thread) as reader:
+                                                 initializer=one_torch_thread) as reader:
             upcoming = reader.submit(load, chunks[0]) if chunks else None
             for k, indices in enumerate(chunks):
                 x, y = upcoming.result()  # the reader's exception, if any, is raised here

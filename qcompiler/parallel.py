@@ -38,8 +38,8 @@ import torch
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.qtensor import QTensor
 
-__all__ = ["resolve_threads", "batch_size", "split_args", "concat_outputs", "run_split", "in_worker",
-           "part_budget", "run_parts"]
+__all__ = ["one_torch_thread", "resolve_threads", "batch_size", "split_args", "concat_outputs", "run_split",
+           "in_worker", "part_budget", "run_parts"]
 
 _MAX_THREADS = 256
 
@@ -133,6 +133,15 @@ def _with_budget(budget: int, fn: Callable, args: tuple) -> Any:
         _local.budget = saved
 
 
+def one_torch_thread() -> None:
+    """The calling thread runs torch ops on one intra-op thread (its count is per thread).  torch sets a
+    thread's count lazily, from the process-wide one, on its first parallel call: that is done first here,
+    or a later change of the process-wide count would replace this thread's 1.  ``set_num_threads`` also
+    sets the count threads started later take: a caller that starts such a thread puts its own back."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 class _Pool:
     """Daemon threads with one torch intra-op thread each, fed from one queue; grown on demand."""
 
@@ -165,11 +174,7 @@ class _Pool:
 
     def _work(self, ready: threading.Event) -> None:
         _local.worker = True
-        # torch initializes a thread's intra-op count lazily, from the process-wide count, on the
-        # thread's first parallel call; do that first, or the caller's count, put back by ensure(),
-        # would replace this worker's 1 on its first op
-        torch.get_num_threads()
-        torch.set_num_threads(1)
+        one_torch_thread()
         ready.set()
         while True:
             future, fn, args = self._tasks.get()
