@@ -6,9 +6,12 @@ Validates every user input before touching anything, copies the model once
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch.fx as fx
 import torch.nn as nn
@@ -77,20 +80,44 @@ def build_graph(
         if not hasattr(model, attr):
             raise ConfigError(f"prepare_custom_config_dict['preserved_attributes']: model has no attribute {attr!r}")
     work = model if inplace else _copy(model)
-    gm = trace_or_fallback(  # untraceable code runs as a whole in torch, with a warning (unless strict)
-        work,
-        leaf_module_names=custom.get("non_traceable_module_name", ()),
-        leaf_module_types=custom.get("non_traceable_module_class", ()),
-        example_inputs=ctx.example_inputs,  # defaulted forward args they leave out: constants
-        strict=custom.get("strict_tracing", False),
-        pristine=None if inplace else model,  # what tracing writes into the copy's state is undone from it
-    )
-    for attr in preserved:
-        setattr(gm, attr, getattr(work, attr))
-    gm.meta["qc_march"] = ctx.march
-    gm = PassManager(passes, verify=verify, dump_dir=dump_dir).run(gm, ctx).gm
+    with environment_kept():
+        gm = trace_or_fallback(  # untraceable code runs as a whole in torch, with a warning (unless strict)
+            work,
+            leaf_module_names=custom.get("non_traceable_module_name", ()),
+            leaf_module_types=custom.get("non_traceable_module_class", ()),
+            example_inputs=ctx.example_inputs,  # defaulted forward args they leave out: constants
+            strict=custom.get("strict_tracing", False),
+            pristine=None if inplace else model,  # what tracing writes into the copy's state is undone from it
+        )
+        for attr in preserved:
+            setattr(gm, attr, getattr(work, attr))
+        gm.meta["qc_march"] = ctx.march
+        gm = PassManager(passes, verify=verify, dump_dir=dump_dir).run(gm, ctx).gm
     gm.recompile()
     return gm
+
+
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """Undo what torch's first import of ``torch._dynamo`` inside the block does to ``os.environ``.
+
+    Tracing (fx's stack traces) and shape propagation on meta tensors (torch's Python references)
+    import it lazily, and that sets TORCHINDUCTOR_CACHE_DIR for the rest of the user's process.
+    The import cannot be avoided (it comes with every meta op); its setting is taken back.
+    """
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if "torch._dynamo" in sys.modules:
+            for key in [k for k in os.environ if k not in saved]:
+                del os.environ[key]
+            for key, value in saved.items():
+                if os.environ.get(key) != value:
+                    os.environ[key] = value
 
 
 def _copy(model: nn.Module) -> nn.Module:

@@ -4,12 +4,17 @@ Every entry that takes a user's model gets it in the state most likely to be dis
 mode, observers and fake quants on) and must leave it exactly as it was: parameters, buffers
 (observer/fake-quant switches), grads, training flags, plain attributes, hooks. The files
 ``save`` and ``export_onnx`` write follow the umask (0o666 minus it), like a plain ``open``.
+And the process is left as it was: compiling changes no environment variable.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -186,3 +191,37 @@ def test_a_sidecar_that_cannot_be_written_leaves_the_existing_model_file(compile
         compiled.export_onnx(tmp_path / "m.onnx")
     assert (tmp_path / "m.onnx").read_bytes() == b"the user's file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", f"m.onnx{SIDECAR_SUFFIX}"]
+
+
+# ----------------------------------------------------------------------------- the process
+
+_PROCESS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import train_mode_models as tm
+    import qcompiler
+
+    before = dict(os.environ)
+    fresh = "torch._dynamo" not in sys.modules
+    cm = qcompiler.compile(tm.BNNet(), tm.X, progress=False)
+    cm.save({folder!r} + "/m.qc")
+    qcompiler.load({folder!r} + "/m.qc")(*tm.X)
+    cm.export_onnx({folder!r} + "/m.onnx")
+    changed = sorted(k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k))
+    print(json.dumps({{"changed": changed, "imported": fresh and "torch._dynamo" in sys.modules}}))
+""")
+
+
+def test_compile_changes_no_environment_variable(tmp_path):
+    """Tracing and shape propagation on meta tensors make torch import torch._dynamo (every meta op
+    goes through torch's Python references), and that import set TORCHINDUCTOR_CACHE_DIR in the user's
+    os.environ for the rest of the process. Run in a fresh interpreter: pytest's imported it already."""
+    script = tmp_path / "run.py"
+    script.write_text(_PROCESS_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["changed"] == []
+    assert result["imported"], "compile no longer imports torch._dynamo: the test above proves nothing now"
