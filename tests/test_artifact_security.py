@@ -15,7 +15,9 @@ import time
 import tracemalloc
 import zipfile
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn as nn
@@ -23,6 +25,7 @@ from artifact_edit import MANIFEST, TENSORS, Edit
 from onnx import helper, numpy_helper
 from safetensors.torch import save as st_save
 
+import qcompiler.zoo as zoo
 from qcompiler.compiled import compile as qc_compile
 from qcompiler.compiled import load
 from qcompiler.errors import ArtifactError, ConfigError
@@ -57,6 +60,23 @@ def test_a_clean_artifact_loads_and_is_exact(model_and_input, artifact):
     assert torch.equal(load(artifact)(x), cm(x))
     # the re-zip helper itself changes nothing that matters
     assert torch.equal(load(Edit(artifact).write(artifact.with_name("same.qc")))(x), cm(x))
+
+
+def _flat(v):
+    return [v] if isinstance(v, torch.Tensor) else [t for e in v for t in _flat(e)]
+
+
+@pytest.mark.parametrize("name,islands", [("hybrid", 3), ("lstm_seq", 1), ("transformer_block", 1)])
+def test_zoo_artifacts_with_islands_load_and_are_exact(tmp_path, guide_hybrid_dict, name, islands):
+    """Every island the emitter writes passes load's checks: a saved zoo model loads and runs bit-exact."""
+    x = zoo.example_inputs(name)
+    kw = {"hybrid_dict": guide_hybrid_dict} if name == "hybrid" else {}
+    cm = qc_compile(zoo.get(name), x, march="bayes", progress=False, **kw)
+    path = cm.save(tmp_path / f"{name}.qc")
+    with zipfile.ZipFile(path) as zf:
+        assert sum(n.startswith("islands/") for n in zf.namelist()) >= islands
+    got, want = _flat(load(path)(*x)), _flat(cm(*x))
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # ---------------------------------------------------------------------------- external data
@@ -341,11 +361,200 @@ def test_island_that_does_not_make_the_step_output(artifact, tmp_path):
 
 
 def test_island_onnxruntime_refuses_is_an_artifact_error(artifact, tmp_path):
+    """Only ops qcompiler writes, but a node reads a value nothing makes: onnxruntime refuses it."""
     e = Edit(artifact)
     island = onnx.load_from_string(e.members["islands/cpu0.onnx"])
-    island.graph.node[0].op_type = "NoSuchOp"
+    island.graph.node[1].input[0] = "ghost"
     e.members["islands/cpu0.onnx"] = island.SerializeToString()
     refused(e.write(tmp_path / "r.qc"), r"the runtime cannot be built from this file")
+
+
+# ---------------------------------------------------------------------------- what an island may hold
+
+
+NOT_OURS = r"; the island is not one qcompiler writes"
+
+
+def _island(artifact):
+    e = Edit(artifact)
+    return e, onnx.load_from_string(e.members["islands/cpu0.onnx"])
+
+
+def _append(island, make):
+    """The island with a node ``make(x, y)`` between its last node and the step output: it reads
+    ``x`` (what the last node made) and writes ``y`` (the output), so the graph stays valid."""
+    last = island.graph.node[-1]
+    y = last.output[0]
+    last.output[0] = f"{y}/pre"
+    island.graph.node.append(make(f"{y}/pre", y))
+    return island
+
+
+def _store(e, island, path):
+    e.members["islands/cpu0.onnx"] = island.SerializeToString()
+    return e.write(path)
+
+
+def _onnxruntime_accepts(path):
+    """onnxruntime builds a session for the edited island: only qcompiler's check stops it."""
+    ort.InferenceSession(Edit(path).members["islands/cpu0.onnx"], providers=["CPUExecutionProvider"])
+
+
+def _no_sessions(monkeypatch):
+    """onnxruntime.InferenceSession fails the test: the check must refuse before any session exists."""
+    def session(*args, **kwargs):
+        raise AssertionError("an onnxruntime session was made for a refused island")
+    monkeypatch.setattr(ort, "InferenceSession", session)
+
+
+def _loop_forever(x, y):
+    """Loop(M = 2^62, cond = true) whose body passes ``x`` through: a valid model whose run never ends."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Identity", ["v_in"], ["v_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", onnx.TensorProto.FLOAT, None)])
+    return helper.make_node("Loop", ["trip_count", "keep_going", x], [y], name="forever", body=body)
+
+
+def test_island_with_a_loop_of_2_62_iterations_is_refused_at_load(artifact, tmp_path, monkeypatch):
+    e, island = _island(artifact)
+    island.graph.initializer.extend([numpy_helper.from_array(np.array(1 << 62, np.int64), "trip_count"),
+                                     numpy_helper.from_array(np.array(True), "keep_going")])
+    path = _store(e, _append(island, _loop_forever), tmp_path / "loop.qc")
+    onnx.checker.check_model(onnx.load_from_string(Edit(path).members["islands/cpu0.onnx"]), full_check=True)
+    _onnxruntime_accepts(path)  # (and its first run would never return)
+    _no_sessions(monkeypatch)
+    t0 = time.perf_counter()
+    msg = refused(path, r"loop.qc: member 'islands/cpu0.onnx': island 'cpu0': node 'forever' has op type 'Loop', "
+                        r"which qcompiler never writes" + NOT_OURS)
+    assert time.perf_counter() - t0 < 5.0
+    assert "compile and save the model again" in msg
+
+
+@pytest.mark.parametrize("op", ["NoSuchOp", "Hardmax", "Constant"])
+def test_island_with_an_op_type_qcompiler_never_writes_is_refused(artifact, tmp_path, monkeypatch, op):
+    """An unknown op, and real opset-11 ops onnxruntime runs but our emitter never writes."""
+    e, island = _island(artifact)
+    if op == "Constant":
+        island.graph.node.append(helper.make_node("Constant", [], ["unused"], name="extra",
+                                                  value=numpy_helper.from_array(np.zeros(2, np.float32))))
+    else:
+        _append(island, lambda x, y: helper.make_node(op, [x], [y], name="extra"))
+    path = _store(e, island, tmp_path / "op.qc")
+    if op != "NoSuchOp":
+        _onnxruntime_accepts(path)
+    _no_sessions(monkeypatch)
+    refused(path, rf"island 'cpu0': node 'extra' has op type '{op}', which qcompiler never writes" + NOT_OURS)
+
+
+def _resize_extrapolating(x, y):
+    return helper.make_node("Resize", [x, "roi", "scales"], [y], name="resize", mode="nearest",
+                            extrapolation_value=0.5)
+
+
+def test_island_with_an_attribute_qcompiler_never_writes_is_refused(artifact, tmp_path, monkeypatch):
+    """Resize is ours, with mode / coordinate_transformation_mode / nearest_mode / cubic_coeff_a;
+    extrapolation_value is valid ONNX that onnxruntime runs, but not ours."""
+    e, island = _island(artifact)
+    island.graph.initializer.extend([numpy_helper.from_array(np.zeros(0, np.float32), "roi"),
+                                     numpy_helper.from_array(np.ones(4, np.float32), "scales")])
+    path = _store(e, _append(island, _resize_extrapolating), tmp_path / "attr.qc")
+    _onnxruntime_accepts(path)
+    _no_sessions(monkeypatch)
+    refused(path, r"island 'cpu0': node 'resize' \(Resize\) has attribute 'extrapolation_value', which qcompiler "
+                  r"never writes on Resize" + NOT_OURS)
+
+
+def test_island_with_a_custom_domain_is_refused(artifact, tmp_path, monkeypatch):
+    """com.microsoft Gelu: an onnxruntime contrib op, outside the ONNX domain qcompiler writes."""
+    e, island = _island(artifact)
+    island.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    _append(island, lambda x, y: helper.make_node("Gelu", [x], [y], name="gelu", domain="com.microsoft"))
+    path = _store(e, island, tmp_path / "domain.qc")
+    _onnxruntime_accepts(path)
+    _no_sessions(monkeypatch)
+    refused(path, r"island 'cpu0': imports domain 'com.microsoft' \(version 1\); qcompiler imports only the "
+                  r"default ONNX domain at opset 11" + NOT_OURS)
+    island.ClearField("opset_import")  # the node alone, its domain not imported
+    island.opset_import.append(helper.make_opsetid("", 11))
+    path = _store(e, island, tmp_path / "domain2.qc")
+    refused(path, r"island 'cpu0': node 'gelu' has op type 'Gelu' of domain 'com.microsoft'; qcompiler writes "
+                  r"only the default ONNX domain" + NOT_OURS)
+
+
+def test_island_of_another_opset_is_refused(artifact, tmp_path, monkeypatch):
+    e, island = _island(artifact)
+    island.opset_import[0].version = 13  # Mul, Erf, Add are the same in opset 13: onnxruntime would run it
+    path = _store(e, island, tmp_path / "opset.qc")
+    _onnxruntime_accepts(path)
+    _no_sessions(monkeypatch)
+    refused(path, r"island 'cpu0': imports domain '' \(version 13\); qcompiler imports only the default ONNX "
+                  r"domain at opset 11" + NOT_OURS)
+
+
+def _if_node(x, y):
+    def branch(name):
+        return helper.make_graph([helper.make_node("Identity", [x], [f"{name}_out"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_out", onnx.TensorProto.FLOAT, None)])
+    return helper.make_node("If", ["keep_going"], [y], name="branch", then_branch=branch("then"),
+                            else_branch=branch("else"))
+
+
+def _graph_attribute(x, y):
+    node = helper.make_node("Identity", [x], [y], name="carrier")
+    body = helper.make_graph([helper.make_node("Identity", ["a"], ["b"])], "hidden",
+                             [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, None)],
+                             [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, None)])
+    node.attribute.append(helper.make_attribute("body", body))
+    return node
+
+
+@pytest.mark.parametrize("make,match", [
+    (_if_node, r"node 'branch' has op type 'If', which qcompiler never writes"),
+    (_graph_attribute, r"node 'carrier' \(Identity\) has attribute 'body', which qcompiler never writes on Identity"),
+], ids=["if-with-branches", "graph-attribute"])
+def test_island_with_a_nested_subgraph_is_refused(artifact, tmp_path, monkeypatch, make, match):
+    e, island = _island(artifact)
+    island.graph.initializer.append(numpy_helper.from_array(np.array(True), "keep_going"))
+    path = _store(e, _append(island, make), tmp_path / "nested.qc")
+    _no_sessions(monkeypatch)
+    refused(path, r"island 'cpu0': " + match + NOT_OURS)
+
+
+def test_an_allowed_attribute_holding_a_graph_is_refused(artifact, tmp_path, monkeypatch):
+    """Softmax's axis is ours -- as an int; the same name holding a subgraph is not."""
+    e, island = _island(artifact)
+
+    def softmax(x, y):
+        node = helper.make_node("Softmax", [x], [y], name="softmax")
+        sub = helper.make_graph([], "g", [], [])
+        node.attribute.append(helper.make_attribute("axis", sub))
+        return node
+    path = _store(e, _append(island, softmax), tmp_path / "graph_axis.qc")
+    _no_sessions(monkeypatch)
+    refused(path, r"island 'cpu0': node 'softmax' \(Softmax\) has attribute 'axis' of type GRAPH; qcompiler "
+                  r"writes it as INT" + NOT_OURS)
+
+
+def test_island_with_local_functions_or_training_info_is_refused(artifact, tmp_path, monkeypatch):
+    e, island = _island(artifact)
+    island.functions.append(helper.make_function("", "Mul", ["a", "b"], ["c"],
+                                                 [helper.make_node("Add", ["a", "b"], ["c"])],
+                                                 [helper.make_opsetid("", 11)]))
+    island.ir_version = 8  # (functions need IR 8)
+    path = _store(e, island, tmp_path / "fn.qc")
+    _onnxruntime_accepts(path)
+    _no_sessions(monkeypatch)
+    refused(path, r"island 'cpu0': defines 1 local function \('Mul'\); "
+                                                   r"qcompiler writes none" + NOT_OURS)
+    e, island = _island(artifact)
+    island.training_info.add().algorithm.CopyFrom(helper.make_graph([], "train", [], []))
+    refused(_store(e, island, tmp_path / "train.qc"), r"island 'cpu0': carries training info; qcompiler writes "
+                                                      r"none" + NOT_OURS)
 
 
 def test_load_rejects_a_bad_thread_count_before_reading(artifact):

@@ -2,7 +2,9 @@
 
 The island's ONNX model comes from the one emitter (``qcompiler.backends.onnx``);
 its inputs and outputs are named after the FX values crossing the island's
-boundary, a tuple value ``v`` as ``v.0``, ``v.1``...
+boundary, a tuple value ``v`` as ``v.0``, ``v.1``... An island read from an
+artifact is checked first (:func:`check_island`): self-contained, and written
+in the emitter's vocabulary only (:mod:`qcompiler.backends.onnx.allowlist`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from qcompiler.backends.bpu.program_check import short
+from qcompiler.backends.onnx.allowlist import ALLOWED, DOMAIN, OPSET
 from qcompiler.errors import ArtifactError, ConfigError
 
 
@@ -71,9 +75,9 @@ def _unflatten(name: str, results: dict[str, np.ndarray]) -> Any:
 
 
 def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: Sequence[str]) -> set[str]:
-    """ArtifactError unless ``model_bytes`` is an ONNX model that carries all its data and whose
-    graph reads and writes the step's values (``v`` or ``v.0``, ``v.1``... for tuples).
-    Returns the graph's input names.
+    """ArtifactError unless ``model_bytes`` is an ONNX model that carries all its data, holds only
+    what qcompiler's emitter writes (:func:`check_vocabulary`) and whose graph reads and writes the
+    step's values (``v`` or ``v.0``, ``v.1``... for tuples). Returns the graph's input names.
 
     An initializer or constant with external data would make onnxruntime read a file named
     by the island (resolved against the current directory): islands must be self-contained.
@@ -90,6 +94,7 @@ def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: 
             location = next((e.value for e in tensor.external_data if e.key == "location"), "?")
             raise ArtifactError(f"island '{name}': {where} '{tensor.name}' refers to external data "
                                 f"(location {location!r}); islands must be self-contained")
+    check_vocabulary(model, f"island '{name}'")
     feeds = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
     for feed in feeds:
         if not any(feed == v or feed.startswith(f"{v}.") for v in inputs):
@@ -100,6 +105,62 @@ def check_island(name: str, model_bytes: bytes, inputs: Sequence[str], outputs: 
         if not any(f == v or f.startswith(f"{v}.") for f in fetches):
             raise ArtifactError(f"island '{name}': the step's output '{v}' is not a graph output")
     return feeds
+
+
+NOT_OURS = "the island is not one qcompiler writes (compile and save the model again)"
+
+
+def check_vocabulary(model: onnx.ModelProto, where: str) -> None:
+    """ArtifactError unless ``model`` imports only opset 11 of the default domain and each of its
+    nodes is an op type of :data:`~qcompiler.backends.onnx.allowlist.ALLOWED` with only the
+    attributes listed for it, each of its schema type: no custom domain, no local function, no
+    subgraph (a ``Loop`` / ``If`` / ``Scan`` or a graph attribute), nothing onnxruntime could run
+    that the emitter never writes. ``where`` starts the message ("island 'cpu0'")."""
+    ours = f"qcompiler imports only the default ONNX domain at opset {OPSET}"
+    for opset in model.opset_import:
+        if (opset.domain, opset.version) != (DOMAIN, OPSET):
+            raise ArtifactError(f"{where}: imports domain {short(opset.domain)} (version {opset.version}); {ours}; "
+                                f"{NOT_OURS}")
+    if len(model.opset_import) != 1:
+        raise ArtifactError(f"{where}: imports {len(model.opset_import)} opsets; {ours}; {NOT_OURS}")
+    if model.functions:
+        names = ", ".join(short(f.name) for f in model.functions[:3])
+        raise ArtifactError(f"{where}: defines {len(model.functions)} local function"
+                            f"{'s' if len(model.functions) > 1 else ''} ({names}); qcompiler writes none; {NOT_OURS}")
+    if model.training_info:
+        raise ArtifactError(f"{where}: carries training info; qcompiler writes none; {NOT_OURS}")
+    for i, node in enumerate(model.graph.node):
+        what = f"node {short(node.name)}" if node.name else f"node {i} (unnamed)"
+        if node.domain != DOMAIN:
+            raise ArtifactError(f"{where}: {what} has op type {short(node.op_type)} of domain {short(node.domain)}; "
+                                f"qcompiler writes only the default ONNX domain; {NOT_OURS}")
+        allowed = ALLOWED.get(node.op_type)
+        if allowed is None:
+            raise ArtifactError(f"{where}: {what} has op type {short(node.op_type)}, which qcompiler never writes; "
+                                f"{NOT_OURS}")
+        for a in node.attribute:
+            if a.name not in allowed:
+                raise ArtifactError(f"{where}: {what} ({node.op_type}) has attribute {short(a.name)}, which qcompiler "
+                                    f"never writes on {node.op_type}; {NOT_OURS}")
+            want = _attribute_type(node.op_type, a.name)
+            if a.type != want or a.ref_attr_name:
+                got = "a reference to a function attribute" if a.ref_attr_name else \
+                    f"type {_type_name(a.type)}"
+                raise ArtifactError(f"{where}: {what} ({node.op_type}) has attribute '{a.name}' of {got}; "
+                                    f"qcompiler writes it as {_type_name(want)}; {NOT_OURS}")
+
+
+def _attribute_type(op_type: str, attr: str) -> int:
+    """The attribute's type in the opset-11 schema of ``op_type`` (what the emitter, whose islands
+    pass ``onnx.checker``, writes)."""
+    return onnx.defs.get_schema(op_type, OPSET, DOMAIN).attributes[attr].type
+
+
+def _type_name(t: int) -> str:
+    try:
+        return onnx.AttributeProto.AttributeType.Name(t)
+    except ValueError:
+        return str(t)
 
 
 def _tensors(model):
