@@ -331,15 +331,23 @@ def _tiny_program():
 
 @pytest.mark.skipif(not build.native_enabled(), reason="no working C compiler here")
 def test_two_processes_building_at_once_both_load_one_library(tmp_path):
-    """The compile is atomic (temporary file + rename): racing builds end with one complete file."""
+    """Racing processes compile once (the directory's lock; the others wait, then load what it built) and end
+    with one complete library and its digest.  One compiler at a time also keeps the build within its limits on
+    a loaded machine (it once ran three at load 11 on 2 cores and timed out after 120 s)."""
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"  # the real compiler, logging each compile (not --version)
+    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo $$ >> {log}\nexec {build._compiler()} "$@"\n')
+    cc.chmod(0o755)
     code = ("import sys; from qcompiler.native import build; lib = build.library(); "
             "sys.exit(0 if lib is not None and lib.qc_abi_version() == build.ABI_VERSION else 1)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{build.ENV_CACHE: str(tmp_path / "cache")})
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CC=str(cc), **{build.ENV_CACHE: str(tmp_path / "cache")})
     env.pop(build.ENV_DISABLE, None)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT) for _ in range(3)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0]
+    assert [p.wait(timeout=build.MAX_S + 300) for p in procs] == [0, 0, 0]
+    assert len(log.read_text().split()) == 1, "more than one process compiled"
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert len(files) == 1 and files[0].startswith("qc_kernels_") and files[0].endswith(".so"), files
+    assert len(files) == 2 and files[0].startswith("qc_kernels_") and files[0].endswith(".so"), files
+    assert files[1] == files[0] + ".sha256"
 
 
 @pytest.mark.skipif(not build.native_enabled(), reason="no working C compiler here")
