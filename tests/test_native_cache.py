@@ -410,6 +410,45 @@ def test_a_fresh_build_missing_kernels_turns_native_off_in_process_without_raisi
         build.reset()
 
 
+def test_loading_a_qc_with_a_cache_missing_kernels_is_never_an_artifact_error(tmp_path, cc, good, monkeypatch):
+    """``qcompiler.load`` once blamed the .qc for a cached library without some kernels (ArtifactError): now
+    that library is rebuilt, and where even a fresh build lacks them, the model runs on the torch path."""
+    import torch
+    import torch.nn as nn
+
+    from qcompiler.compiled import compile as qc_compile
+    from qcompiler.compiled import load
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(1, 3, 6, 6)
+    with build.disabled():
+        cm = qc_compile(m, (x,), march="bayes", progress=False)
+        want = cm(x)
+    saved = cm.save(tmp_path / "m.qc")
+    cache = _private_dir(tmp_path / "cache")
+    _record(_stub(cache / good.name, good, only=["qc_gemm_amx_set", "qc_gemm_vnni", "qc_quantize_i8"]))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv(build.ENV_CACHE, str(cache))
+    monkeypatch.delenv(build.ENV_DISABLE, raising=False)
+    build.reset()
+    try:
+        with pytest.warns(QCompilerWarning, match="lacks"):
+            got = load(saved)(x)
+        assert torch.equal(got, want) and build.native_enabled() and len(_builds(tmp_path)) == 1
+        # a fresh build without them: the torch path, one warning, still no ArtifactError
+        partial = _stub(tmp_path / "partial.so", good, only=["qc_gemm_amx_set", "qc_gemm_vnni"])
+        cc.write_text(cc.read_text().replace(str(good), str(partial)))
+        monkeypatch.setenv(build.ENV_CACHE, str(tmp_path / "cache2"))
+        build.reset()
+        with pytest.warns(QCompilerWarning, match="native kernels are off"):
+            got = load(saved)(x)
+        assert torch.equal(got, want) and not build.native_enabled()
+    finally:
+        monkeypatch.undo()
+        build.reset()
+
+
 def test_the_symbol_list_matches_the_source_and_the_python_side(good):
     """build.SYMBOLS: exported by this machine's build; build.VNNI_SYMBOLS: by a build for a CPU with
     AVX512-VNNI; every ``qc_*`` name the Python side binds is one of them."""
