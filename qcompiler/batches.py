@@ -6,9 +6,9 @@ Inputs are checked against the example inputs a model was compiled with, in one 
 mistake is reported before any work and the same way whichever backend runs first:
 
 - the same number of inputs, and the same nesting for tuple inputs;
-- tensors (``torch.from_numpy`` converts numpy arrays) of the example's dtype, except that a
-  floating tensor of another precision (float64, numpy's default; float16) is cast to the
-  example's floating dtype: the model computes in that dtype anyway;
+- dense tensors (``torch.from_numpy`` converts numpy arrays, ``.to_dense()`` sparse ones) of
+  the example's dtype, except that a floating tensor of another precision (float64, numpy's
+  default; float16) is cast to the example's floating dtype: the model computes in it anyway;
 - the same number of dims and the same sizes, except the batch size: the batch is dim 0 of
   the first input; each input may differ from the example in one dim, one that has the
   example's batch size there (dim 0, or e.g. dim 1 of an LSTM state ``(layers, batch, hidden)``),
@@ -45,6 +45,11 @@ def _fresh(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _fresh(x) for k, x in v.items()}
     return v
+
+
+# gm.meta key of a prepared model: the input_signature of the example inputs it was prepared with,
+# what data given to it later (auto_int16's batches) is checked against
+SIGNATURE_META = "qc_input_signature"
 
 
 def input_signature(example_inputs: Sequence[Any]) -> list:
@@ -95,6 +100,7 @@ def _check_value(v: Any, spec: Any, label: str, where: str, leaves: list) -> Any
     if not isinstance(v, torch.Tensor):
         hint = " (torch.from_numpy converts it)" if type(v).__module__ == "numpy" else ""
         raise ConfigError(f"{where}: {label} must be a {spec['dtype']} tensor, got {_describe(v)}{hint}")
+    _check_dense(v, label, where)
     if v.is_meta:
         raise ConfigError(f"{where}: {label} is a meta tensor (a shape without data); pass a tensor with data "
                           "(on the CPU)")
@@ -108,6 +114,21 @@ def _check_value(v: Any, spec: Any, label: str, where: str, leaves: list) -> Any
                           f"has {tuple(spec['shape'])} ({len(spec['shape'])} dims)")
     leaves.append((label, spec, v))
     return v
+
+
+def _check_dense(v: torch.Tensor, label: str, where: str) -> None:
+    """ConfigError naming ``label`` when ``v`` is not a dense (strided) tensor: sparse, mkldnn... tensors
+    have no strides, and the model's first op fails on them deep inside torch."""
+    if v.layout != torch.strided:
+        raise ConfigError(f"{where}: {label} is a {v.layout} tensor; qcompiler runs dense (strided) tensors only: "
+                          "pass x.to_dense()")
+
+
+def require_dense(args: Sequence[Any], *, where: str) -> None:
+    """:func:`check_dense` for every tensor in ``args`` (example inputs, where no signature checks them)."""
+    for i, a in enumerate(args):
+        for t in tensors_in(a):
+            _check_dense(t, f"input {i}", where)
 
 
 def _check_sizes(leaves: list[tuple[str, dict, torch.Tensor]], where: str) -> None:

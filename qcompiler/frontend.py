@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.batches import SIGNATURE_META, input_signature, require_dense
 from qcompiler.errors import ConfigError
 from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir.auto_leaf import trace_or_fallback
@@ -74,6 +75,7 @@ def build_graph(
         prepare_custom_config_dict=parse_prepare_custom_config(prepare_custom_config_dict),
         options=dict(options or {}),
     )
+    require_dense(ctx.example_inputs, where="example_inputs")
     custom = ctx.prepare_custom_config_dict
     preserved = list(custom.get("preserved_attributes", []))
     for attr in preserved:
@@ -92,6 +94,7 @@ def build_graph(
         for attr in preserved:
             setattr(gm, attr, getattr(work, attr))
         gm.meta["qc_march"] = ctx.march
+        gm.meta[SIGNATURE_META] = input_signature(ctx.example_inputs)
         gm = PassManager(passes, verify=verify, dump_dir=dump_dir).run(gm, ctx).gm
     gm.recompile()
     return gm

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
-from qcompiler.batches import as_args, fresh_args, tensors_in
+from qcompiler.batches import SIGNATURE_META, as_args, check_inputs, fresh_args, tensors_in
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, META_OP, META_SCOPE, META_STUB, placement
 from qcompiler.ir.ops import META_OPS
@@ -315,6 +315,9 @@ def _check_args(calib_model: Any, batches: Any, budget: Any, target_sqnr: Any) -
     out = [as_args(b) for b in batches]
     if not out:
         raise ConfigError("auto_int16: batches is empty; pass the calibration batches")
+    signature = calib_model.meta.get(SIGNATURE_META)  # the example inputs it was prepared with
+    if signature is not None:  # the rules calibration data follows in compile (qcompiler.batches)
+        out = [check_inputs(b, signature, where=f"auto_int16: batches[{i}]") for i, b in enumerate(out)]
     return out
 
 
@@ -362,8 +365,10 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
 
     ``calib_model``: a ``prepare_calibration_fx`` model after calibration, on a march with int16
     (bayes; bernoulli2 is a ConfigError). ``batches``: model inputs to measure on (the calibration
-    batches); the reference is the calibration model's own (float) output. ``budget``: the largest
-    fraction of BPU activation tensors in int16; ``target_sqnr``: stop as soon as the output SQNR
+    batches), checked like calibration data against the example inputs it was prepared with
+    (:func:`qcompiler.batches.check_inputs`: any batch size, floats cast); the reference is the
+    calibration model's own (float) output. ``budget``: the largest fraction of BPU activation
+    tensors in int16; ``target_sqnr``: stop as soon as the output SQNR
     reaches it (dB). With both, the budget caps the search; with only ``target_sqnr``, the fewest
     tensors that reach it (all of them if none do). The chosen observers are re-typed to qint16 in
     ``calib_model`` (run ``optimize_weight_rounding`` after this, then ``convert_fx``), and the
