@@ -10,6 +10,8 @@ lower BPU partitions to programs and CPU partitions to ONNX islands.
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -25,7 +27,7 @@ from qcompiler.atomic_write import write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_island
-from qcompiler.batches import as_args, check_inputs, fresh_args, input_signature, require_samples
+from qcompiler.batches import as_args, check_inputs, fresh_args, input_signature, require_dense, require_samples
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
@@ -142,7 +144,7 @@ class CompiledModel:
 
     def dump(self, out_dir: Union[str, Path], name: Optional[str] = None) -> list[Path]:
         """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing."""
-        out = Path(out_dir)
+        out = Path(fs_path(out_dir, "dump"))
         result = dump_partitioned(self._need_graph("dump"), out, name=name or self.name)
         files = list(result.files)
         for step in self.runtime.steps:
@@ -175,13 +177,14 @@ class CompiledModel:
         A model with torch islands (:meth:`torch_islands`) has no ONNX form: an UnsupportedOpError
         names each island's nodes and why."""
         self._refuse_torch_islands("export_onnx", UnsupportedOpError, "ONNX opset 11 cannot express")
-        return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, str(path))
+        return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, fs_path(path, "export_onnx"))
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the runtime (tensors, JSON, ONNX; no pickled code) to one file; :func:`load` reads it.
 
         A torch island is Python code, which artifacts never hold: saving a model with one is an
         ArtifactError naming its nodes."""
+        path = fs_path(path, "save")
         self._refuse_torch_islands("save", ArtifactError, "an artifact cannot hold without pickling code")
         manifest = {
             "model": self.name,
@@ -193,9 +196,42 @@ class CompiledModel:
         }
         return save_artifact(path, manifest, self.runtime.programs, self.runtime.islands)
 
+    def __reduce__(self) -> tuple:
+        """Pickle as the file :meth:`save` writes (tensors, JSON, ONNX: no code), so a model can go to a
+        worker process; it unpickles as :func:`load` gives it (the runtime, ``threads`` kept). A model
+        ``save`` refuses (eager-torch islands) raises save's ArtifactError."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "model.qc"
+            try:
+                self.save(path)
+            except ArtifactError as exc:
+                why = "a CompiledModel pickles as the file CompiledModel.save writes"
+                raise ArtifactError(f"pickle: {why}; {exc}") from None
+            data = path.read_bytes()
+        return _from_artifact, (data, self.runtime.ort_threads, self.threads)
 
-def load(path: Union[str, Path], *, ort_threads: int = 1, threads: Optional[int] = None) -> CompiledModel:
-    """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed).
+
+def _from_artifact(data: bytes, ort_threads: int, threads: Optional[int]) -> CompiledModel:
+    """The model a pickle holds: :func:`load` of the artifact bytes ``CompiledModel.__reduce__`` wrote
+    (checked like any file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.qc"
+        path.write_bytes(data)
+        return load(path, ort_threads=ort_threads, threads=threads)
+
+
+def fs_path(path: Any, what: str) -> Union[str, os.PathLike]:
+    """``path`` as ``open()`` takes it: a str or os.PathLike as it is, bytes (or a PathLike of bytes)
+    decoded with ``os.fsdecode``; anything else is a ConfigError naming ``what``."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(f"{what}: the path must be a str, bytes or os.PathLike, got {type(path).__name__}")
+    return os.fsdecode(path) if isinstance(os.fspath(path), bytes) else path
+
+
+def load(path: Union[str, bytes, os.PathLike], *, ort_threads: int = 1,
+         threads: Optional[int] = None) -> CompiledModel:
+    """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed);
+    ``path`` as ``open()`` takes it (str, bytes or os.PathLike).
 
     ``threads`` is kept (``CompiledModel.threads``), but an artifact has no graph to prove the
     batch split safe with, so a loaded model runs every batch whole."""
@@ -203,6 +239,7 @@ def load(path: Union[str, Path], *, ort_threads: int = 1, threads: Optional[int]
         raise ConfigError(f"load: ort_threads must be a positive int, got {ort_threads!r}")
     if threads is not None:
         resolve_threads(threads, "load")
+    path = fs_path(path, "load")
     manifest, programs, islands = load_artifact(path)  # checked: form, sizes, tensors, data flow
     steps = [Step.from_json(s) for s in manifest["steps"]]
     try:
@@ -342,6 +379,7 @@ def compile(
         raise ConfigError("compile: weight_rounding=True is not supported under torch.distributed yet (its "
                           "statistics are not reduced over ranks); compile with weight_rounding on one process")
     inputs = normalize_inputs(example_inputs)
+    require_dense(inputs, where="example_inputs")
     if isinstance(model, nn.Module):
         check_has_data(model)
     if mode == "qat":
