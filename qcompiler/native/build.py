@@ -123,8 +123,9 @@ def _cache_dir(notes: list) -> Optional[Path]:
         notes.append(f"qcompiler: {ENV_CACHE}={base!r} is not an absolute path, so it is ignored; the native "
                      f"kernels are cached in {default or 'a private directory'} instead (set it to an absolute path)")
     elif default is None:
-        notes.append(f"qcompiler: no absolute cache directory for the native kernels (HOME={os.environ.get('HOME')!r}); "
-                     f"building them in a private directory (set {ENV_CACHE} to an absolute path)")
+        notes.append(f"qcompiler: no absolute cache directory for the native kernels "
+                     f"(HOME={os.environ.get('HOME')!r}); building them in a private directory (set {ENV_CACHE} "
+                     f"to an absolute path)")
     return default
 
 
