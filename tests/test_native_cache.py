@@ -50,11 +50,15 @@ sys.modules["qcompiler"] = pkg
 if len(sys.argv) > 2:
     os.umask(int(sys.argv[2], 8))
 from qcompiler.native import build
+if os.environ.get("QC_TEST_NO_PROC"):  # as on a system without /proc
+    build._group_cpu = lambda pgid: None
+    _isdir = os.path.isdir
+    os.path.isdir = lambda p: p != "/proc/self/fd" and _isdir(p)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     lib = build.library()
 out = {"warnings": [str(w.message) for w in caught], "kinds": [w.category.__name__ for w in caught],
-       "loaded": lib is not None}
+       "loaded": lib is not None, "pinned": len(getattr(build, "_PINNED", ()))}  # loaded via /proc/self/fd
 if lib is not None:
     x, q = (ctypes.c_float * 4)(-1.5, 0.25, 2.5, 300.0), (ctypes.c_int8 * 4)()
     f = lib.qc_quantize_i8
@@ -196,6 +200,7 @@ def test_a_build_records_its_digest_and_the_next_load_uses_it_as_it_is(tmp_path,
     second = _child(tmp_path, _env(cc, cache))
     _loaded_real_kernels(second)
     assert second["warnings"] == [] and len(_builds(tmp_path)) == 1  # no second build
+    assert first["pinned"] == second["pinned"] == 1  # loaded through the fd it was hashed from
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -537,6 +542,27 @@ def test_the_absolute_cap_kills_a_compiler_that_runs_too_long(tmp_path, good):
     assert not got["loaded"] and time.monotonic() - start < 2 + 10, got
     (warning,) = got["warnings"]
     assert "still running after 2 s" in warning and build.ENV_BUILD_MAX in warning, warning
+
+
+def test_without_proc_the_library_is_loaded_by_its_path_and_only_the_cap_kills(tmp_path, cc, good):
+    """Where /proc is missing: dlopen by path (the directory is checked to be the user's alone), the digest
+    still checked; no CPU accounting, so a hung compiler lives until the cap."""
+    no_proc = {"QC_TEST_NO_PROC": "1"}
+    cache = tmp_path / "cache"
+    got = _child(tmp_path, {**_env(cc, cache), **no_proc})
+    _loaded_real_kernels(got)
+    assert got["warnings"] == [] and len(_builds(tmp_path)) == 1 and got["pinned"] == 0
+    lib = cache / good.name
+    lib.write_bytes(lib.read_bytes()[:1000])
+    got = _child(tmp_path, {**_env(cc, cache), **no_proc})
+    _loaded_real_kernels(got)
+    assert len(_builds(tmp_path)) == 2 and "SHA-256" in got["warnings"][0], got
+    hung = _slow_cc(tmp_path, good, hang="compile")
+    start = time.monotonic()
+    got = _child(tmp_path, {**_env(hung, tmp_path / "c2"), build.ENV_BUILD_IDLE: "0.5", build.ENV_BUILD_MAX: "3",
+                            **no_proc}, timeout=60)
+    assert not got["loaded"] and 3 <= time.monotonic() - start < 3 + 10, got
+    assert "still running after 3 s" in got["warnings"][0], got
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
