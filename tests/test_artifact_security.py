@@ -540,6 +540,23 @@ def test_an_allowed_attribute_holding_a_graph_is_refused(artifact, tmp_path, mon
                   r"writes it as INT" + NOT_OURS)
 
 
+def test_constants_that_fold_to_a_huge_tensor_are_not_computed_at_load(artifact, tmp_path):
+    """ConstantOfShape([2^28]) -> ReduceSum, all ops qcompiler writes: onnxruntime's constant folding
+    would fill 1 GiB while the session is made (7 s here); load leaves it to a call."""
+    e, island = _island(artifact)
+    island.graph.initializer.append(numpy_helper.from_array(np.array([1 << 28], np.int64), "huge_shape"))
+    one = numpy_helper.from_array(np.ones(1, np.float32))
+    _append(island, lambda x, y: helper.make_node("Add", [x, "huge_sum"], [y], name="add"))
+    nodes = [helper.make_node("ConstantOfShape", ["huge_shape"], ["huge"], name="fill", value=one),
+             helper.make_node("ReduceSum", ["huge"], ["huge_sum"], name="sum", keepdims=0), *island.graph.node]
+    island.graph.ClearField("node")
+    island.graph.node.extend(nodes)
+    path = _store(e, island, tmp_path / "fold.qc")
+    t0 = time.perf_counter()
+    load(path)
+    assert time.perf_counter() - t0 < 2.0
+
+
 def test_island_with_local_functions_or_training_info_is_refused(artifact, tmp_path, monkeypatch):
     e, island = _island(artifact)
     island.functions.append(helper.make_function("", "Mul", ["a", "b"], ["c"],

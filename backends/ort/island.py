@@ -44,7 +44,10 @@ class OrtIsland:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
-        self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+        # no constant folding: it runs the island's ops on its constants while the session is made, so
+        # a 16-byte shape could make load allocate and fill gigabytes (docs/artifacts.md, "Threat model")
+        self.session = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"],
+                                            disabled_optimizers=["ConstantFolding"])
         self._feed_names = [i.name for i in self.session.get_inputs()]
         self._fetch_names = [o.name for o in self.session.get_outputs()]
 
