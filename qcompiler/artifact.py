@@ -13,8 +13,10 @@ manifest names, each streamed with a hard stop at the size the manifest declares
 (:data:`MAX_MANIFEST_BYTES` for the manifest itself, and at most
 :data:`MAX_INFLATION` times the compressed size), checks CRCs, the manifest's form and
 data flow, every tensor against its program's declaration, and refuses ONNX external
-data.  Anything wrong is an :class:`~qcompiler.errors.ArtifactError` naming the member,
-step, program or tensor.
+data and islands holding anything the emitter never writes
+(:func:`~qcompiler.backends.ort.island.check_island`: no ``Loop``, no custom op).  Anything
+wrong is an :class:`~qcompiler.errors.ArtifactError` naming the member, step, program, tensor
+or island node.
 """
 
 from __future__ import annotations
