@@ -213,11 +213,14 @@ class CompiledModel:
 
 def _from_artifact(data: bytes, ort_threads: int, threads: Optional[int]) -> CompiledModel:
     """The model a pickle holds: :func:`load` of the artifact bytes ``CompiledModel.__reduce__`` wrote
-    (checked like any file)."""
+    (checked like any file; an error names the pickle, not the temporary file)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.qc"
         path.write_bytes(data)
-        return load(path, ort_threads=ort_threads, threads=threads)
+        try:
+            return load(path, ort_threads=ort_threads, threads=threads)
+        except ArtifactError as exc:
+            raise ArtifactError(str(exc).replace(str(path), "the pickled CompiledModel")) from None
 
 
 def fs_path(path: Any, what: str) -> Union[str, os.PathLike]:
