@@ -30,6 +30,7 @@ import copy
 import csv
 import io
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -332,6 +333,9 @@ class QuantAnalysis:
         self.advice: list[dict] = []
         self.sensitive_ops: list[list] = []
         self.written: list[Path] = []
+        # each written path -> (where it is, which file it was): what clean() may remove (see _wrote)
+        self._stamps: dict[Path, tuple[Path, Optional[tuple]]] = {}
+        self._out_abs = Path(os.path.abspath(self.out_dir))
         self._hook_paths: dict[str, str] = {}
 
     # ------------------------------------------------------------------ setup checks
@@ -447,8 +451,12 @@ class QuantAnalysis:
         return as_args(self.bad_case)
 
     def _wrote(self, path: Path) -> None:
+        """Record a file this analysis wrote, by absolute path (a later chdir does not move it) and by
+        identity (:func:`_stamp`), so :meth:`clean` removes it only while it is still that file."""
         if path not in self.written:
             self.written.append(path)
+        full = Path(os.path.abspath(path))
+        self._stamps[path] = (full, _stamp(full))
 
     # ------------------------------------------------------------------ per-layer recording
 
@@ -927,15 +935,28 @@ class QuantAnalysis:
         return p
 
     def clean(self) -> list[Path]:
-        """Remove every file this analysis wrote (and out_dir if left empty)."""
+        """Remove the files this analysis wrote that are still the ones it wrote (a file of the same
+        name written since, by another analysis or by hand, stays), and out_dir if that left it empty.
+        Returns the removed files (absolute paths)."""
         removed = []
-        for p in list(self.written):
-            if p.exists():
-                p.unlink()
-                removed.append(p)
-        self.written = []
-        try:
-            self.out_dir.rmdir()
-        except OSError:
-            pass
+        for full, stamp in self._stamps.values():
+            if stamp is not None and _stamp(full) == stamp:
+                full.unlink()
+                removed.append(full)
+        self.written, self._stamps = [], {}
+        if any(p.parent == self._out_abs for p in removed):
+            try:
+                self._out_abs.rmdir()
+            except OSError:  # not empty: files this analysis did not write
+                pass
         return removed
+
+
+def _stamp(path: Path) -> Optional[tuple]:
+    """Which file is at ``path`` (device, inode, size, modification time), or None if none: a file
+    replaced since (atomic writes rename a new one in) or rewritten in place has another stamp."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
