@@ -9,6 +9,8 @@ metadata.  Reading never unpickles: a pickle, or any other file, is an
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Union
 
@@ -18,10 +20,17 @@ from safetensors.torch import save as st_save
 
 from qcompiler.errors import ArtifactError, ConfigError
 
-__all__ = ["case_bytes", "load_case"]
+__all__ = ["case_bytes", "load_case", "file_kind"]
 
 FORMAT = "qcompiler.case"
 MAX_NESTING = 32
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a ``stat`` mode that is not a regular file's is, for messages: "a FIFO", "a directory"..."""
+    return next((kind for test, kind in _NOT_REGULAR if test(mode)), "a special file")
 
 
 def case_bytes(case: Any) -> bytes:
@@ -51,8 +60,15 @@ def case_bytes(case: Any) -> bytes:
 
 
 def load_case(path: Union[str, Path]) -> Any:
-    """The case saved by :func:`case_bytes` at ``path``; ArtifactError if the file is not one."""
+    """The case saved by :func:`case_bytes` at ``path``; ArtifactError if the file is not one (anything
+    but a regular file is refused before it is opened)."""
     p = Path(path)
+    try:  # stat before opening: opening a FIFO blocks until a writer comes, and safe_open holds the GIL
+        mode = os.stat(p).st_mode
+    except OSError as exc:
+        raise ArtifactError(f"{p}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(mode):
+        raise ArtifactError(f"{p}: not a regular file ({file_kind(mode)}); give the path of a bad-case file")
     try:
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
