@@ -64,7 +64,9 @@ def _within(entry: ScopeEntry, name: str) -> bool:
 def parse_hybrid_dict(hybrid_dict: Any, model: Optional[nn.Module]) -> HybridConfig:
     """Validate ``hybrid_dict`` against ``model``; ConfigError naming the bad key or name.
 
-    A ``module_type`` that matches no module of the model is legal but warned about.
+    A ``module_type`` that matches no module of the model is legal but warned about. A type given by
+    name must name a class of the model's modules (or a base of one), or one of a module already
+    loaded: names are never imported.
     With ``model=None`` only the form is checked (for comparing configs).
     """
     if hybrid_dict is None:
@@ -83,7 +85,8 @@ def parse_hybrid_dict(hybrid_dict: Any, model: Optional[nn.Module]) -> HybridCon
     for key, value in (("module_name", names), ("module_type", types)):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"hybrid_dict['{key}'] must be a list, got {type(value).__name__}")
-    resolved = tuple(resolve_type(t, "hybrid_dict['module_type']") for t in types)
+    # names are matched against the model's classes, never imported (see resolve_type)
+    resolved = tuple(resolve_type(t, f"hybrid_dict['module_type'][{i}]", model) for i, t in enumerate(types))
     if model is None:
         return HybridConfig(tuple(names), resolved)
     check_module_names(model, names, "hybrid_dict['module_name']")

@@ -43,6 +43,7 @@ from qcompiler.batches import check_inputs, input_signature
 from qcompiler.distributed import is_main_process, join_torchrun, shard
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.ir.dump import dump_partitioned
+from qcompiler.ir.names import resolve_type
 from qcompiler.ir.partitions import partitions, summary_line
 from qcompiler.march import March, get_march
 from qcompiler.quantization.convert import convert_fx
@@ -285,11 +286,13 @@ def _names(names: Sequence[str], limit: int = 3) -> str:
     return shown if len(names) <= limit else f"{shown}, ... (+{len(names) - limit})"
 
 
-def model_configs(args: argparse.Namespace) -> tuple[Optional[dict], Optional[dict]]:
-    """``(hybrid_dict, prepare_custom_config_dict)`` from the shared model flags."""
+def model_configs(args: argparse.Namespace, model: nn.Module) -> tuple[Optional[dict], Optional[dict]]:
+    """``(hybrid_dict, prepare_custom_config_dict)`` from the shared model flags; module type names are
+    matched against ``model``'s classes, never imported (qcompiler.ir.names.resolve_type)."""
     hybrid_dict = None
     if args.hybrid_module_name or args.hybrid_module_type:
-        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": list(args.hybrid_module_type)}
+        types = [resolve_type(t, f"--hybrid-module-type {t!r}", model) for t in args.hybrid_module_type]
+        hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": types}
     custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
     return hybrid_dict, custom
 
@@ -297,7 +300,7 @@ def model_configs(args: argparse.Namespace) -> tuple[Optional[dict], Optional[di
 def cmd_partition(args: argparse.Namespace) -> int:
     """Trace, place and partition a model, print the partitions and write the review dump."""
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
-    hybrid_dict, custom = model_configs(args)
+    hybrid_dict, custom = model_configs(args, model)
     out = Path(args.out)
     dump_dir = out / "passes" if args.dump_passes else None
 
@@ -462,12 +465,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _file_configs(args: argparse.Namespace, hybrid_dict: Optional[dict]) -> tuple[Optional[dict], Optional[dict]]:
+def _file_configs(args: argparse.Namespace, hybrid_dict: Optional[dict], model: nn.Module
+                  ) -> tuple[Optional[dict], Optional[dict]]:
     """``(qconfig_dict, hybrid_dict)`` with the ``--qconfig`` / ``--hybrid`` JSON files (tools/config_file.py)
-    merged in: the file's hybrid entries join the --hybrid-module-* flags."""
+    merged in: the file's hybrid entries join the --hybrid-module-* flags (its module types matched
+    against ``model``'s classes, as the flag's are)."""
     qconfig_dict = read_qconfig_file(args.qconfig) if args.qconfig else None
     if args.hybrid:
         extra = read_hybrid_file(args.hybrid)
+        extra["module_type"] = [resolve_type(t, f"--hybrid {args.hybrid}: ['module_type'][{i}]", model)
+                                for i, t in enumerate(extra["module_type"])]
         base = hybrid_dict or {"module_name": [], "module_type": []}
         hybrid_dict = {k: list(dict.fromkeys(base.get(k, []) + extra[k])) for k in ("module_name", "module_type")}
     return qconfig_dict, hybrid_dict
@@ -475,8 +482,8 @@ def _file_configs(args: argparse.Namespace, hybrid_dict: Optional[dict]) -> tupl
 
 def _compile(args: argparse.Namespace) -> int:
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
-    hybrid_dict, custom = model_configs(args)
-    qconfig_dict, hybrid_dict = _file_configs(args, hybrid_dict)
+    hybrid_dict, custom = model_configs(args, model)
+    qconfig_dict, hybrid_dict = _file_configs(args, hybrid_dict, model)
     batches = calibration_batches(args, inputs)
     model.eval()
     compiled = qcompiler.compile(model, inputs, march=args.march, qconfig_dict=qconfig_dict, hybrid_dict=hybrid_dict,
@@ -509,7 +516,7 @@ def _compile(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """Quantization accuracy report: float vs fake-quant vs converted, per layer, with advisor and sensitivity."""
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
-    hybrid_dict, custom = model_configs(args)
+    hybrid_dict, custom = model_configs(args, model)
     if args.calib_random < 1:
         raise UsageError("--calib-random must be at least 1")
     if args.advise < 0 or (args.apply and not args.advise):
