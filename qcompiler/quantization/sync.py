@@ -24,21 +24,57 @@ What is reduced, and when (docs/distributed.md):
 from __future__ import annotations
 
 import hashlib
+import math
 import os
-from typing import Iterable
+import warnings
+from typing import Iterable, Mapping
 
 import torch.nn as nn
 
 from qcompiler import collectives
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.quantization.fake_quantize import FakeQuantize, observe_final_weights
 from qcompiler.quantization.observer import ObserverBase, reduce_observers
 
-__all__ = ["sync_observers", "check_same_model", "require_batches", "DEFAULT_TIMEOUT"]
+__all__ = ["sync_observers", "check_same_model", "require_batches", "DEFAULT_TIMEOUT", "timeout_from_env"]
+
+TIMEOUT_ENV = "QCOMPILER_DIST_TIMEOUT"
+BUILT_IN_TIMEOUT = 300.0  # seconds, when TIMEOUT_ENV is unset or unusable
+
+
+def timeout_from_env(environ: Mapping[str, str] = os.environ) -> float:
+    """The seconds ``TIMEOUT_ENV`` sets (a positive finite number), else BUILT_IN_TIMEOUT.
+
+    A bad value is a QCompilerWarning and the built-in default, not an error: it is read when
+    qcompiler is imported (the functions' defaults are bound then), and an error there would break
+    ``import qcompiler`` in every process, most of which never sync; raising later, at the first
+    sync point, would come only after the calibration it was to guard.
+    """
+    raw = environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return BUILT_IN_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if math.isfinite(seconds) and seconds > 0:
+        return seconds
+    warnings.warn(f"{TIMEOUT_ENV}={raw!r} is not a positive finite number of seconds (e.g. 600); using the "
+                  f"default {BUILT_IN_TIMEOUT:g} s", QCompilerWarning, stacklevel=2)
+    return BUILT_IN_TIMEOUT
+
+
+def _check_timeout(timeout: object, what: str) -> None:
+    """ConfigError unless ``timeout`` is a positive finite number of seconds (a bad one would fail the
+    wait at once and blame the other ranks)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"{what}: timeout must be a positive finite number of seconds, got {timeout!r}")
+
 
 # seconds every rank waits for the others at a sync point before reporting the missing ones
 # (QCOMPILER_DIST_TIMEOUT in the environment overrides it for every sync point, e.g. in compile)
-DEFAULT_TIMEOUT = float(os.environ.get("QCOMPILER_DIST_TIMEOUT", "300"))
+DEFAULT_TIMEOUT = timeout_from_env()
 
 
 def _observers(model: nn.Module) -> list[tuple[str, ObserverBase]]:
@@ -95,6 +131,7 @@ def sync_observers(model: nn.Module, *, timeout: float = DEFAULT_TIMEOUT) -> nn.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"sync_observers takes a torch.nn.Module, got {type(model).__name__}")
+    _check_timeout(timeout, "sync_observers")
     observe_final_weights(model)  # weights calibration skipped as unchanged, as they are now (every rank)
     if not collectives.active():
         return model
@@ -109,6 +146,7 @@ def sync_observers(model: nn.Module, *, timeout: float = DEFAULT_TIMEOUT) -> nn.
 
 def require_batches(n: int, what: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
     """ConfigError on every rank if any rank has no batch of ``what`` (an empty shard)."""
+    _check_timeout(timeout, what)
     if not collectives.active():
         return
     collectives.barrier(timeout, what)
