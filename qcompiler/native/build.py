@@ -282,12 +282,11 @@ def _group_cpu(pgid: int) -> Optional[int]:
     return total
 
 
-def _run(cmd: list, limits: tuple[float, float]) -> tuple[int, str, str]:
+def _run(cmd: list, what: str, limits: tuple[float, float]) -> tuple[int, str, str]:
     """Run the compiler in a session of its own: (exit code, stdout, stderr).  The whole group is killed,
-    and RuntimeError raised, once it has used no CPU for the idle limit (where /proc tells) or once the
-    cap has passed."""
+    and RuntimeError raised naming ``what``, once it has used no CPU for the idle limit (where /proc
+    tells) or once the cap has passed."""
     idle, cap = limits
-    what = f"`{os.path.basename(cmd[0])} {cmd[1]}`" if len(cmd) > 1 else f"`{cmd[0]}`"
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
         start = last = time.monotonic()
@@ -341,7 +340,8 @@ def _cpu_id() -> str:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return platform.processor() or platform.machine()
-    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    fields = ("model name", "flags", "Features", "CPU part")
+    keep = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in fields]
     return "\n".join(sorted(set(keep))) or platform.machine()
 
 
@@ -357,7 +357,7 @@ def _compiler() -> Optional[str]:
 
 
 def _library_name(cc: str, limits: tuple[float, float]) -> str:
-    rc, out, _ = _run([cc, "--version"], limits)
+    rc, out, _ = _run([cc, "--version"], f"`{os.path.basename(cc)} --version`", limits)
     version = out.splitlines()[0] if rc == 0 and out else cc
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_id().encode(), platform.machine().encode()])).hexdigest()[:24]
@@ -369,9 +369,11 @@ def _build(cc: str, dir_fd: int, cache: Path, name: str, limits: tuple[float, fl
     compiled file through the fd it was hashed from.  RuntimeError / OSError say what failed."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        rc, _, err = _run([cc, *FLAGS, "-o", str(cache / tmp), str(SOURCE), "-lm"], limits)
+        rc, _, err = _run([cc, *FLAGS, "-o", str(cache / tmp), str(SOURCE), "-lm"],
+                          f"`{os.path.basename(cc)}` compiling kernels.c", limits)
         if rc != 0:
-            raise RuntimeError(f"{os.path.basename(cc)} exited with {rc}: {err.strip()[:500]}")
+            detail = f": {err.strip()[:500]}" if err.strip() else ""
+            raise RuntimeError(f"{os.path.basename(cc)} exited with {rc}{detail}")
         fd = os.open(tmp, _OPEN, dir_fd=dir_fd)  # what the compiler wrote, in the checked directory
         try:
             st = os.fstat(fd)
@@ -428,16 +430,15 @@ def _load(notes: list) -> tuple[Optional[ctypes.CDLL], str]:
     limits = _limits(notes)
     try:
         name = _library_name(cc, limits)
-        cache = _cache_dir(notes)
-        try:
-            if cache is None:
-                raise _Refused("")
-            dir_fd = _open_dir(cache)
-        except _Refused as e:
-            if cache is not None:
+        cache, dir_fd = _cache_dir(notes), None
+        if cache is not None:
+            try:
+                dir_fd = _open_dir(cache)
+            except _Refused as e:
                 notes.append(f"qcompiler: refusing the native kernel cache: {e}; building the kernels in a private "
-                             f"directory instead (make it yours and writable by you alone, e.g. chmod 700 {cache}, or "
-                             f"set {ENV_CACHE} to such a directory)")
+                             f"directory instead (make it a directory of yours that only you can write: chown it, "
+                             f"chmod 700 {cache}; or set {ENV_CACHE} to such a directory)")
+        if dir_fd is None:
             return _load_private(cc, name, limits), ""
         try:
             lib, why = _cached(dir_fd, cache, name)
