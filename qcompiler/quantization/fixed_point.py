@@ -732,12 +732,21 @@ def int_cat(qs: Sequence[torch.Tensor], in_scales: Sequence[Scale], out_scale: S
     if len(qs) != len(in_scales) or not qs:
         raise ConfigError(f"{op}: need one scale per input, got {len(qs)} inputs and "
                           f"{len(in_scales)} scales")
-    so = _f64(out_scale, "out_scale")
-    parts = []
-    for i, (q, s) in enumerate(zip(qs, in_scales)):
-        M, n = requant_params(_f64(s, f"in_scales[{i}]") / so, mult_bits=mult_bits, max_shift=max_shift)
-        parts.append(requantize(q, M, n, out_dtype, op=f"{op}[{i}]"))
+    params = cat_params(in_scales, out_scale, mult_bits=mult_bits, max_shift=max_shift)
+    parts = [requantize(q, M, n, out_dtype, op=f"{op}[{i}]") for i, (q, (M, n)) in enumerate(zip(qs, params))]
     return torch.cat(parts, dim=dim)
+
+
+def cat_params(in_scales: Sequence[Scale], out_scale: Scale, *, mult_bits: int = 15,
+               max_shift: int = 31) -> list[tuple[int, int]]:
+    """``(M, n)`` of each :func:`int_cat` input: ``requant_params(s_i / s_out)``, the ratio in float64
+    (the ONNX export requantizes with these too)."""
+    so = _f64(out_scale, "out_scale")
+    out = []
+    for i, s in enumerate(in_scales):
+        M, n = requant_params(_f64(s, f"in_scales[{i}]") / so, mult_bits=mult_bits, max_shift=max_shift)
+        out.append((int(M), int(n)))
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -761,9 +770,17 @@ def int_avg_pool2d(q: torch.Tensor, kernel_size: IntPair, stride: IntPair | None
     s = F.avg_pool2d(x.double(), (kh, kw), stride if stride is not None else (kh, kw), padding,
                      ceil_mode=False, count_include_pad=True, divisor_override=1).to(torch.int64)
     check_accumulator(s, 32, op=op)
+    M, n = avg_pool_params((kh, kw), in_scale, out_scale, mult_bits=mult_bits, max_shift=max_shift)
+    return requantize(s, M, n, out_dtype, op=op)
+
+
+def avg_pool_params(kernel_size: IntPair, in_scale: Scale, out_scale: Scale, *, mult_bits: int = 15,
+                    max_shift: int = 31) -> tuple[int, int]:
+    """``(M, n)`` of :func:`int_avg_pool2d`: the factor ``s_in / (kh * kw * s_out)`` in float64."""
+    kh, kw = _pair(kernel_size)
     M, n = requant_params(_f64(in_scale, "in_scale") / (kh * kw * _f64(out_scale, "out_scale")),
                           mult_bits=mult_bits, max_shift=max_shift)
-    return requantize(s, M, n, out_dtype, op=op)
+    return int(M), int(n)
 
 
 def int_global_avg_pool(q: torch.Tensor, in_scale: Scale, out_scale: Scale, out_dtype="qint8",

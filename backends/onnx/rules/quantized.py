@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.ao.quantization as taq
+from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
     Call,
@@ -16,11 +18,12 @@ from qcompiler.backends.onnx.context import (
     to_numpy,
 )
 from qcompiler.backends.onnx.registry import emits, emits_module, op_rule
-from qcompiler.backends.onnx.rules.conv import conv, conv_transpose, linear_op
+from qcompiler.backends.onnx.rules.conv import _pads, conv, conv_transpose, linear_op
 from qcompiler.backends.onnx.rules.elementwise import clip, identity, prelu_slope_shape
-from qcompiler.backends.onnx.rules.integer_layer import float_form_reason, integer_weight_layer
+from qcompiler.backends.onnx.rules.integer_layer import float_form_reason, integer_weight_layer, requantize
 from qcompiler.backends.onnx.rules.pool import avg_pool, resize
 from qcompiler.nn import quantized as qnn
+from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase
 from qcompiler.quantization.fixed_point import dtype_name
 from qcompiler.quantization.observer import ObserverBase
@@ -94,6 +97,35 @@ def _out(ctx: NodeContext, y: str, scale: Optional[float], dtype: str) -> Tensor
     return ctx.quant.quantize_point(ctx, y, scale, dtype, ctx.path)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# integer rescaling: a float op between Q/DQ rounds float32(q * s_in) / s_out, which a near-tie
+# of q * M / 2**n puts on the other side (issue 37: squeezenet's cats). Where every value is int8,
+# the rules below compute the BPU's integers instead, with integer_layer.requantize.
+
+
+def _int8_codes(ctx: NodeContext, values: list, out_dtype: str) -> Optional[list[Tensor]]:
+    """The int8 tensors holding the integers of ``values`` (emitted values), or None: not quantizing,
+    an int8 output not asked for, or a value that is not an int8 tensor of the graph (an int16 value
+    is float in opset 11; such an op keeps its float form)."""
+    if not ctx.quant.quantize or out_dtype != "qint8":
+        return None
+    if not all(is_tensor(v) and ctx.quant.grid.get(v, (None, None))[1] == "qint8" for v in values):
+        return None
+    return [ctx.quant.codes_of(ctx, v, f"{ctx.path}.input{i}") for i, v in enumerate(values)]
+
+
+def _requantized_codes(ctx: NodeContext, acc: str, M, n, out_dtype: str, shape: tuple = (),
+                       add: Optional[tuple[str, int, int]] = None) -> Tensor:
+    """int8 ``clamp(round_half_even(acc * M / 2**n [+ other * Mb / 2**nb]))`` of the integer tensor
+    ``acc``: the simulator's requantization bit for bit (``integer_layer.requantize``)."""
+    lo, hi = fp.qrange(out_dtype)
+    return requantize(ctx, acc, torch.as_tensor(M), torch.as_tensor(n), shape, lo, hi, out_dtype, add)[0]
+
+
+def _dequantized(ctx: NodeContext, codes: str, scale: float, dtype: str) -> Tensor:
+    return ctx.quant.dequantize_codes(ctx, codes, scale, dtype, ctx.path)
+
+
 @emits_module(qnn.Quantize)
 def converted_quantize(ctx: NodeContext) -> Tensor:
     m = ctx.module
@@ -102,9 +134,12 @@ def converted_quantize(ctx: NodeContext) -> Tensor:
 
 @emits_module(qnn.Requantize)
 def converted_requantize(ctx: NodeContext) -> Tensor:
-    """Requantize: the dequantized input quantized again at the output scale (float Q/DQ, which
-    rounds where the BPU multiplies by M / 2**n)."""
+    """Requantize: the int8 codes times ``M / 2**n``, rounded as the BPU; else (int16) the dequantized
+    input quantized again at the output scale."""
     m = ctx.module
+    codes = _int8_codes(ctx, [ctx.x()], m.out_dtype)
+    if codes is not None:
+        return _dequantized(ctx, _requantized_codes(ctx, codes[0], m.M, m.n, m.out_dtype), m.out_scale, m.out_dtype)
     return ctx.quant.quantize_point(ctx, ctx.x(), m.out_scale, m.out_dtype, ctx.path, always_node=True)
 
 
@@ -163,18 +198,62 @@ def _function_call(ctx: NodeContext, args: tuple, kwargs: Optional[dict] = None)
 
 @emits_module(qnn.QuantizedAdd, qnn.QuantizedMul, qnn.QuantizedMatmul)
 def converted_binary(ctx: NodeContext) -> Tensor:
-    """QuantizedAdd / QuantizedMul / QuantizedMatmul: the float op on the dequantized operands,
-    quantized once at the output scale (the BPU's one requantization)."""
+    """QuantizedAdd / QuantizedMul / QuantizedMatmul on int8 values: the BPU's integers
+    (:func:`_integer_binary`); else the float op on the dequantized operands, quantized once at the
+    output scale."""
     m = ctx.module
+    y = _integer_binary(ctx, m)
+    if y is not None:
+        return y
     alpha = getattr(m, "alpha", 1.0)  # QuantizedAdd: the traced call's alpha, folded on the BPU
     y = _with_call(ctx, _function_call(ctx, ctx.call.args[:2], {"alpha": alpha} if alpha != 1.0 else None))
     return _out(ctx, y, m.out_scale, m.out_dtype)
 
 
+def _integer_binary(ctx: NodeContext, m) -> Optional[Tensor]:
+    """add / sub: one rounding of ``qa * Ma / 2**na +- qb * Mb / 2**nb``; mul: ``requantize(qa * qb)``
+    (a number operand: ``requantize(sign * q)``); matmul: ``requantize(MatMulInteger(qa, qb))``.
+    None where an operand is not an int8 tensor."""
+    args = [ctx.value(a) for a in ctx.call.args[:2]]
+    if isinstance(m, qnn.QuantizedMul) and not all(is_tensor(a) for a in args):  # a * number
+        codes = _int8_codes(ctx, [a for a in args if is_tensor(a)], m.out_dtype)
+        if codes is None:
+            return None
+        acc = codes[0]
+        M = m.M * m.sign
+        return _dequantized(ctx, _requantized_codes(ctx, acc, M, m.n, m.out_dtype), m.out_scale, m.out_dtype)
+    codes = _int8_codes(ctx, args, m.out_dtype)
+    if codes is None:
+        return None
+    qa, qb = codes
+    if isinstance(m, qnn.QuantizedAdd):
+        Ma, na, Mb, nb = m.params
+        add = (qb, -Mb if m.sub else Mb, nb)
+        y = _requantized_codes(ctx, qa, Ma, na, m.out_dtype, add=add)
+    elif isinstance(m, qnn.QuantizedMul):
+        wide = [ctx.make("Cast", [q], tag="int32", to=TensorProto.INT32, dtype=TensorProto.INT32) for q in codes]
+        y = _requantized_codes(ctx, ctx.make("Mul", wide, tag="product"), m.M, m.n, m.out_dtype)
+    else:
+        acc = ctx.make("MatMulInteger", [qa, qb], dtype=TensorProto.INT32)
+        y = _requantized_codes(ctx, acc, m.M, m.n, m.out_dtype)
+    return _dequantized(ctx, y, m.out_scale, m.out_dtype)
+
+
 @emits_module(qnn.QuantizedCat)
 def converted_cat(ctx: NodeContext) -> Tensor:
+    """QuantizedCat: each int8 input requantized to the output scale with the simulator's multiplier
+    and shift (``fixed_point.cat_params``; an input at the output scale is copied), then a Concat
+    of the codes. Else (int16) the float Concat quantized at the output scale."""
     m = ctx.module
     dim = ctx.arg(1, "dim", 0)
+    values = ctx.value(ctx.arg(0, "tensors"))
+    codes = _int8_codes(ctx, list(values), m.out_dtype) if isinstance(values, (list, tuple)) else None
+    if codes is not None:
+        params = fp.cat_params(m.in_scales, m.out_scale, mult_bits=qnn.MULT_BITS, max_shift=qnn.MAX_SHIFT)
+        parts = [q if M == 1 << n else _requantized_codes(ctx, q, M, n, m.out_dtype)
+                 for q, (M, n) in zip(codes, params)]
+        y = ctx.make("Concat", parts, axis=int(dim)) if len(parts) > 1 else parts[0]
+        return _dequantized(ctx, y, m.out_scale, m.out_dtype)
     y = _with_call(ctx, _function_call(ctx, (ctx.arg(0, "tensors"), dim)))
     return _out(ctx, y, m.out_scale, m.out_dtype)
 
@@ -188,9 +267,42 @@ def converted_lookup(ctx: NodeContext) -> Tensor:
     return _out(ctx, y, m.out_scale, "qint16" if m.table.dtype == torch.int16 else "qint8")
 
 
+def _integer_avg_pool(ctx: NodeContext, m: qnn.QuantizedAvgPool) -> Optional[Tensor]:
+    """The exact int32 window sums (a depthwise ``ConvInteger`` with int8 ones, zero padding counted;
+    a ``ReduceSum`` for a global pool), requantized by the simulator's ``(M, n)``. None where the
+    input is not a 4-d int8 tensor."""
+    shape = ctx.shape()
+    codes = _int8_codes(ctx, [ctx.x()], m.out_dtype) if shape is not None and len(shape) == 4 else None
+    if codes is None:
+        return None
+    (q,) = codes
+    if m.kernel is None:
+        wide = ctx.make("Cast", [q], tag="int32", to=TensorProto.INT32, dtype=TensorProto.INT32)
+        acc = ctx.make("ReduceSum", [wide], tag="sum", axes=[2, 3], keepdims=1)
+        M, n = fp.global_avg_pool_params(shape[2] * shape[3], m.in_scale, m.out_scale, mult_bits=qnn.MULT_BITS,
+                                         max_shift=qnn.MAX_SHIFT)
+    else:
+        k = list(fp._pair(m.kernel))
+        ones = ctx.const("window", np.ones((shape[1], 1, *k), np.int8), TensorProto.INT8)
+        acc = ctx.make("ConvInteger", [q, ones], tag="sum", dtype=TensorProto.INT32, kernel_shape=k,
+                       strides=list(fp._pair(m.stride if m.stride is not None else m.kernel)),
+                       pads=_pads(ctx, m.padding, k, [1, 1]), group=shape[1])
+        M, n = fp.avg_pool_params(k, m.in_scale, m.out_scale, mult_bits=qnn.MULT_BITS, max_shift=qnn.MAX_SHIFT)
+    y = _requantized_codes(ctx, acc, M, n, m.out_dtype)
+    out = ctx.out_shape()
+    if m.kernel is None and not (m.keepdim or (out is not None and len(out) == 4)):
+        y = ctx.make("Squeeze", [y], tag="squeeze", axes=[2, 3])
+    return _dequantized(ctx, y, m.out_scale, m.out_dtype)
+
+
 @emits_module(qnn.QuantizedAvgPool)
 def converted_avg_pool(ctx: NodeContext) -> Tensor:
+    """Average pools on int8 values: integer sums and the BPU's requantization
+    (:func:`_integer_avg_pool`); else the float pool quantized at the output scale."""
     m: qnn.QuantizedAvgPool = ctx.module
+    y = _integer_avg_pool(ctx, m)
+    if y is not None:
+        return y
     x = ctx.x()
     if m.kernel is None:
         out = ctx.out_shape()
