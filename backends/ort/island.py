@@ -146,11 +146,13 @@ def check_vocabulary(model: onnx.ModelProto, where: str) -> None:
                 raise ArtifactError(f"{where}: {what} ({node.op_type}) has attribute {short(a.name)}, which qcompiler "
                                     f"never writes on {node.op_type}; {NOT_OURS}")
             want = _attribute_type(node.op_type, a.name)
-            if a.type != want or a.ref_attr_name:
-                got = "a reference to a function attribute" if a.ref_attr_name else \
-                    f"type {_type_name(a.type)}"
-                raise ArtifactError(f"{where}: {what} ({node.op_type}) has attribute '{a.name}' of {got}; "
-                                    f"qcompiler writes it as {_type_name(want)}; {NOT_OURS}")
+            if a.ref_attr_name:
+                raise ArtifactError(f"{where}: {what} ({node.op_type}) has attribute '{a.name}' referring to "
+                                    f"function attribute {short(a.ref_attr_name)}; qcompiler writes its value; "
+                                    f"{NOT_OURS}")
+            if a.type != want:
+                raise ArtifactError(f"{where}: {what} ({node.op_type}) has attribute '{a.name}' of type "
+                                    f"{_type_name(a.type)}; qcompiler writes it as {_type_name(want)}; {NOT_OURS}")
 
 
 def _attribute_type(op_type: str, attr: str) -> int:
