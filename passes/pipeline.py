@@ -13,6 +13,7 @@ from qcompiler.passes.fuse import FUSE
 from qcompiler.passes.inplace_reads import INPLACE_READS
 from qcompiler.passes.insert_observers import INSERT_OBSERVERS
 from qcompiler.passes.insert_stubs import INSERT_STUBS
+from qcompiler.passes.leaf_writes import LEAF_WRITES
 from qcompiler.passes.out_of_place import OUT_OF_PLACE
 from qcompiler.passes.partition import PARTITION
 from qcompiler.passes.place import PLACE
@@ -20,11 +21,11 @@ from qcompiler.passes.rewrite import REWRITE
 from qcompiler.passes.shape_prop import SHAPE_PROP
 from qcompiler.passes.view_writes import VIEW_WRITES
 
-ANALYZE = [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE, REWRITE, PLACE]
+ANALYZE = [INPLACE_READS, SHAPE_PROP, LEAF_WRITES, VIEW_WRITES, OUT_OF_PLACE, REWRITE, PLACE]
 OPTIMIZE = [FUSE]
 SPLIT = [INSERT_STUBS, PARTITION]
 
-# trace -> reads after in-place ops rewired -> shapes -> views re-made after writes, writes through views written back -> in-place twins out of place -> rewrites -> placement -> fusion -> boundary stubs -> partitions
+# trace -> reads after in-place ops rewired -> shapes -> opaque writers given copies -> views re-made after writes, writes through views written back -> in-place twins out of place -> rewrites -> placement -> fusion -> boundary stubs -> partitions
 PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
 # ... and observers / fake quants on the BPU ops, before grouping
 PREPARE_PIPELINE = ANALYZE + OPTIMIZE + [INSERT_STUBS, INSERT_OBSERVERS, PARTITION]

@@ -5,7 +5,9 @@
 or buffer (``self.mean.mul_(0.5)``) is state that outlives the call: a traced graph cannot hold it,
 so tracing makes the module doing it a leaf (:mod:`~qcompiler.ir.auto_leaf`).  Most in-place
 methods have an out-of-place twin (``x.add_(y)``: ``x.add(y)``), which passes/out_of_place.py puts
-in their place once every later read goes through their result.
+in their place once every later read goes through their result.  An opaque node (a leaf module) that
+writes its input is seen doing so by shape propagation (``META_INPUT_WRITES``); passes/leaf_writes.py
+gives it a copy and says the write as :func:`leaf_write_`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
         mod = gm.get_submodule(node.target)
         return first if type(mod) in INPLACE_MODULES and getattr(mod, "inplace", False) is True else None
     if node.op == "call_function":
-        if node.target is setitem_:  # x[index] = value
+        if node.target is setitem_ or node.target is leaf_write_:  # x[index] = value; what a leaf wrote
             return first
         where = getattr(node.target, "__module__", None) or ""
         if where == "torch.nn.functional" and node.kwargs.get("inplace") is True:
@@ -59,6 +61,25 @@ def mutated_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
         if where in ("torch", "torch._C._nn") and _in_place_name(getattr(node.target, "__name__", "")):
             return first  # torch._C._nn: F.leaky_relu_, F.elu_, F.hardtanh_
     return None
+
+
+# the names of a node's inputs whose tensors it changed in place while shape propagation ran it (their
+# version counters moved): how an opaque node (a leaf module, an untraceable function) is seen writing its input
+META_INPUT_WRITES = "qc_input_writes"
+# the name of the input whose very tensor a node returned (``x.mul_(2); return x``), or None
+META_RETURNED_INPUT = "qc_returned_input"
+
+
+def leaf_write_(value: torch.Tensor, copy: torch.Tensor, result: object) -> torch.Tensor:
+    """``value`` given what an opaque node wrote into ``copy``, its copy of ``value`` (passes/leaf_writes.py):
+    in place, as the node would have written ``value`` itself.  ``result``, the node's output, is read only
+    to order this after the node."""
+    return value.copy_(copy)
+
+
+def leaf_write(value: torch.Tensor, copy: torch.Tensor, result: object) -> torch.Tensor:
+    """:func:`leaf_write_` out of place: the copy as the opaque node left it (the copy has no other reader)."""
+    return copy
 
 
 UNKNOWN_STORAGE = -1  # a tensor whose storage cannot be read (sparse, mkldnn): it may alias anything
@@ -97,10 +118,12 @@ _NOT_PROMOTED = {"masked_fill_": (1, "mask"), "scatter_": (2, "index")}
 def _twin(node: fx.Node) -> Union[str, Callable, None]:
     """The twin's target if ``node`` is one of :data:`OUT_OF_PLACE_TWINS` and shape propagation recorded one
     dtype for it and each tensor it reads (a mask or an index aside), or ``x[index] = value`` (its twin,
-    :func:`~qcompiler.ir.setitem.setitem`, converts ``value`` as the statement does, whatever the dtypes);
-    else None."""
-    if node.op == "call_function" and node.target is setitem_:  # on a tensor (a list or a dict has no copy)
-        return setitem if isinstance(node.args[0].meta.get(META_TENSOR), TensorInfo) else None
+    :func:`~qcompiler.ir.setitem.setitem`, converts ``value`` as the statement does, whatever the dtypes), or
+    :func:`leaf_write_` (its twin :func:`leaf_write`); else None."""
+    if node.op == "call_function" and node.target in (setitem_, leaf_write_):  # on a tensor (a list has no copy)
+        if not isinstance(node.args[0].meta.get(META_TENSOR), TensorInfo):
+            return None
+        return setitem if node.target is setitem_ else leaf_write
     if node.op != "call_method" or node.target not in OUT_OF_PLACE_TWINS:
         return None
     info = node.meta.get(META_TENSOR)
@@ -270,5 +293,6 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     return writes
 
 
-__all__ = ["INPLACE_MODULES", "METADATA_WRITES", "OUT_OF_PLACE_TWINS", "Tensors", "aliased_writes",
-           "mutated_input", "out_of_place_twins", "state_writes"]
+__all__ = ["INPLACE_MODULES", "META_INPUT_WRITES", "META_RETURNED_INPUT", "METADATA_WRITES", "OUT_OF_PLACE_TWINS",
+           "Tensors", "aliased_writes", "leaf_write", "leaf_write_", "mutated_input", "out_of_place_twins",
+           "state_writes"]

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from qcompiler.batches import fresh_args, tensors_in
 from qcompiler.errors import ConfigError
-from qcompiler.ir.inplace import storage_key
+from qcompiler.ir.inplace import META_INPUT_WRITES, META_RETURNED_INPUT, storage_key
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo, format_tensor_info
 from qcompiler.ir.state import ModelState
 
@@ -77,13 +77,25 @@ class _Recorder(fx.Interpreter):
         self.extra_traceback = False  # our ConfigError names the node; no torch stack dump
 
     def run_node(self, n: fx.Node) -> Any:
+        calls = n.op in ("call_module", "call_function")
+        before = [_versions(self.env[a]) for a in n.all_input_nodes] if calls else []
         try:
             value = super().run_node(n)
         except Exception as exc:
             raise _input_error(self.module, n, exc) from None
+        if calls:  # which inputs the node wrote in place (meta tensors count versions too), which it returned
+            n.meta[META_INPUT_WRITES] = tuple(a.name for a, was in zip(n.all_input_nodes, before)
+                                              if _versions(self.env[a]) != was)
+            n.meta[META_RETURNED_INPUT] = next((a.name for a in n.all_input_nodes if self.env[a] is value), None)
         n.meta[META_TENSOR] = describe_value(value)
         n.meta[META_STORAGE] = frozenset(storage_key(t) for t in tensors_in(value))  # compared among live values
         return value
+
+
+def _versions(value: Any) -> list[int]:
+    """The version counters of the tensors in ``value`` (each in-place write of a tensor moves its own;
+    an inference tensor has none: -1)."""
+    return [t._version if not t.is_inference() else -1 for t in tensors_in(value)]
 
 
 def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:
