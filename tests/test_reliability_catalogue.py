@@ -381,6 +381,37 @@ def _under_no_grad(env, action):
             assert not torch.is_grad_enabled(), "grad mode was turned on"
 
 
+def _under_float64(env, action):
+    """``action`` fails while the caller's default dtype is float64; it still is afterwards."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        action(env)
+    finally:
+        now = torch.get_default_dtype()
+        torch.set_default_dtype(saved)
+        assert now == torch.float64, now
+
+
+def _under_deterministic(env, action):
+    """``action`` fails while the caller asks for deterministic algorithms; it still does afterwards."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        action(env)
+    finally:
+        now = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(False)
+        assert now, "deterministic algorithms were turned off"
+
+
+def _under_inference_mode(env, action):
+    with torch.inference_mode():
+        try:
+            action(env)
+        finally:
+            assert torch.is_inference_mode_enabled(), "inference mode was turned off"
+
+
 def _split_call(env, x, threads=2):
     """A call of the compiled model with the batch split over ``threads`` workers."""
     saved = env.cm.threads
@@ -544,6 +575,8 @@ MORE_LOAD = [
          "load: ort_threads must be a positive int, got '1'"),
     Case("load/threads-zero", lambda e: load(e.artifact, threads=0), C, "load: " + THREADS + "0"),
     Case("load/threads-str", lambda e: load(e.artifact, threads="4"), C, "load: " + THREADS + "'4'"),
+    Case("load/none-path", lambda e: load(None), C, ("load: the path must be a str", "got NoneType")),
+    Case("load/int-path", lambda e: load(5), C, ("load: the path must be a str", "got int")),
     Case("load/proc-file", lambda e: load("/proc/self/status"), A,
          "/proc/self/status: not a qcompiler artifact or truncated"),
     Case("load/dangling-symlink", lambda e: load(_symlink(e, "gone.qc", e.tmp / "gone")), A, "gone.qc: no such file"),
@@ -621,6 +654,10 @@ MORE_EXPORT = [
          "input 'x' has shape (1, 3, 8, 8), the model was traced with shape (2, 3, 8, 8)"),
     Case("export/args-empty-batch", lambda e: export_to_onnx(e.cm.converted, X[:0], e.tmp / "m.onnx"), C,
          "input 'x' has shape (0, 3, 8, 8), the model was traced with shape (2, 3, 8, 8)"),
+    Case("export/none-path", lambda e: e.cm.export_onnx(None), C, ("export_onnx: the path must be a str",
+                                                                  "got NoneType")),
+    Case("export/int-path", lambda e: e.cm.export_onnx(5), C, ("export_onnx: the path must be a str", "got int")),
+    Case("export/dump-none-path", lambda e: e.cm.dump(None), C, ("dump: the path must be a str", "got NoneType")),
     Case("export/in-proc", lambda e: e.cm.export_onnx("/proc/qc_catalogue.onnx"), OSError,
          ("export_to_onnx: ", "'/proc/qc_catalogue.onnx'")),
 ]
@@ -912,6 +949,12 @@ SIDE = [
         e, e.cm, DataLoader([(X[0], 0), (X[1], 1), ("bad",)], batch_size=1)), C, PAIRS),
     Case("side/evaluate-model-fails", lambda e: _evaluate_keeps_threads(e, e.cm, _loader(X4C, Y)), C,
          "input 0 ('x') has shape (1, 4, 8, 8)"),
+    Case("side/compile-fails-under-float64-default", lambda e: _under_float64(e, _compile(calib_data=[X, NAN])),
+         CalibrationError, "observer 'x_activation_post_process' saw NaN/Inf"),
+    Case("side/call-fails-under-deterministic", lambda e: _under_deterministic(e, lambda e: e.cm(X4C)), C,
+         "input 0 ('x') has shape (2, 4, 8, 8)"),
+    Case("side/compile-fails-under-inference-mode", lambda e: _under_inference_mode(e, _compile(calib_data=[NAN])),
+         CalibrationError, "observer 'x_activation_post_process' saw NaN/Inf"),
     Case("side/split-call-fails", lambda e: _split_call(e, torch.cat([X4C, X4C])), C,
          "input 0 ('x') has shape (4, 4, 8, 8)"),
     Case("side/threads-refused-keeps-value", lambda e: _threads_kept(e, 0), C, "CompiledModel.threads: " + THREADS + "0"),
