@@ -162,6 +162,32 @@ def test_the_pass_reports_what_it_changed():
 
 
 
+class DoublesWhenNegative(nn.Module):
+    def forward(self, x):
+        if float(x.mean()) < 0:  # never on the (positive) example inputs
+            x.mul_(2.0)
+        return x * 0.5 + 1.0
+
+
+def test_a_write_the_example_inputs_did_not_show_warns_when_it_happens():
+    torch.manual_seed(0)
+    cm = _compile(Issue(DoublesWhenNegative).eval())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cm(torch.rand(2, 3, 8, 8))  # no write: no warning
+    with pytest.warns(QCompilerWarning, match=r"torch island cpu0 changed its input 'x' in place \(modules: l\), a "
+                                              r"write compile did not see on the example inputs"):
+        cm(-torch.rand(2, 3, 8, 8))
+
+
+def test_a_leaf_writing_its_copy_raises_no_warning_at_run_time():
+    torch.manual_seed(0)
+    cm = _compile(ReadAfter().eval())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cm(torch.rand(2, 3, 8, 8))
+
+
 # ---------------------------------------------------------------- random graphs (hypothesis)
 
 C = 3

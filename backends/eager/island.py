@@ -13,12 +13,13 @@ Such an island is Python code: an artifact cannot hold it without pickling, so
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import warnings
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.ir.inplace import mutated_input
 
 TORCH = "torch"  # the step kind of an eager-torch island
@@ -78,6 +79,7 @@ class EagerIsland:
                  reason: str) -> None:
         self.name, self.module, self.reason = name, module, reason
         self.inputs, self.outputs = list(inputs), list(outputs)
+        self._warned = False
 
     @classmethod
     def from_graph(cls, name: str, gm: fx.GraphModule, nodes: Sequence[str], inputs: Sequence[str],
@@ -85,13 +87,33 @@ class EagerIsland:
         return cls(name, island_module(gm, nodes, inputs, outputs), inputs, outputs, reason)
 
     def run(self, env: dict[str, Any]) -> dict[str, Any]:
+        feeds = [env[name] for name in self.inputs]
+        versions = [_version(v) for v in feeds]
         with torch.no_grad():
-            results = self.module(*[env[name] for name in self.inputs])
+            results = self.module(*feeds)
+        if not self._warned and any(_version(v) != was for v, was in zip(feeds, versions)):
+            self._warn_write([n for n, v, was in zip(self.inputs, feeds, versions) if _version(v) != was])
         return dict(zip(self.outputs, results))
+
+    def _warn_write(self, names: list[str]) -> None:
+        """An input changed in place: a write compile did not see (the island's in-place ops on shared values
+        run on clones, and passes/leaf_writes gave each leaf a copy of what shape propagation saw it write)."""
+        self._warned = True  # once per island
+        modules = [str(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
+        warnings.warn(f"torch island {self.name} changed its input {', '.join(repr(n) for n in names)} in place "
+                      f"(modules: {', '.join(modules) or 'none'}), a write compile did not see on the example "
+                      f"inputs (one under data-dependent control flow): other steps may see the write where the "
+                      f"model did not, or miss it. Compile with example inputs that make the module write, or "
+                      f"write out of place in it (y = x * 2 for x.mul_(2)).", QCompilerWarning, stacklevel=4)
 
     def code(self) -> str:
         """The island's Python code (for dumps), headed by why it runs in torch."""
         return f"# torch island {self.name}: {self.reason}\n{self.module.code.strip()}\n"
+
+
+def _version(value: Any) -> Optional[int]:
+    """The version counter of a tensor (moved by each in-place write), None for anything else."""
+    return value._version if isinstance(value, torch.Tensor) and not value.is_inference() else None
 
 
 __all__ = ["TORCH", "EagerIsland", "island_module"]
