@@ -21,15 +21,19 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import qcompiler
+from qcompiler.backends.onnx import emit_graph
+from qcompiler.ir.shape_prop import propagate_shapes
 from qcompiler.nn import quantized as qnn
+from qcompiler.onnx import inference_session
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qconfig import get_default_calib_qconfig
-from test_export_exact import _compiled_int8, _flat, _int8_tensors, _run_with
+from test_export_exact import _compiled_int8, _flat, _int8_tensors, _Leaves, _run_with
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -294,3 +298,39 @@ def test_average_pools_equal_compiled(case):
     codes = torch.randint(-128, 128, shape, generator=g)
     assert_bit_exact(cm, _inputs([codes], _entry_scales(cm)))
     event("global" if kernel is None else f"kernel {kernel[0] * kernel[1]}")
+
+
+# ---------------------------------------------------------------------------------------------- requantize / matmul
+
+
+class _Requant(nn.Module):
+    def __init__(self, in_scale: float, out_scale: float):
+        super().__init__()
+        self.q, self.rq, self.dq = qnn.Quantize(in_scale), qnn.Requantize(in_scale, "qint8", out_scale, "qint8"), \
+            qnn.DeQuantize()
+
+    def forward(self, x):
+        return self.dq(self.rq(self.q(x)))
+
+
+@SETTINGS
+@given(st.floats(1e-3, 10.0), st.sampled_from(_FRACTIONS + [1 / f for f in _FRACTIONS]), st.integers(0, 2 ** 31 - 1))
+def test_requantize_equals_the_simulator(out_scale, ratio, seed):
+    """A Requantize (a QuantStub on an int8 value) at s_in / s_out = odd / (2d) or its inverse, on every
+    code and random ones, against the module (the simulator's ``fixed_point.requantize``): a compiled
+    model's stub gets its scale from a second observer of the same values, which cannot be steered
+    onto ties."""
+    in_scale = float(torch.tensor(out_scale * ratio, dtype=torch.float32))
+    root = _Requant(in_scale, out_scale)
+    gm = fx.GraphModule(root, _Leaves().trace(root))
+    codes = torch.cat([torch.arange(-128, 128), torch.randint(-128, 128, (64,), generator=torch.Generator().manual_seed(seed))])
+    x = _inputs([codes.reshape(1, 4, 5, 16)], [in_scale])[0]
+    propagate_shapes(gm, (x,))
+    model = emit_graph(gm, quantize=True)
+    onnx.checker.check_model(model, full_check=True)
+    got = torch.from_numpy(inference_session(model).run(None, {model.graph.input[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        want = gm(x)
+    assert torch.equal(got, want), f"{int((got != want).sum())}/{got.numel()} differ"
+    # the entry's QuantizeLinear only: the requantization is on integers, not a float Q/DQ
+    assert [n.op_type for n in model.graph.node].count("QuantizeLinear") == 1
