@@ -101,10 +101,11 @@ class EagerIsland:
         self._warned = True  # once per island
         modules = [str(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
         warnings.warn(f"torch island {self.name} changed its input {', '.join(repr(n) for n in names)} in place "
-                      f"(modules: {', '.join(modules) or 'none'}), a write compile did not see on the example "
-                      f"inputs (one under data-dependent control flow): other steps may see the write where the "
-                      f"model did not, or miss it. Compile with example inputs that make the module write, or "
-                      f"write out of place in it (y = x * 2 for x.mul_(2)).", QCompilerWarning, stacklevel=4)
+                      f"(modules: {', '.join(modules) or 'none'}) without a copy of its own: other steps may see the "
+                      f"write where the model did not, or miss it. compile warned if it saw the write and could not "
+                      f"copy it; else the example inputs did not make the module write (a write under "
+                      f"data-dependent control flow): compile with inputs that do, or write out of place in the "
+                      f"module (y = x * 2 for x.mul_(2)).", QCompilerWarning, stacklevel=4)
 
     def code(self) -> str:
         """The island's Python code (for dumps), headed by why it runs in torch."""
