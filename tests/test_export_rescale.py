@@ -255,7 +255,8 @@ def test_add_sub_mul_of_unequal_scales_equal_compiled(case):
     cm = _compile(_Binary(op), (torch.zeros(shape), torch.zeros(b_shape)), [(a, b)])
     cls = qnn.QuantizedAdd if op in ("add", "sub") else qnn.QuantizedMul
     assert sum(isinstance(m, cls) for m in cm.converted.modules()) == 1
-    codes = [torch.randint(-128, 128, s, generator=g) for s in (shape, b_shape)]
+    r = int((127 * c) ** 0.5) if op == "mul" else 127  # mul: most products / c within the int8 range
+    codes = [torch.randint(-r, r + 1, s, generator=g) for s in (shape, b_shape)]
     assert_bit_exact(cm, _inputs(codes, _entry_scales(cm)))
     event(op)
 
@@ -334,3 +335,26 @@ def test_requantize_equals_the_simulator(out_scale, ratio, seed):
     assert torch.equal(got, want), f"{int((got != want).sum())}/{got.numel()} differ"
     # the entry's QuantizeLinear only: the requantization is on integers, not a float Q/DQ
     assert [n.op_type for n in model.graph.node].count("QuantizeLinear") == 1
+
+
+class _Matmul(nn.Module):
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+
+
+@SETTINGS
+@given(st.integers(1, 2), st.integers(1, 5), st.integers(2, 12), st.integers(2, 5), st.floats(0.05, 50.0),
+       st.sampled_from([2, 4, 6, 8, 12, 16]), st.integers(0, 2 ** 31 - 1))
+def test_matmul_of_feature_maps_equals_compiled(batch, m, k, n, amax, c, seed):
+    """a @ b of two int8 feature maps: MatMulInteger, then requantize(acc) by s_a * s_b / s_out = 1 / c
+    (calibrated so that the product's range is amax_a times b's code c), so every sum that is an odd
+    multiple of c / 2 is a tie."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.zeros(batch, m, k).index_put_((torch.tensor(0), torch.tensor(0), torch.tensor(0)), torch.tensor(amax))
+    b = torch.zeros(k, n)
+    b[0, 0], b[1, 1] = c * amax / 127, amax  # b's range where a is 0; the product's range c * s_a * s_b
+    cm = _compile(_Matmul(), (a, b), [(a, b)])
+    assert sum(isinstance(mod, qnn.QuantizedMatmul) for mod in cm.converted.modules()) == 1
+    r = max(1, int((127 * c / k) ** 0.5))  # codes in [-r, r]: most sums / c within the int8 range
+    codes = [torch.randint(-r, r + 1, s, generator=g) for s in ((batch, m, k), (k, n))]
+    assert_bit_exact(cm, _inputs(codes, _entry_scales(cm)))
