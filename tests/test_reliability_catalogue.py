@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import io
 import json
 import os
 import pickle
+import shutil
+import stat
 import sys
 import tempfile
 import textwrap
@@ -72,6 +75,7 @@ class Case(NamedTuple):
     fragment: Union[str, tuple]  # or several, each in the message (the CLI: in its error line)
     root_only: bool = False  # /proc takes no files even for root; other users fail earlier (not writable)
     notes: int = 0  # the CLI: indented note lines after the error line (an error's __notes__)
+    result: Any = None  # a warning row's right result when it is not the compiled model's output (env.reference)
 
 
 # ----------------------------------------------------------------------------- shared objects
@@ -984,6 +988,151 @@ SIDE = [
          "cannot import model file 'missing_dep.py'"),
 ]
 
+# ----------------------------------------------------------------------------- issue 37: the native kernel cache
+# Every row runs a compiler that fails at once (``false``) or a shell script: each check is reached before
+# any real build, and the result is the exact torch path's.
+
+NOBODY = 65534  # another user's uid and gid (os.chown needs root: those rows are root_only)
+NOT_LOADING = "qcompiler: not loading the cached native kernels: "
+LIBRARY = bytes(range(256)) * 64  # a planted "library": the checks of these rows all come before dlopen
+NAMED_CC = """\
+if [ "$1" = --version ]; then echo "qc-catalogue-cc 1.0"; exit 0; fi
+out=""
+while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
+echo "not writing $out" >&2
+exit 3
+"""  # a compiler that answers --version and fails naming its output (where the rebuild goes)
+
+
+def _cache_dir(env, name="cache", mode=0o700, owner=None) -> Path:
+    path = env.inputs / name
+    path.mkdir()
+    path.chmod(mode)
+    if owner is not None:
+        os.chown(path, owner, owner)
+    return path
+
+
+def _library_name(cc) -> str:
+    """The name the cache key gives the library ``cc`` builds (as build.library computes it)."""
+    return build._library_name(shutil.which(str(cc)) or str(cc), (build.IDLE_S, build.MAX_S))
+
+
+def _digest_file(lib: Path, text=None) -> Path:
+    """``<lib>.sha256`` as a build records it (or holding ``text``), 0600."""
+    record = Path(f"{lib}.sha256")
+    record.write_text(text if text is not None else f"{hashlib.sha256(lib.read_bytes()).hexdigest()}  {lib.name}\n")
+    record.chmod(0o600)
+    return record
+
+
+def _cached_library(env, change, cc="false"):
+    """A library (and its digest) in a private cache under the name ``cc``'s build would have, changed
+    by ``change(lib)``; then the artifact runs with ``cc`` as the compiler."""
+    cache = _cache_dir(env)
+    lib = cache / _library_name(cc)
+    lib.write_bytes(LIBRARY)
+    lib.chmod(0o700)
+    _digest_file(lib)
+    change(lib)
+    return _native_run(env, CC=cc, QCOMPILER_NATIVE_CACHE=cache)
+
+
+def _chown(path, uid=NOBODY):
+    os.chown(path, uid, uid, follow_symlinks=False)
+
+
+def _symlinked(lib: Path):
+    """The library replaced by a symbolic link to a copy of it (its digest still matches the target)."""
+    target = lib.with_name("elsewhere.so")
+    lib.rename(target)
+    lib.symlink_to(target)
+
+
+def _without_digest(env):
+    """No digest beside the library (a cache from before digests): rebuilt without a word, into the cache."""
+    cc = _script(env, "named-cc.sh", NAMED_CC)
+    return _cached_library(env, lambda lib: Path(f"{lib}.sha256").unlink(), cc=cc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _hung_cc(env, where, **limits):
+    """A compiler that sleeps (in ``--version`` too, or only when compiling): killed, its whole group,
+    once the limit passes; no process of it is left."""
+    pids = env.inputs / "pids"
+    answer = 'if [ "$1" = --version ]; then echo "qc-catalogue-cc 1.0"; exit 0; fi\n' if where == "compile" else ""
+    cc = _script(env, "hang.sh", f"echo $$ >> {pids}\n{answer}exec sleep 60\n")
+    try:
+        return _native_run(env, CC=cc, QCOMPILER_NATIVE_CACHE=env.inputs / "cache", **limits)
+    finally:
+        left = [pid for pid in map(int, pids.read_text().split()) if _alive(pid)]
+        assert not left, f"the hung compiler's processes {left} are still running"
+
+
+def _limit(name, value, default, label=None):
+    """A bad time limit of the compiler: named in a warning, and the default used."""
+    return Case(f"native/{name.split('_')[-2].lower()}-s-{label or value}",
+                lambda e: _native_run(e, CC="false", QCOMPILER_NATIVE_CACHE=e.inputs / "cache", **{name: value}), W,
+                f"qcompiler: {name}={value!r} is not a positive number of seconds; using {default}")
+
+
+IDLE, CAP = build.ENV_BUILD_IDLE, build.ENV_BUILD_MAX
+HUNG = "used no CPU for 1 s and was killed as hung (QCOMPILER_NATIVE_BUILD_IDLE_S sets the limit)"
+NATIVE_CACHE = [
+    Case("native/cache-writable-by-others", lambda e: _native_cache(e, str(_cache_dir(e, "shared", 0o1777))), W,
+         REFUSED + "{tmp}/inputs/shared is writable by others (mode 1777); building the kernels in a private "
+         "directory instead"),
+    Case("native/cache-writable-by-its-group", lambda e: _native_cache(e, str(_cache_dir(e, "group", 0o770))), W,
+         REFUSED + "{tmp}/inputs/group is writable by its group (mode 0770)"),
+    Case("native/cache-owned-by-another-uid", lambda e: _native_cache(e, str(_cache_dir(e, "theirs", 0o755, NOBODY))),
+         W, REFUSED + "{tmp}/inputs/theirs is owned by uid 65534, not by this user (uid 0)", root_only=True),
+    Case("native/library-owned-by-another-user", lambda e: _cached_library(e, _chown), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so is owned by uid 65534, not by this user (uid 0); "
+          "rebuilding them"), root_only=True),
+    Case("native/library-writable-by-others", lambda e: _cached_library(e, lambda lib: lib.chmod(0o777)), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so is writable by others (mode 0777); rebuilding them")),
+    Case("native/library-a-symbolic-link", lambda e: _cached_library(e, _symlinked), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so cannot be opened (a symbolic link)")),
+    Case("native/digest-owned-by-another-user", lambda e: _cached_library(e, lambda lib: _chown(f"{lib}.sha256")), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so.sha256 is owned by uid 65534"), root_only=True),
+    Case("native/digest-wrong", lambda e: _cached_library(e, lambda lib: _digest_file(lib, f"{'0' * 64}  {lib.name}")),
+         W, (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so does not match the SHA-256 recorded in qc_kernels_",
+             ".so.sha256 (damaged or replaced); rebuilding them")),
+    Case("native/digest-malformed", lambda e: _cached_library(e, lambda lib: _digest_file(lib, "garbage\n")), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so.sha256 does not hold '<sha256>  qc_kernels_")),
+    Case("native/digest-missing", _without_digest, W,
+         OFF + "named-cc.sh exited with 3: not writing {tmp}/inputs/cache/.qc_kernels_"),
+    Case("native/library-truncated", lambda e: _cached_library(e, lambda lib: lib.write_bytes(LIBRARY[:5000])), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so does not match the SHA-256 recorded")),
+    Case("native/library-empty", lambda e: _cached_library(e, lambda lib: lib.write_bytes(b"")), W,
+         (NOT_LOADING + "{tmp}/inputs/cache/qc_kernels_", ".so does not match the SHA-256 recorded")),
+    Case("native/cache-relative", lambda e: _native_run(e, CC="false", QCOMPILER_NATIVE_CACHE="rel",
+                                                        XDG_CACHE_HOME=e.inputs / "xdg"), W,
+         "qcompiler: QCOMPILER_NATIVE_CACHE='rel' is not an absolute path, so it is ignored; the native kernels are "
+         "cached in {tmp}/inputs/xdg/qcompiler/native instead (set it to an absolute path)"),
+    Case("native/cache-relative-dot", lambda e: _native_run(e, CC="false", QCOMPILER_NATIVE_CACHE="./inputs/cache",
+                                                            XDG_CACHE_HOME=e.inputs / "xdg"), W,
+         "qcompiler: QCOMPILER_NATIVE_CACHE='./inputs/cache' is not an absolute path, so it is ignored"),
+    _limit(IDLE, "abc", 20), _limit(IDLE, "0", 20), _limit(IDLE, "nan", 20), _limit(IDLE, "1e400", 20),
+    _limit(CAP, "-1", 600, "negative"), _limit(CAP, "inf", 600), _limit(CAP, "10m", 600),
+    Case("native/compiler-hangs-in-version", lambda e: _hung_cc(e, "version", **{IDLE: "1"}), W,
+         OFF + "`hang.sh --version` " + HUNG),
+    Case("native/compiler-hangs-compiling", lambda e: _hung_cc(e, "compile", **{IDLE: "1"}), W,
+         OFF + "`hang.sh` compiling kernels.c " + HUNG),
+    Case("native/compiler-past-the-cap", lambda e: _hung_cc(e, "compile", **{IDLE: "100", CAP: "1"}), W,
+         OFF + "`hang.sh` compiling kernels.c was still running after 1 s and was killed (the cap on a build; "
+         "QCOMPILER_NATIVE_BUILD_MAX_S sets it)"),
+]
+
+
+
 CASES = [
     # compile: arguments
     Case("compile/model-not-a-module", lambda e: qcompiler.compile("net", X, progress=False), C,
@@ -1174,6 +1323,7 @@ CASES = [
          "--calib-data sub: cannot read it (Is a directory)"),
     Case("cli/no-command", _cli(), 2, "a command is required"),
     *MORE_COMPILE, *MORE_CALL, *MORE_SAVE, *MORE_LOAD, *MORE_EXPORT, *MORE_CLI, *CONFIG, *NATIVE, *DIST, *SIDE,
+    *NATIVE_CACHE,
 ]
 
 
@@ -1187,7 +1337,8 @@ def _files(root: Path) -> dict:
             out[str(p.relative_to(root))] = ("symlink to", os.readlink(p))
             continue
         st = p.stat()
-        out[str(p.relative_to(root))] = (None if p.is_dir() else p.read_bytes(), st.st_mode)
+        data = p.read_bytes() if stat.S_ISREG(st.st_mode) else None  # a FIFO a case made is not read (it blocks)
+        out[str(p.relative_to(root))] = (data, st.st_mode)
     return out
 
 
@@ -1252,7 +1403,10 @@ def test_bad_input(case, env, capsys):
             result = case.action(env)
         messages = [str(w.message) for w in record if issubclass(w.category, case.expected)]
         assert any(all(f in m for f in fragments) for m in messages), messages
-        assert torch.equal(result, env.reference)
+        if case.result is None:
+            assert torch.equal(result, env.reference)
+        else:
+            assert result == case.result, result
     else:
         with pytest.raises(case.expected) as info:
             case.action(env)
