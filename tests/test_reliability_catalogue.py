@@ -24,6 +24,7 @@ import stat
 import sys
 import tempfile
 import textwrap
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -31,10 +32,13 @@ from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple, Union
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn as nn
+from artifact_edit import Edit
 from conftest import assert_untouched, snapshot
+from onnx import helper, numpy_helper
 from torch.utils.data import DataLoader, TensorDataset
 
 import qcompiler
@@ -48,8 +52,9 @@ from qcompiler.onnx import export_to_onnx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.sync import sync_observers
+from qcompiler.tools.case_file import load_case
 from qcompiler.tools.cli import main
-from qcompiler.tools.config_file import read_hybrid_file, read_qconfig_file, write_config_file
+from qcompiler.tools.config_file import MAX_CONFIG_BYTES, read_hybrid_file, read_qconfig_file, write_config_file
 
 X = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 X9 = torch.rand(2, 3, 9, 9, generator=torch.Generator().manual_seed(1))  # made here: a case draws no random numbers
@@ -1132,6 +1137,230 @@ NATIVE_CACHE = [
 ]
 
 
+# ----------------------------------------------------------------------------- issue 37: what an island may hold
+
+NOT_OURS = "; the island is not one qcompiler writes (compile and save the model again)"
+ISLAND = "member 'islands/cpu0.onnx': island 'cpu0': "
+
+
+def _island_edit(change):
+    """load of the artifact with its island edited by ``change(island)``, the manifest re-declaring the
+    member sizes (so the edit reaches the island's checks)."""
+    def action(env):
+        e = Edit(env.artifact)
+        island = onnx.load_from_string(e.members["islands/cpu0.onnx"])
+        change(island)
+        e.members["islands/cpu0.onnx"] = island.SerializeToString()
+        return load(e.write(env.inputs / "island.qc"))
+    return action
+
+
+def _appended(make):
+    """A node ``make(x, y)`` after the island's last node: it reads what that node made, writes the output."""
+    def change(island):
+        last = island.graph.node[-1]
+        y = last.output[0]
+        last.output[0] = f"{y}/pre"
+        island.graph.node.append(make(f"{y}/pre", y))
+    return change
+
+
+def _loop_forever(island):
+    """Loop(M = 2^62, cond = true) passing its input through: valid ONNX whose run never ends."""
+    island.graph.initializer.extend([numpy_helper.from_array(np.array(1 << 62, np.int64), "trip_count"),
+                                     numpy_helper.from_array(np.array(True), "keep_going")])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Identity", ["v_in"], ["v_out"])],
+        "body", [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", onnx.TensorProto.FLOAT, None)])
+    _appended(lambda x, y: helper.make_node("Loop", ["trip_count", "keep_going", x], [y], name="forever",
+                                            body=body))(island)
+
+
+def _gemm_attribute(name, value):
+    def change(island):
+        gemm = island.graph.node[0]
+        kept = [a for a in gemm.attribute if a.name != name]
+        gemm.ClearField("attribute")
+        gemm.attribute.extend([*kept, helper.make_attribute(name, value)])
+    return change
+
+
+def _local_function(island):
+    island.functions.append(helper.make_function("qc.catalogue", "helper", ["a"], ["b"],
+                                                 [helper.make_node("Identity", ["a"], ["b"])],
+                                                 [helper.make_opsetid("", 11)]))
+
+
+GEMM = "node 'cpu0/fc' (Gemm) has attribute "
+ISLANDS = [
+    Case("load/island-loop", _island_edit(_loop_forever), A,
+         "island.qc: " + ISLAND + "node 'forever' has op type 'Loop', which qcompiler never writes" + NOT_OURS),
+    Case("load/island-unknown-op", _island_edit(_appended(lambda x, y: helper.make_node("NoSuchOp", [x], [y],
+                                                                                        name="extra"))), A,
+         ISLAND + "node 'extra' has op type 'NoSuchOp', which qcompiler never writes" + NOT_OURS),
+    Case("load/island-op-not-ours", _island_edit(_appended(lambda x, y: helper.make_node("Hardmax", [x], [y],
+                                                                                         name="extra"))), A,
+         ISLAND + "node 'extra' has op type 'Hardmax', which qcompiler never writes"),
+    Case("load/island-unnamed-node", _island_edit(_appended(lambda x, y: helper.make_node("Hardmax", [x], [y]))), A,
+         ISLAND + "node 1 (unnamed) has op type 'Hardmax'"),
+    Case("load/island-unlisted-attribute", _island_edit(_gemm_attribute("alpha", 2.0)), A,
+         ISLAND + GEMM + "'alpha', which qcompiler never writes on Gemm" + NOT_OURS),
+    Case("load/island-attribute-type", _island_edit(_gemm_attribute("transB", 1.0)), A,
+         ISLAND + GEMM + "'transB' of type FLOAT; qcompiler writes it as INT" + NOT_OURS),
+    Case("load/island-attribute-graph", _island_edit(_gemm_attribute("transB", helper.make_graph([], "g", [], []))),
+         A, ISLAND + GEMM + "'transB' of type GRAPH; qcompiler writes it as INT"),
+    Case("load/island-custom-domain", _island_edit(lambda m: m.opset_import.append(
+        helper.make_opsetid("com.microsoft", 1))), A,
+         ISLAND + "imports domain 'com.microsoft' (version 1); qcompiler imports only the default ONNX domain at "
+         "opset 11" + NOT_OURS),
+    Case("load/island-node-of-a-custom-domain", _island_edit(lambda m: setattr(m.graph.node[0], "domain",
+                                                                               "com.microsoft")), A,
+         ISLAND + "node 'cpu0/fc' has op type 'Gemm' of domain 'com.microsoft'; qcompiler writes only the default "
+         "ONNX domain" + NOT_OURS),
+    Case("load/island-opset-13", _island_edit(lambda m: setattr(m.opset_import[0], "version", 13)), A,
+         ISLAND + "imports domain '' (version 13); qcompiler imports only the default ONNX domain at opset 11"),
+    Case("load/island-local-function", _island_edit(_local_function), A,
+         ISLAND + "defines 1 local function ('helper'); qcompiler writes none" + NOT_OURS),
+]
+
+
+# ----------------------------------------------------------------------------- issue 37: files that are not files
+
+RELEASE_AFTER = 15  # seconds before a reader blocked on a FIFO is released (its write end opened and closed)
+
+
+def _on_fifo(env, name, call):
+    """``call(fifo)`` on a new FIFO in ``inputs/``; a reader that blocks on it is released after
+    RELEASE_AFTER s, so a blocking call fails the row instead of hanging the run."""
+    fifo = env.inputs / name
+    os.mkfifo(fifo)
+    released = threading.Event()
+
+    def release():
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO when nobody reads: nothing blocked
+        except OSError:
+            return
+        released.set()
+        os.close(fd)
+
+    timer = threading.Timer(RELEASE_AFTER, release)
+    timer.start()
+    try:
+        return call(fifo)
+    finally:
+        timer.cancel()
+        assert not released.is_set(), f"the call blocked reading the FIFO {fifo}"
+
+
+def _big(env, name="big.json", size=MAX_CONFIG_BYTES + 1) -> Path:
+    path = env.inputs / name
+    with open(path, "wb") as f:  # sparse: no disk used, and never read
+        f.truncate(size)
+    return path
+
+
+def _keeps_out(module, action):
+    """``action`` fails, and ``module`` (named in the input) is not imported by it."""
+    def run(env):
+        before = module in sys.modules
+        try:
+            return action(env)
+        finally:
+            assert (module in sys.modules) == before, f"{module} was imported"
+    return run
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+TOO_DEEP = ": nested too deep to be a config file (qconfig and hybrid files nest at most 4 levels)"
+CHAR_DEVICE = "/dev/zero: not a regular file (a character device); give the path of a JSON file"
+TOO_BIG = f": {MAX_CONFIG_BYTES + 1} bytes, more than the {MAX_CONFIG_BYTES} a config file may have"
+OBSERVERS = "is not one of 'minmax'"
+NOT_A_CASE = ": not a regular file ({}); give the path of a bad-case file"
+THIS = "cannot import module type 'this.X': not a class of the model's modules or their bases, nor of a loaded " \
+       "module (names are never imported)"
+
+
+def _cli_config(option, make, *extra):
+    """The CLI compiling the zoo model with ``option`` naming the file ``make(env)``."""
+    return lambda e: main(["compile", *HYB, "--calib-random", "1", option, str(make(e)), *extra, "--out", "o"])
+
+
+def _cli_fifo(option):
+    return lambda e: _on_fifo(e, "pipe.json", lambda fifo: main(["compile", *HYB, "--calib-random", "1", option,
+                                                                 str(fifo), "--out", "o"]))
+
+
+FILES = [
+    Case("load/case-fifo", lambda e: _on_fifo(e, "case.safetensors", load_case), A,
+         "{tmp}/inputs/case.safetensors" + NOT_A_CASE.format("a FIFO")),
+    Case("load/case-directory", lambda e: load_case(e.tmp / "sub"), A, "{tmp}/sub" + NOT_A_CASE.format("a directory")),
+    Case("load/case-dev-zero", lambda e: load_case("/dev/zero"), A,
+         "/dev/zero" + NOT_A_CASE.format("a character device")),
+    Case("load/case-missing", lambda e: load_case(e.tmp / "absent.safetensors"), A,
+         "{tmp}/absent.safetensors: cannot read it (No such file or directory)"),
+    Case("load/case-text-file", lambda e: load_case(e.tmp / "notes.txt"), A,
+         "{tmp}/notes.txt: not a qcompiler bad-case file"),
+    Case("config/qconfig-observer-list", _q({"global": {"observer": ["percentile"]}}), C,
+         "q.json: ['global']['observer']: ['percentile'] " + OBSERVERS),
+    Case("config/qconfig-observer-object", _q({"global": {"observer": {"a": 1}}}), C,
+         "q.json: ['global']['observer']: {'a': 1} " + OBSERVERS),
+    Case("config/qconfig-module-observer-list", _q({"module_name": {"fc": {"observer": ["percentile"]}}}), C,
+         "q.json: ['module_name']['fc']['observer']: ['percentile'] " + OBSERVERS),
+    Case("config/qconfig-dtype-object", _q({"global": {"dtype": {"qint16": True}}}), C,
+         "q.json: ['global']['dtype']: {'qint16': True} is not one of 'qint8', 'qint16'"),
+    Case("config/qconfig-deep", _q(DEEP, "deep.json"), C, "--qconfig {tmp}/inputs/deep.json" + TOO_DEEP),
+    Case("config/hybrid-deep", _h(DEEP, "deep.json"), C, "--hybrid {tmp}/inputs/deep.json" + TOO_DEEP),
+    Case("config/qconfig-dev-zero", lambda e: read_qconfig_file("/dev/zero"), C, "--qconfig " + CHAR_DEVICE),
+    Case("config/hybrid-dev-zero", lambda e: read_hybrid_file("/dev/zero"), C, "--hybrid " + CHAR_DEVICE),
+    Case("config/qconfig-fifo", lambda e: _on_fifo(e, "pipe.json", read_qconfig_file), C,
+         "--qconfig {tmp}/inputs/pipe.json: not a regular file (a FIFO); give the path of a JSON file"),
+    Case("config/hybrid-fifo", lambda e: _on_fifo(e, "pipe.json", read_hybrid_file), C,
+         "--hybrid {tmp}/inputs/pipe.json: not a regular file (a FIFO)"),
+    Case("config/qconfig-directory", lambda e: read_qconfig_file(e.tmp / "sub"), C,
+         "--qconfig {tmp}/sub: not a regular file (a directory)"),
+    Case("config/qconfig-over-the-cap", lambda e: read_qconfig_file(_big(e)), C,
+         "--qconfig {tmp}/inputs/big.json" + TOO_BIG),
+    Case("config/hybrid-over-the-cap", lambda e: read_hybrid_file(_big(e)), C,
+         "--hybrid {tmp}/inputs/big.json" + TOO_BIG),
+    Case("config/hybrid-type-this", _keeps_out("this", lambda e: qcompiler.compile(
+        e.model, X, hybrid_dict=read_hybrid_file(_json(e, "h.json", {"hybrid": {"module_type": ["this.X"]}})),
+        progress=False)), C, "hybrid_dict['module_type'][0]: " + THIS),
+    Case("config/hybrid-type-antigravity", _keeps_out("antigravity", lambda e: qcompiler.compile(
+        e.model, X, hybrid_dict={"module_type": ["antigravity.fly"]}, progress=False)), C,
+         "hybrid_dict['module_type'][0]: cannot import module type 'antigravity.fly'"),
+    Case("config/cli-qconfig-observer-list", _cli_config("--qconfig", lambda e: _json(
+        e, "q.json", {"global": {"observer": ["percentile"]}})), 2,
+         "--qconfig {tmp}/inputs/q.json: ['global']['observer']: ['percentile'] " + OBSERVERS),
+    Case("config/cli-qconfig-observer-object", _cli_config("--qconfig", lambda e: _json(
+        e, "q.json", {"module_name": {"conv0": {"observer": {"a": 1}}}})), 2,
+         "--qconfig {tmp}/inputs/q.json: ['module_name']['conv0']['observer']: {'a': 1} " + OBSERVERS),
+    Case("config/cli-qconfig-deep", _cli_config("--qconfig", lambda e: _json(e, "deep.json", DEEP)), 2,
+         "--qconfig {tmp}/inputs/deep.json" + TOO_DEEP),
+    Case("config/cli-hybrid-deep", _cli_config("--hybrid", lambda e: _json(e, "deep.json", DEEP)), 2,
+         "--hybrid {tmp}/inputs/deep.json" + TOO_DEEP),
+    Case("config/cli-qconfig-dev-zero", _cli_config("--qconfig", lambda e: "/dev/zero"), 2, "--qconfig " + CHAR_DEVICE),
+    Case("config/cli-hybrid-dev-zero", _cli_config("--hybrid", lambda e: "/dev/zero"), 2, "--hybrid " + CHAR_DEVICE),
+    Case("config/cli-qconfig-fifo", _cli_fifo("--qconfig"), 2,
+         "--qconfig {tmp}/inputs/pipe.json: not a regular file (a FIFO); give the path of a JSON file"),
+    Case("config/cli-hybrid-fifo", _cli_fifo("--hybrid"), 2, "--hybrid {tmp}/inputs/pipe.json: not a regular file"),
+    Case("config/cli-qconfig-over-the-cap", _cli_config("--qconfig", _big), 2,
+         "--qconfig {tmp}/inputs/big.json" + TOO_BIG),
+    Case("config/cli-hybrid-over-the-cap", _cli_config("--hybrid", _big), 2,
+         "--hybrid {tmp}/inputs/big.json" + TOO_BIG),
+    Case("config/cli-hybrid-file-type-this", _keeps_out("this", _cli_config("--hybrid", lambda e: _json(
+        e, "h.json", {"hybrid": {"module_type": ["qcompiler.zoo.hybrid._SeluModule", "this.X"]}}))), 2,
+         "--hybrid {tmp}/inputs/h.json: ['module_type'][1]: " + THIS),
+    Case("config/cli-hybrid-module-type-this", _keeps_out("this", _cli("partition", *HYB, "--hybrid-module-type",
+                                                                       "this.X", "--out", "o")), 2,
+         "--hybrid-module-type 'this.X': " + THIS),
+]
+
+
 
 CASES = [
     # compile: arguments
@@ -1323,7 +1552,7 @@ CASES = [
          "--calib-data sub: cannot read it (Is a directory)"),
     Case("cli/no-command", _cli(), 2, "a command is required"),
     *MORE_COMPILE, *MORE_CALL, *MORE_SAVE, *MORE_LOAD, *MORE_EXPORT, *MORE_CLI, *CONFIG, *NATIVE, *DIST, *SIDE,
-    *NATIVE_CACHE,
+    *NATIVE_CACHE, *ISLANDS, *FILES,
 ]
 
 
