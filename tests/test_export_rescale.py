@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import qcompiler
 from qcompiler.backends.onnx import emit_graph
+from qcompiler.ir.meta import META_TENSOR, TensorInfo
 from qcompiler.ir.shape_prop import propagate_shapes
 from qcompiler.nn import quantized as qnn
 from qcompiler.onnx import inference_session
@@ -358,3 +359,63 @@ def test_matmul_of_feature_maps_equals_compiled(batch, m, k, n, amax, c, seed):
     r = max(1, int((127 * c / k) ** 0.5))  # codes in [-r, r]: most sums / c within the int8 range
     codes = [torch.randint(-r, r + 1, s, generator=g) for s in ((batch, m, k), (k, n))]
     assert_bit_exact(cm, _inputs(codes, _entry_scales(cm)))
+
+
+# ---------------------------------------------------------------------------------------------- prelu / lookup / resize
+
+
+class _Act(nn.Module):
+    def __init__(self, op: str, slope: float):
+        super().__init__()
+        self.op, self.slope = op, slope
+
+    def forward(self, x):
+        if self.op == "leaky_relu":
+            return torch.nn.functional.leaky_relu(x, self.slope)
+        return torch.sigmoid(x) if self.op == "sigmoid" else torch.tanh(x)
+
+
+@SETTINGS
+@given(st.sampled_from(["leaky_relu", "sigmoid", "tanh"]), st.sampled_from(_FRACTIONS), st.floats(0.05, 50.0))
+def test_leaky_relu_and_lookups_equal_compiled(op, slope, amax):
+    """leaky_relu with slopes odd / (2d) (the negative codes times M / 2**n ~ slope hit ties) and lookup
+    tables (sigmoid, tanh: the float64 table, not onnxruntime's float32 function), on every code.
+    (PReLU itself does not run on bayes.)"""
+    x = torch.linspace(-amax, amax, 256).reshape(1, 1, 16, 16)
+    cm = _compile(_Act(op, slope), (x,), [(x,)])
+    assert sum(isinstance(m, (qnn.QuantizedPReLU, qnn.QuantizedLookup)) for m in cm.converted.modules()) == 1
+    codes = torch.arange(-128, 128).reshape(1, 1, 16, 16)
+    assert_bit_exact(cm, _inputs([codes], _entry_scales(cm)))
+
+
+@SETTINGS
+@given(st.floats(1e-3, 10.0), st.sampled_from(_FRACTIONS + [1 / f for f in _FRACTIONS]), st.integers(1, 3),
+       st.integers(0, 2 ** 31 - 1))
+def test_nearest_resize_equals_the_simulator(out_scale, ratio, factor, seed):
+    """Nearest resize to another scale, ``round(float64(q) * s_in / s_out)`` at tie-making ratios, against
+    the module (the simulator's reference); as for the requantize, a compiled model's output scale
+    comes from the same range, so the module is built directly."""
+    in_scale = float(torch.tensor(out_scale * ratio, dtype=torch.float32))
+    root = _Resize(in_scale, out_scale, (16 * factor, 16))
+    gm = fx.GraphModule(root, _Leaves().trace(root))
+    codes = torch.randint(-128, 128, (2, 2, 16, 16), generator=torch.Generator().manual_seed(seed))
+    codes[0, 0] = torch.arange(-128, 128).reshape(16, 16)
+    x = _inputs([codes], [in_scale])[0]
+    propagate_shapes(gm, (x,))
+    gm.graph.find_nodes(op="call_module", target="q")[0].meta[META_TENSOR] = TensorInfo(tuple(x.shape), "i8")
+    model = emit_graph(gm, quantize=True)
+    onnx.checker.check_model(model, full_check=True)
+    got = torch.from_numpy(inference_session(model).run(None, {model.graph.input[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        want = gm(x)
+    assert got.shape == want.shape and torch.equal(got, want), f"{int((got != want).sum())}/{got.numel()} differ"
+
+
+class _Resize(nn.Module):
+    def __init__(self, in_scale: float, out_scale: float, size):
+        super().__init__()
+        self.q, self.dq = qnn.Quantize(in_scale), qnn.DeQuantize()
+        self.resize = qnn.QuantizedResize("nearest", in_scale, out_scale, "qint8", size, None)
+
+    def forward(self, x):
+        return self.dq(self.resize(self.q(x)))

@@ -115,10 +115,12 @@ def _int8_codes(ctx: NodeContext, values: list, out_dtype: str) -> Optional[list
 
 
 def _requantized_codes(ctx: NodeContext, acc: str, M, n, out_dtype: str, shape: tuple = (),
-                       add: Optional[tuple[str, int, int]] = None) -> Tensor:
+                       add: Optional[tuple[str, int, int]] = None, top: Optional[int] = None) -> Tensor:
     """int8 ``clamp(round_half_even(acc * M / 2**n [+ other * Mb / 2**nb]))`` of the integer tensor
-    ``acc``: the simulator's requantization bit for bit (``integer_layer.requantize``)."""
+    ``acc`` (the clamp's top lowered to ``top``): the simulator's requantization bit for bit
+    (``integer_layer.requantize``)."""
     lo, hi = fp.qrange(out_dtype)
+    hi = hi if top is None else min(hi, top)
     return requantize(ctx, acc, torch.as_tensor(M), torch.as_tensor(n), shape, lo, hi, out_dtype, add)[0]
 
 
@@ -260,11 +262,22 @@ def converted_cat(ctx: NodeContext) -> Tensor:
 
 @emits_module(qnn.QuantizedLookup)
 def converted_lookup(ctx: NodeContext) -> Tensor:
-    """A lookup table: the float function it was built from (default arguments, as
-    ``passes.convert.LUT_FUNCTIONS``) followed by the output quantization."""
+    """A lookup table: on int8 codes into an int8 table, ``Gather(table, q + 128)`` (the table is an
+    initializer, the sidecar lists it); else the float function it was built from (default
+    arguments, as ``passes.convert.LUT_FUNCTIONS``) followed by the output quantization."""
     m = ctx.module
+    out_dtype = "qint16" if m.table.dtype == torch.int16 else "qint8"
+    codes = _int8_codes(ctx, [ctx.x()], out_dtype) if m.in_dtype == "qint8" else None
+    if codes is not None:
+        table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np.int8))
+        ctx.quant.weights[table] = {"scales": [float(m.out_scale)], "axis": None, "dtype": out_dtype}
+        index = ctx.make("Add", [ctx.make("Cast", [codes[0]], tag="index", to=TensorProto.INT64,
+                                          dtype=TensorProto.INT64), ctx.const("offset", 128, TensorProto.INT64)],
+                         tag="offset_index")
+        y = ctx.make("Gather", [table, index], tag="lookup", axis=0)
+        return _dequantized(ctx, y, m.out_scale, out_dtype)
     y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0],)))
-    return _out(ctx, y, m.out_scale, "qint16" if m.table.dtype == torch.int16 else "qint8")
+    return _out(ctx, y, m.out_scale, out_dtype)
 
 
 def _integer_avg_pool(ctx: NodeContext, m: qnn.QuantizedAvgPool) -> Optional[Tensor]:
@@ -317,7 +330,23 @@ def converted_avg_pool(ctx: NodeContext) -> Tensor:
 
 @emits_module(qnn.QuantizedResize)
 def converted_resize(ctx: NodeContext) -> Tensor:
+    """Nearest resize of int8 codes: the int8 Resize (a selection), then what the simulator computes,
+    ``clamp(round_half_even(float64(q) * (s_in / s_out)))`` (``Cast(double)``, ``Mul``, ``Round``: the
+    same float64 operations). Bilinear (float64 interpolation; opset-11 Resize has no double) and
+    int16 keep the float Resize quantized at the output scale."""
     m: qnn.QuantizedResize = ctx.module
+    codes = _int8_codes(ctx, [ctx.x()], m.out_dtype) if m.mode == "nearest" else None
+    if codes is not None:
+        q = resize(ctx, codes[0], m.mode, m.align_corners, size=list(m.size))
+        if m.in_scale != m.out_scale:
+            lo, hi = fp.qrange(m.out_dtype)
+            v = ctx.make("Cast", [q], tag="double", to=TensorProto.DOUBLE, dtype=TensorProto.DOUBLE)
+            v = ctx.make("Mul", [v, ctx.const("ratio", m.in_scale / m.out_scale, TensorProto.DOUBLE)], tag="scaled")
+            v = ctx.make("Round", [v], tag="round")
+            v = ctx.make("Max", [v, ctx.const("lo", float(lo), TensorProto.DOUBLE)], tag="clamp_lo")
+            v = ctx.make("Min", [v, ctx.const("hi", float(hi), TensorProto.DOUBLE)], tag="clamp_hi")
+            q = ctx.make("Cast", [v], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
+        return _dequantized(ctx, q, m.out_scale, m.out_dtype)
     y = resize(ctx, ctx.x(), m.mode, m.align_corners, size=list(m.size))
     return _out(ctx, y, m.out_scale, m.out_dtype)
 
@@ -327,6 +356,15 @@ def converted_prelu(ctx: NodeContext) -> Tensor:
     """prelu / leaky_relu on integers: positives scaled by Mp/2^np (= s_in/s_out), negatives by
     Mn/2^nn (= slope * s_in/s_out). The float slope the integer model applies is their ratio."""
     m: qnn.QuantizedPReLU = ctx.module
+    codes = _int8_codes(ctx, [ctx.x()], m.out_dtype)
+    if codes is not None:  # the simulator's integers: requantize by (Mp, np) where q >= 0, else (Mn, nn)
+        (q,) = codes
+        shape = (1, m.Mn.numel()) + (1,) * (ctx.rank() - 2) if m.Mn.numel() > 1 else ()  # slope per channel
+        pos = _requantized_codes(ctx, q, m.Mp, m.np_, m.out_dtype, top=m.top)
+        neg = _requantized_codes(ctx, q, m.Mn, m.nn_, m.out_dtype, shape, top=m.top)
+        negative = ctx.make("Less", [q, ctx.const("zero", 0, TensorProto.INT8)], tag="negative", dtype=TensorProto.BOOL)
+        y = ctx.make("Where", [negative, neg, pos], tag="select", dtype=TensorProto.INT8)
+        return _dequantized(ctx, y, m.out_scale, m.out_dtype)
     pos = float(m.Mp) / 2.0 ** float(m.np_)
     slope = (m.Mn.double() / torch.pow(2.0, m.nn_.double())) / pos
     x = ctx.x()
