@@ -42,13 +42,14 @@ from onnx import helper, numpy_helper
 from torch.utils.data import DataLoader, TensorDataset
 
 import qcompiler
-from qcompiler.compiled import load
+from qcompiler.compiled import _from_artifact, load
 from qcompiler import distributed
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ArtifactError, CalibrationError, ConfigError, QCompilerWarning
 from qcompiler.native import build, kernels
 from qcompiler.native.plan import NativeSteps
 from qcompiler.onnx import export_to_onnx
+from qcompiler.quantization import auto_int16, sync
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.sync import sync_observers
@@ -1361,6 +1362,114 @@ FILES = [
 ]
 
 
+# ----------------------------------------------------------------------------- issue 37: QCOMPILER_DIST_TIMEOUT
+
+
+def _dist_timeout(raw):
+    """timeout_from_env under QCOMPILER_DIST_TIMEOUT=raw: a warning, and the built-in default."""
+    return Case(f"dist/timeout-env-{raw.strip() or 'blank'}",
+                lambda e: _with_environ(sync.timeout_from_env, QCOMPILER_DIST_TIMEOUT=raw), W,
+                f"QCOMPILER_DIST_TIMEOUT={raw!r} is not a positive finite number of seconds (e.g. 600); using the "
+                f"default 300 s", result=sync.BUILT_IN_TIMEOUT)
+
+
+TIMEOUT = "timeout must be a positive finite number of seconds, got "
+DIST_TIMEOUT = [
+    *[_dist_timeout(raw) for raw in ("abc", "-5", "inf", "nan", "0", " ")],
+    Case("dist/sync-observers-timeout-negative", lambda e: sync_observers(e.cal, timeout=-5), C,
+         "sync_observers: " + TIMEOUT + "-5"),
+    Case("dist/sync-observers-timeout-inf", lambda e: sync_observers(e.cal, timeout=float("inf")), C,
+         "sync_observers: " + TIMEOUT + "inf"),
+    Case("dist/sync-observers-timeout-nan", lambda e: sync_observers(e.qat, timeout=float("nan")), C,
+         "sync_observers: " + TIMEOUT + "nan"),
+    Case("dist/sync-observers-timeout-str", lambda e: sync_observers(e.cal, timeout="10"), C,
+         "sync_observers: " + TIMEOUT + "'10'"),
+    Case("dist/sync-observers-timeout-bool", lambda e: sync_observers(e.cal, timeout=True), C,
+         "sync_observers: " + TIMEOUT + "True"),
+    Case("dist/evaluate-timeout-zero", lambda e: distributed.evaluate(e.cm, _loader(X, Y), _metric, timeout=0,
+                                                                      progress=False), C, "evaluate: " + TIMEOUT + "0"),
+    Case("dist/require-batches-timeout-none", lambda e: sync.require_batches(1, "evaluate", timeout=None), C,
+         "evaluate: " + TIMEOUT + "None"),
+]
+
+
+# ----------------------------------------------------------------------------- issue 37: API inputs
+
+
+class Gate(nn.Module):
+    """Data-dependent Python: a leaf that runs as an eager-torch island, which save refuses."""
+
+    def forward(self, x):
+        return x * 2.0 if float(x.mean()) > 0 else x - 1.0
+
+
+def _pickle_eager_island(env):
+    with torch.random.fork_rng():  # the case's own model: the caller's random numbers are not drawn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Gate(), nn.Conv2d(4, 4, 1)).eval()
+    cm = qcompiler.compile(model, X, progress=False, prepare_custom_config_dict={"non_traceable_module_name": ["1"]})
+    assert cm.torch_islands()
+    return pickle.dumps(cm)
+
+
+class _Pickled:
+    """A pickle of a CompiledModel whose artifact bytes are ``data`` (what __reduce__ writes, edited)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return _from_artifact, (self.data, 1, None)
+
+
+DENSE = "qcompiler runs dense (strided) tensors only: pass x.to_dense()"
+SPARSE = X.to_sparse()
+LAYOUTS = [("sparse", SPARSE, "torch.sparse_coo")] + (
+    [("mkldnn", X.to_mkldnn(), "torch._mkldnn")] if torch.backends.mkldnn.is_available() else [])
+BATCHES = "auto_int16: batches"
+PATH_TYPE = "the path must be a str, bytes or os.PathLike, got "
+API = [
+    Case("compile/auto-int16-batch-shape", lambda e: auto_int16(e.cal, [X, X9], budget=0.5), C,
+         BATCHES + "[1]: input 0 has shape (2, 3, 9, 9); the example input has (2, 3, 8, 8), and only the batch "
+         "size may differ"),
+    Case("compile/auto-int16-batch-count", lambda e: auto_int16(e.cal, [(X, X)], budget=0.5), C,
+         BATCHES + "[0]: the model takes 1 inputs, got 2"),
+    Case("compile/auto-int16-batch-dtype", lambda e: auto_int16(e.cal, [X.long()], budget=0.5), C,
+         BATCHES + "[0]: input 0 must be a float32 tensor like the example input's, got int64"),
+    Case("compile/auto-int16-batch-empty", lambda e: auto_int16(e.cal, [X[:0]], budget=0.5), C,
+         BATCHES + "[0]: input 0 is empty (shape (0, 3, 8, 8))"),
+    Case("compile/auto-int16-no-batches", lambda e: auto_int16(e.cal, [], budget=0.5), C,
+         BATCHES + " is empty; pass the calibration batches"),
+    Case("compile/auto-int16-one-tensor", lambda e: auto_int16(e.cal, X, budget=0.5), C,
+         BATCHES + " must be an iterable of model inputs (e.g. the calibration batches), not one tensor; pass [batch]"),
+    *[row for name, x, layout in LAYOUTS for row in (
+        Case(f"compile/example-{name}", lambda e, x=x: qcompiler.compile(e.model, x, progress=False), C,
+             f"example_inputs: input 0 is a {layout} tensor; " + DENSE),
+        Case(f"compile/calib-{name}", lambda e, x=x: qcompiler.compile(e.model, X, calib_data=[X, x], progress=False),
+             C, f"calib_data batch 1: input 0 is a {layout} tensor; " + DENSE),
+        Case(f"call/{name}", lambda e, x=x: e.cm(x), C,
+             f"compiled model: input 0 ('x') is a {layout} tensor; " + DENSE),
+        Case(f"call/loaded-{name}", lambda e, x=x: e.loaded(x), C, f"input 0 ('x') is a {layout} tensor; " + DENSE),
+    )],
+    Case("compile/qat-example-sparse", lambda e: qcompiler.compile(e.qat, SPARSE, mode="qat", progress=False), C,
+         "example_inputs: input 0 is a torch.sparse_coo tensor; " + DENSE),
+    Case("save/pickle-eager-island", _pickle_eager_island, A,
+         ("pickle: a CompiledModel pickles as the file CompiledModel.save writes; ",
+          "run in eager torch, which an artifact cannot hold without pickling code")),
+    Case("load/unpickle-no-manifest", lambda e: pickle.loads(pickle.dumps(e.loaded).replace(b"manifest.json",
+                                                                                            b"manifest.jsoX")), A,
+         "the pickled CompiledModel: not a qcompiler artifact (no manifest"),
+    Case("load/unpickle-truncated", lambda e: pickle.loads(pickle.dumps(_Pickled(e.artifact.read_bytes()[:1000]))), A,
+         "the pickled CompiledModel: not a qcompiler artifact or truncated"),
+    Case("load/unpickle-empty", lambda e: pickle.loads(pickle.dumps(_Pickled(b""))), A,
+         "the pickled CompiledModel: not a qcompiler artifact"),
+    Case("load/float-path", lambda e: load(1.5), C, "load: " + PATH_TYPE + "float"),
+    Case("save/dict-path", lambda e: e.cm.save({"path": "net.qc"}), C, "save: " + PATH_TYPE + "dict"),
+    Case("save/loaded-int-path", lambda e: e.loaded.save(3), C, "save: " + PATH_TYPE + "int"),
+    Case("export/object-path", lambda e: e.cm.export_onnx(object()), C, "export_onnx: " + PATH_TYPE + "object"),
+    Case("export/dump-int-path", lambda e: e.cm.dump(3), C, "dump: " + PATH_TYPE + "int"),
+]
+
 
 CASES = [
     # compile: arguments
@@ -1552,7 +1661,7 @@ CASES = [
          "--calib-data sub: cannot read it (Is a directory)"),
     Case("cli/no-command", _cli(), 2, "a command is required"),
     *MORE_COMPILE, *MORE_CALL, *MORE_SAVE, *MORE_LOAD, *MORE_EXPORT, *MORE_CLI, *CONFIG, *NATIVE, *DIST, *SIDE,
-    *NATIVE_CACHE, *ISLANDS, *FILES,
+    *NATIVE_CACHE, *ISLANDS, *FILES, *DIST_TIMEOUT, *API,
 ]
 
 
