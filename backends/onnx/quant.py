@@ -40,10 +40,13 @@ What opset 11 can say and what it cannot, and how the export bridges it:
   the sidecar with dtype ``qint16``; a mapper that reads the sidecar can apply them.
 * **High-precision outputs** (a BPU layer emitting its int32 accumulator) are
   float in the graph and listed under ``high_precision_outputs``.
-* Other converted ops (requantize, add / mul / cat / avg pool / resize of feature maps,
-  lookup tables, prelu) are the float op between Q/DQ pairs, which rounds once where
-  the BPU requantizes: equal to the compiled model on every model of
-  ``benchmarks/model_coverage.py``, not proven equal in general.
+* **Rescaling ops on int8 values are integer-exact too**: cat, requantize, add / sub / mul /
+  matmul of feature maps (or with an int8 constant), average pools, prelu, lookup tables and
+  nearest resize compute the simulator's integers from the input codes (``rules/quantized.py``;
+  docs/onnx_export.md), as a float op between Q/DQ pairs rounds near-ties the other way
+  (issue 37). The rest (int16 values, bilinear resize, div, wider constants) are the float op
+  between Q/DQ pairs, which rounds once where the BPU requantizes: equal to the compiled model
+  on every model of ``benchmarks/model_coverage.py``, not proven equal in general.
 
 The sidecar (``QuantState.sidecar``) keys every scale by ONNX tensor name::
 

@@ -46,12 +46,35 @@ def converted_constant_operand(ctx: NodeContext) -> Tensor:
     (an initializer ``q * s``, listed in the sidecar like a weight), quantized once at the
     output scale (the BPU's one requantization)."""
     m, path = ctx.module, ctx.path
+    y = _integer_constant_operand(ctx, m)
+    if y is not None:
+        return y
     c = quantized_constant(ctx, f"{path}.constant", m.constant, m.const_scale)
     ins = [ctx.x(), c] if m.const_index == 1 else [c, ctx.x()]
     if m.qc_op != "mul" and abs(m.alpha) != 1.0:  # alpha scales operand 1; its sign is in add/sub
         ins[1] = ctx.make("Mul", [ins[1], ctx.const("alpha", abs(m.alpha))], tag="alpha")
     y = ctx.make({"add": "Add", "sub": "Sub", "mul": "Mul"}[m.qc_op], ins)
     return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, path)
+
+
+def _integer_constant_operand(ctx: NodeContext, m: qnn.QuantizedConstantOperand) -> Optional[Tensor]:
+    """An int8 feature map and a constant of int8 integers: the simulator's one rounding of
+    ``q0 * M0 / 2**n0 +- q1 * M1 / 2**n1`` (add / sub) or ``requantize(qx * qc)`` (mul), the constant
+    an int8 initializer (listed in the sidecar like a weight). None otherwise."""
+    c = m.constant
+    codes = _int8_codes(ctx, [ctx.x()], m.out_dtype)
+    if codes is None or c.numel() == 0 or c.is_floating_point() or int(c.min()) < -128 or int(c.max()) > 127:
+        return None
+    const = ctx.initializer(f"{ctx.path}.constant", c.numpy().astype(np.int8))
+    ctx.quant.weights[const] = {"scales": [float(m.const_scale)], "axis": None, "dtype": "qint8"}
+    a, b = (codes[0], const) if m.const_index == 1 else (const, codes[0])
+    if m.qc_op == "mul":
+        wide = [ctx.make("Cast", [t], tag="int32", to=TensorProto.INT32, dtype=TensorProto.INT32) for t in (a, b)]
+        y = _requantized_codes(ctx, ctx.make("Mul", wide, tag="product"), m.M, m.n, m.out_dtype)
+    else:
+        M0, n0, M1, n1 = m.params
+        y = _requantized_codes(ctx, a, M0, n0, m.out_dtype, add=(b, -M1 if m.qc_op == "sub" else M1, n1))
+    return _dequantized(ctx, y, m.out_scale, m.out_dtype)
 
 
 @emits_module(qnn.QuantizedConstant)
