@@ -61,8 +61,8 @@ def export_to_onnx(
     ``convert_fx``, or a float ``qcompiler.partition`` result. ``args``: the model's
     inputs (a tensor or a tuple, nested tuples allowed), of the shapes and dtypes the
     model was traced with (checked; sizes may differ only on ``dynamic_axes``). ``f``: a
-    path (the sidecar goes to ``<f>.quant.json``) or a binary file object (only the
-    returned sidecar). ``dynamic_axes``: as in ``torch.onnx.export``,
+    path (the sidecar goes to ``<f>.quant.json``) or a binary file object open for writing
+    (only the returned sidecar; a text, read-only or closed file object is a ConfigError). ``dynamic_axes``: as in ``torch.onnx.export``,
     ``{"input": {0: "batch"}}`` or ``{"input": [0]}``, for graph inputs and outputs; output
     dims that follow a dynamic input axis become symbolic too (ONNX shape inference says
     which), named like the input's axis when the label propagates. ``enable_onnx_checker``:
@@ -71,7 +71,7 @@ def export_to_onnx(
     Returns the sidecar dict. Raises ConfigError for ``opset_version != 11``, a model
     that is not prepared, args that do not match the traced inputs, unknown names or
     axes in ``dynamic_axes``, or a path no file can be written to (empty, a directory, below
-    a file); missing parent directories are created; nothing is written unless the export succeeds.
+    a file, a device or FIFO: :mod:`qcompiler.atomic_write`); missing parent directories are created; nothing is written unless the export succeeds.
     """
     if opset_version != 11:
         raise ConfigError(
@@ -130,11 +130,31 @@ def inference_session(model: Union[onnx.ModelProto, bytes, str, os.PathLike], se
 
 
 def _check_destination(f: Any) -> None:
+    """``f`` a path a file can be written to (:func:`~qcompiler.atomic_write.check_target`) or an open
+    binary file object that can be written: a text file (``open(p, "w")``), a file opened for
+    reading only or a closed one is a ConfigError saying how to open it, before any work."""
     if hasattr(f, "write"):
+        _check_file_object(f)
         return
     if not isinstance(f, (str, os.PathLike)):
         raise ConfigError(f"export_to_onnx: f must be a path or a binary file object, got {type(f).__name__}")
     check_target(f, "export_to_onnx")
+
+
+def _check_file_object(f: Any) -> None:
+    name = getattr(f, "name", None)
+    shown = f"f ({name!r})" if isinstance(name, (str, bytes, int)) else f"f ({type(f).__name__})"
+    if getattr(f, "closed", False) is True:
+        raise ConfigError(f"export_to_onnx: {shown} is closed; pass an open binary file, e.g. open(path, 'wb')")
+    if isinstance(f, io.TextIOBase) or isinstance(getattr(f, "encoding", None), str):
+        raise ConfigError(f"export_to_onnx: {shown} is a text file object, but an ONNX file is bytes; open it in "
+                          "binary mode, e.g. open(path, 'wb'), or pass the path")
+    writable = getattr(f, "writable", None)
+    if callable(writable) and not writable():
+        mode = getattr(f, "mode", None)
+        opened = f" (opened with mode {mode!r})" if isinstance(mode, str) else ""
+        raise ConfigError(f"export_to_onnx: {shown} is not open for writing{opened}; open it with "
+                          "open(path, 'wb'), or pass the path")
 
 
 def _check_model(model: Any) -> fx.GraphModule:

@@ -21,7 +21,7 @@ import graphviz
 import torch.fx as fx
 from tabulate import tabulate
 
-from qcompiler.atomic_write import write_file
+from qcompiler.atomic_write import check_directory, make_directory, write_file
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
     BPU,
@@ -268,10 +268,13 @@ def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = 
 
     All contents are built in memory before anything is written, and each file
     is written via a temp file + ``os.replace``; so an error while building
-    leaves ``out_dir`` untouched and no file is ever half-written.
+    leaves ``out_dir`` untouched and no file is ever half-written. ``out_dir`` is checked
+    first (:func:`qcompiler.atomic_write.check_directory`: a ConfigError for an empty path, an
+    existing file or a path below one); a directory that cannot be created (``/proc``) is an
+    OSError prefixed ``dump:``.
     """
     name = _check_name(name)
-    out = Path(out_dir)
+    out = check_directory(out_dir, "dump")
     notes: list[str] = []
     summary = summary_text(gm)
     dot_source = to_dot(gm)
@@ -294,7 +297,7 @@ def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = 
                          f"wrote only {name}.dot")
     contents.append(("summary.txt", summary.encode()))
 
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, "dump")
     files = []
     for filename, data in contents:
         path = out / filename
