@@ -35,11 +35,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from qcompiler.atomic_write import check_target, write_file
+from qcompiler.atomic_write import check_path, check_target, write_file
 from qcompiler.backends.bpu.program import BpuProgram
 from qcompiler.backends.bpu.program_check import ITEMSIZE, check_declaration, expect_keys, short
 from qcompiler.backends.ort.island import check_island
 from qcompiler.errors import ArtifactError
+from qcompiler.march import March
 
 FORMAT = "qcompiler-artifact"
 FORMAT_VERSION = 2  # 2: member sizes in the manifest, tensors declare dtype and shape
@@ -93,9 +94,9 @@ def load_artifact(path: PathLike):
 
     Reads only what the manifest names, each member streamed and bounded (see the module
     docstring); the manifest is checked (:func:`check_manifest`) before any tensor or
-    island is read.
+    island is read. A path that names no file at all (empty, a NUL byte) is a ConfigError.
     """
-    path = Path(path)
+    path = Path(check_path(path, "load"))  # Path("") would be ".", and an error would name that
     if not path.is_file():
         raise ArtifactError(f"{path}: no such file")
     try:
@@ -225,6 +226,11 @@ def check_manifest(m: dict, path: Path) -> None:
             where)
     if "outputs" not in m:
         raise ArtifactError(f"{where}: 'outputs' is missing")
+    marches = [march.value for march in March]
+    if m["march"] not in marches:
+        raise ArtifactError(f"{where}: march {short(m['march'])} is not a march this qcompiler knows "
+                            f"({', '.join(marches)}); the file is corrupted or from another qcompiler: compile "
+                            "and save the model again")
     if not all(isinstance(v, str) for v in m["inputs"]) or len(set(m["inputs"])) != len(m["inputs"]):
         raise ArtifactError(f"{where}: 'inputs' must be a list of distinct value names")
     sig = m.get("input_signature")

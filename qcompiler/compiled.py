@@ -23,7 +23,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from qcompiler.artifact import load_artifact, save_artifact
-from qcompiler.atomic_write import write_file
+from qcompiler.atomic_write import check_directory, write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_island
@@ -83,9 +83,49 @@ class CompiledModel:
         self.converted, self.example_inputs = converted, example_inputs
         self.int16: Optional[dict] = None  # compile(int16_budget=...): the auto_int16 record
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on its inputs, given by position or by name (:attr:`input_names`), checked
+        like the example inputs before any backend runs."""
         with torch.no_grad():
-            return self.runtime(*args)
+            return self.runtime(*self._bind(args, kwargs))
+
+    @property
+    def input_names(self) -> list[str]:
+        """The names of the model's inputs, in order: what a call takes as keyword arguments."""
+        return list(self.runtime.input_names)
+
+    def _keywords(self) -> dict[str, int]:
+        """Keyword -> input position: the input names, and (with the graph) the forward's own
+        parameter names, which torch.fx renames where they shadow a builtin (``input`` -> ``input_1``)."""
+        positions = {name: i for i, name in enumerate(self.runtime.input_names)}
+        if self.converted is not None:
+            targets = [n.target for n in self.converted.graph.nodes if n.op == "placeholder"]
+            positions.update({t: i for i, t in enumerate(targets) if isinstance(t, str) and t.isidentifier()})
+        return positions
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple:
+        """``args`` and ``kwargs`` as one tuple in input order; a keyword that names no input or an input
+        given already, or a call by keyword that leaves an input out, is a ConfigError naming it."""
+        if not kwargs:
+            return args
+        names, positions = self.input_names, self._keywords()
+        where, listed = "compiled model", ", ".join(names) or "none"
+        unknown = [k for k in kwargs if k not in positions]
+        if unknown:
+            raise ConfigError(f"{where}: keyword argument {unknown[0]!r} names no input of the model; its inputs "
+                              f"are {listed} (pass them by position or by these names)")
+        given: dict[int, Any] = dict(enumerate(args))
+        for key, value in kwargs.items():
+            i = positions[key]
+            if i in given:
+                how = "by position" if i < len(args) else "by another keyword"
+                raise ConfigError(f"{where}: input {i} ({names[i]!r}) is given twice ({how} and as {key}=); "
+                                  "pass it once")
+            given[i] = value
+        missing = [f"input {i} ({names[i]!r})" for i in range(len(names)) if i not in given]
+        if missing:
+            raise ConfigError(f"{where}: {', '.join(missing)} missing; the model takes {len(names)} inputs ({listed})")
+        return tuple(given[i] for i in range(len(given)))
 
     @property
     def threads(self) -> Optional[int]:
@@ -143,8 +183,10 @@ class CompiledModel:
         return self.converted
 
     def dump(self, out_dir: Union[str, Path], name: Optional[str] = None) -> list[Path]:
-        """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing."""
-        out = Path(fs_path(out_dir, "dump"))
+        """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing,
+        into the directory ``out_dir`` (created if missing; an empty path, a file or a path below one is
+        a ConfigError naming it)."""
+        out = check_directory(fs_path(out_dir, "dump"), "dump")
         result = dump_partitioned(self._need_graph("dump"), out, name=name or self.name)
         files = list(result.files)
         for step in self.runtime.steps:
@@ -231,6 +273,14 @@ def fs_path(path: Any, what: str) -> Union[str, os.PathLike]:
     return os.fsdecode(path) if isinstance(os.fspath(path), bytes) else path
 
 
+def check_ort_threads(value: Any, what: str) -> int:
+    """``ort_threads`` (onnxruntime's intra-op threads per CPU island) must be a positive int, not a
+    bool: onnxruntime takes 0 as "its default" and True as 1, neither of which the caller meant."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{what}: ort_threads must be a positive int, got {value!r}; pass e.g. ort_threads=1")
+    return value
+
+
 def load(path: Union[str, bytes, os.PathLike], *, ort_threads: int = 1,
          threads: Optional[int] = None) -> CompiledModel:
     """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed);
@@ -238,8 +288,7 @@ def load(path: Union[str, bytes, os.PathLike], *, ort_threads: int = 1,
 
     ``threads`` is kept (``CompiledModel.threads``), but an artifact has no graph to prove the
     batch split safe with, so a loaded model runs every batch whole."""
-    if not isinstance(ort_threads, int) or isinstance(ort_threads, bool) or ort_threads < 1:
-        raise ConfigError(f"load: ort_threads must be a positive int, got {ort_threads!r}")
+    check_ort_threads(ort_threads, "load")
     if threads is not None:
         resolve_threads(threads, "load")
     path = fs_path(path, "load")
@@ -364,6 +413,7 @@ def compile(
     """
     if mode not in MODES:
         raise ConfigError(f"compile: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    check_ort_threads(ort_threads, "compile")
     if threads is not None:
         resolve_threads(threads, "compile")
     if weight_rounding and mode != "ptq":

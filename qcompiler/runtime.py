@@ -182,5 +182,41 @@ class Runtime:
         env: dict[str, Any] = dict(zip(self.input_names, args))
         for step in self.steps:
             feeds = {name: env[name] for name in step.inputs}
-            env.update(self._run[step.name](feeds))
+            try:
+                env.update(self._run[step.name](feeds))
+            except ConfigError:
+                self._refuse_nan(step, feeds)
+                raise
         return _build_output(self.outputs, env)
+
+    def _refuse_nan(self, step: Step, feeds: dict[str, Any]) -> None:
+        """After a BPU step failed: if a float value it reads holds NaN (which the step's quantize
+        refuses without knowing whose value it is), a ConfigError naming that value: a model input
+        by position and name, else the step whose output it is."""
+        if step.kind != BPU:
+            return
+        for name, value in feeds.items():
+            where = _nan_at(value)
+            if where is None:
+                continue
+            if name in self.input_names:
+                what = f"input {self.input_names.index(name)} ({name!r}){where}"
+            else:
+                made_by = next((s.name for s in self.steps if name in s.outputs), "an earlier step")
+                what = f"the value {name!r}{where} (an output of step {made_by!r})"
+            raise ConfigError(f"compiled model: {what} contains NaN, which BPU step {step.name!r} cannot quantize "
+                              "(NaN has no integer value); replace the NaNs first, e.g. with torch.nan_to_num") \
+                from None
+
+
+def _nan_at(value: Any) -> Optional[str]:
+    """Where a float tensor in ``value`` (a tensor or nested tuples) holds NaN: "" for ``value`` itself,
+    "[i]..." inside tuples; None when none does."""
+    if isinstance(value, torch.Tensor):
+        return "" if value.is_floating_point() and bool(torch.isnan(value).any()) else None
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            inner = _nan_at(v)
+            if inner is not None:
+                return f"[{i}]{inner}"
+    return None
