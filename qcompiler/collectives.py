@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from qcompiler.errors import CalibrationError
+from qcompiler.errors import CalibrationError, ConfigError
 
 __all__ = ["active", "rank", "world_size", "all_reduce", "all_gather_object", "broadcast_object", "barrier",
            "CollectiveError"]
@@ -95,7 +95,12 @@ def _collective(what: str, call, tensors: list[torch.Tensor]) -> None:
 
 
 def all_reduce(t: torch.Tensor, op: str, what: str) -> torch.Tensor:
-    """``t`` reduced over all ranks (``op`` in max/min/sum); a new tensor on ``t``'s device."""
+    """``t`` reduced over all ranks (``op`` in max/min/sum); a new tensor on ``t``'s device.
+
+    ``op`` is checked first, with or without a group: a wrong op must not pass every
+    single-process test and fail only under torchrun."""
+    if not isinstance(op, str) or op not in _OPS:
+        raise ConfigError(f"all_reduce for {what}: unknown op {op!r}; allowed: {', '.join(map(repr, _OPS))}")
     if not active():
         return t
     buf = t.detach().to(_comm_device(), copy=True)
