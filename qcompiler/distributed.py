@@ -18,7 +18,9 @@ single-process code path.  docs/distributed.md has the whole story.
 from __future__ import annotations
 
 import datetime
+import numbers
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -37,22 +39,47 @@ __all__ = ["sync_observers", "check_same_model", "require_batches", "shard", "ev
            "join_torchrun", "DEFAULT_TIMEOUT"]
 
 
+_FIX = "launch with torchrun (it sets the torch.distributed variables), or unset WORLD_SIZE for a single process"
+
+
+def _env_int(name: str, meaning: str, default: Optional[int] = None, *, low: int = 0,
+             high: Optional[int] = None) -> Optional[int]:
+    """The whole number in environment variable ``name`` (``default`` if unset), checked to be in
+    ``[low, high)``; a ConfigError naming the variable and its ``meaning`` otherwise (``int()``
+    would raise a bare ValueError, and an out-of-range rank would fail deep inside torch)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    bound = f"from {low} to {high - 1}" if high is not None else f"at least {low}"
+    value = int(text) if re.fullmatch(r"[0-9]+", text.strip()) else None
+    if value is None or value < low or (high is not None and value >= high):
+        raise ConfigError(f"{name}={text!r}: it must be a whole number {bound} ({meaning}); {_FIX}")
+    return value
+
+
 def join_torchrun(timeout: float = DEFAULT_TIMEOUT) -> bool:
     """Join the process group ``torchrun`` describes (WORLD_SIZE > 1 in the environment); True if it did.
 
     gloo on CPU, NCCL when CUDA is present. Already initialized, or a single
     process: nothing to do (False). The CLI calls it; scripts usually call
-    ``init_process_group`` themselves.
+    ``init_process_group`` themselves. WORLD_SIZE, RANK, LOCAL_RANK and MASTER_PORT
+    are checked first: a ConfigError naming the variable, not a ValueError from torch.
     """
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if dist.is_initialized():
+        return False
+    world = _env_int("WORLD_SIZE", "the number of processes", 1, low=1)
+    if world <= 1:
         return False
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: launch with "
                           f"torchrun, or set the torch.distributed environment variables")
+    _env_int("RANK", f"this process's rank of WORLD_SIZE={world}", high=world)
+    local_rank = _env_int("LOCAL_RANK", f"this process's rank on its machine, of WORLD_SIZE={world}", 0, high=world)
+    _env_int("MASTER_PORT", "the TCP port of rank 0", low=1, high=65536)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return True
 
@@ -62,11 +89,27 @@ def is_main_process() -> bool:
     return collectives.rank() == 0
 
 
+def _whole(value: Any) -> bool:
+    """An int (or a numpy integer) and not a bool: ``True`` is an int to Python, never a rank."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def shard(items, rank: Optional[int] = None, world: Optional[int] = None) -> list:
-    """This rank's share of ``items``: every ``world``-th item from ``rank`` on (all of them without a group)."""
+    """This rank's share of ``items``: every ``world``-th item from ``rank`` on (all of them without a group).
+
+    ``world`` must be a positive int and ``0 <= rank < world``: slicing would take any
+    int, and ``rank=-1`` or ``rank=world`` give a share that duplicates another rank's."""
     rank = collectives.rank() if rank is None else rank
     world = collectives.world_size() if world is None else world
-    return list(items)[rank::world]
+    if not _whole(world) or world < 1:
+        raise ConfigError(f"shard: world must be a positive int (the number of ranks), got {world!r}")
+    if not _whole(rank) or not 0 <= rank < world:
+        raise ConfigError(f"shard: rank must be an int from 0 to {world - 1} (world={world}), got {rank!r}")
+    try:
+        items = list(items)
+    except TypeError:
+        raise ConfigError(f"shard: items must be iterable (a list of batches), got {type(items).__name__}") from None
+    return items[rank::world]
 
 
 def _model_device(model: Any) -> Optional[torch.device]:
@@ -113,6 +156,27 @@ def _stack(rows: list) -> Any:
     return type(first)(_stack([r[i] for r in rows]) for i in range(len(first)))
 
 
+def _dataset_len(loader: DataLoader) -> int:
+    """The number of samples of ``loader.dataset``, checked to be something evaluate can split.
+
+    evaluate hands each rank its indices (a DistributedSampler) and collates them in batches of
+    ``batch_size``, so it needs a non-empty map-style dataset (``len`` and ``dataset[i]``) and
+    automatic batching on; an iterator or an IterableDataset cannot be split over the ranks in
+    dataset order."""
+    dataset = loader.dataset
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError(f"evaluate: loader.dataset must be a map-style dataset with len() and dataset[i] "
+                          f"(e.g. a TensorDataset or a list of (input, target) pairs), got {type(dataset).__name__}; "
+                          f"evaluate splits it over the ranks by index, so put the samples in a list first")
+    if loader.batch_size is None:
+        raise ConfigError("evaluate: the DataLoader has batch_size=None (automatic batching off); evaluate collates "
+                          "the samples itself: give it a batch_size, e.g. DataLoader(dataset, batch_size=32)")
+    n = len(dataset)
+    if n == 0:
+        raise ConfigError("evaluate: loader.dataset is empty; the metric needs at least one (input, target) sample")
+    return n
+
+
 def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], Any], *,
              timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> Any:
     """``metric(outputs, targets)`` over every sample of ``loader.dataset``; the value on rank 0, None elsewhere.
@@ -134,11 +198,14 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
     (:mod:`qcompiler.parallel`), so it evaluates at about its single-call speed per sample
     and uses every core (benchmarks/throughput.py). ``progress``: a tqdm bar on rank 0.
     """
+    if not callable(model):
+        raise ConfigError(f"evaluate: model must be callable (a float, fake-quant, converted or compiled model), "
+                          f"got {type(model).__name__}")
     if not isinstance(loader, DataLoader):
         raise ConfigError(f"evaluate: loader must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
     if not callable(metric):
         raise ConfigError("evaluate: metric must be a callable metric(outputs, targets)")
-    dataset, n = loader.dataset, len(loader.dataset)
+    dataset, n = loader.dataset, _dataset_len(loader)
     world, rank = collectives.world_size(), collectives.rank()
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False, drop_last=False)
     mine = [i for k, i in enumerate(sampler) if rank + k * world < n]  # drop the sampler's padding
@@ -147,7 +214,7 @@ def evaluate(model: Callable, loader: DataLoader, metric: Callable[[Any, Any], A
     was_training = getattr(model, "training", False)
     if isinstance(model, nn.Module):
         model.eval()
-    bs = loader.batch_size or 1
+    bs = loader.batch_size
     chunks = [mine[start:start + bs] for start in range(0, len(mine), bs)]
     outs, targets = [], []
 
