@@ -8,7 +8,9 @@ One file may hold both sections (``qcompiler report --apply FILE`` writes it so)
      "hybrid":  {"module_name": ["fc"], "module_type": ["torch.nn.PReLU"]}}
 
 ``--qconfig`` reads the ``"qconfig"`` section (or the whole object when it has none), ``--hybrid`` the
-``"hybrid"`` one likewise. A qconfig entry is a calibration qconfig
+``"hybrid"`` one likewise. A file with a section holds sections only: any other top-level key (a typo
+such as ``"hybird"``) is an error, never silently skipped; a file without sections holds only the
+keys of the one it is read as. A qconfig entry is a calibration qconfig
 (``get_default_calib_qconfig(dtype, observer)``); unset fields take the global entry's. Every error
 names the file and the key, and says what is allowed. Only a regular file of at most
 :data:`MAX_CONFIG_BYTES` is read (a FIFO or a device is refused before a byte is read).
@@ -16,14 +18,16 @@ names the file and the key, and says what is allowed. Only a regular file of at 
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import os
 import reprlib
 import stat
 from pathlib import Path
 from typing import Any, Union
 
-from qcompiler.atomic_write import write_file
+from qcompiler.atomic_write import check_target, write_file
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.observer import DTYPES, OBSERVERS
 from qcompiler.quantization.qconfig import get_default_calib_qconfig
@@ -34,6 +38,7 @@ __all__ = ["read_qconfig_file", "read_hybrid_file", "write_config_file", "QCONFI
 QCONFIG_FIELDS = ("dtype", "observer")
 QCONFIG_KEYS = ("global", "module_name")
 HYBRID_KEYS = ("module_name", "module_type")
+SECTIONS = ("qconfig", "hybrid")
 MAX_CONFIG_BYTES = 16 << 20
 """A config file is a few KB (one entry per module); a bigger file is refused unread."""
 _SHORT = reprlib.Repr()
@@ -75,8 +80,22 @@ def _read(p: Path, option: str) -> bytes:
     return data
 
 
+def _path(path: Any, option: str) -> Path:
+    """``path`` as a Path; ConfigError for what is no path (None, a number) or an empty one
+    (``Path("")`` is the current directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{option}: the path must be a str or os.PathLike, got {type(path).__name__}; "
+                          f"give the path of a JSON file")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise ConfigError(f"{option}: the path must be text, got {type(text).__name__} {_short(text)}")
+    if not text.strip():
+        raise ConfigError(f"{option}: the path is empty; give the path of a JSON file")
+    return Path(text)
+
+
 def _load(path: Union[str, Path], option: str) -> Any:
-    p = Path(path)
+    p = _path(path, option)
     try:
         text = _read(p, option).decode("utf-8")
     except UnicodeDecodeError:
@@ -90,22 +109,36 @@ def _load(path: Union[str, Path], option: str) -> Any:
                           f"at most 4 levels)") from None
 
 
+def _unknown(key: str, allowed: tuple, where: str, also: str = "") -> ConfigError:
+    """The error for an unknown key: it, the allowed ones (``also`` after them), and the closest
+    allowed key when it looks like a typo."""
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{where} unknown key {key!r}; allowed: {', '.join(repr(k) for k in allowed)}{also}{hint}")
+
+
 def _section(data: Any, name: str, keys: tuple, option: str, path: Union[str, Path]) -> dict:
+    """The object the reader of section ``name`` uses: ``data[name]`` in a file with sections
+    (``{}`` if it has only the other one), else ``data`` itself. Every key is checked, the
+    top-level keys next to a section too, so a typo is an error, never an ignored section."""
     if not isinstance(data, dict):
         raise ConfigError(f"{option} {path}: the file must hold a JSON object, got {type(data).__name__}")
-    if name in data:
-        data = data[name]
-        where = f"{option} {path}: [{name!r}]"
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where} must be an object, got {type(data).__name__}")
-    else:
-        where = f"{option} {path}:"
-        extra = [k for k in data if k not in keys and k in ("qconfig", "hybrid")]
-        if extra:
-            return {}
-    unknown = [k for k in data if k not in keys]
-    if unknown:
-        raise ConfigError(f"{where} unknown key {unknown[0]!r}; allowed: {', '.join(repr(k) for k in keys)}")
+    if not any(k in SECTIONS for k in data):  # a file of one kind: its keys are the section's
+        for k in data:
+            if k not in keys:
+                raise _unknown(k, keys, f"{option} {path}:", f" (or a {name!r} section)")
+        return data
+    for k in data:
+        if k not in SECTIONS:
+            raise _unknown(k, SECTIONS, f"{option} {path}:", " (a file with sections holds nothing else)")
+    if name not in data:
+        return {}
+    data, where = data[name], f"{option} {path}: [{name!r}]"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object, got {type(data).__name__}")
+    for k in data:
+        if k not in keys:
+            raise _unknown(k, keys, where)
     return data
 
 
@@ -157,8 +190,42 @@ def read_hybrid_file(path: Union[str, Path], option: str = "--hybrid") -> dict:
     return out
 
 
+def _check_json(value: Any, where: str, option: str) -> None:
+    """ConfigError naming the key at ``where`` if ``value`` is not plain JSON: objects with string
+    keys, lists, strings, bools, None, ints and finite floats (NaN and Infinity are no JSON, and
+    a reader would refuse the file)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{option}: key {_short(k)} in {where or 'the config'} is of type "
+                                  f"{type(k).__name__}; JSON object keys are strings")
+            _check_json(v, f"{where}[{k!r}]", option)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]", option)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{option}: {where or 'the config'} is {value}, which JSON cannot hold; give a finite number")
+    elif not (value is None or isinstance(value, (str, int, float))):
+        raise ConfigError(f"{option}: {where or 'the config'} is of type {type(value).__name__}, which JSON cannot "
+                          f"hold; give strings, numbers, lists and objects")
+
+
 def write_config_file(path: Union[str, Path], config: dict) -> Path:
-    """Write ``{"qconfig": ..., "hybrid": ...}`` as JSON (atomically)."""
-    p = Path(path)
-    write_file(p, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8"), "--apply")
+    """Write ``{"qconfig": ..., "hybrid": ...}`` as JSON (atomically).
+
+    The path and the content are checked before anything is written, so a bad call leaves no
+    file: the path as :func:`qcompiler.atomic_write.check_target` does, the content must be a
+    dict of plain JSON values (no NaN: ``json.dumps`` would write ``NaN``, which is no JSON)."""
+    option = "--apply"
+    p = check_target(path, option)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{option} {p}: the config must be a dict like "
+                          f"{{\"qconfig\": {{...}}, \"hybrid\": {{...}}}}, got {type(config).__name__}")
+    try:
+        _check_json(config, "", f"{option} {p}")
+    except RecursionError:
+        raise ConfigError(f"{option} {p}: the config nests too deep or contains itself; a config file "
+                          f"nests at most 4 levels") from None
+    text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False)
+    write_file(p, (text + "\n").encode("utf-8"), option)
     return p
