@@ -12,7 +12,7 @@ simple fractions (3/4, 5/8, 1/c, ...: many codes land on ties, off only by the s
 rounding), feeds codes picked to hit those ties, and asserts that onnxruntime's outputs and every
 int8 tensor of the export equal the compiled model's (``torch.equal`` / ``np.array_equal``): cat
 (2-4 inputs, any dim), the Fire pattern, add / sub / mul / mul by a number, matmul, average and
-global average pools, leaky_relu and lookup tables. Requantize and nearest resize take their output
+global average pools, leaky_relu and lookup tables, constant operands, div. Requantize and nearest resize take their output
 scale from the same range as the input in a compiled model, so those two build the module directly
 at tie-making ratios and compare with it (the simulator's reference arithmetic). Every test failed
 on the float export. int16 is not covered: opset 11 has no int16 quantization, so int16 values are
@@ -472,3 +472,27 @@ def test_constant_operands_equal_compiled(case, op):
     r = int((127 * c) ** 0.5) if op == "mul" else 127
     assert_bit_exact(cm, _inputs([torch.randint(-r, r + 1, shape, generator=g)], _entry_scales(cm)))
     event(op)
+
+
+# ---------------------------------------------------------------------------------------------- div
+
+
+class _Div(nn.Module):
+    def forward(self, a, b):
+        return a / b
+
+
+@SETTINGS
+@given(st.integers(1, 4), st.integers(1, 6), st.floats(0.05, 50.0), st.floats(0.05, 50.0), st.integers(0, 2 ** 31 - 1))
+def test_div_of_feature_maps_equals_compiled(c, w, amax_a, amax_b, seed):
+    """a / b of two int8 feature maps, calibrated with b at its range everywhere: the output range is
+    amax_a / amax_b, so the factor for divisor code qb is about 127 / qb and even divisors make ties.
+    Codes: |qa| <= |qb| (the result in range), divisors even, odd and 0 (saturating)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, c, 4, w)
+    a = _ranged(g, shape, amax_a)
+    cm = _compile(_Div(), (a, a), [(a, torch.full(shape, amax_b))])
+    assert sum(isinstance(m, qnn.QuantizedDiv) for m in cm.converted.modules()) == 1
+    qb = torch.randint(-16, 17, shape, generator=g) * torch.randint(1, 3, shape, generator=g)
+    qa = (torch.rand(shape, generator=g) * 2 - 1).mul(qb.abs() + 1).round().to(torch.int64).clamp(-128, 127)
+    assert_bit_exact(cm, _inputs([qa, qb], _entry_scales(cm)))

@@ -41,10 +41,10 @@ What opset 11 can say and what it cannot, and how the export bridges it:
 * **High-precision outputs** (a BPU layer emitting its int32 accumulator) are
   float in the graph and listed under ``high_precision_outputs``.
 * **Rescaling ops on int8 values are integer-exact too**: cat, requantize, add / sub / mul /
-  matmul of feature maps (or with an int8 constant), average pools, prelu, lookup tables and
+  matmul / div of feature maps (or with an int8 constant), average pools, prelu, lookup tables and
   nearest resize compute the simulator's integers from the input codes (``rules/quantized.py``;
   docs/onnx_export.md), as a float op between Q/DQ pairs rounds near-ties the other way
-  (issue 37). The rest (int16 values, bilinear resize, div, wider constants) are the float op
+  (issue 37). The rest (int16 values, bilinear resize, wider constants) are the float op
   between Q/DQ pairs, which rounds once where the BPU requantizes: equal to the compiled model
   on every model of ``benchmarks/model_coverage.py``, not proven equal in general.
 

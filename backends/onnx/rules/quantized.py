@@ -86,9 +86,30 @@ def converted_constant(ctx: NodeContext) -> Tensor:
 
 @emits_module(qnn.QuantizedDiv)
 def converted_div(ctx: NodeContext) -> Tensor:
-    """QuantizedDiv: Div of the dequantized operands, quantized at the output scale. (A zero
-    divisor gives +-inf, which QuantizeLinear saturates like the BPU; 0/0 is NaN here, 0 there.)"""
+    """QuantizedDiv of int8 values: ``round_half_even(qa * f[qb])`` with ``f = M * 2**-n`` the
+    simulator's reciprocal table (``Gather`` by the divisor's code), a divisor 0 saturating to
+    ``sign(qa) * 128``, clamped: float64 is exact here (an 8-bit code times a 31-bit multiplier).
+    Else Div of the dequantized operands, quantized at the output scale (a zero divisor gives +-inf,
+    which QuantizeLinear saturates like the BPU; 0/0 is NaN there, 0 on the BPU)."""
     m = ctx.module
+    codes = _int8_codes(ctx, [ctx.tensor(ctx.arg(0, "input")), ctx.tensor(ctx.arg(1, "other"))], m.out_dtype)
+    if codes is not None and m.b_dtype == "qint8":
+        F64, I64 = TensorProto.DOUBLE, TensorProto.INT64
+        qa, qb = codes
+        table = ctx.const("reciprocal", np.ldexp(m.M.double().numpy(), -m.n.numpy()), F64)
+        index = ctx.make("Add", [ctx.make("Cast", [qb], tag="divisor", to=I64, dtype=I64), ctx.const("offset", 128, I64)],
+                         tag="index")
+        a = ctx.make("Cast", [qa], tag="dividend", to=F64, dtype=F64)
+        t = ctx.make("Round", [ctx.make("Mul", [a, ctx.make("Gather", [table, index], tag="factor", axis=0)],
+                                        tag="scaled")], tag="round")
+        zero = ctx.make("Equal", [index, ctx.const("zero_index", 128, I64)], tag="zero", dtype=TensorProto.BOOL)
+        t = ctx.make("Where", [zero, ctx.make("Mul", [ctx.make("Sign", [a], tag="sign"), ctx.const("qmax1", 128.0, F64)],
+                                              tag="saturated"), t], tag="select")
+        lo, hi = fp.qrange(m.out_dtype)
+        t = ctx.make("Max", [t, ctx.const("lo", float(lo), F64)], tag="clamp_lo")
+        t = ctx.make("Min", [t, ctx.const("hi", float(hi), F64)], tag="clamp_hi")
+        y = ctx.make("Cast", [t], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
+        return _dequantized(ctx, y, m.out_scale, m.out_dtype)
     y = ctx.make("Div", [ctx.tensor(ctx.arg(0, "input")), ctx.tensor(ctx.arg(1, "other"))])
     return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, ctx.path)
 
