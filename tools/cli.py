@@ -30,6 +30,8 @@ import re
 import sys
 import sysconfig
 import traceback
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -39,6 +41,7 @@ from tabulate import tabulate
 
 import qcompiler
 from qcompiler import zoo
+from qcompiler.atomic_write import check_target
 from qcompiler.batches import check_inputs, input_signature
 from qcompiler.distributed import is_main_process, join_torchrun, shard
 from qcompiler.errors import ConfigError, QCompilerError
@@ -148,6 +151,11 @@ def _user_code_error(what: str, exc: BaseException) -> ConfigError:
 def _import_file(path: Path):
     """Import a ``.py`` file as a module; registered under its stem when that name is free,
     so ``--hybrid-module-type stem.Class`` can refer to classes defined in it."""
+    if path.is_dir():
+        package = (f"; for the package in it, write {path.name + ':FACTORY'!r}"
+                   if (path / "__init__.py").is_file() and path.name.isidentifier() else "")
+        raise ConfigError(f"model file {str(path)!r} is a directory: a model spec names a Python file and a factory "
+                          f"in it, 'path/to/file.py:factory' (or 'package.module:factory', 'zoo:NAME'){package}")
     if not path.is_file():
         raise ConfigError(f"model file {str(path)!r} does not exist")
     stem = path.stem if path.stem.isidentifier() else "qc_user_model"
@@ -369,8 +377,9 @@ def read_calib_data(path: Path, inputs: tuple) -> tuple:
         raise UsageError(f"--calib-data {path}: not an .npz archive (an .npz is a zip file of .npy arrays); {how}")
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise UsageError(f"--calib-data {path}: cannot read it as an .npz file ({exc or 'empty file'})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise UsageError(f"--calib-data {path}: cannot read it as an .npz file ({exc or 'empty file'}); "
+                         f"{how}") from None
     with data:
         arrays = []
         for key in data.files:
@@ -378,7 +387,12 @@ def read_calib_data(path: Path, inputs: tuple) -> tuple:
                 raise UsageError(f"--calib-data {path}: array {key!r} holds Python objects (dtype object), not "
                                  "numbers; save numeric arrays, one per model input")
             try:
-                arrays.append(torch.from_numpy(data[key]))
+                array = data[key]
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # a damaged member
+                raise UsageError(f"--calib-data {path}: array {key!r} is damaged ({exc or 'truncated'}); "
+                                 f"{how}") from None
+            try:
+                arrays.append(torch.from_numpy(array))
             except (TypeError, ValueError) as exc:
                 raise UsageError(f"--calib-data {path}: array {key!r} cannot be a tensor ({exc})") from None
     try:
@@ -399,20 +413,26 @@ def _holds_objects(data, key: str) -> bool:
             version = np.lib.format.read_magic(f)
             read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             return read(f)[2].hasobject
-    except (KeyError, OSError, ValueError):
+    except (KeyError, OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error):
         return False
+
+
+def check_calibration_args(args: argparse.Namespace) -> None:
+    """UsageError for a --calib-batch-size or --calib-random below 1, whatever the data source:
+    called before any work (a bad value must not wait for the model to load)."""
+    for option, value in (("--calib-batch-size", getattr(args, "calib_batch_size", None)),
+                          ("--calib-random", args.calib_random)):
+        if value is not None and value < 1:
+            raise UsageError(f"{option} must be at least 1, got {value}")
 
 
 def calibration_batches(args: argparse.Namespace, inputs: tuple) -> list[tuple]:
     """Calibration batches from --calib-data (an .npz) or --calib-random N (seeded, like the inputs)."""
+    check_calibration_args(args)
     if args.calib_data:
-        if args.calib_batch_size < 1:
-            raise UsageError("--calib-batch-size must be at least 1")
         arrays, step = read_calib_data(Path(args.calib_data), inputs), args.calib_batch_size
         return [tuple(a[i:i + step] for a in arrays) for i in range(0, arrays[0].shape[0], step)]
     count = 8 if args.calib_random is None else args.calib_random
-    if count < 1:
-        raise UsageError("--calib-random must be at least 1")
     g = torch.Generator().manual_seed(INPUT_SEED + 1)
     batches = []
     for _ in range(count):
@@ -455,8 +475,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     Under ``torchrun`` each rank calibrates every world-th batch, the observers are
     reduced over the ranks (the result of one process on all batches), and rank 0
-    alone writes the outputs and prints the summary.
+    alone writes the outputs and prints the summary. The arguments (and the torchrun
+    environment) are checked before the process group is joined.
     """
+    check_calibration_args(args)
     joined = join_torchrun()
     try:
         return _compile(args)
@@ -513,14 +535,30 @@ def _compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def check_apply_target(text: str) -> Path:
+    """``--apply FILE``: a file that can be written (a ConfigError for an empty path, a directory,
+    a path below a file, or a folder that is not writable), checked before the analysis runs."""
+    target = check_target(text, "--apply")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--apply: cannot write {text!r}: {str(parent)!r} is not writable; give another path")
+    return target
+
+
 def cmd_report(args: argparse.Namespace) -> int:
-    """Quantization accuracy report: float vs fake-quant vs converted, per layer, with advisor and sensitivity."""
+    """Quantization accuracy report: float vs fake-quant vs converted, per layer, with advisor and sensitivity.
+
+    The arguments are checked before any work, --apply's target too: a directory or a path
+    below a file must not be found only after the whole analysis, with --out written."""
+    check_calibration_args(args)
+    if args.advise < 0 or (args.apply is not None and not args.advise):
+        raise UsageError("--advise K needs K >= 1 with --apply (the fixes come from the advice), K >= 0 otherwise")
+    if args.apply is not None:
+        check_apply_target(args.apply)
     model, inputs, name = load_model(args.model, args.input_shape or [], args.input_dtype or [])
     hybrid_dict, custom = model_configs(args, model)
-    if args.calib_random < 1:
-        raise UsageError("--calib-random must be at least 1")
-    if args.advise < 0 or (args.apply and not args.advise):
-        raise UsageError("--advise K needs K >= 1 with --apply (the fixes come from the advice), K >= 0 otherwise")
     args.calib_data = None
     batches = calibration_batches(args, inputs)
     model.eval()
