@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import stat
 import zipfile
 import zlib
 from collections import Counter
@@ -35,7 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from qcompiler.atomic_write import check_path, check_target, write_file
+from qcompiler.atomic_write import check_path, check_target, describe, stat_or_none, write_file
 from qcompiler.backends.bpu.program import BpuProgram
 from qcompiler.backends.bpu.program_check import ITEMSIZE, check_declaration, expect_keys, short
 from qcompiler.backends.ort.island import check_island
@@ -96,9 +97,14 @@ def load_artifact(path: PathLike):
     docstring); the manifest is checked (:func:`check_manifest`) before any tensor or
     island is read. A path that names no file at all (empty, a NUL byte) is a ConfigError.
     """
-    path = Path(check_path(path, "load"))  # Path("") would be ".", and an error would name that
-    if not path.is_file():
+    text = check_path(path, "load")  # Path("") would be ".", and an error would name that
+    path = Path(text)
+    found = stat_or_none(text, "load")  # a name too long: a ConfigError (is_file() raised a raw OSError)
+    if found is None:
         raise ArtifactError(f"{path}: no such file")
+    if not stat.S_ISREG(found.st_mode):  # (a FIFO would block the read)
+        raise ArtifactError(f"{path}: no such file: it is {describe(found.st_mode)}; give the path of a file "
+                            "CompiledModel.save wrote")
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()

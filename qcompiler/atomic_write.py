@@ -57,7 +57,7 @@ def check_path(path: object, what: str, kind: str = "file") -> str:
 def describe(mode: int) -> str:
     """What kind of file system entry ``mode`` (``st_mode``) is, for messages."""
     kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file")]
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISREG, "a regular file")]
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
@@ -66,7 +66,7 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 160 else f"{text[:60]!r}...{text[-40:]!r} ({len(text)} characters)"
 
 
-def _stat(text: str, what: str) -> Optional[os.stat_result]:
+def stat_or_none(text: str, what: str) -> Optional[os.stat_result]:
     """``os.stat(text)`` (links followed), or None when nothing is there. A name too long or a
     symlink loop is a ConfigError naming the path; any other OSError (permissions) is prefixed."""
     try:
@@ -90,7 +90,7 @@ def _stat(text: str, what: str) -> Optional[os.stat_result]:
 def _check_ancestors(text: str, what: str, verb: str = "write") -> None:
     """The nearest existing ancestor of ``text`` must be a directory (the others get created)."""
     parent = Path(text).parent
-    while (st := _stat(str(parent), what)) is None and parent != parent.parent:
+    while (st := stat_or_none(str(parent), what)) is None and parent != parent.parent:
         parent = parent.parent
     if st is not None and not stat.S_ISDIR(st.st_mode):
         kind = "a file" if stat.S_ISREG(st.st_mode) else describe(st.st_mode)
@@ -101,7 +101,7 @@ def check_target(path: PathLike, what: str) -> Path:
     """``path`` as a Path, if a file can be written there (parents may be missing); else a
     ConfigError prefixed with ``what`` (e.g. "save") that names the path (module docstring)."""
     text = check_path(path, what)
-    st = _stat(text, what)
+    st = stat_or_none(text, what)
     link = f" (a symbolic link to {os.path.realpath(text)!r})" if os.path.islink(text) else ""
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{what}: {text!r} is a directory{link}; give a file path")
@@ -119,7 +119,7 @@ def check_directory(path: object, what: str) -> Path:
     """``path`` as a Path, if it is a directory or one can be created there; else a ConfigError
     prefixed with ``what`` that names the path. Nothing is created here (:func:`make_directory`)."""
     text = check_path(path, what, kind="directory")
-    st = _stat(text, what)
+    st = stat_or_none(text, what)
     if st is not None and not stat.S_ISDIR(st.st_mode):
         kind = "an existing file" if stat.S_ISREG(st.st_mode) else describe(st.st_mode)
         raise ConfigError(f"{what}: {text!r} is {kind}, not a directory; give a directory path (it gets "
@@ -184,5 +184,5 @@ def write_file(path: PathLike, data: bytes, what: str) -> Path:
     return write_files([(path, data)], what)[0]
 
 
-__all__ = ["check_path", "check_target", "check_directory", "make_directory", "describe", "write_file",
-           "write_files"]
+__all__ = ["check_path", "check_target", "check_directory", "make_directory", "describe", "stat_or_none",
+           "write_file", "write_files"]

@@ -130,6 +130,17 @@ def test_a_device_or_fifo_is_never_replaced_by_a_file(cm, tmp_path, kind, writer
     assert (tmp_path / "file").is_file() and (tmp_path / "file").stat().st_size > 0
 
 
+def test_an_entry_that_became_a_fifo_after_the_check_is_not_replaced(tmp_path, monkeypatch):
+    """The kind is checked again just before os.replace (the path may change after the first check)."""
+    import qcompiler.atomic_write as aw
+
+    target = _fifo(tmp_path / "late")
+    monkeypatch.setattr(aw, "check_target", lambda path, what: Path(path))  # as if it was a file when checked
+    with pytest.raises(ConfigError, match=r"^late: '.*/late' is a FIFO \(named pipe\), not a regular file"):
+        aw.write_file(target, b"data", "late")
+    assert stat.S_ISFIFO(os.lstat(target).st_mode) and [p.name for p in tmp_path.iterdir()] == ["late"]
+
+
 def test_a_socket_is_never_replaced(cm, tmp_path):
     path = tmp_path / "s.sock"
     with socket.socket(socket.AF_UNIX) as s:
@@ -305,6 +316,21 @@ def test_an_empty_path_is_refused_naming_the_call(cm, tmp_path, monkeypatch, cal
 def test_load_of_a_missing_file_still_names_it(tmp_path):
     with pytest.raises(ArtifactError, match=rf"^{tmp_path}/nope.qc: no such file$"):
         qcompiler.load(tmp_path / "nope.qc")
+
+
+def test_load_refuses_what_is_not_a_regular_file(artifact, tmp_path):
+    """load("a"*300) raised a raw OSError (File name too long); a FIFO or directory was "no such file"."""
+    fifo = _fifo(tmp_path / "pipe.qc")  # opening it to read would block
+    with pytest.raises(ArtifactError, match=rf"^{fifo}: no such file: it is a FIFO \(named pipe\); give the path "
+                                            r"of a file CompiledModel.save wrote$"):
+        qcompiler.load(fifo)
+    with pytest.raises(ArtifactError, match=rf"^{tmp_path}: no such file: it is a directory"):
+        qcompiler.load(tmp_path)
+    with pytest.raises(ConfigError, match=r"^load: cannot use '.*: the name 'aaa.* in it is 300 bytes, over the 255 "):
+        qcompiler.load(tmp_path / ("a" * 300))
+    link = tmp_path / "link.qc"
+    link.symlink_to(artifact)
+    assert qcompiler.load(link).march == "bayes"
 
 
 # ----------------------------------------------------------------------------- 8. keyword calls
