@@ -57,7 +57,8 @@ def check_path(path: object, what: str, kind: str = "file") -> str:
 def describe(mode: int) -> str:
     """What kind of file system entry ``mode`` (``st_mode``) is, for messages."""
     kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISREG, "a regular file")]
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+             (stat.S_ISREG, "a regular file")]
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 

@@ -62,16 +62,18 @@ def export_to_onnx(
     inputs (a tensor or a tuple, nested tuples allowed), of the shapes and dtypes the
     model was traced with (checked; sizes may differ only on ``dynamic_axes``). ``f``: a
     path (the sidecar goes to ``<f>.quant.json``) or a binary file object open for writing
-    (only the returned sidecar; a text, read-only or closed file object is a ConfigError). ``dynamic_axes``: as in ``torch.onnx.export``,
-    ``{"input": {0: "batch"}}`` or ``{"input": [0]}``, for graph inputs and outputs; output
-    dims that follow a dynamic input axis become symbolic too (ONNX shape inference says
-    which), named like the input's axis when the label propagates. ``enable_onnx_checker``:
-    run ``onnx.checker.check_model(full_check=True)`` before writing.
+    (only the returned sidecar; a text, read-only or closed file object is a ConfigError).
+    ``dynamic_axes``: as in ``torch.onnx.export``, ``{"input": {0: "batch"}}`` or
+    ``{"input": [0]}``, for graph inputs and outputs; output dims that follow a dynamic input
+    axis become symbolic too (ONNX shape inference says which), named like the input's axis
+    when the label propagates. ``enable_onnx_checker``: run
+    ``onnx.checker.check_model(full_check=True)`` before writing.
 
     Returns the sidecar dict. Raises ConfigError for ``opset_version != 11``, a model
     that is not prepared, args that do not match the traced inputs, unknown names or
     axes in ``dynamic_axes``, or a path no file can be written to (empty, a directory, below
-    a file, a device or FIFO: :mod:`qcompiler.atomic_write`); missing parent directories are created; nothing is written unless the export succeeds.
+    a file, a device or FIFO: :mod:`qcompiler.atomic_write`); missing parent directories are
+    created; nothing is written unless the export succeeds.
     """
     if opset_version != 11:
         raise ConfigError(

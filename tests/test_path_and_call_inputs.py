@@ -122,8 +122,8 @@ def test_a_device_or_fifo_is_never_replaced_by_a_file(cm, tmp_path, kind, writer
     make, described = SPECIAL[kind]
     target = make(tmp_path / "target")
     before = listing(tmp_path)
-    with pytest.raises(ConfigError, match=rf"^{PREFIX[writer]}: '{target}' is {re.escape(described)}, not a regular file; "
-                                          r"qcompiler replaces only regular files"):
+    with pytest.raises(ConfigError, match=rf"^{PREFIX[writer]}: '{target}' is {re.escape(described)}, not a "
+                                          r"regular file; qcompiler replaces only regular files"):
         WRITERS[writer](cm, target)
     assert listing(tmp_path) == before  # still a FIFO / device; no temporary file left
     WRITERS[writer](cm, tmp_path / "file")  # a regular path still works
