@@ -39,6 +39,7 @@ SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=
                     suppress_health_check=[HealthCheck.too_slow])
 
 needs_native = pytest.mark.skipif(not build.native_enabled(), reason="native kernels are off on this machine")
+needs_vnni = pytest.mark.skipif(not (build.native_enabled() and vnni_enabled()), reason="no AVX512-VNNI kernels here")
 _OUT = {"qint8": torch.int8, "qint16": torch.int16}
 
 
@@ -231,7 +232,7 @@ def test_abs_sums_refuses_what_it_cannot_sum_by_rows():
             abs_sums(w, dims)
 
 
-@needs_native
+@needs_vnni  # the native int8 GEMM exists only in a library built for AVX512-VNNI
 def test_a_large_gemm_layer_is_built_without_an_int64_copy_of_its_weight():
     """Building the native GEMM of a 4096 x 8192 int8 weight (32 MiB) must not widen the weight whole
     (256 MiB as int64, twice with its ``abs``: the peak of compile on resnet18 before).  Peak resident
@@ -426,7 +427,6 @@ def test_depthwise_conv_equals_the_int64_reference(c):
     assert torch.equal(got.permute(0, 3, 1, 2).to(torch.int64), want)
 
 
-needs_vnni = pytest.mark.skipif(not (build.native_enabled() and vnni_enabled()), reason="no AVX512-VNNI kernels here")
 
 
 @needs_vnni
