@@ -1,4 +1,8 @@
-"""Shared fixtures: the heterogeneous-QAT guide's HybridModel and its hybrid_dict."""
+"""Shared fixtures: the heterogeneous-QAT guide's HybridModel and its hybrid_dict; shared test helpers."""
+
+import contextlib
+import os
+import threading
 
 import pytest
 import torch
@@ -50,3 +54,29 @@ def assert_untouched(model, snap):
         assert p.requires_grad == requires_grad, k
         assert (p.grad is None) == (grad is None) and (grad is None or torch.equal(p.grad, grad)), k
     assert _tree(model) == tree
+
+
+FIFO_RELEASE_S = 15  # seconds before a reader blocked on a FIFO is released (its write end opened and closed)
+
+
+@contextlib.contextmanager
+def fifo_watch(fifo):
+    """Inside the block, a reader that blocks on ``fifo`` is released after FIFO_RELEASE_S s, so a call
+    that blocks ends and the test fails (the caller asserts the yielded event is not set) instead of
+    hanging the run."""
+    released = threading.Event()
+
+    def release():
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO when nobody reads: nothing blocked
+        except OSError:
+            return
+        released.set()
+        os.close(fd)
+
+    timer = threading.Timer(FIFO_RELEASE_S, release)
+    timer.start()
+    try:
+        yield released
+    finally:
+        timer.cancel()

@@ -12,13 +12,13 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from conftest import fifo_watch
 
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning
 from qcompiler.hybrid import parse_hybrid_dict
@@ -30,7 +30,6 @@ from qcompiler.tools.config_file import read_hybrid_file, read_qconfig_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT = 120  # seconds a child python (importing torch) may take on a busy machine
-RELEASE_AFTER = 15  # seconds before a reader blocked on a FIFO is released by opening its write end
 
 
 def _child(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -49,27 +48,9 @@ def _fifo(tmp_path: Path) -> Path:
 
 
 def _raises_without_blocking(fifo: Path, call, error):
-    """``call()`` raises ``error``, and does so without waiting for a writer on ``fifo``.
-
-    A reader that blocks on the FIFO is released after RELEASE_AFTER s (its write end opened and
-    closed), so a blocking ``call`` ends and the test fails instead of hanging."""
-    released = threading.Event()
-
-    def release():
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO when nobody reads: nothing blocked
-        except OSError:
-            return
-        released.set()
-        os.close(fd)
-
-    timer = threading.Timer(RELEASE_AFTER, release)
-    timer.start()
-    try:
-        with pytest.raises(error) as info:
-            call()
-    finally:
-        timer.cancel()
+    """``call()`` raises ``error``, and does so without waiting for a writer on ``fifo``."""
+    with fifo_watch(fifo) as released, pytest.raises(error) as info:
+        call()
     assert not released.is_set(), "the call blocked reading the FIFO"
     return info
 

@@ -24,7 +24,6 @@ import stat
 import sys
 import tempfile
 import textwrap
-import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -37,7 +36,7 @@ import pytest
 import torch
 import torch.nn as nn
 from artifact_edit import Edit
-from conftest import assert_untouched, snapshot
+from conftest import assert_untouched, fifo_watch, snapshot
 from onnx import helper, numpy_helper
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -1231,31 +1230,18 @@ ISLANDS = [
 
 # ----------------------------------------------------------------------------- issue 37: files that are not files
 
-RELEASE_AFTER = 15  # seconds before a reader blocked on a FIFO is released (its write end opened and closed)
 
 
 def _on_fifo(env, name, call):
     """``call(fifo)`` on a new FIFO in ``inputs/``; a reader that blocks on it is released after
-    RELEASE_AFTER s, so a blocking call fails the row instead of hanging the run."""
+    FIFO_RELEASE_S s, so a blocking call fails the row instead of hanging the run."""
     fifo = env.inputs / name
     os.mkfifo(fifo)
-    released = threading.Event()
-
-    def release():
+    with fifo_watch(fifo) as released:
         try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO when nobody reads: nothing blocked
-        except OSError:
-            return
-        released.set()
-        os.close(fd)
-
-    timer = threading.Timer(RELEASE_AFTER, release)
-    timer.start()
-    try:
-        return call(fifo)
-    finally:
-        timer.cancel()
-        assert not released.is_set(), f"the call blocked reading the FIFO {fifo}"
+            return call(fifo)
+        finally:
+            assert not released.is_set(), f"the call blocked reading the FIFO {fifo}"
 
 
 def _big(env, name="big.json", size=MAX_CONFIG_BYTES + 1) -> Path:
