@@ -19,7 +19,9 @@ How the outputs are compared, and why this way:
   (1e-5 abs + rel) when CPU ops follow the last quantizer (both sides then run the
   same float ops on the same values).
 * End to end (no forcing), on the zoo's deterministic inputs, at least 99% of the
-  output elements must be within that tolerance (in practice all of them are).
+  output elements must be within that tolerance (in practice all of them are). For resnet50, where
+  one flipped tie is amplified through 50 layers (see E2E_TIE_HORIZON), every quantization point is
+  compared instead, up to the first one that differs, which may differ only at rounding ties.
 """
 
 from __future__ import annotations
@@ -227,7 +229,70 @@ def teacher_forced_check(gm: fx.GraphModule, model: onnx.ModelProto, sidecar: di
 E2E_MIN_FRACTION = {"hybrid": 0.97}
 
 
-def end_to_end_check(gm, model, sidecar, inputs, min_fraction=0.99):
+# resnet50 (53 convs, random weights, BN re-estimated) amplifies a single one-LSB flip until the end-to-end
+# output fraction says nothing about the export. Measured on an AVX2 EPYC (no AVX-512; onnxruntime's MLAS
+# AVX2 float32 convs vs the float64 fake-quant model), identical for bayes and bernoulli2: given identical
+# inputs (teacher-forced), 1 of the 232936 quantized elements differs, in layer3.0.conv1 (the 26th of 56
+# points): onnxruntime's float32 pre-rounding value is 41.500000 LSB (half to even -> 42), torch's
+# 41.499981 (-> 41). Over all points the forced pre-rounding values differ by <= 4.7e-5 LSB (float32
+# summation order), and 6 elements lie within 1e-4 LSB of a tie. Unforced, the 25 points before it are
+# bit-identical and the flips then grow 1 -> 6 -> 57 (layer3.0.conv3) -> 502 (layer3.1.conv3) -> 1810
+# (layer3.4.conv3, of 4096) -> 974 of 2048 at layer4.2.conv3 (up to 6 LSB): 26% of fc's 1000 outputs are
+# 1-4 LSB off (74% within one LSB). On the AVX-512 machines of earlier sessions no tie flipped and 100% were.
+# A fraction derived from that would depend on where the first tie falls, so for these models the
+# end-to-end check compares every quantization point up to the first that differs, which must differ only
+# by one LSB at rounding ties (onnxruntime's pre-rounding value within TIE_LSB of a half); past it the
+# teacher-forced check (every point, every element) is the check. Without a flip, the outputs as usual.
+E2E_TIE_HORIZON = {"resnet50"}
+TIE_LSB = 1e-4  # ~2x the largest float32-vs-float64 pre-rounding difference measured above (4.7e-5 LSB)
+
+
+def _first_divergence_is_a_tie(gm, model, sidecar, inputs, min_fraction) -> bool:
+    """Unforced, point by point in graph order: True when some quantization point differs, after checking
+    that the first one differs only by one-LSB flips of rounding ties; False when none differs."""
+    node_names = {n.name for n in gm.graph.nodes}
+    points = {k: v["scale"] for k, v in sidecar["activations"].items() if k in node_names and v["dtype"] == "qint8"}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    pre = {}  # point -> the input of its QuantizeLinear: onnxruntime's value before rounding
+    for k in points:
+        dq = producer.get(k)
+        q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        if q is not None and q.op_type == "QuantizeLinear":
+            pre[k] = q.input[0]
+    probe = _with_outputs(model, sorted(points) + sorted(set(pre.values())))
+    s = inference_session(probe)
+    got = dict(zip([o.name for o in s.get_outputs()],
+                   s.run(None, {i.name: t.numpy() for i, t in zip(s.get_inputs(), flat(inputs))})))
+    ref = {}
+
+    class Recording(fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            if n.name in points:
+                ref[n.name] = (r.dequantize() if isinstance(r, QTensor) else r).double().numpy()
+            return r
+
+    with torch.no_grad():
+        Recording(gm).run(*inputs)
+    for k in (n.name for n in gm.graph.nodes if n.name in points):
+        scale = points[k]
+        diff = np.abs(got[k].astype(np.float64) - ref[k])
+        off = diff > scale * 1e-3
+        if not off.any():
+            continue
+        assert (diff <= _tolerance(scale)).all(), f"'{k}' (first point that differs): {diff.max() / scale:.3f} LSB"
+        assert k in pre, f"'{k}' (first point that differs) has no QuantizeLinear to tell a tie by"
+        r = got[pre[k]][off].astype(np.float64) / scale
+        dist = np.abs(r - np.floor(r) - 0.5)
+        assert (dist <= TIE_LSB).all(), f"'{k}' (first point that differs): {dist.max():.3g} LSB from a tie"
+        assert np.mean(off) <= 1 - min_fraction, f"'{k}' (first point that differs): {np.mean(off):.2%} flipped"
+        return True
+    return False
+
+
+def end_to_end_check(gm, model, sidecar, inputs, min_fraction=0.99, tie_horizon=False):
+    if tie_horizon and _first_divergence_is_a_tie(gm, model, sidecar, inputs, min_fraction):
+        return
     outs = inference_session(model).run(None, {i.name: t.numpy() for i, t in zip(model.graph.input,
                                                                                  flat(inputs))})
     with torch.no_grad():
@@ -270,7 +335,7 @@ def test_export_matches_fake_quant_model(name, march, tmp_path):
     for pname, p in parts.items():
         assert all(n.split("/")[0] == pname for n in p["nodes"])
     teacher_forced_check(qat, model, sidecar, x)
-    end_to_end_check(qat, model, sidecar, x, E2E_MIN_FRACTION.get(name, 0.99))
+    end_to_end_check(qat, model, sidecar, x, E2E_MIN_FRACTION.get(name, 0.99), tie_horizon=name in E2E_TIE_HORIZON)
 
 
 @pytest.mark.parametrize("name,march", params(["resnet18", "unet", "transformer_block", "lstm_seq", "hybrid"]))
