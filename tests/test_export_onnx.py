@@ -238,7 +238,7 @@ E2E_MIN_FRACTION = {"hybrid": 0.97}
 # summation order), and 6 elements lie within 1e-4 LSB of a tie. Unforced, the 25 points before it are
 # bit-identical and the flips then grow 1 -> 6 -> 57 (layer3.0.conv3) -> 502 (layer3.1.conv3) -> 1810
 # (layer3.4.conv3, of 4096) -> 974 of 2048 at layer4.2.conv3 (up to 6 LSB): 26% of fc's 1000 outputs are
-# 1-4 LSB off (74% within one LSB). On the AVX-512 machines of earlier sessions the test passed (>= 99%, not remeasured).
+# 1-4 LSB off (74% within one LSB). On the AVX-512 machines of earlier sessions it passed (>= 99%; not remeasured).
 # A fraction derived from that would depend on where the first tie falls, so for these models the
 # end-to-end check compares every quantization point up to the first that differs, which must differ only
 # by one LSB at rounding ties (onnxruntime's pre-rounding value within TIE_LSB of a half); past it the
