@@ -42,15 +42,45 @@ def test_ptq_fx_example_runs_and_tracks_float(ptq_fx, args, floor):
     assert result["calib_images"] == 2 * 4 and result["eval_images"] == 8
 
 
-def test_ptq_fx_example_weight_rounding_beats_nearest(ptq_fx):
-    # resnet18 at 32x32 on 32 calibration images: re-rounding the weights lifts the output
-    # SQNR from 16.03 to 17.08 dB here (with 8 images most layers see fewer input vectors than
-    # they have columns and keep nearest rounding); a drop would mean it works on wrong inputs
+# The layers whose calibration inputs outnumber their columns (the stem, layer1, the layer2/layer3
+# downsamples); the deeper ones see fewer and keep nearest rounding.
+FULL_RANK_RESNET18_LAYERS = {"conv1.op", "layer1.0.conv1.op", "layer1.0.conv2.op", "layer1.1.conv1.op",
+                             "layer1.1.conv2.op", "layer2.0.downsample.0.op", "layer3.0.downsample.0.op"}
+
+
+def test_ptq_fx_example_weight_rounding_beats_nearest(ptq_fx, monkeypatch):
+    # resnet18 at 32x32 on 32 calibration images (with 8 images most layers see fewer input vectors
+    # than they have columns and keep nearest rounding)
+    reports = []
+    optimize = ptq_fx.optimize_weight_rounding
+
+    def recording(*args, **kwargs):
+        reports.append(optimize(*args, **kwargs))
+        return reports[-1]
+
+    monkeypatch.setattr(ptq_fx, "optimize_weight_rounding", recording)
     args = ["--model", "resnet18", "--image-size", "32", "--calib-batches", "8", "--bn-batches", "4", "--quiet"]
     plain = ptq_fx.main(args)
     rounded = ptq_fx.main(args + ["--weight-rounding"])
     assert rounded["weight_rounding"] and not plain["weight_rounding"]
-    assert rounded["sqnr_db"] > plain["sqnr_db"] + 0.5, (plain["sqnr_db"], rounded["sqnr_db"])
+    # What the rounding optimizes: each layer's output error on the calibration data. GPTQ is
+    # taken on every full-rank layer and cuts its error by 4.1-11.9 dB (stem and layer1.0.conv1
+    # 11.0-11.9, downsamples 4.1-7.2) over data seeds 0-3 and model seeds 7, 11, 18, within 0.1 dB
+    # under 1e-6 perturbations of the images (float noise barely moves it); no layer gets worse.
+    (report,) = reports
+    assert {r.name for r in report if r.method == "gptq"} == FULL_RANK_RESNET18_LAYERS, str(report)
+    for r in report:
+        assert r.rounded_mse <= r.nearest_mse, str(report)
+        assert r.method != "gptq" or r.gain_db > 3.0, str(report)
+    # End to end the gain is noisy: the random-weight resnet18 amplifies perturbations by ~13 dB.
+    # Here (data seed 0, model seed 18) it was 16.13 -> 16.59 dB (+0.46) on an AVX2 EPYC, with or
+    # without the native kernels (bit-identical), 16.03 -> 17.08 (+1.05) on the AVX-512 machine
+    # the test was written on and +0.79 with that commit's code on the EPYC; scaling the images by
+    # 1 + 1e-6 * randn (float noise) gave +0.56, +0.89, +0.82. Other seeds: +0.97, +0.77, +1.57
+    # (data 1-3), +0.35, +0.88 (model 7, 11); 32 held-out images instead of 8: +0.47 to +1.05.
+    # So: rounding helps, by a margin below every measured gain (not the per-machine +0.5); no
+    # gain would mean the layers are fitted to inputs other than those the fixed-point model sees.
+    assert rounded["sqnr_db"] > plain["sqnr_db"] + 0.2, (plain["sqnr_db"], rounded["sqnr_db"])
 
 
 def test_ptq_fx_example_partition_summary_for_hybrid_model(ptq_fx):
