@@ -37,17 +37,19 @@ PathLike = Union[str, os.PathLike]
 NAME_MAX = 255  # bytes in one file name on Linux's file systems (ext4, xfs, btrfs, tmpfs)
 
 
-def check_path(path: object, what: str, kind: str = "file") -> str:
+def check_path(path: object, what: str, kind: str = "file", give: Optional[str] = None) -> str:
     """The text of ``path`` (a str or os.PathLike of str), if it can name a ``kind`` ("file" or
-    "directory") at all; else a ConfigError prefixed with ``what`` that says what to give."""
+    "directory") at all; else a ConfigError prefixed with ``what`` that says what to give (``give``,
+    e.g. "the path of a JSON file", also ends the message about a wrong type)."""
     if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f"{what}: the path must be a str or os.PathLike, got {type(path).__name__}")
+        hint = f"; give {give}" if give else ""
+        raise ConfigError(f"{what}: the path must be a str or os.PathLike, got {type(path).__name__}{hint}")
     text = os.fspath(path)
     if not isinstance(text, str):
         raise ConfigError(f"{what}: the path must be text, got {type(text).__name__} {text!r}")
     if not text.strip():
         here = " ('.' for the current directory)" if kind == "directory" else ""
-        raise ConfigError(f"{what}: the path is empty; give a {kind} path{here}")
+        raise ConfigError(f"{what}: the path is empty; give {give or f'a {kind} path{here}'}")
     if "\0" in text:
         raise ConfigError(f"{what}: the path {text!r} contains a NUL byte ('\\x00'), which no file name can "
                           "hold; remove it")

@@ -27,7 +27,7 @@ import stat
 from pathlib import Path
 from typing import Any, Union
 
-from qcompiler.atomic_write import check_target, write_file
+from qcompiler.atomic_write import check_path, check_target, write_file
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.observer import DTYPES, OBSERVERS
 from qcompiler.quantization.qconfig import get_default_calib_qconfig
@@ -82,16 +82,8 @@ def _read(p: Path, option: str) -> bytes:
 
 def _path(path: Any, option: str) -> Path:
     """``path`` as a Path; ConfigError for what is no path (None, a number) or an empty one
-    (``Path("")`` is the current directory)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ConfigError(f"{option}: the path must be a str or os.PathLike, got {type(path).__name__}; "
-                          f"give the path of a JSON file")
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise ConfigError(f"{option}: the path must be text, got {type(text).__name__} {_short(text)}")
-    if not text.strip():
-        raise ConfigError(f"{option}: the path is empty; give the path of a JSON file")
-    return Path(text)
+    (``Path("")`` is the current directory): the writer's own check, worded for a JSON file."""
+    return Path(check_path(path, option, give="the path of a JSON file"))
 
 
 def _load(path: Union[str, Path], option: str) -> Any:
