@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_property_partition import Fn  # a torch function as a module (nodes scoped to it)
 
 import qcompiler
 from qcompiler.backends.eager import TORCH
@@ -261,15 +262,6 @@ def test_a_leaf_writing_its_copy_raises_no_warning_at_run_time():
 # ---------------------------------------------------------------- random graphs (hypothesis)
 
 C = 3
-
-
-class Fn(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
 
 
 class Writer(nn.Module):
