@@ -94,17 +94,20 @@ class PassManager:
                 result = p(gm, ctx)
                 if not isinstance(result, PassResult):
                     raise TypeError(f"returned {type(result).__name__}, expected PassResult")
-                if self.verify:
-                    result.gm.graph.lint()
-                    for verify in (*lasting, *([p.verify] if p.verify is not None else [])):
-                        verify(result.gm, ctx)
             except QCompilerError as exc:
                 # A user-facing error keeps its type (callers catch ConfigError etc.); we add where.
                 exc.pass_name, exc.passes_before = p.name, tuple(done)
                 exc.add_note(_where(p.name, done))
                 raise
             except Exception as exc:
-                raise PassError(f"pass '{p.name}' failed: {type(exc).__name__}: {exc}. {_where(p.name, done)}") from exc
+                raise _failed(p.name, done, exc) from exc
+            if self.verify:
+                try:
+                    result.gm.graph.lint()
+                    for verify in (*lasting, *([p.verify] if p.verify is not None else [])):
+                        verify(result.gm, ctx)
+                except Exception as exc:  # a broken invariant (a verifier's PassError too) is this pass's failure
+                    raise _failed(p.name, done, exc) from exc
             self.records.append(PassRecord(p.name, result.modified, time.perf_counter() - start))
             gm = result.gm
             modified_any |= result.modified
@@ -114,6 +117,10 @@ class PassManager:
             if self.dump_dir is not None:
                 (self.dump_dir / f"{index:02d}_{p.name}.txt").write_text(annotated_code(gm))
         return PassResult(gm, modified_any)
+
+
+def _failed(name: str, done: list[str], exc: Exception) -> PassError:
+    return PassError(f"pass '{name}' failed: {type(exc).__name__}: {exc}. {_where(name, done)}")
 
 
 def _where(name: str, done: list[str]) -> str:

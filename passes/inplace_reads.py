@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
@@ -47,7 +48,8 @@ def verify_inplace_reads(gm: fx.GraphModule, ctx: CompileContext) -> None:
         value = mutated_input(node, gm)
         if value is not None:
             late = [u.name for u in _late_reads(node, value, order)]
-            assert not late, f"{late} read {value.name} after {node.name} changed it in place"
+            if late:
+                raise PassError(f"{late} read {value.name} after {node.name} changed it in place")
 
 
 # lasting: a later pass that moved a read of ``a`` after ``a.mul_()`` (as rewrite's pad fold once did) would

@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qcompiler.backends.bpu import op_table
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ConfigError, PassError
 from qcompiler.ir.meta import (
     BPU,
     META_FUSED_FROM,
@@ -328,9 +328,8 @@ def verify_observed(gm: fx.GraphModule, ctx: CompileContext) -> None:
     for node in gm.graph.nodes:
         if placement(node) != BPU and node.op == "call_module" and not node.meta.get(META_STUB):
             module = gm.get_submodule(node.target)
-            assert getattr(module, "activation_post_process", None) is None or node.meta.get(META_OP) == "quant", (
-                f"CPU module {node.target} carries a quantizer"
-            )
+            if getattr(module, "activation_post_process", None) is not None and node.meta.get(META_OP) != "quant":
+                raise PassError(f"CPU module {node.target} (node {node.name}) carries a quantizer")
 
 
 INSERT_OBSERVERS = Pass("insert_observers", insert_observers, verify_observed)

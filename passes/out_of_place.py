@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from qcompiler.errors import PassError
 from qcompiler.ir.inplace import aliased_writes, out_of_place_twins
 from qcompiler.ir.meta import META_ALIASED_WRITE
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -39,7 +40,8 @@ def out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
 def verify_out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> None:
     left = [n.name for n in out_of_place_twins(gm)]
-    assert not left, f"{left} still run in place, with an out-of-place twin"
+    if left:
+        raise PassError(f"{left} still run in place, with an out-of-place twin")
 
 
 OUT_OF_PLACE = Pass("out_of_place", out_of_place, verify_out_of_place)

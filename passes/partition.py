@@ -23,6 +23,7 @@ from typing import Optional
 import networkx as nx
 import torch.fx as fx
 
+from qcompiler.errors import PassError
 from qcompiler.ir.meta import META_PARTITION, placement
 from qcompiler.ir.partitions import GM_PARTITIONS, Partition
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -232,10 +233,12 @@ def verify_partitions(gm: fx.GraphModule, ctx: CompileContext) -> None:
     seen: dict[str, str] = {}
     for p in parts:
         for name in p.nodes:
-            assert name not in seen, f"node {name} in partitions {seen[name]} and {p.name}"
+            if name in seen:
+                raise PassError(f"node {name} in partitions {seen[name]} and {p.name}")
             seen[name] = p.name
     for node in _placed_nodes(gm):
-        assert seen.get(node.name) == node.meta.get(META_PARTITION), f"node {node.name} not in its partition"
+        if seen.get(node.name) != node.meta.get(META_PARTITION):
+            raise PassError(f"node {node.name} not in its partition")
 
 
 PARTITION = Pass("partition", partition, verify_partitions)

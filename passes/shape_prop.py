@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from qcompiler.errors import PassError
 from qcompiler.ir.meta import META_TENSOR
 from qcompiler.ir.shape_prop import propagate_shapes
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -16,7 +17,8 @@ def shape_prop(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
 def verify_shapes(gm: fx.GraphModule, ctx: CompileContext) -> None:
     for node in gm.graph.nodes:
-        assert META_TENSOR in node.meta, f"node {node.name} has no shape"
+        if META_TENSOR not in node.meta:
+            raise PassError(f"node {node.name} has no shape")
 
 
 SHAPE_PROP = Pass("shape_prop", shape_prop, verify_shapes)

@@ -2,7 +2,8 @@
 
 Every error a user can provoke with bad input is a :class:`QCompilerError`
 subclass whose message names the node, module or key at fault and says how
-to fix it.  ``assert`` is kept for internal invariants only.
+to fix it.  An invariant of qcompiler's own (a pass's result, a table's rows) is checked with
+an error too, never ``assert``, which ``python -O`` strips.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class PassError(QCompilerError):
     """A compiler pass failed on an internal problem; names the pass and the passes before it."""
 
 
+class InternalError(QCompilerError):
+    """qcompiler broke an invariant of its own outside a pass (a table, a kernel's bookkeeping): a bug in qcompiler."""
+
+
 class ArtifactError(QCompilerError):
     """A saved artifact is truncated, corrupted, foreign or from a newer format."""
 
@@ -47,6 +52,7 @@ __all__ = [
     "UnsupportedOpError",
     "CalibrationError",
     "PassError",
+    "InternalError",
     "ArtifactError",
     "QCompilerWarning",
 ]

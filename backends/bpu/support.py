@@ -7,6 +7,7 @@ from typing import Optional
 
 from qcompiler.backends.bpu.constraints import Constraint
 from qcompiler.backends.bpu.op_info import OpInfo
+from qcompiler.errors import InternalError
 from qcompiler.march import March
 
 
@@ -53,6 +54,7 @@ class OpTable:
 def rules(*rows: OpRule) -> dict[str, OpRule]:
     table: dict[str, OpRule] = {}
     for row in rows:
-        assert row.op not in table, f"duplicate op-table row {row.op}"
+        if row.op in table:
+            raise InternalError(f"duplicate op-table row {row.op!r}: two OpRule rows for it in one table; keep one")
         table[row.op] = row
     return table

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from qcompiler.errors import PassError
+
 # module scope: tuple[ScopeEntry, ...], outermost (the root, path "") first
 META_SCOPE = "qc_scope"
 # tensor facts from shape propagation: TensorInfo, a (nested) tuple/list of
@@ -114,7 +116,8 @@ def placement(node: fx.Node) -> Optional[str]:
 
 
 def set_placement(node: fx.Node, where: str, reason: str) -> None:
-    assert where in PLACEMENTS, where
+    if where not in PLACEMENTS:
+        raise PassError(f"node {node.name} placed on {where!r}, not one of {', '.join(PLACEMENTS)}")
     node.meta[META_PLACEMENT] = where
     node.meta[META_REASON] = reason
 

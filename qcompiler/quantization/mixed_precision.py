@@ -36,7 +36,7 @@ from tqdm import tqdm
 from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
 from qcompiler.batches import SIGNATURE_META, as_args, check_inputs, fresh_args, tensors_in
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ConfigError, InternalError
 from qcompiler.ir.meta import BPU, META_OP, META_SCOPE, META_STUB, placement
 from qcompiler.ir.ops import META_OPS
 from qcompiler.march import to_march
@@ -208,7 +208,8 @@ class _Measure:
     def _set(self, names: Iterable[str], dtype: str) -> None:
         for name in names:
             fq = self.model.get_submodule(name)
-            assert isinstance(fq, FakeQuantize), name
+            if not isinstance(fq, FakeQuantize):
+                raise InternalError(f"the fake-quant twin has {type(fq).__name__} at {name}, not a FakeQuantize")
             fq.activation_post_process.set_dtype(dtype)
             fq.scale.copy_(self.scales[name][dtype].reshape(fq.scale.shape))
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from qcompiler.errors import ArtifactError, ConfigError
+from qcompiler.errors import ArtifactError, ConfigError, InternalError
 
 
 class QDType(enum.StrEnum):
@@ -461,7 +461,8 @@ class QTensor:
                 q, self._dtype, float(self._scales[c]), int(self._zero_points[c]), None, None, None
             )
         _, axis, sel = plan
-        assert 0 <= axis < q.dim(), (axis, q.shape)
+        if not 0 <= axis < q.dim():
+            raise InternalError(f"indexing with {idx!r} put the channel axis at {axis}, outside {tuple(q.shape)}")
         return QTensor._make(
             q, self._dtype, None, None, self._scales[sel], self._zero_points[sel], axis
         )

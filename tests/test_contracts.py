@@ -1,0 +1,165 @@
+"""Contracts that survive ``python -O``: no ``assert`` statement in the package, and every verifier raises
+PassError naming the node at fault on a graph broken on purpose (beside the same graph unbroken, which
+passes)."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.backends.bpu.support import OpRule, rules
+from qcompiler.errors import InternalError, PassError
+from qcompiler.ir import trace
+from qcompiler.ir.meta import META_FUSED_FROM, META_PARTITION, META_PLACEMENT, META_TENSOR, set_placement
+from qcompiler.march import March
+from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.fuse import verify_fuse
+from qcompiler.passes.inplace_reads import INPLACE_READS, inplace_reads, verify_inplace_reads
+from qcompiler.passes.insert_observers import verify_observed
+from qcompiler.passes.insert_stubs import verify_boundaries
+from qcompiler.passes.out_of_place import OUT_OF_PLACE, verify_out_of_place
+from qcompiler.passes.partition import verify_partitions
+from qcompiler.passes.place import verify_placed
+from qcompiler.passes.shape_prop import SHAPE_PROP, verify_shapes
+from qcompiler.quantization import prepare_calibration_fx
+from qcompiler.quantization.observer import MinMaxObserver
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = ("qcompiler", "passes", "backends", "tools")  # one package (pyproject.toml's package-dir)
+X = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+CTX = CompileContext(march=March.BAYES, example_inputs=(X,))
+
+
+def _sources() -> list[Path]:
+    """Every .py file of the package, each once (qcompiler/ links the other folders: links not followed)."""
+    return sorted(Path(d) / f for top in PACKAGE_DIRS for d, _, files in os.walk(ROOT / top)
+                  for f in files if f.endswith(".py"))
+
+
+def test_the_package_has_no_assert_statement():
+    """``python -O`` strips asserts: a contract must raise an error of qcompiler.errors instead."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _sources()
+             for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.Assert)]
+    assert len(_sources()) > 100 and not found, found
+
+
+class Net(nn.Module):
+    """conv (BPU) -> atan (CPU on bayes) -> conv (BPU): stubs on both boundaries, three partitions."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.fc(torch.atan(torch.relu(self.conv(x))))
+
+
+class MulThenRead(nn.Module):
+    def forward(self, x):
+        a = torch.relu(x)
+        a.mul_(2.0)
+        return torch.atan(a)
+
+
+class AddInPlace(nn.Module):
+    def forward(self, x):
+        return torch.relu(x).add_(1.0)
+
+
+def _node(gm, name):
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _partitioned():
+    return qcompiler.partition(Net(), X)
+
+
+def _calibration():
+    return prepare_calibration_fx(Net(), example_inputs=X, hybrid=True, hybrid_dict={"module_name": ["fc"]})
+
+
+def _no_shape(gm):
+    del _node(gm, "atan").meta[META_TENSOR]
+
+
+def _read_before_the_write(gm):
+    """Undo inplace_reads: atan reads relu again, after mul_ changed it."""
+    _node(gm, "atan").replace_input_with(_node(gm, "mul_"), _node(gm, "relu"))
+
+
+def _unplaced(gm):
+    del _node(gm, "atan").meta[META_PLACEMENT]
+
+
+def _no_dequant(gm):
+    _node(gm, "atan").replace_input_with(_node(gm, "atan_input_dequant_0"), _node(gm, "conv"))
+
+
+def _in_no_partition(gm):
+    _node(gm, "atan").meta[META_PARTITION] = "bpu0"
+
+
+def _in_two_partitions(gm):
+    first, second = gm.meta["qc_partitions"][:2]
+    second.nodes.append(first.nodes[0])
+
+
+def _fused_from_without_a_fused_module(gm):
+    _node(gm, "atan").meta[META_FUSED_FROM] = ("atan",)
+
+
+def _cpu_quantizer(gm):
+    gm.fc.activation_post_process = MinMaxObserver()
+
+
+# verifier, a graph it accepts, how to break it, what the PassError says (naming the node)
+BROKEN = [
+    (verify_shapes, _partitioned, _no_shape, r"node atan has no shape"),
+    (verify_inplace_reads, lambda: inplace_reads(trace(MulThenRead()), CTX).gm, _read_before_the_write,
+     r"\['atan'\] read relu after mul_ changed it in place"),
+    (verify_placed, _partitioned, _unplaced, r"place: node 'atan' has no placement"),
+    (verify_fuse, _partitioned, _fused_from_without_a_fused_module, r"fuse: node 'atan' has qc_fused_from"),
+    (verify_boundaries, _partitioned, _no_dequant, r"BPU->CPU edge conv->atan without DeQuantStub"),
+    (verify_partitions, _partitioned, _in_no_partition, r"node atan not in its partition"),
+    (verify_partitions, _partitioned, _in_two_partitions,
+     r"node x_activation_post_process in partitions bpu0 and cpu0"),
+    (verify_observed, _calibration, _cpu_quantizer, r"CPU module fc \(node fc\) carries a quantizer"),
+]
+
+
+@pytest.mark.parametrize("verifier, build, break_, message", BROKEN,
+                         ids=[f"{v.__name__}-{b.__name__}" for v, _, b, _ in BROKEN])
+def test_a_verifier_accepts_its_graph_and_names_the_node_of_the_broken_one(verifier, build, break_, message):
+    gm = build()
+    verifier(gm, CTX)
+    break_(gm)
+    with pytest.raises(PassError, match=message):
+        verifier(gm, CTX)
+
+
+def test_out_of_place_names_an_op_left_in_place_with_a_twin():
+    gm = PassManager([INPLACE_READS, SHAPE_PROP]).run(trace(AddInPlace()), CTX).gm
+    with pytest.raises(PassError, match=r"\['add_'\] still run in place, with an out-of-place twin"):
+        verify_out_of_place(gm, CTX)
+    verify_out_of_place(OUT_OF_PLACE(gm, CTX).gm, CTX)
+
+
+def test_a_placement_off_the_two_sides_names_the_node():
+    gm = _partitioned()
+    node = _node(gm, "atan")
+    set_placement(node, "cpu", "kept")
+    with pytest.raises(PassError, match=r"node atan placed on 'gpu', not one of bpu, cpu"):
+        set_placement(node, "gpu", "no such side")
+
+
+def test_a_duplicate_op_table_row_names_the_op():
+    assert set(rules(OpRule("conv2d"), OpRule("relu"))) == {"conv2d", "relu"}
+    with pytest.raises(InternalError, match=r"duplicate op-table row 'relu'"):
+        rules(OpRule("relu"), OpRule("conv2d"), OpRule("relu"))
