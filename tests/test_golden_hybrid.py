@@ -1,44 +1,86 @@
 """Golden test: the heterogeneous-QAT guide's HybridModel, march bayes, the guide's hybrid_dict."""
 
+import functools
+
 import torch
+import torch.ao.quantization as taq
+import torch.nn as nn
+import torch.nn.functional as F
 from conftest import assert_untouched, snapshot
+from graph_match import assert_same_graph, meta
 
 import qcompiler
+from qcompiler.ir.meta import META_PARTITION
 from qcompiler.ir.partitions import partitions, summary_line
 from qcompiler.ir.printing import forward_sequence
+from qcompiler.nn import qat
+from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
+from qcompiler.quantization.observer import MinMaxObserver
+from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
-# The prepared forward of the guide, node for node (observers of BPU ops are
-# not graph nodes in our design; boundary observers are).
-GOLDEN = (
-    "quant, conv0, identity, prelu_input_dequant_0, prelu, selu, conv1_conv, conv1_prelu, "
-    "selu_1, selu_1_activation_post_process, conv2, conv3_input_dequant_0, conv3, "
-    "conv3_activation_post_process, identity_1, conv4, selu_2_input_dequant_0, selu_2, dequant"
-)
+# The classes each stage gives the model's QuantStub, its BPU convs and the boundary observers it
+# inserts: partition() keeps the model's modules and observes with bare observers; prepare swaps in
+# qcompiler's stub and observed convs, and quantizes with calibration, then QAT, fake quants.
+STAGES = {
+    "partition": (taq.QuantStub, nn.Conv2d, MinMaxObserver),
+    "calibration": (QuantStub, qat.Conv2d, lambda: CalibFakeQuantize(MinMaxObserver())),
+    "qat": (QuantStub, qat.Conv2d, lambda: FakeQuantize(MinMaxObserver())),
+}
+PARTITIONS = ("bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2")
+
+
+class GuidePrepared(nn.Module):
+    """The prepared forward of the guide, node for node, in its partitions (observers of BPU ops
+    are not graph nodes in our design; boundary observers are). ``stage`` is a key of STAGES."""
+
+    def __init__(self, stage: str = "partition") -> None:
+        super().__init__()
+        quant, bpu_conv, observer = STAGES[stage]
+        self.quant, self.dequant = quant(), taq.DeQuantStub()
+        self.conv0, self.conv2, self.conv4 = (bpu_conv(3, 3, 1) for _ in range(3))
+        self.identity, self.prelu, self.conv3 = nn.Identity(), nn.PReLU(), nn.Conv2d(3, 3, 1)
+        self.conv1 = nn.Module()  # the guide's conv block, conv1.conv forced to the CPU
+        self.conv1.conv, self.conv1.prelu = nn.Conv2d(3, 3, 1), nn.PReLU()
+        self.prelu_input_dequant, self.conv3_input_dequant = DeQuantStub(), DeQuantStub()
+        self.selu_2_input_dequant = DeQuantStub()
+        self.selu_1_activation_post_process, self.conv3_activation_post_process = observer(), observer()
+
+    def forward(self, input):
+        bpu0, cpu0, bpu1, cpu1, bpu2, cpu2 = (functools.partial(meta, partition=p) for p in PARTITIONS)
+        x = bpu0(self.quant(input))
+        x = bpu0(self.conv0(x))
+        x = bpu0(self.identity(x))
+        x = bpu0(self.prelu_input_dequant(x))
+        x = cpu0(self.prelu(x))
+        x = cpu0(F.selu(x))
+        x = cpu0(self.conv1.conv(x))
+        x = cpu0(self.conv1.prelu(x))
+        x = cpu0(F.selu(x))
+        x = bpu1(self.selu_1_activation_post_process(x))
+        x = bpu1(self.conv2(x))
+        x = bpu1(self.conv3_input_dequant(x))
+        x = cpu1(self.conv3(x))
+        x = bpu2(self.conv3_activation_post_process(x))
+        x = bpu2(self.identity(x))
+        x = bpu2(self.conv4(x))
+        x = bpu2(self.selu_2_input_dequant(x))
+        x = cpu2(F.selu(x))
+        return cpu2(self.dequant(x))
 
 
 def test_guide_forward_sequence(hybrid_model, guide_hybrid_dict):
     gm = qcompiler.partition(
         hybrid_model, torch.rand(1, 3, 224, 224), march=qcompiler.March.BAYES, hybrid_dict=guide_hybrid_dict
     )
-    assert ", ".join(forward_sequence(gm)) == GOLDEN
+    assert_same_graph(gm, GuidePrepared())
 
 
 def test_guide_modules_and_partitions(hybrid_model, guide_hybrid_dict):
     gm = qcompiler.partition(hybrid_model, torch.rand(1, 3, 32, 32), march="bayes", hybrid_dict=guide_hybrid_dict)
-    modules = dict(gm.named_modules())
-    for name in ("prelu_input_dequant", "conv3_input_dequant", "selu_2_input_dequant"):
-        assert type(modules[name]).__name__ == "DeQuantStub"
-    for name in ("selu_1_activation_post_process", "conv3_activation_post_process"):
-        assert name in modules
-    got = [(p.name, p.nodes) for p in partitions(gm)]
-    assert got == [
-        ("bpu0", ["quant", "conv0", "identity", "prelu_input_dequant_0"]),
-        ("cpu0", ["prelu", "selu", "conv1_conv", "conv1_prelu", "selu_1"]),
-        ("bpu1", ["selu_1_activation_post_process", "conv2", "conv3_input_dequant_0"]),
-        ("cpu1", ["conv3"]),
-        ("bpu2", ["conv3_activation_post_process", "identity_1", "conv4", "selu_2_input_dequant_0"]),
-        ("cpu2", ["selu_2", "dequant"]),
-    ]
+    assert_same_graph(gm, GuidePrepared())
+    # partitions() lists each partition's nodes in graph order, the partitions in the order above
+    assert [(p.name, p.nodes) for p in partitions(gm)] == [
+        (name, [n.name for n in gm.graph.nodes if n.meta.get(META_PARTITION) == name]) for name in PARTITIONS]
     assert summary_line(gm) == "partitions: 3 bpu, 3 cpu; BPU<->CPU boundary edges: 5"
 
 

@@ -5,10 +5,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import assert_untouched, snapshot
-from test_golden_hybrid import GOLDEN
+from graph_match import assert_same_graph
+from test_golden_hybrid import STAGES, GuidePrepared
 
 from qcompiler.errors import ConfigError, QCompilerWarning
-from qcompiler.ir.printing import forward_sequence
+from qcompiler.nn import qat
 from qcompiler.quantization import (
     CalibFakeQuantize,
     FakeQuantize,
@@ -17,6 +18,7 @@ from qcompiler.quantization import (
     get_default_qat_qconfig,
 )
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+from qcompiler.quantization.stubs import DeQuantStub
 
 X = torch.rand(1, 3, 16, 16)
 
@@ -35,7 +37,7 @@ def test_guide_flow_calibration_then_qat(hybrid_model, guide_hybrid_dict):
     data = [torch.rand(1, 3, 16, 16) for _ in range(5)]
     cal = prepare_calibration_fx(hybrid_model, {"": get_default_calib_qconfig()}, hybrid=True,
                                  hybrid_dict=guide_hybrid_dict, example_inputs=X, march="bayes")
-    assert ", ".join(forward_sequence(cal)) == GOLDEN
+    assert_same_graph(cal, GuidePrepared("calibration"))
     calibrate(cal, data)
     # a calibration model returns exactly the float outputs
     assert torch.equal(cal(X), hybrid_model(X))
@@ -45,7 +47,7 @@ def test_guide_flow_calibration_then_qat(hybrid_model, guide_hybrid_dict):
         hybrid=True,
         hybrid_dict=guide_hybrid_dict,
     )
-    assert ", ".join(forward_sequence(qat)) == GOLDEN
+    assert_same_graph(qat, GuidePrepared("qat"))
     assert type(qat).__name__ == "HybridModel"
     # conv4 emits a high-precision output: no output fake quant, but its weight is fake-quantized
     assert qat.conv4.activation_post_process is None
@@ -156,7 +158,7 @@ def test_qat_hand_over_compares_hybrid_dict_as_sets(hybrid_model, guide_hybrid_d
     reordered = {"module_type": guide_hybrid_dict["module_type"],
                  "module_name": list(reversed(guide_hybrid_dict["module_name"])) + ["conv3"]}
     qat = prepare_qat_fx(cal, hybrid=True, hybrid_dict=reordered)
-    assert ", ".join(forward_sequence(qat)) == GOLDEN
+    assert_same_graph(qat, GuidePrepared("qat"))
     # another module forced to the CPU is not: the error says which
     other = {**guide_hybrid_dict, "module_name": ["conv3"]}
     with pytest.raises(ConfigError, match=r"module_name \['conv1.conv'\] missing"):
@@ -178,6 +180,33 @@ class Cat(nn.Module):
 
     def forward(self, x):
         return torch.cat([F.relu(self.a(x)), self.b(x)], 1)
+
+
+def calibration_observer():
+    """The quantizer prepare_calibration_fx inserts as a graph node."""
+    return STAGES["calibration"][2]()
+
+
+def fused_conv(conv: nn.Conv2d, fused_from: tuple, with_add: bool = False) -> nn.Module:
+    """The observed fused conv + ReLU prepare_calibration_fx makes."""
+    return qat.FusedConv2d(conv, nn.ReLU(), with_add=with_add, fused_from=fused_from)
+
+
+class CatPrepared(nn.Module):
+    """Cat calibrated: the input observed, the cat observed, the output dequantized."""
+
+    def __init__(self):
+        super().__init__()
+        self.x_activation_post_process, self.cat_activation_post_process = (calibration_observer(),
+                                                                            calibration_observer())
+        self.a = fused_conv(nn.Conv2d(4, 4, 1), ("conv2d", "relu"))
+        self.b = qat.Conv2d(4, 4, 1)
+        self.output_input_dequant = DeQuantStub()
+
+    def forward(self, x):
+        x = self.x_activation_post_process(x)
+        y = self.cat_activation_post_process(torch.cat([self.a(x), self.b(x)], 1))
+        return self.output_input_dequant(y)
 
 
 def test_optimize_graph_shares_one_quantizer_for_cat():
@@ -205,8 +234,7 @@ def test_optimize_graph_model_converts_and_matches_its_fake_quant_model():
 
 def test_models_without_stubs_are_quantized_at_inputs_and_dequantized_at_outputs():
     gm = prepare_calibration_fx(Cat(), example_inputs=torch.rand(1, 4, 8, 8))
-    seq = forward_sequence(gm)
-    assert seq[0] == "x_activation_post_process" and seq[-1] == "output_input_dequant_0"
+    assert_same_graph(gm, CatPrepared())
     assert isinstance(gm.x_activation_post_process, CalibFakeQuantize)
 
 
@@ -261,6 +289,22 @@ class _Block(nn.Module):
         return self.relu2(self.bn2(self.conv2(y)) + x)
 
 
+class BlockPrepared(nn.Module):
+    """_Block calibrated: the input observed, three fused convs (the last adds the stem's output)."""
+
+    def __init__(self, folded: tuple):
+        super().__init__()
+        self.x_activation_post_process = calibration_observer()
+        self.stem = fused_conv(nn.Conv2d(3, 8, 3, padding=1), ("conv2d", *folded, "relu"))
+        self.conv1 = fused_conv(nn.Conv2d(8, 8, 3, padding=1), ("conv2d", *folded, "relu"))
+        self.conv2 = fused_conv(nn.Conv2d(8, 8, 3, padding=1), ("conv2d", *folded, "add", "relu"), with_add=True)
+        self.output_input_dequant = DeQuantStub()
+
+    def forward(self, x):
+        x = self.stem(self.x_activation_post_process(x))
+        return self.output_input_dequant(self.conv2(self.conv1(x), x))
+
+
 def test_model_pre_fused_by_torch_ao_gets_the_same_quantizers():
     """torch.ao's fuse_modules leaves nn.Identity where it folded a BN: prepare must place the
     observers as for the original model (after each ReLU, none between a conv and its ReLU)."""
@@ -271,10 +315,9 @@ def test_model_pre_fused_by_torch_ao_gets_the_same_quantizers():
     ao = fuse_modules(model, [["stem", "bn0"], ["conv1", "bn1"], ["conv2", "bn2"]])  # a copy
     for m in (model, ao):
         gm = prepare_calibration_fx(m, example_inputs=X)
-        assert forward_sequence(gm) == ["x_activation_post_process", "stem", "conv1", "conv2",
-                                        "output_input_dequant_0"]
-        ops = {name: gm.get_submodule(name).fused_from for name in ("stem", "conv1", "conv2")}
         folded = () if m is ao else ("batch_norm",)
+        assert_same_graph(gm, BlockPrepared(folded))
+        ops = {name: gm.get_submodule(name).fused_from for name in ("stem", "conv1", "conv2")}
         assert ops == {"stem": ("conv2d", *folded, "relu"), "conv1": ("conv2d", *folded, "relu"),
                        "conv2": ("conv2d", *folded, "add", "relu")}
 
