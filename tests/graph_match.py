@@ -18,6 +18,7 @@ that differs and what differs in it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Union
 
@@ -48,6 +49,12 @@ def meta(value: Any, **facts: Any) -> Any:
     for key, fact in facts.items():
         value.node.meta[META_KEYS[key]] = fact
     return value
+
+
+def in_partitions(*names: str) -> tuple[Callable[[Any], Any], ...]:
+    """One marker per partition name: ``bpu0, cpu0 = in_partitions("bpu0", "cpu0")``, then
+    ``x = bpu0(self.conv(x))`` states that the conv's node is in partition bpu0 (see :func:`meta`)."""
+    return tuple(functools.partial(meta, partition=name) for name in names)
 
 
 def assert_same_graph(actual: fx.GraphModule, expected: Union[nn.Module, Callable]) -> None:

@@ -1,7 +1,5 @@
 """Golden test: the heterogeneous-QAT guide's HybridModel, march bayes, the guide's hybrid_dict."""
 
-import functools
-
 import torch
 import torch.ao.quantization as taq
 import torch.nn as nn
@@ -26,12 +24,21 @@ STAGES = {
     "calibration": (QuantStub, qat.Conv2d, lambda: CalibFakeQuantize(MinMaxObserver())),
     "qat": (QuantStub, qat.Conv2d, lambda: FakeQuantize(MinMaxObserver())),
 }
-PARTITIONS = ("bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2")
+# The prepared forward of the guide, a chain: per partition, the modules (by path) and functions it calls.
+GUIDE_CHAIN = (
+    ("bpu0", ("quant", "conv0", "identity", "prelu_input_dequant")),
+    ("cpu0", ("prelu", F.selu, "conv1.conv", "conv1.prelu", F.selu)),
+    ("bpu1", ("selu_1_activation_post_process", "conv2", "conv3_input_dequant")),
+    ("cpu1", ("conv3",)),
+    ("bpu2", ("conv3_activation_post_process", "identity", "conv4", "selu_2_input_dequant")),
+    ("cpu2", (F.selu, "dequant")),
+)
+PARTITIONS = tuple(partition for partition, _ in GUIDE_CHAIN)
 
 
 class GuidePrepared(nn.Module):
-    """The prepared forward of the guide, node for node, in its partitions (observers of BPU ops
-    are not graph nodes in our design; boundary observers are). ``stage`` is a key of STAGES."""
+    """The modules of GUIDE_CHAIN, called in its order (observers of BPU ops are not graph nodes in
+    our design; boundary observers are). ``stage`` is a key of STAGES."""
 
     def __init__(self, stage: str = "partition") -> None:
         super().__init__()
@@ -46,26 +53,11 @@ class GuidePrepared(nn.Module):
         self.selu_1_activation_post_process, self.conv3_activation_post_process = observer(), observer()
 
     def forward(self, input):
-        bpu0, cpu0, bpu1, cpu1, bpu2, cpu2 = (functools.partial(meta, partition=p) for p in PARTITIONS)
-        x = bpu0(self.quant(input))
-        x = bpu0(self.conv0(x))
-        x = bpu0(self.identity(x))
-        x = bpu0(self.prelu_input_dequant(x))
-        x = cpu0(self.prelu(x))
-        x = cpu0(F.selu(x))
-        x = cpu0(self.conv1.conv(x))
-        x = cpu0(self.conv1.prelu(x))
-        x = cpu0(F.selu(x))
-        x = bpu1(self.selu_1_activation_post_process(x))
-        x = bpu1(self.conv2(x))
-        x = bpu1(self.conv3_input_dequant(x))
-        x = cpu1(self.conv3(x))
-        x = bpu2(self.conv3_activation_post_process(x))
-        x = bpu2(self.identity(x))
-        x = bpu2(self.conv4(x))
-        x = bpu2(self.selu_2_input_dequant(x))
-        x = cpu2(F.selu(x))
-        return cpu2(self.dequant(x))
+        x = input
+        for partition, calls in GUIDE_CHAIN:
+            for call in calls:
+                x = meta(self.get_submodule(call)(x) if isinstance(call, str) else call(x), partition=partition)
+        return x
 
 
 def test_guide_forward_sequence(hybrid_model, guide_hybrid_dict):

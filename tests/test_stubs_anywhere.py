@@ -25,7 +25,9 @@ import pytest
 import torch
 import torch.ao.quantization as taq
 import torch.nn as nn
+from graph_match import assert_same_graph, in_partitions
 from test_eager_islands import Gate  # data-dependent Python: torch.fx cannot trace it
+from test_prepare import calibration_observer, fused_conv
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_partition
@@ -35,10 +37,11 @@ from qcompiler.backends.eager import TORCH
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, TraceError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, META_REASON, placement
 from qcompiler.ir.partitions import partitions
-from qcompiler.ir.printing import forward_sequence
+from qcompiler.nn import fused, qat
 from qcompiler.nn import quantized as qnn
 from qcompiler.onnx import export_to_onnx, inference_session
 from qcompiler.quantization import (
+    DeQuantStub,
     QuantStub,
     convert_fx,
     get_default_calib_out_qconfig,
@@ -125,6 +128,89 @@ class DequantIntoBpu(nn.Module):
     def forward(self, x):
         y = self.dequant(self.conv1(self.quant(x)))
         return torch.cat([self.conv2(y), y, self.selu(y)], 1)
+
+
+# ------------------------------------------------------- the prepared graphs, stated as modules
+
+
+class FloatRegionPrepared(nn.Module):
+    """FloatRegion calibrated: the float region's conv and add fuse into one float conv, on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant, self.quant2, self.dequant2 = QuantStub(), DeQuantStub(), QuantStub(), DeQuantStub()
+        self.conv1 = fused_conv(nn.Conv2d(3, 4, 3, padding=1), ("conv2d", "relu"))
+        self.mid = fused.FusedConv2d(nn.Conv2d(4, 4, 1), with_add=True, fused_from=("conv2d", "add"))
+        self.conv2 = qat.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        bpu0, cpu0, bpu1 = in_partitions("bpu0", "cpu0", "bpu1")
+        y = bpu0(self.dequant(bpu0(self.conv1(bpu0(self.quant(x))))))
+        y = cpu0(self.mid(y, y))
+        return bpu1(self.dequant2(bpu1(self.conv2(bpu1(self.quant2(y))))))
+
+
+def _stubbed(conv: nn.Module) -> nn.Module:
+    """An Inner calibrated: its stubs around its conv."""
+    inner = nn.Module()
+    inner.quant, inner.conv, inner.dequant = QuantStub(), conv, DeQuantStub()
+    return inner
+
+
+class NestedPrepared(nn.Module):
+    """Nested calibrated: every stub stays a node; one observer after the wrapper's DeQuantStub."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.conv0, self.conv2 = qat.Conv2d(3, 4, 1), qat.Conv2d(4, 2, 1)
+        self.inner = _stubbed(fused_conv(nn.Conv2d(4, 4, 3, padding=1), ("conv2d", "relu")))
+        self.wrapped = nn.Module()
+        self.wrapped.quant, self.wrapped.dequant = QuantStub(), DeQuantStub()
+        self.wrapped.module = _stubbed(fused_conv(nn.Conv2d(4, 4, 3, padding=1), ("conv2d", "relu")))
+        self.wrapped_dequant_activation_post_process = calibration_observer()
+
+    def forward(self, x):
+        y = self.conv0(self.quant(x))
+        y = self.inner.dequant(self.inner.conv(self.inner.quant(y)))
+        y = self.wrapped.module.quant(self.wrapped.quant(y))
+        y = self.wrapped.dequant(self.wrapped.module.dequant(self.wrapped.module.conv(y)))
+        return self.dequant(self.conv2(self.wrapped_dequant_activation_post_process(y)))
+
+
+class StubOnQuantizedPrepared(nn.Module):
+    """StubOnQuantized calibrated: the input observed, the QuantStub between the convs kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.x_activation_post_process = calibration_observer()
+        self.conv1, self.conv2 = qat.Conv2d(3, 4, 3, padding=1), qat.Conv2d(4, 2, 1)
+        self.requant, self.output_input_dequant = QuantStub(), DeQuantStub()
+
+    def forward(self, x):
+        y = self.requant(self.conv1(self.x_activation_post_process(x)))
+        return self.output_input_dequant(self.conv2(y))
+
+
+class DequantIntoBpuPrepared(nn.Module):
+    """DequantIntoBpu calibrated: the dequantized value quantized again for the BPU conv and cat."""
+
+    def __init__(self):
+        super().__init__()
+        self.quant, self.dequant, self.output_input_dequant = QuantStub(), DeQuantStub(), DeQuantStub()
+        self.conv1, self.conv2 = qat.Conv2d(3, 4, 3, padding=1), qat.Conv2d(4, 4, 1)
+        self.selu = nn.SELU()
+        self.dequant_activation_post_process = calibration_observer()
+        self.selu_activation_post_process = calibration_observer()
+        self.cat_activation_post_process = calibration_observer()
+
+    def forward(self, x):
+        bpu0, cpu0, bpu1 = in_partitions("bpu0", "cpu0", "bpu1")
+        y = bpu0(self.dequant(bpu0(self.conv1(bpu0(self.quant(x))))))
+        q = bpu0(self.dequant_activation_post_process(y))
+        a, b = bpu0(self.conv2(q)), bpu1(self.selu_activation_post_process(cpu0(self.selu(y))))
+        out = bpu1(self.cat_activation_post_process(bpu1(torch.cat([a, q, b], 1))))
+        return bpu1(self.output_input_dequant(out))
 
 
 # qconfig_dict per case: the requantize case gives the stub a minmax observer (the convs keep the
@@ -263,12 +349,9 @@ def test_float_region_golden():
     (the conv and the add fuse there into one CPU conv)."""
     model, _ = _build("float_region")
     prepared, converted = _staged(model, "bayes")
-    assert [(p.name, p.nodes) for p in partitions(prepared)] == [
-        ("bpu0", ["quant", "conv1", "dequant"]),
-        ("cpu0", ["mid"]),
-        ("bpu1", ["quant2", "conv2", "dequant2"]),
-    ]
-    mid = next(n for n in prepared.graph.nodes if n.name == "mid")
+    assert_same_graph(prepared, FloatRegionPrepared())
+    assert [p.name for p in partitions(prepared)] == ["bpu0", "cpu0", "bpu1"]
+    mid = next(n for n in prepared.graph.nodes if n.target == "mid")
     assert mid.meta[META_REASON] == "between DeQuantStub 'dequant' and QuantStub 'quant2': a float region, on the CPU"
     assert _converted_modules(converted) == ["Quantize", "QuantizedWeightLayer", "DeQuantize", "FusedConv2d",
                                              "Quantize", "QuantizedWeightLayer", "DeQuantize"]
@@ -279,16 +362,13 @@ def test_nested_golden():
     one qconfig every quantizer sees the same values, so all of them are nothing once converted."""
     model, _ = _build("nested")
     prepared, converted = _staged(model, "bayes")
-    assert forward_sequence(prepared) == [
-        "quant", "conv0", "inner_quant", "inner_conv", "inner_dequant", "wrapped_quant", "wrapped_module_quant",
-        "wrapped_module_conv", "wrapped_module_dequant", "wrapped_dequant",
-        "wrapped_dequant_activation_post_process", "conv2", "dequant",
-    ]
+    assert_same_graph(prepared, NestedPrepared())
     assert [p.name for p in partitions(prepared)] == ["bpu0"]
-    assert [(n.name, type(converted.get_submodule(n.target)).__name__) for n in converted.graph.nodes
+    assert [(n.target, type(converted.get_submodule(n.target)).__name__) for n in converted.graph.nodes
             if n.op == "call_module"] == [
-        ("quant", "Quantize"), ("conv0", "QuantizedWeightLayer"), ("inner_conv", "QuantizedWeightLayer"),
-        ("wrapped_module_conv", "QuantizedWeightLayer"), ("conv2", "QuantizedWeightLayer"), ("dequant", "DeQuantize"),
+        ("quant_q1", "Quantize"), ("conv0", "QuantizedWeightLayer"), ("inner.conv", "QuantizedWeightLayer"),
+        ("wrapped.module.conv", "QuantizedWeightLayer"), ("conv2", "QuantizedWeightLayer"),
+        ("dequant_q1", "DeQuantize"),
     ]
 
 
@@ -314,8 +394,7 @@ def test_nested_with_other_scales_requantizes():
 def test_requantize_golden():
     model, qconfig = _build("requantize")
     prepared, converted = _staged(model, "bayes", qconfig)
-    assert forward_sequence(prepared) == ["x_activation_post_process", "conv1", "requant", "conv2",
-                                          "output_input_dequant_0"]
+    assert_same_graph(prepared, StubOnQuantizedPrepared())
     (req,) = [m for m in converted.modules() if isinstance(m, qnn.Requantize)]
     assert (req.in_scale, req.out_scale) == (converted.conv1.out_scale, converted.conv2.in_scale)
     assert req.in_scale != req.out_scale
@@ -334,7 +413,7 @@ def test_requantize_to_int16():
 def test_same_scale_stub_is_nothing():
     model, _ = _build("same_scale")
     prepared, converted = _staged(model, "bayes")
-    assert "requant" in forward_sequence(prepared)
+    assert_same_graph(prepared, StubOnQuantizedPrepared())
     assert _converted_modules(converted) == ["Quantize", "QuantizedWeightLayer", "QuantizedWeightLayer",
                                              "DeQuantize"]
     assert converted.conv2.in_scale == converted.conv1.out_scale
@@ -345,15 +424,10 @@ def test_dequant_into_bpu_golden():
     at the same scale: both read conv1's integers; only the CPU selu reads the float."""
     model, _ = _build("dequant_into_bpu")
     prepared, converted = _staged(model, "bayes")
-    assert forward_sequence(prepared) == [
-        "quant", "conv1", "dequant", "dequant_activation_post_process", "conv2", "selu", "selu_activation_post_process",
-        "cat", "cat_activation_post_process", "output_input_dequant_0",
-    ]
-    assert placement(next(n for n in prepared.graph.nodes if n.name == "selu")) == CPU
-    cat = next(n for n in prepared.graph.nodes if n.name == "cat")
-    assert [a.name for a in cat.args[0]] == ["conv2", "dequant_activation_post_process", "selu_activation_post_process"]
-    cat = next(n for n in converted.graph.nodes if n.name == "cat")
-    assert [a.name for a in cat.args[0]] == ["conv2", "conv1", "selu_activation_post_process"]
+    assert_same_graph(prepared, DequantIntoBpuPrepared())
+    assert placement(next(n for n in prepared.graph.nodes if n.target == "selu")) == CPU
+    cat = next(n for n in converted.graph.nodes if n.target == "cat")
+    assert [a.target for a in cat.args[0]] == ["conv2", "conv1", "selu_activation_post_process_q1"]
     cm = _compile(model, "bayes")
     assert [[(op.kind, op.output) for op in p.ops] for p in cm.runtime.programs.values()] == [
         [("quantize", "quant"), ("conv2d", "conv1"), ("dequantize", "dequant"), ("conv2d", "conv2")],
