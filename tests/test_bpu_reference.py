@@ -23,7 +23,7 @@ from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.simulator import BpuSimulator, run_partitioned
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT
 from qcompiler.nn import quantized as qnn
-from qcompiler.passes.convert import _same_scale
+from qcompiler.passes.convert_rules.layout import same_scale as _same_scale
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 

@@ -341,7 +341,7 @@ def test_convert_refuses_a_non_zero_padding_mode_it_would_zero_pad():
     import torch.fx as fx
 
     from qcompiler.errors import UnsupportedOpError
-    from qcompiler.passes.convert import _geometry
+    from qcompiler.passes.convert_rules.weight_layers import _geometry
 
     node = fx.Graph().placeholder("conv")
     with pytest.raises(UnsupportedOpError, match=r"node 'conv': padding_mode='reflect' has no fixed-point lowering"):
