@@ -7,7 +7,7 @@ import pytest
 import torch.fx as fx
 
 from qcompiler.backends.bpu import TABLES
-from qcompiler.errors import PassError, UnsupportedOpError
+from qcompiler.errors import InternalError, UnsupportedOpError
 from qcompiler.march import March
 from qcompiler.passes.convert_rules import registry
 from qcompiler.passes.convert_rules.context import ConvertContext
@@ -69,6 +69,6 @@ def test_a_second_rule_for_an_op_is_fatal(monkeypatch):
         return None
 
     registry.converts("foo")(first)
-    with pytest.raises(PassError, match=r"two rules for 'foo': .*first and .*second"):
+    with pytest.raises(InternalError, match=r"two rules for 'foo': .*first and .*second"):
         registry.converts("foo")(second)
     assert registry.converted_ops() == {"foo"}

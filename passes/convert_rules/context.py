@@ -1,9 +1,9 @@
 """What a convert rule reads: the node with its op and module, the grids settled so far, its output grid.
 
 The convert pass (``passes/convert.py``) walks the graph and, for each BPU node, hands the rule of
-its op one :class:`ConvertContext`. The node's arguments are read through :meth:`ConvertContext.arg`
-and :meth:`ConvertContext.kwargs` only, the two ways convert reads them today, so a schema-driven
-reader can replace both in one place.
+its op one :class:`ConvertContext`. Rules read the node's arguments only through its methods
+``arg``, ``kwargs`` and ``input`` (by position, as convert has always read them), so a schema-driven
+reader can replace them in this one place.
 """
 
 from __future__ import annotations

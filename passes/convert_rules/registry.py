@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch.nn as nn
 
-from qcompiler.errors import PassError, UnsupportedOpError
+from qcompiler.errors import InternalError, UnsupportedOpError
 from qcompiler.passes.convert_rules.context import ConvertContext
 
 Rule = Callable[[ConvertContext], nn.Module]
@@ -30,7 +30,7 @@ def converts(*ops: str) -> Callable[[Rule], Rule]:
         for op in ops:
             old = _RULES.get(op)
             if old is not None:
-                raise PassError(f"convert: two rules for '{op}': {old.__module__}.{old.__qualname__} and "
+                raise InternalError(f"convert: two rules for '{op}': {old.__module__}.{old.__qualname__} and "
                                 f"{rule.__module__}.{rule.__qualname__}; keep one")
             _RULES[op] = rule
         return rule
