@@ -2,7 +2,7 @@
 
     python benchmarks/gemm_calls_ab.py --base a32cfbd [--models mobilenet_v2,resnet18] [--batches 1,8] [--repeat 15]
 
-One ``PartitionedRunner`` call (1 thread) records the arguments of every ``qc_gemm_*`` call (its
+One ``Runtime.simulated`` call (1 thread) records the arguments of every ``qc_gemm_*`` call (its
 input, fused operand and conv geometry copied); each call is then replayed on the library built
 from ``kernels.c`` at git revision ``--base`` and on the one built from the working tree (the
 compiler flags of ``qcompiler/native/build.py``), alternating, the best of ``--repeat`` each, into
@@ -36,9 +36,9 @@ import qcompiler.native.gemm as gemm_mod  # noqa: E402
 import qcompiler.native.kernels as kernels_mod  # noqa: E402
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import calibration_batches, converted_model  # noqa: E402
-from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.build import FLAGS, SOURCE  # noqa: E402
 from qcompiler.native.plan import ENV_PLAN  # noqa: E402
+from qcompiler.runtime import Runtime  # noqa: E402
 
 _KERNEL = re.compile(r"qc_gemm_(add_i(8|16)_)?i(8|16)")  # the GEMM kernels themselves, one call a layer
 _GEO = 14  # int64 entries of a conv's geometry (the last: the address of the tail layout's weights, or 0)
@@ -98,7 +98,7 @@ def record_calls(name: str, batch: int) -> list:
     os.environ[ENV_PLAN] = "0"  # op by op: each layer's call goes through _fn (a plan calls its steps in C)
     try:
         conv = converted_model(name, 224, calibration_batches(224))
-        runner = PartitionedRunner(conv, kernels="fast", threads=1)
+        runner = Runtime.simulated(conv, kernels="fast", threads=1)
         runner(zoo.example_inputs(name, image_size=224)[0].repeat(batch, 1, 1, 1))
         for call in calls:  # (the layers' weights, bias and multipliers the arguments point into)
             call[3].append(runner)

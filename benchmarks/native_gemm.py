@@ -2,7 +2,7 @@
 
     python benchmarks/native_gemm.py [--models mobilenet_v2,resnet18] [--batches 1,8] [--repeat 10]
 
-For each zoo model (quantized as ``benchmarks/simulator.py`` does) two ``PartitionedRunner``s are
+For each zoo model (quantized as ``benchmarks/simulator.py`` does) two ``Runtime.simulated`` runtimes are
 built on the same converted model: ``gemm`` with the native GEMM for the 1x1 convs and linear
 layers it proves exact, ``old`` with ``QCOMPILER_NATIVE_VNNI=0`` at build time (oneDNN's int8
 conv with a float32 output + the native requantization, or the int8/float GEMMs).  Both outputs
@@ -27,15 +27,15 @@ if __package__ in (None, ""):
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import best_times, calibration_batches, converted_model, environment, op_kind_profile  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
-from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.gemm import ENV_VNNI, gemm_available  # noqa: E402
+from qcompiler.runtime import Runtime  # noqa: E402
 
 
-def _runner(gm, programs, gemm: bool) -> PartitionedRunner:
+def _runner(gm, programs, gemm: bool) -> Runtime:
     saved = os.environ.get(ENV_VNNI)
     os.environ[ENV_VNNI] = "1" if gemm else "0"
     try:
-        return PartitionedRunner(gm, programs, threads=1)
+        return Runtime.simulated(gm, programs, threads=1)
     finally:
         if saved is None:
             os.environ.pop(ENV_VNNI, None)

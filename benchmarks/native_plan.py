@@ -3,7 +3,7 @@
     python benchmarks/native_plan.py [--models resnet18,mobilenet_v2,unet] [--batches 1,8] [--threads 1,2]
                                      [--min-work 0,16384,131072,1048576] [--repeat 20]
 
-For each zoo model at 224x224 (converted as in benchmarks/simulator.py), a ``PartitionedRunner`` built
+For each zoo model at 224x224 (converted as in benchmarks/simulator.py), a ``Runtime.simulated`` built
 with ``QCOMPILER_NATIVE_PLAN=0`` (every layer a Python call and a ctypes call, ``op by op``) and one
 with plans (``planned``), timed in rotation, best of ``--repeat`` after a lead-in call, outputs
 ``torch.equal``.  At 2 threads the planned runner is also timed at each ``--min-work`` (the
@@ -27,15 +27,15 @@ if __package__ in (None, ""):
 import qcompiler.native.plan as plan_mod  # noqa: E402
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import best_times, calibration_batches, converted_model, environment  # noqa: E402
-from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.plan import ENV_PLAN  # noqa: E402
+from qcompiler.runtime import Runtime  # noqa: E402
 
 
-def _runner(conv, threads: int, planned: bool) -> PartitionedRunner:
+def _runner(conv, threads: int, planned: bool) -> Runtime:
     saved = os.environ.get(ENV_PLAN)
     os.environ[ENV_PLAN] = "1" if planned else "0"
     try:
-        return PartitionedRunner(conv, kernels="fast", threads=threads)
+        return Runtime.simulated(conv, kernels="fast", threads=threads)
     finally:
         if saved is None:
             del os.environ[ENV_PLAN]
@@ -43,7 +43,7 @@ def _runner(conv, threads: int, planned: bool) -> PartitionedRunner:
             os.environ[ENV_PLAN] = saved
 
 
-def _with_min_work(runner: PartitionedRunner, x: torch.Tensor, min_work: int):
+def _with_min_work(runner: Runtime, x: torch.Tensor, min_work: int):
     def call():
         saved = plan_mod.MIN_WORK
         plan_mod.MIN_WORK = min_work

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import calibration_batches, converted_model  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
-from qcompiler.backends.bpu.simulator import PartitionedRunner  # noqa: E402
 from qcompiler.native.gemm import ENV_THREADS  # noqa: E402
+from qcompiler.runtime import Runtime  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     for name in args.models.split(","):
         torch.set_num_threads(2)
         q = converted_model(name, args.size, calib)
-        ours = PartitionedRunner(q, lower_bpu_partitions(q))
+        ours = Runtime.simulated(q, lower_bpu_partitions(q))
         for t, b in [(2, 1), (1, 1), (2, 8)]:
             torch.set_num_threads(t)
             ours.threads = t

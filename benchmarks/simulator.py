@@ -8,8 +8,8 @@ For each zoo model, the same float weights are quantized three ways on the same
 calibration batches (smooth-noise images, ``benchmarks/_data.py``), and timed on the
 same input (``zoo.example_inputs``):
 
-* ``ours``     the qcompiler simulator: ``PartitionedRunner`` (every BPU partition in
-  the bit-exact fast simulator, any CPU node in torch).  Its output must be
+* ``ours``     the qcompiler simulator: ``Runtime.simulated`` (every BPU partition in
+  the bit-exact fast simulator, every CPU partition in torch).  Its output must be
   ``torch.equal`` to the converted model's (the ``exact`` column; a mismatch stops the run).
   At N > 1 threads it runs as a user's compiled model does (``threads=N``): a batch of B is
   split into ``min(N, B)`` chunks on worker threads at one torch thread each (the ``split``
@@ -64,13 +64,14 @@ import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks._data import SmoothNoise, stack  # noqa: E402
 from qcompiler.backends.bpu import row_split  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
-from qcompiler.backends.bpu.simulator import PartitionedRunner, int8_gemm_available  # noqa: E402
+from qcompiler.backends.bpu.simulator import int8_gemm_available  # noqa: E402
 from qcompiler.native.kernels import amx_enabled  # noqa: E402
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state  # noqa: E402
 from qcompiler.quantization.convert import convert_fx  # noqa: E402
+from qcompiler.runtime import Runtime  # noqa: E402
 
 
-def _whole(runner: PartitionedRunner, x: torch.Tensor):
+def _whole(runner: Runtime, x: torch.Tensor):
     """The runner on the whole batch with torch's intra-op threads (no batch split).
 
     Timed after the rotation, not in it: alternating 2-thread calls in the main thread with
@@ -192,7 +193,7 @@ def op_kind(op) -> str:
     return kind + ("+add" if a.get("with_add") else "")
 
 
-def op_kind_profile(runner: PartitionedRunner, x: torch.Tensor, repeat: int = 3) -> dict[str, float]:
+def op_kind_profile(runner: Runtime, x: torch.Tensor, repeat: int = 3) -> dict[str, float]:
     """Seconds per BPU op kind (best total of ``repeat`` runs): each op's time as the simulator
     records it (``BpuSimulator.step_times``: a plan's native steps timed in C, one by one); '(outside
     ops)' is the rest of the run (CPU nodes, boundary conversion, dispatch)."""
@@ -275,7 +276,7 @@ def main() -> None:
             torch.set_num_threads(max(threads))
             q = converted_model(name, args.size, calib)
             programs = lower_bpu_partitions(q)
-            ours = PartitionedRunner(q, programs, kernels=args.kernels)
+            ours = Runtime.simulated(q, programs, kernels=args.kernels)
             f = zoo.get(name).eval()
             x1 = zoo.example_inputs(name, image_size=args.size)[0]
             ao = torch_ao_model(f, x1, calib)

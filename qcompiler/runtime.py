@@ -13,6 +13,10 @@ It never needs the model's Python class, so an artifact can rebuild it.
 With ``threads`` > 1 and a graph proven per-sample (``split_refusal`` is None:
 :func:`qcompiler.ir.batch_dim.split_refusal`), a call's batch is split into chunks computed
 on worker threads at one torch thread each (:mod:`qcompiler.parallel`), outputs concatenated.
+
+:meth:`Runtime.simulated` is the same scheduler over a converted model with its CPU partitions
+in eager torch: a run equal to the converted model's, bit for bit (the tests' and benchmarks'
+whole-model runs, with the simulator's kernel options).
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.bpu.simulator import BpuSimulator
-from qcompiler.backends.eager import TORCH
+from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.ort import OrtIsland
 from qcompiler.batches import check_inputs
 from qcompiler.errors import ConfigError
+from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
 from qcompiler.parallel import resolve_threads, run_split
 
@@ -68,14 +74,15 @@ def output_structure(arg: Any) -> Any:
     raise ConfigError(f"model output contains a {type(arg).__name__}; outputs must be tensors or tuples of them")
 
 
-def _build_output(spec: Any, env: dict[str, Any]) -> Any:
+def _build_output(spec: Any, env: dict[str, Any], dequantize: bool) -> Any:
+    """The outputs in ``spec``'s structure; QTensors dequantized when ``dequantize``."""
     if "value" in spec:
         v = env[spec["value"]]
-        return v.dequantize() if hasattr(v, "dequantize") and not isinstance(v, torch.Tensor) else v
+        return v.dequantize() if dequantize and hasattr(v, "dequantize") and not isinstance(v, torch.Tensor) else v
     if "tuple" in spec:
-        return tuple(_build_output(s, env) for s in spec["tuple"])
+        return tuple(_build_output(s, env, dequantize) for s in spec["tuple"])
     if "list" in spec:
-        return [_build_output(s, env) for s in spec["list"]]
+        return [_build_output(s, env, dequantize) for s in spec["list"]]
     return spec["const"]
 
 
@@ -120,8 +127,13 @@ Executor = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def bpu_executor(step: Step, runtime: "Runtime") -> Executor:
-    """A BPU program in the integer-exact simulator."""
-    return BpuSimulator(runtime.programs[step.name]).run
+    """A BPU program in the integer-exact simulator, built with the runtime's ``simulator`` options
+    and kept in ``runtime.simulators``."""
+    program = runtime.programs.get(step.name)
+    if program is None:
+        raise ConfigError(f"BPU step {step.name!r} has no program (programs: {', '.join(runtime.programs) or 'none'})")
+    sim = runtime.simulators[step.name] = BpuSimulator(program, **runtime.simulator)
+    return sim.run
 
 
 def ort_executor(step: Step, runtime: "Runtime") -> Executor:
@@ -147,12 +159,15 @@ class Runtime:
 
     ``threads``: worker threads for the batch split (None: ``torch.get_num_threads()`` at each
     call); ``split_refusal``: None when the graph is proven per-sample along dim 0, else why not
-    (then calls run whole, with torch's own threads)."""
+    (then calls run whole, with torch's own threads).  ``simulator``: keyword options of every
+    :class:`BpuSimulator` (``kernels``, ``int8_gemm``, ``onednn``, ``native``); ``dequantize``:
+    whether quantized outputs (QTensors) are returned as floats, as a compiled model returns them."""
 
     def __init__(self, steps: Sequence[Step], input_names: Sequence[str], outputs: Any,
                  programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1,
                  input_signature: Optional[list] = None, eager: Optional[dict] = None,
-                 threads: Optional[int] = None, split_refusal: Optional[str] = NOT_ANALYSED) -> None:
+                 threads: Optional[int] = None, split_refusal: Optional[str] = NOT_ANALYSED,
+                 simulator: Optional[dict[str, Any]] = None, dequantize: bool = True) -> None:
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
         # what calls are checked against (qcompiler.batches.input_signature of the example inputs);
         # None (an artifact from before signatures were saved): the number of inputs only
@@ -162,6 +177,8 @@ class Runtime:
         self.ort_threads = ort_threads
         self.threads = None if threads is None else resolve_threads(threads, "threads")
         self.split_refusal = split_refusal
+        self.simulator, self.dequantize = dict(simulator or {}), dequantize
+        self.simulators: dict[str, BpuSimulator] = {}  # step name -> its simulator (bpu_executor)
         self._run: dict[str, Executor] = {}
         for step in self.steps:
             factory = EXECUTORS.get(step.kind)
@@ -169,6 +186,27 @@ class Runtime:
                 raise ConfigError(f"step {step.name!r} has kind {step.kind!r}, which no executor runs; "
                                   f"known kinds: {', '.join(sorted(EXECUTORS))}")
             self._run[step.name] = factory(step, self)
+
+    @classmethod
+    def simulated(cls, converted: fx.GraphModule, programs: Optional[dict] = None, *, threads: Optional[int] = None,
+                  **simulator: Any) -> "Runtime":
+        """``converted`` (a ``convert_fx`` model) with its BPU partitions in the simulator and its CPU
+        partitions in eager torch, quantized outputs kept as QTensors: each call equals
+        ``converted(*inputs)`` bit for bit.  ``programs`` defaults to
+        :func:`~qcompiler.backends.bpu.lower.lower_bpu_partitions`; ``simulator`` holds
+        :class:`BpuSimulator`'s kernel options (e.g. ``kernels="fixed_point"``)."""
+        steps = plan_steps(converted)
+        eager = {}
+        for step in steps:
+            if step.kind != BPU:
+                step.kind, step.reason = TORCH, "a simulated run computes the CPU nodes in torch"
+                eager[step.name] = EagerIsland.from_graph(step.name, converted, step.nodes, step.inputs,
+                                                          step.outputs, step.reason)
+        inputs = [n.name for n in converted.graph.nodes if n.op == "placeholder"]
+        out_node = next(n for n in converted.graph.nodes if n.op == "output")
+        return cls(steps, inputs, output_structure(out_node.args[0]),
+                   lower_bpu_partitions(converted) if programs is None else programs, {}, eager=eager,
+                   threads=threads, split_refusal=split_refusal(converted), simulator=simulator, dequantize=False)
 
     def __call__(self, *args: Any) -> Any:
         """Run the steps on ``args``, checked first whichever backend runs first (one check for both)."""
@@ -187,7 +225,7 @@ class Runtime:
             except ConfigError:
                 self._refuse_nan(step, feeds)
                 raise
-        return _build_output(self.outputs, env)
+        return _build_output(self.outputs, env, self.dequantize)
 
     def _refuse_nan(self, step: Step, feeds: dict[str, Any]) -> None:
         """After a BPU step failed: if a float value it reads holds NaN (which the step's quantize

@@ -21,12 +21,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import qcompiler
 import qcompiler.zoo as zoo
-from qcompiler.backends.bpu.simulator import PartitionedRunner
 from qcompiler.distributed import evaluate
 from qcompiler.errors import ConfigError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.parallel import batch_size, in_worker, run_split, split_args
-from qcompiler.runtime import NOT_ANALYSED
+from qcompiler.runtime import NOT_ANALYSED, Runtime
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None)
 SIZE = 32
@@ -141,8 +140,8 @@ def test_item_assignments_within_a_sample_are_split_exactly(batch, threads, seed
 def test_partitioned_runner_splits_too():
     cm = zoo_model("unet")
     x = torch.randn(5, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(3))
-    one = PartitionedRunner(cm.converted, cm.runtime.programs, threads=1)
-    two = PartitionedRunner(cm.converted, cm.runtime.programs, threads=2)
+    one = Runtime.simulated(cm.converted, cm.runtime.programs, threads=1)
+    two = Runtime.simulated(cm.converted, cm.runtime.programs, threads=2)
     assert two.split_refusal is None
     assert torch.equal(two(x), one(x)) and torch.equal(one(x), cm.converted(x))
 

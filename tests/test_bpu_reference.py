@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from simulator_configs import CONFIGS
 
 from qcompiler.backends.bpu.lower import lower_partition
-from qcompiler.backends.bpu.simulator import BpuSimulator, run_partitioned
+from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT
 from qcompiler.nn import quantized as qnn
 from qcompiler.passes.convert_rules.layout import same_scale as _same_scale
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.runtime import Runtime
 
 # every kernel set: fixed_point calls, the fast kernels with float GEMMs, and with int8 GEMMs
 
@@ -112,7 +113,7 @@ def check_all(gm: fx.GraphModule, tiny: Tiny, reference: bool = True):
     conv_outs = list(conv_out) if isinstance(conv_out, tuple) else [conv_out]
     for cfg in CONFIGS:
         kernels = f"{cfg['kernels']}{'' if cfg.get('int8_gemm') is None else '/int8=' + str(cfg['int8_gemm'])}"
-        sim_out = run_partitioned(gm, xs, {"bpu0": prog}, **cfg)
+        sim_out = Runtime.simulated(gm, {"bpu0": prog}, **cfg)(*xs)
         sim_outs = list(sim_out) if isinstance(sim_out, tuple) else [sim_out]
         for c, s in zip(conv_outs, sim_outs):
             if isinstance(c, QTensor):
@@ -464,7 +465,7 @@ def test_int32_accumulator_overflow_is_reported():
         gm(*t.inputs)  # the converted model reports it too
     for cfg in CONFIGS:
         with pytest.raises(fp.AccumulatorOverflow, match="bpu0/overflowing_conv: int32 accumulator"):
-            run_partitioned(gm, t.inputs, {"bpu0": prog}, **cfg)
+            Runtime.simulated(gm, {"bpu0": prog}, **cfg)(*t.inputs)
     with pytest.raises(ref.ReferenceOverflow):
         ref.run_program(prog, {"x0": t.inputs[0].numpy()})
 
@@ -477,4 +478,4 @@ def test_global_pool_sum_overflow_is_reported():
     prog = lower_partition(gm, "bpu0")
     for cfg in CONFIGS:
         with pytest.raises(fp.AccumulatorOverflow, match="bpu0/gap: int32 accumulator"):
-            run_partitioned(gm, t.inputs, {"bpu0": prog}, **cfg)
+            Runtime.simulated(gm, {"bpu0": prog}, **cfg)(*t.inputs)

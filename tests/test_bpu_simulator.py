@@ -16,12 +16,13 @@ from test_bpu_reference import Tiny, rand_scales
 import qcompiler.zoo as zoo
 from qcompiler.backends.bpu.lower import bpu_partition_names, lower_bpu_partitions, lower_partition
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
-from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner, _chunks, run_partitioned
+from qcompiler.backends.bpu.simulator import BpuSimulator, _chunks
 from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.runtime import Runtime
 
 SMALL = {"resnet18": dict(image_size=32), "mobilenet_v2": dict(image_size=32)}
 MODELS = ["resnet18", "mobilenet_v2", "unet", "transformer_block", "lstm_seq", "hybrid"]
@@ -62,7 +63,7 @@ def test_partitioned_simulation_equals_converted_model(name, march):
     with torch.no_grad():
         expected = flat(q(*x))
     for cfg in CONFIGS:
-        got = flat(run_partitioned(q, x, programs, **cfg))
+        got = flat(Runtime.simulated(q, programs, **cfg)(*x))
         assert len(got) == len(expected)
         for g, e in zip(got, expected):
             assert g.dtype == e.dtype and torch.equal(g, e), f"{name}/{march}/{cfg}: output differs"
@@ -85,7 +86,7 @@ def test_program_state_round_trip(name, march):
         t2, m2 = loaded[k].to_state()
         assert m1 == m2 and t1.keys() == t2.keys() and all(torch.equal(t1[i], t2[i]) for i in t1)
     with torch.no_grad():
-        a, b = flat(run_partitioned(q, x, programs)), flat(run_partitioned(q, x, loaded))
+        a, b = flat(Runtime.simulated(q, programs)(*x)), flat(Runtime.simulated(q, loaded)(*x))
     assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
@@ -129,7 +130,7 @@ def test_bpu_to_bpu_edges_pass_qtensors():
     programs = lower_bpu_partitions(q)
     quantized_inputs = [v for p in programs.values() for v in p.inputs if not v.is_float]
     assert quantized_inputs and all(v.dtype == "qint8" for v in quantized_inputs)
-    runner = PartitionedRunner(q, programs)
+    runner = Runtime.simulated(q, programs)
     with torch.no_grad():
         assert torch.equal(runner(*x), q(*x))
         assert torch.equal(runner(*x), q(*x))  # a runner is reusable

@@ -22,7 +22,6 @@ from test_export_onnx import end_to_end_check, teacher_forced_check
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
-from qcompiler.backends.bpu.simulator import run_partitioned
 from qcompiler.compiled import lower
 from qcompiler.errors import QCompilerWarning
 from qcompiler.ir.meta import META_PLACEMENT, META_REASON
@@ -36,6 +35,7 @@ from qcompiler.quantization import (
     prepare_qat_fx,
     set_state,
 )
+from qcompiler.runtime import Runtime
 
 
 class Net(nn.Module):
@@ -157,7 +157,7 @@ def test_lowered_end_to_end(kind, march):
         # the BPU programs in the integer simulator, every kernel set, and the runtime compile() builds
         programs = lower_bpu_partitions(q)
         for cfg in CONFIGS:
-            assert torch.equal(run_partitioned(q, (x,), programs, **cfg), out), cfg
+            assert torch.equal(Runtime.simulated(q, programs, **cfg)(x), out), cfg
         assert torch.equal(lower(q)(x), out)
     assert_within_one_lsb(ref, out, module.out_scale)
     # ONNX: the converted model and the prepared (fake-quant) model, each against its source

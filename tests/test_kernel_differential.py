@@ -29,16 +29,13 @@ from test_bpu_reference import Tiny, geometry, rand_scales, rand_w, weight_layer
 from qcompiler.backends.bpu import simulator as sim_mod
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.onednn_conv import NhwcRequant, exact_in_float64, onednn_conv_available
-from qcompiler.backends.bpu.simulator import (
-    BpuSimulator,
-    int8_gemm_available,
-    run_partitioned,
-)
+from qcompiler.backends.bpu.simulator import BpuSimulator, int8_gemm_available
 from qcompiler.compiled import compile as qc_compile
 from qcompiler.native.kernels import ENV_VNNI
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
+from qcompiler.runtime import Runtime
 
 MARCHES = ("bayes", "bernoulli2")
 
@@ -495,7 +492,7 @@ def _assert_compiled_exact(model: nn.Module, x: torch.Tensor, march: str) -> Non
     assert torch.equal(first, want), f"{march}: compiled != converted, max |diff| {(first - want).abs().max()}"
     (prog,) = cm.runtime.programs.values()
     for cfg in CONFIGS:
-        assert torch.equal(run_partitioned(cm.converted, (x,), cm.runtime.programs, **cfg), want), cfg
+        assert torch.equal(Runtime.simulated(cm.converted, cm.runtime.programs, **cfg)(x), want), cfg
     (inp,) = prog.inputs
     (out,) = prog.outputs
     reference = ref.run_program(prog, {inp.name: x.contiguous().numpy()})[out.name]

@@ -17,7 +17,7 @@ from test_native_kernels import dw_case_tensors, dw_cases
 import qcompiler.native.plan as plan_mod
 from qcompiler import zoo
 from qcompiler.backends.bpu import plan as program_plan
-from qcompiler.backends.bpu.simulator import BpuSimulator, PartitionedRunner
+from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native.gemm import Int8Gemm
 from qcompiler.native.kernels import DepthwiseConv, max_pool_nhwc, max_pool_nhwc_step
@@ -25,6 +25,7 @@ from qcompiler.native.plan import ENV_PLAN, MIN_WORK, NativeSteps
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.quantization.convert import convert_fx
+from qcompiler.runtime import Runtime
 
 
 @needs_gemm
@@ -92,7 +93,7 @@ def test_zoo_models_run_planned_equal_the_op_by_op_run(name, monkeypatch):
     with torch.no_grad():
         want = {k: conv(v) for k, v in xs.items()}
     monkeypatch.setenv(ENV_PLAN, "0")
-    flat = PartitionedRunner(conv, threads=1)
+    flat = Runtime.simulated(conv, threads=1)
     assert not any(s._planned for s in flat.simulators.values())
     for k, v in xs.items():
         assert torch.equal(flat(v), want[k])
@@ -101,7 +102,7 @@ def test_zoo_models_run_planned_equal_the_op_by_op_run(name, monkeypatch):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            runner = PartitionedRunner(conv, threads=t)
+            runner = Runtime.simulated(conv, threads=t)
             assert all(s._planned for s in runner.simulators.values())
             first = runner(xs[0, 1])
             kept = first.clone()
@@ -220,7 +221,7 @@ def test_a_linear_over_a_transposed_view_reads_each_calls_values():
     set_state(qat, "validation")
     qat.eval()
     conv = convert_fx(qat)
-    runner = PartitionedRunner(conv, threads=1)
+    runner = Runtime.simulated(conv, threads=1)
     assert all(s._planned for s in runner.simulators.values())
     for _ in range(3):  # built while running, then run twice on new values
         x = torch.randn((2, 24, 16), generator=g)

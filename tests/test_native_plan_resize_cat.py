@@ -19,7 +19,7 @@ from test_native_resize import _input, _spec, cases
 import qcompiler.native.plan as plan_mod
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
-from qcompiler.backends.bpu.simulator import FAST, REFERENCE, BpuSimulator, KernelSpec, PartitionedRunner, _Workspace
+from qcompiler.backends.bpu.simulator import FAST, REFERENCE, BpuSimulator, KernelSpec, _Workspace
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import gemm_available
@@ -27,6 +27,7 @@ from qcompiler.native.kernels import BilinearResize, nearest_nhwc_step, nearest_
 from qcompiler.native.plan import NativeSteps
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
+from qcompiler.runtime import Runtime
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -228,7 +229,7 @@ def test_resizes_and_cat_join_the_native_segment(size_up, python):
 @needs_gemm
 def test_unet_runs_as_one_native_segment():
     conv, x = _converted("unet", 48)
-    runner = PartitionedRunner(conv, threads=1)
+    runner = Runtime.simulated(conv, threads=1)
     with torch.no_grad():
         assert torch.equal(runner(x), conv(x))
     (sim,) = runner.simulators.values()

@@ -83,34 +83,28 @@ int32 range statically or checks it on the data, raising
 :class:`~qcompiler.quantization.fixed_point.AccumulatorOverflow` naming the op
 (``<program>/<value>``).
 
-:func:`run_partitioned` runs a whole converted model: BPU partitions in the
-simulator, every other node in torch (an ``fx.Interpreter``).
+A whole converted model runs through the runtime's scheduler:
+:meth:`qcompiler.runtime.Runtime.simulated` (BPU partitions here, CPU partitions in torch).
 """
 
 from __future__ import annotations
 
-import copy
-import heapq
 import math
 import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
-from qcompiler.backends.bpu.lower import lower_bpu_partitions, partition_boundary
 from qcompiler.backends.bpu.onednn_conv import F32_EXACT, NhwcRequant, OnednnConv, onednn_conv_available
 from qcompiler.backends.bpu.plan import Alloc, ProgramPlan, StalePlan, fresh
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, decode_index
 from qcompiler.backends.bpu.row_split import RowSplitConv
 from qcompiler.errors import ConfigError, UnsupportedOpError
-from qcompiler.ir.batch_dim import split_refusal
-from qcompiler.ir.meta import BPU, META_PARTITION, placement
 from qcompiler.native.build import native_enabled
 from qcompiler.native.gemm import Int8Gemm, gemm_available, row_parts
 from qcompiler.native.kernels import (
@@ -132,11 +126,11 @@ from qcompiler.native.kernels import (
 )
 from qcompiler.native.plan import plans_enabled
 from qcompiler.nn import quantized as qnn
-from qcompiler.parallel import part_budget, resolve_threads, run_split
+from qcompiler.parallel import part_budget
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor
 
-__all__ = ["BpuSimulator", "run_partitioned", "PartitionedRunner", "KERNELS", "REFERENCE", "FAST", "KernelSpec",
+__all__ = ["BpuSimulator", "KERNELS", "REFERENCE", "FAST", "KernelSpec",
            "int8_gemm_available"]
 
 KERNELS = ("fast", "fixed_point")
@@ -1850,118 +1844,6 @@ class _FastLinear:
                     acc = res
             self.epi.tile(acc, out[r0:r1], 0, self.O, None if o2 is None else o2[r0:r1], check)
         return out.reshape(*lead, self.O)
-
-
-# ---------------------------------------------------------------------------- whole models
-
-
-class PartitionedRunner:
-    """Runs a converted model with its BPU partitions in :class:`BpuSimulator`.
-
-    CPU nodes (and placeholders/outputs) run in torch through an
-    ``fx.Interpreter``; each BPU partition runs as one unit as soon as all its
-    inputs exist (partitions are not contiguous in graph order).  The result
-    equals ``converted_gm(*inputs)`` bit for bit.  ``threads`` > 1 (None:
-    ``torch.get_num_threads()`` at each call) splits a batch over worker threads when the
-    graph is proven per-sample (``split_refusal`` is None), as ``CompiledModel`` does.
-    """
-
-    def __init__(self, converted_gm: fx.GraphModule, programs: Optional[dict[str, BpuProgram]] = None,
-                 *, kernels: str = "fast", int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
-                 native: Optional[bool] = None, threads: Optional[int] = None) -> None:
-        self.gm = converted_gm
-        self.threads = None if threads is None else resolve_threads(threads, "PartitionedRunner")
-        self.split_refusal = split_refusal(converted_gm)
-        self.programs = programs if programs is not None else lower_bpu_partitions(converted_gm)
-        self.simulators = {name: BpuSimulator(p, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn, native=native)
-                           for name, p in self.programs.items()}
-        by_name = {n.name: n for n in converted_gm.graph.nodes}
-        self._node = by_name
-        order = list(converted_gm.graph.nodes)
-        index = {n: i for i, n in enumerate(order)}
-        unit_of: dict[fx.Node, Any] = {}
-        for n in order:
-            part = n.meta.get(META_PARTITION)
-            if placement(n) == BPU and part is not None:
-                if part not in self.programs:
-                    raise ConfigError(f"node '{n.name}' is in BPU partition {part}, which has no program; "
-                                      f"programs: {', '.join(self.programs)}")
-                unit_of[n] = part
-            else:
-                unit_of[n] = n
-        for name in self.programs:
-            partition_boundary(converted_gm, name)  # ConfigError for a partition with no nodes
-        # units in a topological order, ties broken by graph position
-        first: dict[Any, int] = {}
-        deps: dict[Any, set] = {}
-        for n in order:
-            u = unit_of[n]
-            first.setdefault(u, index[n])
-            deps.setdefault(u, set())
-            for a in n.all_input_nodes:
-                if unit_of[a] != u:
-                    deps[u].add(unit_of[a])
-        users: dict[Any, set] = {u: set() for u in deps}
-        for u, ds in deps.items():
-            for d in ds:
-                users[d].add(u)
-        missing = {u: len(ds) for u, ds in deps.items()}
-        heap = [(first[u], i, u) for i, u in enumerate(deps) if missing[u] == 0]
-        heapq.heapify(heap)
-        uid = {u: i for i, u in enumerate(deps)}
-        self.order: list[Any] = []
-        while heap:
-            _, _, u = heapq.heappop(heap)
-            self.order.append(u)
-            for v in users[u]:
-                missing[v] -= 1
-                if missing[v] == 0:
-                    heapq.heappush(heap, (first[v], uid[v], v))
-        if len(self.order) != len(deps):
-            raise ConfigError("the BPU partitions and CPU nodes form a cycle; the graph cannot run partitioned")
-        # built once: fx.Interpreter's constructor walks every submodule (~0.1-0.3 ms a call); each call
-        # runs a shallow copy of it, so concurrent calls (the batch split) keep their own env
-        self._interp = fx.Interpreter(converted_gm, garbage_collect_values=False)
-
-    def __call__(self, *inputs: Any) -> Any:
-        if self.split_refusal is None:
-            return run_split(self._run, inputs, resolve_threads(self.threads, "PartitionedRunner"))
-        return self._run(*inputs)
-
-    def _run(self, *inputs: Any) -> Any:
-        interp = copy.copy(self._interp)  # a shallow copy: the module table once, a fresh env per call
-        interp.env = {}
-        interp.args_iter = iter(inputs)
-        env = interp.env
-        out = None
-        with torch.no_grad():
-            for u in self.order:
-                if isinstance(u, fx.Node):
-                    env[u] = interp.run_node(u)
-                    if u.op == "output":
-                        out = env[u]
-                    continue
-                sim = self.simulators[u]
-                ins = {v.name: env[self._node[v.name]] for v in sim.program.inputs}
-                for name, value in sim.run(ins).items():
-                    env[self._node[name]] = value
-        return out
-
-
-def run_partitioned(converted_gm: fx.GraphModule, inputs: Union[Sequence[Any], torch.Tensor],
-                    programs: Optional[dict[str, BpuProgram]] = None, *, kernels: str = "fast",
-                    int8_gemm: Optional[bool] = None, onednn: Optional[bool] = None,
-                    native: Optional[bool] = None) -> Any:
-    """Run a converted model with BPU partitions in the simulator and CPU nodes in torch.
-
-    ``inputs`` are the model's positional inputs (a tuple/list, or one tensor).
-    ``programs`` defaults to :func:`~qcompiler.backends.bpu.lower.lower_bpu_partitions`.
-    For repeated runs build a :class:`PartitionedRunner` once.
-    """
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    return PartitionedRunner(converted_gm, programs, kernels=kernels, int8_gemm=int8_gemm, onednn=onednn,
-                             native=native)(*inputs)
 
 
 class _NativeGemmLayer:
