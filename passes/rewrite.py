@@ -1,13 +1,14 @@
 """Rewrites that keep work on the BPU: an op the march lacks, said as one it has.
 
-Each rewrite is a row of :data:`REWRITES`: a name, the canonical op (or getitem) it is
-rooted at, a ``match`` that returns what the rewrite needs or None to decline, a
-``replace`` that edits the graph, and the note that the placement shows as the reason
-(``node.meta[META_REWRITE]``). The pass runs the rows to a fixed point before placement,
-so the rewritten nodes are placed like any other; its verifier checks that no row still
-matches. Every row computes the same float values: bit for bit, except that a conv with the
-padding inside may sum its products in another order than torch's conv of the padded input
-(float32 rounding, a few ULPs; tests/test_rewrite.py states the tolerance).
+Each rewrite is a row of :data:`REWRITES`: a name, a pattern rooted at a canonical op
+(:mod:`qcompiler.ir.pattern`), a ``condition`` on the pattern's bindings that returns what
+the rewrite needs or None to decline, a ``replace`` that edits the graph, and the note that
+the placement shows as the reason (``node.meta[META_REWRITE]``). The pass runs the rows
+to a fixed point before placement, so the rewritten nodes are placed like any other: one
+worklist visits every node once, then the nodes each rewrite touched. Its verifier checks
+that no row still matches. Every row computes the same float values: bit for bit, except
+that a conv with the padding inside may sum its products in another order than torch's conv
+of the padded input (float32 rounding, a few ULPs; tests/test_rewrite.py states the tolerance).
 
 * ``F.pad`` with zeros (constant mode, value 0), read by nothing else, before a conv or an
   average pool (counting the padding) whose only caller it is, its input not changed in place
@@ -32,10 +33,10 @@ padding inside may sum its products in another order than torch's conv of the pa
 from __future__ import annotations
 
 import operator
+from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -44,50 +45,92 @@ from qcompiler.backends.bpu.op_info import op_info
 from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
-from qcompiler.ir.modules import set_module
 from qcompiler.ir.ops import node_op
+from qcompiler.ir.pattern import Bindings, Const, Op, Rewriter, Var, arguments, first_match, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.quantization.fixed_point import pads4
 
 
 @dataclass(frozen=True)
+class Match:
+    """Where a row's pattern matched: its bindings (``match["name"]``), the graph module, its modules by
+    name and the compile context (None when a test asks a row alone)."""
+
+    bindings: Bindings
+    gm: fx.GraphModule
+    modules: Mapping[str, nn.Module]
+    ctx: Optional[CompileContext]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.bindings[name]
+
+
+@dataclass(frozen=True)
 class Rewrite:
-    """One row: ``match(node, gm, ctx) -> match data or None``; ``replace(node, data, gm) -> new node``."""
+    """One row: ``pattern`` rooted at a canonical op; ``condition(match)`` returns what the replacement needs,
+    or None to decline; ``replace(match, data, rewriter)`` edits the graph through ``rewriter`` and returns
+    the node that carries ``note``."""
 
     name: str
-    root: str
-    match: Callable[[fx.Node, fx.GraphModule, CompileContext], Any]
-    replace: Callable[[fx.Node, Any, fx.GraphModule], fx.Node]
+    pattern: Op
+    condition: Callable[[Match], Any]
+    replace: Callable[[Match, Any, Rewriter], fx.Node]
     note: str
 
+    def _match(self, node: fx.Node, gm: fx.GraphModule, ctx: Optional[CompileContext],
+               modules: Mapping[str, nn.Module]) -> Optional[tuple[Match, Any]]:
+        bindings = self.pattern.match(node, modules)
+        if bindings is None:
+            return None
+        found = Match(bindings, gm, modules, ctx)
+        data = self.condition(found)
+        return None if data is None else (found, data)
 
-def _root(node: fx.Node, modules: dict) -> Optional[str]:
-    if node.op == "call_function" and getattr(node.target, "__name__", None) == "getitem":
-        return "getitem"
-    return node_op(node, modules) if node.op.startswith("call_") else None
+    def match(self, node: fx.Node, gm: fx.GraphModule, ctx: Optional[CompileContext],
+              modules: Optional[Mapping[str, nn.Module]] = None) -> Any:
+        """What the replacement needs if this row rewrites ``node``, else None."""
+        found = self._match(node, gm, ctx, dict(gm.named_modules()) if modules is None else modules)
+        return None if found is None else found[1]
+
+    def apply(self, node: fx.Node, gm: fx.GraphModule, ctx: CompileContext, rewriter: Rewriter) -> bool:
+        """Rewrite ``node`` if this row matches it (its note on the result, the nodes it touched queued
+        again); whether it did."""
+        found = self._match(node, gm, ctx, rewriter.modules)
+        if found is None:
+            return False
+        new = self.replace(*found, rewriter)
+        new.meta[META_REWRITE] = self.note
+        new.meta.pop(META_OP, None)
+        rewriter.touched(new)
+        return True
+
+
+def _tensor_info(value: Any) -> Optional[TensorInfo]:
+    info = value.meta.get(META_TENSOR) if isinstance(value, fx.Node) else None
+    return info if isinstance(info, TensorInfo) else None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # --------------------------------------------------------------------------- F.pad(0) -> conv / pool padding
 
 
-def _zero_pad(node: fx.Node) -> Optional[tuple[int, int, int, int]]:
-    """``(top, left, bottom, right)`` of ``F.pad(x, (l, r[, t, b]))`` with zeros on a 4-D value; else None."""
-    if node.op != "call_function" or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
-        return None
-    pads = node.args[1]
-    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
-    value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", None)
-    if mode != "constant" or value not in (None, 0, 0.0) or len(pads) not in (2, 4):
-        return None
-    if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
-        return None
-    l, r, *tb = pads
-    t, b = tb if tb else (0, 0)
-    info = node.args[0].meta.get(META_TENSOR) if isinstance(node.args[0], fx.Node) else None
-    if not isinstance(info, TensorInfo) or len(info.shape) != 4:
-        return None
-    return t, l, b, r
+def _is_4d(value: Any) -> bool:
+    info = _tensor_info(value)
+    return info is not None and len(info.shape) == 4
+
+
+def _foldable_pads(pads: Any) -> bool:
+    """F.pad's ``(l, r)`` or ``(l, r, t, b)`` as ints >= 0: the sides a 2-D layer's padding can take."""
+    return isinstance(pads, (list, tuple)) and len(pads) in (2, 4) and all(_is_int(p) and p >= 0 for p in pads)
+
+
+# F.pad(x, pads) with zeros on a 4-D value
+ZERO_PAD = Op("pad", {"input": Var("x", _is_4d), "pad": Const(_foldable_pads, "pads"),
+                      "mode": Const(one_of("constant")), "value": Const(one_of(None, 0, 0.0))}, name="pad")
 
 
 def _padded_layer(user: fx.Node, gm: fx.GraphModule) -> Optional[nn.Module]:
@@ -95,8 +138,7 @@ def _padded_layer(user: fx.Node, gm: fx.GraphModule) -> Optional[nn.Module]:
     if user.op != "call_module":
         return None
     m = gm.get_submodule(user.target)
-    calls = sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == user.target)
-    if calls != 1:
+    if len(gm.graph.find_nodes(op="call_module", target=user.target)) != 1:
         return None  # a shared module: its other calls are not padded
     if type(m) is nn.Conv2d and m.padding_mode in ZERO_PADDING_MODES and isinstance(m.padding, tuple):
         return m
@@ -106,39 +148,21 @@ def _padded_layer(user: fx.Node, gm: fx.GraphModule) -> Optional[nn.Module]:
     return None
 
 
-def _with_padding(m: nn.Module, pad: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    return tuple(a + b for a, b in zip(pads4(m.padding), pad))
-
-
-def _march_accepts(user: fx.Node, new: nn.Module, gm: fx.GraphModule, ctx: CompileContext) -> bool:
+def _march_accepts(user: fx.Node, new: nn.Module, found: Match) -> bool:
     """The march's constraints hold for the layer ``new`` in place of ``user``'s, reading the pad's input."""
     if isinstance(new, nn.AvgPool2d):
         k = new.kernel_size if isinstance(new.kernel_size, tuple) else (new.kernel_size, new.kernel_size)
         t, l, b, r = pads4(new.padding)
         if max(t, b) > k[0] // 2 or max(l, r) > k[1] // 2:  # torch: at most half the kernel (either side)
             return False
-    modules = {**dict(gm.named_modules()), user.target: new}
-    saved = user.args
-    user.args = (user.args[0].args[0],) + tuple(user.args[1:])  # the layer reads the unpadded input
+    modules = ChainMap({user.target: new}, found.modules)
+    saved = user.args, user.kwargs
+    user.replace_input_with(found["pad"], found["x"])  # the layer reads the unpadded input
     try:
-        ok, _ = op_table(ctx.march).check(op_info(user, node_op(user, modules), gm, modules))
+        ok, _ = op_table(found.ctx.march).check(op_info(user, node_op(user, modules), found.gm, modules))
     finally:
-        user.args = saved
+        user.args, user.kwargs = saved
     return ok
-
-
-def _match_pad(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
-    pad = _zero_pad(node)
-    if pad is None or len(node.users) != 1:
-        return None
-    user = next(iter(node.users))
-    if not user.args or user.args[0] is not node or _changed_between(node.args[0], node, user, gm):
-        return None
-    m = _padded_layer(user, gm)
-    if m is None:
-        return None
-    new = with_zero_padding(m, _with_padding(m, pad))
-    return (user, new) if _march_accepts(user, new, gm, ctx) else None
 
 
 def _changed_between(value: fx.Node, start: fx.Node, end: fx.Node, gm: fx.GraphModule) -> bool:
@@ -152,119 +176,133 @@ def _changed_between(value: fx.Node, start: fx.Node, end: fx.Node, gm: fx.GraphM
     return False
 
 
-def _replace_pad(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
+def _fold_pad(found: Match) -> Optional[tuple[fx.Node, nn.Module]]:
+    """The pad's only user and its layer with the padding inside, if the pad is that layer's input, the
+    input is not changed in place in between, and the march accepts the new padding."""
+    pad = found["pad"]
+    if len(pad.users) != 1:
+        return None
+    user = next(iter(pad.users))
+    args = arguments(user, found.modules)
+    if args is None or args["input"] is not pad or _changed_between(found["x"], pad, user, found.gm):
+        return None
+    m = _padded_layer(user, found.gm)
+    if m is None:
+        return None
+    l, r, *tb = found["pads"]
+    t, b = tb if tb else (0, 0)
+    new = with_zero_padding(m, tuple(a + p for a, p in zip(pads4(m.padding), (t, l, b, r))))
+    return (user, new) if _march_accepts(user, new, found) else None
+
+
+def _replace_pad(found: Match, data: tuple[fx.Node, nn.Module], rewriter: Rewriter) -> fx.Node:
     user, new = data
-    set_module(gm, user.target, new)
-    user.args = (node.args[0],) + tuple(user.args[1:])
-    gm.graph.erase_node(node)
+    rewriter.set_module(user.target, new)
+    user.replace_input_with(found["pad"], found["x"])
+    rewriter.erase(found["pad"])
     return user
 
 
 # --------------------------------------------------------------------------- padding="same" / "valid" -> numbers
 
 
-def _match_string_padding(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
-    """``(t, l, b, r)`` of an nn.Conv2d built with ``padding="same"`` or ``"valid"`` (zeros), as torch
-    computes it: ``dilation * (kernel - 1)`` per dim, the odd one on the bottom / right."""
-    if node.op != "call_module":
-        return None
-    m = gm.get_submodule(node.target)
-    if type(m) is not nn.Conv2d or not isinstance(m.padding, str) or m.padding_mode not in ZERO_PADDING_MODES:
-        return None
+def _string_padded(m: nn.Module) -> bool:
+    return type(m) is nn.Conv2d and isinstance(m.padding, str) and m.padding_mode in ZERO_PADDING_MODES
+
+
+# an nn.Conv2d built with padding="same" or "valid" (zeros)
+STRING_PADDED_CONV = Op("conv2d", name="node", module=Var("conv", _string_padded))
+
+
+def _torch_padding(found: Match) -> tuple[int, int, int, int]:
+    """``(t, l, b, r)`` of the conv's string padding as torch computes it: ``dilation * (kernel - 1)``
+    per dim, the odd one on the bottom / right."""
+    m = found["conv"]
     if m.padding == "valid":
-        return m, (0, 0, 0, 0)
+        return 0, 0, 0, 0
     (dh, dw), (kh, kw) = m.dilation, m.kernel_size
     th, tw = dh * (kh - 1), dw * (kw - 1)
-    return m, (th // 2, tw // 2, th - th // 2, tw - tw // 2)
+    return th // 2, tw // 2, th - th // 2, tw - tw // 2
 
 
-def _replace_string_padding(node: fx.Node, data, gm: fx.GraphModule) -> fx.Node:
-    m, pads = data
-    set_module(gm, node.target, with_zero_padding(m, pads))
-    return node
+def _replace_string_padding(found: Match, pads: tuple[int, int, int, int], rewriter: Rewriter) -> fx.Node:
+    rewriter.set_module(found["node"].target, with_zero_padding(found["conv"], pads))
+    return found["node"]
 
 
 # --------------------------------------------------------------------------- x.view(x.size(0), -1) -> x.view(-1, n)
 
 
-def _shape_args(node: fx.Node) -> Optional[tuple[list, Callable[[list], None]]]:
-    """The shape entries of ``x.view(...)`` / ``x.reshape(...)`` / ``torch.reshape(x, shape)`` and a
-    setter that writes new entries back; None for anything else."""
-    if node.op == "call_method" and node.target in ("view", "reshape") and len(node.args) >= 2 and not node.kwargs:
-        if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
-            return list(node.args[1]), lambda new: setattr(node, "args", (node.args[0], tuple(new)))
-        return list(node.args[1:]), lambda new: setattr(node, "args", (node.args[0], *new))
-    if node.op == "call_function" and node.target is torch.reshape and len(node.args) == 2 and not node.kwargs \
-            and isinstance(node.args[1], (tuple, list)):
-        return list(node.args[1]), lambda new: setattr(node, "args", (node.args[0], tuple(new)))
-    return None
+_DIM = Const(lambda d: isinstance(d, int), "d")
+SIZE_READS = (  # the tensor t and dim d of a size read
+    Op("size", {"input": Var("t"), "dim": _DIM}),  # t.size(d)
+    Op("getitem", {"input": Op("size", {"input": Var("t"), "dim": Const(one_of(None))}),
+                   "index": _DIM}),  # t.size()[d]
+    Op("getitem", {"input": Op("getattr", {"input": Var("t"), "name": Const(one_of("shape"))}),
+                   "index": _DIM}),  # t.shape[d]
+)
 
 
-def _size_of(n: Any) -> Optional[tuple[fx.Node, int]]:
+def _size_of(n: Any, modules: Mapping[str, nn.Module]) -> Optional[tuple[Any, int]]:
     """``(tensor, dim)`` when ``n`` is ``t.size(d)``, ``t.size()[d]`` or ``t.shape[d]`` (d an int)."""
-    if not isinstance(n, fx.Node):
-        return None
-    if n.op == "call_method" and n.target == "size" and len(n.args) == 2 and isinstance(n.args[1], int):
-        return n.args[0], n.args[1]
-    if n.op == "call_function" and getattr(n.target, "__name__", None) == "getitem" and len(n.args) == 2 \
-            and isinstance(n.args[1], int) and isinstance(n.args[0], fx.Node):
-        src = n.args[0]
-        if (src.op == "call_method" and src.target == "size" and len(src.args) == 1) or \
-                (src.op == "call_function" and src.target is getattr and src.args[1:] == ("shape",)):
-            return src.args[0], n.args[1]
-    return None
+    b = first_match(SIZE_READS, n, modules)
+    return None if b is None else (b["t"], b["d"])
 
 
 _SIZE_ARITH = (operator.mul, operator.add, operator.sub, operator.floordiv)
 
 
-def _batch_free(n: fx.Node, batch: Optional[int]) -> bool:
+def _batch_free(n: fx.Node, batch: Optional[int], modules: Mapping[str, nn.Module]) -> bool:
     """``n`` is integer arithmetic on size reads of dims other than 0 whose example sizes differ from
     the batch size (so it does not change with the batch: a number may replace it)."""
-    src = _size_of(n)
+    src = _size_of(n, modules)
     if src is not None:
         t, d = src
-        info = t.meta.get(META_TENSOR) if isinstance(t, fx.Node) else None
-        if not isinstance(info, TensorInfo) or not -len(info.shape) <= d < len(info.shape):
+        info = _tensor_info(t)
+        if info is None or not -len(info.shape) <= d < len(info.shape):
             return False
         return d % len(info.shape) != 0 and info.shape[d] != batch
     if n.op == "call_function" and n.target in _SIZE_ARITH and not n.kwargs:
-        return all(_batch_free(a, batch) if isinstance(a, fx.Node) else isinstance(a, int) for a in n.args)
+        return all(_batch_free(a, batch, modules) if isinstance(a, fx.Node) else isinstance(a, int) for a in n.args)
     return False
 
 
 def _example_batch(gm: fx.GraphModule) -> Optional[int]:
     first = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
-    info = first.meta.get(META_TENSOR) if first is not None else None
-    return info.shape[0] if isinstance(info, TensorInfo) and len(info.shape) else None
+    info = _tensor_info(first)
+    return info.shape[0] if info is not None and len(info.shape) else None
 
 
-def _match_dynamic_shape(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
+def _computed_shape(entries: Any) -> bool:
+    """Shape entries that are ints and at least one value computed in the graph."""
+    return isinstance(entries, (tuple, list)) and any(isinstance(e, fx.Node) for e in entries) \
+        and all(isinstance(e, fx.Node) or _is_int(e) for e in entries)
+
+
+# x.view(...) / x.reshape(...) / torch.reshape(x, shape) to entries computed in the graph
+SIZED_RESHAPE = Op("reshape", {"input": Var("x"), "shape": Var("shape", _computed_shape)}, name="node")
+
+
+def _shape_as_numbers(found: Match) -> Optional[list[int]]:
     """The new shape of a reshape whose entries are computed from sizes (``x.view(x.size(0), -1)``,
     ``y.view(b, c, 1, 1)`` after ``b, c, _, _ = x.size()``): every entry the number the example
     gives, but the batch entry -1, so only the batch may vary, as for the model's inputs. The batch
     entry is the one read from dim 0 of a tensor whose dim 0 is the example's batch size (a -1
     elsewhere then gets its number), else the one given as -1; no such entry, or more than one:
     declined."""
-    found = _shape_args(node)
-    info = node.meta.get(META_TENSOR)
-    if found is None or not isinstance(info, TensorInfo):
+    entries, info = list(found["shape"]), _tensor_info(found["node"])
+    if info is None or len(entries) != len(info.shape):
         return None
-    entries, _ = found
-    if not any(isinstance(e, fx.Node) for e in entries) or len(entries) != len(info.shape):
-        return None
-    if not all(isinstance(e, (fx.Node, int)) and not isinstance(e, bool) for e in entries):
-        return None
-    batch = _example_batch(gm)
+    batch = _example_batch(found.gm)
     from_batch = []
     for i, e in enumerate(entries):
-        src = _size_of(e)
+        src = _size_of(e, found.modules)
         if src is not None and src[1] == 0:
-            t = src[0].meta.get(META_TENSOR) if isinstance(src[0], fx.Node) else None
-            if isinstance(t, TensorInfo) and len(t.shape) and t.shape[0] == batch and info.shape[i] == batch:
+            t = _tensor_info(src[0])
+            if t is not None and len(t.shape) and t.shape[0] == batch and info.shape[i] == batch:
                 from_batch.append(i)
     for i, e in enumerate(entries):  # every other computed entry: sizes of non-batch dims only
-        if isinstance(e, fx.Node) and i not in from_batch and not _batch_free(e, batch):
+        if isinstance(e, fx.Node) and i not in from_batch and not _batch_free(e, batch, found.modules):
             return None
     minus_one = [i for i, e in enumerate(entries) if e == -1 and not isinstance(e, fx.Node)]
     pos = from_batch if from_batch else minus_one
@@ -275,21 +313,23 @@ def _match_dynamic_shape(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext)
     return new
 
 
-def _replace_dynamic_shape(node: fx.Node, new: list, gm: fx.GraphModule) -> fx.Node:
-    entries, set_entries = _shape_args(node)
-    set_entries(new)
-    dead, erased = [e for e in entries if isinstance(e, fx.Node)], set()
+def _replace_sizes(found: Match, new: list[int], rewriter: Rewriter) -> fx.Node:
+    node = found["node"]
+    spread = node.op == "call_method" and not isinstance(node.args[1], (tuple, list))  # x.view(a, b)
+    node.kwargs = {}
+    node.args = (found["x"], *new) if spread else (found["x"], tuple(new))
+    dead, erased = [e for e in found["shape"] if isinstance(e, fx.Node)], set()
     while dead:  # the size reads and the arithmetic on them that nothing else uses
         n = dead.pop()
         if n.op not in ("call_method", "call_function") or n in erased:
             continue
-        if all(not u.users and _size_of(u) is not None for u in n.users):  # `b, c, _, _ = x.size()`: the unused _
-            for u in list(n.users):
-                gm.graph.erase_node(u)
+        if all(not u.users and _size_of(u, rewriter.modules) is not None for u in n.users):
+            for u in list(n.users):  # `b, c, _, _ = x.size()`: the unused _
+                rewriter.erase(u)
                 erased.add(u)
         if not n.users:
             dead.extend(a for a in n.all_input_nodes if a.op in ("call_method", "call_function"))
-            gm.graph.erase_node(n)
+            rewriter.erase(n)
             erased.add(n)
     return node
 
@@ -297,19 +337,25 @@ def _replace_dynamic_shape(node: fx.Node, new: list, gm: fx.GraphModule) -> fx.N
 # --------------------------------------------------------------------------- x[:, None] -> unsqueeze
 
 
-def _match_index(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
-    """The output dims that ``None`` adds, if the index is only full slices, Nones and one Ellipsis."""
-    if len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
-        return None
-    info = node.args[0].meta.get(META_TENSOR)
-    if not isinstance(info, TensorInfo):
-        return None
-    idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    if None not in idx or sum(i is Ellipsis for i in idx) > 1:
-        return None
-    if not all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in idx):
-        return None
-    rank = len(info.shape)
+def _as_tuple(index: Any) -> tuple:
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _unsqueezing(index: Any) -> bool:
+    """Only full slices, Nones (at least one) and at most one Ellipsis."""
+    idx = _as_tuple(index)
+    return None in idx and sum(i is Ellipsis for i in idx) <= 1 \
+        and all(i is None or i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in idx)
+
+
+# x[index] with an index of full slices, Nones and an Ellipsis
+NONE_INDEX = Op("getitem", {"input": Var("x", lambda v: _tensor_info(v) is not None),
+                            "index": Const(_unsqueezing, "index")}, name="node")
+
+
+def _unsqueezed_dims(found: Match) -> Optional[list[int]]:
+    """The output dims that ``None`` adds, if the slices do not outnumber the input's dims."""
+    idx, rank = _as_tuple(found["index"]), len(_tensor_info(found["x"]).shape)
     covered = sum(isinstance(i, slice) for i in idx)
     if covered > rank:
         return None
@@ -325,53 +371,48 @@ def _match_index(node: fx.Node, gm: fx.GraphModule, ctx: CompileContext):
     return dims
 
 
-def _replace_index(node: fx.Node, dims, gm: fx.GraphModule) -> fx.Node:
-    value = node.args[0]
+def _replace_index(found: Match, dims: list[int], rewriter: Rewriter) -> fx.Node:
+    node, value = found["node"], found["x"]
     info = value.meta[META_TENSOR]
-    with gm.graph.inserting_before(node):
+    with found.gm.graph.inserting_before(node):
         for d in dims:  # ascending output dims: each unsqueeze keeps the earlier ones in place
-            value = gm.graph.call_method("unsqueeze", (value, d))
+            value = found.gm.graph.call_method("unsqueeze", (value, d))
             value.meta[META_SCOPE] = node.meta.get(META_SCOPE)
             info = TensorInfo(info.shape[:d] + (1,) + info.shape[d:], info.dtype)
             value.meta[META_TENSOR] = info  # every step has its shape (the emitter reads ranks)
+            rewriter.touched(value)
     node.replace_all_uses_with(value)
-    gm.graph.erase_node(node)
+    rewriter.erase(node)
     return value
 
 
 REWRITES: tuple[Rewrite, ...] = (
-    Rewrite("pad_into_layer", "pad", _match_pad, _replace_pad,
+    Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
-    Rewrite("conv_padding_as_numbers", "conv2d", _match_string_padding, _replace_string_padding,
+    Rewrite("conv_padding_as_numbers", STRING_PADDED_CONV, _torch_padding, _replace_string_padding,
             'conv padding="same" / "valid" written as the numbers torch computes'),
-    Rewrite("reshape_sizes_as_numbers", "reshape", _match_dynamic_shape, _replace_dynamic_shape,
+    Rewrite("reshape_sizes_as_numbers", SIZED_RESHAPE, _shape_as_numbers, _replace_sizes,
             "reshape to sizes read from tensors written as numbers, the batch as -1"),
-    Rewrite("index_as_unsqueeze", "getitem", _match_index, _replace_index,
+    Rewrite("index_as_unsqueeze", NONE_INDEX, _unsqueezed_dims, _replace_index,
             "x[:, None] indexing rewritten as unsqueeze (a reshape)"),
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:
-    _BY_ROOT.setdefault(_row.root, []).append(_row)
+    _BY_ROOT.setdefault(_row.pattern.op, []).append(_row)
 
 
-def _first_match(gm: fx.GraphModule, ctx: CompileContext):
-    modules = dict(gm.named_modules())
-    for node in gm.graph.nodes:
-        for row in _BY_ROOT.get(_root(node, modules), ()):
-            data = row.match(node, gm, ctx)
-            if data is not None:
-                return node, row, data
-    return None
+def rows_for(node: fx.Node, modules: Mapping[str, nn.Module]) -> list[Rewrite]:
+    """The rows rooted at ``node``'s canonical op, in :data:`REWRITES` order."""
+    return _BY_ROOT.get(node_op(node, modules), [])
 
 
 def rewrite(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
+    """Every node once in graph order, each rewritten by the first row that matches it, then the nodes
+    the rewrites touched, until none is left: a fixed point in work linear in the graph."""
+    rewriter = Rewriter(gm)
     modified = False
-    while (found := _first_match(gm, ctx)) is not None:
-        node, row, data = found
-        new = row.replace(node, data, gm)
-        new.meta[META_REWRITE] = row.note
-        new.meta.pop(META_OP, None)
-        modified = True
+    while (node := rewriter.next()) is not None:
+        modified |= any(row.apply(node, gm, ctx, rewriter) for row in rows_for(node, rewriter.modules))
     if modified:
         gm.graph.lint()
         gm.recompile()
@@ -379,11 +420,13 @@ def rewrite(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
 
 
 def verify_rewritten(gm: fx.GraphModule, ctx: CompileContext) -> None:
-    found = _first_match(gm, ctx)
-    if found is not None:
-        raise PassError(f"rewrite: row '{found[1].name}' still matches node '{found[0].name}'")
+    modules = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        for row in rows_for(node, modules):
+            if row.match(node, gm, ctx, modules) is not None:
+                raise PassError(f"rewrite: row '{row.name}' still matches node '{node.name}'")
 
 
 REWRITE = Pass("rewrite", rewrite, verify_rewritten)
 
-__all__ = ["Rewrite", "REWRITES", "REWRITE", "rewrite"]
+__all__ = ["Match", "Rewrite", "REWRITES", "REWRITE", "rewrite", "rows_for"]
