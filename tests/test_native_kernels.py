@@ -357,9 +357,9 @@ def test_the_cache_key_follows_the_source(monkeypatch, tmp_path, restore_native)
     monkeypatch.delenv(build.ENV_DISABLE, raising=False)
     first = build.library()
     assert first is not None
-    src = tmp_path / "kernels.c"
-    src.write_text(build.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(build, "SOURCE", src)
+    kernels_c, src = build.INCLUDE / "kernels.c", tmp_path / "kernels.c"
+    src.write_text(kernels_c.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(build, "SOURCES", tuple(src if s == kernels_c else s for s in build.SOURCES))
     build.reset()
     assert build.library() is not None
     assert len(list((tmp_path / "cache").glob("qc_kernels_*.so"))) == 2

@@ -1,9 +1,12 @@
-"""Build and load qcompiler's native kernels (``kernels.c``) with the system C compiler.
+"""Build and load qcompiler's native kernels with the system C compiler.
 
-The library is compiled on first use (``cc -O3 -march=native -shared``, seconds) into a per-user
-cache directory, under a name keyed by a hash of the source, the compiler command and version, and
-the CPU (model and feature flags): a changed source, flag or machine builds a new file, never reuses
-a stale one.  No torch headers, no ``torch.utils.cpp_extension``.
+One library holds the C sources of two packages (:data:`SOURCES`): this one's calibration kernels
+(``kernels.c``) and thread pool (``pool.c``, ``qc_pool.h``), and the BPU simulator's kernels
+(``backends/bpu/native``).  It is compiled on first use (``cc -O3 -march=native -shared``, one
+compiler call, seconds) into a per-user cache directory, under a name keyed by a hash of every source
+and header, the compiler command and version, and the CPU (model and feature flags): a changed
+source, flag or machine builds a new file, never reuses a stale one.  No torch headers, no
+``torch.utils.cpp_extension``.
 
 A cached library is code this process will run, so it is trusted the way ssh trusts its keys
 (docs/native.md): the directory and the file must be owned by this user and writable by nobody
@@ -51,14 +54,17 @@ from typing import Optional
 from qcompiler.errors import QCompilerWarning
 
 __all__ = ["library", "native_enabled", "reset", "disabled", "ENV_DISABLE", "ENV_CACHE", "ENV_AMX", "ENV_BUILD_IDLE",
-           "ENV_BUILD_MAX", "SOURCE", "FLAGS", "SYMBOLS", "VNNI_SYMBOLS"]
+           "ENV_BUILD_MAX", "SOURCES", "HEADERS", "INCLUDE", "FLAGS", "SYMBOLS", "VNNI_SYMBOLS", "command"]
 
 ENV_DISABLE = "QCOMPILER_NATIVE"  # "0" / "off" / "false": never build or load
 ENV_CACHE = "QCOMPILER_NATIVE_CACHE"
 ENV_AMX = "QCOMPILER_NATIVE_AMX"  # "0" / "off": the int8 GEMM on AVX512-VNNI vectors, never on AMX tiles
 ENV_BUILD_IDLE = "QCOMPILER_NATIVE_BUILD_IDLE_S"  # kill the compiler when its group used no CPU this long
 ENV_BUILD_MAX = "QCOMPILER_NATIVE_BUILD_MAX_S"  # kill the compiler after this long in any case
-SOURCE = Path(__file__).with_name("kernels.c")
+INCLUDE = Path(__file__).parent  # qc_pool.h, which the BPU sources include
+_BPU = INCLUDE.parent / "backends" / "bpu" / "native"  # the BPU simulator's kernels (package data, as these)
+SOURCES = tuple(sorted(INCLUDE.glob("*.c"))) + tuple(sorted(_BPU.glob("*.c")))
+HEADERS = tuple(sorted(INCLUDE.glob("*.h"))) + tuple(sorted(_BPU.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden", "-std=gnu11",
          "-fopenmp-simd", "-pthread",  # the simd pragmas only (no OpenMP runtime); pthreads for qc_hist_abs_f32_mt
          "-ffp-contract=off")  # float code is evaluated as written: no a*b+c fused into an FMA
@@ -68,7 +74,7 @@ _POLL_S = 0.25
 
 _INTS = ("i8", "i16")
 _PAIRS = ("i8_i8", "i8_i16", "i16_i8", "i16_i16")  # input_output dtypes
-# every function of kernels.c the Python side binds (kernels.py, gemm.py, plan.py): a library without
+# every function of the library the Python side binds (kernels.py, gemm.py, plan.py): a library without
 # one of them is not used (tests/test_native_cache.py checks this list against the source and the callers)
 SYMBOLS = (
     "qc_abi_version", "qc_gemm_vnni", "qc_gemm_amx_set", "qc_gemm_amx_calls", "qc_hist_abs_f32", "qc_hist_abs_f32_mt",
@@ -359,9 +365,24 @@ def _compiler() -> Optional[str]:
 def _library_name(cc: str, limits: tuple[float, float]) -> str:
     rc, out, _ = _run([cc, "--version"], f"`{os.path.basename(cc)} --version`", limits)
     version = out.splitlines()[0] if rc == 0 and out else cc
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([_sources_digest(), " ".join(FLAGS).encode(), version.encode(),
                                      _cpu_id().encode(), platform.machine().encode()])).hexdigest()[:24]
     return f"qc_kernels_{key}.so"
+
+
+def _sources_digest() -> bytes:
+    """The SHA-256 of every source and header, each with its name (a renamed or moved file counts too)."""
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(f"{path.parent.name}/{path.name}\0".encode())
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    return h.digest()
+
+
+def command(cc: str, out: Path) -> list[str]:
+    """The one compiler call that builds the library from :data:`SOURCES` into ``out``."""
+    return [cc, *FLAGS, f"-I{INCLUDE}", "-o", str(out), *(str(s) for s in SOURCES), "-lm"]
 
 
 def _build(cc: str, dir_fd: int, cache: Path, name: str, limits: tuple[float, float]) -> ctypes.CDLL:
@@ -369,8 +390,7 @@ def _build(cc: str, dir_fd: int, cache: Path, name: str, limits: tuple[float, fl
     compiled file through the fd it was hashed from.  RuntimeError / OSError say what failed."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        rc, _, err = _run([cc, *FLAGS, "-o", str(cache / tmp), str(SOURCE), "-lm"],
-                          f"`{os.path.basename(cc)}` compiling kernels.c", limits)
+        rc, _, err = _run(command(cc, cache / tmp), f"`{os.path.basename(cc)}` compiling kernels.c", limits)
         if rc != 0:
             detail = f": {err.strip()[:500]}" if err.strip() else ""
             raise RuntimeError(f"{os.path.basename(cc)} exited with {rc}{detail}")

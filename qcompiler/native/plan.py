@@ -1,4 +1,4 @@
-"""Native kernel calls built once on fixed buffers and run in one call (``qc_run_plan``, kernels.c).
+"""Native kernel calls built once on fixed buffers and run in one call (``qc_run_plan``, backends/bpu/native/plan.c).
 
 Between two native layers the simulator spent a few microseconds of Python each (dispatch, an
 output allocation, a ctypes call): on mobilenet_v2's 52 small layers that was a quarter of the
