@@ -32,7 +32,7 @@ from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.dump import dump_partitioned
-from qcompiler.ir.meta import BPU, META_PLACEMENT, META_QDTYPE, META_REASON
+from qcompiler.ir.meta import BPU, GM_INT16, GM_KIND, GM_MARCH, META_PLACEMENT, META_QDTYPE, META_REASON
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import ModelState
 from qcompiler.march import resolve_march
@@ -40,7 +40,7 @@ from qcompiler.onnx import export_to_onnx
 from qcompiler.parallel import resolve_threads
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
-from qcompiler.quantization.mixed_precision import INT16_META, auto_int16, check_budget, require_int16
+from qcompiler.quantization.mixed_precision import auto_int16, check_budget, require_int16
 from qcompiler.quantization.prepare import prepare_calibration_fx
 from qcompiler.quantization.sync import require_batches
 from qcompiler.quantization.weight_rounding import optimize_weight_rounding
@@ -436,7 +436,7 @@ def compile(
     if isinstance(model, nn.Module):
         check_has_data(model)
     if mode == "qat":
-        if not (isinstance(model, fx.GraphModule) and model.meta.get("qc_kind") == "qat"):
+        if not (isinstance(model, fx.GraphModule) and model.meta.get(GM_KIND) == "qat"):
             raise ConfigError("compile(mode='qat') takes a model from prepare_qat_fx (after training)")
         prepared = copy.deepcopy(model)  # the caller keeps training its model: no switch or flag of it changes
         type(prepared).__name__ = type(model).__name__  # deepcopy renames the per-instance class
@@ -462,9 +462,9 @@ def compile(
         name = type(model).__name__
     converted = convert_fx(prepared, inplace=True)  # ``prepared`` is compile's own copy
     runtime = lower(converted, ort_threads=ort_threads, example_inputs=inputs, threads=threads)
-    march_value = converted.meta.get("qc_march")
+    march_value = converted.meta.get(GM_MARCH)
     _warn_if_float(converted, runtime, name)
     compiled = CompiledModel(runtime, name=name, march=getattr(march_value, "value", str(march_value)),
                              converted=converted, example_inputs=inputs)
-    compiled.int16 = prepared.meta.get(INT16_META)
+    compiled.int16 = prepared.meta.get(GM_INT16)
     return compiled

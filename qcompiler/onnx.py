@@ -34,10 +34,9 @@ import torch.nn as nn
 from qcompiler.atomic_write import check_target, write_files
 from qcompiler.backends.onnx.emitter import OnnxEmitter, _check_names, check_dynamic_axes, graph_input_leaves
 from qcompiler.errors import ConfigError, QCompilerError
-from qcompiler.ir.meta import TensorInfo
+from qcompiler.ir.meta import GM_KIND, META_TENSOR, TensorInfo
 from qcompiler.ir.partitions import GM_PARTITIONS, partitions
 from qcompiler.ir.shape_prop import dtype_name
-from qcompiler.quantization.prepare import GM_KIND
 
 SIDECAR_SUFFIX = ".quant.json"
 _EXPORTABLE_KINDS = ("calibration", "qat", "quantized")
@@ -190,7 +189,7 @@ def _flatten_args(args: Any) -> list[torch.Tensor]:
 def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Optional[Sequence[str]],
                   dynamic: dict[str, dict[int, str]]) -> list[Any]:
     """The graph inputs' TensorInfos, after checking ``args`` against the shapes the model was traced
-    with (shape propagation, ``node.meta["qc_tensor"]``): count, dtype, rank, and every size except on
+    with (shape propagation, ``node.meta[META_TENSOR]``): count, dtype, rank, and every size except on
     axes declared in ``dynamic_axes``. The graph's constants (reshape sizes, calibrated scales) are
     those of the traced shapes, so other inputs would give a failing or silently wrong file."""
     defaults, recorded = graph_input_leaves(gm)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import qcompiler
 from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import GM_INT16 as INT16_META
 from qcompiler.quantization import (
     CalibFakeQuantize,
     auto_int16,
@@ -17,7 +18,7 @@ from qcompiler.quantization import (
     get_default_calib_qconfig,
     prepare_calibration_fx,
 )
-from qcompiler.quantization.mixed_precision import INT16_META, activation_quantizers
+from qcompiler.quantization.mixed_precision import activation_quantizers
 
 
 class Net(nn.Module):

@@ -22,7 +22,7 @@ calling the module at path ``T``:
   ``N`` (converted functional ops become root modules such as ``maxpool_q1``
   for node ``maxpool``; a second call of a module is node ``identity_1``);
 * its **float counterpart** is found from the node name: ``N`` (or, for a
-  fused node, the last op of ``node.meta["qc_fused_from"]``, e.g. the ReLU of
+  fused node, the last op of ``node.meta[META_FUSED_FROM]``, e.g. the ReLU of
   conv+bn+relu) is the float module path with dots as underscores, optionally
   followed by ``_k``: the ``k``-th call (0-based) of that float module in one
   forward.  Values are recorded on exactly that call.
@@ -47,6 +47,7 @@ from torch import fx, nn
 
 from qcompiler.compiled import CompiledModel
 from qcompiler.errors import ConfigError
+from qcompiler.ir.meta import META_FUSED_FROM
 from qcompiler.nn.fused import fold_bn
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase, fake_quantize
 from qcompiler.quantization.fixed_point import symmetric_scale
@@ -228,7 +229,7 @@ class _Layer:
 def _q_nodes(q: nn.Module) -> list[tuple[str, str, tuple]]:
     """``(node_name, module_path, fused_from)`` of the quantized model's layers in execution order."""
     if isinstance(q, fx.GraphModule):
-        return [(n.name, str(n.target), tuple(n.meta.get("qc_fused_from") or ()))
+        return [(n.name, str(n.target), tuple(n.meta.get(META_FUSED_FROM) or ()))
                 for n in q.graph.nodes if n.op == "call_module"]
     return [(_mangle(p), p, ()) for p, m in q.named_modules() if p and not list(m.children())]
 
@@ -568,7 +569,7 @@ def _fused_bns(q_module: nn.Module | None, float_index: _FloatIndex | None) -> d
     if not isinstance(q_module, fx.GraphModule) or float_index is None:
         return out
     for n in q_module.graph.nodes:
-        fused = n.meta.get("qc_fused_from") if n.op == "call_module" else None
+        fused = n.meta.get(META_FUSED_FROM) if n.op == "call_module" else None
         if not fused:
             continue
         bn = None

@@ -44,12 +44,11 @@ from qcompiler import collectives
 from qcompiler.atomic_write import write_file
 from qcompiler.batches import as_args, fresh_args
 from qcompiler.errors import ConfigError
-from qcompiler.ir.meta import BPU, META_FUSED_FROM, META_PLACEMENT, META_SCOPE
+from qcompiler.ir.meta import BPU, GM_KIND, META_FUSED_FROM, META_PLACEMENT, META_SCOPE, META_STUB
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
 from qcompiler.quantization.mixed_precision import fake_quant_twin, quantizer_scopes
 from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
-from qcompiler.quantization.prepare import GM_KIND
 from qcompiler.quantization.qtensor import QTensor
 from qcompiler.quantization.stubs import QuantStub
 from qcompiler.tools._eval_mode import evaluating, run_inspected
@@ -527,7 +526,7 @@ class QuantAnalysis:
                 q = m
             elif isinstance(getattr(m, "activation_post_process", None), FakeQuantize):
                 q = m.activation_post_process
-        if q is None and node.meta.get(META_PLACEMENT) == BPU and not node.meta.get("qc_stub"):
+        if q is None and node.meta.get(META_PLACEMENT) == BPU and not node.meta.get(META_STUB):
             for inp in node.all_input_nodes:
                 q = self._quantizer_at(inp.name, fq_nodes, fq_mods, memo)
                 if q is not None:

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from qcompiler.ir.meta import BPU, META_STUB, placement
+from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.observer import make_observer
 
@@ -59,7 +59,7 @@ def _feeds_bpu(gm: fx.GraphModule, quantizer: str) -> bool:
     for node in gm.graph.nodes:
         if node.op != "call_module" or str(node.target) not in (quantizer, layer):
             continue
-        return any(placement(u) == BPU and u.meta.get("qc_op") != "dequant" and u.meta.get(META_STUB) is None
+        return any(placement(u) == BPU and u.meta.get(META_OP) != "dequant" and u.meta.get(META_STUB) is None
                    for u in node.users)
     return False
 

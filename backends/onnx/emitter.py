@@ -6,7 +6,7 @@ output, a prepared calibration / QAT model, or a converted model);
 that cross its boundary). Both walk the graph in order and hand each call node
 to the rule the registry (:mod:`.registry`) has for it: a rule keyed by the module class
 (quantizers, stubs, converted fixed-point modules) wins, else the rule of the
-node's canonical op (``node.meta["qc_op"]`` / ``qcompiler.ir.ops.node_op``).
+node's canonical op (``node.meta[META_OP]`` / ``qcompiler.ir.ops.node_op``).
 A node without a rule raises :class:`UnsupportedOpError` naming it.
 
 Naming (and so the bytes) is deterministic:
@@ -474,7 +474,7 @@ def emit_subgraph(gm: fx.GraphModule, node_names: Sequence[str], inputs: Sequenc
 
     ``inputs``/``outputs`` are the FX node names whose values cross the island
     boundary (e.g. ``Partition.inputs`` / ``.outputs``); they become graph inputs and
-    outputs of the same names, with shapes and dtypes from ``node.meta["qc_tensor"]``
+    outputs of the same names, with shapes and dtypes from ``node.meta[META_TENSOR]``
     (a tuple value ``v`` becomes ``v.0``, ``v.1``..., nested ones ``v.1.0``). ``dynamic_batch`` declares
     every boundary dim symbolic, dim 0 named ``"batch"`` (the batch is not always dim 0: an LSTM
     state is ``(layers, batch, hidden)``; the island's ops read sizes from their inputs).

@@ -26,6 +26,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
     BPU,
     CPU,
+    GM_MARCH,
     META_OP,
     META_PARTITION,
     META_PLACEMENT,
@@ -106,7 +107,7 @@ def partition_table(gm: fx.GraphModule) -> list[dict]:
 
 
 def _march_name(gm: fx.GraphModule) -> Optional[str]:
-    march = gm.meta.get("qc_march")
+    march = gm.meta.get(GM_MARCH)
     if march is None:
         return None
     return str(getattr(march, "value", march))

@@ -1,7 +1,8 @@
-"""Names of the facts passes attach to FX nodes, and small typed accessors.
+"""Names of the facts passes attach to FX nodes and to the graph, and small typed accessors.
 
 Every fact a pass adds to a node lives in ``node.meta`` under one of these
-constants, never in ad-hoc attributes, so a dump or a later pass can find it.
+constants, never in ad-hoc attributes, so a dump or a later pass can find it;
+a fact about the whole graph lives in ``gm.meta`` under a ``GM_`` constant.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ QUANTIZER_STUBS = frozenset({STUB_OUTPUT_OBSERVER, STUB_CONSTANT_QUANT})
 BPU = "bpu"
 CPU = "cpu"
 PLACEMENTS = (BPU, CPU)
+
+# gm.meta: the March the graph was placed for (set by the front end, read by every later stage)
+GM_MARCH = "qc_march"
+# gm.meta: what the graph is: "calibration" | "qat" (prepare) | "quantized" (convert)
+GM_KIND = "qc_kind"
+# gm.meta: the HybridConfig the model was placed with
+GM_HYBRID = "qc_hybrid"
+# gm.meta: the qconfig_dict the model was prepared with, as given (None: the default)
+GM_QCONFIG_DICT = "qc_qconfig_dict"
+# gm.meta of a calibration model: the record of the last auto_int16 (chosen set, steps, SQNRs)
+GM_INT16 = "qc_int16"
 
 
 @dataclass(frozen=True)

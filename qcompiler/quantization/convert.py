@@ -14,10 +14,9 @@ import torch.fx as fx
 
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.ir.inplace import mutated_input
-from qcompiler.ir.meta import META_ALIASED_WRITE, META_FUSED_FROM, META_PARTITION
+from qcompiler.ir.meta import GM_KIND, GM_MARCH, META_ALIASED_WRITE, META_FUSED_FROM, META_PARTITION
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.convert import CONVERT
-from qcompiler.quantization.prepare import GM_KIND
 from qcompiler.quantization.sync import sync_observers
 
 CONVERT_CUSTOM_KEYS = ("preserved_attributes",)
@@ -45,7 +44,7 @@ def convert_fx(graph_module: fx.GraphModule, convert_custom_config_dict: Optiona
     gm = graph_module if inplace else copy.deepcopy(graph_module)
     type(gm).__name__ = type(graph_module).__name__
     sync_observers(gm)
-    ctx = CompileContext(march=graph_module.meta.get("qc_march"))
+    ctx = CompileContext(march=graph_module.meta.get(GM_MARCH))
     _warn_split_aliases(gm)  # before convert, which drops an in-place op whose result nobody reads
     gm = PassManager([CONVERT]).run(gm, ctx).gm
     for attr in config.get("preserved_attributes", []):

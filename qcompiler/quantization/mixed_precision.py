@@ -37,23 +37,32 @@ from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
 from qcompiler.batches import SIGNATURE_META, as_args, check_inputs, fresh_args, tensors_in
 from qcompiler.errors import ConfigError, InternalError
-from qcompiler.ir.meta import BPU, META_OP, META_SCOPE, META_STUB, placement
+from qcompiler.ir.meta import (
+    BPU,
+    GM_HYBRID,
+    GM_INT16,
+    GM_KIND,
+    GM_MARCH,
+    GM_QCONFIG_DICT,
+    META_OP,
+    META_SCOPE,
+    META_STUB,
+    placement,
+)
 from qcompiler.ir.ops import META_OPS
 from qcompiler.march import to_march
 from qcompiler.passes.insert_observers import CONSTANT_QUANT, OUTPUT_OBSERVER, SCALE_PRESERVING_OPS
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, _versions, set_state
 from qcompiler.quantization.observer import observer_name
-from qcompiler.quantization.prepare import GM_HYBRID, GM_KIND, GM_QCONFIG_DICT, prepare_qat_fx
+from qcompiler.quantization.prepare import prepare_qat_fx
 from qcompiler.quantization.qconfig import (
     get_default_calib_qconfig,
     get_default_qat_out_qconfig,
     get_default_qat_qconfig,
 )
 
-__all__ = ["auto_int16", "activation_quantizers", "fake_quant_twin", "quantizer_scopes", "INT16_META"]
-
-INT16_META = "qc_int16"  # calib_model.meta: the record of the last auto_int16 (chosen set, steps, SQNRs)
+__all__ = ["auto_int16", "activation_quantizers", "fake_quant_twin", "quantizer_scopes"]
 
 
 @dataclass
@@ -297,7 +306,7 @@ def _check_args(calib_model: Any, batches: Any, budget: Any, target_sqnr: Any) -
     if not isinstance(calib_model, fx.GraphModule) or calib_model.meta.get(GM_KIND) != "calibration":
         raise ConfigError("auto_int16 takes the calibrated model returned by prepare_calibration_fx, got "
                           f"{type(calib_model).__name__}")
-    require_int16(calib_model.meta.get("qc_march"), "auto_int16")
+    require_int16(calib_model.meta.get(GM_MARCH), "auto_int16")
     if collectives.active():
         raise ConfigError("auto_int16 is not supported under torch.distributed yet (each rank would measure on "
                           "its own shard and could choose differently); run it on one process and pass the "
@@ -373,7 +382,7 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
     reaches it (dB). With both, the budget caps the search; with only ``target_sqnr``, the fewest
     tensors that reach it (all of them if none do). The chosen observers are re-typed to qint16 in
     ``calib_model`` (run ``optimize_weight_rounding`` after this, then ``convert_fx``), and the
-    record of the search is kept in ``calib_model.meta["qc_int16"]``: ``chosen`` (tensors),
+    record of the search is kept in ``calib_model.meta[qcompiler.ir.meta.GM_INT16]``: ``chosen`` (tensors),
     ``quantizers``, ``tensors`` (count), ``steps`` ``[(quantizers, SQNR after the step, tensors it moves)]``, ``baseline_sqnr``,
     ``reached_sqnr``, ``evaluations``, ``qconfig_dict``. Deterministic.
     """
@@ -423,7 +432,7 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
     for name in quantizers(chosen):
         calib_model.get_submodule(name).activation_post_process.set_dtype("qint16")
     result = _qconfig_dict(calib_model, groups, chosen)
-    calib_model.meta[INT16_META] = {
+    calib_model.meta[GM_INT16] = {
         "chosen": [t for g in chosen for t in g.tensors], "quantizers": quantizers(chosen),
         "tensors": n_tensors, "budget": budget, "target_sqnr": target_sqnr, "steps": steps,
         "baseline_sqnr": base, "reached_sqnr": current, "evaluations": measure.count, "qconfig_dict": result,

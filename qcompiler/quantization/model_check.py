@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 from qcompiler.atomic_write import write_file
 from qcompiler.batches import fresh_args
-from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement, shape
+from qcompiler.ir.meta import BPU, GM_KIND, META_OP, META_STUB, placement, shape
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.tracer import trace
 from qcompiler.nn.fused import FusedModule
@@ -493,7 +493,7 @@ def check_qat_model(
                                            "module with a quantizer is never called: its observer never runs"))
 
     is_qat = any(isinstance(m, FakeQuantize) for m in model.modules()) and not (
-        isinstance(model, fx.GraphModule) and model.meta.get("qc_kind") == "calibration")
+        isinstance(model, fx.GraphModule) and model.meta.get(GM_KIND) == "calibration")
     _layer_rows(gm, result, is_qat)
     _weight_rows(gm, result, True)
     if is_qat:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.frontend import build_graph
 from qcompiler.hybrid import parse_hybrid_dict
-from qcompiler.ir.meta import CPU, META_OP, META_REASON, placement
+from qcompiler.ir.meta import CPU, GM_HYBRID, GM_KIND, GM_MARCH, GM_QCONFIG_DICT, META_OP, META_REASON, placement
 from qcompiler.march import resolve_march
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.pipeline import PREPARE_PIPELINE, REQUANTIZE_PIPELINE
@@ -35,9 +35,6 @@ from qcompiler.quantization.qconfig import (
 )
 from qcompiler.quantization.sync import sync_observers
 
-GM_KIND = "qc_kind"  # gm.meta: "calibration" | "qat"
-GM_HYBRID = "qc_hybrid"  # gm.meta: the HybridConfig the model was placed with
-GM_QCONFIG_DICT = "qc_qconfig_dict"  # gm.meta: the qconfig_dict the model was prepared with
 _NOOP_OPS = ("quant", "dequant", "identity", "dropout")
 
 
@@ -180,7 +177,7 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
             f"hybrid_dict differs from the one the calibration model was prepared with "
             f"({'; '.join(diffs)}); pass the same hybrid_dict, or prepare the float model again"
         )
-    calib_march = calib.meta.get("qc_march")
+    calib_march = calib.meta.get(GM_MARCH)
     if march is not None and resolve_march(march) != calib_march:
         raise ConfigError(
             f"march {resolve_march(march).value!r} differs from the calibration model's {calib_march.value!r}"

@@ -17,6 +17,7 @@ import torch.nn as nn
 from qcompiler.backends.onnx.context import NodeContext, Tensor
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64
+from qcompiler.ir.meta import META_TENSOR
 
 
 def _projection(ctx: NodeContext, m: nn.MultiheadAttention, x: Tensor, i: int, tag: str) -> Tensor:
@@ -52,7 +53,7 @@ def _refusal(ctx: NodeContext, m: nn.MultiheadAttention, kw: dict) -> str:
     mask = kw["attn_mask"]
     if mask is not None:
         shape = ctx.shape(mask)
-        info = mask.meta.get("qc_tensor") if hasattr(mask, "meta") else None
+        info = mask.meta.get(META_TENSOR) if hasattr(mask, "meta") else None
         if shape is None or len(shape) != 2 or getattr(info, "dtype", "f32") != "f32":
             return "an attn_mask that is not a 2-D float mask"
     return ""

@@ -18,6 +18,7 @@ from qcompiler.backends.onnx.context import (
 )
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _circular_pad, _norm_axis
+from qcompiler.ir.meta import META_TENSOR
 from qcompiler.ir.shape_prop import _DTYPE_NAMES
 
 
@@ -186,7 +187,7 @@ def getattr_(ctx: NodeContext):
         if isinstance(v, (tuple, list)) and len(v) == 2:
             return v[_RETURN_FIELDS[attr]]
     if attr in ("dtype", "device", "is_cuda", "requires_grad"):
-        info = obj.meta.get("qc_tensor") if isinstance(obj, fx.Node) else None
+        info = obj.meta.get(META_TENSOR) if isinstance(obj, fx.Node) else None
         if attr == "dtype" and info is not None:
             rev = {v: k for k, v in _DTYPE_NAMES.items()}
             return rev.get(info.dtype)
@@ -198,7 +199,7 @@ def getattr_(ctx: NodeContext):
 def split(ctx: NodeContext):
     """x.chunk(n, dim) / x.split(size_or_sections, dim): Split with the recorded piece sizes."""
     x = ctx.x()
-    info = ctx.node.meta.get("qc_tensor")
+    info = ctx.node.meta.get(META_TENSOR)
     dim = int(ctx.arg(2, "dim", 0))
     rank = ctx.rank()
     axis = _norm_axis(dim, rank)
@@ -252,7 +253,7 @@ def stack(ctx: NodeContext) -> Tensor:
     """Unsqueeze each input at ``dim``, Concat."""
     tensors = ctx.arg(0, "tensors")
     if isinstance(tensors, fx.Node):  # a node whose value is the tuple: torch.stack(x.unbind(1))
-        infos = tensors.meta.get("qc_tensor")
+        infos = tensors.meta.get(META_TENSOR)
         if not isinstance(infos, (tuple, list)) or not infos or not hasattr(infos[0], "shape"):
             raise ctx.unsupported(f"stack of '{tensors.name}', whose value is not a recorded tuple of tensors")
         names, rank = list(ctx.value(tensors)), len(infos[0].shape)
