@@ -10,15 +10,18 @@ into a folder (``NN_<pass>.txt``) for review.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch.fx as fx
+import torch.nn as nn
 
-from qcompiler.errors import PassError, QCompilerError
+from qcompiler.errors import ConfigError, PassError, QCompilerError
 from qcompiler.ir.printing import annotated_code
 from qcompiler.march import March
+from qcompiler.quantization.observer import MinMaxObserver
+from qcompiler.quantization.qconfig import QConfigResolver
 
 
 @dataclass
@@ -27,6 +30,27 @@ class PassResult:
 
     gm: fx.GraphModule
     modified: bool
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The options passes read beyond the march and the user's configs (prepare sets them)."""
+
+    # which qconfig each node gets (insert_observers) and which ops a qconfig of None keeps float (place)
+    qconfig_resolver: Optional[QConfigResolver] = None
+    # every BPU cat shares one quantizer among its inputs and output (insert_observers)
+    optimize_graph: bool = False
+    # the zero-argument factory of the observers insert_stubs puts on float values entering the BPU
+    activation_observer: Callable[[], nn.Module] = MinMaxObserver
+
+    @classmethod
+    def by_name(cls, options: Mapping[str, Any]) -> CompileOptions:
+        """The record of ``options`` given by name; a ConfigError names an unknown one."""
+        known = [f.name for f in fields(cls)]
+        unknown = [name for name in options if name not in known]
+        if unknown:
+            raise ConfigError(f"unknown compile option {unknown[0]!r}; the options are: {', '.join(known)}")
+        return cls(**options)
 
 
 @dataclass
@@ -38,7 +62,7 @@ class CompileContext:
     hybrid_dict: Any = None  # qcompiler.hybrid.HybridConfig or None
     qconfig_dict: Optional[dict] = None
     prepare_custom_config_dict: Optional[dict] = None
-    options: dict = field(default_factory=dict)
+    options: CompileOptions = field(default_factory=CompileOptions)
 
 
 PassFn = Callable[[fx.GraphModule, CompileContext], PassResult]

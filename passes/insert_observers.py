@@ -22,10 +22,10 @@ Where a quantization point goes:
   its input quantizer (its bias goes on the grid ``s_in * s_w``); a functional BPU prelu
   calls ``qat.prelu`` (its slope follows the input's dtype).
 
-The qconfig of a node comes from ``ctx.options["qconfig_resolver"]``
+The qconfig of a node comes from ``ctx.options.qconfig_resolver``
 (priority global < module_type < module_name < module.qconfig; functional ops
 inherit their module's). CPU ops keep no qconfig. With
-``ctx.options["optimize_graph"]`` every BPU ``cat`` shares one quantizer
+``ctx.options.optimize_graph`` every BPU ``cat`` shares one quantizer
 between its inputs and its output.
 
 Running the pass again (calibration -> QAT hand-over) replaces every
@@ -160,7 +160,7 @@ def _add_output_observer(gm: fx.GraphModule, node: fx.Node, module: nn.Module) -
 
 
 def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
-    resolver = ctx.options["qconfig_resolver"]
+    resolver = ctx.options.qconfig_resolver
     previous = _previous_output_observers(gm)
     modules = dict(gm.named_modules())
     constants: dict[fx.Node, fx.Node] = {}  # get_attr / previous quantizer node -> its quantizer (this run)
@@ -214,7 +214,7 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
                 _add_output_observer(gm, node, qc.activation())
     for obs in previous.values():  # observers a new qconfig no longer asks for
         _drop_output_observer(gm, obs)
-    if ctx.options.get("optimize_graph"):
+    if ctx.options.optimize_graph:
         _share_cat_quantizers(gm)
     _link_input_quantizers(gm)
     gm.recompile()

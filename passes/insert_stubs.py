@@ -11,7 +11,7 @@
   users are all BPU-bound is looked through: it is rewired too and then
   follows the observer onto the BPU side.
 
-The observer class comes from ``ctx.options["activation_observer"]`` (a
+The observer class comes from ``ctx.options.activation_observer`` (a
 zero-argument factory); by default a ``MinMaxObserver``.
 """
 
@@ -36,7 +36,6 @@ from qcompiler.ir.meta import (
 from qcompiler.ir.modules import free_name
 from qcompiler.ir.ops import PASSTHROUGH_OPS
 from qcompiler.passes.base import CompileContext, Pass, PassResult
-from qcompiler.quantization.observer import MinMaxObserver
 from qcompiler.quantization.stubs import DeQuantStub
 
 INPUT_DEQUANT = "input_dequant"
@@ -116,7 +115,7 @@ def _replace_inputs(node: fx.Node, replaced: dict[fx.Node, fx.Node]) -> None:
 
 
 def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
-    factory = ctx.options.get("activation_observer", MinMaxObserver)
+    factory = ctx.options.activation_observer
     changed = False
     for source in list(gm.graph.nodes):
         if not _is_float_source(source) or not carries_tensor(source):

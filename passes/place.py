@@ -124,7 +124,7 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         changed |= n.meta.get(META_PLACEMENT) != where or n.meta.get(META_REASON) != reason
         set_placement(n, where, reason)
 
-    resolver = ctx.options.get("qconfig_resolver")  # prepare's: a module-level qconfig None keeps an op float
+    resolver = ctx.options.qconfig_resolver  # prepare's: a module-level qconfig None keeps an op float
     ops = {n: node_op(n, modules) for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
     regions = _float_regions(gm, ops)
     for node in gm.graph.nodes:

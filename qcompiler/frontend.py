@@ -11,7 +11,7 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch.fx as fx
 import torch.nn as nn
@@ -24,7 +24,7 @@ from qcompiler.ir.meta import GM_MARCH
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import tensor_attributes
 from qcompiler.march import MarchLike, resolve_march
-from qcompiler.passes.base import CompileContext, Pass, PassManager
+from qcompiler.passes.base import CompileContext, CompileOptions, Pass, PassManager
 from qcompiler.passes.pipeline import PARTITION_PIPELINE
 
 PREPARE_CUSTOM_KEYS = ("preserved_attributes", "non_traceable_module_name", "non_traceable_module_class",
@@ -61,12 +61,14 @@ def build_graph(
     hybrid_dict: Optional[dict] = None,
     prepare_custom_config_dict: Optional[dict] = None,
     passes: Sequence[Pass],
-    options: Optional[dict] = None,
+    options: Optional[Mapping[str, Any]] = None,
     dump_dir: Optional[Union[str, Path]] = None,
     verify: bool = True,
     inplace: bool = False,
 ) -> fx.GraphModule:
-    """Validate inputs, copy and trace ``model``, and run ``passes``. Returns the GraphModule."""
+    """Validate inputs, copy and trace ``model``, and run ``passes``. Returns the GraphModule.
+
+    ``options``: the :class:`~qcompiler.passes.base.CompileOptions` the passes read, by name."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     ctx = CompileContext(
@@ -74,7 +76,7 @@ def build_graph(
         example_inputs=normalize_inputs(example_inputs),
         hybrid_dict=parse_hybrid_dict(hybrid_dict, model),
         prepare_custom_config_dict=parse_prepare_custom_config(prepare_custom_config_dict),
-        options=dict(options or {}),
+        options=CompileOptions.by_name(options or {}),
     )
     require_dense(ctx.example_inputs, where="example_inputs")
     custom = ctx.prepare_custom_config_dict

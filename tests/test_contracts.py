@@ -1,6 +1,6 @@
-"""Contracts that survive ``python -O``: no ``assert`` statement in the package, and every verifier raises
+"""Contracts that survive ``python -O``: no ``assert`` statement in the package; every verifier raises
 PassError naming the node at fault on a graph broken on purpose (beside the same graph unbroken, which
-passes)."""
+passes); the options passes read are a typed record."""
 
 from __future__ import annotations
 
@@ -14,17 +14,19 @@ import torch.nn as nn
 
 import qcompiler
 from qcompiler.backends.bpu.support import OpRule, rules
-from qcompiler.errors import InternalError, PassError
+from qcompiler.errors import ConfigError, InternalError, PassError
+from qcompiler.frontend import build_graph
 from qcompiler.ir import trace
 from qcompiler.ir.meta import META_FUSED_FROM, META_PARTITION, META_PLACEMENT, META_TENSOR, set_placement
 from qcompiler.march import March
-from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.base import CompileContext, CompileOptions, PassManager
 from qcompiler.passes.fuse import verify_fuse
 from qcompiler.passes.inplace_reads import INPLACE_READS, inplace_reads, verify_inplace_reads
 from qcompiler.passes.insert_observers import verify_observed
 from qcompiler.passes.insert_stubs import verify_boundaries
 from qcompiler.passes.out_of_place import OUT_OF_PLACE, verify_out_of_place
 from qcompiler.passes.partition import verify_partitions
+from qcompiler.passes.pipeline import PARTITION_PIPELINE
 from qcompiler.passes.place import verify_placed
 from qcompiler.passes.shape_prop import SHAPE_PROP, verify_shapes
 from qcompiler.quantization import prepare_calibration_fx
@@ -163,3 +165,13 @@ def test_a_duplicate_op_table_row_names_the_op():
     assert set(rules(OpRule("conv2d"), OpRule("relu"))) == {"conv2d", "relu"}
     with pytest.raises(InternalError, match=r"duplicate op-table row 'relu'"):
         rules(OpRule("relu"), OpRule("conv2d"), OpRule("relu"))
+
+
+# ----------------------------------------------------------------------------- options
+
+def test_options_are_a_typed_record_and_an_unknown_name_is_a_config_error():
+    options = CompileOptions.by_name({"optimize_graph": True})
+    assert options == CompileOptions(optimize_graph=True) and options.activation_observer is MinMaxObserver
+    with pytest.raises(ConfigError, match=r"unknown compile option 'optimise_graph'; the options are: "
+                                          r"qconfig_resolver, optimize_graph, activation_observer"):
+        build_graph(Net(), X, passes=PARTITION_PIPELINE, options={"optimise_graph": True})

@@ -23,7 +23,7 @@ from qcompiler.frontend import build_graph
 from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir.meta import CPU, GM_HYBRID, GM_KIND, GM_MARCH, GM_QCONFIG_DICT, META_OP, META_REASON, placement
 from qcompiler.march import resolve_march
-from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.base import CompileContext, CompileOptions, PassManager
 from qcompiler.passes.pipeline import PREPARE_PIPELINE, REQUANTIZE_PIPELINE
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize, assign_qc_names
 from qcompiler.quantization.model_check import check_qat_model
@@ -194,7 +194,7 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
     ctx = CompileContext(
         march=calib_march,
         hybrid_dict=placed_with,
-        options={"qconfig_resolver": resolver, "optimize_graph": optimize_graph},
+        options=CompileOptions(qconfig_resolver=resolver, optimize_graph=optimize_graph),
     )
     gm = PassManager(REQUANTIZE_PIPELINE).run(gm, ctx).gm
     _warn_translated(resolver, calib_march)
