@@ -1,10 +1,11 @@
 """Pass infrastructure: a pass is ``(gm, ctx) -> PassResult``; ``PassManager`` runs a named list.
 
-The manager adds what every pass would otherwise repeat: timing, wrapping a
-failure with the pass name and the passes that ran before it, linting and
-verifying the graph after each pass (and re-verifying a ``lasting`` pass's
-invariant after every later one), and dumping the graph after each pass
-into a folder (``NN_<pass>.txt``) for review.
+The manager adds what every pass would otherwise repeat: timing, checking the
+facts a pass requires (tensor metadata, placement ...: :class:`Fact`) before it
+runs, wrapping a failure with the pass name and the passes that ran before it,
+linting and verifying the graph after each pass (and re-verifying a
+``lasting`` pass's invariant after every later one), and dumping the graph
+after each pass into a folder (``NN_<pass>.txt``) for review.
 """
 
 from __future__ import annotations
@@ -73,15 +74,28 @@ Verifier = Callable[[fx.GraphModule, CompileContext], None]
 class Pass:
     """A named pass with an optional verifier of the invariants it establishes.  With ``lasting``, the
     invariant must survive every later pass too (a later pass may not undo it), and the manager checks
-    it after each of them."""
+    it after each of them.  ``requires``: the facts the pass reads, which the manager checks first."""
 
     name: str
     run: PassFn
     verify: Optional[Verifier] = None
     lasting: bool = False
+    requires: tuple[Fact, ...] = ()
 
     def __call__(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         return self.run(gm, ctx)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """What a pass establishes on the graph for later passes (tensor metadata, placement, ...).
+
+    ``missing(gm)`` says why the graph lacks it, naming the node at fault, or returns None: it is
+    checked on the graph itself, so a graph prepared earlier (calibration, then QAT) has it too."""
+
+    name: str
+    provider: Pass
+    missing: Callable[[fx.GraphModule], Optional[str]]
 
 
 @dataclass
@@ -115,6 +129,7 @@ class PassManager:
         for index, p in enumerate(self.passes):
             start = time.perf_counter()
             try:
+                _check_requires(p, gm)
                 result = p(gm, ctx)
                 if not isinstance(result, PassResult):
                     raise TypeError(f"returned {type(result).__name__}, expected PassResult")
@@ -141,6 +156,14 @@ class PassManager:
             if self.dump_dir is not None:
                 (self.dump_dir / f"{index:02d}_{p.name}.txt").write_text(annotated_code(gm))
         return PassResult(gm, modified_any)
+
+
+def _check_requires(p: Pass, gm: fx.GraphModule) -> None:
+    for fact in p.requires:
+        why = fact.missing(gm)
+        if why is not None:
+            raise PassError(f"pass '{p.name}' requires {fact.name}, which pass '{fact.provider.name}' provides, "
+                            f"and {why}: run '{fact.provider.name}' before '{p.name}'")
 
 
 def _failed(name: str, done: list[str], exc: Exception) -> PassError:

@@ -48,6 +48,7 @@ from qcompiler.ir.meta import META_FUSED_FROM, META_OP, META_PLACEMENT, META_TEN
 from qcompiler.ir.ops import node_op
 from qcompiler.nn.fused import FusedModule, build_fused
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.place import PLACEMENT
 
 
 @dataclass(frozen=True)
@@ -382,4 +383,4 @@ def verify_fuse(gm: fx.GraphModule, ctx: CompileContext) -> None:
             )
 
 
-FUSE = Pass("fuse", fuse, verify=verify_fuse)
+FUSE = Pass("fuse", fuse, verify=verify_fuse, requires=(PLACEMENT,))

@@ -69,8 +69,10 @@ from qcompiler.nn.qat import (
     observe_layer,
     set_input_quantizer,
 )
-from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.base import CompileContext, Fact, Pass, PassResult
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
+from qcompiler.passes.place import PLACEMENT
+from qcompiler.quantization.fake_quantize import FakeQuantizeBase
 from qcompiler.quantization.qconfig import QConfig
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
@@ -332,4 +334,17 @@ def verify_observed(gm: fx.GraphModule, ctx: CompileContext) -> None:
                 raise PassError(f"CPU module {node.target} (node {node.name}) carries a quantizer")
 
 
-INSERT_OBSERVERS = Pass("insert_observers", insert_observers, verify_observed)
+def _unobserved(gm: fx.GraphModule) -> Optional[str]:
+    """The first BPU entry (a QuantStub, a boundary observer of insert_stubs) without a qconfig's quantizer."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and placement(node) == BPU and node.meta.get(META_OP) == "quant":
+            module = gm.get_submodule(node.target)
+            if not isinstance(module, FakeQuantizeBase) \
+                    and not isinstance(getattr(module, "activation_post_process", None), FakeQuantizeBase):
+                return f"BPU input {node.name} has no quantizer"
+    return None
+
+
+INSERT_OBSERVERS = Pass("insert_observers", insert_observers, verify_observed, requires=(PLACEMENT,))
+# a quantizer from the node's qconfig on every value entering the BPU (and on the BPU ops' outputs)
+OBSERVERS = Fact("observers", INSERT_OBSERVERS, _unobserved)

@@ -36,6 +36,8 @@ from qcompiler.ir.meta import (
 from qcompiler.ir.modules import free_name
 from qcompiler.ir.ops import PASSTHROUGH_OPS
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.place import PLACEMENT
+from qcompiler.passes.shape_prop import TENSOR_META
 from qcompiler.quantization.stubs import DeQuantStub
 
 INPUT_DEQUANT = "input_dequant"
@@ -184,4 +186,4 @@ def verify_boundaries(gm: fx.GraphModule, ctx: CompileContext) -> None:
                     raise PassError(f"insert_stubs: float->BPU edge {src.name}->{node.name} without observer")
 
 
-INSERT_STUBS = Pass("insert_stubs", insert_stubs, verify_boundaries)
+INSERT_STUBS = Pass("insert_stubs", insert_stubs, verify_boundaries, requires=(TENSOR_META, PLACEMENT))

@@ -43,6 +43,7 @@ from qcompiler.ir.meta import META_AUTO_LEAF, META_STORAGE, META_TENSOR, TensorI
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.shape_prop import propagate_shapes
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.shape_prop import TENSOR_META
 
 
 def _what(node: fx.Node, gm: fx.GraphModule) -> str:
@@ -185,4 +186,4 @@ def verify_leaf_writes(gm: fx.GraphModule, ctx: CompileContext) -> None:
             raise PassError(f"leaf_writes: '{node.name}' writes '{name}', which other nodes read, in place")
 
 
-LEAF_WRITES = Pass("leaf_writes", leaf_writes, verify_leaf_writes)
+LEAF_WRITES = Pass("leaf_writes", leaf_writes, verify_leaf_writes, requires=(TENSOR_META,))

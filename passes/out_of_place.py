@@ -24,6 +24,7 @@ from qcompiler.errors import PassError
 from qcompiler.ir.inplace import aliased_writes, out_of_place_twins
 from qcompiler.ir.meta import META_ALIASED_WRITE
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.shape_prop import TENSOR_META
 
 
 def out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
@@ -44,4 +45,4 @@ def verify_out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> None:
         raise PassError(f"{left} still run in place, with an out-of-place twin")
 
 
-OUT_OF_PLACE = Pass("out_of_place", out_of_place, verify_out_of_place)
+OUT_OF_PLACE = Pass("out_of_place", out_of_place, verify_out_of_place, requires=(TENSOR_META,))

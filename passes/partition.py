@@ -26,7 +26,8 @@ import torch.fx as fx
 from qcompiler.errors import PassError
 from qcompiler.ir.meta import META_PARTITION, placement
 from qcompiler.ir.partitions import GM_PARTITIONS, Partition
-from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.base import CompileContext, Fact, Pass, PassResult
+from qcompiler.passes.place import PLACEMENT
 
 
 class _UnionFind:
@@ -241,4 +242,6 @@ def verify_partitions(gm: fx.GraphModule, ctx: CompileContext) -> None:
             raise PassError(f"node {node.name} not in its partition")
 
 
-PARTITION = Pass("partition", partition, verify_partitions)
+PARTITION = Pass("partition", partition, verify_partitions, requires=(PLACEMENT,))
+# every placed node in one partition (META_PARTITION), the partitions listed in gm.meta[GM_PARTITIONS]
+PARTITIONS = Fact("partitions", PARTITION, lambda gm: None if GM_PARTITIONS in gm.meta else "the graph has none")

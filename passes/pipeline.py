@@ -5,6 +5,10 @@ docs/design.md): fusion then never merges nodes that the march or the user's
 ``hybrid_dict`` put on different sides, e.g. a ReLU forced to the CPU after a
 BPU conv.  Partitions are formed after stub insertion so that each stub
 belongs to the BPU partition whose boundary it marks.
+
+Each pass declares the facts it requires (``Pass.requires``: tensor metadata,
+placement, ...), which the manager checks before running it; every list here
+provides them in order (tests/test_contracts.py).
 """
 
 from __future__ import annotations

@@ -38,13 +38,15 @@ from qcompiler.ir.meta import (
     META_REASON,
     META_REWRITE,
     META_TENSOR,
+    PLACEMENTS,
     TensorInfo,
     placement,
     scope,
     set_placement,
 )
 from qcompiler.ir.ops import LAYOUT_OPS, META_OPS, PASSTHROUGH_OPS, is_clamp, node_op
-from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.base import CompileContext, Fact, Pass, PassResult
+from qcompiler.passes.shape_prop import TENSOR_META
 
 
 def _producer(node: fx.Node) -> Optional[fx.Node]:
@@ -176,14 +178,22 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, changed)
 
 
+def _unplaced(gm: fx.GraphModule) -> Optional[str]:
+    node = next((n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and placement(n) not in PLACEMENTS),
+                None)
+    return None if node is None else f"node '{node.name}' has no placement"
+
+
 def verify_placed(gm: fx.GraphModule, ctx: CompileContext) -> None:
     """Every node is on the BPU or the CPU, with a reason (a PassError, not an assert: ``-O`` keeps it)."""
+    why = _unplaced(gm)
+    if why is not None:
+        raise PassError(f"place: {why}")
     for node in gm.graph.nodes:
-        if node.op not in ("placeholder", "output"):
-            if placement(node) not in (BPU, CPU):
-                raise PassError(f"place: node '{node.name}' has no placement")
-            if not node.meta.get(META_REASON):
-                raise PassError(f"place: node '{node.name}' is placed without a reason")
+        if node.op not in ("placeholder", "output") and not node.meta.get(META_REASON):
+            raise PassError(f"place: node '{node.name}' is placed without a reason")
 
 
-PLACE = Pass("place", place, verify_placed)
+PLACE = Pass("place", place, verify_placed, requires=(TENSOR_META,))
+# every node but the inputs and the output on the BPU or the CPU (META_PLACEMENT), with a reason
+PLACEMENT = Fact("placement", PLACE, _unplaced)

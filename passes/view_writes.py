@@ -36,6 +36,7 @@ from qcompiler.ir.inplace import METADATA_WRITES, Tensors
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, META_WRITE_BACK, TensorInfo
 from qcompiler.ir.setitem import setitem_
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.shape_prop import TENSOR_META
 
 # views written back whole: the same elements in the same order as their input (the conversions return
 # their input itself when they share its storage and dtype, which _written_back_into checks)
@@ -274,4 +275,4 @@ def view_writes(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     return PassResult(gm, changed)
 
 
-VIEW_WRITES = Pass("view_writes", view_writes)
+VIEW_WRITES = Pass("view_writes", view_writes, requires=(TENSOR_META,))

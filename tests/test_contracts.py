@@ -1,6 +1,7 @@
 """Contracts that survive ``python -O``: no ``assert`` statement in the package; every verifier raises
 PassError naming the node at fault on a graph broken on purpose (beside the same graph unbroken, which
-passes); the options passes read are a typed record."""
+passes); the facts a pass requires are checked before it runs and provided in order by each pipeline;
+the options passes read are a typed record."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from qcompiler.march import March
 from qcompiler.passes.base import CompileContext, CompileOptions, PassManager
 from qcompiler.passes.fuse import verify_fuse
 from qcompiler.passes.inplace_reads import INPLACE_READS, inplace_reads, verify_inplace_reads
-from qcompiler.passes.insert_observers import verify_observed
+from qcompiler.passes.insert_observers import OBSERVERS, verify_observed
 from qcompiler.passes.insert_stubs import verify_boundaries
 from qcompiler.passes.out_of_place import OUT_OF_PLACE, verify_out_of_place
-from qcompiler.passes.partition import verify_partitions
-from qcompiler.passes.pipeline import PARTITION_PIPELINE
-from qcompiler.passes.place import verify_placed
-from qcompiler.passes.shape_prop import SHAPE_PROP, verify_shapes
+from qcompiler.passes.partition import PARTITION, PARTITIONS, verify_partitions
+from qcompiler.passes.pipeline import PARTITION_PIPELINE, PREPARE_PIPELINE, REQUANTIZE_PIPELINE
+from qcompiler.passes.place import PLACE, PLACEMENT, verify_placed
+from qcompiler.passes.shape_prop import SHAPE_PROP, TENSOR_META, verify_shapes
 from qcompiler.quantization import prepare_calibration_fx
 from qcompiler.quantization.observer import MinMaxObserver
 
@@ -165,6 +166,40 @@ def test_a_duplicate_op_table_row_names_the_op():
     assert set(rules(OpRule("conv2d"), OpRule("relu"))) == {"conv2d", "relu"}
     with pytest.raises(InternalError, match=r"duplicate op-table row 'relu'"):
         rules(OpRule("relu"), OpRule("conv2d"), OpRule("relu"))
+
+
+# ----------------------------------------------------------------------------- facts a pass requires
+
+FACTS = [  # a fact, a graph without it, the same graph once its provider ran
+    (TENSOR_META, lambda: trace(Net()), lambda gm: SHAPE_PROP(gm, CTX).gm),
+    (PLACEMENT, lambda: SHAPE_PROP(trace(Net()), CTX).gm, lambda gm: PLACE(gm, CTX).gm),
+    (PARTITIONS, lambda: PassManager(PARTITION_PIPELINE[:-1]).run(trace(Net()), CTX).gm,
+     lambda gm: PARTITION(gm, CTX).gm),
+    (OBSERVERS, _partitioned, lambda gm: _calibration()),
+]
+
+
+@pytest.mark.parametrize("fact, without, provide", FACTS, ids=[f.name for f, _, _ in FACTS])
+def test_a_fact_is_missing_until_its_provider_ran(fact, without, provide):
+    gm = without()
+    assert fact.missing(gm) is not None
+    assert fact.missing(provide(gm)) is None
+
+
+@pytest.mark.parametrize("pipeline", [PARTITION_PIPELINE, PREPARE_PIPELINE, PREPARE_PIPELINE + REQUANTIZE_PIPELINE],
+                         ids=["partition", "prepare", "requantize"])
+def test_every_pass_of_a_pipeline_finds_its_requirements_provided_before_it(pipeline):
+    for i, p in enumerate(pipeline):
+        assert all(fact.provider in pipeline[:i] for fact in p.requires), p.name
+    assert any(p.requires for p in pipeline)
+
+
+def test_the_manager_names_the_pass_the_missing_fact_and_its_provider():
+    with pytest.raises(PassError, match=r"pass 'place' requires tensor metadata, which pass 'shape_prop' provides, "
+                                        r"and node x has no shape: run 'shape_prop' before 'place'") as info:
+        PassManager([INPLACE_READS, PLACE]).run(trace(Net()), CTX)
+    assert info.value.pass_name == "place" and info.value.passes_before == ("inplace_reads",)
+    PassManager([INPLACE_READS, SHAPE_PROP, PLACE]).run(trace(Net()), CTX)
 
 
 # ----------------------------------------------------------------------------- options
