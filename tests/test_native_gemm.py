@@ -19,7 +19,7 @@ from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.simulator import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.gemm import ENV_VNNI, Int8Gemm, gemm_available
+from qcompiler.native.gemm import ENV_VNNI, ConvGeometry, Int8Gemm, gemm_available
 from qcompiler.native.kernels import DepthwiseConv, _fn, amx_calls, amx_enabled, amx_mode, set_amx
 from qcompiler.quantization import fixed_point as fp
 
@@ -614,29 +614,29 @@ def test_the_slide_layout_is_taken_where_few_positions_are_dropped(on_path):
 @needs_gemm
 @pytest.mark.parametrize("on_path", [False], ids=["vnni"], indirect=True)  # (tiles slide these)
 def test_a_tail_conv_gets_its_weights_repacked_once_and_equals_the_per_call_repack(on_path):
-    """The tail layout's weights come repacked once per kernel shape (``geo[13]``, kept by the layer);
-    with ``geo[13] = 0`` the kernel repacks them itself: the same bits, whole and over row ranges that
+    """The tail layout's weights come repacked once per kernel shape (``geo.tail_w``, kept by the layer);
+    with ``geo.tail_w`` NULL the kernel repacks them itself: the same bits, whole and over row ranges that
     cut images anywhere (each range copies only the input rows it reads)."""
     c = dict(N=3, C=3, H=23, W=21, O=70, k=(7, 7), stride=(2, 2), padding=(3, 3), dilation=(1, 1), extreme=False,
              add=False, out="qint8", seed=5)
     k, xl, _, want = conv_case_tensors(c)
     geo, (N, Ho, Wo) = k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])
-    assert k.conv_layout_of(geo, N * Ho * Wo) == "tail" and int(geo[13]) != 0
-    assert int(k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])[0][13]) == int(geo[13])
+    assert k.conv_layout_of(geo, N * Ho * Wo) == "tail" and geo.tail_w is not None
+    assert k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])[0].tail_w == geo.tail_w
     want = want.clamp(-128, 127).permute(0, 2, 3, 1).reshape(-1, c["O"])
     P = N * Ho * Wo
     for own in (True, False):
-        g = geo.clone()
+        g = ConvGeometry.from_buffer_copy(geo)
         if not own:
-            g[13] = 0
+            g.tail_w = None
         out = torch.empty(P, c["O"], dtype=torch.int8)
         cuts = [0, 5, Ho * Wo - 3, Ho * Wo + 7, 2 * Ho * Wo + Wo, P]
         for m0, m1 in zip(cuts, cuts[1:]):
             k.run_rows(xl, k.K, g, out, None, m0, m1)
         assert torch.equal(out.to(torch.int64), want), own
-    zeros = torch.zeros(k.wpack.numel(), dtype=torch.int8)  # geo[13] is what the kernel reads: zero weights there
-    g = geo.clone()
-    g[13] = zeros.data_ptr()
+    zeros = torch.zeros(k.wpack.numel(), dtype=torch.int8)  # geo.tail_w is what the kernel reads: zero weights there
+    g = ConvGeometry.from_buffer_copy(geo)
+    g.tail_w = zeros.data_ptr()
     out = torch.empty(P, c["O"], dtype=torch.int8)
     k.run_rows(xl, k.K, g, out, None, 0, P)
     assert not torch.equal(out.to(torch.int64), want)
@@ -662,12 +662,23 @@ def test_threads_building_a_tail_layers_geometry_at_once_share_one_repack(on_pat
         t.start()
     for t in threads:
         t.join()
-    assert len({int(g[13]) for g in geos}) == 1
-    assert int(geos[0][13]) == k._tail_w[(7, 7, 3, 1, 1)].data_ptr()
+    assert len({g.tail_w for g in geos}) == 1
+    assert geos[0].tail_w == k._tail_w[(7, 7, 3, 1, 1)].data_ptr()
     geo, (N, Ho, Wo) = k.conv_geometry(tuple(xl.shape), c["k"], c["stride"], c["padding"], c["dilation"])
     out = torch.empty(N * Ho * Wo, c["O"], dtype=torch.int8)
     k.run_rows(xl, k.K, geo, out, None, 0, out.shape[0])
     assert torch.equal(out.to(torch.int64), want.clamp(-128, 127).permute(0, 2, 3, 1).reshape(-1, c["O"]))
+
+
+@pytest.mark.skipif(not build.native_enabled(), reason="no native kernels here")
+def test_the_geometry_struct_mirrors_the_c_one():
+    """gemm.py's ConvGeometry has the size of conv_geometry.h's qc_conv_geometry and, field by field, its
+    offsets: the kernel reads by name what conv_geometry writes by name."""
+    layout = (ctypes.c_int64 * 32)()
+    _fn("qc_conv_geometry_layout", (ctypes.c_void_p,), None)(layout)
+    size, n, *offsets = layout[:2 + len(ConvGeometry._fields_)]
+    assert size == ctypes.sizeof(ConvGeometry) and n == len(ConvGeometry._fields_)
+    assert offsets == [getattr(ConvGeometry, f).offset for f, _ in ConvGeometry._fields_]
 
 
 @needs_gemm

@@ -77,7 +77,8 @@ _PAIRS = ("i8_i8", "i8_i16", "i16_i8", "i16_i16")  # input_output dtypes
 # every function of the library the Python side binds (kernels.py, gemm.py, plan.py): a library without
 # one of them is not used (tests/test_native_cache.py checks this list against the source and the callers)
 SYMBOLS = (
-    "qc_abi_version", "qc_gemm_vnni", "qc_gemm_amx_set", "qc_gemm_amx_calls", "qc_hist_abs_f32", "qc_hist_abs_f32_mt",
+    "qc_abi_version", "qc_gemm_vnni", "qc_gemm_amx_set", "qc_gemm_amx_calls", "qc_conv_geometry_layout",
+    "qc_hist_abs_f32", "qc_hist_abs_f32_mt",
     "qc_hist_abs_grow_f32", "qc_hist_observe_f32", "qc_rows_minmax_f32", "qc_plan_sizes", "qc_run_plan",
     "qc_run_plan_timed",
     *(f"qc_requant_{a}_{o}" for a in ("f32", "f64") for o in _INTS),

@@ -4,7 +4,7 @@
 ``out[p, o] = clamp(round_half_even((x[p] . w[o] + bias[o]) * M[o] / 2**n[o] [+ b[p, o] * Mb / 2**nb]), lo, hi)``
 as int8 or int16, bit for bit what ``fixed_point.requantize`` (and ``round_scaled_sum`` for the fused
 add) give, in one native pass: a register-blocked ``vpdpbusd`` micro-kernel whose int32 tiles are
-requantized in int64 (``round_clamp`` of ``kernels.c``) before they leave the cache.
+requantized in int64 (``round_clamp`` of ``backends/bpu/native/requant.h``) before they leave the cache.
 
 Exactness, checked once per layer here (:meth:`Int8Gemm.refusal` says why a layer is refused; the
 caller keeps its other path then):
@@ -21,7 +21,7 @@ caller keeps its other path then):
   128-bit sums are refused);
 * ``f64 == 2`` (no fused add, ``|acc| * M / 2**n < 2**31 - 1`` on every channel) and ``f64 == 3`` (a fused
   add whose sum over ``2**s``, ``s = max(n, nb)``, is below 2**53 and below ``(2**31 - 1) * 2**s``): the
-  packed float64 epilogue of ``kernels.c`` (exact conversions, fma, rounding half to even by adding
+  packed float64 epilogue of ``backends/bpu/native/gemm.c`` (exact conversions, fma, rounding half to even by adding
   1.5 * 2**52, the result read from the low 32 bits, saturating packs).
 
 Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
@@ -55,7 +55,7 @@ from qcompiler.native.kernels import (
 )
 from qcompiler.native.plan import StepSpec
 
-__all__ = ["Int8Gemm", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
+__all__ = ["Int8Gemm", "ConvGeometry", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _INT = {torch.int8: "i8", torch.int16: "i16"}
@@ -78,6 +78,17 @@ def row_parts(budget: int, work: int) -> int:
     if budget <= 1 or work < SPLIT_MIN_WORK or os.environ.get(ENV_THREADS, "").strip() == "1":
         return 1
     return budget
+
+
+class ConvGeometry(ctypes.Structure):
+    """A conv's geometry as the GEMM reads it: ``qc_conv_geometry`` of ``backends/bpu/native/conv_geometry.h``,
+    the same fields in the same order (``qc_conv_geometry_layout`` reports the C side's; a test compares).
+    An (N, H, W, C) input, a kh x kw kernel, its stride, padding and dilation, the Ho x Wo output, and the
+    layer's weights repacked for the tail layout (``tail_w``) and for AMX's sliding layout (``slide_w``),
+    each None where the kernel repacks them per call or needs none."""
+    _fields_ = [(f, ctypes.c_int64) for f in ("H", "W", "C", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "Ho",
+                                              "Wo")]
+    _fields_ += [("tail_w", ctypes.c_void_p), ("slide_w", ctypes.c_void_p)]
 
 
 def gemm_available() -> bool:
@@ -215,7 +226,7 @@ class Int8Gemm:
         self.run_rows(x, x.stride(0) if P > 1 else self.K, None, out, other, m0, m1, parts=parts)
         return out
 
-    def run_rows(self, x: torch.Tensor, ldx: int, geo: Optional[torch.Tensor], out: torch.Tensor,
+    def run_rows(self, x: torch.Tensor, ldx: int, geo: Optional[ConvGeometry], out: torch.Tensor,
                  other: Optional[torch.Tensor], m0: int, m1: int, parts: int = 1) -> None:
         """The kernel on output rows ``m0:m1`` with NO checks: what ``__call__`` and ``conv`` run after
         theirs, for a caller that has made the same checks once (the simulator's layers, per input
@@ -233,10 +244,10 @@ class Int8Gemm:
             raise ConfigError(f"Int8Gemm.run_rows: rows [{m0}, {m1}) do not fit out {tuple(out.shape)} {out.dtype} "
                               f"(x {x.dtype})")
         return (x.data_ptr(), ldx, m0, m1, *self._consts, None if other is None else other.data_ptr(), self.Mb,
-                self.nb, self.lo, self.hi, self.f64, None if geo is None else geo.data_ptr(), out.data_ptr(),
+                self.nb, self.lo, self.hi, self.f64, None if geo is None else ctypes.addressof(geo), out.data_ptr(),
                 self._pre.data_ptr())
 
-    def step(self, x: torch.Tensor, ldx: int, geo: Optional[torch.Tensor], out: torch.Tensor,
+    def step(self, x: torch.Tensor, ldx: int, geo: Optional[ConvGeometry], out: torch.Tensor,
              other: Optional[torch.Tensor], m0: int, m1: int) -> StepSpec:
         """:meth:`run_rows` as a plan step (:class:`~qcompiler.native.plan.NativeSteps`): the same
         arguments and the same guard, run later, on the same buffers."""
@@ -269,7 +280,7 @@ class Int8Gemm:
         return out
 
     def conv_layout(self, shape: tuple, kernel_size, stride, padding, dilation) -> str:
-        """How the kernel reads a conv's input (``kernels.c``, ``gemm_src_open``): ``"direct"`` (each kernel
+        """How the kernel reads a conv's input (``gemm.c``, ``gemm_src_open``): ``"direct"`` (each kernel
         row's ``kw * C`` bytes in place: a multiple of 4, no dilation along W unless ``kw`` is 1; the windows
         that cross the left or right edge copied), ``"tail"`` (``kw * C`` one past a multiple of 4, no
         dilation unless the kernel is 1 wide / high, the weights within ``GEMM_TAIL_MAX_W``: from a copy of
@@ -282,12 +293,12 @@ class Int8Gemm:
         geo, (N, Ho, Wo) = self.conv_geometry(shape, kernel_size, stride, padding, dilation)
         return self.conv_layout_of(geo, N * Ho * Wo)
 
-    def conv_layout_of(self, geo: torch.Tensor, rows: int) -> str:
+    def conv_layout_of(self, geo: ConvGeometry, rows: int) -> str:
         """:meth:`conv_layout` of a call over ``rows`` output rows with a geometry from :meth:`conv_geometry`."""
         return {1: "direct", 2: "tail", 3: "im2col", 4: "slide"}[
-            _fn("qc_gemm_conv_layout", (_P, _I64, _I64))(geo.data_ptr(), self.O, int(rows))]
+            _fn("qc_gemm_conv_layout", (_P, _I64, _I64))(ctypes.addressof(geo), self.O, int(rows))]
 
-    def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[torch.Tensor, tuple]:
+    def conv_geometry(self, shape: tuple, kernel_size, stride, padding, dilation) -> tuple[ConvGeometry, tuple]:
         """For a conv of an (N, H, W, C) input ``shape``: the kernel's geometry argument and the output's
         (N, Ho, Wo), after checking that the layer's K is C * kh * kw and the geometry is valid
         (ConfigError otherwise, e.g. an input smaller than the kernel)."""
@@ -301,30 +312,30 @@ class Int8Gemm:
         Ho, Wo = (H + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (W + 2 * pw - dw * (kw - 1) - 1) // sw + 1
         if Ho <= 0 or Wo <= 0:
             raise ConfigError(f"Int8Gemm.conv: input {H}x{W} is smaller than the kernel")
-        geo = torch.tensor([H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, 0, 0], dtype=torch.int64)
+        geo = ConvGeometry(H, W, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo)
         # a conv read in the tail layout: its weights in that layout's order, repacked once per kernel shape
-        # and passed by address in geo[13] (the kernel repacks them per call when it is 0)
+        # and passed by address in geo.tail_w (the kernel repacks them per call when it is None)
         wt = self._tail_w.get((kh, kw, C, dh, dw), False)
         if wt is False:
             wt = torch.empty(self.wpack.numel(), dtype=torch.int8)
-            wt = wt if _fn("qc_gemm_tail_weights", (_P, _I64, _P, _P))(self.wpack.data_ptr(), self.O, geo.data_ptr(),
-                                                                       wt.data_ptr()) == 0 else None
+            repack = _fn("qc_gemm_tail_weights", (_P, _I64, _P, _P))
+            wt = wt if repack(self.wpack.data_ptr(), self.O, ctypes.addressof(geo), wt.data_ptr()) == 0 else None
             # (None: not the tail layout for this kernel shape.)  setdefault: threads that build the same
-            # layer's first plan at once (the batch split) all keep the first tensor stored, so no geo[13]
+            # layer's first plan at once (the batch split) all keep the first tensor stored, so no geo.tail_w
             # points at a repack another thread's store dropped
             wt = self._tail_w.setdefault((kh, kw, C, dh, dw), wt)
         if wt is not None:
-            geo[13] = wt.data_ptr()
-        # a conv the AMX tiles read in place (kernels.c, GEMM_SLIDE): its weights with each kernel row padded to
-        # 64-byte chunks, once per kernel shape, in geo[14] (none needed when kw * C is a multiple of 64); only
+            geo.tail_w = wt.data_ptr()
+        # a conv the AMX tiles read in place (gemm.c, GEMM_SLIDE): its weights with each kernel row padded to
+        # 64-byte chunks, once per kernel shape, in geo.slide_w (none needed when kw * C is a multiple of 64); only
         # while the tiles are on (a geometry built with them off reads the input another way)
         ws = self._slide_w.get((kh, kw, C, sh, sw, dw), False) if amx_enabled() else None
         if ws is False:
             L = -(-kw * C // 64) * 64
             ws = torch.empty(-(-self.O // 16) * 16 * kh * L, dtype=torch.int8)
-            ws = ws if _fn("qc_gemm_slide_weights", (_P, _I64, _P, _P))(self.wpack.data_ptr(), self.O, geo.data_ptr(),
-                                                                        ws.data_ptr()) == 0 else None
+            repack = _fn("qc_gemm_slide_weights", (_P, _I64, _P, _P))
+            ws = ws if repack(self.wpack.data_ptr(), self.O, ctypes.addressof(geo), ws.data_ptr()) == 0 else None
             ws = self._slide_w.setdefault((kh, kw, C, sh, sw, dw), ws)
         if ws is not None:
-            geo[14] = ws.data_ptr()
+            geo.slide_w = ws.data_ptr()
         return geo, (N, Ho, Wo)

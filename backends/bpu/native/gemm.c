@@ -1,10 +1,12 @@
 /* The int8 GEMM (1x1 convs, linear layers, convs by im2col or in place) and the depthwise conv on
  * AVX512-VNNI, with AMX tiles where built for them. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "conv_geometry.h"
 #include "plan.h"
 #include "requant.h"
 
@@ -15,8 +17,8 @@
  *   out[p, o]  = clamp(round_half_even(acc * M[o] / 2**n[o] [+ b[p, o] * Mb / 2**nb]), lo, hi)
  *
  * x: rows of int8 (row stride ldx), b and out: rows of O (int8 / int16).  Only rows m0..m1-1 are
- * computed, so callers may split the rows of one call over threads.  With geo != NULL, x is an NHWC
- * conv input and row p is the im2col row of output position p, K = kh * kw * C, read in place where
+ * computed, so callers may split the rows of one call over threads.  With geo != NULL (conv_geometry.h),
+ * x is an NHWC conv input and row p is the im2col row of output position p, K = kh * kw * C, read in place where
  * the kernel rows allow it (gemm_rows).
  *
  * AVX512-VNNI: vpdpbusd multiplies unsigned bytes by signed bytes and adds groups of four products
@@ -27,12 +29,28 @@
  * step is exact modulo 2**32 (wrap-around), so the final int32 lane is the true acc.
  * Weights are prepacked (gemm.py): blocks of 16 output channels, K in groups of 4, i.e. byte
  * wp[((ob * Kq + kq) * 16 + j) * 4 + t] = w[16 * ob + j, 4 * kq + t], zero beyond O and K (a zero
- * weight adds nothing whatever the activation byte).  The epilogue is round_clamp() above, in int64;
+ * weight adds nothing whatever the activation byte).  The epilogue is round_clamp() (requant.h), in int64;
  * the fused add brings both terms to the denominator 2**max(n, nb) as qc_requant_add_* does (the
  * caller proves that sum below 2**62; layers that need 128-bit sums stay on the other path).  Where
  * the caller proves the float64 bounds (f64 == 2 without, f64 == 3 with a fused add) the packed
  * float64 epilogue (gemm_epi_x16) runs instead.
  * ================================================================================================ */
+/* qc_conv_geometry_layout: out[0] = sizeof(qc_conv_geometry), out[1] its number of fields, out[2..] their
+ * offsets in order (at most 30): what gemm.py's ConvGeometry must mirror (tests compare the two). */
+QC_API void qc_conv_geometry_layout(int64_t *out) {
+    static const size_t at[] = {offsetof(qc_conv_geometry, H),  offsetof(qc_conv_geometry, W),
+                                offsetof(qc_conv_geometry, C),  offsetof(qc_conv_geometry, kh),
+                                offsetof(qc_conv_geometry, kw), offsetof(qc_conv_geometry, sh),
+                                offsetof(qc_conv_geometry, sw), offsetof(qc_conv_geometry, ph),
+                                offsetof(qc_conv_geometry, pw), offsetof(qc_conv_geometry, dh),
+                                offsetof(qc_conv_geometry, dw), offsetof(qc_conv_geometry, Ho),
+                                offsetof(qc_conv_geometry, Wo), offsetof(qc_conv_geometry, tail_w),
+                                offsetof(qc_conv_geometry, slide_w)};
+    out[0] = (int64_t)sizeof(qc_conv_geometry);
+    out[1] = (int64_t)(sizeof at / sizeof at[0]);
+    for (size_t i = 0; i < sizeof at / sizeof at[0]; i++) out[2 + i] = (int64_t)at[i];
+}
+
 /* (VBMI too: the depthwise kernel's byte permutations; without it, e.g. on Cascade Lake, the library still builds
  * and these layers keep their other paths) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
@@ -345,9 +363,9 @@ static void gemm_stage(const int8_t *restrict x, int64_t ldx, int64_t r0, int64_
 }
 
 /* gemm_stage_row's general case: the kernel rows one by one, tap by tap where a row leaves the input. */
-static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, const int64_t *restrict g, int64_t ih0,
-                            int64_t iw0, int8_t *restrict d) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], dh = g[9], dw = g[10], piece = kw * C;
+static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, const qc_conv_geometry *restrict g,
+                            int64_t ih0, int64_t iw0, int8_t *restrict d) {
+    const int64_t H = g->H, W = g->W, C = g->C, kh = g->kh, kw = g->kw, dh = g->dh, dw = g->dw, piece = kw * C;
     for (int64_t i = 0; i < kh; i++) {
         const int64_t ih = ih0 + i * dh;
         if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) { /* the kernel row's taps are contiguous */
@@ -369,16 +387,16 @@ static void gemm_stage_taps(const int8_t *restrict xb, const int8_t *s_end, cons
     }
 }
 
-/* The im2col row of output position r = (b, oh, ow) of the NHWC int8 input x (geometry g = {H, W, C,
- * kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}) into d: its taps (i, j) in order, C bytes each, a tap in the
+/* The im2col row of output position r = (b, oh, ow) of the NHWC int8 input x (geometry g) into d: its taps (i, j) in order, C bytes each, a tap in the
  * padding 0 (the zero point), zeros up to 4 * Kq.  Pieces are written front to back and may overshoot
  * by up to 64 bytes (gemm_copy_over) into bytes written again later: its own later taps, its zero
  * padding, the next row; d has 64 bytes of slack after the row block's last row. */
-static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *restrict x, const int64_t *restrict g,
-                                                                 int64_t b, int64_t oh, int64_t ow, int64_t Kq,
+static inline __attribute__((always_inline)) void gemm_stage_row(const int8_t *restrict x,
+                                                                 const qc_conv_geometry *restrict g, int64_t b,
+                                                                 int64_t oh, int64_t ow, int64_t Kq,
                                                                  int8_t *restrict d) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dh = g[9], dw = g[10], K = kh * kw * C, HWC = H * W * C, piece = kw * C;
+    const int64_t H = g->H, W = g->W, C = g->C, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, ph = g->ph, pw = g->pw;
+    const int64_t dh = g->dh, dw = g->dw, K = kh * kw * C, HWC = H * W * C, piece = kw * C;
     const int8_t *xb = x + b * HWC, *s_end = xb + HWC; /* reads stay inside sample b */
     const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - pw, rstride = dh * W * C;
     const int inside = dw == 1 && piece <= 32 && ih0 >= 0 && ih0 + (kh - 1) * dh < H && iw0 >= 0 && iw0 + kw <= W;
@@ -438,7 +456,7 @@ enum { GEMM_PLAIN, GEMM_DIRECT, GEMM_TAIL, GEMM_IM2COL, GEMM_SLIDE };
 typedef struct {
     const int8_t *x;
     int64_t ldx;
-    const int64_t *g;
+    const qc_conv_geometry *g;
     int mode;
     int xored;                   /* every row staged, as x ^ 0x80 (the tile then does not xor) */
     int64_t K, Kq0;              /* K as given and its groups; */
@@ -471,7 +489,7 @@ static void gemm_src_close(gemm_src *s) {
 /* The tail layout's weights: per block of 16 channels, groups of 4 in the order of GEMM_TAIL (kernel
  * row i's first 4 * segq values, then the kh last values and zeros), from wpack's plain order. */
 static void gemm_tail_weights(const int8_t *restrict wpack, int64_t nob, const gemm_src *s, int8_t *restrict wrep) {
-    const int64_t kwc = s->g[4] * s->g[2], kh = s->g[3], main = kh * 4 * s->segq;
+    const int64_t kwc = s->g->kw * s->g->C, kh = s->g->kh, main = kh * 4 * s->segq;
     for (int64_t ob = 0; ob < nob; ob++)
         for (int64_t kq = 0; kq < s->Kq; kq++)
             for (int64_t j = 0; j < 16; j++)
@@ -488,32 +506,32 @@ static void gemm_tail_weights(const int8_t *restrict wpack, int64_t nob, const g
 }
 
 /* The layout of a conv of geometry g (GEMM_FN's geo) over nob blocks of 16 output channels. */
-static int gemm_layout(const int64_t *g, int64_t nob) {
-    const int64_t kh = g[3], kwc = g[4] * g[2];
-    const int dw1 = g[10] == 1 || g[4] == 1, dh1 = g[9] == 1 || kh == 1; /* (a dilation over one tap is none) */
+static int gemm_layout(const qc_conv_geometry *g, int64_t nob) {
+    const int64_t kh = g->kh, kwc = g->kw * g->C;
+    const int dw1 = g->dw == 1 || g->kw == 1, dh1 = g->dh == 1 || kh == 1; /* (a dilation over one tap is none) */
     if (dw1 && kwc % 4 == 0) return GEMM_DIRECT;
     if (dw1 && dh1 && kwc % 4 == 1 && kwc > 4 && nob * 64 * (kh * (kwc / 4) + (kh + 3) / 4) <= GEMM_TAIL_MAX_W)
         return GEMM_TAIL;
     return GEMM_IM2COL;
 }
 
-static int gemm_slide_walk(const int64_t *g, int64_t nob);
+static int gemm_slide_walk(const qc_conv_geometry *g, int64_t nob);
 
 /* qc_gemm_conv_layout: which layout a call over `rows` output rows of a conv of geometry geo with O output
  * channels reads its input in (1 in place, 2 in place with a tail plane, 3 im2col rows staged, 4 the padded
  * copy read in place by AMX tiles, when the call takes them: GEMM_FN; gemm.py's Int8Gemm.conv_layout). */
-QC_API int qc_gemm_conv_layout(const int64_t *geo, int64_t O, int64_t rows) {
+QC_API int qc_gemm_conv_layout(const qc_conv_geometry *geo, int64_t O, int64_t rows) {
     const int64_t nob = (O + 15) / 16;
-    if (gemm_amx_takes(rows, geo[2] * geo[3] * geo[4], O) && gemm_slide_walk(geo, nob)) return 4;
+    if (gemm_amx_takes(rows, geo->C * geo->kh * geo->kw, O) && gemm_slide_walk(geo, nob)) return 4;
     return gemm_layout(geo, nob);
 }
 
 /* qc_gemm_tail_weights: a layer's weights wpack (O channels) in the tail layout's order for geometry geo,
  * into out (16 * ceil(O / 16) * K bytes, K = 4 * ceil(kh * kw * C / 4)): once per layer, passed back in
- * geo[13] (gemm.py), so a call (and each part of a split one) does not repack them.  -1 if geo does
+ * geo->tail_w (gemm.py), so a call (and each part of a split one) does not repack them.  -1 if geo does
  * not take the tail layout. */
-QC_API int qc_gemm_tail_weights(const int8_t *wpack, int64_t O, const int64_t *geo, int8_t *out) {
-    const int64_t nob = (O + 15) / 16, kwc = geo[4] * geo[2], kh = geo[3];
+QC_API int qc_gemm_tail_weights(const int8_t *wpack, int64_t O, const qc_conv_geometry *geo, int8_t *out) {
+    const int64_t nob = (O + 15) / 16, kwc = geo->kw * geo->C, kh = geo->kh;
     if (gemm_layout(geo, nob) != GEMM_TAIL) return -1;
     const int64_t K = kh * kwc;
     gemm_src s = {.g = geo, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4, .nseg = kh, .segq = kwc / 4};
@@ -523,13 +541,13 @@ QC_API int qc_gemm_tail_weights(const int8_t *wpack, int64_t O, const int64_t *g
 
 /* GEMM_TAIL's buffers for rows m0..m1-1 (m0 < m1): the input rows their windows read, copied with the
  * left and right padding (zeros: every window then lies inside a row, none is staged), and the same
- * rows of the tail planes (zero in the padding both ways); the weights in the layout's order (geo[13]
+ * rows of the tail planes (zero in the padding both ways); the weights in the layout's order (geo->tail_w
  * when the caller repacked them once, else here).  Only the rows the call reads are copied, so a call
  * split over parts copies about the input once in all.  0, or -1 (nothing left allocated). */
-static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_t m0, int64_t m1, int64_t nob,
+static int gemm_tail_open(gemm_src *s, const int8_t *x, const qc_conv_geometry *g, int64_t m0, int64_t m1, int64_t nob,
                           const int8_t *wpack) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], ph = g[7], pw = g[8];
-    const int64_t Ho = g[11], Wo = g[12], kwc = kw * C, Wp = W + 2 * pw, tq = (kh + 3) / 4;
+    const int64_t H = g->H, W = g->W, C = g->C, kh = g->kh, kw = g->kw, sh = g->sh, ph = g->ph, pw = g->pw;
+    const int64_t Ho = g->Ho, Wo = g->Wo, kwc = kw * C, Wp = W + 2 * pw, tq = (kh + 3) / 4;
     const int64_t b0 = m0 / (Ho * Wo), b1 = (m1 - 1) / (Ho * Wo), nb = b1 - b0 + 1;
     const int64_t oh0 = m0 / Wo % Ho, oh1 = (m1 - 1) / Wo % Ho;
     const int64_t need = (Ho - 1) * sh + 4 * tq; /* the last output row's tail reads */
@@ -538,8 +556,8 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
     s->tlen = need > H + ph ? need : H + ph;
     s->xpad = malloc((size_t)(nb * H * Wp * C));
     s->tail = calloc((size_t)(nb * Wp * s->tlen), 1);
-    s->wrep = g[13] ? NULL : malloc((size_t)(nob * s->Kq * 64));
-    if (!s->xpad || !s->tail || (!g[13] && !s->wrep)) {
+    s->wrep = g->tail_w ? NULL : malloc((size_t)(nob * s->Kq * 64));
+    if (!s->xpad || !s->tail || (!g->tail_w && !s->wrep)) {
         free(s->xpad), free(s->tail), free(s->wrep);
         s->xpad = s->tail = s->wrep = NULL;
         s->nseg = 1, s->tq = 0, s->Kq = s->Kq0;
@@ -561,8 +579,8 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
             for (int64_t iw = 0; iw < W; iw++) tb[iw * s->tlen + ih] = xb[(ih * W + iw) * C + C - 1];
         }
     }
-    if (g[13]) {
-        s->wp = (const int8_t *)(intptr_t)g[13];
+    if (g->tail_w) {
+        s->wp = g->tail_w;
     } else {
         gemm_tail_weights(wpack, nob, s, s->wrep);
         s->wp = s->wrep;
@@ -578,9 +596,9 @@ static int gemm_tail_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_
  * plus the dropped rows of each output row's last 16-row tile.  (resnet18: its 56x56 3x3 convs walk the
  * grid, 7% dropped; its 7x7 ones keep the panel, 40% would be dropped at 512 channels; the 7x7 stem,
  * stride 2 on 3 channels, walks rows: 7 x 64 bytes a row against 8 copied pieces.) */
-static int gemm_slide_mode(const int64_t *g, int64_t Op) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], pw = g[8];
-    const int64_t dw = g[10], Ho = g[11], Wo = g[12], K = kh * kw * C, L = (kw * C + 63) / 64 * 64;
+static int gemm_slide_mode(const qc_conv_geometry *g, int64_t Op) {
+    const int64_t H = g->H, W = g->W, C = g->C, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, ph = g->ph, pw = g->pw;
+    const int64_t dw = g->dw, Ho = g->Ho, Wo = g->Wo, K = kh * kw * C, L = (kw * C + 63) / 64 * 64;
     if (dw != 1 && kw != 1) return 0;
     const double per = (double)Op / 1000.0;
     const double panel = (double)((K + 63) / 64 * 64) * per + 6.0 * (double)(kh + ((kw * C) % 4 != 0)) + (double)K / 32.0;
@@ -593,23 +611,23 @@ static int gemm_slide_mode(const int64_t *g, int64_t Op) {
 }
 
 /* gemm_slide_mode over nob blocks of 16 channels where the layer's GEMM_SLIDE weights are at hand (repacked in
- * geo[14], or the packed weights themselves when kw * C is a multiple of 64), else 0 */
-static int gemm_slide_walk(const int64_t *g, int64_t nob) {
-    return g[14] || g[4] * g[2] % 64 == 0 ? gemm_slide_mode(g, 16 * nob) : 0;
+ * geo->slide_w, or the packed weights themselves when kw * C is a multiple of 64), else 0 */
+static int gemm_slide_walk(const qc_conv_geometry *g, int64_t nob) {
+    return g->slide_w || g->kw * g->C % 64 == 0 ? gemm_slide_mode(g, 16 * nob) : 0;
 }
 
 /* L = 64 * ceil(kw * C / 64): the bytes of a kernel row in GEMM_SLIDE's weights */
-static int64_t gemm_slide_len(const int64_t *g) { return (g[4] * g[2] + 63) / 64 * 64; }
+static int64_t gemm_slide_len(const qc_conv_geometry *g) { return (g->kw * g->C + 63) / 64 * 64; }
 
 /* qc_gemm_slide_weights: a layer's weights wpack (O channels, K = kh * kw * C) in GEMM_SLIDE's order for
  * geometry geo, into out (16 * ceil(O / 16) * kh * L bytes): per block of 16 channels, kernel row i's
  * kw * C values then zeros up to L, in groups of 4 as wpack has them.  Once per layer, passed back in
- * geo[14] (gemm.py).  -1 when the layer needs none (kw * C a multiple of 64: wpack is in that order
+ * geo->slide_w (gemm.py).  -1 when the layer needs none (kw * C a multiple of 64: wpack is in that order
  * already) or the geometry can never slide. */
-QC_API int qc_gemm_slide_weights(const int8_t *wpack, int64_t O, const int64_t *geo, int8_t *out) {
-    const int64_t kwc = geo[4] * geo[2], kh = geo[3], L = gemm_slide_len(geo), nob = (O + 15) / 16;
+QC_API int qc_gemm_slide_weights(const int8_t *wpack, int64_t O, const qc_conv_geometry *geo, int8_t *out) {
+    const int64_t kwc = geo->kw * geo->C, kh = geo->kh, L = gemm_slide_len(geo), nob = (O + 15) / 16;
     const int64_t Kq0 = (kh * kwc + 3) / 4, Kq = kh * L / 4;
-    if (kwc % 64 == 0 || (geo[10] != 1 && geo[4] != 1)) return -1;
+    if (kwc % 64 == 0 || (geo->dw != 1 && geo->kw != 1)) return -1;
     for (int64_t ob = 0; ob < nob; ob++)
         for (int64_t kq = 0; kq < Kq; kq++)
             for (int64_t j = 0; j < 16; j++)
@@ -626,10 +644,10 @@ QC_API int qc_gemm_slide_weights(const int8_t *wpack, int64_t O, const int64_t *
  * the positions [qa, qb) (mode 1: of the padded grid; mode 2: the rows m0..m1 themselves).  The slack
  * after the last image covers a tile's 32 rows past the last position and a chunk past its last kernel
  * row.  0, or -1 out of memory. */
-static int gemm_slide_open(gemm_src *s, const int8_t *x, const int64_t *g, int64_t m0, int64_t m1, const int8_t *ws,
-                           int mode) {
-    const int64_t H = g[0], W = g[1], C = g[2], kh = g[3], sh = g[5], sw = g[6], ph = g[7], pw = g[8], dh = g[9];
-    const int64_t Ho = g[11], Wo = g[12], Hp = H + 2 * ph, Wp = W + 2 * pw, L = gemm_slide_len(g);
+static int gemm_slide_open(gemm_src *s, const int8_t *x, const qc_conv_geometry *g, int64_t m0, int64_t m1,
+                           const int8_t *ws, int mode) {
+    const int64_t H = g->H, W = g->W, C = g->C, kh = g->kh, sh = g->sh, sw = g->sw, ph = g->ph, pw = g->pw, dh = g->dh;
+    const int64_t Ho = g->Ho, Wo = g->Wo, Hp = H + 2 * ph, Wp = W + 2 * pw, L = gemm_slide_len(g);
     const int64_t b0 = m0 / (Ho * Wo), b1 = (m1 - 1) / (Ho * Wo), nb = b1 - b0 + 1;
     const int64_t oh0 = m0 / Wo % Ho, ow0 = m0 % Wo, oh1 = (m1 - 1) / Wo % Ho, ow1 = (m1 - 1) % Wo;
     const size_t bytes = (size_t)(nb * Hp * Wp * C + 32 * sw * C + L + 64);
@@ -675,8 +693,8 @@ QC_API int64_t qc_gemm_slide_cap(int64_t bytes) {
 /* Rows m0..m1-1 of a conv of geometry g on tiles: 0 when they read the input as one call, else the rows
  * of each piece to run them in (whole images, pieces starting at multiples of it), where GEMM_SLIDE's
  * padded copy of their images would pass gemm_slide_cap. */
-static int64_t gemm_slide_images(const int64_t *g, int64_t m0, int64_t m1, int64_t nob) {
-    const int64_t HoWo = g[11] * g[12], img = (g[0] + 2 * g[7]) * (g[1] + 2 * g[8]) * g[2];
+static int64_t gemm_slide_images(const qc_conv_geometry *g, int64_t m0, int64_t m1, int64_t nob) {
+    const int64_t HoWo = g->Ho * g->Wo, img = (g->H + 2 * g->ph) * (g->W + 2 * g->pw) * g->C;
     const int64_t nimg = (m1 - 1) / HoWo - m0 / HoWo + 1, cap = __atomic_load_n(&gemm_slide_cap, __ATOMIC_RELAXED);
     if (nimg <= 1 || nimg * img <= cap || !gemm_slide_walk(g, nob)) return 0;
     const int64_t k = cap / (img > 0 ? img : 1);
@@ -685,15 +703,16 @@ static int64_t gemm_slide_images(const int64_t *g, int64_t m0, int64_t m1, int64
 
 /* GEMM_SLIDE walked by output rows: where output row m's window starts in the padded copy */
 static inline const uint8_t *gemm_slide_at(const gemm_src *s, int64_t m) {
-    const int64_t *g = s->g, C = g[2], Ho = g[11], Wo = g[12];
+    const qc_conv_geometry *g = s->g;
+    const int64_t C = g->C, Ho = g->Ho, Wo = g->Wo;
     const int64_t lb = m / (Ho * Wo) - s->sb0, oh = m / Wo % Ho, ow = m % Wo;
-    return s->xs + ((lb * s->Hp + oh * g[5]) * s->Wp + ow * g[6]) * C;
+    return s->xs + ((lb * s->Hp + oh * g->sh) * s->Wp + ow * g->sw) * C;
 }
 
 /* GEMM_SLIDE: the output row each position q0..q1-1 computes (-1: dropped, or outside the call's rows
  * m0..m1-1) into map[0..q1-q0); the number kept. */
 static int64_t gemm_slide_map(const gemm_src *s, int64_t q0, int64_t q1, int64_t m0, int64_t m1, int64_t *map) {
-    const int64_t Ho = s->g[11], Wo = s->g[12], Hp = s->Hp, Wp = s->Wp;
+    const int64_t Ho = s->g->Ho, Wo = s->g->Wo, Hp = s->Hp, Wp = s->Wp;
     int64_t lb = q0 / (Hp * Wp), rem = q0 % (Hp * Wp), oh = rem / Wp, ow = rem % Wp, kept = 0;
     for (int64_t q = q0; q < q1; q++) {
         const int64_t m = oh < Ho && ow < Wo ? ((s->sb0 + lb) * Ho + oh) * Wo + ow : -1;
@@ -709,19 +728,19 @@ static int64_t gemm_slide_map(const gemm_src *s, int64_t q0, int64_t q1, int64_t
 
 /* The layout of rows m0..m1-1 (rows of mb per block) and its buffers; 0, or -1 out of memory (nothing
  * left allocated). */
-static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_t *g, int64_t m0, int64_t m1,
+static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const qc_conv_geometry *g, int64_t m0, int64_t m1,
                          int64_t K, int64_t nob, const int8_t *wpack, int amx) {
     *s = (gemm_src){.x = x, .ldx = ldx, .g = g, .mode = GEMM_PLAIN, .K = K, .Kq0 = (K + 3) / 4, .Kq = (K + 3) / 4,
                     .nseg = 1, .segq = (K + 3) / 4, .wp = wpack, .amx = amx};
     s->xored = !g && (K % 4 || K < GEMM_INPLACE_MIN_K);
     const int walk = amx && g ? gemm_slide_walk(g, nob) : 0;
-    if (walk) return gemm_slide_open(s, x, g, m0, m1, g[14] ? (const int8_t *)(intptr_t)g[14] : wpack, walk);
+    if (walk) return gemm_slide_open(s, x, g, m0, m1, g->slide_w ? g->slide_w : wpack, walk);
     if (g) {
-        const int64_t W = g[1], kh = g[3], Ho = g[11], Wo = g[12], kwc = g[4] * g[2];
+        const int64_t W = g->W, kh = g->kh, Ho = g->Ho, Wo = g->Wo, kwc = g->kw * g->C;
         s->mode = gemm_layout(g, nob);
         if (s->mode == GEMM_DIRECT) {
             s->nseg = kh, s->segq = kwc / 4;
-            s->win = x, s->wrow = W, s->wpad = g[8], s->wb0 = 0;
+            s->win = x, s->wrow = W, s->wpad = g->pw, s->wb0 = 0;
         } else if (s->mode == GEMM_TAIL && gemm_tail_open(s, x, g, m0, m1, nob, wpack)) {
             s->mode = GEMM_IM2COL; /* (its buffers could not be allocated: the rows are staged instead) */
         }
@@ -736,7 +755,7 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
     /* (AMX: zeroed, so a tile's rows past the call's last one read defined bytes) */
     s->xu = amx ? calloc((size_t)(s->mb * 4 * s->Kq + 64), 1) : malloc((size_t)(s->mb * 4 * s->Kq + 64));
     const int inplace = s->mode == GEMM_DIRECT || s->mode == GEMM_TAIL;
-    s->zrow = inplace ? calloc((size_t)(g[4] * g[2]), 1) : NULL;
+    s->zrow = inplace ? calloc((size_t)(g->kw * g->C), 1) : NULL;
     s->q = inplace ? malloc(sizeof(int64_t) * (size_t)(2 * (s->nseg + 1))) : NULL;
     if (!s->xu || (inplace && (!s->zrow || !s->q))) {
         gemm_src_close(s);
@@ -751,8 +770,8 @@ static int gemm_src_open(gemm_src *s, const int8_t *x, int64_t ldx, const int64_
  * steps to (b, oh, ow + 1): sw pixels along x (0 for a kernel row in the vertical padding, which
  * stays on zrow), sw columns along the tail plane. */
 static void gemm_window(const gemm_src *s, int64_t b, int64_t oh, int64_t ow, int64_t *q, int64_t *d) {
-    const int64_t *g = s->g;
-    const int64_t H = g[0], C = g[2], kh = g[3], kw = g[4], sh = g[5], sw = g[6], ph = g[7], dh = g[9];
+    const qc_conv_geometry *g = s->g;
+    const int64_t H = g->H, C = g->C, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, ph = g->ph, dh = g->dh;
     const int64_t ih0 = oh * sh - ph, iw0 = ow * sw - s->wpad, rowb = s->wrow * C;
     const int8_t *xb = s->win + ((b - s->wb0) * H * s->wrow + iw0) * C;
     for (int64_t i = 0; i < kh; i++) {
@@ -786,8 +805,8 @@ static void gemm_rows(gemm_src *restrict s, int64_t r0, int64_t r1, const int8_t
         }
         return;
     }
-    const int64_t *g = s->g;
-    const int64_t W = g[1], kw = g[4], sw = g[6], pw = g[8], Ho = g[11], Wo = g[12];
+    const qc_conv_geometry *g = s->g;
+    const int64_t W = g->W, kw = g->kw, sw = g->sw, pw = g->pw, Ho = g->Ho, Wo = g->Wo;
     const int64_t seg = 4 * s->segq, per = s->nseg + (s->tq > 0);
     /* outputs whose window lies inside the input along W: ow in [ow_lo, ow_hi) */
     const int64_t ow_lo = s->mode == GEMM_TAIL ? 0 : (pw + sw - 1) / sw; /* (GEMM_TAIL: its copy is padded) */
@@ -1108,7 +1127,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
     QC_API int NAME(const int8_t *restrict x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,   \
                     const int8_t *restrict wpack, const int32_t *restrict bias32, const int64_t *restrict M,  \
                     const int64_t *restrict n, const B_T *restrict b, int64_t Mb, int64_t nb, int64_t lo,  \
-                    int64_t hi, int f64, const int64_t *restrict geo, OUT_T *restrict out, const void *pre) { \
+                    int64_t hi, int f64, const qc_conv_geometry *restrict geo, OUT_T *restrict out, const void *pre) { \
         if (m1 <= m0) return 0;                                                                           \
         const int64_t nob = (O + 15) / 16, Op = nob * 16;                                                  \
         const __m512d dlo = _mm512_set1_pd((double)lo), dhi = _mm512_set1_pd((double)hi);                 \
@@ -1131,7 +1150,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         const int64_t MR = amx ? 32 : GEMM_MR;                                                            \
         /* AMX: A rows from the padded copy in place (GEMM_SLIDE), from xu as staged (x ^ 0x80 already), or   \
          * copied into a panel; the weights' zero-padded last chunks */                                  \
-        const int64_t lda = inplace_a ? geo[6] * geo[2] : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64; \
+        const int64_t lda = inplace_a ? geo->sw * geo->C : !amx || src.xored ? 4 * Kq : (4 * Kq + 63) / 64 * 64; \
         uint8_t *panel = amx && !inplace_a && !src.xored ? calloc((size_t)(mb * lda + 64), 1) : NULL;     \
         int8_t *wt = amx && !inplace_a ? gemm_amx_wtail(src.wp, nob, Kq) : NULL;                          \
         /* the layer's constants: prepared once (qc_gemm_prep), or built for this call */                 \
@@ -1150,7 +1169,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
         }                                                                                                 \
         const uint8_t *arows = !amx ? NULL : inplace_a ? src.xs : src.xored ? (const uint8_t *)src.xu : panel; \
         /* A as the tile kernel reads it: the kernel rows dh * Wp pixels apart (GEMM_SLIDE), else one segment */ \
-        const int64_t nseg = inplace_a ? geo[3] : 1, segstep = inplace_a ? geo[9] * src.Wp * geo[2] : 0;  \
+        const int64_t nseg = inplace_a ? geo->kh : 1, segstep = inplace_a ? geo->dh * src.Wp * geo->C : 0; \
         const int64_t lc = inplace_a ? src.lc : Kq / 16;                                                  \
         if (amx) gemm_amx_config();                                                                       \
         const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi), vMb = _mm512_set1_epi64(Mb); \
@@ -1179,7 +1198,7 @@ QC_API int qc_gemm_prep(const int32_t *bias32, const int64_t *M, const int64_t *
                 const int64_t c0 = 16 * ob, nc = 16 * nr < O - c0 ? 16 * nr : O - c0;                     \
                 for (int64_t m = r0, rows; m < r1; m += rows) {                                           \
                     rows = r1 - m < MR ? r1 - m : MR;                                                     \
-                    if (srows && geo[12] - m % geo[12] < rows) rows = geo[12] - m % geo[12]; /* (one output row) */ \
+                    if (srows && geo->Wo - m % geo->Wo < rows) rows = geo->Wo - m % geo->Wo; /* (one output row) */ \
                     const int64_t *mp = slide ? map + (m - r0) : NULL; /* each tile row's output row */   \
                     if (mp) {                                                                             \
                         int64_t any = 0;                                                                  \
@@ -1279,7 +1298,7 @@ typedef struct {
     const void *b;
     int64_t Mb, nb, lo, hi;
     int f64;
-    const int64_t *geo;
+    const qc_conv_geometry *geo;
     void *out;
     const void *pre;
 } gemm_args;
@@ -1293,7 +1312,7 @@ typedef struct {
     QC_API int NAME##_mt(const int8_t *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, int64_t O,      \
                          const int8_t *wpack, const int32_t *bias32, const int64_t *M, const int64_t *n,   \
                          const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi, int f64,             \
-                         const int64_t *geo, OUT_T *out, const void *pre, int parts) {                    \
+                         const qc_conv_geometry *geo, OUT_T *out, const void *pre, int parts) {           \
         gemm_args a = {x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};         \
         return qc_run_rows(NAME##_rows, &a, m0, m1, parts, GEMM_MR);                                     \
     }
@@ -1311,7 +1330,7 @@ QC_STEP_ARGS_FIT(gemm_args);
     QC_API int NAME##_step(qc_step *st, void *ctx, const int8_t *x, int64_t ldx, int64_t m0, int64_t m1,  \
                            int64_t K, int64_t O, const int8_t *wpack, const int32_t *bias32, const int64_t *M, \
                            const int64_t *n, const B_T *b, int64_t Mb, int64_t nb, int64_t lo, int64_t hi,  \
-                           int f64, const int64_t *geo, OUT_T *out, const void *pre) {                    \
+                           int f64, const qc_conv_geometry *geo, OUT_T *out, const void *pre) {           \
         gemm_args *a = ctx;                                                                               \
         *a = (gemm_args){x, ldx, K, O, wpack, bias32, M, n, b, Mb, nb, lo, hi, f64, geo, out, pre};       \
         *st = (qc_step){NAME##_rows, ctx, m0, m1, GEMM_MR, (m1 - m0) * K * O};                           \
