@@ -8,7 +8,7 @@ left exactly as it was.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -27,11 +27,29 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+Model = TypeVar("Model", bound=nn.Module)
+
+
+def build(seed: int, make: Callable[[], Model], *inits: Callable[[nn.Module], None]) -> Model:
+    """``make()`` and then each of ``inits`` on the model, all inside :func:`seeded`; in eval mode."""
+    with seeded(seed):
+        model = make()
+        for init in inits:
+            init(model)
+    return model.eval()
+
+
 def input_generator(seed: int) -> torch.Generator:
     """A fresh local generator for building example inputs without touching global RNG."""
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+def normal_inputs(seed: int, *shape: int) -> tuple:
+    """The positional inputs ``(x,)``: one standard-normal tensor of ``shape``, drawn from a fresh
+    generator seeded ``seed``."""
+    return (torch.randn(*shape, generator=input_generator(seed)),)
 
 
 def kaiming_init_convs(model: nn.Module) -> None:

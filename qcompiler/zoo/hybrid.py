@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.ao.quantization import DeQuantStub, QuantStub
 
-from ._common import input_generator, seeded
+from ._common import build, input_generator
 
 __all__ = ["HybridModel", "hybrid", "example_inputs"]
 
@@ -76,9 +76,7 @@ class HybridModel(nn.Module):
 
 def hybrid(channels: int = 3) -> HybridModel:
     """HybridModel in eval mode with deterministic (PyTorch default-init) weights."""
-    with seeded(HYBRID_SEED):
-        model = HybridModel(channels=channels)
-    return model.eval()
+    return build(HYBRID_SEED, lambda: HybridModel(channels=channels))
 
 
 def example_inputs(batch: int = 1, channels: int = 3, image_size: int = 224, **_: object) -> tuple:

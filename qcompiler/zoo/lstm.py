@@ -13,7 +13,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
-from ._common import input_generator, seeded
+from ._common import build, input_generator
 
 __all__ = ["LSTMSeq", "lstm_seq", "example_inputs"]
 
@@ -47,10 +47,8 @@ class LSTMSeq(nn.Module):
 def lstm_seq(vocab_size: int = 100, embed_dim: int = 32, hidden_size: int = 64,
              num_classes: int = 10) -> LSTMSeq:
     """LSTM sequence model in eval mode with deterministic weights."""
-    with seeded(LSTM_SEED):
-        model = LSTMSeq(vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=hidden_size,
-                        num_classes=num_classes)
-    return model.eval()
+    return build(LSTM_SEED, lambda: LSTMSeq(vocab_size=vocab_size, embed_dim=embed_dim, hidden_size=hidden_size,
+                                            num_classes=num_classes))
 
 
 def example_inputs(batch: int = 1, seq_len: int = SEQ_LEN, vocab_size: int = 100,

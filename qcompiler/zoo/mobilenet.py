@@ -17,7 +17,7 @@ from torch import nn
 
 from qcompiler.errors import ConfigError
 
-from ._common import input_generator, perturb_batchnorm, seeded
+from ._common import build, normal_inputs, perturb_batchnorm
 
 __all__ = ["ConvBNReLU", "InvertedResidual", "MobileNetV2", "mobilenet_v2", "example_inputs"]
 
@@ -134,11 +134,8 @@ def _init_weights(model: nn.Module) -> None:
 
 def mobilenet_v2(num_classes: int = 1000, width_mult: float = 1.0, dropout: float = 0.2) -> MobileNetV2:
     """MobileNetV2 in eval mode with deterministic weights and perturbed BN stats."""
-    with seeded(MOBILENET_V2_SEED):
-        model = MobileNetV2(num_classes=num_classes, width_mult=width_mult, dropout=dropout)
-        _init_weights(model)
-        perturb_batchnorm(model)
-    return model.eval()
+    return build(MOBILENET_V2_SEED, lambda: MobileNetV2(num_classes=num_classes, width_mult=width_mult,
+                                                        dropout=dropout), _init_weights, perturb_batchnorm)
 
 
 def example_inputs(batch: int = 1, image_size: int = 224, **_: object) -> tuple:
@@ -146,5 +143,4 @@ def example_inputs(batch: int = 1, image_size: int = 224, **_: object) -> tuple:
 
     Extra keyword arguments (model kwargs such as ``num_classes``) are ignored.
     """
-    g = input_generator(INPUT_SEED)
-    return (torch.randn(batch, 3, image_size, image_size, generator=g),)
+    return normal_inputs(INPUT_SEED, batch, 3, image_size, image_size)

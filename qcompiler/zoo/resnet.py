@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Type, Union
 import torch
 from torch import nn
 
-from ._common import input_generator, kaiming_init_convs, perturb_batchnorm, seeded
+from ._common import build, kaiming_init_convs, normal_inputs, perturb_batchnorm
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50", "example_inputs"]
 
@@ -34,7 +34,19 @@ def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
 
 
-class BasicBlock(nn.Module):
+class _ResidualBlock(nn.Module):
+    """What both blocks end with: the shortcut (``downsample`` of the input, or the input), the
+    residual add and the ReLU."""
+
+    downsample: Optional[nn.Module]
+    relu: nn.Module
+
+    def _add_shortcut(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + identity)
+
+
+class BasicBlock(_ResidualBlock):
     """Two 3x3 conv+BN layers with a residual connection (ResNet-18/34)."""
 
     expansion = 1
@@ -51,20 +63,11 @@ class BasicBlock(nn.Module):
         self.stride = stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-        out = self.conv1(x)
-        out = self.bn1(out)
-        out = self.relu(out)
-        out = self.conv2(out)
-        out = self.bn2(out)
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out = out + identity
-        out = self.relu(out)
-        return out
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self._add_shortcut(self.bn2(self.conv2(out)), x)
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(_ResidualBlock):
     """1x1 reduce, 3x3 (strided, "v1.5"), 1x1 expand x4, with residual (ResNet-50+)."""
 
     expansion = 4
@@ -84,20 +87,9 @@ class Bottleneck(nn.Module):
         self.stride = stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-        out = self.conv1(x)
-        out = self.bn1(out)
-        out = self.relu(out)
-        out = self.conv2(out)
-        out = self.bn2(out)
-        out = self.relu(out)
-        out = self.conv3(out)
-        out = self.bn3(out)
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out = out + identity
-        out = self.relu(out)
-        return out
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        return self._add_shortcut(self.bn3(self.conv3(out)), x)
 
 
 Block = Union[Type[BasicBlock], Type[Bottleneck]]
@@ -149,11 +141,7 @@ class ResNet(nn.Module):
 
 
 def _build(block: Block, layers: Sequence[int], num_classes: int, seed: int) -> ResNet:
-    with seeded(seed):
-        model = ResNet(block, layers, num_classes=num_classes)
-        kaiming_init_convs(model)
-        perturb_batchnorm(model)
-    return model.eval()
+    return build(seed, lambda: ResNet(block, layers, num_classes=num_classes), kaiming_init_convs, perturb_batchnorm)
 
 
 def resnet18(num_classes: int = 1000) -> ResNet:
@@ -174,5 +162,4 @@ def example_inputs(batch: int = 1, image_size: int = 224, **_: object) -> tuple:
 
     Extra keyword arguments (model kwargs such as ``num_classes``) are ignored.
     """
-    g = input_generator(INPUT_SEED)
-    return (torch.randn(batch, 3, image_size, image_size, generator=g),)
+    return normal_inputs(INPUT_SEED, batch, 3, image_size, image_size)

@@ -20,7 +20,7 @@ from torch import nn
 
 from qcompiler.errors import ConfigError
 
-from ._common import input_generator, seeded
+from ._common import build, normal_inputs
 
 __all__ = ["TransformerBlock", "transformer_block", "example_inputs"]
 
@@ -75,14 +75,16 @@ class TransformerBlock(nn.Module):
 def transformer_block(d_model: int = 64, num_heads: int = 4, ffn_dim: int = 128,
                       seq_len: int = 16) -> TransformerBlock:
     """Transformer encoder block in eval mode with deterministic weights."""
-    with seeded(TRANSFORMER_SEED):
-        model = TransformerBlock(d_model=d_model, num_heads=num_heads, ffn_dim=ffn_dim, seq_len=seq_len)
-        # Non-trivial LayerNorm affine so LN handling is actually tested.
-        with torch.no_grad():
-            for ln in (model.ln1, model.ln2):
-                ln.weight.copy_(1.0 + 0.1 * torch.randn(d_model))
-                ln.bias.copy_(0.1 * torch.randn(d_model))
-    return model.eval()
+    return build(TRANSFORMER_SEED, lambda: TransformerBlock(d_model=d_model, num_heads=num_heads, ffn_dim=ffn_dim,
+                                                            seq_len=seq_len), _perturb_layernorms)
+
+
+@torch.no_grad()
+def _perturb_layernorms(model: TransformerBlock) -> None:
+    """Non-trivial LayerNorm affine so LN handling is actually tested."""
+    for ln in (model.ln1, model.ln2):
+        ln.weight.copy_(1.0 + 0.1 * torch.randn(ln.weight.shape))
+        ln.bias.copy_(0.1 * torch.randn(ln.bias.shape))
 
 
 def example_inputs(batch: int = 1, seq_len: int = 16, d_model: int = 64, **_: object) -> tuple:
@@ -90,5 +92,4 @@ def example_inputs(batch: int = 1, seq_len: int = 16, d_model: int = 64, **_: ob
 
     Extra keyword arguments (model kwargs such as ``num_heads``) are ignored.
     """
-    g = input_generator(INPUT_SEED)
-    return (torch.randn(batch, seq_len, d_model, generator=g),)
+    return normal_inputs(INPUT_SEED, batch, seq_len, d_model)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import input_generator, kaiming_init_convs, perturb_batchnorm, seeded
+from ._common import build, kaiming_init_convs, normal_inputs, perturb_batchnorm
 
 __all__ = ["DoubleConv", "UNet", "unet", "example_inputs"]
 
@@ -70,11 +70,8 @@ class UNet(nn.Module):
 
 def unet(in_channels: int = 3, num_classes: int = 2, base_channels: int = 16) -> UNet:
     """Small UNet in eval mode with deterministic weights and perturbed BN stats."""
-    with seeded(UNET_SEED):
-        model = UNet(in_channels=in_channels, num_classes=num_classes, base_channels=base_channels)
-        kaiming_init_convs(model)
-        perturb_batchnorm(model)
-    return model.eval()
+    return build(UNET_SEED, lambda: UNet(in_channels=in_channels, num_classes=num_classes,
+                                         base_channels=base_channels), kaiming_init_convs, perturb_batchnorm)
 
 
 def example_inputs(batch: int = 1, in_channels: int = 3, image_size: int = 64, **_: object) -> tuple:
@@ -82,5 +79,4 @@ def example_inputs(batch: int = 1, in_channels: int = 3, image_size: int = 64, *
 
     Extra keyword arguments (model kwargs such as ``num_classes``) are ignored.
     """
-    g = input_generator(INPUT_SEED)
-    return (torch.randn(batch, in_channels, image_size, image_size, generator=g),)
+    return normal_inputs(INPUT_SEED, batch, in_channels, image_size, image_size)
