@@ -41,7 +41,8 @@ def test_a_changed_target_fails_naming_the_node():
     _fails(trace(ConvAdd(kernel=1)), ConvAdd(), r"at node 1 \(actual 'conv', expected 'conv'\) in target")
     gm = trace(ConvAdd())
     next(n for n in gm.graph.nodes if n.op == "call_method").target = "div"
-    _fails(gm, ConvAdd(), r"at node 3 \(actual 'mul', expected 'mul'\) in target:\n  target: actual 'div'\n +expected 'mul'")
+    _fails(gm, ConvAdd(), r"at node 3 \(actual 'mul', expected 'mul'\) in target:\n"
+                          r"  target: actual 'div'\n +expected 'mul'")
 
 
 def test_a_changed_constant_fails():
@@ -62,7 +63,8 @@ def test_an_extra_or_a_missing_node_fails_where_it_is():
     with gm.graph.inserting_after(conv):
         extra = gm.graph.call_function(torch.relu, (conv,))
     conv.replace_all_uses_with(extra, delete_user_cb=lambda user: user is not extra)
-    _fails(gm, ConvAdd(), r"at node 2 .* in target, kwargs:\n  target: actual torch.relu\n +expected torch.nn.functional.relu")
+    _fails(gm, ConvAdd(), r"at node 2 .* in target, kwargs:\n"
+                          r"  target: actual torch.relu\n +expected torch.nn.functional.relu")
     gm = trace(ConvAdd())
     out = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(out):
