@@ -7,27 +7,25 @@ import torch
 import torch.nn as nn
 
 from qcompiler.errors import CalibrationError, ConfigError
-from qcompiler.quantization import fixed_point as fp
-from qcompiler.quantization.fake_quantize import (
+from qcompiler.quantization import (
+    OBSERVERS,
     CalibFakeQuantize,
     FakeQuantize,
-    disable_fake_quant,
-    disable_observer,
-    enable_fake_quant,
-    enable_observer,
-    fake_quantize,
-    set_state,
-)
-from qcompiler.quantization.observer import (
-    OBSERVERS,
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     MovingAveragePerChannelMinMaxObserver,
     PercentileObserver,
     PerChannelMinMaxObserver,
+    disable_fake_quant,
+    disable_observer,
+    enable_fake_quant,
+    enable_observer,
+    fake_quantize,
     make_observer,
+    set_state,
 )
+from qcompiler.quantization import fixed_point as fp
 
 EPS = torch.finfo(torch.float32).eps
 
