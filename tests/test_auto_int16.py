@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_prepare import calibrate
 
 import qcompiler
 from qcompiler.errors import ConfigError
@@ -53,12 +54,7 @@ def model_and_data(seed=0):
 
 
 def calibrated(m, data, march="bayes"):
-    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march=march)
-    cal.eval()
-    with torch.no_grad():
-        for x in data:
-            cal(x)
-    return cal
+    return calibrate(prepare_calibration_fx(m, example_inputs=(data[0][:1],), march=march), data)
 
 
 def sqnr(ref, out):

@@ -159,14 +159,16 @@ def test_int16_boundary_is_in_the_report_but_prepare_does_not_warn():
         ("b", "mixed_dtype", "qint16 input, qint8 output: an int8/int16 boundary")]
 
 
-class ConvAdds(nn.Module):
-    """conv + x with an alpha keyword, and conv + a broadcast (N, C, 1, 1) operand: neither fuses."""
+class ThreeConvs(nn.Module):
+    """Three 1x1 convs ``a``, ``b`` and ``c``; each subclass writes the forward."""
 
     def __init__(self):
         super().__init__()
-        self.a = nn.Conv2d(3, 3, 1)
-        self.b = nn.Conv2d(3, 3, 1)
-        self.c = nn.Conv2d(3, 3, 1)
+        self.a, self.b, self.c = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)
+
+
+class ConvAdds(ThreeConvs):
+    """conv + x with an alpha keyword, and conv + a broadcast (N, C, 1, 1) operand: neither fuses."""
 
     def forward(self, x):
         y = torch.add(self.a(x), x, alpha=2.0)
@@ -183,16 +185,10 @@ def test_unfused_adds_say_why():
     }
 
 
-class ActThenAdd(nn.Module):
+class ActThenAdd(ThreeConvs):
     """conv+relu whose output is then added, and conv+add whose sum goes to a relu6: both already
     fused as far as the fuse table allows, so nothing is unfused (no pattern takes a part *before*
     what it already holds, and conv+add+relu6 is not a row)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Conv2d(3, 3, 1)
-        self.b = nn.Conv2d(3, 3, 1)
-        self.c = nn.Conv2d(3, 3, 1)
 
     def forward(self, x):
         y = F.relu(self.a(x)) + x

@@ -24,6 +24,7 @@ X = torch.rand(1, 3, 16, 16)
 
 
 def calibrate(model, batches):
+    """Run ``batches`` through a calibration model in eval mode, without autograd; returns it."""
     model.eval()
     with torch.no_grad():
         for b in batches:
@@ -322,48 +323,48 @@ def test_model_pre_fused_by_torch_ao_gets_the_same_quantizers():
                        "conv2": ("conv2d", *folded, "add", "relu")}
 
 
+class _TwoConvs(nn.Module):
+    """Two 1x1 convs ``c1`` and ``c2``; each test writes the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)
+
+
+def _refuses_high_precision_output(model, layer, match):
+    """prepare_qat_fx refuses a high-precision output qconfig on ``layer`` (ConfigError matching
+    ``match``) and leaves ``model`` untouched."""
+    snap = snapshot(model)
+    qconfig = {"": get_default_qat_qconfig(), "module_name": [(layer, get_default_qat_out_qconfig())]}
+    with pytest.raises(ConfigError, match=match):
+        prepare_qat_fx(model, qconfig, example_inputs=X)
+    assert_untouched(model, snap)
+
+
 @pytest.mark.parametrize("tail", ["relu", "add"])
 def test_high_precision_output_on_a_layer_fused_with_relu_or_add_is_refused(tail):
     """The int32 output is the accumulator before a fused ReLU / add: convert would drop them."""
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c = nn.Conv2d(3, 3, 1)
-            self.c2 = nn.Conv2d(3, 3, 1)
-
+    class M(_TwoConvs):
         def forward(self, x):
-            y = self.c(x)
+            y = self.c1(x)
             return F.relu(self.c2(y)) if tail == "relu" else self.c2(y) + y
 
-    model = M().eval()
-    snap = snapshot(model)
-    qconfig = {"": get_default_qat_qconfig(), "module_name": [("c2", get_default_qat_out_qconfig())]}
-    with pytest.raises(ConfigError, match=rf"node 'c2': a high-precision \(int32\) output qconfig on a layer fused "
-                                          rf"with {tail} .*Give the high-precision qconfig to a layer"):
-        prepare_qat_fx(model, qconfig, example_inputs=X)
-    assert_untouched(model, snap)
+    _refuses_high_precision_output(M().eval(), "c2", rf"node 'c2': a high-precision \(int32\) output qconfig on "
+                                                     rf"a layer fused with {tail} .*Give the high-precision "
+                                                     rf"qconfig to a layer")
 
 
 def test_high_precision_output_read_by_a_bpu_op_is_refused_at_prepare():
     """An int32 output cannot feed another BPU op; the error names the producer, not the consumer."""
 
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c1 = nn.Conv2d(3, 3, 1)
-            self.c2 = nn.Conv2d(3, 3, 1)
-
+    class M(_TwoConvs):
         def forward(self, x):
             return self.c2(self.c1(x))
 
     model = M().eval()
-    snap = snapshot(model)
-    qconfig = {"": get_default_qat_qconfig(), "module_name": [("c1", get_default_qat_out_qconfig())]}
-    with pytest.raises(ConfigError, match=r"node 'c1': a high-precision \(int32\) output qconfig, but its output "
-                                          r"feeds BPU op\(s\) c2, which take int8/int16 inputs"):
-        prepare_qat_fx(model, qconfig, example_inputs=X)
-    assert_untouched(model, snap)
+    _refuses_high_precision_output(model, "c1", r"node 'c1': a high-precision \(int32\) output qconfig, but its "
+                                                r"output feeds BPU op\(s\) c2, which take int8/int16 inputs")
     # the same qconfig on the last layer (its output leaves the BPU) is fine
     qconfig = {"": get_default_qat_qconfig(), "module_name": [("c2", get_default_qat_out_qconfig())]}
     gm = prepare_qat_fx(model, qconfig, example_inputs=X)
