@@ -1,0 +1,43 @@
+"""Named constants for the canonical ops the BPU side speaks of (march tables, convert, lowering).
+
+Plain strings, so they compare equal to the names already in tables, metadata and saved
+artifacts; the definitions behind them are in :mod:`.catalogue`.
+"""
+
+from __future__ import annotations
+
+ADAPTIVE_AVG_POOL2D = "adaptive_avg_pool2d"
+ADD = "add"
+AVG_POOL2D = "avg_pool2d"
+BATCH_NORM = "batch_norm"
+CAT = "cat"
+CONSTANT = "constant"
+CONV2D = "conv2d"
+CONV_TRANSPOSE2D = "conv_transpose2d"
+DEQUANT = "dequant"
+DIV = "div"
+DROPOUT = "dropout"
+EXP = "exp"
+FLATTEN = "flatten"
+GETITEM = "getitem"
+GLOBAL_AVG_POOL = "global_avg_pool"
+IDENTITY = "identity"
+INTERPOLATE = "interpolate"
+LEAKY_RELU = "leaky_relu"
+LINEAR = "linear"
+MATMUL = "matmul"
+MAX_POOL2D = "max_pool2d"
+MEAN = "mean"
+MUL = "mul"
+PERMUTE = "permute"
+PRELU = "prelu"
+QUANT = "quant"
+RELU = "relu"
+RELU6 = "relu6"
+REQUANTIZE = "requantize"
+RESHAPE = "reshape"
+SIGMOID = "sigmoid"
+SILU = "silu"
+SUB = "sub"
+TANH = "tanh"
+TRANSPOSE = "transpose"
