@@ -9,17 +9,18 @@ canonical op (``META_OP``), its arguments and the shapes shape propagation recor
   which of its dims is the batch (``_Batched(d)``), or that it does not depend on the batch
   (constants, weights, sizes of other dims), or that it *is* the batch size (``x.size(0)``,
   usable only as the batch entry of a reshape);
-* each op has a rule (:data:`RULES`, by canonical op) that says where its output's batch dim
-  is, and refuses when the op would mix samples: a reduction, softmax, split or cat over the
-  batch dim, a reshape that folds it or fixes its size, a batch-norm or dropout in training,
-  advanced indexing, an op without a rule (an opaque module, an RNN, random numbers);
+* each op has a rule (:data:`RULES`, by canonical op; the families by their tags in the op
+  registry, qcompiler.ir.ops) that says where its output's batch dim is, and refuses when
+  the op would mix samples: a reduction, softmax, split or cat over the batch dim, a reshape
+  that folds it or fixes its size, a batch-norm or dropout in training, advanced indexing, an
+  op without a rule (an opaque module, an RNN, random numbers);
 * every model output is batched along dim 0;
 * on the CPU (onnxruntime and eager-torch islands compute in float) only ops whose every
   output element is computed by the same exact or correctly rounded operations whatever the
-  tensor's length are allowed (:data:`CPU_EXACT`: layout ops, comparisons, clamps, single
-  arithmetic ops, max pools).  A float convolution, GEMM, sum or transcendental may pick its
-  kernel, blocking or vector tail by the tensor's size, so its bits could change with the
-  batch size; such a model is not split.  BPU ops compute exact integers: any per-sample BPU
+  tensor's length are allowed (:data:`CPU_EXACT`, the ops tagged so: layout ops, comparisons,
+  clamps, single arithmetic ops, max pools).  A float convolution, GEMM, sum or transcendental
+  may pick its kernel, blocking or vector tail by the tensor's size, so its bits could change
+  with the batch size; such a model is not split.  BPU ops compute exact integers: any per-sample BPU
   op is allowed.
 
 None means proven; a string names the first node that stops it and why.
@@ -30,14 +31,16 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.errors import UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_TENSOR, TensorInfo, placement
-from qcompiler.ir.ops import emit_op
+from qcompiler.ir.ops import Binding, Tag, bind, callee, emit_op, tagged
 from qcompiler.nn.quantized import QuantizedSameScale
 
 __all__ = ["split_refusal", "RULES", "CPU_EXACT"]
@@ -86,34 +89,31 @@ def _norm(dim: Any, rank: int) -> int:
 
 
 class _Call:
-    """A node's callee seen uniformly: name, tensor input (first argument), other args, kwargs, module."""
+    """A node's callee seen uniformly: its spelling's name, tensor input (first argument), module
+    (a converted same-scale module's float module), and its arguments by name (read when a rule
+    asks: :func:`qcompiler.ir.ops.bind`)."""
 
     def __init__(self, node: fx.Node, modules: dict[str, nn.Module]) -> None:
-        self.node, self.module = node, None
-        self.args, self.kwargs = tuple(node.args[1:]), dict(node.kwargs)
+        self.node, self.modules, self.module = node, modules, None
         self.first = node.args[0] if node.args else None
-        if node.op == "call_method":
-            self.name = str(node.target)
-        elif node.op == "call_function":
-            self.name = getattr(node.target, "__name__", str(node.target))
-        else:
+        spelled = callee(node, modules)
+        self.name = spelled.name if spelled is not None else getattr(node.target, "__name__", str(node.target))
+        if node.op == "call_module":
             m = modules[node.target]
             self.module = m
-            if isinstance(m, QuantizedSameScale) and m.method is not None:
-                self.name = m.method
-            elif isinstance(m, QuantizedSameScale) and m.function is not None:
-                self.name = getattr(m.function, "__name__", "")
-            elif isinstance(m, QuantizedSameScale) and m.float_module is not None:
+            if isinstance(m, QuantizedSameScale) and m.method is None and m.function is None \
+                    and m.float_module is not None:
                 self.module = m.float_module
-                self.name = type(m.float_module).__name__
-            else:
+            if spelled is None:
                 self.name = type(m).__name__
 
-    def arg(self, i: int, key: str, default: Any = None) -> Any:
-        """Argument ``i`` after the tensor (or keyword ``key``), for function and method forms alike."""
-        if key in self.kwargs:
-            return self.kwargs[key]
-        return self.args[i] if i < len(self.args) else default
+    @cached_property
+    def arguments(self) -> Binding:
+        """The call's arguments by name (defaults filled in)."""
+        bound = bind(self.node, self.modules)
+        if bound is None:
+            raise Refused(f"no argument signature for {self.name!r}")
+        return bound
 
 
 def _input(call: _Call, states: dict) -> Optional[tuple[int, int]]:
@@ -172,20 +172,18 @@ def _elementwise(call: _Call, states: dict, out_info: Any) -> Any:
     return _Batched(d)
 
 
-def _leading() -> Rule:
-    """Ops over (N, C, spatial...): the batch must be dim 0 and stays dim 0."""
-    def rule(call: _Call, states: dict, out_info: Any) -> Any:
-        s = states.get(call.first) if isinstance(call.first, fx.Node) else CONST
-        if s is CONST:
-            _others(call, states, None)
-            return CONST
-        if _batched(s, "the input") != 0:
-            raise Refused("the batch is not dim 0 of its (N, C, ...) input")
-        if not isinstance(out_info, TensorInfo) or out_info.shape[0] != _shape(call.first)[0]:
-            raise Refused("the output's dim 0 is not the batch")
-        _others(call, states, 0)
-        return _Batched(0)
-    return rule
+def _leading(call: _Call, states: dict, out_info: Any) -> Any:
+    """Ops over (N, C, spatial...) (:data:`Tag.SPATIAL`): the batch must be dim 0 and stays dim 0."""
+    s = states.get(call.first) if isinstance(call.first, fx.Node) else CONST
+    if s is CONST:
+        _others(call, states, None)
+        return CONST
+    if _batched(s, "the input") != 0:
+        raise Refused("the batch is not dim 0 of its (N, C, ...) input")
+    if not isinstance(out_info, TensorInfo) or out_info.shape[0] != _shape(call.first)[0]:
+        raise Refused("the output's dim 0 is not the batch")
+    _others(call, states, 0)
+    return _Batched(0)
 
 
 def _others(call: _Call, states: dict, d: Optional[int]) -> None:
@@ -198,15 +196,15 @@ def _others(call: _Call, states: dict, d: Optional[int]) -> None:
             raise Refused(f"operand '{a.name}' depends on the batch in another way than the input")
 
 
-def _eval_only(inner: Rule, position: int, default: bool) -> Rule:
+def _eval_only(inner: Rule) -> Rule:
     """A module or function that mixes samples (batch-norm statistics) or draws random numbers in
-    training: a module's ``training`` flag, or the function's ``training`` argument (after the input,
-    at ``position``; ``default`` when absent) must be False."""
+    training (:data:`Tag.TRAINING`): a module's ``training`` flag, or the function's ``training``
+    argument must be False."""
     def rule(call: _Call, states: dict, out_info: Any) -> Any:
         if call.module is not None:
             training = call.module.training
         elif call.node.op == "call_function":
-            training = call.arg(position, "training", default)
+            training = call.arguments["training"]
         else:
             training = True  # a method spelling: not read, so not proven
         if training is not False:
@@ -234,7 +232,7 @@ def _last_dims(count: Callable[[_Call, int], int]) -> Rule:
 def _normalized_count(call: _Call, rank: int) -> int:
     if call.module is not None and hasattr(call.module, "normalized_shape"):
         return len(tuple(call.module.normalized_shape))
-    shape = call.arg(0, "normalized_shape")
+    shape = call.arguments["normalized_shape"]
     if isinstance(shape, int):
         return 1
     if isinstance(shape, (tuple, list)):
@@ -243,32 +241,29 @@ def _normalized_count(call: _Call, rank: int) -> int:
 
 
 def _pad_count(call: _Call, rank: int) -> int:
-    pad = call.arg(0, "pad")
+    pad = call.arguments["pad"]
     if not isinstance(pad, (tuple, list)):
         raise Refused("the padding is not constant")
     return (len(pad) + 1) // 2
 
 
-def _along_dim(reduces: bool, position: int = 0) -> Rule:
-    """softmax / cumsum (reduces=False) and sum / mean / amax ... (reduces=True) over ``dim``, the
-    argument at ``position`` after the input (a module's ``dim`` attribute); keepdim follows it."""
+def _along_dim(reduces: bool) -> Rule:
+    """softmax / cumsum / flip (reduces=False: :data:`Tag.ALONG_DIM`) and sum / mean / amax ...
+    (reduces=True: :data:`Tag.REDUCTION`) over the ``dim`` (``dims``) argument (a module's ``dim``
+    attribute); keepdim follows it. A reduction over no dim given (None, or ``()``) is over all."""
     def rule(call: _Call, states: dict, out_info: Any) -> Any:
         got = _input(call, states)
         if got is None:
             return CONST
         d, rank = got
-        if call.module is not None and hasattr(call.module, "dim"):
-            dim = call.module.dim
-        else:
-            dim = call.arg(position, "dim", None)
-            if dim is None:
-                dim = call.kwargs.get("dims", None)
-        if dim is None:
+        args = call.arguments
+        dim = args["dims"] if "dims" in args else args["dim"]
+        if dim is None or (reduces and isinstance(dim, (tuple, list)) and not dim):
             raise Refused("it reduces over every dim, the batch too")
         dims = {_norm(x, rank) for x in (dim if isinstance(dim, (tuple, list)) else (dim,))}
         if d in dims:
             raise Refused("it reduces over the batch dim")
-        keep = call.arg(position + 1, "keepdim", False) if reduces else True
+        keep = args["keepdim"] if reduces else True
         if keep is not True and keep is not False:
             raise Refused("keepdim is not constant")
         return _Batched(d if keep else d - sum(x < d for x in dims))
@@ -291,19 +286,15 @@ def _reshape(call: _Call, states: dict, out_info: Any) -> Any:
     if name in ("contiguous", "clone", "detach", "to", "float", "type", "Identity", "Dropout"):
         return _Batched(d)
     if name in ("flatten", "Flatten"):
-        if isinstance(call.module, nn.Flatten):
-            start, end = call.module.start_dim, call.module.end_dim
-        else:
-            start, end = call.arg(0, "start_dim", 0), call.arg(1, "end_dim", -1)
-        start, end = _norm(start, rank), _norm(end, rank)
+        start, end = _norm(call.arguments["start_dim"], rank), _norm(call.arguments["end_dim"], rank)
         if start <= d <= end and start != end:
             raise Refused("it flattens the batch dim into others")
         return _Batched(d if d < start else d - max(0, end - start))
     if name == "unsqueeze":
-        dim = _norm(call.arg(0, "dim"), rank + 1)
+        dim = _norm(call.arguments["dim"], rank + 1)
         return _Batched(d + (dim <= d))
     if name == "squeeze":
-        dim = call.arg(0, "dim", None)
+        dim = call.arguments["dim"]
         if dim is None:
             raise Refused("squeeze() without a dim removes the batch dim when a chunk has one sample")
         dims = {_norm(x, rank) for x in (dim if isinstance(dim, (tuple, list)) else (dim,))}
@@ -311,9 +302,7 @@ def _reshape(call: _Call, states: dict, out_info: Any) -> Any:
             raise Refused("it squeezes the batch dim")
         return _Batched(d - sum(x < d and shp[x] == 1 for x in dims))
     if name in ("view", "reshape"):
-        target = call.args[0] if len(call.args) == 1 and isinstance(call.args[0], (tuple, list)) else call.args
-        if "shape" in call.kwargs or "size" in call.kwargs:
-            target = call.kwargs.get("shape", call.kwargs.get("size"))
+        target = call.arguments["size" if name == "view" else "shape"]
         if not isinstance(target, (tuple, list)):
             raise Refused("the target shape is not a list")
         out = tuple(out_info.shape) if isinstance(out_info, TensorInfo) else None
@@ -344,11 +333,9 @@ def _permute(call: _Call, states: dict, out_info: Any) -> Any:
     if call.name == "t":
         return _Batched(1 - d if rank == 2 else d)
     if call.name == "transpose":
-        a, b = _norm(call.arg(0, "dim0"), rank), _norm(call.arg(1, "dim1"), rank)
+        a, b = _norm(call.arguments["dim0"], rank), _norm(call.arguments["dim1"], rank)
         return _Batched(b if d == a else a if d == b else d)
-    dims = call.args[0] if len(call.args) == 1 and isinstance(call.args[0], (tuple, list)) else call.args
-    dims = call.kwargs.get("dims", dims)
-    order = [_norm(x, rank) for x in dims]
+    order = [_norm(x, rank) for x in call.arguments["dims"]]
     if sorted(order) != list(range(rank)):
         raise Refused("not a permutation")
     return _Batched(order.index(d))
@@ -366,7 +353,7 @@ def _cat(stack: bool) -> Rule:
             raise Refused("it joins batched and constant tensors, or tensors batched in different dims")
         d = st[0].dim
         rank = len(_shape(items[0]))
-        dim = _norm(call.arg(0, "dim", 0), rank + stack)
+        dim = _norm(call.arguments["dim"], rank + stack)
         if not stack and dim == d:
             raise Refused("it concatenates along the batch dim")
         return _Batched(d + (stack and dim <= d))
@@ -382,11 +369,11 @@ def _split(call: _Call, states: dict, out_info: Any) -> Any:
     d = _batched(s, "the input")
     rank = len(_shape(call.first))
     if call.name == "unbind":
-        dim = _norm(call.arg(0, "dim", 0), rank)
+        dim = _norm(call.arguments["dim"], rank)
         if dim == d:
             raise Refused("it unbinds the batch dim")
         return tuple(_Batched(d - (dim < d)) for _ in out_info)
-    dim = _norm(call.arg(1, "dim", 0), rank)
+    dim = _norm(call.arguments["dim"], rank)
     if dim == d:
         raise Refused("it splits along the batch dim")
     return tuple(_Batched(d) for _ in out_info)
@@ -440,14 +427,14 @@ def _size(call: _Call, states: dict, out_info: Any) -> Any:
         return CONST
     d = _batched(s, "the input")
     if call.name == "getattr":
-        name = call.arg(0, "name")
+        name = call.arguments["name"]
         if name == "shape":
             return _Sizes(d, len(_shape(call.first)))
         if name in _BATCH_FREE_ATTRS:
             return CONST
         raise Refused(f"attribute '{name}' of a batched tensor (only {', '.join(sorted(_BATCH_FREE_ATTRS))} "
                       f"and shape are known not to depend on the batch)")
-    dim = call.arg(0, "dim", None)
+    dim = call.arguments["dim"]
     if dim is None:
         return _Sizes(d, len(_shape(call.first)))
     return BATCH_SIZE if _norm(dim, len(_shape(call.first))) == d else CONST
@@ -553,33 +540,21 @@ def _const_only(call: _Call, states: dict, out_info: Any) -> Any:
     return CONST
 
 
-_EW = _elementwise
-# canonical op -> rule.  Ops missing here stop the split (an unknown op may mix samples).
-RULES: dict[str, Rule] = {
-    **{op: _EW for op in (
-        "quant", "dequant", "requantize", "identity", "relu", "relu6", "leaky_relu", "hardtanh", "clamp",
-        "add", "sub", "rsub", "mul", "div", "rdiv", "neg", "abs", "maximum", "minimum", "where", "masked_fill",
-        "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
-        "sigmoid", "tanh", "hardsigmoid", "hardswish", "silu", "gelu", "elu", "selu", "celu", "mish",
-        "softplus", "exp", "log", "sqrt", "rsqrt", "reciprocal", "pow", "square", "sign", "floor", "ceil",
-        "round", "trunc", "erf", "sin", "cos", "cast", "float", "nan_to_num", "logsigmoid", "softsign",
-        "tanhshrink", "hardshrink", "softshrink", "threshold")},
-    "dropout": _eval_only(_EW, 1, True),
-    **{op: _leading() for op in (
-        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-        "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-        "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
-        "global_avg_pool", "interpolate", "pixel_shuffle", "pixel_unshuffle", "group_norm", "instance_norm",
-        "local_response_norm", "prelu")},
-    **{op: _eval_only(_leading(), 4, False) for op in ("batch_norm", "batch_norm1d", "batch_norm3d")},
+# an op's family rule, by its tag in the op registry (qcompiler.ir.ops.catalogue)
+_FAMILIES: tuple[tuple[Tag, Rule], ...] = (
+    (Tag.ELEMENTWISE, _elementwise),
+    (Tag.SPATIAL, _leading),
+    (Tag.ALONG_DIM, _along_dim(False)),
+    (Tag.REDUCTION, _along_dim(True)),
+)
+
+# the ops with a rule of their own
+_OWN_RULES: dict[str, Rule] = {
     "linear": _last_dims(lambda call, rank: 1),
     "layer_norm": _last_dims(_normalized_count),
     "rms_norm": _last_dims(_normalized_count),
     "pad": _last_dims(_pad_count),
     "constant_pad_nd": _last_dims(_pad_count),
-    **{op: _along_dim(False) for op in ("softmax", "log_softmax", "softmin", "cumsum", "flip")},
-    "normalize": _along_dim(False, 1),
-    **{op: _along_dim(True) for op in ("sum", "mean", "amax", "amin", "prod", "logsumexp", "argmax", "argmin")},
     "reshape": _reshape,
     "flatten": _reshape,
     "permute": _permute,
@@ -597,16 +572,21 @@ RULES: dict[str, Rule] = {
     "constant": _const_only,
 }
 
+
+def _family_rules() -> dict[str, Rule]:
+    rules: dict[str, Rule] = {}
+    for tag, rule in _FAMILIES:
+        for op in sorted(tagged(tag)):
+            rules[op] = _eval_only(rule) if op in tagged(Tag.TRAINING) else rule
+    return rules
+
+
+# canonical op -> rule.  Ops missing here stop the split (an unknown op may mix samples).
+RULES: dict[str, Rule] = {**_family_rules(), **_OWN_RULES}
+
 # Ops whose float result is the same bits whatever the tensor's length or layout (exact or one
 # correctly rounded operation per element): the only ones allowed on the CPU.
-CPU_EXACT = frozenset({
-    "identity", "dropout", "relu", "relu6", "hardtanh", "clamp", "neg", "abs", "maximum", "minimum", "where",
-    "masked_fill", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor",
-    "sign", "floor", "ceil", "round", "trunc", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_max_pool1d",
-    "adaptive_max_pool2d", "reshape", "flatten", "permute", "transpose", "t", "cat", "stack", "split", "unbind",
-    "size", "getattr", "getitem", "setitem", "cast", "float", "constant", "pad", "constant_pad_nd", "flip",
-    "add", "sub", "rsub", "mul", "div", "rdiv", "leaky_relu", "prelu", "quant", "dequant", "requantize",
-})
+CPU_EXACT = tagged(Tag.CPU_EXACT)
 
 
 def _op(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str]:
@@ -652,7 +632,7 @@ def split_refusal(gm: fx.GraphModule) -> Optional[str]:
                 states[node] = rule(_Call(node, modules), states, _info(node))
         except Refused as why:
             return f"{where}: {why}"
-        except (IndexError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError, UnsupportedOpError) as exc:
             return f"{where}: its arguments could not be read ({type(exc).__name__}: {exc})"
     return None
 
