@@ -9,7 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.ir.meta import META_TENSOR, TensorInfo
-from qcompiler.ir.ops import is_number
+from qcompiler.ir.ops import bind, is_number
 from qcompiler.nn.fused import ZERO_PADDING_MODES
 from qcompiler.quantization.fixed_point import padding_attr
 
@@ -56,15 +56,10 @@ def _base_module(module: Optional[nn.Module]) -> Optional[nn.Module]:
     return inner if isinstance(inner, nn.Module) else module
 
 
-def _normalized(node: fx.Node, gm: fx.GraphModule) -> dict[str, Any]:
-    try:
-        pair = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
-    except Exception:  # signatures torch cannot normalize: fall back to what we have
-        pair = None
-    return dict(pair.kwargs) if pair is not None else dict(node.kwargs)
+Modules = dict[str, nn.Module]
 
 
-def _conv_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule, transposed: bool) -> dict:
+def _conv_attrs(module: Optional[nn.Module], node: fx.Node, modules: Modules, transposed: bool) -> dict:
     conv = _base_module(module)
     if isinstance(conv, (nn.Conv2d, nn.ConvTranspose2d)):
         return {
@@ -78,16 +73,16 @@ def _conv_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule, 
             "padding_mode": "zeros" if conv.padding_mode in ZERO_PADDING_MODES else conv.padding_mode,
             "padded": any(conv._reversed_padding_repeated_twice),  # also for padding="same"
         }
-    kw = _normalized(node, gm)
-    weight = kw.get("weight")
+    kw = bind(node, modules)
+    weight = kw["weight"]
     wshape = weight.meta[META_TENSOR].shape if isinstance(weight, fx.Node) and isinstance(
         weight.meta.get(META_TENSOR), TensorInfo
     ) else None
-    groups = int(kw.get("groups", 1) or 1)
+    groups = int(kw["groups"] or 1)
     attrs = {
-        "stride": _pair(kw.get("stride", 1)),
-        "padding": _pair(kw.get("padding", 0)) if not isinstance(kw.get("padding", 0), str) else (0, 0),
-        "dilation": _pair(kw.get("dilation", 1)),
+        "stride": _pair(kw["stride"]),
+        "padding": _pair(kw["padding"]) if not isinstance(kw["padding"], str) else (0, 0),
+        "dilation": _pair(kw["dilation"]),
         "groups": groups,
     }
     if wshape is not None:
@@ -103,13 +98,13 @@ _POOL_OPTIONS = {"dilation": 1, "ceil_mode": False, "return_indices": False, "co
                  "divisor_override": None}
 
 
-def _pool_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
+def _pool_attrs(module: Optional[nn.Module], node: fx.Node, modules: Modules) -> dict:
     if module is not None and hasattr(module, "kernel_size"):
         kernel, stride, padding = module.kernel_size, module.stride, module.padding
         options = {k: getattr(module, k, v) for k, v in _POOL_OPTIONS.items()}
     else:
-        kw = _normalized(node, gm)
-        kernel, stride, padding = kw.get("kernel_size"), kw.get("stride"), kw.get("padding", 0)
+        kw = bind(node, modules)
+        kernel, stride, padding = kw["kernel_size"], kw["stride"], kw["padding"]
         options = {k: kw.get(k, v) for k, v in _POOL_OPTIONS.items()}
     kernel = _pair(kernel)
     stride = _pair(stride) if stride not in (None, [], ()) else kernel
@@ -117,23 +112,19 @@ def _pool_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) 
     return {"kernel": kernel, "stride": stride, "padding": _padding(padding), **options}
 
 
-def _interp_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
-    mode = getattr(module, "mode", None) if module is not None else _normalized(node, gm).get("mode", "nearest")
+def _interp_attrs(module: Optional[nn.Module], node: fx.Node, modules: Modules) -> dict:
+    mode = getattr(module, "mode", None) if module is not None else bind(node, modules)["mode"]
     return {"mode": mode or "nearest"}
 
 
-def _dim_attr(node: fx.Node, gm: fx.GraphModule) -> dict:
-    kw = _normalized(node, gm)
-    if "dim" in kw:
-        return {"dim": kw["dim"]}
-    if node.op == "call_method" and len(node.args) > 1:
-        return {"dim": node.args[1]}
-    return {}
+def _dim_attr(node: fx.Node, modules: Modules) -> dict:
+    """The ``dim`` of cat / mean / softmax, given by position or keyword (or its default)."""
+    return {"dim": bind(node, modules)["dim"]}
 
 
-def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, gm: fx.GraphModule) -> dict:
+def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, modules: Modules) -> dict:
     """``output_size`` as (h, w); a None entry keeps the input's size along that dim (torch's meaning)."""
-    size = module.output_size if module is not None else _normalized(node, gm).get("output_size")
+    size = module.output_size if module is not None else bind(node, modules)["output_size"]
     if size is None:
         return {"output_size": None}
     h, w = (size[0], size[-1]) if isinstance(size, (tuple, list)) else (size, size)
@@ -183,15 +174,15 @@ def op_info(node: fx.Node, op: str, gm: fx.GraphModule, modules: dict[str, nn.Mo
             constants += is_number(a)
     out_shapes = [t.shape for t in _flat_infos(node.meta.get(META_TENSOR))]
     if op in ("conv2d", "conv_transpose2d"):
-        attrs.update(_conv_attrs(module, node, gm, transposed=(op == "conv_transpose2d")))
+        attrs.update(_conv_attrs(module, node, modules, transposed=(op == "conv_transpose2d")))
     elif op in ("max_pool2d", "avg_pool2d"):
-        attrs.update(_pool_attrs(module, node, gm))
+        attrs.update(_pool_attrs(module, node, modules))
     elif op == "interpolate":
-        attrs.update(_interp_attrs(module, node, gm))
+        attrs.update(_interp_attrs(module, node, modules))
     elif op in ("cat", "mean", "softmax"):
-        attrs.update(_dim_attr(node, gm))
+        attrs.update(_dim_attr(node, modules))
     elif op == "adaptive_avg_pool2d":
-        attrs.update(_adaptive_attrs(module, node, gm))
+        attrs.update(_adaptive_attrs(module, node, modules))
     elif op == "div":
         attrs["rounding_mode"] = node.kwargs.get("rounding_mode")
     attrs["constant_operands"] = constants

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcompiler.errors import UnsupportedOpError
 from qcompiler.ir.meta import META_PARTITION, META_TENSOR, TensorInfo
-from qcompiler.ir.ops import describe_target
+from qcompiler.ir.ops import REQUIRED, Signature, describe_target, read_arguments  # REQUIRED: ctx.kw(weight=REQUIRED)
 
 if TYPE_CHECKING:
     from qcompiler.backends.onnx.emitter import OnnxEmitter
@@ -207,9 +207,6 @@ def call_of(node: fx.Node, modules: dict[str, nn.Module]) -> Call:
                 node.target if node.op == "call_module" else None)
 
 
-REQUIRED = _MISSING  # ``ctx.kw(weight=REQUIRED)``: the call must give it
-
-
 @dataclass(frozen=True)
 class ModuleTensor:
     """A parameter or buffer of the called module, as :meth:`NodeContext.kw` gives it; the
@@ -266,35 +263,29 @@ class NodeContext:
           a parameter or buffer comes as a :class:`ModuleTensor` (``ctx.tensor`` names it by path).
           ``training`` is never read from a module (its train flag is state; the export is eval).
 
-        So one rule body serves every spelling (no ``if ctx.module`` branch); a missing
-        required argument raises ``KeyError`` (reported as "missing argument").
+        So one rule body serves every spelling (no ``if ctx.module`` branch). The reading is
+        :func:`qcompiler.ir.ops.read_arguments`'s, the one every pass uses; a call that does
+        not fit ``params`` (too many positional arguments, an unknown keyword, a missing
+        required one) is unsupported.
         """
-        call, out = self.call, {}
-        names = list(params)
-        if call.module is None:
-            extra = call.args[1:]
-            if len(extra) > len(names):
-                raise self.unsupported(f"{len(extra)} positional arguments after the input; the rule knows "
-                                       f"{len(names)} ({', '.join(names) or 'none'})")
-            out.update(zip(names, extra))
-            out.update({k: v for k, v in call.kwargs.items() if k != "input"})
-        else:
-            m = call.module
-            for name in names:
-                if name == "training":  # a module's train flag is its state, not an argument of the call
-                    continue
-                if name in m._parameters or name in m._buffers:
-                    if getattr(m, name) is not None:
-                        out[name] = ModuleTensor(m, name, call.path)
-                    else:
-                        out[name] = None
-                elif hasattr(m, name):
-                    out[name] = getattr(m, name)
-        for name, default in params.items():
-            if name not in out:
-                if default is REQUIRED:
-                    raise KeyError(name)
-                out[name] = default
+        call, m = self.call, self.call.module
+        signature = Signature(("input",), tuple(params.items()))
+        # a module call's other inputs and keywords are the rule's to read (ctx.arg); keywords the
+        # rule does not name (``inplace=False``) are kept as given: torch checked them
+        args, kwargs = (call.args[:1], {}) if m is not None else (call.args, call.kwargs)
+        named = {k: v for k, v in kwargs.items() if k in signature.names}
+        try:
+            out = read_arguments(signature, args, named, m, describe_target(self.node, self.emitter.modules))
+        except UnsupportedOpError as e:
+            raise self.unsupported(str(e)) from None
+        out.update({k: v for k, v in kwargs.items() if k not in signature.names})
+        out.pop("input", None)
+        if m is not None:
+            if "training" in params:  # a module's train flag is its state, not an argument of the call
+                out["training"] = params["training"]
+            for name in params:
+                if (name in m._parameters or name in m._buffers) and out[name] is not None:
+                    out[name] = ModuleTensor(m, name, call.path)
         return out
 
     def value(self, a: Any) -> Value:
