@@ -230,3 +230,14 @@ def test_placement_with_dim_by_position_is_placement_with_dim_by_keyword(by_posi
     pos, kw = _placements(by_position), _placements(by_keyword)
     assert pos == kw
     assert {name: (where, why) for name, where, why in pos}[node] == expected
+
+
+def test_placement_does_not_lean_on_torch_schema_matching(monkeypatch):
+    """torch <= 2.12's normalized_arguments raises "schema match was ambiguous" for a cat with dim by
+    position (issue 36); placement reads arguments with bind, so a cat along dim 1 stays on the BPU."""
+    def ambiguous(*args, **kwargs):
+        raise RuntimeError("Tried to normalize arguments to torch.cat but the schema match was ambiguous!")
+
+    monkeypatch.setattr(fx.Node, "normalized_arguments", ambiguous)
+    pos = {name: (where, why) for name, where, why in _placements(lambda a, b: torch.cat([a, b], 1))}
+    assert pos["cat"] == ("bpu", "cat supported on bayes")
