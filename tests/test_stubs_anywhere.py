@@ -28,6 +28,7 @@ import torch.nn as nn
 from graph_match import assert_same_graph, in_partitions
 from test_eager_islands import Gate  # data-dependent Python: torch.fx cannot trace it
 from test_prepare import calibration_observer, fused_conv
+from test_tracer import TypoInside
 
 import qcompiler
 from qcompiler.backends.bpu.lower import lower_partition
@@ -102,17 +103,26 @@ class Nested(nn.Module):
         return self.dequant(self.conv2(self.wrapped(y)))
 
 
-class StubOnQuantized(nn.Module):
-    """A QuantStub applied to the output of a BPU conv (as torch's QuantWrapper after a layer)."""
+class ConvSandwich(nn.Module):
+    """conv1 (3 -> 4, 3x3), then the module ``make()`` builds, as the submodule ``name``, then conv2
+    (4 -> 2, 1x1); built in that order (the same weights for one seed)."""
 
-    def __init__(self):
+    def __init__(self, name: str, make):
         super().__init__()
         self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
-        self.requant = taq.QuantStub()
+        self.middle = name
+        setattr(self, name, make())
         self.conv2 = nn.Conv2d(4, 2, 1)
 
     def forward(self, x):
-        return self.conv2(self.requant(self.conv1(x)))
+        return self.conv2(getattr(self, self.middle)(self.conv1(x)))
+
+
+class StubOnQuantized(ConvSandwich):
+    """A QuantStub applied to the output of a BPU conv (as torch's QuantWrapper after a layer)."""
+
+    def __init__(self):
+        super().__init__("requant", taq.QuantStub)
 
 
 class DequantIntoBpu(nn.Module):
@@ -507,15 +517,9 @@ def test_lowering_refuses_a_requantize_whose_input_grid_changed():
 # -------------------------------------------------------------------------- untraceable code
 
 
-class WithGate(nn.Module):
+class WithGate(ConvSandwich):
     def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
-        self.block = nn.Sequential(nn.Conv2d(4, 4, 1), Gate())
-        self.conv2 = nn.Conv2d(4, 2, 1)
-
-    def forward(self, x):
-        return self.conv2(self.block(self.conv1(x)))
+        super().__init__("block", lambda: nn.Sequential(nn.Conv2d(4, 4, 1), Gate()))
 
 
 class TopLevelControlFlow(nn.Module):
@@ -617,17 +621,5 @@ def test_strict_tracing_keeps_the_trace_error():
 
 
 def test_an_error_in_the_models_code_is_not_made_a_leaf():
-    class Broken(nn.Module):
-        def forward(self, x):
-            return undefined_name(x)  # noqa: F821
-
-    class Outer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Broken()
-
-        def forward(self, x):
-            return self.inner(x)
-
     with pytest.raises(TraceError, match="NameError.*an error in the model's code"):
-        _compile(Outer(), "bayes")
+        _compile(TypoInside(), "bayes")  # a NameError in a submodule's forward
