@@ -19,7 +19,7 @@ import io
 import math
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import matplotlib
 import torch.fx as fx
@@ -73,6 +73,12 @@ details summary{cursor:pointer;color:#1f5fbf;margin:4px 0}
 
 def _e(x: Any) -> str:
     return html.escape("" if x is None else str(x))
+
+
+def _table_head(*columns: str, left: frozenset = frozenset()) -> str:
+    """``<table>`` and its header row; the columns named in ``left`` are left-aligned (class "l")."""
+    cells = "".join(f'<th class="l">{_e(c)}</th>' if c in left else f"<th>{_e(c)}</th>" for c in columns)
+    return f"<table><tr>{cells}</tr>"
 
 
 def _num(v: Any, digits: int = 6) -> str:
@@ -136,7 +142,7 @@ def graph_svg(gm: fx.GraphModule) -> tuple[str, bool]:
     except Exception:  # dot missing or failing: fall back to a table
         rows = partition_table(gm)
         cols = list(rows[0].keys()) if rows else []
-        out = ["<table><tr>" + "".join(f'<th class="l">{_e(c)}</th>' for c in cols) + "</tr>"]
+        out = [_table_head(*cols, left=frozenset(cols))]
         for r in rows:
             cls = str(r.get("placement", ""))
             out.append(f'<tr class="{_e(cls)}">' + "".join(f'<td class="l">{_e(r[c])}</td>' for c in cols) + "</tr>")
@@ -290,11 +296,22 @@ def _overview(analysis, sqnr: Sequence[float]) -> list[str]:
     return out
 
 
-def _int16_section(analysis) -> list[str]:
-    adv = getattr(analysis, "int16_advice", None)
-    if not adv:
-        return ['<p class="note">No int16 advice yet: run <code>qa.suggest_int16(target_sqnr=30)</code> before '
-                "<code>qa.report()</code>, or <code>qcompiler report --target-sqnr 30</code>.</p>"]
+# the analysis attribute each advice section shows, and the note that says how to compute it
+_ADVICE_NOT_YET = {
+    "int16_advice": "No int16 advice yet: run <code>qa.suggest_int16(target_sqnr=30)</code> before "
+                    "<code>qa.report()</code>, or <code>qcompiler report --target-sqnr 30</code>.",
+    "fix_advice": "No root-cause advice yet: run <code>qa.advise()</code> before <code>qa.report()</code> "
+                  "(<code>qcompiler report</code> does).",
+}
+
+
+def _advice_section(analysis, attr: str, render: Callable[[Any], list[str]]) -> list[str]:
+    """``render`` of the advice ``analysis.<attr>``, or the note saying how to compute it."""
+    advice = getattr(analysis, attr, None)
+    return render(advice) if advice else [f'<p class="note">{_ADVICE_NOT_YET[attr]}</p>']
+
+
+def _int16_section(adv: dict) -> list[str]:
     out = []
     if not adv["steps"]:
         out.append(f'<p class="big">All int8 reaches <b>{adv["baseline_sqnr"]:.2f} dB</b> output SQNR, already at '
@@ -305,8 +322,8 @@ def _int16_section(analysis) -> list[str]:
                f'<b>{adv["baseline_sqnr"]:.2f} dB &rarr; {adv["reached_sqnr"]:.2f} dB</b> '
                f'(predicted gain <b>{adv["gain"]:+.2f} dB</b>; {verdict} the target {adv["target_sqnr"]:.2f} dB).</p>')
     out.append(f'<div class="chart">{_int16_chart(adv)}</div>')
-    out.append('<table><tr><th>step</th><th class="l">quantizer</th><th class="l">op</th><th>output SQNR (dB)</th>'
-               "<th>gain (dB)</th></tr>")
+    out.append(_table_head("step", "quantizer", "op", "output SQNR (dB)", "gain (dB)",
+                           left=frozenset({"quantizer", "op"})))
     prev = adv["baseline_sqnr"]
     for i, (q, op, v) in enumerate(adv["steps"], 1):
         out.append(f'<tr><td>{i}</td><td class="l nw">{_e(q)}</td><td class="l nw">{_e(op)}</td>'
@@ -316,17 +333,12 @@ def _int16_section(analysis) -> list[str]:
     return out
 
 
-def _root_cause_section(analysis) -> list[str]:
-    rows = getattr(analysis, "fix_advice", None)
-    if not rows:
-        return ['<p class="note">No root-cause advice yet: run <code>qa.advise()</code> before '
-                "<code>qa.report()</code> (<code>qcompiler report</code> does).</p>"]
+def _root_cause_section(rows: list) -> list[str]:
     out = [f'<p class="note">Each fix applied alone, output SQNR measured on the bad case (all int8: '
            f'{rows[0]["base_sqnr"]:.2f} dB); best first. <code>qa.apply_advice(FILE)</code> / '
            "<code>qcompiler report --apply FILE</code> writes the best ones for "
            "<code>qcompiler compile --qconfig FILE --hybrid FILE</code>.</p>",
-           '<table><tr><th>rank</th><th class="l">layer</th><th class="l">fix</th><th>output SQNR (dB)</th>'
-           "<th>gain (dB)</th></tr>"]
+           _table_head("rank", "layer", "fix", "output SQNR (dB)", "gain (dB)", left=frozenset({"layer", "fix"}))]
     for r in rows:
         for i, f in enumerate(r["fixes"]):
             what = f"{f.kind} ({f.observer})" if f.observer else f.kind
@@ -370,8 +382,8 @@ def _layer_table(analysis, sqnr: Sequence[float]) -> list[str]:
 def _advisor_table(analysis) -> list[str]:
     if not analysis.advice:
         return ["<p>No abnormal layer found.</p>"]
-    out = ['<table><tr><th>#</th><th class="l">layer</th><th class="l">kind</th><th class="l">finding</th>'
-           '<th class="l">suggestion</th></tr>']
+    out = [_table_head("#", "layer", "kind", "finding", "suggestion",
+                       left=frozenset({"layer", "kind", "finding", "suggestion"}))]
     for a in analysis.advice:
         out.append(f'<tr><td>{a["index"]}</td><td class="l name">{_name(a["mod_name"])}</td><td class="l nw">'
                    f'{_e(a["kind"])}</td><td class="l">{_e(a["message"])}</td>'
@@ -387,8 +399,7 @@ def _sensitivity_section(analysis) -> list[str]:
     metric = getattr(analysis, "sensitivity_metric", "metric")
     out = [f'<div class="chart">{_sensitivity_chart(analysis)}</div>',
            f"<details><summary>all {len(analysis.sensitive_ops)} quantizers</summary>",
-           f'<table><tr><th class="l">op</th><th class="l">kind</th><th class="l">type</th><th>{_e(metric)}</th>'
-           '<th class="l">dtype</th><th>flops</th></tr>']
+           _table_head("op", "kind", "type", metric, "dtype", "flops", left=frozenset({"op", "kind", "type", "dtype"}))]
     for r in analysis.sensitive_ops:
         out.append(f'<tr><td class="l name">{_e(r[0])}</td><td class="l">{_e(r[1])}</td><td class="l">{_e(r[2])}</td>'
                    f'<td>{_num(r[3], 5)}</td><td class="l">{_e(_dtype_short(r[4]))}</td><td class="nw">{r[5]} '
@@ -417,8 +428,9 @@ def write_report(analysis, path: Union[str, Path], title: Optional[str] = None) 
         _section("overview", "Overview", _overview(analysis, sqnr)),
         _section("layer-errors", "Per-layer error", [f'<div class="chart">{_layer_error_chart(analysis, sqnr)}</div>']),
         _section("sensitivity", "Sensitivity", _sensitivity_section(analysis)),
-        _section("int16-advice", "int16 advice", _int16_section(analysis)),
-        _section("root-cause", "Root cause: fixes for the worst layers", _root_cause_section(analysis)),
+        _section("int16-advice", "int16 advice", _advice_section(analysis, "int16_advice", _int16_section)),
+        _section("root-cause", "Root cause: fixes for the worst layers",
+                 _advice_section(analysis, "fix_advice", _root_cause_section)),
         _section("graph", "Partitioned graph", _graph_section(analysis.analysis_graph)),
         _section("layer-table", "Per-layer errors (table)", _layer_table(analysis, sqnr)),
         _section("advisor", "Abnormal layer advisor", _advisor_table(analysis)),
