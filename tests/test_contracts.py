@@ -25,6 +25,7 @@ from qcompiler.passes.fuse import verify_fuse
 from qcompiler.passes.inplace_reads import INPLACE_READS, inplace_reads, verify_inplace_reads
 from qcompiler.passes.insert_observers import OBSERVERS, verify_observed
 from qcompiler.passes.insert_stubs import verify_boundaries
+from qcompiler.passes.leaf_writes import LEAF_WRITES, verify_leaf_writes
 from qcompiler.passes.out_of_place import OUT_OF_PLACE, verify_out_of_place
 from qcompiler.passes.partition import PARTITION, PARTITIONS, verify_partitions
 from qcompiler.passes.pipeline import PARTITION_PIPELINE, PREPARE_PIPELINE, REQUANTIZE_PIPELINE
@@ -69,6 +70,23 @@ class MulThenRead(nn.Module):
         a = torch.relu(x)
         a.mul_(2.0)
         return torch.atan(a)
+
+
+class Doubler(nn.Module):
+    def forward(self, x):
+        return x.mul_(2.0)
+
+
+class LeafWrites(nn.Module):
+    """An opaque leaf ``l`` writes its input, which the output reads too."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = Doubler()
+
+    def forward(self, x):
+        y = torch.relu(x)
+        return self.l(y) + y
 
 
 class AddInPlace(nn.Module):
@@ -152,6 +170,13 @@ def test_out_of_place_names_an_op_left_in_place_with_a_twin():
     with pytest.raises(PassError, match=r"\['add_'\] still run in place, with an out-of-place twin"):
         verify_out_of_place(gm, CTX)
     verify_out_of_place(OUT_OF_PLACE(gm, CTX).gm, CTX)
+
+
+def test_leaf_writes_names_an_opaque_write_of_a_value_others_read():
+    gm = PassManager([INPLACE_READS, SHAPE_PROP]).run(trace(LeafWrites(), leaf_module_names=["l"]), CTX).gm
+    with pytest.raises(PassError, match=r"leaf_writes: 'l' writes 'relu', which other nodes read, in place"):
+        verify_leaf_writes(gm, CTX)
+    verify_leaf_writes(LEAF_WRITES(gm, CTX).gm, CTX)
 
 
 def test_a_placement_off_the_two_sides_names_the_node():
