@@ -180,12 +180,16 @@ class LoweringContext:
             return args[index]
         return self.node.kwargs.get(name, default) if name is not None else default
 
+    def rest(self) -> tuple[list, dict]:
+        """The arguments after the input, as written: positional ones, and keywords."""
+        return list(self.node.args[1:]), dict(self.node.kwargs)
+
     def bind(self, names: list[str], defaults: dict[str, Any]) -> dict[str, Any]:
         """The arguments after the input by name (positional in ``names`` order, or keywords), with
         ``defaults``; fails on too many, unknown or missing ones."""
-        args, kwargs = self.node.args[1:], self.node.kwargs
+        args, kwargs = self.rest()
         if len(args) > len(names):
-            raise self.fail(f"too many arguments {list(args)!r}")
+            raise self.fail(f"too many arguments {args!r}")
         vals = dict(defaults)
         vals.update(zip(names, args))
         for k, v in kwargs.items():

@@ -30,7 +30,7 @@ def same_scale(*ops: str, emits: tuple[str, ...], bare: bool = False) -> Callabl
             x = ctx.arg(0)
             ctx.per_tensor(x)
             out = ctx.out()
-            args, kwargs = list(ctx.node.args[1:]), dict(ctx.node.kwargs)
+            args, kwargs = ctx.rest()
             ctx.constant_args(args + list(kwargs.values()))
             m = ctx.module
             if not bare and m.function is None and m.method is None and m.float_module is None:
