@@ -2,7 +2,8 @@
 
 A march-table op convert turns into another op's module (``lowering.CONVERTED_AS``) is covered by that op's
 rule. The check itself is tested: it reports a removed rule and a removed kernel, and the driver rejects a
-rule that emits a kind it did not declare (the declarations are what the kernel check reads).
+rule that emits a kind it did not declare (the declarations are what the kernel check reads). Also the
+registry's lookup and duplicates.
 """
 
 from __future__ import annotations
@@ -11,20 +12,18 @@ import pytest
 import torch
 from test_bpu_reference import Tiny
 
-from qcompiler.backends.bpu import bayes, bernoulli2
+from qcompiler.backends.bpu import TABLES
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.lowering import CONVERTED_AS, registry
+from qcompiler.backends.bpu.simulator import REFERENCE
 from qcompiler.backends.bpu.support import OpTable
-from qcompiler.errors import UnsupportedOpError
+from qcompiler.errors import InternalError, UnsupportedOpError
+from qcompiler.march import March
 from qcompiler.nn import quantized as qnn
 
-MARCH_TABLES = {"bayes": bayes.TABLE, "bernoulli2": bernoulli2.TABLE}
 
-
-def reference_kinds() -> frozenset[str]:
-    """The BPU op kinds the simulator has a reference kernel for."""
-    from qcompiler.backends.bpu.simulator import REFERENCE  # the simulator's kernels load only for this test
-    return frozenset(REFERENCE)
+# the BPU op kinds the simulator has a reference kernel for
+REFERENCE_KINDS = frozenset(REFERENCE)
 
 
 def coverage_gaps(table: OpTable, reference: frozenset[str]) -> list[str]:
@@ -34,14 +33,14 @@ def coverage_gaps(table: OpTable, reference: frozenset[str]) -> list[str]:
     for op in table.rules:
         target, _why = CONVERTED_AS.get(op, (op, ""))
         if target not in lowered:
-            gaps.append(f"{op}: no lowering rule" + (f" for {target}, which convert makes of it" if target != op
-                                                     else ""))
+            via = f" for {target}, which convert makes of it" if target != op else ""
+            gaps.append(f"{op}: no lowering rule{via}")
     return gaps + [f"{kind}: no reference kernel" for kind in sorted(registry.emitted_kinds() - reference)]
 
 
-@pytest.mark.parametrize("march", MARCH_TABLES)
+@pytest.mark.parametrize("march", list(TABLES), ids=lambda m: m.value)
 def test_every_march_op_lowers_to_kinds_with_reference_kernels(march):
-    assert coverage_gaps(MARCH_TABLES[march], reference_kinds()) == []
+    assert coverage_gaps(TABLES[march], REFERENCE_KINDS) == []
 
 
 def test_converted_as_reasons_are_written():
@@ -56,19 +55,44 @@ def test_converted_as_reasons_are_written():
 ])
 def test_the_check_fails_when_a_rule_is_missing(monkeypatch, key, gaps):
     monkeypatch.delitem(registry._RULES, key)
-    assert coverage_gaps(bayes.TABLE, reference_kinds()) == gaps
+    assert coverage_gaps(TABLES[March.BAYES], REFERENCE_KINDS) == gaps
 
 
 def test_the_check_fails_when_a_kernel_is_missing():
-    assert coverage_gaps(bayes.TABLE, reference_kinds() - {"resize_bilinear"}) == [
+    assert coverage_gaps(TABLES[March.BAYES], REFERENCE_KINDS - {"resize_bilinear"}) == [
         "resize_bilinear: no reference kernel"]
+
+
+def _relu_graph():
+    t = Tiny()
+    return t.build(t.same_scale("relu", t.rand_input((1, 2, 3, 3), 0.1), function=torch.relu, name="r"))
 
 
 def test_a_rule_emitting_an_undeclared_kind_is_rejected(monkeypatch):
     key = (qnn.QuantizedSameScale, "relu")
-    rule = registry._RULES[key]
-    monkeypatch.setitem(registry._RULES, key, registry.Rule(rule.fn, frozenset({"relu6"})))
-    t = Tiny()
-    gm = t.build(t.same_scale("relu", t.rand_input((1, 2, 3, 3), 0.1), function=torch.relu, name="r"))
-    with pytest.raises(UnsupportedOpError, match=r"node 'r' .*: .*relu emitted a 'relu', which it does not declare"):
-        lower_partition(gm, "bpu0")
+    monkeypatch.setitem(registry._RULES, key, registry.Rule(registry._RULES[key].fn, frozenset({"relu6"})))
+    with pytest.raises(InternalError, match=r"node 'r' in BPU partition bpu0: .*relu emitted a 'relu', which it "
+                                            r"does not declare"):
+        lower_partition(_relu_graph(), "bpu0")
+
+
+def test_a_missing_rule_names_the_node_and_the_module(monkeypatch):
+    monkeypatch.delitem(registry._RULES, (qnn.QuantizedSameScale, "relu"))
+    with pytest.raises(UnsupportedOpError, match=r"node 'r' \(op 'relu', QuantizedSameScale\) in BPU partition "
+                                                 r"bpu0: no BPU op kind for QuantizedSameScale 'relu'"):
+        lower_partition(_relu_graph(), "bpu0")
+
+
+def test_a_second_rule_for_a_module_and_op_is_fatal(monkeypatch):
+    monkeypatch.setattr(registry, "_RULES", {})
+
+    def first(ctx):
+        return None
+
+    def second(ctx):
+        return None
+
+    registry.lowers(qnn.QuantizedCat, "cat", emits=("cat",))(first)
+    with pytest.raises(InternalError, match=r"two BPU lowering rules for QuantizedCat 'cat': .*first and .*second"):
+        registry.lowers(qnn.QuantizedCat, "cat", emits=("cat",))(second)
+    assert registry.lowered_ops() == {"cat"} and registry.emitted_kinds() == {"cat"}

@@ -32,7 +32,7 @@ import torch.nn as nn
 from qcompiler.backends.bpu.lowering.common import dtype_name
 from qcompiler.backends.bpu.lowering.registry import rule_for  # runs the lowering package: registers the rules
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, encode_index
-from qcompiler.errors import ConfigError, UnsupportedOpError
+from qcompiler.errors import ConfigError, InternalError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_PARTITION, placement, shape
 from qcompiler.ir.partitions import partitions
 from qcompiler.nn import quantized as qnn
@@ -261,5 +261,6 @@ def _lower_node(partition: str, specs: _Specs, node: fx.Node) -> BpuOp:
     rule = rule_for(ctx)
     op = rule.fn(ctx)
     if op.kind not in rule.emits:
-        raise ctx.fail(f"{rule.name} emitted a '{op.kind}', which it does not declare")
+        raise InternalError(f"node '{node.name}' in BPU partition {partition}: {rule.name} emitted a "
+                            f"'{op.kind}', which it does not declare")
     return op

@@ -11,7 +11,8 @@ It is registered for the class of the converted module, the ops that module can 
 The class is matched exactly, not along the MRO: a subclass of a converted module may
 compute something else, so it needs its own rule. The declared kinds are what the coverage
 test checks against the simulator's reference kernels; the driver rejects a rule that emits
-a kind it did not declare. A second rule for the same class and op raises at import.
+a kind it did not declare. A second rule for the same class and op raises at import. Both are
+bugs in the rule files: :class:`~qcompiler.errors.InternalError`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from qcompiler.errors import QCompilerError
+from qcompiler.errors import InternalError
 
 if TYPE_CHECKING:
     from qcompiler.backends.bpu.lower import LoweringContext
@@ -49,7 +50,7 @@ def lowers(cls: type, *ops: str, emits: tuple[str, ...]) -> Callable:
         for op in ops:
             old = _RULES.get((cls, op))
             if old is not None:
-                raise QCompilerError(f"two BPU lowering rules for {cls.__name__} '{op}': {old.name} and "
+                raise InternalError(f"two BPU lowering rules for {cls.__name__} '{op}': {old.name} and "
                                      f"{rule.name}; keep one")
             _RULES[(cls, op)] = rule
         return fn
