@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import assert_untouched, snapshot
+from test_tracer import WithGate
 
 import qcompiler
 from qcompiler.errors import ConfigError, QCompilerWarning, TraceError
@@ -54,20 +55,7 @@ def test_example_inputs_that_do_not_fit(hybrid_model):
 
 
 def test_untraceable_code_names_module_and_suggests_leaf():
-    class Gate(nn.Module):
-        def forward(self, x):
-            return x if x.mean() > 0 else -x
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 3, 1)
-            self.gate = Gate()
-
-        def forward(self, x):
-            return self.gate(self.conv(x))
-
-    m = M()
+    m = WithGate()  # its gate branches on a value
     check(m, TraceError, r"module 'gate' \(Gate\).*non_traceable_module_name",
           prepare_custom_config_dict={"strict_tracing": True})
     gm = qcompiler.partition(m, X, prepare_custom_config_dict={"non_traceable_module_name": ["gate"]})
