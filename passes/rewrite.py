@@ -35,7 +35,7 @@ from __future__ import annotations
 import operator
 from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch.fx as fx
 import torch.nn as nn
@@ -46,7 +46,8 @@ from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
-from qcompiler.ir.pattern import Bindings, Const, Op, Rewriter, Var, arguments, first_match, one_of
+from qcompiler.ir.ops.names import CONV2D, GETITEM, RESHAPE
+from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.quantization.fixed_point import pads4
@@ -73,7 +74,7 @@ class Rewrite:
     the node that carries ``note``."""
 
     name: str
-    pattern: Op
+    pattern: Union[Op, AnyOf]
     condition: Callable[[Match], Any]
     replace: Callable[[Match, Any, Rewriter], fx.Node]
     note: str
@@ -211,7 +212,7 @@ def _string_padded(m: nn.Module) -> bool:
 
 
 # an nn.Conv2d built with padding="same" or "valid" (zeros)
-STRING_PADDED_CONV = Op("conv2d", name="node", module=Var("conv", _string_padded))
+STRING_PADDED_CONV = Op(CONV2D, name="node", module=Var("conv", _string_padded))
 
 
 def _torch_padding(found: Match) -> tuple[int, int, int, int]:
@@ -234,18 +235,17 @@ def _replace_string_padding(found: Match, pads: tuple[int, int, int, int], rewri
 
 
 _DIM = Const(lambda d: isinstance(d, int), "d")
-SIZE_READS = (  # the tensor t and dim d of a size read
+SIZE_READ = AnyOf((  # the tensor t and dim d of a size read
     Op("size", {"input": Var("t"), "dim": _DIM}),  # t.size(d)
-    Op("getitem", {"input": Op("size", {"input": Var("t"), "dim": Const(one_of(None))}),
-                   "index": _DIM}),  # t.size()[d]
-    Op("getitem", {"input": Op("getattr", {"input": Var("t"), "name": Const(one_of("shape"))}),
-                   "index": _DIM}),  # t.shape[d]
-)
+    Op(GETITEM, {"input": Op("size", {"input": Var("t"), "dim": Const(one_of(None))}), "index": _DIM}),  # t.size()[d]
+    Op(GETITEM, {"input": Op("getattr", {"input": Var("t"), "name": Const(one_of("shape"))}),
+                 "index": _DIM}),  # t.shape[d]
+))
 
 
 def _size_of(n: Any, modules: Mapping[str, nn.Module]) -> Optional[tuple[Any, int]]:
     """``(tensor, dim)`` when ``n`` is ``t.size(d)``, ``t.size()[d]`` or ``t.shape[d]`` (d an int)."""
-    b = first_match(SIZE_READS, n, modules)
+    b = SIZE_READ.match(n, modules)
     return None if b is None else (b["t"], b["d"])
 
 
@@ -279,8 +279,10 @@ def _computed_shape(entries: Any) -> bool:
         and all(isinstance(e, fx.Node) or _is_int(e) for e in entries)
 
 
-# x.view(...) / x.reshape(...) / torch.reshape(x, shape) to entries computed in the graph
-SIZED_RESHAPE = Op("reshape", {"input": Var("x"), "shape": Var("shape", _computed_shape)}, name="node")
+# x.reshape(...) / torch.reshape(x, shape), and x.view(...) (whose entries torch names size), to entries
+# computed in the graph
+SIZED_RESHAPE = AnyOf(tuple(Op(RESHAPE, {"input": Var("x"), entries: Var("shape", _computed_shape)}, name="node")
+                            for entries in ("shape", "size")))
 
 
 def _shape_as_numbers(found: Match) -> Optional[list[int]]:
@@ -349,8 +351,8 @@ def _unsqueezing(index: Any) -> bool:
 
 
 # x[index] with an index of full slices, Nones and an Ellipsis
-NONE_INDEX = Op("getitem", {"input": Var("x", lambda v: _tensor_info(v) is not None),
-                            "index": Const(_unsqueezing, "index")}, name="node")
+NONE_INDEX = Op(GETITEM, {"input": Var("x", lambda v: _tensor_info(v) is not None),
+                          "index": Const(_unsqueezing, "index")}, name="node")
 
 
 def _unsqueezed_dims(found: Match) -> Optional[list[int]]:
@@ -398,7 +400,8 @@ REWRITES: tuple[Rewrite, ...] = (
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:
-    _BY_ROOT.setdefault(_row.pattern.op, []).append(_row)
+    for _op in sorted(_row.pattern.ops):
+        _BY_ROOT.setdefault(_op, []).append(_row)
 
 
 def rows_for(node: fx.Node, modules: Mapping[str, nn.Module]) -> list[Rewrite]:

@@ -16,7 +16,7 @@ from test_rewrite import (X, ChangedBetween, FlattenBySize, PadConv, PadPool, Sa
 
 from qcompiler.ir import propagate_shapes, trace
 from qcompiler.ir.meta import META_REWRITE, META_TENSOR
-from qcompiler.ir.pattern import Const, Op, Rewriter, Var, arguments, first_match, one_of
+from qcompiler.ir.pattern import AnyOf, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.march import March
 from qcompiler.passes import rewrite as rw
 from qcompiler.passes.base import CompileContext
@@ -72,8 +72,10 @@ def test_sub_patterns_match_the_producers_and_the_first_of_several_wins():
                               "index": Const(lambda d: isinstance(d, int), "d")})
     getitem = next(n for n in gm.graph.nodes if n.target is operator.getitem)
     assert size_dim.match(getitem, modules) == {"t": _node(gm, "x"), "d": 1}
-    assert first_match((Op("pad"), size_dim), getitem, modules) == {"t": _node(gm, "x"), "d": 1}
-    assert first_match((size_dim,), 3, modules) is None  # a constant is no node
+    either = AnyOf((Op("pad", {"input": Var("t")}), size_dim))
+    assert either.ops == {"pad", "getitem"}
+    assert either.match(getitem, modules) == {"t": _node(gm, "x"), "d": 1}
+    assert either.match(_node(gm, "pad"), modules) == {"t": _node(gm, "x")}  # the first alternative's bindings only
 
 
 def test_a_module_pattern_matches_the_called_module():
@@ -86,13 +88,14 @@ def test_a_module_pattern_matches_the_called_module():
 
 def test_the_argument_reader_reads_every_spelling_by_name():
     gm, modules = _traced(Pads())
-    assert arguments(_node(gm, "pad"), modules) == {"input": _node(gm, "x"), "pad": (1, 1), "mode": "constant",
-                                                    "value": None}
-    assert arguments(_node(gm, "view"), modules)["shape"] == (2, -1)  # x.view(2, -1)
-    assert arguments(_node(gm, "view_1"), modules)["shape"] == (2, -1)  # x.view((2, -1))
+    assert dict(arguments(_node(gm, "pad"), modules)) == {"input": _node(gm, "x"), "pad": (1, 1),
+                                                          "mode": "constant", "value": None}
+    assert arguments(_node(gm, "view"), modules)["size"] == (2, -1)  # x.view(2, -1)
+    assert arguments(_node(gm, "view_1"), modules)["size"] == (2, -1)  # x.view((2, -1))
     view = _node(gm, "view")
-    view.kwargs = {"size": 3}  # no such call: it binds to nothing
+    view.kwargs = {"bogus": 3}  # no such call: it binds to nothing, and a pattern declines it
     assert arguments(view, modules) is None
+    assert Op("reshape", {"size": Var()}).match(view, modules) is None
     assert arguments(_node(gm, "x"), modules) is None  # a placeholder calls nothing
 
 

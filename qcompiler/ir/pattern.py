@@ -7,10 +7,12 @@ onnxscript's rewriter patterns, on our canonical ops):
 * :class:`Op` matches a call node by its canonical op (:func:`qcompiler.ir.ops.node_op`),
   each named argument by a pattern of its own, and the called module by a :class:`Var`;
 * :class:`Var` matches any value, optionally checked by a predicate (``Var()`` is "any");
-* :class:`Const` matches a constant (no FX node) that a predicate accepts.
+* :class:`Const` matches a constant (no FX node) that a predicate accepts;
+* :class:`AnyOf` matches the first of several op patterns that does.
 
-A pattern with a ``name`` binds what it matched; :meth:`Op.match` returns the bindings, or None.
-Arguments are read by name with :func:`arguments`, the one reader the patterns use.
+A pattern with a ``name`` binds what it matched; ``match`` returns the bindings, or None.
+Arguments are read by name with :func:`qcompiler.ir.ops.bind`, so a pattern names torch's
+parameters whatever the spelling.
 
 :class:`Rewriter` makes a replacement's edits to the graph and keeps the worklist: every node
 once in graph order, then again each node an edit touched (changed, created, or whose users
@@ -19,20 +21,16 @@ changed), so a driver reaches a fixed point without restarting from the top of t
 
 from __future__ import annotations
 
-import builtins
-import inspect
-import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
+from qcompiler.errors import UnsupportedOpError
 from qcompiler.ir.modules import set_module
-from qcompiler.ir.ops import node_op
+from qcompiler.ir.ops import Binding, bind, node_op
 
 Bindings = dict[str, Any]
 
@@ -46,52 +44,16 @@ def one_of(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v in values
 
 
-# The parameters of each spelling the patterns read (a function, a method name, a module class),
-# said as a Python signature. A call that does not bind to its spelling's signature matches no
-# pattern that reads arguments. bind() in qcompiler/ir/ops.py replaces this table when it lands.
-_SIGNATURES: dict[object, inspect.Signature] = {spelling: inspect.signature(params) for spelling, params in {
-    F.pad: lambda input, pad, mode="constant", value=None: None,
-    operator.getitem: lambda input, index: None,
-    builtins.getattr: lambda input, name: None,
-    torch.reshape: lambda input, shape: None,
-    "view": lambda input, *shape: None,
-    "reshape": lambda input, *shape: None,
-    "size": lambda input, dim=None: None,
-    nn.Conv2d: lambda input: None,
-    nn.AvgPool2d: lambda input: None,
-}.items()}
-
-
-def _signature(node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[inspect.Signature]:
-    if node.op == "call_module":
-        return next((_SIGNATURES[c] for c in type(modules[node.target]).__mro__ if c in _SIGNATURES), None)
-    if node.op in ("call_function", "call_method"):
-        try:
-            return _SIGNATURES.get(node.target)
-        except TypeError:  # an unhashable target
-            return None
-    return None
-
-
-def arguments(node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[Bindings]:
-    """``node``'s arguments by parameter name, defaults filled in (a method's ``*shape`` given as one
-    sequence is that sequence); None when its spelling is not known or the call does not bind."""
-    sig = _signature(node, modules)
-    if sig is None:
-        return None
+def arguments(node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[Binding]:
+    """``node``'s arguments by name (:func:`~qcompiler.ir.ops.bind`), or None when it calls no known op
+    or the call does not fit its op's signature: a pattern declines such a call, it does not fail."""
     try:
-        bound = sig.bind(*node.args, **node.kwargs)
-    except TypeError:
+        return bind(node, modules)
+    except UnsupportedOpError:
         return None
-    bound.apply_defaults()
-    args = dict(bound.arguments)
-    if node.op == "call_method" and "shape" in args and len(args["shape"]) == 1 \
-            and isinstance(args["shape"][0], (tuple, list)):
-        args["shape"] = args["shape"][0]  # x.view((a, b)) is x.view(a, b)
-    return args
 
 
-Pattern = Union["Op", "Var", "Const"]
+Pattern = Union["Op", "AnyOf", "Var", "Const"]
 
 
 def _bind(bindings: Bindings, name: Optional[str], value: Any) -> bool:
@@ -126,8 +88,17 @@ class Const:
         return not isinstance(value, fx.Node) and self.where(value) and _bind(bindings, self.name, value)
 
 
+class _Root:
+    """A pattern that can be rooted at a node: :meth:`match` gives its bindings there."""
+
+    def match(self, node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[Bindings]:
+        """The bindings of this pattern rooted at ``node``, or None if it does not match."""
+        bindings: Bindings = {}
+        return bindings if self.match_into(node, modules, bindings) else None
+
+
 @dataclass(frozen=True)
-class Op:
+class Op(_Root):
     """A call node whose canonical op is ``op``, bound under ``name``: each argument named in ``args``
     matches its pattern, and ``module`` (if given) matches the module a ``call_module`` node calls."""
 
@@ -136,10 +107,10 @@ class Op:
     name: Optional[str] = None
     module: Optional[Var] = None
 
-    def match(self, node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[Bindings]:
-        """The bindings of this pattern rooted at ``node``, or None if it does not match."""
-        bindings: Bindings = {}
-        return bindings if self.match_into(node, modules, bindings) else None
+    @property
+    def ops(self) -> frozenset[str]:
+        """The canonical ops a node this pattern matches can have."""
+        return frozenset({self.op})
 
     def match_into(self, value: Any, modules: Mapping[str, nn.Module], bindings: Bindings) -> bool:
         if not isinstance(value, fx.Node) or node_op(value, modules) != self.op:
@@ -148,16 +119,30 @@ class Op:
                                             and self.module.match_into(modules[value.target], modules, bindings)):
             return False
         args = arguments(value, modules) if self.args else {}
-        if args is None or not all(p.match_into(args[k], modules, bindings) for k, p in self.args.items()):
+        if args is None or not all(k in args and p.match_into(args[k], modules, bindings)
+                                   for k, p in self.args.items()):
             return False
         return _bind(bindings, self.name, value)
 
 
-def first_match(patterns: Iterable[Op], node: Any, modules: Mapping[str, nn.Module]) -> Optional[Bindings]:
-    """The bindings of the first of ``patterns`` that matches ``node``, or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    return next((b for p in patterns if (b := p.match(node, modules)) is not None), None)
+@dataclass(frozen=True)
+class AnyOf(_Root):
+    """The first of ``alternatives`` that matches, with its bindings (a spelling that names an argument
+    otherwise, a value computed in more than one way)."""
+
+    alternatives: tuple[Op, ...]
+
+    @property
+    def ops(self) -> frozenset[str]:
+        return frozenset().union(*(p.ops for p in self.alternatives))
+
+    def match_into(self, value: Any, modules: Mapping[str, nn.Module], bindings: Bindings) -> bool:
+        for p in self.alternatives:
+            trial = dict(bindings)
+            if p.match_into(value, modules, trial):
+                bindings.update(trial)
+                return True
+        return False
 
 
 class Rewriter:
@@ -210,4 +195,4 @@ class Rewriter:
         self.modules[target] = module
 
 
-__all__ = ["Bindings", "Const", "Op", "Pattern", "Rewriter", "Var", "arguments", "first_match", "one_of"]
+__all__ = ["AnyOf", "Bindings", "Const", "Op", "Pattern", "Rewriter", "Var", "arguments", "one_of"]
