@@ -449,11 +449,9 @@ def test_compile_conv_on_bpu_gru_and_bag_on_cpu(march, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(flat(loaded(*x)), flat(out)))
 
 
-@pytest.mark.parametrize("march", MARCHES)
-def test_staged_api_exports_the_cpu_gru_and_bag(march):
-    """prepare -> calibrate -> convert, and export_to_onnx of the calibrated model: the exported
-    graph (Q/DQ around the conv, float GRU and bag) gives the converted model's outputs."""
-    model, x, calib = _conv_gru_bag()
+def _staged_export(model, x, calib, march):
+    """The staged API: calibrate ``model`` on ``calib``, then (the calibrated model exported to ONNX,
+    as bytes; the converted model's outputs on ``x``, flattened)."""
     cal = prepare_calibration_fx(model, None, example_inputs=x, hybrid=True, march=march).eval()
     with torch.no_grad():
         for batch in calib:
@@ -461,7 +459,16 @@ def test_staged_api_exports_the_cpu_gru_and_bag(march):
         ref = flat(convert_fx(cal)(*x))
     f = io.BytesIO()
     export_to_onnx(cal, x, f)
-    model_proto = onnx.load_from_string(f.getvalue())
+    return f.getvalue(), ref
+
+
+@pytest.mark.parametrize("march", MARCHES)
+def test_staged_api_exports_the_cpu_gru_and_bag(march):
+    """prepare -> calibrate -> convert, and export_to_onnx of the calibrated model: the exported
+    graph (Q/DQ around the conv, float GRU and bag) gives the converted model's outputs."""
+    model, x, calib = _conv_gru_bag()
+    exported, ref = _staged_export(model, x, calib, march)
+    model_proto = onnx.load_from_string(exported)
     assert {"GRU", "DequantizeLinear", "Gather", "ReduceMax"} <= {n.op_type for n in model_proto.graph.node}
     sess = inference_session(model_proto)
     outs = sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), flat(x))})
@@ -497,14 +504,8 @@ def test_every_kind_compiles_and_exports_after_a_bpu_conv(kind):
     cm = qcompiler.compile(model, x, march="bayes", calib_data=calib, progress=False)
     for a, b in zip(flat(cm(*x)), flat(cm.converted(*x))):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
-    cal = prepare_calibration_fx(model, None, example_inputs=x, hybrid=True, march="bernoulli2").eval()
-    with torch.no_grad():
-        for batch in calib:
-            cal(*batch)
-        ref = flat(convert_fx(cal)(*x))
-    f = io.BytesIO()
-    export_to_onnx(cal, x, f)
-    sess = inference_session(f.getvalue())
+    exported, ref = _staged_export(model, x, calib, "bernoulli2")
+    sess = inference_session(exported)
     outs = sess.run(None, {sess.get_inputs()[0].name: x[0].numpy()})
     # (out, h_n), LSTM's (out, (h_n, c_n)), a cell's h' or LSTMCell's (h', c'): flattened
     assert len(outs) == len(ref) == {"lstm": 3, "lstm_cell": 2}.get(kind, 1 if kind in CELLS else 2)
