@@ -93,7 +93,7 @@ SYMBOLS = (
     *(f"qc_maxpool_nhwc_{o}{s}" for o in _INTS for s in ("", "_step")),
     *(f"qc_gap_nhwc_{p}{s}" for p in _PAIRS for s in ("", "_step")),
 )
-# and those a library built for a CPU with AVX512-VNNI has (qc_gemm_vnni() == 1)
+# and those it must have where it has AVX512-VNNI kernels for this CPU (qc_gemm_vnni() == 1)
 VNNI_SYMBOLS = (
     *(f"qc_gemm_{o}{s}" for o in _INTS for s in ("", "_mt", "_step")),
     *(f"qc_gemm_add_{p}{s}" for p in _PAIRS for s in ("", "_mt", "_step")),

@@ -21,10 +21,10 @@ caller keeps its other path then):
   128-bit sums are refused);
 * ``f64 == 2`` (no fused add, ``|acc| * M / 2**n < 2**31 - 1`` on every channel) and ``f64 == 3`` (a fused
   add whose sum over ``2**s``, ``s = max(n, nb)``, is below 2**53 and below ``(2**31 - 1) * 2**s``): the
-  packed float64 epilogue of ``backends/bpu/native/gemm.c`` (exact conversions, fma, rounding half to even by adding
-  1.5 * 2**52, the result read from the low 32 bits, saturating packs).
+  packed float64 epilogue of ``backends/bpu/native/gemm_vnni.c`` (exact conversions, fma, rounding half to
+  even by adding 1.5 * 2**52, the result read from the low 32 bits, saturating packs).
 
-Available when the library was compiled for a CPU with AVX512-VNNI and AVX512-BW
+Available where the CPU has AVX512-VNNI (with BW, VL and VBMI), which the library checks at run time
 (:func:`gemm_available`); ``QCOMPILER_NATIVE_VNNI=0`` turns it off (benchmarks compare both paths).
 """
 
@@ -92,8 +92,8 @@ class ConvGeometry(ctypes.Structure):
 
 
 def gemm_available() -> bool:
-    """Whether the kernel can run here: :func:`~qcompiler.native.kernels.vnni_enabled` (the library
-    compiled with AVX512-VNNI and AVX512-BW, ``QCOMPILER_NATIVE_VNNI`` not 0)."""
+    """Whether the kernel can run here: :func:`~qcompiler.native.kernels.vnni_enabled` (the library has
+    AVX512-VNNI kernels for this CPU, ``QCOMPILER_NATIVE_VNNI`` not 0)."""
     return vnni_enabled()
 
 
@@ -280,7 +280,7 @@ class Int8Gemm:
         return out
 
     def conv_layout(self, shape: tuple, kernel_size, stride, padding, dilation) -> str:
-        """How the kernel reads a conv's input (``gemm.c``, ``gemm_src_open``): ``"direct"`` (each kernel
+        """How the kernel reads a conv's input (``gemm_vnni.c``, ``gemm_src_open``): ``"direct"`` (each kernel
         row's ``kw * C`` bytes in place: a multiple of 4, no dilation along W unless ``kw`` is 1; the windows
         that cross the left or right edge copied), ``"tail"`` (``kw * C`` one past a multiple of 4, no
         dilation unless the kernel is 1 wide / high, the weights within ``GEMM_TAIL_MAX_W``: from a copy of
@@ -326,7 +326,7 @@ class Int8Gemm:
             wt = self._tail_w.setdefault((kh, kw, C, dh, dw), wt)
         if wt is not None:
             geo.tail_w = wt.data_ptr()
-        # a conv the AMX tiles read in place (gemm.c, GEMM_SLIDE): its weights with each kernel row padded to
+        # a conv the AMX tiles read in place (gemm_vnni.c, GEMM_SLIDE): its weights with each kernel row padded to
         # 64-byte chunks, once per kernel shape, in geo.slide_w (none needed when kw * C is a multiple of 64); only
         # while the tiles are on (a geometry built with them off reads the input another way)
         ws = self._slide_w.get((kh, kw, C, sh, sw, dw), False) if amx_enabled() else None

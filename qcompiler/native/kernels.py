@@ -52,7 +52,7 @@ def _fn(name: str, argtypes: tuple, restype=ctypes.c_int):
 
 
 def vnni_enabled() -> bool:
-    """Whether the native library is loaded, was compiled with AVX512-VNNI (and AVX512-BW), and
+    """Whether the native library is loaded, has AVX512-VNNI kernels for this CPU (``qc_gemm_vnni``), and
     ``QCOMPILER_NATIVE_VNNI`` does not turn those kernels off (the int8 GEMM, the VNNI depthwise conv)."""
     if os.environ.get(ENV_VNNI, "").strip().lower() in ("0", "off", "false", "no"):
         return False
@@ -60,10 +60,10 @@ def vnni_enabled() -> bool:
 
 
 def set_amx(on: bool, every_call: bool = False) -> bool:
-    """Run the int8 GEMM on AMX tiles (``on``; where the library was compiled with AMX-INT8 and the OS
-    grants the tile state) or on AVX512-VNNI vectors.  Tiles take the calls of at least 16 rows and 2**22
+    """Run the int8 GEMM on AMX tiles (``on``; where the CPU has AMX-INT8 and the OS grants the tile
+    state) or on AVX512-VNNI vectors.  Tiles take the calls of at least 16 rows and 2**22
     multiply-adds (smaller ones stay faster on vectors), or every call with ``every_call`` (tests).
-    Process-wide; the results are bit for bit the same either way (``backends/bpu/native/gemm.c``, "AMX
+    Process-wide; the results are bit for bit the same either way (``backends/bpu/native/gemm_amx.c``, "AMX
     tiles").  The library starts with tiles on unless ``QCOMPILER_NATIVE_AMX=0``.  Returns whether tiles are
     in use now."""
     mode = (2 if every_call else 1) if on else 0
@@ -507,7 +507,7 @@ class DepthwiseConv:
         self.out_dtype = out_dtype
         self._call: Optional[tuple] = None  # (function, weight pointer, bias pointer, constants), on first call
         self._step: Optional[tuple] = None  # (the step builder, constants), on first use
-        # AVX512-VNNI (qc_dwconv4_* in bpu/native/gemm.c): int8 weights in groups of 4 taps of a row, (kh, G, Cp, 4)
+        # AVX512-VNNI (qc_dwconv4_*, gemm_vnni.c): int8 weights in groups of 4 taps of a row, (kh, G, Cp, 4)
         # with G = ceil(kw / 4), Cp = 16 * ceil(C / 16), zeros beyond kw and C; the kernel feeds x + 128 as
         # unsigned bytes, so the bias it starts from is bias - 128 * sum(w) (int32: |.| <= bound < 2**31)
         self.vnni = vnni_enabled() if vnni is None else bool(vnni)
@@ -524,7 +524,7 @@ class DepthwiseConv:
                 b32[:C] = bias.to(torch.int64).reshape(C)
             b32[:C] -= 128 * abs_sums(w.reshape(C, -1), signed=True)
             self.b32 = b32.to(torch.int32)
-            # the epilogue of qc_dwconv4_* (gemm.c): 2 / 1 float64, 0 int64, each where proven exact
+            # the epilogue of qc_dwconv4_* (gemm_vnni.c): 2 / 1 float64, 0 int64, each where proven exact
             self.epilogue = f64_epilogue(self.bound, M, n)
             # the per-channel constants the kernel would otherwise build on every call, in every part of a
             # split one and for every sample: qc_gemm_prep, once (bias32 NULL: the GEMM's packed-epilogue

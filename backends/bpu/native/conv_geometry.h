@@ -1,4 +1,4 @@
-/* A conv's geometry as the int8 GEMM reads it (gemm.c), filled by the Python side: gemm.py's
+/* A conv's geometry as the int8 GEMM reads it (gemm_vnni.c), filled by the Python side: gemm.py's
  * ConvGeometry is a ctypes.Structure of the same fields in the same order, and
  * qc_conv_geometry_layout reports this side's offsets so a test can compare the two. */
 #ifndef QC_BPU_CONV_GEOMETRY_H

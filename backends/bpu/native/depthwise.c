@@ -1,4 +1,4 @@
-/* Depthwise int8 convolution with the requantization, portable C (the VNNI one: gemm.c, qc_dwconv4_*). */
+/* Depthwise int8 convolution with the requantization, portable C (the VNNI one: gemm_vnni.c, qc_dwconv4_*). */
 #include <stdint.h>
 #include <stdlib.h>
 
