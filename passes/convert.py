@@ -29,9 +29,11 @@ from qcompiler.passes.convert_rules.registry import rule_for
 from qcompiler.passes.insert_observers import (
     CONSTANT_OPERAND_OPS,
     CONSTANT_QUANT,
+    OBSERVERS,
     OUTPUT_OBSERVER,
     SCALE_PRESERVING_OPS,
 )
+from qcompiler.passes.place import PLACEMENT
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
 from qcompiler.quantization.observer import ObserverBase
@@ -185,4 +187,4 @@ def _constant(gm: fx.GraphModule, node: fx.Node, quantizer: nn.Module, where: st
     return Constant(fp.quantize(value, qparams.scale, qparams.dtype), qparams.scale, qparams.dtype)
 
 
-CONVERT = Pass("convert", convert)
+CONVERT = Pass("convert", convert, requires=(PLACEMENT, OBSERVERS))
