@@ -1,4 +1,4 @@
-"""When does cutting one image's convolution into row bands pay?  (backends/bpu/row_split.py)
+"""When does cutting one image's convolution into row bands pay?  (backends/bpu/sim/row_split.py)
 
     PYTHONPATH=$PWD python benchmarks/row_split.py [--repeat 20] [--workers 2]
 
@@ -19,10 +19,10 @@ import torch
 from tabulate import tabulate
 
 from qcompiler import parallel
-from qcompiler.backends.bpu import row_split
+from qcompiler.backends.bpu.sim import row_split
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
-from qcompiler.backends.bpu.row_split import RowSplitConv
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.backends.bpu.sim.row_split import RowSplitConv
 
 # (name, C, O, H=W, k, stride, groups)
 LAYERS = [

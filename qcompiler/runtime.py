@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.ort import OrtIsland
 from qcompiler.batches import check_inputs

@@ -10,7 +10,7 @@ epilogue) on and off when this machine builds them.
 from __future__ import annotations
 
 from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
-from qcompiler.backends.bpu.simulator import int8_gemm_available
+from qcompiler.backends.bpu.sim.gemm import int8_gemm_available
 from qcompiler.native.build import native_enabled
 
 _NATIVE = native_enabled()

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from simulator_configs import CONFIGS
 
 from qcompiler.backends.bpu.lower import lower_partition
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.epilogue import Epilogue
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.ir.meta import META_OP, META_PARTITION, META_PLACEMENT
 from qcompiler.nn import quantized as qnn
 from qcompiler.passes.convert_rules.layout import same_scale as _same_scale
@@ -189,11 +190,9 @@ def test_conv2d_fused_add_and_int16(groups):
 def test_conv2d_ties_and_tiny_factors(monkeypatch):
     """Power-of-two factors make exact ties (half to even); a large shift (n > 53 - 15 for int16
     output) takes the fast epilogue off its static path (near-tie detection + exact int64 fix-up)."""
-    from qcompiler.backends.bpu import simulator
-
     fixed = []
-    exact = simulator._Epilogue._exact
-    monkeypatch.setattr(simulator._Epilogue, "_exact",
+    exact = Epilogue._exact
+    monkeypatch.setattr(Epilogue, "_exact",
                         lambda self, y, flag, *a: (fixed.append(int(flag.sum())), exact(self, y, flag, *a)))
     t = Tiny(seed=4)
     x = t.rand_input((1, 3, 6, 6), 1.0)

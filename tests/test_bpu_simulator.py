@@ -16,7 +16,8 @@ from test_bpu_reference import Tiny, rand_scales
 import qcompiler.zoo as zoo
 from qcompiler.backends.bpu.lower import bpu_partition_names, lower_bpu_partitions, lower_partition
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
-from qcompiler.backends.bpu.simulator import BpuSimulator, _chunks
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.backends.bpu.sim.gemm import exact_chunks
 from qcompiler.errors import ArtifactError, ConfigError, UnsupportedOpError
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
@@ -192,8 +193,8 @@ def test_input_channel_chunks_sum_in_int64_whatever_the_weight_sums_are_stored_i
     8): the chunks' running sums must still be int64, or a chunk started from an int16 column wraps
     past 32767 and is taken as within the float32-exact limit (wrong GEMM results, no error)."""
     l1 = np.full((2, 900), 128, dtype=np.int16)  # 312 columns of 128 stay below 40000
-    assert _chunks(l1, 1, 40000) == [(0, 312), (312, 624), (624, 900)]
-    assert _chunks(l1.astype(np.int64), 1, 40000) == _chunks(l1, 1, 40000)
+    assert exact_chunks(l1, 1, 40000) == [(0, 312), (312, 624), (624, 900)]
+    assert exact_chunks(l1.astype(np.int64), 1, 40000) == exact_chunks(l1, 1, 40000)
 
 
 def test_an_int16_weight_is_left_as_it_is_by_the_simulator_it_builds():

@@ -26,10 +26,11 @@ from hypothesis import strategies as st
 from simulator_configs import CONFIGS
 from test_bpu_reference import Tiny, geometry, rand_scales, rand_w, weight_layer
 
-from qcompiler.backends.bpu import simulator as sim_mod
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.onednn_conv import NhwcRequant, exact_in_float64, onednn_conv_available
-from qcompiler.backends.bpu.simulator import BpuSimulator, int8_gemm_available
+from qcompiler.backends.bpu.sim import fast_pool, gemm, onednn_layer
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.backends.bpu.sim.gemm import int8_gemm_available
 from qcompiler.compiled import compile as qc_compile
 from qcompiler.native.kernels import ENV_VNNI
 from qcompiler.nn import quantized as qnn
@@ -265,7 +266,7 @@ def test_max_pool_kernels_agree(c, min_channels):
     ``quantized_always`` forces the quantized path for every channel count."""
     with pytest.MonkeyPatch.context() as mp:
         if min_channels is not None:
-            mp.setattr(sim_mod, "_QUANTIZED_POOL_MIN_CHANNELS", min_channels)
+            mp.setattr(fast_pool, "_QUANTIZED_POOL_MIN_CHANNELS", min_channels)
         _check_pool(c)
 
 
@@ -387,7 +388,7 @@ def test_onednn_conv_splits_input_channels(cin, k, weights, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
         sim = BpuSimulator(prog, onednn=True)
-    kernel = next(k for k in (getattr(s[0], "whole", s[0]) for s in sim._steps) if isinstance(k, sim_mod._OnednnConvLayer))
+    kernel = next(k for k in (getattr(s[0], "whole", s[0]) for s in sim._steps) if isinstance(k, onednn_layer._OnednnConvLayer))
     bound = 128 * int(w.abs().sum(dim=(1, 2, 3)).max()) + int(conv_op.tensors["bias"].abs().max())
     assert (len(kernel.conv.chunks) > 1) == (bound >= 2 ** 24)
     _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
@@ -420,11 +421,11 @@ def test_onednn_layer_is_not_used_where_a_window_lies_wholly_in_the_padding(k, d
     with monkeypatch.context() as m:
         m.setenv(ENV_VNNI, "0")  # (the native int8 GEMM would take the layer)
         sim = BpuSimulator(prog, onednn=True)
-    kernel = next(k for k in (getattr(s[0], "whole", s[0]) for s in sim._steps) if isinstance(k, sim_mod._OnednnConvLayer))
+    kernel = next(k for k in (getattr(s[0], "whole", s[0]) for s in sim._steps) if isinstance(k, onednn_layer._OnednnConvLayer))
     assert kernel._empty_window(*hw)
     _check_program(prog, {v.name: x_ for v, x_ in zip(prog.inputs, t.inputs)})
-    assert sim_mod._window_in_padding(1, 2, 1, 1, 2) and sim_mod._window_in_padding(3, 1, 1, 1, 1)
-    assert not sim_mod._window_in_padding(56, 3, 1, 1, 1) and not sim_mod._window_in_padding(5, 2, 1, 1, 2)
+    assert onednn_layer._window_in_padding(1, 2, 1, 1, 2) and onednn_layer._window_in_padding(3, 1, 1, 1, 1)
+    assert not onednn_layer._window_in_padding(56, 3, 1, 1, 1) and not onednn_layer._window_in_padding(5, 2, 1, 1, 2)
 
 
 @pytest.mark.skipif(not onednn_conv_available(), reason="no exact oneDNN int8 convolution on this machine")
@@ -456,10 +457,10 @@ def test_int_mm_entry_is_exact_in_every_layout(M, K, N):
     a = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
     b = torch.randint(-128, 128, (K, N), dtype=torch.int8, generator=g)
     want = a.to(torch.int64) @ b.to(torch.int64)
-    for aa in sim_mod._layouts(a):
-        for bb in sim_mod._layouts(b):
+    for aa in gemm._layouts(a):
+        for bb in gemm._layouts(b):
             for out in (torch.empty(M, N, dtype=torch.int32), torch.empty(N, M, dtype=torch.int32).t()):
-                got = sim_mod._int_mm(aa, bb, out)
+                got = gemm.int_mm(aa, bb, out)
                 assert got is out and torch.equal(out.to(torch.int64), want), (aa.stride(), bb.stride())
 
 
@@ -473,10 +474,10 @@ def test_self_test_catches_ambiguous_strides(monkeypatch):
     raw_ok = torch.equal(torch._int_mm(x, w.t().contiguous()).to(torch.int64), x.long() @ w.t().long())
     if raw_ok:
         pytest.skip("this torch build reads (1, N) operands with strides (1, 1) correctly")
-    monkeypatch.setattr(sim_mod, "_gemm_operand", lambda t: t)
-    assert not sim_mod._int8_self_test()
+    monkeypatch.setattr(gemm, "gemm_operand", lambda t: t)
+    assert not gemm._int8_self_test()
     monkeypatch.undo()
-    assert sim_mod._int8_self_test() == int8_gemm_available()
+    assert gemm._int8_self_test() == int8_gemm_available()
 
 
 # ---------------------------------------------------------------------------- whole models, both marches

@@ -45,7 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "qcompiler.quantization.weight_rounding", "qcompiler.quantization.model_check",
                   "qcompiler.quantization.mixed_precision")),
     ("lowering", ("qcompiler.backends.bpu.lower", "qcompiler.backends.bpu.program",
-                  "qcompiler.backends.bpu.simulator", "qcompiler.backends.bpu.onednn_conv", "qcompiler.backends.bpu.row_split",
+                  "qcompiler.backends.bpu.sim", "qcompiler.backends.bpu.onednn_conv",
                   "qcompiler.backends.onnx", "qcompiler.backends.ort",
                   "qcompiler.backends.eager", "qcompiler.runtime")),
     ("facade", ("qcompiler.compiled", "qcompiler.onnx", "qcompiler.artifact", "qcompiler.distributed")),
@@ -229,7 +229,7 @@ def test_no_submodule_shadows_a_name_of_its_package(graph):
 
 
 @pytest.mark.parametrize("module", ["qcompiler.quantization.observer", "qcompiler.backends.onnx.rules",
-                                    "qcompiler.tools.cli", "qcompiler.backends.bpu.simulator"])
+                                    "qcompiler.tools.cli", "qcompiler.backends.bpu.sim"])
 def test_each_module_imports_first_in_a_fresh_interpreter(module):
     """Any module can be the first one imported (the order the root happens to use hides nothing)."""
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)

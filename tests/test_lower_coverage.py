@@ -15,7 +15,7 @@ from test_bpu_reference import Tiny
 from qcompiler.backends.bpu import TABLES
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.lowering import CONVERTED_AS, registry
-from qcompiler.backends.bpu.simulator import REFERENCE
+from qcompiler.backends.bpu.sim.registry import REFERENCE
 from qcompiler.backends.bpu.support import OpTable
 from qcompiler.errors import InternalError, UnsupportedOpError
 from qcompiler.march import March

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qcompiler.backends.bpu.simulator import _FastMaxPool
+from qcompiler.backends.bpu.sim.fast_pool import _FastMaxPool
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.kernels import int32_requant, max_pool_nhwc, requant_columns32

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from test_bpu_reference import Tiny
 
 from qcompiler.backends.bpu.lower import lower_partition
-from qcompiler.backends.bpu.plan import ProgramPlan
-from qcompiler.backends.bpu.simulator import _LAYOUT, BpuSimulator, _LayoutKernel
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.backends.bpu.sim.layout import _LAYOUT, _LayoutKernel
+from qcompiler.backends.bpu.sim.plan import ProgramPlan
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.kernels import global_avg_pool_nhwc, global_avg_pool_nhwc_step

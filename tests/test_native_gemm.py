@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_bpu_reference import Tiny, geometry, rand_scales, weight_layer
 
 from qcompiler.backends.bpu.lower import lower_partition
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import ENV_VNNI, ConvGeometry, Int8Gemm, gemm_available

@@ -18,7 +18,7 @@ from test_bpu_reference import Tiny, geometry, weight_layer
 
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.onednn_conv import NhwcRequant
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.native import build, kernels
 from qcompiler.native.kernels import (

@@ -1,4 +1,4 @@
-"""The simulator's plans (backends/bpu/plan.py, qc_run_plan in kernels.c): native layers built once as
+"""The simulator's plans (backends/bpu/sim/plan.py, qc_run_plan in kernels.c): native layers built once as
 C steps on fixed buffers and run back to back, at 2 threads on torch's OpenMP team with their rows cut
 into chunks.  Steps cut over threads equal the direct calls bit for bit over random geometries; whole
 zoo models run planned equal the op-by-op run and the converted model, on the plan's first call (built
@@ -16,8 +16,8 @@ from test_native_kernels import dw_case_tensors, dw_cases
 
 import qcompiler.native.plan as plan_mod
 from qcompiler import zoo
-from qcompiler.backends.bpu import plan as program_plan
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim import plan as program_plan
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native.gemm import Int8Gemm
 from qcompiler.native.kernels import DepthwiseConv, max_pool_nhwc, max_pool_nhwc_step

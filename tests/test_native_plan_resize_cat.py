@@ -19,7 +19,9 @@ from test_native_resize import _input, _spec, cases
 import qcompiler.native.plan as plan_mod
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
-from qcompiler.backends.bpu.simulator import FAST, REFERENCE, BpuSimulator, KernelSpec, _Workspace
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.backends.bpu.sim.memory import Workspace
+from qcompiler.backends.bpu.sim.registry import FAST, REFERENCE, KernelSpec
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.gemm import gemm_available
@@ -102,7 +104,7 @@ def _cat_kernel_spec(c) -> tuple:
                                    "out_axis": None},
                {"M": torch.tensor([int(m) for m in Ms]), "n": torch.tensor([int(n) for n in ns])})
     specs = [ValueSpec(nm, d, s) for nm, d, s in zip(names, c["in_dtypes"], scales)]
-    return KernelSpec(op, specs, "prog/y", _Workspace(), False, native=True)
+    return KernelSpec(op, specs, "prog/y", Workspace(), False, native=True)
 
 
 def _cat_inputs(c) -> list:

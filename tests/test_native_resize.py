@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
-from qcompiler.backends.bpu.simulator import FAST, REFERENCE, KernelSpec
+from qcompiler.backends.bpu.sim.registry import FAST, REFERENCE, KernelSpec
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
 from qcompiler.native.kernels import BilinearResize, bilinear_taps

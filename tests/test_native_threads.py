@@ -24,7 +24,7 @@ from test_native_gemm import (
 )
 from test_native_kernels import dw_case_tensors, dw_cases
 
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.native import gemm as gemm_mod
 from qcompiler.native.gemm import ENV_THREADS, SPLIT_MIN_WORK, Int8Gemm, row_parts
 from qcompiler.native.kernels import DepthwiseConv

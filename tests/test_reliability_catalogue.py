@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import qcompiler
 from qcompiler.compiled import _from_artifact, load
 from qcompiler import distributed
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import ArtifactError, CalibrationError, ConfigError, QCompilerWarning
 from qcompiler.native import build, kernels
 from qcompiler.native.plan import NativeSteps

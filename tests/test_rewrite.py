@@ -16,7 +16,7 @@ from test_export_exact import assert_export_is_compiled  # noqa: E402
 import qcompiler
 from qcompiler.backends.bpu.op_info import op_info
 from qcompiler.backends.bpu.program_check import ATTRS
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import PassError
 from qcompiler.ir import propagate_shapes, trace
 from qcompiler.ir.dump import partition_table

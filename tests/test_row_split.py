@@ -1,4 +1,4 @@
-"""The output-row split of one image's convolutions (backends/bpu/row_split.py): bit-exact.
+"""The output-row split of one image's convolutions (backends/bpu/sim/row_split.py): bit-exact.
 
 A conv2d computed in bands of output rows on several worker threads (a batch smaller than the
 worker count, qcompiler.parallel) must equal the unsplit layer, torch.equal, for every kernel
@@ -20,11 +20,11 @@ from test_bpu_reference import Tiny, geometry, rand_scales, weight_layer
 from test_kernel_differential import SCALES, SETTINGS, _ints, _layout, _weights
 
 from qcompiler import parallel
-from qcompiler.backends.bpu import row_split
+from qcompiler.backends.bpu.sim import row_split
 from qcompiler.backends.bpu.lower import lower_partition
 from qcompiler.backends.bpu.program import BpuProgram
-from qcompiler.backends.bpu.row_split import RowSplitConv, band_rows
-from qcompiler.backends.bpu.simulator import BpuSimulator
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.backends.bpu.sim.row_split import RowSplitConv, band_rows
 from qcompiler.quantization.qtensor import QTensor
 
 FAST = [cfg for cfg in CONFIGS if cfg["kernels"] == "fast"]

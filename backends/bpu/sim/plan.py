@@ -1,6 +1,6 @@
 """A BPU program's native layers run back to back in C: the simulator's plan for one input shape.
 
-:class:`~qcompiler.backends.bpu.simulator.BpuSimulator` runs a program op by op in Python.  For
+:class:`~qcompiler.backends.bpu.sim.executor.BpuSimulator` runs a program op by op in Python.  For
 the ops whose kernel can be one native call on buffers that never move (a layer with a
 ``plan_step`` method: the native GEMM convs and linears, the VNNI depthwise conv, the channels-last
 max pool, the bilinear and nearest resizes, the cat, the global average pool), a plan fixes those buffers once per input shape and turns each maximal run of such
