@@ -1,9 +1,9 @@
 """Every op of each march table has a BPU lowering rule, and every op kind a rule emits has a reference kernel.
 
 A march-table op convert turns into another op's module (``lowering.CONVERTED_AS``) is covered by that op's
-rule. The check itself is tested: it reports a removed rule and a removed kernel, and the driver rejects a
-rule that emits a kind it did not declare (the declarations are what the kernel check reads). Also the
-registry's lookup and duplicates.
+rule; so is every op convert has a rule for. The check itself is tested: it reports a removed rule and a
+removed kernel, and the driver rejects a rule that emits a kind it did not declare (the declarations are
+what the kernel check reads). Also the registry's lookup and duplicates.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from qcompiler.backends.bpu.support import OpTable
 from qcompiler.errors import InternalError, UnsupportedOpError
 from qcompiler.march import March
 from qcompiler.nn import quantized as qnn
+from qcompiler.passes.convert_rules.registry import converted_ops
 
 
 # the BPU op kinds the simulator has a reference kernel for
@@ -41,6 +42,10 @@ def coverage_gaps(table: OpTable, reference: frozenset[str]) -> list[str]:
 @pytest.mark.parametrize("march", list(TABLES), ids=lambda m: m.value)
 def test_every_march_op_lowers_to_kinds_with_reference_kernels(march):
     assert coverage_gaps(TABLES[march], REFERENCE_KINDS) == []
+
+
+def test_every_op_convert_converts_lowers():
+    assert sorted(converted_ops() - registry.lowered_ops() - CONVERTED_AS.keys()) == []
 
 
 def test_converted_as_reasons_are_written():

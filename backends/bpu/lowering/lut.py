@@ -7,7 +7,8 @@ from qcompiler.backends.bpu.lowering.common import dtype_name
 from qcompiler.backends.bpu.lowering.registry import lowers
 from qcompiler.nn import quantized as qnn
 
-# the functions convert tabulates (passes/convert.py LUT_FUNCTIONS): the lowering is the same for each
+# the functions convert tabulates (passes/convert_rules/lut.py; test_lower_coverage checks that every op
+# convert converts lowers): the lowering is the same for each
 TABULATED = ("sigmoid", "tanh", "exp", "silu", "hardsigmoid", "hardswish", "gelu", "elu", "selu")
 
 
