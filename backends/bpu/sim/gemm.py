@@ -81,7 +81,7 @@ def _layouts(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _int8_self_test() -> bool:
-    if getattr(torch, "int_mm", None) is None:
+    if getattr(torch, "_int_mm", None) is None:
         return False
     g = torch.Generator().manual_seed(20240605)
     try:
