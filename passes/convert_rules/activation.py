@@ -31,7 +31,7 @@ def leaky_relu(ctx: ConvertContext) -> qnn.QuantizedPReLU:
     if ctx.module is not None:
         slope = torch.tensor([ctx.module.negative_slope])
     else:
-        slope = torch.tensor([ctx.kwargs().get("negative_slope", 0.01)])
+        slope = torch.tensor([ctx.args["negative_slope"]])
     return qnn.QuantizedPReLU("leaky_relu", slope, ctx.input().scale, ctx.out.scale, ctx.out.dtype)
 
 
@@ -42,10 +42,10 @@ def prelu(ctx: ConvertContext) -> qnn.QuantizedPReLU:
     if ctx.module is not None:
         slope = ctx.module.weight
     else:
-        weight = ctx.arg("weight", 1)
+        weight = ctx.args["weight"]
         if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
             raise UnsupportedOpError(f"{ctx.where}: functional prelu whose slope is computed at run time; the "
                                      f"BPU takes a parameter or buffer as the slope, or run it on CPU")
         slope = attr_value(ctx.node.graph.owning_module, weight)
-        ctx.node.args, ctx.node.kwargs = (ctx.arg("input", 0),), {}
+        ctx.node.args, ctx.node.kwargs = (ctx.args["input"],), {}
     return qnn.QuantizedPReLU("prelu", slope, ctx.input().scale, ctx.out.scale, ctx.out.dtype)

@@ -39,7 +39,7 @@ def _split_constant(ctx: ConvertContext, a: Any, b: Any) -> Optional[tuple[fx.No
 def _alpha(ctx: ConvertContext) -> float:
     """add / sub's ``alpha`` (1 for mul): a finite, non-zero number, which the BPU folds into the
     second operand's multiplier."""
-    alpha = ctx.arg("alpha", default=1) if ctx.op != "mul" else 1
+    alpha = ctx.args.get("alpha", 1)  # mul has none
     if not is_number(alpha) or alpha == 0 or not math.isfinite(alpha):
         raise UnsupportedOpError(
             f"{ctx.where}: {ctx.op} with alpha={alpha!r}: the BPU folds a finite, non-zero number into the "
@@ -53,7 +53,7 @@ def add_sub_mul(ctx: ConvertContext) -> nn.Module:
     """``x * number`` has its own path; with a constant operand the constant moves into the module
     (the node keeps only the feature map); else both operands are quantized BPU values."""
     op, out, alpha = ctx.op, ctx.out, _alpha(ctx)
-    a, b = ctx.arg("input", 0), ctx.arg("other", 1)
+    a, b = ctx.args["input"], ctx.args["other"]
     sa, sb = ctx.scale_of(a), ctx.scale_of(b)
     number = b if sa is not None else a
     if op == "mul" and is_number(number) and (sa, sb) != (None, None):
@@ -78,7 +78,7 @@ def add_sub_mul(ctx: ConvertContext) -> nn.Module:
 @converts("div")
 def div(ctx: ConvertContext) -> qnn.QuantizedDiv:
     """A feature map divided by another (the BPU divides feature maps only)."""
-    a, b = ctx.arg("input", 0), ctx.arg("other", 1)
+    a, b = ctx.args["input"], ctx.args["other"]
     sa, sb = ctx.scale_of(a), ctx.scale_of(b)
     if sa is None or sb is None:
         raise UnsupportedOpError(f"{ctx.where}: div needs two quantized BPU operands (the BPU divides feature "
@@ -91,6 +91,6 @@ def div(ctx: ConvertContext) -> qnn.QuantizedDiv:
 
 @converts("matmul")
 def matmul(ctx: ConvertContext) -> qnn.QuantizedMatmul:
-    """The product of two feature maps."""
-    return qnn.QuantizedMatmul(ctx.scale_of(ctx.arg("input", 0)), ctx.scale_of(ctx.arg("other", 1)),
-                               ctx.out.scale, ctx.out.dtype)
+    """The product of two feature maps (``torch.bmm`` / ``torch.mm`` name the second ``mat2``)."""
+    b = ctx.args["mat2"] if "mat2" in ctx.args else ctx.args["other"]
+    return qnn.QuantizedMatmul(ctx.scale_of(ctx.args["input"]), ctx.scale_of(b), ctx.out.scale, ctx.out.dtype)

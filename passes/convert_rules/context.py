@@ -1,14 +1,16 @@
 """What a convert rule reads: the node with its op and module, the grids settled so far, its output grid.
 
 The convert pass (``passes/convert.py``) walks the graph and, for each BPU node, hands the rule of
-its op one :class:`ConvertContext`. Rules read the node's arguments only through its methods
-``arg``, ``kwargs`` and ``input`` (by position, as convert has always read them), so a schema-driven
-reader can replace them in this one place.
+its op one :class:`ConvertContext`. Rules read the node's arguments by name through ``args``, the one
+:func:`qcompiler.ir.ops.bind` of the node (so a ``dim`` or ``keepdim`` given by position or by keyword
+reads the same, whatever torch's schema matching makes of the call), and the quantized operands
+through ``input``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 import torch
@@ -16,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import CalibrationError, UnsupportedOpError
+from qcompiler.ir.ops import OPS, Binding, bind, read_arguments
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
 from qcompiler.quantization.observer import ObserverBase
 
@@ -77,21 +80,30 @@ class ConvertContext:
         """How error messages name the node."""
         return f"node '{self.node.name}'"
 
-    def arg(self, name: str, index: Optional[int] = None, default: Any = None) -> Any:
-        """Argument ``name``: positional ``index`` when given and passed, else keyword ``name``."""
-        args = self.node.args
-        if index is not None and len(args) > index:
-            return args[index]
-        return self.node.kwargs.get(name, default)
-
-    def kwargs(self) -> dict[str, Any]:
-        """Every argument by name (torch.fx's normalized arguments of a function or module call)."""
+    @cached_property
+    def args(self) -> Binding:
+        """The node's arguments by name (:func:`qcompiler.ir.ops.bind`, read once when a rule asks).
+        A call the registry does not spell (a prepared model's stand-in such as ``qat.prelu``) is
+        read by the signature of the op it was placed as."""
         node = self.node
-        return node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+        binding = bind(node, {node.target: self.module} if self.module is not None else {})
+        if binding is not None:
+            return binding
+        op = OPS.get(self.op)
+        if op is None or op.signature is None:
+            raise UnsupportedOpError(f"{self.where}: op '{self.op}' has no argument signature; its arguments "
+                                     f"cannot be read by name")
+        arguments = read_arguments(op.signature, node.args, node.kwargs, None, self.where)
+        return Binding(op.name, getattr(node.target, "__name__", str(node.target)), arguments)
+
+    def operand(self, i: int = 0) -> Any:
+        """Positional operand ``i``: the tensors a module's ``forward`` takes (a fused layer's add
+        operand is its second), which every spelling the BPU admits passes first."""
+        return self.node.args[i]
 
     def input(self, i: int = 0) -> QParams:
         """The grid of positional input ``i``; UnsupportedOpError when it is no quantized BPU value."""
-        src = self.node.args[i]
+        src = self.operand(i)
         if isinstance(src, fx.Node) and src in self.qparams:
             return self.qparams[src]
         raise UnsupportedOpError(f"{self.where}: input {i} is not a quantized BPU value")

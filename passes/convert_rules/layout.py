@@ -44,7 +44,7 @@ def layout(ctx: ConvertContext) -> qnn.QuantizedSameScale:
 @converts("cat")
 def cat(ctx: ConvertContext) -> qnn.QuantizedCat:
     """Each input requantized onto the output grid, then joined."""
-    scales = [ctx.scale_of(t) for t in ctx.arg("tensors", 0)]
+    scales = [ctx.scale_of(t) for t in ctx.args["tensors"]]
     if any(s is None for s in scales):
         raise UnsupportedOpError(f"{ctx.where}: cat of a non-quantized input")
     return qnn.QuantizedCat(scales, ctx.out.scale, ctx.out.dtype)

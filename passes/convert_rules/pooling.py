@@ -24,7 +24,7 @@ def max_pool2d(ctx: ConvertContext) -> qnn.QuantizedSameScale:
 @converts("adaptive_avg_pool2d", "mean")
 def global_mean(ctx: ConvertContext) -> qnn.QuantizedAvgPool:
     """The mean over H and W (placement admits only the global forms)."""
-    keepdim = bool(ctx.arg("keepdim", 2, False)) if ctx.op == "mean" else True
+    keepdim = bool(ctx.args["keepdim"]) if ctx.op == "mean" else True
     return qnn.QuantizedAvgPool(ctx.input().scale, ctx.out.scale, ctx.out.dtype, keepdim=keepdim)
 
 
@@ -34,8 +34,7 @@ def avg_pool2d(ctx: ConvertContext) -> qnn.QuantizedAvgPool:
     if ctx.module is not None:
         k, s, p = ctx.module.kernel_size, ctx.module.stride, ctx.module.padding
     else:
-        kw = ctx.kwargs()
-        k, s, p = kw["kernel_size"], kw.get("stride"), kw.get("padding", 0)
+        k, s, p = ctx.args["kernel_size"], ctx.args["stride"], ctx.args["padding"]
     return qnn.QuantizedAvgPool(ctx.input().scale, ctx.out.scale, ctx.out.dtype, kernel=k, stride=s or k, padding=p)
 
 
@@ -45,6 +44,6 @@ def interpolate(ctx: ConvertContext) -> qnn.QuantizedResize:
     if ctx.module is not None:
         mode, align = getattr(ctx.module, "mode", None), getattr(ctx.module, "align_corners", None)
     else:
-        mode, align = ctx.arg("mode", default="nearest"), ctx.arg("align_corners")
+        mode, align = ctx.args["mode"], ctx.args["align_corners"]
     return qnn.QuantizedResize(mode or "nearest", ctx.input().scale, ctx.out.scale, ctx.out.dtype,
                                shape(ctx.node)[2:], align)

@@ -72,7 +72,7 @@ def weight_layer(ctx: ConvertContext) -> qnn.QuantizedWeightLayer:
     out = None if apq is None else qparams_of(apq, f"{ctx.where} output")
     other_scale = None
     if with_add:
-        other_scale = ctx.scale_of(ctx.arg("other", 1))
+        other_scale = ctx.scale_of(ctx.operand(1))
         if other_scale is None:
             raise UnsupportedOpError(f"{ctx.where}: the add operand is not a quantized BPU value")
     bias = base.bias.detach() if base.bias is not None else None
