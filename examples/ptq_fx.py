@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 import qcompiler.zoo as zoo
 from qcompiler.errors import QCompilerWarning
+from qcompiler.ir.meta import GM_MARCH
 from qcompiler.ir.partitions import summary_line
 from qcompiler.march import March
 from qcompiler.quantization import (
@@ -207,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     f, q = torch.cat(floats), torch.cat(fixed)
     result = {
         "model": args.model,
-        "march": str(calib_model.meta.get("qc_march")),
+        "march": str(calib_model.meta.get(GM_MARCH)),
         "observer": args.observer,
         "weight_rounding": args.weight_rounding,
         "image_size": args.image_size,

@@ -24,8 +24,8 @@ import networkx as nx
 import torch.fx as fx
 
 from qcompiler.errors import PassError
-from qcompiler.ir.meta import META_PARTITION, placement
-from qcompiler.ir.partitions import GM_PARTITIONS, Partition
+from qcompiler.ir.meta import GM_PARTITIONS, META_PARTITION, placement
+from qcompiler.ir.partitions import Partition
 from qcompiler.passes.base import CompileContext, Fact, Pass, PassResult
 from qcompiler.passes.place import PLACEMENT
 

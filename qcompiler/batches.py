@@ -47,11 +47,6 @@ def _fresh(v: Any) -> Any:
     return v
 
 
-# gm.meta key of a prepared model: the input_signature of the example inputs it was prepared with,
-# what data given to it later (auto_int16's batches) is checked against
-SIGNATURE_META = "qc_input_signature"
-
-
 def input_signature(example_inputs: Sequence[Any]) -> list:
     """JSON-able description of example inputs, what :func:`check_inputs` compares with.
 

@@ -16,11 +16,11 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import torch.fx as fx
 import torch.nn as nn
 
-from qcompiler.batches import SIGNATURE_META, input_signature, require_dense
+from qcompiler.batches import input_signature, require_dense
 from qcompiler.errors import ConfigError
 from qcompiler.hybrid import parse_hybrid_dict
 from qcompiler.ir.auto_leaf import trace_or_fallback
-from qcompiler.ir.meta import GM_MARCH
+from qcompiler.ir.meta import GM_INPUT_SIGNATURE, GM_MARCH
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import tensor_attributes
 from qcompiler.march import MarchLike, resolve_march
@@ -97,7 +97,7 @@ def build_graph(
         for attr in preserved:
             setattr(gm, attr, getattr(work, attr))
         gm.meta[GM_MARCH] = ctx.march
-        gm.meta[SIGNATURE_META] = input_signature(ctx.example_inputs)
+        gm.meta[GM_INPUT_SIGNATURE] = input_signature(ctx.example_inputs)
         gm = PassManager(passes, verify=verify, dump_dir=dump_dir).run(gm, ctx).gm
     gm.recompile()
     return gm

@@ -34,8 +34,8 @@ import torch.nn as nn
 from qcompiler.atomic_write import check_target, write_files
 from qcompiler.backends.onnx.emitter import OnnxEmitter, _check_names, check_dynamic_axes, graph_input_leaves
 from qcompiler.errors import ConfigError, QCompilerError
-from qcompiler.ir.meta import GM_KIND, META_TENSOR, TensorInfo
-from qcompiler.ir.partitions import GM_PARTITIONS, partitions
+from qcompiler.ir.meta import GM_KIND, GM_PARTITIONS, META_TENSOR, TensorInfo
+from qcompiler.ir.partitions import partitions
 from qcompiler.ir.shape_prop import dtype_name
 
 SIDECAR_SUFFIX = ".quant.json"

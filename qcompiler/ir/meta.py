@@ -67,6 +67,11 @@ GM_HYBRID = "qc_hybrid"
 GM_QCONFIG_DICT = "qc_qconfig_dict"
 # gm.meta of a calibration model: the record of the last auto_int16 (chosen set, steps, SQNRs)
 GM_INT16 = "qc_int16"
+# gm.meta: the partitions of a partitioned graph (a list of qcompiler.ir.partitions.Partition)
+GM_PARTITIONS = "qc_partitions"
+# gm.meta of a prepared model: the input_signature of the example inputs it was prepared with,
+# what data given to it later (auto_int16's batches) is checked against
+GM_INPUT_SIGNATURE = "qc_input_signature"
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from qcompiler.ir.meta import BPU, CPU, META_PARTITION, META_STUB, QUANTIZER_STUBS, carries_tensor, placement
-
-GM_PARTITIONS = "qc_partitions"  # key in gm.meta
+from qcompiler.ir.meta import (
+    BPU, CPU, GM_PARTITIONS, META_PARTITION, META_STUB, QUANTIZER_STUBS, carries_tensor, placement,
+)
 
 
 @dataclass

@@ -35,11 +35,12 @@ from tqdm import tqdm
 
 from qcompiler import collectives
 from qcompiler.backends.bpu import op_table
-from qcompiler.batches import SIGNATURE_META, as_args, check_inputs, fresh_args, tensors_in
+from qcompiler.batches import as_args, check_inputs, fresh_args, tensors_in
 from qcompiler.errors import ConfigError, InternalError
 from qcompiler.ir.meta import (
     BPU,
     GM_HYBRID,
+    GM_INPUT_SIGNATURE,
     GM_INT16,
     GM_KIND,
     GM_MARCH,
@@ -325,7 +326,7 @@ def _check_args(calib_model: Any, batches: Any, budget: Any, target_sqnr: Any) -
     out = [as_args(b) for b in batches]
     if not out:
         raise ConfigError("auto_int16: batches is empty; pass the calibration batches")
-    signature = calib_model.meta.get(SIGNATURE_META)  # the example inputs it was prepared with
+    signature = calib_model.meta.get(GM_INPUT_SIGNATURE)  # the example inputs it was prepared with
     if signature is not None:  # the rules calibration data follows in compile (qcompiler.batches)
         out = [check_inputs(b, signature, where=f"auto_int16: batches[{i}]") for i, b in enumerate(out)]
     return out

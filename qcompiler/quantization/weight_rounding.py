@@ -42,10 +42,10 @@ import torch.nn.functional as F
 
 from qcompiler.batches import as_args, fresh_args
 from qcompiler.errors import CalibrationError, ConfigError
+from qcompiler.ir.meta import GM_KIND
 from qcompiler.passes.convert import check_observed
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantizeBase, observe_final_weight
 from qcompiler.quantization.fixed_point import qrange
-from qcompiler.quantization.prepare import GM_KIND
 
 __all__ = ["optimize_weight_rounding", "LayerRounding", "RoundingReport"]
 
