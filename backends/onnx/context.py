@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qcompiler.errors import UnsupportedOpError
 from qcompiler.ir.meta import META_PARTITION, META_TENSOR, TensorInfo
-from qcompiler.ir.ops import REQUIRED, Signature, describe_target, read_arguments  # REQUIRED: ctx.kw(weight=REQUIRED)
+from qcompiler.ir.ops import Signature, describe_target, read_arguments
 
 if TYPE_CHECKING:
     from qcompiler.backends.onnx.emitter import OnnxEmitter

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from qcompiler.backends.onnx.context import OPSET_VERSION, NodeContext
+from qcompiler.errors import InternalError
 
 Rule = Callable[[NodeContext], Any]
 
@@ -30,7 +31,7 @@ _OP_RULES: dict[str, dict[int, Rule]] = {}
 _MODULE_RULES: dict[type, dict[int, Rule]] = {}
 
 
-class DuplicateRuleError(RuntimeError):
+class DuplicateRuleError(InternalError):
     """Two rules registered for the same op (or module class) and opset."""
 
 

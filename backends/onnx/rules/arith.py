@@ -15,10 +15,11 @@ import math
 import numpy as np
 from onnx import TensorProto
 
-from qcompiler.backends.onnx.context import FLOAT_TYPES, REQUIRED, NodeContext, Tensor, is_tensor
+from qcompiler.backends.onnx.context import FLOAT_TYPES, NodeContext, Tensor, is_tensor
 from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import F32, _as_tensor
 from qcompiler.backends.onnx.rules.elementwise import _operands, _result_dtype
+from qcompiler.ir.ops import REQUIRED
 
 BOOL = TensorProto.BOOL
 

@@ -8,13 +8,13 @@ from typing import Any, Optional, Sequence
 import torch.nn as nn
 
 from qcompiler.backends.onnx.context import (
-    REQUIRED,
     NodeContext,
     Tensor,
 )
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _arg_or_none, _circular_pad, _ntuple
 from qcompiler.backends.onnx.rules.elementwise import clip
+from qcompiler.ir.ops import REQUIRED
 from qcompiler.nn import fused
 from qcompiler.quantization.fixed_point import pads4
 

@@ -18,14 +18,13 @@ from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
     FLOAT_TYPES,
-    REQUIRED,
     NodeContext,
     Tensor,
     is_tensor,
 )
 from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import F32, I64, _as_tensor, _norm_axis, _onnx_dtype
-from qcompiler.ir.ops import clamp_bounds
+from qcompiler.ir.ops import REQUIRED, clamp_bounds
 
 SELU_ALPHA = 1.6732632423543772848170429916717
 

@@ -21,12 +21,12 @@ from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
     INT64_MAX,
-    REQUIRED,
     NodeContext,
     Tensor,
 )
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import F32, I64
+from qcompiler.ir.ops import REQUIRED
 
 BAG_MODES = ("sum", "mean", "max")
 BOOL = TensorProto.BOOL

@@ -12,7 +12,6 @@ from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
     INT64_MAX,
-    REQUIRED,
     NodeContext,
     Tensor,
     is_tensor,
@@ -20,6 +19,7 @@ from qcompiler.backends.onnx.context import (
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis
 from qcompiler.ir.meta import META_TENSOR, TensorInfo
+from qcompiler.ir.ops import REQUIRED
 
 
 @emits("getitem")

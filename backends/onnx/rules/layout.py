@@ -11,7 +11,6 @@ import torch.fx as fx
 
 from qcompiler.backends.onnx.context import (
     INT64_MAX,
-    REQUIRED,
     NodeContext,
     Tensor,
     is_tensor,
@@ -19,6 +18,7 @@ from qcompiler.backends.onnx.context import (
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _circular_pad, _norm_axis
 from qcompiler.ir.meta import META_TENSOR
+from qcompiler.ir.ops import REQUIRED
 from qcompiler.ir.shape_prop import _DTYPE_NAMES
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from qcompiler.backends.onnx.context import FLOAT_TYPES, REQUIRED, NodeContext, Tensor
+from qcompiler.backends.onnx.context import FLOAT_TYPES, NodeContext, Tensor
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import F32, _as_tensor
+from qcompiler.ir.ops import REQUIRED
 
 REDUCE = {"mean": "ReduceMean", "sum": "ReduceSum"}
 

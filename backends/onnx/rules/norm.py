@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 
 from qcompiler.backends.onnx.context import (
-    REQUIRED,
     ModuleTensor,
     NodeContext,
     Tensor,
@@ -17,6 +16,7 @@ from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis
 from qcompiler.backends.onnx.rules.conv import conv
 from qcompiler.backends.onnx.rules.elementwise import clip
+from qcompiler.ir.ops import REQUIRED
 from qcompiler.nn.qat import bn_affine, bn_weight
 from qcompiler.quantization.fixed_point import bias_codes
 

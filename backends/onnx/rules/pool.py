@@ -9,12 +9,12 @@ from typing import Optional
 import numpy as np
 
 from qcompiler.backends.onnx.context import (
-    REQUIRED,
     NodeContext,
     Tensor,
 )
 from qcompiler.backends.onnx.registry import emits
 from qcompiler.backends.onnx.rules.common import I64, _ntuple
+from qcompiler.ir.ops import REQUIRED
 from qcompiler.quantization.fixed_point import max_pool_out_size, pads4
 
 

@@ -308,7 +308,7 @@ def converted_cat(ctx: NodeContext) -> Tensor:
 def converted_lookup(ctx: NodeContext) -> Tensor:
     """A lookup table: on int8 codes into an int8 table, ``Gather(table, q + 128)`` (the table is an
     initializer, the sidecar lists it); else the float function it was built from (default
-    arguments, as ``passes.convert.LUT_FUNCTIONS``) followed by the output quantization."""
+    arguments, as ``passes.convert_rules.lut.LUT_FUNCTIONS``) followed by the output quantization."""
     m = ctx.module
     out_dtype = "qint16" if m.table.dtype == torch.int16 else "qint8"
     codes = _int8_codes(ctx, [ctx.x()], out_dtype) if m.in_dtype == "qint8" else None

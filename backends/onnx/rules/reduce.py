@@ -15,12 +15,12 @@ from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
     FLOAT_TYPES,
-    REQUIRED,
     NodeContext,
     Tensor,
 )
 from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis, _onnx_dtype
+from qcompiler.ir.ops import REQUIRED
 
 BOOL = TensorProto.BOOL
 

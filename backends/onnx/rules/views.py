@@ -11,10 +11,11 @@ import numpy as np
 import torch.fx as fx
 from onnx import TensorProto
 
-from qcompiler.backends.onnx.context import REQUIRED, NodeContext, Tensor
+from qcompiler.backends.onnx.context import NodeContext, Tensor
 from qcompiler.backends.onnx.registry import emits, register
 from qcompiler.backends.onnx.rules.common import I64, _norm_axis
 from qcompiler.backends.onnx.rules.layout import _dims_args, shape_tensor
+from qcompiler.ir.ops import REQUIRED
 
 
 @emits("reshape_as", since=11)
