@@ -1,8 +1,8 @@
 """Lower the BPU partitions of a converted model (``convert_fx``) to :class:`BpuProgram` data.
 
 The converted graph is the source of truth: a node belongs to a BPU
-partition when ``node.meta["qc_placement"] == "bpu"`` and
-``node.meta["qc_partition"]`` names it (``gm.meta["qc_partitions"]`` lists
+partition when ``node.meta[META_PLACEMENT] == BPU`` and
+``node.meta[META_PARTITION]`` names it (``gm.meta[GM_PARTITIONS]`` lists
 node names from before convert, which erased the folded output observers,
 so it is not used for membership).  The partition's inputs and outputs are
 computed here from the graph edges: an input is a value made outside the
@@ -24,6 +24,7 @@ How each converted module becomes a program op is a rule of its family in
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -34,6 +35,7 @@ from qcompiler.backends.bpu.lowering.registry import rule_for  # runs the loweri
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec, encode_index
 from qcompiler.errors import ConfigError, InternalError, UnsupportedOpError
 from qcompiler.ir.meta import BPU, META_OP, META_PARTITION, placement, shape
+from qcompiler.ir.ops import Binding, bind
 from qcompiler.ir.partitions import partitions
 from qcompiler.nn import quantized as qnn
 
@@ -184,22 +186,15 @@ class LoweringContext:
         """The arguments after the input, as written: positional ones, and keywords."""
         return list(self.node.args[1:]), dict(self.node.kwargs)
 
-    def bind(self, names: list[str], defaults: dict[str, Any]) -> dict[str, Any]:
-        """The arguments after the input by name (positional in ``names`` order, or keywords), with
-        ``defaults``; fails on too many, unknown or missing ones."""
-        args, kwargs = self.rest()
-        if len(args) > len(names):
-            raise self.fail(f"too many arguments {args!r}")
-        vals = dict(defaults)
-        vals.update(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names:
-                raise self.fail(f"unknown argument {k}={v!r}")
-            vals[k] = v
-        missing = [n for n in names if n not in vals]
-        if missing:
-            raise self.fail(f"missing argument(s) {', '.join(missing)}")
-        return vals
+    @cached_property
+    def args(self) -> Binding:
+        """Every argument by name (:func:`qcompiler.ir.ops.bind`: a same-scale module's stored call or
+        float module, else the signature of its op), with the defaults; UnsupportedOpError on too many,
+        unknown or missing ones."""
+        binding = bind(self.node, {self.node.target: self.module} if self.module is not None else {})
+        if binding is None:
+            raise self.fail("its arguments cannot be read by name (no op of the registry)")
+        return binding
 
     def constant_args(self, values) -> None:
         """Fails when one of ``values`` (or an element of one) is computed at run time."""

@@ -58,9 +58,7 @@ def identity(ctx, args, kwargs):
 @same_scale("flatten", emits=("flatten",))
 def flatten(ctx, args, kwargs):
     """nn.Flatten (its dims) or torch.flatten / Tensor.flatten (the call's)."""
-    module = ctx.module.float_module
-    dims = ({"start_dim": module.start_dim, "end_dim": module.end_dim} if module is not None
-            else ctx.bind(["start_dim", "end_dim"], {"start_dim": 0, "end_dim": -1}))
+    dims = ctx.args
     return "flatten", {"start_dim": int(dims["start_dim"]), "end_dim": int(dims["end_dim"])}
 
 
@@ -110,7 +108,7 @@ def permute(ctx, args, kwargs):
 @same_scale("transpose", emits=("transpose",))
 def transpose(ctx, args, kwargs):
     """transpose of two dims."""
-    dims = ctx.bind(["dim0", "dim1"], {})
+    dims = ctx.args
     return "transpose", {"dim0": int(dims["dim0"]), "dim1": int(dims["dim1"])}
 
 
@@ -135,7 +133,7 @@ def cat(ctx):
         if s.scale != m.in_scales[i]:
             raise ctx.fail(f"input {i} scale {s.scale!r} differs from the module's {m.in_scales[i]!r}")
         names.append(t.name)
-    dim = ctx.arg(1, "dim", 0)
+    dim = ctx.args["dim"]
     ctx.constant_args([dim])
     so = fp._f64(m.out_scale, "out_scale")
     Ms, ns = [], []

@@ -30,17 +30,10 @@ def global_avg_pool(ctx):
     return ctx.emit("global_avg_pool", [x.name], {"in_scale": m.in_scale, "keepdim": bool(m.keepdim), **ctx.out()})
 
 
-_MAX_POOL_DEFAULTS = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False}
-
-
 @same_scale("max_pool2d", emits=("max_pool2d",))
 def max_pool2d(ctx, args, kwargs):
     """nn.MaxPool2d (its attributes) or F.max_pool2d (the call's arguments); the stride defaults to the kernel."""
-    module = ctx.module.float_module
-    if module is not None:
-        v = {name: getattr(module, name) for name in ("kernel_size", *_MAX_POOL_DEFAULTS)}
-    else:
-        v = ctx.bind(["kernel_size", *_MAX_POOL_DEFAULTS], _MAX_POOL_DEFAULTS)
+    v = ctx.args
     if v["return_indices"]:
         raise ctx.fail("max_pool2d with return_indices")
     k = fp._pair(v["kernel_size"])
