@@ -68,7 +68,7 @@ def _is_follower(node: fx.Node, op: Optional[str]) -> bool:
 _CLAMP_HINT = "; a clamp runs on the BPU only as a ReLU (bounds 0, none) or a ReLU6 (bounds 0, 6)"
 
 
-def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tuple[str, str]:
+def _decide_compute(node: fx.Node, op: Optional[str], table, modules) -> tuple[str, str]:
     if op is None:
         hint = _CLAMP_HINT if is_clamp(node, modules) else ""
         if node.op == "call_module":
@@ -79,7 +79,7 @@ def _decide_compute(node: fx.Node, op: Optional[str], table, gm, modules) -> tup
     if container is not None:  # e.g. torch.cat(x.chunk(2)[::-1]): a BPU value is one tensor with one scale
         return CPU, (f"input '{container.name}' is a tuple of tensors, not one tensor (a BPU op takes "
                      f"tensors: index it element by element, e.g. torch.cat([b, a]))")
-    ok, reason = table.check(op_info(node, op, gm, modules))
+    ok, reason = table.check(op_info(node, op, modules))
     return (BPU if ok else CPU), reason
 
 
@@ -160,7 +160,7 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         elif op in LAYOUT_OPS and placement(_producer(node)) == CPU:
             assign(node, CPU, f"{op} follows its CPU producer '{_producer(node).name}'")
         else:
-            assign(node, *_decide_compute(node, op, table, gm, modules))
+            assign(node, *_decide_compute(node, op, table, modules))
 
     # Backward sweep: constants, QuantStubs and followers of graph inputs take their users' side.
     for node in reversed(pending):

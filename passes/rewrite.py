@@ -160,7 +160,7 @@ def _march_accepts(user: fx.Node, new: nn.Module, found: Match) -> bool:
     saved = user.args, user.kwargs
     user.replace_input_with(found["pad"], found["x"])  # the layer reads the unpadded input
     try:
-        ok, _ = op_table(found.ctx.march).check(op_info(user, node_op(user, modules), found.gm, modules))
+        ok, _ = op_table(found.ctx.march).check(op_info(user, node_op(user, modules), modules))
     finally:
         user.args, user.kwargs = saved
     return ok

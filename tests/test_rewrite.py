@@ -406,7 +406,7 @@ def test_placement_reads_the_largest_of_four_sides():
     gm = trace(Pool())
     propagate_shapes(gm, (x,))
     node = next(n for n in gm.graph.nodes if n.op == "call_module")
-    info = op_info(node, "avg_pool2d", gm, dict(gm.named_modules()))
+    info = op_info(node, "avg_pool2d", dict(gm.named_modules()))
     assert info.attrs["padding"] == (0, 0, 1, 300)
     ok, why = rw.op_table(March.BAYES).check(info)
     assert not ok and "pool padding 300 > 256" in why

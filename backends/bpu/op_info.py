@@ -138,7 +138,7 @@ def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, modules: Modules
 _PARAMETER_ARGS = {"prelu": 1}
 
 
-def op_info(node: fx.Node, op: str, gm: fx.GraphModule, modules: dict[str, nn.Module]) -> OpInfo:
+def op_info(node: fx.Node, op: str, modules: dict[str, nn.Module]) -> OpInfo:
     """Build the OpInfo of a call node whose canonical op is ``op``.
 
     ``attrs["constant_operands"]`` counts Python numbers and constant tensors (``get_attr``:
