@@ -50,6 +50,7 @@ from qcompiler.ir.ops.names import CONV2D, GETITEM, RESHAPE
 from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.shape_prop import TENSOR_META
 from qcompiler.quantization.fixed_point import pads4
 
 
@@ -430,6 +431,6 @@ def verify_rewritten(gm: fx.GraphModule, ctx: CompileContext) -> None:
                 raise PassError(f"rewrite: row '{row.name}' still matches node '{node.name}'")
 
 
-REWRITE = Pass("rewrite", rewrite, verify_rewritten)
+REWRITE = Pass("rewrite", rewrite, verify_rewritten, requires=(TENSOR_META,))
 
 __all__ = ["Match", "Rewrite", "REWRITES", "REWRITE", "rewrite", "rows_for"]
