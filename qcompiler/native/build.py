@@ -35,6 +35,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import math
 import os
 import platform
@@ -62,7 +63,19 @@ ENV_AMX = "QCOMPILER_NATIVE_AMX"  # "0" / "off": the int8 GEMM on AVX512-VNNI ve
 ENV_BUILD_IDLE = "QCOMPILER_NATIVE_BUILD_IDLE_S"  # kill the compiler when its group used no CPU this long
 ENV_BUILD_MAX = "QCOMPILER_NATIVE_BUILD_MAX_S"  # kill the compiler after this long in any case
 INCLUDE = Path(__file__).parent  # qc_pool.h, which the BPU sources include
-_BPU = INCLUDE.parent / "backends" / "bpu" / "native"  # the BPU simulator's kernels (package data, as these)
+
+
+def _bpu_kernels_dir() -> Path:
+    """``backends/bpu/native``, the BPU simulator's kernels (package data, as these), found the way
+    the import system finds ``qcompiler.backends`` (inside an installed package, or beside
+    ``qcompiler/`` in an editable checkout, whose pyproject maps it to ``./backends``), without
+    running any backend code: the spec only locates the package."""
+    spec = importlib.util.find_spec("qcompiler.backends")
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return Path(locations[0]) / "bpu" / "native" if locations else INCLUDE / "missing-bpu-kernels"
+
+
+_BPU = _bpu_kernels_dir()
 SOURCES = tuple(sorted(INCLUDE.glob("*.c"))) + tuple(sorted(_BPU.glob("*.c")))
 HEADERS = tuple(sorted(INCLUDE.glob("*.h"))) + tuple(sorted(_BPU.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-strict-aliasing", "-fvisibility=hidden", "-std=gnu11",
