@@ -48,7 +48,9 @@ computes, bit for bit.  Two kernel sets are available:
       channels-last max pools are one native pass.
     * int8 x int8 -> int32 GEMMs (``torch._int_mm``, oneDNN) when
       :func:`~qcompiler.backends.bpu.sim.gemm.int8_gemm_available` verified once that they do not saturate on
-      this machine (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
+      this machine and the CPU has VNNI or AMX (:func:`~qcompiler.backends.bpu.sim.gemm.int8_gemm_preferred`:
+      without them ``torch._int_mm`` is exact but slower than the float32 GEMMs below;
+      ``int8_gemm=True`` still asks for it) (VNNI/AMX arithmetic wraps modulo 2**32, so a sum whose
       true value fits int32 is exact whatever the order), and only for layers
       whose int32 range is proven: ``128 * max_o sum_i |w[o, i]| < 2**31``.
       Operands always reach it row-major (``gemm.gemm_operand``): with a

@@ -13,7 +13,7 @@ import torch
 
 from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
-from qcompiler.backends.bpu.sim.gemm import int8_gemm_available
+from qcompiler.backends.bpu.sim.gemm import int8_gemm_available, int8_gemm_preferred
 from qcompiler.backends.bpu.sim.memory import Workspace
 from qcompiler.backends.bpu.sim.plan import ProgramPlan, StalePlan
 from qcompiler.backends.bpu.sim.registry import FAST, REFERENCE, KernelSpec
@@ -58,7 +58,7 @@ class BpuSimulator:
         program.validate()
         self.program, self.kernels = program, kernels
         if int8_gemm is None:
-            int8_gemm = kernels == "fast" and int8_gemm_available()
+            int8_gemm = kernels == "fast" and int8_gemm_preferred()
         elif int8_gemm and not int8_gemm_available():
             raise ConfigError("int8_gemm=True but torch._int_mm is not exact (or missing) on this machine")
         if onednn is None:
