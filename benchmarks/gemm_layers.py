@@ -23,8 +23,8 @@ from tabulate import tabulate
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qcompiler.native.gemm import Int8Gemm  # noqa: E402
-from qcompiler.native.kernels import amx_mode, set_amx  # noqa: E402
+from qcompiler.backends.bpu.native.gemm import Int8Gemm  # noqa: E402
+from qcompiler.backends.bpu.native.kernels import amx_mode, set_amx  # noqa: E402
 
 # name: (N, H, W, C, O, k, stride, padding)
 LAYERS = {

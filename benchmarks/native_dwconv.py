@@ -27,7 +27,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.simulator import best_times, environment  # noqa: E402
-from qcompiler.native.kernels import DepthwiseConv, vnni_enabled  # noqa: E402
+from qcompiler.backends.bpu.native.kernels import DepthwiseConv, vnni_enabled  # noqa: E402
 
 # mobilenet_v2 at 224x224: (input size, channels, stride) of its depthwise 3x3 convs, in order
 MOBILENET_V2 = [(112, 32, 1), (112, 96, 2), (56, 144, 1), (56, 144, 2), (28, 192, 1), (28, 192, 1), (28, 192, 2),

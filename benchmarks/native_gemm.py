@@ -1,4 +1,4 @@
-"""The native int8 GEMM (``qcompiler/native/gemm.py``) vs the simulator's other kernels, in one run.
+"""The native int8 GEMM (``backends/bpu/native/gemm.py``) vs the simulator's other kernels, in one run.
 
     python benchmarks/native_gemm.py [--models mobilenet_v2,resnet18] [--batches 1,8] [--repeat 10]
 
@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import best_times, calibration_batches, converted_model, environment, op_kind_profile  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
-from qcompiler.native.gemm import ENV_VNNI, gemm_available  # noqa: E402
+from qcompiler.backends.bpu.native.gemm import ENV_VNNI, gemm_available  # noqa: E402
 from qcompiler.runtime import Runtime  # noqa: E402
 
 

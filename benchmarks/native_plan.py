@@ -8,7 +8,7 @@ with ``QCOMPILER_NATIVE_PLAN=0`` (every layer a Python call and a ctypes call, `
 with plans (``planned``), timed in rotation, best of ``--repeat`` after a lead-in call, outputs
 ``torch.equal``.  At 2 threads the planned runner is also timed at each ``--min-work`` (the
 multiply-adds from which a step's rows are cut over torch's OpenMP team; ``MIN_WORK`` in
-qcompiler/native/plan.py is the default).  Ratios are planned / op by op (below 1: plans faster).
+backends/bpu/native/plan.py is the default).  Ratios are planned / op by op (below 1: plans faster).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from tabulate import tabulate
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import qcompiler.native.plan as plan_mod  # noqa: E402
+import qcompiler.backends.bpu.native.plan as plan_mod  # noqa: E402
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import best_times, calibration_batches, converted_model, environment  # noqa: E402
-from qcompiler.native.plan import ENV_PLAN  # noqa: E402
+from qcompiler.backends.bpu.native.plan import ENV_PLAN  # noqa: E402
 from qcompiler.runtime import Runtime  # noqa: E402
 
 

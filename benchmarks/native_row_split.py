@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import calibration_batches, converted_model  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
-from qcompiler.native.gemm import ENV_THREADS  # noqa: E402
+from qcompiler.backends.bpu.native.gemm import ENV_THREADS  # noqa: E402
 from qcompiler.runtime import Runtime  # noqa: E402
 
 

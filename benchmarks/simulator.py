@@ -63,9 +63,9 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks._data import SmoothNoise, stack  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
+from qcompiler.backends.bpu.native.kernels import amx_enabled  # noqa: E402
 from qcompiler.backends.bpu.sim import row_split  # noqa: E402
 from qcompiler.backends.bpu.sim.gemm import int8_gemm_available  # noqa: E402
-from qcompiler.native.kernels import amx_enabled  # noqa: E402
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state  # noqa: E402
 from qcompiler.quantization.convert import convert_fx  # noqa: E402
 from qcompiler.runtime import Runtime  # noqa: E402

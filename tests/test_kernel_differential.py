@@ -27,12 +27,12 @@ from simulator_configs import CONFIGS
 from test_bpu_reference import Tiny, geometry, rand_scales, rand_w, weight_layer
 
 from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.native.kernels import ENV_VNNI
 from qcompiler.backends.bpu.onednn_conv import NhwcRequant, exact_in_float64, onednn_conv_available
 from qcompiler.backends.bpu.sim import fast_pool, gemm, onednn_layer
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.backends.bpu.sim.gemm import int8_gemm_available
 from qcompiler.compiled import compile as qc_compile
-from qcompiler.native.kernels import ENV_VNNI
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor

@@ -10,10 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qcompiler.backends.bpu.native.kernels import int32_requant, max_pool_nhwc, requant_columns32
 from qcompiler.backends.bpu.sim.fast_pool import _FastMaxPool
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.kernels import int32_requant, max_pool_nhwc, requant_columns32
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,

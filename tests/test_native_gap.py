@@ -13,13 +13,13 @@ from hypothesis import strategies as st
 from test_bpu_reference import Tiny
 
 from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.native.kernels import global_avg_pool_nhwc, global_avg_pool_nhwc_step
+from qcompiler.backends.bpu.native.plan import NativeSteps
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.backends.bpu.sim.layout import _LAYOUT, _LayoutKernel
 from qcompiler.backends.bpu.sim.plan import ProgramPlan
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.kernels import global_avg_pool_nhwc, global_avg_pool_nhwc_step
-from qcompiler.native.plan import NativeSteps
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 

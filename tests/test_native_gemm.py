@@ -1,4 +1,4 @@
-"""The native int8 GEMM with the fused requantization (qcompiler/native/gemm.py) against the exact
+"""The native int8 GEMM with the fused requantization (backends/bpu/native/gemm.py) against the exact
 int64 reference (hypothesis, torch.equal), its refusals and argument checks, and the simulator's
 1x1 conv / linear layers on it against the fixed_point kernels."""
 
@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 from test_bpu_reference import Tiny, geometry, rand_scales, weight_layer
 
 from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.native.gemm import ENV_VNNI, ConvGeometry, Int8Gemm, gemm_available
+from qcompiler.backends.bpu.native.kernels import DepthwiseConv, amx_calls, amx_enabled, amx_mode, set_amx
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.gemm import ENV_VNNI, ConvGeometry, Int8Gemm, gemm_available
-from qcompiler.native.kernels import DepthwiseConv, _fn, amx_calls, amx_enabled, amx_mode, set_amx
+from qcompiler.native.kernels import _fn
 from qcompiler.quantization import fixed_point as fp
 
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, database=None,
@@ -242,7 +243,7 @@ def test_the_tile_path_is_switched_process_wide_and_gives_the_vector_paths_bits(
         assert small.conv_layout(*conv) == "slide"
     finally:
         set_amx(was > 0, every_call=was == 2)
-    code = "from qcompiler.native.kernels import amx_enabled; print(amx_enabled())"
+    code = "from qcompiler.backends.bpu.native.kernels import amx_enabled; print(amx_enabled())"
     for env, want in (("0", "False"), ("1", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "QCOMPILER_NATIVE_AMX": env}).stdout.strip()

@@ -17,20 +17,20 @@ from hypothesis import strategies as st
 from test_bpu_reference import Tiny, geometry, weight_layer
 
 from qcompiler.backends.bpu.lower import lower_partition
-from qcompiler.backends.bpu.onednn_conv import NhwcRequant
-from qcompiler.backends.bpu.sim.executor import BpuSimulator
-from qcompiler.errors import ConfigError, QCompilerWarning
-from qcompiler.native import build, kernels
-from qcompiler.native.kernels import (
+from qcompiler.backends.bpu.native import kernels
+from qcompiler.backends.bpu.native.kernels import (
     DepthwiseConv,
     abs_sums,
-    histogram_abs,
-    histogram_abs_minmax,
     quantize_f32,
     requant_columns,
     requant_rows,
     vnni_enabled,
 )
+from qcompiler.backends.bpu.onednn_conv import NhwcRequant
+from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.errors import ConfigError, QCompilerWarning
+from qcompiler.native import build
+from qcompiler.native.kernels import histogram_abs, histogram_abs_minmax
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 
@@ -239,7 +239,7 @@ def test_a_large_gemm_layer_is_built_without_an_int64_copy_of_its_weight():
     memory of a fresh process, measured around the build."""
     code = (
         "import torch\n"
-        "from qcompiler.native.gemm import Int8Gemm, gemm_available\n"
+        "from qcompiler.backends.bpu.native.gemm import Int8Gemm, gemm_available\n"
         "w = torch.randint(-128, 128, (4096, 8192), dtype=torch.int8)\n"
         "M, n = torch.full((4096,), 1 << 20, dtype=torch.int64), torch.full((4096,), 40, dtype=torch.int64)\n"
         "def hwm():\n"

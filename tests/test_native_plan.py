@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from test_native_gemm import _OUT, SETTINGS, _gemm_program, conv_case_tensors, conv_cases, needs_gemm
 from test_native_kernels import dw_case_tensors, dw_cases
 
-import qcompiler.native.plan as plan_mod
+import qcompiler.backends.bpu.native.plan as plan_mod
 from qcompiler import zoo
+from qcompiler.backends.bpu.native.gemm import Int8Gemm
+from qcompiler.backends.bpu.native.kernels import DepthwiseConv, max_pool_nhwc, max_pool_nhwc_step
+from qcompiler.backends.bpu.native.plan import ENV_PLAN, MIN_WORK, NativeSteps
 from qcompiler.backends.bpu.sim import plan as program_plan
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.errors import ConfigError
-from qcompiler.native.gemm import Int8Gemm
-from qcompiler.native.kernels import DepthwiseConv, max_pool_nhwc, max_pool_nhwc_step
-from qcompiler.native.plan import ENV_PLAN, MIN_WORK, NativeSteps
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization import prepare_calibration_fx, prepare_qat_fx, set_state
 from qcompiler.quantization.convert import convert_fx

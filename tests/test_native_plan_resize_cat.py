@@ -16,17 +16,17 @@ from test_bpu_reference import Tiny, geometry, weight_layer
 from test_native_plan import _converted
 from test_native_resize import _input, _spec, cases
 
-import qcompiler.native.plan as plan_mod
+import qcompiler.backends.bpu.native.plan as plan_mod
 from qcompiler.backends.bpu.lower import lower_partition
+from qcompiler.backends.bpu.native.gemm import gemm_available
+from qcompiler.backends.bpu.native.kernels import BilinearResize, nearest_nhwc_step, nearest_taps, requant_columns_step
+from qcompiler.backends.bpu.native.plan import NativeSteps
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.backends.bpu.sim.memory import Workspace
 from qcompiler.backends.bpu.sim.registry import FAST, REFERENCE, KernelSpec
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.gemm import gemm_available
-from qcompiler.native.kernels import BilinearResize, nearest_nhwc_step, nearest_taps, requant_columns_step
-from qcompiler.native.plan import NativeSteps
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.runtime import Runtime

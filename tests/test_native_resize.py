@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qcompiler.backends.bpu.native.kernels import BilinearResize, bilinear_taps
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
 from qcompiler.backends.bpu.sim.registry import FAST, REFERENCE, KernelSpec
 from qcompiler.errors import ConfigError
 from qcompiler.native import build
-from qcompiler.native.kernels import BilinearResize, bilinear_taps
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -24,11 +24,11 @@ from test_native_gemm import (
 )
 from test_native_kernels import dw_case_tensors, dw_cases
 
+from qcompiler.backends.bpu.native import gemm as gemm_mod
+from qcompiler.backends.bpu.native.gemm import ENV_THREADS, SPLIT_MIN_WORK, Int8Gemm, row_parts
+from qcompiler.backends.bpu.native.kernels import DepthwiseConv
+from qcompiler.backends.bpu.native.plan import ENV_PLAN
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
-from qcompiler.native import gemm as gemm_mod
-from qcompiler.native.gemm import ENV_THREADS, SPLIT_MIN_WORK, Int8Gemm, row_parts
-from qcompiler.native.kernels import DepthwiseConv
-from qcompiler.native.plan import ENV_PLAN
 from qcompiler.parallel import run_split
 from qcompiler.quantization import fixed_point as fp
 

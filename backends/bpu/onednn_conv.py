@@ -29,8 +29,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from qcompiler.backends.bpu.native.kernels import Requant
 from qcompiler.native.build import native_enabled
-from qcompiler.native.kernels import Requant
 
 __all__ = ["onednn_conv_available", "OnednnConv", "NhwcRequant", "exact_in_float64", "F32_EXACT"]
 
@@ -174,7 +174,7 @@ class NhwcRequant:
     written as integers; or ``acc`` as int32 for a high-precision output.
 
     With the native kernels on (``native``; default :func:`~qcompiler.native.build.native_enabled`), one pass in C in
-    integer arithmetic (:func:`~qcompiler.native.kernels.requant_rows`: exact by construction,
+    integer arithmetic (:func:`~qcompiler.backends.bpu.native.kernels.requant_rows`: exact by construction,
     ``|acc| <= acc_bound``).  Otherwise evaluated in float64 -- multiply, round and clamp in three
     passes through ``MAGIC`` without a fused add; multiply, add, round, clamp and a cast with one --
     exact by :func:`exact_in_float64`, which the caller checks with :meth:`applies`.

@@ -35,7 +35,7 @@ computes, bit for bit.  Two kernel sets are available:
       proven exact that way, and int16 inputs, use the kernels below.
     * with the native kernels on a CPU with AVX512-VNNI, groups-1 convs and linear layers of int8
       inputs run on the native int8 GEMM with the requantization fused
-      (:class:`~qcompiler.native.gemm.Int8Gemm`, ``native_gemm``), and depthwise convs on
+      (:class:`~qcompiler.backends.bpu.native.gemm.Int8Gemm`, ``native_gemm``), and depthwise convs on
       its VNNI depthwise kernel, where each proves the layer exact; ``QCOMPILER_NATIVE_VNNI=0``
       keeps the kernels above.
     * int8 max pools are torch's quantized max pool on the same bytes; cat

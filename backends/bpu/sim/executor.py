@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from qcompiler.backends.bpu.native.plan import plans_enabled
 from qcompiler.backends.bpu.onednn_conv import onednn_conv_available
 from qcompiler.backends.bpu.program import BpuOp, BpuProgram, ValueSpec
 from qcompiler.backends.bpu.sim.gemm import int8_gemm_available, int8_gemm_preferred
@@ -20,7 +21,6 @@ from qcompiler.backends.bpu.sim.registry import FAST, REFERENCE, KernelSpec
 from qcompiler.backends.bpu.sim.row_split import RowSplitConv
 from qcompiler.errors import ConfigError, UnsupportedOpError
 from qcompiler.native.build import native_enabled
-from qcompiler.native.plan import plans_enabled
 from qcompiler.parallel import part_budget
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.qtensor import QTensor

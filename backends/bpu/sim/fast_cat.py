@@ -8,13 +8,17 @@ from typing import Callable, Optional
 
 import torch
 
+from qcompiler.backends.bpu.native.kernels import (
+    int32_requant,
+    requant_columns,
+    requant_columns32,
+    requant_columns_step,
+)
 from qcompiler.backends.bpu.sim.bounds import STORAGE
 from qcompiler.backends.bpu.sim.memory import Workspace, nhwc
 from qcompiler.backends.bpu.sim.plan import Alloc, fresh
 from qcompiler.backends.bpu.sim.registry import REFERENCE, KernelSpec, fast_kernel
-from qcompiler.native.kernels import int32_requant, requant_columns, requant_columns32, requant_columns_step
 from qcompiler.quantization import fixed_point as fp
-
 
 # elements of one float64 slice of the fast cat (512 KiB)
 _CAT_CHUNK = 1 << 16
@@ -104,7 +108,7 @@ class _FastCat:
 
 
 def _narrow(M: int, n: int, dtype: torch.dtype, lo: int, hi: int) -> Optional[tuple]:
-    """``(M32, n32, dtype)``: the int32 parameters :func:`~qcompiler.native.kernels.int32_requant` proved
+    """``(M32, n32, dtype)``: the int32 parameters :func:`~qcompiler.backends.bpu.native.kernels.int32_requant` proved
     equal to ``(M, n)`` on every value of ``dtype`` (the input's storage), or None."""
     m = int32_requant(M, n, dtype, lo, hi)
     return None if m is None else (*m, dtype)
@@ -139,8 +143,9 @@ def _native_cat_operands(xs, dim: int, st: torch.dtype, alloc: Alloc = fresh) ->
 
 
 def _native_cat(xs, dim: int, params, lo: int, hi: int, st: torch.dtype) -> Optional[torch.Tensor]:
-    """:func:`_fast_cat` in native passes, one per input (:func:`~qcompiler.native.kernels.requant_columns`,
-    or its int32 twin ``requant_columns32`` where ``_narrow`` proved it equal on every input value),
+    """:func:`_fast_cat` in native passes, one per input
+    (:func:`~qcompiler.backends.bpu.native.kernels.requant_columns`, or its int32 twin ``requant_columns32``
+    where ``_narrow`` proved it equal on every input value),
     when every input is channels-last 4-d and the cat is along channels (rows = positions), or every
     input is contiguous (rows = the dims before the cat dim); else None (the torch path)."""
     ops = _native_cat_operands(xs, dim, st)

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from qcompiler.backends.bpu.native.kernels import abs_sums
 from qcompiler.backends.bpu.program import BpuOp, ValueSpec
 from qcompiler.backends.bpu.sim.bounds import AMAX, F32_EXACT, I32, STORAGE
 from qcompiler.backends.bpu.sim.epilogue import TILE, Epilogue
@@ -17,9 +18,7 @@ from qcompiler.backends.bpu.sim.native_gemm import _NativeGemmLayer
 from qcompiler.backends.bpu.sim.onednn_layer import _OnednnConvLayer
 from qcompiler.backends.bpu.sim.reference import fixed_point_weight_layer
 from qcompiler.backends.bpu.sim.registry import KernelSpec, fast_kernel
-from qcompiler.native.kernels import abs_sums
 from qcompiler.quantization import fixed_point as fp
-
 
 # bytes of one integer im2col tile
 _COL_BYTES = 8 << 20

@@ -9,21 +9,20 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from qcompiler.backends.bpu.sim.bounds import AMAX, I32, STORAGE
-from qcompiler.backends.bpu.sim.memory import Workspace
-from qcompiler.backends.bpu.sim.plan import Alloc, fresh
-from qcompiler.backends.bpu.sim.reference import pool_geometry
-from qcompiler.backends.bpu.sim.registry import REFERENCE, KernelSpec, fast_kernel
-from qcompiler.native.kernels import (
+from qcompiler.backends.bpu.native.kernels import (
     Requant,
     global_avg_pool_nhwc,
     global_avg_pool_nhwc_step,
     max_pool_nhwc,
     max_pool_nhwc_step,
 )
+from qcompiler.backends.bpu.sim.bounds import AMAX, I32, STORAGE
+from qcompiler.backends.bpu.sim.memory import Workspace
+from qcompiler.backends.bpu.sim.plan import Alloc, fresh
+from qcompiler.backends.bpu.sim.reference import pool_geometry
+from qcompiler.backends.bpu.sim.registry import REFERENCE, KernelSpec, fast_kernel
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
-
 
 # torch's quantized max pool vectorizes over channels: faster than the running maximum from
 # 64 channels (resnet18's 3x3 pool: 1.5 -> 0.3 ms), slower with 16-32 (unet's 2x2 pools)
@@ -123,8 +122,8 @@ class _FastGlobalAvgPool:
     """The reference's sums in int32 where ``amax * H * W < 2**31`` proves them in range, its
     ``(M, n)`` computed once per spatial size.  With the native kernels, a channels-last input
     (the native GEMM's output) is one native pass, sums and requantization
-    (:func:`~qcompiler.native.kernels.global_avg_pool_nhwc`, also a plan step); any other layout
-    is summed by torch in place and requantized by one :class:`~qcompiler.native.kernels.Requant`
+    (:func:`~qcompiler.backends.bpu.native.kernels.global_avg_pool_nhwc`, also a plan step); any other layout
+    is summed by torch in place and requantized by one :class:`~qcompiler.backends.bpu.native.kernels.Requant`
     pass (the int32 sums are exact in float64; ``fp.requantize`` costs 0.15-0.3 ms in small torch
     ops), or by ``fp.requantize`` without the native kernels.  Both requantize as
     ``qc_requant_*`` does.  Else the reference."""

@@ -7,16 +7,16 @@ from typing import Callable
 
 import torch
 
+from qcompiler.backends.bpu.native.kernels import quantize_f32
 from qcompiler.backends.bpu.sim.bounds import STORAGE
 from qcompiler.backends.bpu.sim.registry import REFERENCE, KernelSpec, fast_kernel
-from qcompiler.native.kernels import quantize_f32
 from qcompiler.quantization import fixed_point as fp
 
 
 @fast_kernel("quantize")
 def _fast_quantize(k: KernelSpec) -> Callable:
     """With the native kernels and a per-tensor scale: one native pass over a contiguous float32
-    input (:func:`~qcompiler.native.kernels.quantize_f32`, exactly ``fp.quantize``); any other input
+    input (:func:`~qcompiler.backends.bpu.native.kernels.quantize_f32`, exactly ``fp.quantize``); any other input
     takes ``fp.quantize``."""
     scale, dtype = k.attrs["out_scale"], k.attrs["out_dtype"]
     st = STORAGE.get(dtype)

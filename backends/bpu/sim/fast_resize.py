@@ -9,10 +9,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from qcompiler.backends.bpu.native.kernels import BilinearResize, nearest_nhwc_step, nearest_taps
 from qcompiler.backends.bpu.sim.memory import nhwc
 from qcompiler.backends.bpu.sim.plan import Alloc, fresh
 from qcompiler.backends.bpu.sim.registry import REFERENCE, KernelSpec, fast_kernel
-from qcompiler.native.kernels import BilinearResize, nearest_nhwc_step, nearest_taps
 from qcompiler.quantization import fixed_point as fp
 
 
@@ -29,7 +29,7 @@ class _FastNearestResize:
     ``clamp(round(float64(q) * ratio))`` on the (smaller) input, then torch's nearest resize of
     the bytes (a selection: the same source element per output position as in float64).  As a plan
     step (native kernels, channels-last input): one native pass selecting torch's source elements
-    (:func:`~qcompiler.native.kernels.nearest_taps`) and requantizing them with the same float64
+    (:func:`~qcompiler.backends.bpu.native.kernels.nearest_taps`) and requantizing them with the same float64
     product, which commutes with the selection."""
 
     def __init__(self, k: KernelSpec) -> None:
@@ -72,7 +72,7 @@ class _FastNearestResize:
 
 @fast_kernel("resize_bilinear")
 def _fast_resize_bilinear(k: KernelSpec) -> Callable:
-    """Bilinear resize in one native integer pass (:class:`~qcompiler.native.kernels.BilinearResize`)
+    """Bilinear resize in one native integer pass (:class:`~qcompiler.backends.bpu.native.kernels.BilinearResize`)
     when the input's sizes give exact dyadic weights (factor-2 and other power-of-two ratios, equal
     sizes): then the reference's float64 value is a rational computed exactly in int32, rescaled
     by the same one float64 product.  Other inputs (and native off) take the reference."""

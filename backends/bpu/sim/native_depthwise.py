@@ -1,4 +1,4 @@
-"""Depthwise int8 convs in one native pass (:class:`~qcompiler.native.kernels.DepthwiseConv`),
+"""Depthwise int8 convs in one native pass (:class:`~qcompiler.backends.bpu.native.kernels.DepthwiseConv`),
 channels-last in and out, also as a plan step."""
 
 from __future__ import annotations
@@ -7,20 +7,20 @@ from typing import Callable, Optional
 
 import torch
 
+from qcompiler.backends.bpu.native.gemm import row_parts
+from qcompiler.backends.bpu.native.kernels import DepthwiseConv
 from qcompiler.backends.bpu.sim.bounds import I32, STORAGE
 from qcompiler.backends.bpu.sim.epilogue import act_clamp
 from qcompiler.backends.bpu.sim.plan import Alloc, fresh
 from qcompiler.backends.bpu.sim.reference import fixed_point_weight_layer
 from qcompiler.backends.bpu.sim.registry import KernelSpec
 from qcompiler.errors import ConfigError
-from qcompiler.native.gemm import row_parts
-from qcompiler.native.kernels import DepthwiseConv
 from qcompiler.parallel import part_budget
 
 
 class _NativeDepthwiseLayer:
     """Depthwise int8 conv2d (groups == in == out channels) in one native pass: int32 accumulation
-    and the integer requantization per output position (:class:`~qcompiler.native.kernels.DepthwiseConv`),
+    and the integer requantization per output position (:class:`~qcompiler.backends.bpu.native.kernels.DepthwiseConv`),
     channels-last in and out.  Built for qint8 inputs without a fused add or a high-precision
     output, when the int32 bound is proven (``build`` returns None otherwise)."""
 

@@ -1,5 +1,5 @@
 """Groups-1 convs and linears of int8 inputs as one native int8 GEMM with the requantization fused
-(:class:`~qcompiler.native.gemm.Int8Gemm`), channels-last in and out, also as a plan step."""
+(:class:`~qcompiler.backends.bpu.native.gemm.Int8Gemm`), channels-last in and out, also as a plan step."""
 
 from __future__ import annotations
 
@@ -7,22 +7,22 @@ from typing import Callable, Optional
 
 import torch
 
+from qcompiler.backends.bpu.native.gemm import Int8Gemm, gemm_available, row_parts
 from qcompiler.backends.bpu.sim.bounds import STORAGE
 from qcompiler.backends.bpu.sim.epilogue import act_clamp
 from qcompiler.backends.bpu.sim.plan import Alloc, fresh
 from qcompiler.backends.bpu.sim.reference import fixed_point_weight_layer
 from qcompiler.backends.bpu.sim.registry import KernelSpec
 from qcompiler.errors import ConfigError
-from qcompiler.native.gemm import Int8Gemm, gemm_available, row_parts
 from qcompiler.parallel import part_budget
 
 
 class _NativeGemmLayer:
     """A conv2d (groups 1; a 1x1 without padding reads its input rows directly, any other gathers its
     taps in the kernel) or a linear of int8 inputs as one native int8 GEMM with the requantization,
-    fused add and relu/relu6 clamp in its epilogue (:class:`~qcompiler.native.gemm.Int8Gemm`),
+    fused add and relu/relu6 clamp in its epilogue (:class:`~qcompiler.backends.bpu.native.gemm.Int8Gemm`),
     channels-last in and out.  Built for int8 / int16 outputs when
-    :func:`~qcompiler.native.gemm.gemm_available` and the kernel proves the layer exact
+    :func:`~qcompiler.backends.bpu.native.gemm.gemm_available` and the kernel proves the layer exact
     (``Int8Gemm.refusal``); ``build`` returns None otherwise (the other kernels take it)."""
 
     def __init__(self, gemm: Int8Gemm, conv: Optional[dict], other_dtype: Optional[torch.dtype],
@@ -76,7 +76,7 @@ class _NativeGemmLayer:
 
     def plan_step(self, x: torch.Tensor, other: Optional[torch.Tensor] = None, alloc: Alloc = fresh) -> Optional[tuple]:
         """The call as a plan step (``backends/bpu/sim/plan.py``): (its result, in memory from ``alloc``, and a
-        :class:`~qcompiler.native.plan.StepSpec` that fills it), or None when the call would not be
+        :class:`~qcompiler.backends.bpu.native.plan.StepSpec` that fills it), or None when the call would not be
         one kernel call on its inputs as they lie (the reference, or a layout copy first)."""
         ops = self._operands(x, other, alloc, copy=False)
         if ops is None:

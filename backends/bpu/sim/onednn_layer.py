@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from qcompiler.backends.bpu.native.kernels import abs_sums
 from qcompiler.backends.bpu.onednn_conv import NhwcRequant, OnednnConv
 from qcompiler.backends.bpu.sim.bounds import AMAX, F32_EXACT, STORAGE
 from qcompiler.backends.bpu.sim.epilogue import act_clamp
@@ -14,7 +15,6 @@ from qcompiler.backends.bpu.sim.gemm import exact_chunks
 from qcompiler.backends.bpu.sim.memory import Workspace
 from qcompiler.backends.bpu.sim.reference import fixed_point_weight_layer
 from qcompiler.backends.bpu.sim.registry import KernelSpec
-from qcompiler.native.kernels import abs_sums
 
 
 def _window_in_padding(L: int, k: int, s: int, p: int, d: int) -> bool:

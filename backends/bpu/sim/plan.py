@@ -4,7 +4,7 @@
 the ops whose kernel can be one native call on buffers that never move (a layer with a
 ``plan_step`` method: the native GEMM convs and linears, the VNNI depthwise conv, the channels-last
 max pool, the bilinear and nearest resizes, the cat, the global average pool), a plan fixes those buffers once per input shape and turns each maximal run of such
-ops into one :class:`~qcompiler.native.plan.NativeSteps`: one ctypes call for the run, and at 2
+ops into one :class:`~qcompiler.backends.bpu.native.plan.NativeSteps`: one ctypes call for the run, and at 2
 threads one parallel region of torch's OpenMP team.  The other ops run as before, in between.
 
 A layout op (``plan_view``: flatten, reshape, identity ...) whose input is in a buffer and whose
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from qcompiler.native.plan import NativeSteps, StepSpec
+from qcompiler.backends.bpu.native.plan import NativeSteps, StepSpec
 
 __all__ = ["ProgramPlan", "StalePlan", "Alloc", "fresh"]
 

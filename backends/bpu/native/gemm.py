@@ -37,14 +37,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from qcompiler.errors import ConfigError
-from qcompiler.native.kernels import (
+from qcompiler.backends.bpu.native.kernels import (
     ENV_VNNI,
     F64_EXACT,
     INT64_LIMIT,
     MAX_SHIFT,
-    _check,
-    _fn,
     _ok,
     abs_sums,
     amx_enabled,
@@ -53,7 +50,9 @@ from qcompiler.native.kernels import (
     prepared_constants,
     vnni_enabled,
 )
-from qcompiler.native.plan import StepSpec
+from qcompiler.backends.bpu.native.plan import StepSpec
+from qcompiler.errors import ConfigError
+from qcompiler.native.kernels import _check, _fn
 
 __all__ = ["Int8Gemm", "ConvGeometry", "gemm_available", "ENV_VNNI", "ENV_THREADS", "SPLIT_MIN_WORK", "row_parts"]
 
@@ -92,7 +91,7 @@ class ConvGeometry(ctypes.Structure):
 
 
 def gemm_available() -> bool:
-    """Whether the kernel can run here: :func:`~qcompiler.native.kernels.vnni_enabled` (the library has
+    """Whether the kernel can run here: :func:`~qcompiler.backends.bpu.native.kernels.vnni_enabled` (the library has
     AVX512-VNNI kernels for this CPU, ``QCOMPILER_NATIVE_VNNI`` not 0)."""
     return vnni_enabled()
 
@@ -249,7 +248,7 @@ class Int8Gemm:
 
     def step(self, x: torch.Tensor, ldx: int, geo: Optional[ConvGeometry], out: torch.Tensor,
              other: Optional[torch.Tensor], m0: int, m1: int) -> StepSpec:
-        """:meth:`run_rows` as a plan step (:class:`~qcompiler.native.plan.NativeSteps`): the same
+        """:meth:`run_rows` as a plan step (:class:`~qcompiler.backends.bpu.native.plan.NativeSteps`): the same
         arguments and the same guard, run later, on the same buffers."""
         return StepSpec(self._fstep, self._args(x, ldx, geo, out, other, m0, m1), (self, x, geo, out, other))
 

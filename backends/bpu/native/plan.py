@@ -3,7 +3,7 @@
 Between two native layers the simulator spent a few microseconds of Python each (dispatch, an
 output allocation, a ctypes call): on mobilenet_v2's 52 small layers that was a quarter of the
 run at batch 1.  A :class:`NativeSteps` holds a run of native layers whose buffers do not move
-(the simulator's per-shape plans, ``backends/bpu/plan.py``): each :class:`StepSpec` (a kernel's
+(the simulator's per-shape plans, ``backends/bpu/sim/plan.py``): each :class:`StepSpec` (a kernel's
 ``*_step`` builder and its arguments, pointers included) is turned into a C step once, and
 :meth:`NativeSteps.run` runs them all in order in one ctypes call.
 
