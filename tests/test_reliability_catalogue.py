@@ -41,12 +41,12 @@ from onnx import helper, numpy_helper
 from torch.utils.data import DataLoader, TensorDataset
 
 import qcompiler
-from qcompiler.compiled import _from_artifact, load
 from qcompiler import distributed
+from qcompiler.backends.bpu.native.plan import NativeSteps
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
+from qcompiler.compiled import _from_artifact, load
 from qcompiler.errors import ArtifactError, CalibrationError, ConfigError, QCompilerWarning
 from qcompiler.native import build, kernels
-from qcompiler.native.plan import NativeSteps
 from qcompiler.onnx import export_to_onnx
 from qcompiler.quantization import auto_int16, sync
 from qcompiler.quantization.fake_quantize import set_state
@@ -1130,10 +1130,10 @@ NATIVE_CACHE = [
     Case("native/compiler-hangs-in-version", lambda e: _hung_cc(e, "version", **{IDLE: "1"}), W,
          OFF + "`hang.sh --version` " + HUNG),
     Case("native/compiler-hangs-compiling", lambda e: _hung_cc(e, "compile", **{IDLE: "1"}), W,
-         OFF + "`hang.sh` compiling kernels.c " + HUNG),
+         OFF + f"`hang.sh` compiling the native kernels ({len(build.SOURCES)} sources) " + HUNG),
     Case("native/compiler-past-the-cap", lambda e: _hung_cc(e, "compile", **{IDLE: "100", CAP: "1"}), W,
-         OFF + "`hang.sh` compiling kernels.c was still running after 1 s and was killed (the cap on a build; "
-         "QCOMPILER_NATIVE_BUILD_MAX_S sets it)"),
+         OFF + f"`hang.sh` compiling the native kernels ({len(build.SOURCES)} sources) was still running after 1 s "
+         "and was killed (the cap on a build; QCOMPILER_NATIVE_BUILD_MAX_S sets it)"),
 ]
 
 

@@ -404,7 +404,8 @@ def _build(cc: str, dir_fd: int, cache: Path, name: str, limits: tuple[float, fl
     compiled file through the fd it was hashed from.  RuntimeError / OSError say what failed."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        rc, _, err = _run(command(cc, cache / tmp), f"`{os.path.basename(cc)}` compiling kernels.c", limits)
+        what = f"`{os.path.basename(cc)}` compiling the native kernels ({len(SOURCES)} sources)"
+        rc, _, err = _run(command(cc, cache / tmp), what, limits)
         if rc != 0:
             detail = f": {err.strip()[:500]}" if err.strip() else ""
             raise RuntimeError(f"{os.path.basename(cc)} exited with {rc}{detail}")
