@@ -1,14 +1,14 @@
-"""Every native GEMM call of a model on two builds of ``kernels.c``, side by side in one process.
+"""Every native GEMM call of a model on two builds of the native kernels, side by side in one process.
 
     python benchmarks/gemm_calls_ab.py --base a32cfbd [--models mobilenet_v2,resnet18] [--batches 1,8] [--repeat 15]
 
 One ``Runtime.simulated`` call (1 thread) records the arguments of every ``qc_gemm_*`` call (its
 input, fused operand and conv geometry copied); each call is then replayed on the library built
-from ``kernels.c`` at git revision ``--base`` and on the one built from the working tree (the
-compiler flags of ``qcompiler/native/build.py``), alternating, the best of ``--repeat`` each, into
-separate outputs that must be equal bit for bit (both builds get the layers' current ``Int8Gemm``
-arguments, so the base must accept them: any revision whose ``qc_gemm_*`` take the same leading arguments;
-a base before the prepared constants ignores the last one).
+from the C sources (``qcompiler/native``, ``backends/bpu/native``) at git revision ``--base`` and on the
+one built from the working tree (the compiler call of ``qcompiler/native/build.py``), alternating, the
+best of ``--repeat`` each, into separate outputs that must be equal bit for bit (both builds get the
+layers' current ``Int8Gemm`` arguments, so the base must accept them: any revision whose ``qc_gemm_*``
+take the same leading arguments; a base before the prepared constants ignores the last one).
 Prints per call rows, K, O, the epilogue mode (``f64``), both times and the ratio, then the totals.
 For comparing kernel changes on a shared machine: both builds see the same load at the same moment.
 """
@@ -32,26 +32,45 @@ from tabulate import tabulate
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import qcompiler.native.gemm as gemm_mod  # noqa: E402
-import qcompiler.native.kernels as kernels_mod  # noqa: E402
+import qcompiler.backends.bpu.native.gemm as gemm_mod  # noqa: E402
+import qcompiler.backends.bpu.native.kernels as kernels_mod  # noqa: E402
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks.simulator import calibration_batches, converted_model  # noqa: E402
-from qcompiler.native.build import FLAGS, SOURCE  # noqa: E402
-from qcompiler.native.plan import ENV_PLAN  # noqa: E402
+from qcompiler.backends.bpu.native.plan import ENV_PLAN  # noqa: E402
+from qcompiler.native.build import INCLUDE, SOURCES, command  # noqa: E402
 from qcompiler.runtime import Runtime  # noqa: E402
 
 _KERNEL = re.compile(r"qc_gemm_(add_i(8|16)_)?i(8|16)")  # the GEMM kernels themselves, one call a layer
 _GEO = 14  # int64 entries of a conv's geometry (the last: the address of the tail layout's weights, or 0)
 
 
-def build(source: bytes, cache: Path) -> ctypes.CDLL:
-    """``source`` compiled as ``build.py`` compiles ``kernels.c``, cached by its hash."""
-    target = cache / f"k_{hashlib.sha256(source).hexdigest()[:16]}.so"
+ROOT = Path(__file__).resolve().parents[1]
+C_DIRS = ("qcompiler/native", "backends/bpu/native")  # the C sources build.py compiles, relative to a tree
+
+
+def build(tree: Path, cache: Path) -> ctypes.CDLL:
+    """The C sources of ``tree`` (a checkout) compiled by ``build.command`` with that tree's sources and
+    include directory in place of the working tree's, cached by the hash of its ``.c`` / ``.h`` files."""
+    files = sorted(f for d in C_DIRS for f in (tree / d).glob("*.[ch]"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(tree)).encode() + b"\0" + f.read_bytes() + b"\0")
+    target = cache / f"k_{h.hexdigest()[:16]}.so"
     if not target.is_file():
-        src = target.with_suffix(".c")
-        src.write_bytes(source)
-        subprocess.run(["gcc", *FLAGS, "-o", str(target), str(src), "-lm"], check=True)
+        live = {f"-I{INCLUDE}", *(str(s) for s in SOURCES)}
+        cmd = [a for a in command("gcc", target) if a not in live]
+        cmd[-1:-1] = [f"-I{tree / C_DIRS[0]}", *(str(f) for f in files if f.suffix == ".c")]  # before -lm
+        subprocess.run(cmd, check=True)
     return ctypes.CDLL(str(target))
+
+
+def checkout(rev: str, dest: Path) -> Path:
+    """The C directories of git revision ``rev`` (those it has) extracted under ``dest``."""
+    dirs = subprocess.run(["git", "ls-tree", "-d", "--name-only", rev, "--", *C_DIRS], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout.split()
+    tar = subprocess.run(["git", "archive", rev, "--", *dirs], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    return dest
 
 
 def record_calls(name: str, batch: int) -> list:
@@ -141,18 +160,16 @@ def compare(calls: list, libs: list, repeat: int) -> tuple[list, float, float, i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="git revision of the base kernels.c")
+    ap.add_argument("--base", required=True, help="git revision of the base C sources")
     ap.add_argument("--models", default="mobilenet_v2,resnet18")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    root = SOURCE.parents[2]
-    base_src = subprocess.run(["git", "show", f"{args.base}:qcompiler/native/kernels.c"], cwd=root, check=True,
-                              capture_output=True).stdout
     bad_total = 0
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [build(base_src, Path(tmp)), build(SOURCE.read_bytes(), Path(tmp))]
+        base = checkout(args.base, Path(tmp))
+        libs = [build(base, Path(tmp)), build(ROOT, Path(tmp))]
         for name in args.models.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 rows, t0, t1, bad = compare(record_calls(name, batch), libs, args.repeat)
