@@ -17,7 +17,7 @@ When the batch has fewer samples than ``threads`` (batch 1 at 2 threads), the id
 lent to the chunks: a chunk runs with a budget of ``threads // chunks`` workers (the first
 ``threads % chunks`` one more), and a heavy op inside it may cut its own work into that many
 independent parts (:func:`run_parts`; the convolutions' output-row split,
-``qcompiler.backends.bpu.row_split``).  The part computed in the calling worker goes first; a
+``qcompiler.backends.bpu.sim.row_split``).  The part computed in the calling worker goes first; a
 part no idle worker has started yet when the caller is done is taken back and run in the
 caller, so a part never waits behind other work in the queue (no deadlock with concurrent calls).
 
