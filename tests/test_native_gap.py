@@ -1,4 +1,4 @@
-"""The native global average pool (qc_gap_nhwc_* in kernels.c): the channels-last sums and their
+"""The native global average pool (qc_gap_nhwc_* in backends/bpu/native/gap.c): the channels-last sums and their
 requantization against the int64 reference (hypothesis, torch.equal), called directly and as plan
 steps cut over threads; the simulator's pool kernel (its op-by-op call and its plan step) against
 the ``fixed_point`` kernel, a channel-major input left to Python and still exact; and the layout ops

@@ -534,7 +534,7 @@ def slide_cases(draw):
 
 
 def _slide_cap(nbytes: int = 0) -> int:
-    """The padded copy's cap per call (kernels.c, gemm_slide_cap): set it (> 0), return it."""
+    """The padded copy's cap per call (bpu/native/gemm.c, gemm_slide_cap): set it (> 0), return it."""
     return int(_fn("qc_gemm_slide_cap", (ctypes.c_int64,), ctypes.c_int64)(nbytes))
 
 
@@ -544,7 +544,7 @@ def _slide_cap(nbytes: int = 0) -> int:
 @SETTINGS
 @given(slide_cases())
 def test_the_padded_copy_read_in_place_by_tiles_equals_the_reference(on_path, c):
-    """GEMM_SLIDE (kernels.c): positions of the padded grid past a row's outputs and between images, and
+    """GEMM_SLIDE (bpu/native/gemm.c): positions of the padded grid past a row's outputs and between images, and
     the tile rows past an output row's end, are computed and dropped; only rows m0..m1 are written,
     each equal to the int64 reference."""
     k, xl, ol, want = conv_case_tensors(c)

@@ -1,4 +1,4 @@
-"""The simulator's plans (backends/bpu/sim/plan.py, qc_run_plan in kernels.c): native layers built once as
+"""The simulator's plans (sim/plan.py, qc_run_plan in bpu/native/plan.c): native layers built once as
 C steps on fixed buffers and run back to back, at 2 threads on torch's OpenMP team with their rows cut
 into chunks.  Steps cut over threads equal the direct calls bit for bit over random geometries; whole
 zoo models run planned equal the op-by-op run and the converted model, on the plan's first call (built

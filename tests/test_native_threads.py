@@ -1,4 +1,4 @@
-"""The native kernels' output rows split over threads (``parts``; qc_run_rows in kernels.c): the
+"""The native kernels' output rows split over threads (``parts``; qc_run_rows in qcompiler/native/pool.c): the
 int8 GEMM, its conv form and the VNNI depthwise conv, at 1 to 4 parts and random row ranges,
 torch.equal to the one-thread call and to the int64 reference; concurrent callers; when the
 simulator asks for a split (``row_parts``)."""
