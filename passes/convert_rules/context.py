@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import CalibrationError, UnsupportedOpError
-from qcompiler.ir.ops import OPS, Binding, bind, read_arguments
+from qcompiler.ir.ops import Binding, bind
 from qcompiler.quantization.fake_quantize import CalibFakeQuantize, FakeQuantize
 from qcompiler.quantization.observer import ObserverBase
 
@@ -82,19 +82,14 @@ class ConvertContext:
 
     @cached_property
     def args(self) -> Binding:
-        """The node's arguments by name (:func:`qcompiler.ir.ops.bind`, read once when a rule asks).
-        A call the registry does not spell (a prepared model's stand-in such as ``qat.prelu``) is
-        read by the signature of the op it was placed as."""
+        """The node's arguments by name (:func:`qcompiler.ir.ops.bind`, read once when a rule asks;
+        a prepared model's stand-in such as ``qat.prelu`` binds as the op it was placed as)."""
         node = self.node
         binding = bind(node, {node.target: self.module} if self.module is not None else {})
-        if binding is not None:
-            return binding
-        op = OPS.get(self.op)
-        if op is None or op.signature is None:
-            raise UnsupportedOpError(f"{self.where}: op '{self.op}' has no argument signature; its arguments "
+        if binding is None:
+            raise UnsupportedOpError(f"{self.where}: op '{self.op}' is no op of qcompiler.ir.ops; its arguments "
                                      f"cannot be read by name")
-        arguments = read_arguments(op.signature, node.args, node.kwargs, None, self.where)
-        return Binding(op.name, getattr(node.target, "__name__", str(node.target)), arguments)
+        return binding
 
     def operand(self, i: int = 0) -> Any:
         """Positional operand ``i``: the tensors a module's ``forward`` takes (a fused layer's add

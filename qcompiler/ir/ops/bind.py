@@ -41,9 +41,11 @@ def callee(node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[Callee]:
     """The :class:`Callee` of ``node``, or None for placeholders, outputs, get_attr and calls of
     no known op. A converted same-scale module stands for the call it stores; another converted
     or fused module keeps the call's arguments, read by the signature of the op the call was
-    placed as (``META_OP``), else of its ``qc_op``."""
+    placed as (``META_OP``), else of its ``qc_op``; so does a function no op spells (a prepared
+    model's stand-in such as ``qcompiler.nn.qat.prelu``) once placement has named its op."""
     if node.op == "call_function":
-        return _function(node.target)
+        name = getattr(node.target, "__name__", str(node.target))
+        return _function(node.target) or _placed_as(node, name, node.meta.get(META_OP))
     if node.op == "call_method":
         return _method(node.target)
     if node.op != "call_module":
@@ -60,8 +62,13 @@ def callee(node: fx.Node, modules: Mapping[str, nn.Module]) -> Optional[Callee]:
         op = definition(cls)
         if op is not None:
             return Callee(op, type(m).__name__, op.signature_of(cls), m)
-    op = OPS.get(node.meta.get(META_OP) or getattr(m, "qc_op", None) or "")
-    return Callee(op, type(m).__name__, op.signature) if op is not None else None
+    return _placed_as(node, type(m).__name__, node.meta.get(META_OP) or getattr(m, "qc_op", None))
+
+
+def _placed_as(node: fx.Node, name: str, op_name: Optional[str]) -> Optional[Callee]:
+    """A call read by the signature of the op it stands for (``op_name``), or None for no known op."""
+    op = OPS.get(op_name or "")
+    return Callee(op, name, op.signature) if op is not None else None
 
 
 def _function(target: Any) -> Optional[Callee]:
