@@ -72,6 +72,14 @@ GM_PARTITIONS = "qc_partitions"
 # gm.meta of a prepared model: the input_signature of the example inputs it was prepared with,
 # what data given to it later (auto_int16's batches) is checked against
 GM_INPUT_SIGNATURE = "qc_input_signature"
+# gm.meta: the torch.utils._pytree TreeSpec of the call's (args, kwargs). Where it is set, the graph's
+# placeholders are that tree's tensor leaves, in tree_flatten order, and the caller's structured
+# inputs (dicts of keyword inputs, nested tuples and lists) are flattened by it before the call
+GM_INPUT_SPEC = "qc_input_spec"
+# gm.meta: the TreeSpec of the model's output (dicts, ModelOutput dataclasses, namedtuples, nested
+# tuples). Where it is set, the graph's output node returns the flat tuple of the leaves and the
+# compiled model rebuilds the structure with tree_unflatten
+GM_OUTPUT_SPEC = "qc_output_spec"
 
 
 @dataclass(frozen=True)
