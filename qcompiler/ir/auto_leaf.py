@@ -21,7 +21,6 @@ so it is for an error in the model's code (a NameError: the forward fails eagerl
 
 from __future__ import annotations
 
-import inspect
 import re
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -36,7 +35,7 @@ from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import ModelState, tensor_attributes, tracked
-from qcompiler.ir.tracer import QTracer, is_user_file, leaf_fix, module_where, trace
+from qcompiler.ir.tracer import QTracer, forward_signature, is_user_file, leaf_fix, module_where, trace
 
 WHOLE_MODEL = "model"  # the submodule name of a model that runs as one leaf
 
@@ -203,10 +202,7 @@ def _warn_whole(model: nn.Module, err: TraceError) -> None:
 
 def _input_names(model: nn.Module, n: Optional[int]) -> list[str]:
     """Names of the first ``n`` positional ``forward`` parameters (all required ones for None)."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        params = []
+    params = list(forward_signature(model.forward).parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if n is None:
         n = sum(p.default is p.empty for p in positional)

@@ -16,7 +16,15 @@ Our tracer differs from ``torch.fx.Tracer`` in six ways:
   torch.fx makes it an input and traces a Proxy in its place, so the graph
   failed when called with ``x`` alone.  A supplied parameter stays an input;
 * ``x[index] = value`` is recorded (as :func:`qcompiler.ir.setitem.setitem_`) where
-  torch.fx's Proxy does not support item assignment.
+  torch.fx's Proxy does not support item assignment;
+* the graph's inputs are what the example inputs supply (:func:`forward_signature`): a
+  ``**kwargs`` parameter is no input (fx made it one, so the graph took one input more than the
+  model), ``*args`` takes the example inputs left after the named parameters, and a decorated
+  forward (``functools.wraps`` around ``wrapper(self, *args, **kwargs)``, as transformers 5 does)
+  has the parameters of the function it wraps, while the wrapper is what runs (fx bound the
+  wrapper's ``kwargs`` to the wrapped forward's second parameter). An input that is a list, tuple
+  or dict of tensors (a detector's list of images) is one placeholder per tensor, in
+  ``torch.utils._pytree`` order, and the graph records the tree in ``GM_INPUT_SPEC``.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ import torch
 import torch.ao.quantization as taq
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.ao.nn.quantized import FloatFunctional
 
 from qcompiler.errors import TraceError
-from qcompiler.ir.meta import META_SCOPE, ScopeEntry
+from qcompiler.ir.meta import GM_INPUT_SPEC, META_SCOPE, ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
 from qcompiler.ir.setitem import setitem_
 from qcompiler.ir.shape_prop import normalize_inputs
@@ -89,6 +98,10 @@ class QTracer(fx.Tracer):
         self._root_type: type = nn.Module
         # forward parameters traced as these constants instead of graph inputs
         self.constant_args: dict[str, Any] = {}
+        # the example inputs, positional and keyword (None: not given), for :meth:`_supplied_args`
+        self.example_args: Optional[tuple] = None
+        self.example_kwargs: dict[str, Any] = {}
+        self.input_spec: Optional[pytree.TreeSpec] = None  # set where the inputs are structured
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_stub(m) or getattr(type(m), "qc_leaf", False):
@@ -104,7 +117,10 @@ class QTracer(fx.Tracer):
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         """fx's root arguments, with each of ``constant_args`` passed as its value and its
-        placeholder removed (fx's own ``concrete_args`` would keep it, plus guard nodes)."""
+        placeholder removed (fx's own ``concrete_args`` would keep it, plus guard nodes); or
+        :meth:`_supplied_args` where fx's reading of the signature would be wrong."""
+        if is_module and not concrete_args and self._needs_own_args(root_fn):
+            return self._supplied_args(root_fn)
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
         for i, arg in enumerate(args):
             node = arg.node if isinstance(arg, fx.Proxy) else None
@@ -112,6 +128,53 @@ class QTracer(fx.Tracer):
                 args[i] = self.constant_args[node.target]
                 self.graph.erase_node(node)
         return fn, args
+
+    def _needs_own_args(self, root_fn) -> bool:
+        """fx reads the parameters of the innermost function's code and calls the outer one with them
+        positionally, patched to drop ``*args`` / ``**kwargs``: wrong for a wrapper, for ``**kwargs``
+        (made an input) and ``*args``; and it has no placeholders per tensor of a structured input."""
+        params = forward_signature(root_fn).parameters.values()
+        if root_fn is not inspect.unwrap(root_fn) or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            return True
+        given = list(self.example_args or ()) + list(self.example_kwargs.values())
+        return bool(self.example_kwargs) or any(_structured(v) for v in given)
+
+    def _supplied_args(self, root_fn):
+        """Placeholders for what the example inputs supply, and a root function calling ``root_fn``
+        (the wrapper, if decorated) with them as the user would: positional inputs positionally, keyword
+        inputs by name; defaulted parameters left out take their defaults (``constant_args``), and
+        ``**kwargs`` is empty. Without example inputs, each named positional parameter is an input."""
+        params = list(forward_signature(root_fn).parameters.values())[1:]  # self
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        star = next((p for p in params if p.kind == p.VAR_POSITIONAL), None)
+        if self.example_args is None:
+            names = [p.name for p in positional]
+            values: tuple = (None,) * len(names)
+        else:
+            values = tuple(self.example_args)
+            names = [p.name for p in positional[:len(values)]]
+            extra = len(values) - len(names)
+            if extra > 0 and star is None:
+                raise TypeError(f"forward takes {len(positional)} positional inputs, example_inputs give {len(values)}")
+            names += [f"{star.name}_{i}" for i in range(extra)] if star is not None else []
+        args = [self._placeholders(name, value) for name, value in zip(names, values)]
+        kwargs = {name: self._placeholders(name, value) for name, value in self.example_kwargs.items()}
+        if any(_structured(v) for v in values) or self.example_kwargs:
+            self.input_spec = pytree.tree_structure((tuple(values), dict(self.example_kwargs)))
+
+        def root(module):
+            return root_fn(module, *args, **kwargs)
+
+        return root, [self.root]
+
+    def _placeholders(self, name: str, value: Any) -> Any:
+        """A placeholder for a tensor (or an unknown input); for a list, tuple or dict of tensors the
+        same structure of placeholders, one per leaf (``images_0``, ``images_1``)."""
+        if not _structured(value):
+            return self.create_proxy("placeholder", name, (), {})
+        leaves, spec = pytree.tree_flatten(value)
+        proxies = [self.create_proxy("placeholder", f"{name}_{i}", (), {}) for i in range(len(leaves))]
+        return pytree.tree_unflatten(proxies, spec)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         if kind == "placeholder" and target in self.constant_args:
@@ -155,6 +218,30 @@ class QTracer(fx.Tracer):
                 setattr(FloatFunctional, name, method)
 
 
+def _structured(value: Any) -> bool:
+    """Whether an example input is a container (list, tuple, dict...) of tensors, not one tensor."""
+    return not isinstance(value, torch.Tensor) and value is not None and not pytree.tree_is_leaf(value)
+
+
+def forward_signature(forward: Any) -> inspect.Signature:
+    """The parameters ``forward`` takes. A ``functools.wraps`` wrapper whose own parameters are only
+    ``(self, *args, **kwargs)`` passes them on to the function it wraps: that one's signature
+    (``__wrapped__``, or an explicit ``__signature__``). A wrapper with parameters of its own changed
+    the signature on purpose: its own."""
+    try:
+        own = inspect.signature(forward, follow_wrapped=False)
+    except (TypeError, ValueError):
+        return inspect.Signature()
+    rest = list(own.parameters.values())[0 if inspect.ismethod(forward) else 1:]
+    generic = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in rest)
+    if generic and hasattr(forward, "__wrapped__"):
+        try:
+            return inspect.signature(forward)
+        except (TypeError, ValueError):
+            return own
+    return own
+
+
 def _user_frame(tb) -> Optional[traceback.FrameSummary]:
     """The innermost traceback frame in user code (not torch, qcompiler or the stdlib)."""
     user = None
@@ -177,34 +264,41 @@ def trace(
     leaf_module_types: Sequence[Any] = (),
     concrete_args: Optional[dict[str, Any]] = None,
     example_inputs: Any = None,
+    example_kwargs: Optional[dict[str, Any]] = None,
 ) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule named after the model's class.
 
     With ``example_inputs`` (the positional inputs the model will be called with),
     defaulted ``forward`` parameters they do not supply become constants, not inputs
-    (see the module docstring). The GraphModule shares submodules with ``model``:
+    (see the module docstring); ``example_kwargs``, keyword inputs. The GraphModule shares submodules with ``model``:
     copy the model first if the graph will be rewritten.  Raises TraceError naming
     the module and source line where tracing failed.
     """
     check_module_names(model, leaf_module_names, "non_traceable_module_name")
     types = tuple(resolve_type(t, "non_traceable_module_class") for t in leaf_module_types)
     tracer = QTracer(leaf_module_names, types)
-    if example_inputs is not None:
-        defaults = unsupplied_defaults(model, len(normalize_inputs(example_inputs)))
-        tracer.constant_args = {k: v for k, v in defaults.items() if k not in (concrete_args or {})}
+    if example_inputs is not None or example_kwargs:
+        tracer.example_args = normalize_inputs(example_inputs) if example_inputs is not None else ()
+        tracer.example_kwargs = dict(example_kwargs or {})
+        defaults = unsupplied_defaults(model, len(tracer.example_args))
+        tracer.constant_args = {k: v for k, v in defaults.items()
+                                if k not in (concrete_args or {}) and k not in tracer.example_kwargs}
     try:
         graph = tracer.trace(model, concrete_args)
     except Exception as exc:  # torch raises many types here; we report them all the same way
         raise _trace_error(model, tracer, exc, example_inputs is not None) from None
     _resolve_string_annotations(graph, model)
-    return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    if tracer.input_spec is not None:
+        gm.meta[GM_INPUT_SPEC] = tracer.input_spec
+    return gm
 
 
 def unsupplied_defaults(model: nn.Module, n_inputs: int) -> dict[str, Any]:
     """``{name: default}`` of the ``forward`` parameters with a default that ``n_inputs``
     positional inputs leave out (keyword-only ones always)."""
     out = {}
-    params = inspect.signature(model.forward).parameters.values()
+    params = forward_signature(model.forward).parameters.values()
     for i, p in enumerate(params):
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is p.empty:
             continue
@@ -232,10 +326,7 @@ def _resolve_string_annotations(graph: fx.Graph, model: nn.Module) -> None:
 
 def _defaulted_inputs(model: nn.Module, tracer: QTracer) -> list[str]:
     """Forward parameters with a default that became graph inputs (example_inputs gave them)."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
+    params = forward_signature(model.forward).parameters.values()
     defaulted = {p.name for p in params if p.default is not p.empty}
     graph = getattr(tracer, "graph", None)
     placeholders = [n.target for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
