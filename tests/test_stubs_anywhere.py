@@ -575,19 +575,46 @@ def test_an_explicit_leaf_gives_the_same_model_without_a_warning():
     assert torch.equal(cm(X), auto(X))
 
 
-def test_an_untraceable_top_level_forward_runs_whole_in_torch(tmp_path):
+class TopLevelBranches(nn.Module):
+    """The top-level forward returns from inside its first, untraceable statement: nothing to trace
+    around it, so the whole model runs in torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x, flag):
+        if flag.sum() > 0:
+            return self.conv(x) * 0.5
+        return self.conv(x)
+
+
+def test_an_untraceable_top_level_statement_runs_in_torch_and_the_rest_on_the_bpu():
     torch.manual_seed(0)
     model = TopLevelControlFlow().eval()
+    flag = torch.ones(3)
+    with pytest.warns(QCompilerWarning, match=r"Done instead: lines 534-535 of its forward \(reading flag, y; "
+                                               r"writing y\) run as one eager-torch island"):
+        cm = qcompiler.compile(model, (X, flag), march="bayes", calib_data=[(X, flag)], progress=False)
+    assert [s.kind for s in cm.runtime.steps] == ["bpu", TORCH]
+    for f in (flag, torch.zeros(3), torch.tensor([1.0, 0.0, 0.0])):  # the Python runs on every call
+        assert torch.equal(cm(X, f), cm.converted(X, f))
+        assert torch.allclose(cm(X, f), model(X, f), atol=0.05)
+
+
+def test_an_untraceable_top_level_forward_runs_whole_in_torch(tmp_path):
+    torch.manual_seed(0)
+    model = TopLevelBranches().eval()
     flag = torch.ones(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cm = qcompiler.compile(model, (X, flag), march="bayes", calib_data=[(X, flag)], progress=False)
     messages = [str(w.message) for w in caught if issubclass(w.category, QCompilerWarning)]
     assert len(messages) == 2
-    assert messages[0].startswith("TopLevelControlFlow: cannot trace the top-level module (TopLevelControlFlow)")
+    assert messages[0].startswith("TopLevelBranches: cannot trace the top-level module (TopLevelBranches)")
     assert "Done instead: the whole model runs as one eager-torch island on the CPU" in messages[0]
     assert "'strict_tracing': True" in messages[0]
-    assert messages[1].startswith("compile: no op of TopLevelControlFlow runs on the BPU")
+    assert messages[1].startswith("compile: no op of TopLevelBranches runs on the BPU")
     assert [s.kind for s in cm.runtime.steps] == [TORCH]
     for f in (flag, torch.zeros(3), torch.tensor([1.0, 0.0, 0.0])):  # the Python runs on every call
         assert torch.equal(cm(X, f), model(X, f))
@@ -608,7 +635,10 @@ def test_torchs_control_flow_model_compiles():
     inputs = model.example_inputs()
     with pytest.warns(QCompilerWarning, match="Mapped xs can only consist of tensors"):
         cm = qcompiler.compile(model, inputs, march="bayes", progress=False)
-    assert torch.equal(cm(*inputs), model(*inputs))
+    # its first statement, torch.mm(y, y), runs on the BPU; control_flow.map's statement in torch
+    assert [s.kind for s in cm.runtime.steps] == ["bpu", TORCH]
+    assert torch.equal(cm(*inputs), cm.converted(*inputs))
+    assert torch.allclose(cm(*inputs), model(*inputs), atol=0.005)  # one int8 mm: 0.0009 off here
 
 
 def test_strict_tracing_keeps_the_trace_error():

@@ -7,7 +7,10 @@ the TraceError would tell the user to do, and warns:
 * the failure is inside a submodule: the deepest module on the tracer's stack when it failed
   becomes a leaf (called as a whole, like ``prepare_custom_config_dict``'s
   ``non_traceable_module_name``), and tracing starts again; repeated until the model traces;
-* the failure is in the top-level ``forward``: the graph is one call of the whole model.
+* the failure is in the top-level ``forward``: the statement of the forward where it failed is cut
+  out into an eager-torch island (:mod:`qcompiler.ir.glue`) and tracing starts again, so the
+  submodules called around it stay in the graph; where no statement can be cut, the graph is one
+  call of the whole model.
 
 A module whose forward changes a parameter or buffer in place keeps state from call to call, which
 a graph cannot hold: it becomes a leaf the same way (:func:`_raise_on_state_writes`).
@@ -30,6 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import QCompilerWarning, TraceError
+from qcompiler.ir.glue import GLUE_PREFIX, ForwardCuts, GlueIsland
 from qcompiler.ir.inplace import UNKNOWN_STORAGE, state_writes, storage_key
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
@@ -49,6 +53,8 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
     leaves = list(leaf_module_names)
     leaf_types = [resolve_type(t, "non_traceable_module_class") for t in leaf_module_types]
     auto: dict[str, str] = {}  # module path -> why it is a leaf
+    cuts: dict[str, ForwardCuts] = {}  # module path -> the statements cut out of its forward
+    glue: dict[str, str] = {}  # GlueIsland path -> why its statements are cut out
     while True:
         state, attributes = ModelState(model, pristine), set(vars(model))
         try:
@@ -66,6 +72,11 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
             if strict or getattr(err, "code_error", False) or err.module_path in leaves:
                 raise
             if not err.module_path:
+                island = _cut_statement(model, err, cuts)
+                if island is not None:
+                    glue[island.name] = err.reason
+                    _warn_glue(model, err, island)
+                    continue
                 gm = whole_model_graph(model, example_inputs, err)
                 _warn_whole(model, err)
                 return gm
@@ -73,11 +84,35 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
             leaves.append(err.module_path)
             _warn_leaf(model, err)
     for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in glue:
+            island = gm.get_submodule(node.target)
+            node.meta[META_AUTO_LEAF] = (f"lines {island.lines[0]}-{island.lines[1]} of {type(model).__name__}."
+                                         f"forward cannot be traced ({glue[node.target]}): they run in eager "
+                                         f"torch on the CPU")
         if node.op == "call_module" and node.target in auto:
             module = gm.get_submodule(node.target)
             node.meta[META_AUTO_LEAF] = (f"module '{node.target}' ({type(module).__name__}) cannot be traced "
                                          f"({auto[node.target]}): it runs as a whole, in eager torch on the CPU")
     return gm
+
+
+def _cut_statement(model: nn.Module, err: TraceError, cuts: dict[str, ForwardCuts]) -> Optional[GlueIsland]:
+    """Cut the top-level statement of ``model``'s forward where tracing failed into a GlueIsland
+    (:mod:`qcompiler.ir.glue`); None where that cannot be done (the caller runs the whole model)."""
+    forward = cuts.get("") or ForwardCuts.parse(model)
+    if forward is None or len(forward.cuts) >= MAX_CUTS:
+        return None
+    lines = [line for code, line in getattr(err, "frames", ()) if code is forward.code]
+    index = forward.statement_at(lines[-1]) if lines else None
+    if index is None:
+        return None
+    island = forward.cut(model, index, lambda i: f"{GLUE_PREFIX}{i}")
+    if island is not None:
+        cuts[""] = forward
+    return island
+
+
+MAX_CUTS = 32  # statements cut out of one forward before giving up (each retry traces the model again)
 
 
 def _fresh_constants(gm: fx.GraphModule, model: nn.Module, attributes: set[str]) -> None:
@@ -190,6 +225,18 @@ def _warn_leaf(model: nn.Module, err: TraceError) -> None:
         f"torch on the CPU (export_onnx and save refuse it). Name it yourself to silence this warning, "
         f"or pass prepare_custom_config_dict={{'strict_tracing': True}} to stop here instead.",
         QCompilerWarning, stacklevel=4)
+
+
+def _warn_glue(model: nn.Module, err: TraceError, island: GlueIsland) -> None:
+    first, last = island.lines
+    what = "the rest of forward, which returns from inside it" if island.writes is None else \
+        f"writing {', '.join(island.writes) or 'nothing read later'}"
+    warnings.warn(
+        f"{type(model).__name__}: {err} Done instead: lines {first}-{last} of its forward (reading "
+        f"{', '.join(island.reads) or 'no local'}; {what}) run as one eager-torch island on the CPU; the rest of "
+        f"forward and the submodules it calls are traced and can run on the BPU (export_onnx and save refuse the "
+        f"island). Move that code into a submodule to name it yourself, or pass prepare_custom_config_dict="
+        f"{{'strict_tracing': True}} to stop here instead.", QCompilerWarning, stacklevel=4)
 
 
 def _warn_whole(model: nn.Module, err: TraceError) -> None:

@@ -34,6 +34,7 @@ import inspect
 import os
 import sysconfig
 import traceback
+import types
 import typing
 from typing import Any, Iterable, Optional, Sequence
 
@@ -45,6 +46,7 @@ import torch.utils._pytree as pytree
 from torch.ao.nn.quantized import FloatFunctional
 
 from qcompiler.errors import TraceError
+from qcompiler.ir.glue import GlueIsland
 from qcompiler.ir.meta import GM_INPUT_SPEC, META_SCOPE, ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
 from qcompiler.ir.setitem import setitem_
@@ -112,6 +114,11 @@ class QTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def call_module(self, m, forward, args, kwargs):
+        if isinstance(m, GlueIsland):  # its reads fx cannot record become its constants
+            args = m.bind_constants(tuple(args), self.create_arg)
+        return super().call_module(m, forward, args, kwargs)
+
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return QProxy(node, self)
 
@@ -119,6 +126,9 @@ class QTracer(fx.Tracer):
         """fx's root arguments, with each of ``constant_args`` passed as its value and its
         placeholder removed (fx's own ``concrete_args`` would keep it, plus guard nodes); or
         :meth:`_supplied_args` where fx's reading of the signature would be wrong."""
+        own = vars(self.root).get("forward") if is_module else None
+        if isinstance(own, types.MethodType) and own.__self__ is self.root:
+            root_fn = own.__func__  # a forward set on the instance (qcompiler.ir.glue's rewrite)
         if is_module and not concrete_args and self._needs_own_args(root_fn):
             return self._supplied_args(root_fn)
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
@@ -371,6 +381,8 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception, inputs_given
                     f"then traced as its default value.")
         message = f"cannot trace {where}{line}: {reason}. {fix}"
     err = TraceError(message)
+    # (code, line) of each frame from the trace call to the failure: where in a forward it failed
+    err.frames = [(f.f_code, lineno) for f, lineno in traceback.walk_tb(exc.__traceback__)]
     err.module_path = path
     err.reason = reason  # torch's message, first line
     err.code_error = isinstance(exc, (NameError, ImportError))  # the forward fails eagerly too
