@@ -19,7 +19,7 @@ import torch.nn as nn
 from qcompiler.batches import input_signature, require_dense
 from qcompiler.errors import ConfigError
 from qcompiler.hybrid import parse_hybrid_dict
-from qcompiler.ir.auto_leaf import trace_or_fallback
+from qcompiler.ir.capture import DEFAULT_CAPTURE, capture, check_capture
 from qcompiler.ir.meta import GM_INPUT_SIGNATURE, GM_MARCH
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import tensor_attributes
@@ -28,7 +28,7 @@ from qcompiler.passes.base import CompileContext, CompileOptions, Pass, PassMana
 from qcompiler.passes.pipeline import PARTITION_PIPELINE
 
 PREPARE_CUSTOM_KEYS = ("preserved_attributes", "non_traceable_module_name", "non_traceable_module_class",
-                       "strict_tracing")
+                       "strict_tracing", "capture")
 # keys whose value is a flag, not a list: strict_tracing=True raises a TraceError where tracing fails,
 # instead of running the untraceable module as a whole in eager torch (qcompiler.ir.auto_leaf)
 FLAG_KEYS = ("strict_tracing",)
@@ -45,7 +45,9 @@ def parse_prepare_custom_config(config: Optional[dict]) -> dict:
             raise ConfigError(
                 f"prepare_custom_config_dict: unknown key {key!r}; allowed keys: {', '.join(PREPARE_CUSTOM_KEYS)}"
             )
-        if key in FLAG_KEYS:
+        if key == "capture":  # how the model is captured: "fx" | "export" | "auto" (qcompiler.ir.capture)
+            check_capture(value)
+        elif key in FLAG_KEYS:
             if not isinstance(value, bool):
                 raise ConfigError(f"prepare_custom_config_dict[{key!r}] must be True or False, got {value!r}")
         elif not isinstance(value, (list, tuple)):
@@ -86,11 +88,12 @@ def build_graph(
             raise ConfigError(f"prepare_custom_config_dict['preserved_attributes']: model has no attribute {attr!r}")
     work = model if inplace else _copy(model)
     with environment_kept():
-        gm = trace_or_fallback(  # untraceable code runs as a whole in torch, with a warning (unless strict)
+        gm = capture(  # fx tracing, torch.export, or both; untraceable code runs in torch (unless strict)
             work,
+            ctx.example_inputs,  # defaulted forward args they leave out: constants
+            mode=custom.get("capture", DEFAULT_CAPTURE),
             leaf_module_names=custom.get("non_traceable_module_name", ()),
             leaf_module_types=custom.get("non_traceable_module_class", ()),
-            example_inputs=ctx.example_inputs,  # defaulted forward args they leave out: constants
             strict=custom.get("strict_tracing", False),
             pristine=None if inplace else model,  # what tracing writes into the copy's state is undone from it
         )

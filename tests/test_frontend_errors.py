@@ -51,7 +51,8 @@ def test_example_inputs_that_do_not_fit(hybrid_model):
     check(hybrid_model, ConfigError, r"node 'conv0' \(module 'conv0' \(Conv2d\)\) failed on inputs \(f32\[1,4,16,16\]\)",
           args=(torch.rand(1, 4, 16, 16),))
     check(hybrid_model, ConfigError, r"forward\(input\) takes 1 inputs, got 2", args=((X, X),))
-    check(hybrid_model, ConfigError, r"example_inputs must be a tensor or a tuple", args=({"x": X},))
+    check(hybrid_model, ConfigError, r"example_inputs: keyword input 'x' is not a parameter of "
+                                     r"HybridModel.forward\(input\)", args=({"x": X},))
 
 
 def test_untraceable_code_names_module_and_suggests_leaf():

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from qcompiler.batches import fresh_args, tensors_in
 from qcompiler.errors import ConfigError
@@ -44,10 +45,38 @@ def describe_value(value: Any) -> Any:
     return None
 
 
+class KeywordInputs(tuple):
+    """Example inputs given as a dict of keyword inputs (``{"input_ids": ..., "attention_mask": ...}``).
+
+    The tuple is the tensor leaves of ``tree_flatten((args, kwargs))``, the graph's inputs in order
+    (what the captured graph is called with); ``args`` / ``kwargs`` are the call as given, ``spec``
+    its TreeSpec (``gm.meta[GM_INPUT_SPEC]``). Leaves that are no tensors (None, ints, bools) are
+    constants of the captured graph."""
+
+    args: tuple
+    kwargs: dict
+    spec: Any
+
+    def __new__(cls, kwargs: dict, args: tuple = ()) -> "KeywordInputs":
+        bad = [k for k in kwargs if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"example_inputs as a dict are keyword inputs: its keys must be the forward's "
+                              f"parameter names (strings), got {bad[0]!r}")
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        self = super().__new__(cls, tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)))
+        self.args, self.kwargs, self.spec = tuple(args), dict(kwargs), spec
+        return self
+
+
 def normalize_inputs(example_inputs: Any) -> tuple:
-    """Example inputs as a tuple of positional arguments (a lone tensor becomes a 1-tuple)."""
+    """Example inputs as a tuple of positional arguments (a lone tensor becomes a 1-tuple); a dict
+    (keyword inputs) as :class:`KeywordInputs`, the tuple of its tensor leaves."""
     if example_inputs is None:
         raise ConfigError("example_inputs is required: pass a tensor or a tuple of the model's positional inputs")
+    if isinstance(example_inputs, KeywordInputs):
+        return example_inputs
+    if isinstance(example_inputs, dict):
+        return KeywordInputs(example_inputs)
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     if isinstance(example_inputs, list):
@@ -55,7 +84,8 @@ def normalize_inputs(example_inputs: Any) -> tuple:
     if isinstance(example_inputs, tuple):
         return example_inputs
     raise ConfigError(
-        f"example_inputs must be a tensor or a tuple of inputs, got {type(example_inputs).__name__}"
+        f"example_inputs must be a tensor, a tuple of inputs or a dict of keyword inputs, "
+        f"got {type(example_inputs).__name__}"
     )
 
 

@@ -112,9 +112,14 @@ class OpDef:
 
 def define(name: str, *tags: Tag, signature: Optional[Signature] = None, modules: tuple[type, ...] = (),
            functions: tuple[Callable[..., Any], ...] = (), methods: tuple[str, ...] = (),
-           forms: Optional[Mapping[Spelling, Signature]] = None) -> OpDef:
-    """An :class:`OpDef`; ``forms`` keys must be spellings of the op."""
-    op = OpDef(name, frozenset(tags), signature, tuple(modules), tuple(functions), tuple(methods), (),
+           aten: tuple[Any, ...] = (), forms: Optional[Mapping[Spelling, Signature]] = None) -> OpDef:
+    """An :class:`OpDef`; ``forms`` keys must be spellings of the op.
+
+    ``aten``: the ATen overloads (``torch.ops.aten.add.Tensor``) a graph captured by torch.export
+    spells the op with; a form for one names its arguments where ATen's schema differs from the
+    op's signature (``batch_norm``'s order, ``layer_norm``'s ``cudnn_enable``), so the capture
+    (qcompiler.ir.export_capture) rewrites the call into a torch spelling of the op."""
+    op = OpDef(name, frozenset(tags), signature, tuple(modules), tuple(functions), tuple(methods), tuple(aten),
                dict(forms or {}))
     stray = [k for k in op.forms if k not in op.spellings]
     if stray:

@@ -1,0 +1,394 @@
+"""Capture with ``torch.export``, lowered into the IR the fx tracer produces.
+
+Where symbolic tracing cannot run a model (transformers' ``wrapper(self, *args, **kwargs)``
+forwards, Python on values torch.fx cannot see) ``torch.export.export(strict=False)`` usually
+can: it runs the forward on fake tensors and records ATen ops. :func:`export_graph` rewrites
+that program into the graph the rest of the pipeline knows, so rewrite, placement, fusion,
+convert, lowering and the ONNX export see what they see after fx tracing:
+
+* each ATen call becomes a torch spelling of its canonical op, found through the op
+  catalogue's ``aten`` slot (qcompiler.ir.ops.catalogue); where ATen's schema differs from the
+  op's signature, the catalogue's form for the overload names its arguments;
+* a conv / linear / norm / embedding / activation that is the whole forward of the module it
+  ran in (its parameters that module's own, with the module's hyperparameters) becomes a
+  ``call_module`` of that submodule, as the tracer leaves it;
+* lifted parameters and buffers become ``get_attr`` of their dotted paths in the model;
+* ``nn_module_stack`` becomes META_SCOPE, so hybrid_dict / qconfig_dict speak of the same paths;
+* ``scaled_dot_product_attention`` is written out as matmul, scale, mask, softmax and matmul;
+* an ATen op no catalogue row spells stays a call of that overload (placement keeps it on the CPU).
+
+Inputs: the graph's placeholders are the tensor leaves of ``tree_flatten((args, kwargs))``; the
+other leaves (None, ints, bools) are constants baked into the program. Outputs: a single tensor or
+a flat tuple of tensors is returned as it is; any other structure as the flat tuple of its leaves,
+with its TreeSpec in ``gm.meta[GM_OUTPUT_SPEC]``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from qcompiler.errors import TraceError
+from qcompiler.ir.meta import GM_OUTPUT_SPEC, META_SCOPE, ScopeEntry
+from qcompiler.ir.ops.bind import read_arguments
+from qcompiler.ir.ops.opdef import REQUIRED, OpDef, Signature
+from qcompiler.ir.ops.registry import definition
+
+_A = torch.ops.aten
+# ATen calls that compute nothing the graph keeps: export's own checks of its inputs' metadata
+_DROPPED = frozenset({_A._assert_tensor_metadata.default, _A._assert_async.default, _A._assert_async.msg,
+                      _A._assert_scalar.default, _A.sym_constrain_range_for_size.default})
+# the arguments of an ATen call that name a parameter or buffer of the module a call_module would call
+_OWN_TENSORS = ("weight", "bias", "running_mean", "running_var")
+# hyperparameters that may differ between a module and its call without changing the values computed
+_FREE = frozenset({"training", "momentum", "inplace", "cudnn_enabled", "cudnn_enable", "scale_grad_by_freq",
+                   "sparse", "padding_idx"})
+
+
+def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``torch.export.export(model, args, kwargs, strict=False)``; TraceError with torch's reason if it fails."""
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # torch raises many types here; all mean "cannot export"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        err = TraceError(f"torch.export cannot capture the top-level module ({type(model).__name__}): {reason}")
+        err.module_path = ""
+        err.reason = reason
+        err.code_error = False
+        raise err from None
+
+
+def export_graph(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> fx.GraphModule:
+    """Capture ``model(*args, **kwargs)`` with torch.export and lower it into qcompiler's IR.
+
+    The GraphModule holds ``model``'s submodules, parameters and buffers at their own paths (it
+    shares them: copy the model first if the graph will be rewritten)."""
+    kwargs = dict(kwargs or {})
+    program = export_program(model, tuple(args), kwargs)
+    return _Lowering(model, program, tuple(args), kwargs).run()
+
+
+class _Lowering:
+    """One exported program rewritten into a new fx.Graph over ``model``."""
+
+    def __init__(self, model: nn.Module, program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> None:
+        self.model = model
+        self.program = program
+        self.leaves = pytree.tree_flatten((args, kwargs))[0]
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.modules = dict(model.named_modules())
+        self.root = ScopeEntry("", type(model))
+        self.attr_nodes: dict[str, fx.Node] = {}
+        self.n_constants = 0
+        # module invocations (nn_module_stack key of the innermost module) -> the ops run inside them
+        self.calls: dict[str, list[fx.Node]] = {}
+        for node in program.graph.nodes:
+            key = _innermost(node)
+            if node.op == "call_function" and key is not None and node.target not in _DROPPED:
+                self.calls.setdefault(key[0], []).append(node)
+
+    def run(self) -> fx.GraphModule:
+        sig = self.program.graph_signature
+        specs = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+        user = 0
+        for node in self.program.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self._input(node, specs.get(node.name), user)
+                if specs.get(node.name) is not None and specs[node.name].kind == InputKind.USER_INPUT:
+                    user += 1
+            elif node.op == "call_function":
+                if node.target in _DROPPED:
+                    continue
+                self.env[node] = self._call(node)
+            elif node.op == "get_attr":
+                self.env[node] = self._attr(node.target, self._scope(node))
+            elif node.op == "output":
+                self._output(node)
+        gm = fx.GraphModule(self.model, self.graph, class_name=type(self.model).__name__)
+        spec = self.program.call_spec.out_spec
+        if spec is not None and not _plain(spec):
+            gm.meta[GM_OUTPUT_SPEC] = spec
+        return gm
+
+    # --- inputs and outputs
+
+    def _input(self, node: fx.Node, spec: Any, user: int) -> Any:
+        if spec is None or spec.kind == InputKind.USER_INPUT:
+            leaf = self._user_leaf(user)
+            if not isinstance(leaf, torch.Tensor) and leaf is not None:
+                return leaf  # a non-tensor input: baked in
+            ph = self.graph.placeholder(node.name)
+            ph.meta[META_SCOPE] = (self.root,)
+            return ph
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            return _Lazy(spec.target)
+        if spec.kind == InputKind.CONSTANT_TENSOR:
+            value = self.program.constants[spec.target]
+            if isinstance(value, torch.Tensor):
+                return _Lazy(self._register_constant(value))
+            return value
+        raise TraceError(f"torch.export capture: input {node.name!r} of kind {spec.kind.name} is not supported "
+                         f"(only user inputs, parameters, buffers and constant tensors are)")
+
+    def _user_leaf(self, index: int) -> Any:
+        """The leaf of the call's inputs behind the ``index``-th user input of the program."""
+        return self.leaves[index] if index < len(self.leaves) else None
+
+    def _register_constant(self, value: torch.Tensor) -> str:
+        name = f"_qc_export_constant{self.n_constants}"
+        while hasattr(self.model, name):
+            self.n_constants += 1
+            name = f"_qc_export_constant{self.n_constants}"
+        self.n_constants += 1
+        self.model.register_buffer(name, value.detach().clone())
+        return name
+
+    def _output(self, node: fx.Node) -> None:
+        kinds = [s.kind for s in self.program.graph_signature.output_specs]
+        flat = [self._value(a, (self.root,)) for a, k in zip(node.args[0], kinds) if k == OutputKind.USER_OUTPUT]
+        spec = self.program.call_spec.out_spec
+        single = spec is not None and spec.is_leaf() and len(flat) == 1
+        out = self.graph.output(flat[0] if single else tuple(flat))
+        out.meta[META_SCOPE] = (self.root,)
+
+    # --- values
+
+    def _attr(self, target: str, scope: tuple) -> fx.Node:
+        node = self.attr_nodes.get(target)
+        if node is None:
+            node = self.graph.get_attr(target)
+            node.meta[META_SCOPE] = scope
+            self.attr_nodes[target] = node
+        return node
+
+    def _value(self, a: Any, scope: tuple) -> Any:
+        """An argument of the program mapped into the new graph (parameters as get_attr nodes)."""
+        if isinstance(a, fx.Node):
+            v = self.env[a]
+            return self._attr(v.target, scope) if isinstance(v, _Lazy) else v
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._value(x, scope) for x in a)
+        if isinstance(a, dict):
+            return {k: self._value(v, scope) for k, v in a.items()}
+        return a
+
+    def _scope(self, node: fx.Node) -> tuple[ScopeEntry, ...]:
+        stack = node.meta.get("nn_module_stack") or {}
+        out = [self.root]
+        for path, _ in stack.values():
+            module = self.modules.get(path)
+            if path and module is not None:
+                out.append(ScopeEntry(path, type(module)))
+        return tuple(out)
+
+    # --- calls
+
+    def _call(self, node: fx.Node) -> Any:
+        scope = self._scope(node)
+        if node.target is operator.getitem:
+            return self._emit("call_function", operator.getitem, self._value(node.args, scope), {}, scope)
+        if node.target is _A.scaled_dot_product_attention.default:
+            lowered = self._attention(node, scope)
+            if lowered is not None:
+                return lowered
+        op = definition(node.target)
+        if op is None or not isinstance(node.target, torch._ops.OpOverload):
+            return self._emit("call_function", node.target, self._value(node.args, scope),
+                              self._value(node.kwargs, scope), scope)
+        named = self._named(op, node)
+        module_call = self._as_module(op, node, named)
+        if module_call is not None:
+            path, inputs = module_call
+            return self._emit("call_module", path, tuple(self._value(a, scope) for a in inputs), {}, scope)
+        return self._as_function(op, node, named, scope)
+
+    def _emit(self, kind: str, target: Any, args: tuple, kwargs: dict, scope: tuple) -> fx.Node:
+        n = self.graph.create_node(kind, target, tuple(args), dict(kwargs))
+        n.meta[META_SCOPE] = scope
+        return n
+
+    def _named(self, op: OpDef, node: fx.Node) -> Optional[dict]:
+        """The ATen call's arguments by the names of the catalogue's form for the overload (or the op's
+        signature), values equal to the form's defaults left out; None if no signature binds them."""
+        form = op.forms.get(node.target)
+        signature = form or op.signature
+        if signature is None:
+            return None
+        try:
+            named = read_arguments(signature, node.args, node.kwargs, None, f"node '{node.name}'")
+        except Exception:  # the ATen schema does not fit the op's signature: pass the arguments through
+            return None
+        if form is not None:
+            defaults = dict(form.params)
+            named = {k: v for k, v in named.items() if k not in defaults or not _same(v, defaults[k])}
+        return named
+
+    def _as_module(self, op: OpDef, node: fx.Node, named: Optional[dict]) -> Optional[tuple[str, tuple]]:
+        """``(path, inputs)`` when ``node`` is the whole forward of the innermost module it ran in, a module
+        of one of ``op``'s classes, with that module's own parameters and hyperparameters."""
+        key = _innermost(node)
+        if key is None or not op.modules:
+            return None
+        path = key[1]
+        module = self.modules.get(path)
+        if module is None or not isinstance(module, op.modules):
+            return None
+        ops = [n for n in self.calls.get(key[0], ()) if n.target is not operator.getitem]
+        if ops != [node]:
+            return None
+        signature = op.signature_of(type(module)) or op.signature
+        if signature is None or named is None:
+            # no signature to read it by: the module's whole forward, if it owns no tensors and takes one input
+            owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(False))
+            tensors = [a for a in node.args if isinstance(a, fx.Node)]
+            if owns or len(tensors) != 1 or node.args[0] is not tensors[0]:
+                return None
+            return path, (node.args[0],)
+        for name in _OWN_TENSORS:
+            if name not in signature.names and name not in named:
+                continue
+            mine = getattr(module, name, None)
+            given = named.get(name)
+            given_value = self.env[given] if isinstance(given, fx.Node) else given
+            target = given_value.target if isinstance(given_value, _Lazy) else None
+            if (mine is None) != (given is None):
+                return None
+            if mine is not None and (target is None or target != (f"{path}.{name}" if path else name)):
+                return None
+        for name, value in named.items():
+            if name in signature.inputs or name in _OWN_TENSORS or name in _FREE or not hasattr(module, name):
+                continue
+            if not _same(value, getattr(module, name)):
+                return None
+        inputs = tuple(named[n] for n in signature.inputs if n in named)
+        return path, inputs
+
+    def _as_function(self, op: OpDef, node: fx.Node, named: Optional[dict], scope: tuple) -> fx.Node:
+        target, kind = _spelling(op, node.target)
+        if kind == "aten":
+            return self._emit("call_function", node.target, self._value(node.args, scope),
+                              self._value(node.kwargs, scope), scope)
+        signature = op.signature_of(target)
+        if named is None or signature is None or op.forms.get(node.target) is None:
+            # ATen's positional order is the torch spelling's: pass the arguments through
+            return self._emit(kind, target, self._value(node.args, scope), self._value(node.kwargs, scope), scope)
+        args, kwargs = _arrange(signature, named)
+        return self._emit(kind, target, self._value(tuple(args), scope), self._value(kwargs, scope), scope)
+
+    def _attention(self, node: fx.Node, scope: tuple) -> Optional[fx.Node]:
+        """scaled_dot_product_attention as softmax(q @ k^T * scale + mask) @ v (None: left as it is)."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        a = dict(zip(names, node.args))
+        a.update(node.kwargs)
+        if a.get("enable_gqa") or a.get("dropout_p", 0.0) or a.get("is_causal"):
+            return None
+        q_val = a["query"].meta.get("val")
+        if q_val is None:
+            return None
+        scale = a.get("scale")
+        if scale is None:
+            scale = 1.0 / math.sqrt(q_val.shape[-1])
+        q, k, v = (self._value(a[n], scope) for n in ("query", "key", "value"))
+        kt = self._emit("call_function", torch.transpose, (k, -2, -1), {}, scope)
+        scores = self._emit("call_function", torch.matmul, (q, kt), {}, scope)
+        scores = self._emit("call_function", torch.mul, (scores, scale), {}, scope)
+        mask = a.get("attn_mask")
+        if mask is not None:
+            m = self._value(mask, scope)
+            if mask.meta.get("val") is not None and mask.meta["val"].dtype == torch.bool:
+                scores = self._emit("call_function", torch.masked_fill,
+                                    (scores, self._emit("call_function", torch.logical_not, (m,), {}, scope),
+                                     float("-inf")), {}, scope)
+            else:
+                scores = self._emit("call_function", torch.add, (scores, m), {}, scope)
+        probs = self._emit("call_function", torch.softmax, (scores, -1), {}, scope)
+        return self._emit("call_function", torch.matmul, (probs, v), {}, scope)
+
+
+class _Lazy:
+    """A lifted parameter / buffer: a get_attr of ``target``, made where it is first read."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+
+def _innermost(node: fx.Node) -> Optional[tuple[str, str]]:
+    """``(key, path)`` of the innermost module invocation ``node`` ran in (the root: None)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    key, (path, _) = list(stack.items())[-1]
+    return (key, path) if path else None
+
+
+def _plain(spec: pytree.TreeSpec) -> bool:
+    """A lone tensor or a flat tuple of them: returned as the fx tracer returns it, with no spec."""
+    if spec.is_leaf():
+        return True
+    return spec.type is tuple and all(spec.child(i).is_leaf() for i in range(spec.num_children))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Hyperparameters equal up to spelling: ``[1, 1]`` is ``(1, 1)`` is ``1``."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        ta = tuple(a) if isinstance(a, (list, tuple)) else None
+        tb = tuple(b) if isinstance(b, (list, tuple)) else None
+        if ta is None:
+            ta = (a,) * len(tb)
+        if tb is None:
+            tb = (b,) * len(ta)
+        return len(ta) == len(tb) and all(_same(x, y) for x, y in zip(ta, tb))
+    if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:  # incomparable values are different
+        return False
+
+
+def _spelling(op: OpDef, overload: Any) -> tuple[Any, str]:
+    """The torch spelling an ATen call of ``op`` is written with: ``(function, "call_function")``,
+    ``(method name, "call_method")`` or ``(overload, "aten")`` where the op has no other spelling.
+    The spelling named like ATen's packet wins, a torch function before ``operator``'s."""
+    packet = overload.overloadpacket.__name__
+    named = [f for f in op.functions if getattr(f, "__name__", None) == packet]
+    named.sort(key=lambda f: getattr(f, "__module__", "") in ("_operator", "operator"))
+    if named:
+        return named[0], "call_function"
+    if packet in op.methods:
+        return packet, "call_method"
+    functions = [f for f in op.functions if getattr(f, "__module__", "") not in ("_operator", "operator")]
+    if functions:
+        return functions[0], "call_function"
+    if op.methods:
+        return op.methods[0], "call_method"
+    return overload, "aten"
+
+
+def _arrange(signature: Signature, named: dict) -> tuple[list, dict]:
+    """Positional and keyword arguments of a call by ``signature`` from ``named`` (unknown names, flags
+    of ATen's own, are dropped; parameters at their default are left out)."""
+    args = [named[n] for n in signature.inputs if n in named]
+    positional = [name for name, _ in signature.positional]
+    defaults = dict(signature.params)
+    last = max((i for i, p in enumerate(positional) if p in named), default=-1)
+    for name in positional[:last + 1]:
+        value = named.get(name, defaults[name])
+        if value is REQUIRED:
+            raise TraceError(f"torch.export capture: argument {name!r} missing")
+        args.append(value)
+    kwargs = {name: named[name] for name, _ in signature.keyword if name in named}
+    if signature.varargs is not None and signature.varargs in named:
+        args.append(named[signature.varargs])
+    return args, kwargs
+
+
+__all__ = ["export_graph", "export_program"]

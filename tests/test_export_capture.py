@@ -1,0 +1,247 @@
+"""Capture with torch.export (qcompiler.ir.export_capture): the same IR, placement, partitions and
+converted outputs as symbolic tracing, bit for bit; module scopes; the capture modes; what export
+cannot lower stays on the CPU with a reason naming the ATen op."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qcompiler
+from qcompiler import zoo
+from qcompiler.errors import ConfigError, QCompilerWarning, TraceError
+from qcompiler.frontend import partition
+from qcompiler.ir.capture import GM_CAPTURE
+from qcompiler.ir.export_capture import export_graph
+from qcompiler.ir.meta import GM_INPUT_SPEC, GM_PARTITIONS, META_PLACEMENT, META_REASON, META_SCOPE
+
+from graph_match import assert_same_graph
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.relu2 = nn.ReLU()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.relu(self.bn(self.conv(x)))
+        y = self.relu2(self.conv2(y)) + y
+        return self.fc(y.mean((2, 3)))
+
+
+class Attention(nn.Module):
+    """Linear projections, matmul / softmax attention, layer norm, GELU MLP."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.d, self.t = heads, d, 5
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 32), nn.GELU(), nn.Linear(32, d))
+
+    def forward(self, x):
+        b, t, d = 2, self.t, self.d
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q = q.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+        k = k.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+        v = v.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+        att = torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.mlp(x)
+
+
+def _seed(m):
+    torch.manual_seed(0)
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.5, 0.5)
+            mod.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def _compiled(model, x, capture):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        return qcompiler.compile(model, x, march="bayes", progress=False,
+                                 prepare_custom_config_dict={"capture": capture})
+
+
+CASES = {
+    "conv": (lambda: _seed(ConvNet()), lambda: (torch.randn(2, 3, 8, 8),)),
+    "attention": (lambda: _seed(Attention()), lambda: (torch.randn(2, 5, 16),)),  # batch 2: fixed in forward
+    "transformer_block": (lambda: zoo.get("transformer_block"), lambda: zoo.example_inputs("transformer_block", 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_export_capture_is_bit_exact_with_fx(name):
+    build, inputs = CASES[name]
+    torch.manual_seed(1)
+    x = inputs()
+    model = build()
+    fx_cm, ex_cm = _compiled(model, x, "fx"), _compiled(model, x, "export")
+    assert fx_cm.converted.meta[GM_CAPTURE] == "fx" and ex_cm.converted.meta[GM_CAPTURE] == "export"
+    # the same ops in the same places and partitions
+    assert [(p.name, len(p.nodes)) for p in fx_cm.converted.meta[GM_PARTITIONS]] == \
+        [(p.name, len(p.nodes)) for p in ex_cm.converted.meta[GM_PARTITIONS]]
+    fx_place = [n.meta.get(META_PLACEMENT) for n in fx_cm.converted.graph.nodes if n.op != "get_attr"]
+    ex_place = [n.meta.get(META_PLACEMENT) for n in ex_cm.converted.graph.nodes if n.op != "get_attr"]
+    assert fx_place == ex_place
+    assert "bpu" in fx_place
+    got, want = ex_cm.converted(*x), fx_cm.converted(*x)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_zoo_export_capture_is_bit_exact_with_fx(name):
+    model, x = zoo.get(name), zoo.example_inputs(name, 1)
+    fx_cm, ex_cm = _compiled(model, x, "fx"), _compiled(model, x, "export")
+    assert [(p.name, len(p.nodes)) for p in fx_cm.converted.meta[GM_PARTITIONS]] == \
+        [(p.name, len(p.nodes)) for p in ex_cm.converted.meta[GM_PARTITIONS]]
+    assert torch.equal(ex_cm.converted(*x), fx_cm.converted(*x))
+
+
+def test_exported_graph_is_the_traced_graph():
+    """Structural golden: modules as call_module at their paths, ATen ops as torch spellings."""
+    model = _seed(ConvNet())
+    gm = export_graph(model, (torch.randn(1, 3, 8, 8),))
+
+    class Expected(nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name in ("conv", "bn", "relu", "conv2", "relu2", "fc"):
+                setattr(self, name, getattr(model, name))
+
+        def forward(self, x):
+            y = self.relu(self.bn(self.conv(x)))
+            y = torch.add(self.relu2(self.conv2(y)), y)
+            return self.fc(torch.mean(y, [2, 3]))
+
+    assert_same_graph(gm, Expected())
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(gm(x), model(x))
+
+
+def test_a_functional_conv_on_a_modules_weight_with_other_stride_stays_a_function():
+    """The call_module rule must not fire when the hyperparameters are not the module's."""
+
+    class Strided(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x) + F.conv2d(x, self.conv.weight, self.conv.bias, stride=1)[:, :, :, :], \
+                F.conv2d(x, self.conv.weight, None, 2)
+
+    gm = export_graph(Strided().eval(), (torch.randn(1, 3, 9, 9),))
+    calls = [(n.op, n.target) for n in gm.graph.nodes if n.op in ("call_module", "call_function")]
+    assert ("call_module", "conv") in calls
+    assert ("call_function", F.conv2d) in calls  # a second conv of the same weights is no module call
+
+
+def test_scopes_follow_the_module_stack():
+    model = _seed(Attention())
+    gm = export_graph(model, (torch.randn(2, 5, 16),))
+    by_target = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    assert set(by_target) >= {"qkv", "proj", "norm", "mlp.0", "mlp.1", "mlp.2"}
+    scope = by_target["mlp.1"].meta[META_SCOPE]
+    assert [(e.path, e.module_type) for e in scope] == [("", Attention), ("mlp", nn.Sequential),
+                                                         ("mlp.1", nn.GELU)]
+    softmax = next(n for n in gm.graph.nodes if n.target in (F.softmax, torch.softmax))
+    assert [e.path for e in softmax.meta[META_SCOPE]] == [""]
+
+
+def test_hybrid_dict_by_module_name_with_export_capture():
+    model = _seed(Attention())
+    x = (torch.randn(2, 5, 16),)
+    for capture in ("fx", "export"):
+        gm = partition(model, x, march="bayes", hybrid_dict={"module_name": ["proj"]},
+                       prepare_custom_config_dict={"capture": capture})
+        placed = {n.target: n.meta.get(META_PLACEMENT) for n in gm.graph.nodes if n.op == "call_module"}
+        assert placed["proj"] == "cpu" and placed["qkv"] == "bpu", capture
+
+
+def test_keyword_inputs_set_the_input_spec():
+    model = _seed(ConvNet())
+    x = torch.randn(1, 3, 8, 8)
+    for capture in ("fx", "export"):
+        gm = partition(model, {"x": x}, march="bayes", prepare_custom_config_dict={"capture": capture})
+        assert gm.meta[GM_INPUT_SPEC] == torch.utils._pytree.tree_flatten(((), {"x": x}))[1]
+        assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+
+
+def test_auto_uses_export_when_tracing_fails_and_says_why():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            if x.shape[0] > 0 and int(x.numel()) > 0:  # fx cannot take int() of a Proxy
+                x = self.conv(x)
+            return x
+
+    with pytest.warns(QCompilerWarning, match="captured with torch.export, because symbolic tracing failed"):
+        gm = partition(Branchy().eval(), torch.randn(1, 3, 4, 4), march="bayes")
+    assert gm.meta[GM_CAPTURE] == "export"
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target == "conv"] == ["conv"]
+    # capture="fx" does not try export: the conv runs as part of an eager leaf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        gm = partition(Branchy().eval(), torch.randn(1, 3, 4, 4), march="bayes",
+                       prepare_custom_config_dict={"capture": "fx"})
+    assert gm.meta[GM_CAPTURE] == "fx"
+    assert "conv" not in {n.target for n in gm.graph.nodes if n.op == "call_module"}
+
+
+def test_an_aten_op_with_no_row_runs_on_the_cpu_with_a_reason_naming_it():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return torch.special.i0(self.conv(x))  # no catalogue row spells aten.special_i0 / i0
+
+    gm = partition(Odd().eval(), torch.randn(1, 3, 4, 4), march="bayes",
+                   prepare_custom_config_dict={"capture": "export"})
+    odd = next(n for n in gm.graph.nodes if n.op == "call_function" and "i0" in str(n.target))
+    assert odd.meta[META_PLACEMENT] == "cpu"
+    assert "i0" in odd.meta[META_REASON]
+    conv = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "conv")
+    assert conv.meta[META_PLACEMENT] == "bpu"
+
+
+def test_bad_capture_value_is_a_config_error():
+    with pytest.raises(ConfigError, match="prepare_custom_config_dict\\['capture'\\] must be one of 'fx', 'export', "
+                                          "'auto', got 'dynamo'"):
+        partition(ConvNet().eval(), torch.randn(1, 3, 8, 8), prepare_custom_config_dict={"capture": "dynamo"})
+
+
+def test_export_failure_is_a_trace_error_naming_torch_export():
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x.numpy()
+
+    with pytest.raises(TraceError, match="torch.export cannot capture the top-level module \\(Bad\\)"):
+        partition(Bad(), torch.randn(2), prepare_custom_config_dict={"capture": "export"})
+
+
+def test_fx_capture_is_unchanged_by_default_for_traceable_models():
+    model = _seed(ConvNet())
+    gm = partition(model, torch.randn(1, 3, 8, 8), march="bayes")
+    assert gm.meta[GM_CAPTURE] == "fx"
+    assert GM_INPUT_SPEC not in gm.meta
