@@ -83,9 +83,10 @@ def build_merge_heavy(n: int, seed: int = 0) -> fx.GraphModule:
     """~``n`` call nodes in blocks of 8 that each need one merge of two BPU groups in the partition pass.
 
     Block (v is a CPU value): a = relu(erf(v)) -> sigmoid(a) (a side output) and -> add;
-    relu(v) -> selu (CPU) -> relu -> add; v' = erf(add) (CPU).  ``a`` (behind its own
+    matmul(v, v) -> selu (CPU) -> relu -> add; v' = erf(add) (CPU).  ``a`` (behind its own
     observer) has users on two levels, so it is not lifted and its group is merged
-    with the add's group afterwards.
+    with the add's group afterwards.  (The matmul is BPU work: a lone relu there would do
+    none between CPU ops, and placement keeps such a region on the CPU.)
     """
     g = fx.Graph()
     x = g.placeholder("x")
@@ -100,7 +101,7 @@ def build_merge_heavy(n: int, seed: int = 0) -> fx.GraphModule:
     for _ in range(max(1, n // 8)):
         a = call(torch.relu, call(torch.erf, v))
         side.append(call(torch.sigmoid, a))
-        e = call(torch.relu, call(F.selu, call(torch.relu, v)))
+        e = call(torch.relu, call(F.selu, call(torch.matmul, v, v)))
         v = call(torch.erf, call(operator.add, a, e))
     g.output((v, *side))
     return fx.GraphModule(nn.Module(), g)

@@ -6,13 +6,23 @@ Order of decisions for a call node:
    does a float region: a node on a path from a DeQuantStub to a QuantStub (the user
    said the values in between are float, as in eager-mode PyTorch quantization), and a
    module the tracer could not trace (``META_AUTO_LEAF``: its Python runs as a whole);
-2. stubs, identities, container ``getitem`` and size queries compute nothing:
+2. a node whose value holds no tensor (``x.dim()``, ``x.size()``, ``x.shape``, ``x.ndim``,
+   ``x.numel()``: a host-side int) is on the CPU: the BPU computes tensors only;
+3. stubs, identities and container ``getitem`` compute nothing:
    they follow their producer (a QuantStub or a follower of a graph input
    follows its consumers instead, decided in a backward sweep);
-3. layout ops (reshape, permute, ...) follow a CPU producer; after a BPU
+4. layout ops (reshape, permute, ...) follow a CPU producer; after a BPU
    producer the march table decides;
-4. anything else is looked up in the march's op-support table, whose
+5. anything else is looked up in the march's op-support table, whose
    constraint predicates give the reason when an op does not fit.
+
+Last, a connected BPU region that does no BPU work (no op of ``WORK_OPS``: no
+multiply-accumulate, no pooling) and whose inputs and outputs are all CPU ops is moved to
+the CPU: on the BPU it would only add a quantize and a dequantize (an r3d residual ``add``
+between CPU conv3d / relu).  A region that reads a graph input or feeds the model output
+directly, or holds a user's QuantStub / DeQuantStub (the user's word that it is quantized),
+is kept.  ``hybrid_dict`` only ever forces nodes to the CPU, so no user setting asks for
+the BPU that this rule overrides.
 
 Placeholders and the output node are not placed: graph inputs and outputs are
 float, like CPU values.
@@ -27,6 +37,7 @@ import torch.nn as nn
 
 from qcompiler.backends.bpu import op_table
 from qcompiler.backends.bpu.op_info import op_info
+from qcompiler.backends.bpu.support import WORK_OPS
 from qcompiler.errors import PassError
 from qcompiler.hybrid import HybridConfig
 from qcompiler.ir.meta import (
@@ -40,6 +51,7 @@ from qcompiler.ir.meta import (
     META_TENSOR,
     PLACEMENTS,
     TensorInfo,
+    carries_tensor,
     placement,
     scope,
     set_placement,
@@ -112,6 +124,64 @@ def _float_regions(gm: fx.GraphModule, ops: dict[fx.Node, Optional[str]]) -> dic
                 f"on the CPU") for n in opened if n in closed and n.op != "placeholder"}
 
 
+def _host_value(node: fx.Node) -> bool:
+    """A call whose value holds no tensor but that reads one: a size read (``x.dim()``, ``x.shape``,
+    ``x.size(1)``, ``x.numel()``) or a comparison of one, a host-side int the BPU never computes."""
+    return (node.op != "get_attr" and not carries_tensor(node)
+            and any(carries_tensor(i) for i in node.all_input_nodes))
+
+
+def _spelled(node: fx.Node) -> str:
+    """``x.dim()``, ``x.shape``, ``numel(x)``: how a host-side read is written, for its reason."""
+    if node.op == "call_method":
+        return f"{node.args[0]}.{node.target}()" if node.args else f".{node.target}()"
+    if node.target is getattr and len(node.args) == 2:
+        return f"{node.args[0]}.{node.args[1]}"
+    return f"{getattr(node.target, '__name__', node.target)}({', '.join(map(str, node.args))})"
+
+
+def _bpu_regions(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The connected components of BPU nodes (joined by edges between two BPU nodes), in graph order."""
+    seen: set[fx.Node] = set()
+    regions = []
+    for start in gm.graph.nodes:
+        if start in seen or placement(start) != BPU:
+            continue
+        seen.add(start)
+        region, todo = [], [start]
+        while todo:
+            n = todo.pop()
+            region.append(n)
+            for m in (*n.all_input_nodes, *n.users):
+                if m not in seen and placement(m) == BPU:
+                    seen.add(m)
+                    todo.append(m)
+        regions.append(region)
+    return regions
+
+
+def idle_regions(gm: fx.GraphModule, ops: dict[fx.Node, Optional[str]]) -> list[tuple[list[fx.Node], str]]:
+    """The BPU regions that do no BPU work between CPU ops, each with the reason it moves to the CPU.
+
+    A region moves when no node of it is a ``WORK_OPS`` op (multiply-accumulate or pooling) or a
+    user's stub, and every value it reads and every node reading it is a CPU op (not a graph input,
+    not the model output)."""
+    out = []
+    for region in _bpu_regions(gm):
+        members = set(region)
+        if any(ops.get(n) in WORK_OPS or ops.get(n) in ("quant", "dequant") for n in region):
+            continue
+        reads = [p for n in region for p in n.all_input_nodes if p not in members]
+        readers = [u for n in region for u in n.users if u not in members]
+        if not reads or not readers or any(p.op == "placeholder" or placement(p) != CPU for p in reads) \
+                or any(u.op == "output" or placement(u) != CPU for u in readers):
+            continue
+        names = ", ".join(n.name for n in region[:4]) + (", ..." if len(region) > 4 else "")
+        out.append((region, f"on the CPU: its BPU region ({names}) does no multiply-accumulate or pooling and "
+                            f"sits between CPU ops, so the BPU would only add a quantize and a dequantize"))
+    return out
+
+
 def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     table = op_table(ctx.march)
     hybrid: HybridConfig = ctx.hybrid_dict or HybridConfig()
@@ -144,6 +214,8 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             assign(node, CPU, forced)
         elif node.op == "get_attr" or op == "quant":
             pending.append(node)
+        elif _host_value(node):
+            assign(node, CPU, f"{_spelled(node)} is a host-side value, not a tensor: on the CPU")
         elif op in PASSTHROUGH_OPS and getattr(_producer(node), "op", None) == "get_attr":
             # a constant reaches the BPU only as an op's operand (a quantized constant), not passed on
             assign(node, CPU, f"{op} of the constant '{_producer(node).name}': a constant reaches the BPU "
@@ -175,6 +247,10 @@ def place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             assign(node, BPU, f"follows its consumer '{users[0].name}'")
         else:
             assign(node, CPU, f"follows its consumer '{users[0].name}'" if users else "feeds the model output")
+
+    for region, why in idle_regions(gm, ops):
+        for node in region:
+            assign(node, CPU, f"{node.meta[META_REASON]}, but {why}")
     return PassResult(gm, changed)
 
 

@@ -33,17 +33,17 @@ GUIDE_CHAIN = (
     ("cpu2", (F.selu, "dequant")),
 )
 PARTITIONS = tuple(partition for partition, _ in GUIDE_CHAIN)
-# On bernoulli2 the PReLUs run on the BPU: the dequants move to the SELUs after them, and
-# conv1.conv's float output is quantized for conv1.prelu.
+# On bernoulli2 the PReLU after conv0 runs on the BPU: the dequant moves to the SELU after it.
+# conv1.prelu is supported too, but alone between the CPU conv1.conv (hybrid_dict) and a CPU SELU it
+# does no BPU work (no multiply-accumulate): it stays on the CPU rather than making a BPU partition of
+# a quantize, a PReLU and a dequantize (passes/place.py, idle regions).
 BERNOULLI2_CHAIN = (
     ("bpu0", ("quant", "conv0", "identity", "prelu", "selu_input_dequant")),
-    ("cpu0", (F.selu, "conv1.conv")),
-    ("bpu1", ("conv1_conv_activation_post_process", "conv1.prelu", "selu_1_input_dequant")),
-    ("cpu1", (F.selu,)),
-    ("bpu2", ("selu_1_activation_post_process", "conv2", "conv3_input_dequant")),
-    ("cpu2", ("conv3",)),
-    ("bpu3", ("conv3_activation_post_process", "identity", "conv4", "selu_2_input_dequant")),
-    ("cpu3", (F.selu, "dequant")),
+    ("cpu0", (F.selu, "conv1.conv", "conv1.prelu", F.selu)),
+    ("bpu1", ("selu_1_activation_post_process", "conv2", "conv3_input_dequant")),
+    ("cpu1", ("conv3",)),
+    ("bpu2", ("conv3_activation_post_process", "identity", "conv4", "selu_2_input_dequant")),
+    ("cpu2", (F.selu, "dequant")),
 )
 
 
@@ -64,8 +64,7 @@ class GuidePrepared(nn.Module):
         self.selu_2_input_dequant = DeQuantStub()
         self.selu_1_activation_post_process, self.conv3_activation_post_process = observer(), observer()
         # where BERNOULLI2_CHAIN differs
-        self.selu_input_dequant, self.selu_1_input_dequant = DeQuantStub(), DeQuantStub()
-        self.conv1_conv_activation_post_process = observer()
+        self.selu_input_dequant = DeQuantStub()
 
     def forward(self, input):
         x = input

@@ -8,7 +8,22 @@ from typing import Optional
 from qcompiler.backends.bpu.constraints import Constraint
 from qcompiler.backends.bpu.op_info import OpInfo
 from qcompiler.errors import InternalError
+from qcompiler.ir.ops.names import (
+    ADAPTIVE_AVG_POOL2D,
+    AVG_POOL2D,
+    CONV2D,
+    CONV_TRANSPOSE2D,
+    LINEAR,
+    MATMUL,
+    MAX_POOL2D,
+    MEAN,
+)
 from qcompiler.march import March
+
+# The BPU ops whose work pays for a trip to the BPU: multiply-accumulates (conv, linear, matmul) and
+# pooling windows.  A connected BPU region with none of them between CPU ops (an r3d residual add
+# between CPU conv3d / relu) only adds a quantize and a dequantize: passes/place.py moves it to the CPU.
+WORK_OPS = frozenset({CONV2D, CONV_TRANSPOSE2D, LINEAR, MATMUL, MAX_POOL2D, AVG_POOL2D, ADAPTIVE_AVG_POOL2D, MEAN})
 
 
 @dataclass(frozen=True)
