@@ -14,7 +14,7 @@ from qcompiler.batches import fresh_args, tensors_in
 from qcompiler.errors import ConfigError
 from qcompiler.ir.inplace import META_INPUT_WRITES, META_RETURNED_INPUT, storage_key
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo, format_tensor_info
-from qcompiler.ir.state import ModelState
+from qcompiler.ir.state import ModelState, ModuleAttributes
 
 _DTYPE_NAMES = {
     torch.float32: "f32",
@@ -128,6 +128,31 @@ def _versions(value: Any) -> list[int]:
     return [t._version if not t.is_inference() else -1 for t in tensors_in(value)]
 
 
+def meta_state(root: nn.Module) -> list[str]:
+    """Qualified names of the tensors on the meta device that ``root``'s modules hold: parameters,
+    buffers and plain attributes (in lists, tuples and dicts too).  A meta tensor has no data, so a
+    real run that reads one fails whatever its inputs are."""
+    found = []
+
+    def visit(name: str, value: Any, depth: int = 0) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                found.append(name)
+        elif depth < 3 and isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(f"{name}[{i}]", v, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{name}[{k!r}]", v, depth + 1)
+
+    for path, module in root.named_modules():
+        prefix = f"{path}." if path else ""
+        for key, value in (*module._parameters.items(), *module._buffers.items(),
+                           *((k, v) for k, v in vars(module).items() if not k.startswith("_"))):
+            visit(prefix + key, value)
+    return found
+
+
 def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:
     if n.op == "call_module":
         what = f"module '{n.target}' ({type(gm.get_submodule(n.target)).__name__})"
@@ -135,6 +160,14 @@ def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:
         what = f"{n.op} {getattr(n.target, '__name__', n.target)}"
     seen = [format_tensor_info(a.meta.get(META_TENSOR)) for a in n.all_input_nodes]
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    held = meta_state(gm)
+    if held:  # the model's state, not the inputs: say so
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        return ConfigError(
+            f"node '{n.name}' ({what}) failed on inputs ({', '.join(seen)}): {msg}. The model holds tensors "
+            f"on the meta device, which have no data ({', '.join(held[:3])}{more}): the cause is the model's "
+            f"state, not example_inputs. Load or create the model with real tensors (e.g. "
+            f"model.to_empty(device='cpu') then load_state_dict).")
     return ConfigError(
         f"example_inputs do not fit the model: node '{n.name}' ({what}) failed on inputs "
         f"({', '.join(seen)}): {msg}. Check the shapes and dtypes of example_inputs."
@@ -186,13 +219,16 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Any) -> None:
     inputs = normalize_inputs(example_inputs)
     check_arity(gm, inputs)
     with eval_mode(gm):
-        try:
+        attributes = ModuleAttributes(gm)  # a leaf rebinding a plain attribute (a list of anchors) on meta
+        try:                               # tensors must not keep them: the real run would read them
             state = {f"gm.{k}": v.to("meta") for k, v in gm.state_dict(keep_vars=True).items()}
             with torch.no_grad():
                 torch.func.functional_call(_Run(gm), state, _to_meta(inputs), strict=False)
             return
         except Exception:  # fall back to the real thing, which reports errors properly
             pass
+        finally:
+            attributes.restore()
         state = ModelState(gm)  # a module writing its own state (a leaf's running mean) must not move it here
         try:
             with torch.no_grad():  # on copies: a model may change its input in place (the example is the user's)
