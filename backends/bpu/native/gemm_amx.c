@@ -64,6 +64,10 @@ void gemm_amx_config(void) {
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    /* GCC 12 does not count ldtilecfg's 64-byte operand as read and drops the stores above as dead
+     * (leaving palette 1 with stack garbage or zero rows: #GP or #UD at the next tile instruction);
+     * the empty asm makes the whole struct observed */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
