@@ -121,6 +121,8 @@ def test_too_many_inputs_for_a_forward_without_star_args_is_a_trace_error():
         trace(KwargsForward().eval(), example_inputs=(X, X))
 
 
+@pytest.mark.xfail(strict=True, reason="a positional list input is one placeholder until every caller of the "
+                   "graph (shape propagation, calibration, the runtime) flattens positional inputs by GM_INPUT_SPEC")
 def test_a_list_of_tensors_is_one_placeholder_per_tensor_with_its_tree():
     images = [torch.rand(3, 8, 8), torch.rand(3, 6, 10)]
     gm = trace(Images().eval(), example_inputs=([images[0], images[0]],))

@@ -22,9 +22,10 @@ Our tracer differs from ``torch.fx.Tracer`` in six ways:
   model), ``*args`` takes the example inputs left after the named parameters, and a decorated
   forward (``functools.wraps`` around ``wrapper(self, *args, **kwargs)``, as transformers 5 does)
   has the parameters of the function it wraps, while the wrapper is what runs (fx bound the
-  wrapper's ``kwargs`` to the wrapped forward's second parameter). An input that is a list, tuple
-  or dict of tensors (a detector's list of images) is one placeholder per tensor, in
-  ``torch.utils._pytree`` order, and the graph records the tree in ``GM_INPUT_SPEC``.
+  wrapper's ``kwargs`` to the wrapped forward's second parameter). Keyword inputs (a dict of
+  example inputs) are one placeholder per tensor, in ``torch.utils._pytree`` order, and the graph
+  records the tree in ``GM_INPUT_SPEC``; a structured positional input (an LSTM's ``(h, c)``)
+  is still one placeholder, as its callers pass it.
 """
 
 from __future__ import annotations
@@ -146,8 +147,7 @@ class QTracer(fx.Tracer):
         params = forward_signature(root_fn).parameters.values()
         if root_fn is not inspect.unwrap(root_fn) or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
             return True
-        given = list(self.example_args or ()) + list(self.example_kwargs.values())
-        return bool(self.example_kwargs) or any(_structured(v) for v in given)
+        return bool(self.example_kwargs)
 
     def _supplied_args(self, root_fn):
         """Placeholders for what the example inputs supply, and a root function calling ``root_fn``
@@ -167,9 +167,11 @@ class QTracer(fx.Tracer):
             if extra > 0 and star is None:
                 raise TypeError(f"forward takes {len(positional)} positional inputs, example_inputs give {len(values)}")
             names += [f"{star.name}_{i}" for i in range(extra)] if star is not None else []
-        args = [self._placeholders(name, value) for name, value in zip(names, values)]
+        # a structured positional input (an LSTM's (h, c)) stays one placeholder: the callers of a
+        # positional graph pass it as it is; keyword inputs come flattened (KeywordInputs)
+        args = [self.create_proxy("placeholder", name, (), {}) for name in names]
         kwargs = {name: self._placeholders(name, value) for name, value in self.example_kwargs.items()}
-        if any(_structured(v) for v in values) or self.example_kwargs:
+        if self.example_kwargs:
             self.input_spec = pytree.tree_structure((tuple(values), dict(self.example_kwargs)))
 
         def root(module):
