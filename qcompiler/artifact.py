@@ -4,7 +4,9 @@ Layout of the file (a zip archive):
 
 * ``manifest.json`` -- format name and version, model name, march, inputs,
   steps, output structure, each BPU program's metadata (with every tensor's
-  dtype and shape) and the uncompressed size of every other member;
+  dtype and shape) and the uncompressed size of every other member; for a model
+  with structured outputs or keyword inputs, ``output_spec`` / ``input_spec``
+  (:func:`qcompiler.ir.structure.spec_to_json`: classes by name, never imported on load);
 * ``tensors.safetensors`` -- every BPU program tensor, keyed ``<program>/<key>``;
 * ``islands/<name>.onnx`` -- each CPU island (self-contained: no external data).
 
@@ -41,6 +43,7 @@ from qcompiler.backends.bpu.program import BpuProgram
 from qcompiler.backends.bpu.program_check import ITEMSIZE, check_declaration, expect_keys, short
 from qcompiler.backends.ort.island import check_island
 from qcompiler.errors import ArtifactError
+from qcompiler.ir.structure import check_spec_json, spec_leaf_count
 from qcompiler.march import March
 
 FORMAT = "qcompiler-artifact"
@@ -280,6 +283,27 @@ def check_manifest(m: dict, path: Path) -> None:
             for decl in op["tensors"]:
                 check_declaration(decl, f"{pw} op {j}")
     _check_outputs(m["outputs"], f"{where}: outputs", 0)
+    _check_specs(m, where)
+
+
+def _check_specs(m: dict, where: str) -> None:
+    """The optional structure specs (:mod:`qcompiler.ir.structure`): their form, and an output spec with
+    one leaf per flat output, an input spec with one leaf per input."""
+    counts = {"output_spec": len(_output_leaves(m["outputs"])), "input_spec": len(m["inputs"])}
+    for key, count in counts.items():
+        if key not in m:
+            continue
+        check_spec_json(m[key], f"{where}: {key}")
+        leaves = spec_leaf_count(m[key])
+        if leaves != count:
+            raise ArtifactError(f"{where}: {key} has {leaves} leaves, but the model has {count} "
+                                f"{'flat outputs' if key == 'output_spec' else 'inputs'}")
+
+
+def _output_leaves(spec: dict) -> list:
+    """The flat outputs of a structured model: the entries of its output tuple."""
+    (key, v), = spec.items()
+    return v if key in ("tuple", "list") else [v]
 
 
 def check_flow(m: dict, programs: dict, path: Path) -> None:

@@ -32,9 +32,11 @@ from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.dump import dump_partitioned
-from qcompiler.ir.meta import BPU, GM_INT16, GM_KIND, GM_MARCH, META_PLACEMENT, META_QDTYPE, META_REASON
+from qcompiler.ir.meta import (BPU, GM_INPUT_SPEC, GM_INT16, GM_KIND, GM_MARCH, GM_OUTPUT_SPEC, META_PLACEMENT,
+                               META_QDTYPE, META_REASON, META_TENSOR)
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import ModelState
+from qcompiler.ir.structure import bind_structured, check_output_leaves, spec_from_json, spec_to_json
 from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
 from qcompiler.parallel import resolve_threads
@@ -105,7 +107,11 @@ class CompiledModel:
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple:
         """``args`` and ``kwargs`` as one tuple in input order; a keyword that names no input or an input
-        given already, or a call by keyword that leaves an input out, is a ConfigError naming it."""
+        given already, or a call by keyword that leaves an input out, is a ConfigError naming it. A model
+        prepared with keyword (dict) example inputs takes them as keywords (``cm(**batch)``), flattened
+        by its input spec (:func:`qcompiler.ir.structure.bind_structured`)."""
+        if self.runtime.input_spec is not None:
+            return bind_structured(self.runtime.input_spec, args, kwargs, "compiled model")
         if not kwargs:
             return args
         names, positions = self.input_names, self._keywords()
@@ -236,6 +242,9 @@ class CompiledModel:
             "input_signature": self.runtime.input_signature,
             "steps": [s.to_json() for s in self.runtime.steps],
         }
+        for key, spec in (("output_spec", self.runtime.output_spec), ("input_spec", self.runtime.input_spec)):
+            if spec is not None:  # only structured models have one: the files of the others stay as they were
+                manifest[key] = spec_to_json(spec, f"save: {key}")
         return save_artifact(path, manifest, self.runtime.programs, self.runtime.islands)
 
     def __reduce__(self) -> tuple:
@@ -294,9 +303,12 @@ def load(path: Union[str, bytes, os.PathLike], *, ort_threads: int = 1,
     path = fs_path(path, "load")
     manifest, programs, islands = load_artifact(path)  # checked: form, sizes, tensors, data flow
     steps = [Step.from_json(s) for s in manifest["steps"]]
+    specs = {key: spec_from_json(manifest[key], f"{path}: {key}") if key in manifest else None
+             for key in ("output_spec", "input_spec")}  # classes from imported modules only, else plain
     try:
         runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands,
-                          ort_threads=ort_threads, input_signature=manifest.get("input_signature"), threads=threads)
+                          ort_threads=ort_threads, input_signature=manifest.get("input_signature"), threads=threads,
+                          **specs)
     except Exception as exc:  # a program the simulator cannot compile, an island onnxruntime refuses
         raise ArtifactError(f"{path}: the runtime cannot be built from this file ({type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
@@ -311,6 +323,7 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
     With ``example_inputs``, calls are checked against them (else only their number).
     ``threads``: the batch split's worker threads, where :func:`split_refusal` proves it safe.
     """
+    check_output_leaves(converted, lambda n: n.meta.get(META_TENSOR, True) is not None)
     steps = plan_steps(converted)
     programs = lower_bpu_partitions(converted)
     islands, eager = {}, {}
@@ -329,7 +342,8 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
     out_node = next(n for n in converted.graph.nodes if n.op == "output")
     signature = input_signature(example_inputs) if example_inputs is not None else None
     return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads,
-                   input_signature=signature, eager=eager, threads=threads, split_refusal=split_refusal(converted))
+                   input_signature=signature, eager=eager, threads=threads, split_refusal=split_refusal(converted),
+                   output_spec=converted.meta.get(GM_OUTPUT_SPEC), input_spec=converted.meta.get(GM_INPUT_SPEC))
 
 
 def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> list[tuple]:

@@ -23,6 +23,7 @@ from qcompiler.ir.capture import DEFAULT_CAPTURE, capture, check_capture
 from qcompiler.ir.meta import GM_INPUT_SIGNATURE, GM_MARCH
 from qcompiler.ir.shape_prop import normalize_inputs
 from qcompiler.ir.state import tensor_attributes
+from qcompiler.ir.structure import flatten_output
 from qcompiler.march import MarchLike, resolve_march
 from qcompiler.passes.base import CompileContext, CompileOptions, Pass, PassManager
 from qcompiler.passes.pipeline import PARTITION_PIPELINE
@@ -97,6 +98,7 @@ def build_graph(
             strict=custom.get("strict_tracing", False),
             pristine=None if inplace else model,  # what tracing writes into the copy's state is undone from it
         )
+        gm = flatten_output(gm)  # a dict / namedtuple / ModelOutput output: flat leaves + GM_OUTPUT_SPEC
         for attr in preserved:
             setattr(gm, attr, getattr(work, attr))
         gm.meta[GM_MARCH] = ctx.march

@@ -6,7 +6,8 @@ interface.
 
 A ``Runtime`` is pure data plus sessions: an ordered list of steps (one per
 partition, in a topological order), the model's inputs, and the structure of
-its outputs (nested tuples of value names). Values flow between steps by FX
+its outputs (nested tuples of value names; for a structured output, the flat tuple of its leaves and
+the TreeSpec that rebuilds it, ``output_spec``). Values flow between steps by FX
 value name: QTensors between BPU partitions, float tensors everywhere else.
 It never needs the model's Python class, so an artifact can rebuild it.
 
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.utils._pytree import TreeSpec
 
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
@@ -36,6 +38,7 @@ from qcompiler.batches import check_inputs
 from qcompiler.errors import ConfigError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
+from qcompiler.ir.structure import unflatten
 from qcompiler.parallel import resolve_threads, run_split
 
 # split_refusal of a runtime built without its graph (an artifact): nothing proves it per-sample
@@ -71,7 +74,10 @@ def output_structure(arg: Any) -> Any:
         return {"tuple" if isinstance(arg, tuple) else "list": [output_structure(a) for a in arg]}
     if arg is None or isinstance(arg, (bool, int, float, str)):
         return {"const": arg}
-    raise ConfigError(f"model output contains a {type(arg).__name__}; outputs must be tensors or tuples of them")
+    raise ConfigError(f"model output contains a {type(arg).__name__}; a graph's output node returns tensors, "
+                      "constants and (nested) tuples of them, and a structured output (dict, namedtuple, ModelOutput) "
+                      "the flat tuple of its leaves with its structure in gm.meta[GM_OUTPUT_SPEC]: run "
+                      "qcompiler.ir.structure.flatten_output on the graph")
 
 
 def _build_output(spec: Any, env: dict[str, Any], dequantize: bool) -> Any:
@@ -167,8 +173,12 @@ class Runtime:
                  programs: dict, islands: dict[str, bytes], *, ort_threads: int = 1,
                  input_signature: Optional[list] = None, eager: Optional[dict] = None,
                  threads: Optional[int] = None, split_refusal: Optional[str] = NOT_ANALYSED,
-                 simulator: Optional[dict[str, Any]] = None, dequantize: bool = True) -> None:
+                 simulator: Optional[dict[str, Any]] = None, dequantize: bool = True,
+                 output_spec: Optional[TreeSpec] = None, input_spec: Optional[TreeSpec] = None) -> None:
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
+        # the model's structured output and input (qcompiler.ir.structure): outputs are the flat tuple of
+        # the spec's leaves, rebuilt into its structure; None: returned as ``outputs`` says
+        self.output_spec, self.input_spec = output_spec, input_spec
         # what calls are checked against (qcompiler.batches.input_signature of the example inputs);
         # None (an artifact from before signatures were saved): the number of inputs only
         self.input_signature = input_signature
@@ -213,8 +223,10 @@ class Runtime:
         signature = self.input_signature or [None] * len(self.input_names)
         args = check_inputs(args, signature, where="compiled model", names=self.input_names)
         if self.split_refusal is None:
-            return run_split(self._run_checked, args, resolve_threads(self.threads, "threads"))
-        return self._run_checked(*args)
+            out = run_split(self._run_checked, args, resolve_threads(self.threads, "threads"))
+        else:
+            out = self._run_checked(*args)
+        return unflatten(out, self.output_spec)
 
     def _run_checked(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self.input_names, args))

@@ -10,8 +10,10 @@ import math
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from qcompiler.errors import ConfigError
+from qcompiler.ir.structure import is_structured
 from qcompiler.quantization.qtensor import QTensor
 
 __all__ = ["METRICS", "COMPARE_COLUMNS", "compute_metric"]
@@ -68,8 +70,14 @@ def _cat(x: Any) -> torch.Tensor:
 
 
 def compute_metric(metric: str, base: Any, analy: Any) -> float:
-    """L1 (mean abs diff), ATOL (max abs diff), COSINE similarity or SQNR (dB) of analy vs base."""
+    """L1 (mean abs diff), ATOL (max abs diff), COSINE similarity or SQNR (dB) of analy vs base.
+
+    A structured output (a dict, ModelOutput, namedtuple) against a flat one (what a prepared or
+    converted graph returns for it, :mod:`qcompiler.ir.structure`) is compared leaf by leaf in the
+    structure's own order; two dicts by sorted key, as always."""
     metric = _check_metric(metric)
+    if is_structured(base) != is_structured(analy):
+        base, analy = (tuple(pytree.tree_leaves(v)) if is_structured(v) else v for v in (base, analy))
     b, a = _cat(base), _cat(analy)
     if b.numel() != a.numel():
         raise ConfigError(f"the two models' outputs differ in size ({b.numel()} vs {a.numel()} values): "

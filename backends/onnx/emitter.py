@@ -54,8 +54,10 @@ from qcompiler.backends.onnx.context import (
 from qcompiler.backends.onnx.quant import QuantState
 from qcompiler.backends.onnx.registry import rule_for
 from qcompiler.errors import ConfigError, UnsupportedOpError
-from qcompiler.ir.meta import META_OP, META_TENSOR, TensorInfo
+from qcompiler.ir.meta import GM_INPUT_SPEC, GM_OUTPUT_SPEC, META_OP, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import emit_op
+from qcompiler.ir.structure import input_leaf_names
+from qcompiler.ir.structure import leaf_names as spec_leaf_names
 
 IR_VERSION = 7  # ONNX 1.8: what opset 11 shipped with; every onnxruntime reads it
 PRODUCER_NAME = "qcompiler"
@@ -255,6 +257,9 @@ class OnnxEmitter:
         if len(out_infos) != len(out_vals):
             out_infos = [None] * len(out_vals)
         out_default = ["output"] if len(out_vals) == 1 else [f"output_{i}" for i in range(len(out_vals))]
+        spec = self.gm.meta.get(GM_OUTPUT_SPEC)
+        if spec is not None and spec.num_leaves == len(out_vals):  # named by where they sit: out, aux, 0.1
+            out_default = spec_leaf_names(spec)
         out_names = _check_names(output_names, out_default, "output_names")
         for name in list(dynamic):
             if name not in names and name not in out_names:
@@ -357,6 +362,9 @@ def graph_input_leaves(gm: fx.GraphModule) -> tuple[list[str], list[Any]]:
             info = ph.meta.get(META_TENSOR)
             names.extend(leaf_names(str(ph.target).lstrip("*"), info))
             infos.extend(_flatten_info(info))
+    spec = gm.meta.get(GM_INPUT_SPEC)
+    if spec is not None:  # keyword inputs by their keywords (input_ids, attention_mask)
+        names = input_leaf_names(spec, names)
     return names, infos
 
 

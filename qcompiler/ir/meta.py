@@ -80,6 +80,9 @@ GM_INPUT_SPEC = "qc_input_spec"
 # tuples). Where it is set, the graph's output node returns the flat tuple of the leaves and the
 # compiled model rebuilds the structure with tree_unflatten
 GM_OUTPUT_SPEC = "qc_output_spec"
+# on the output node of a traced graph, until qcompiler.ir.structure.flatten_output reads it: the TreeSpec
+# of the value the forward returned (torch.fx keeps only plain dicts; this keeps OrderedDict, ModelOutput)
+META_TRACED_OUTPUT = "qc_traced_output"
 
 
 @dataclass(frozen=True)

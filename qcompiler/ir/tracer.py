@@ -52,6 +52,7 @@ from qcompiler.ir.meta import GM_INPUT_SPEC, META_SCOPE, ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
 from qcompiler.ir.setitem import setitem_
 from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.ir.structure import mark_traced_output, recording_output
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _QCOMPILER_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -138,7 +139,7 @@ class QTracer(fx.Tracer):
             if node is not None and node.op == "placeholder" and node.target in self.constant_args:
                 args[i] = self.constant_args[node.target]
                 self.graph.erase_node(node)
-        return fn, args
+        return recording_output(fn, self), args  # the output's own classes, for structure.flatten_output
 
     def _needs_own_args(self, root_fn) -> bool:
         """fx reads the parameters of the innermost function's code and calls the outer one with them
@@ -200,7 +201,9 @@ class QTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         self._root_type = type(root)
         with self._float_functional_as_functions():
-            return super().trace(root, concrete_args)
+            graph = super().trace(root, concrete_args)
+        mark_traced_output(graph, getattr(self, "traced_output", None))
+        return graph
 
     @contextlib.contextmanager
     def _float_functional_as_functions(self):
