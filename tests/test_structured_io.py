@@ -5,6 +5,7 @@ the compiled model, the saved artifact and (flat, named by key path) the ONNX ex
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import subprocess
 import sys
@@ -317,3 +318,28 @@ def test_a_graph_returning_a_dict_without_a_spec_is_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"model output contains a immutable_dict; .* run "
                                           r"qcompiler.ir.structure.flatten_output"):
         lower(gm)
+
+
+def _wrapped(forward):
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+class DecoratedForward(nn.Module):
+    """transformers 5's pattern: a ``*args, **kwargs`` decorator on the forward, a ModelOutput out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+
+    @_wrapped
+    def forward(self, x, **kwargs):
+        return BaseModelOutput(last_hidden_state=self.conv(x))
+
+
+def test_a_decorated_forward_keeps_its_model_output_class():
+    cm = qcompiler.compile(DecoratedForward().eval(), X, march="bayes", progress=False)
+    out = cm(X)
+    assert type(out) is BaseModelOutput and list(out) == ["last_hidden_state"]

@@ -132,7 +132,8 @@ class QTracer(fx.Tracer):
         if isinstance(own, types.MethodType) and own.__self__ is self.root:
             root_fn = own.__func__  # a forward set on the instance (qcompiler.ir.glue's rewrite)
         if is_module and not concrete_args and self._needs_own_args(root_fn):
-            return self._supplied_args(root_fn)
+            fn, args = self._supplied_args(root_fn)
+            return recording_output(fn, self), args
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
         for i, arg in enumerate(args):
             node = arg.node if isinstance(arg, fx.Proxy) else None
