@@ -343,3 +343,40 @@ def test_a_decorated_forward_keeps_its_model_output_class():
     cm = qcompiler.compile(DecoratedForward().eval(), X, march="bayes", progress=False)
     out = cm(X)
     assert type(out) is BaseModelOutput and list(out) == ["last_hidden_state"]
+
+
+class KeywordModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, pixels, mask):
+        return {"out": self.conv(pixels) * mask, "gate": mask}
+
+
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_dict_example_inputs_compile_and_are_called_by_keyword(order, tmp_path):
+    """Keyword inputs from the front end itself: in the forward's order (fx capture) and in another
+    order (torch.export capture); both give GM_INPUT_SPEC, calls by keyword in any order, ONNX
+    inputs named by keyword, the artifact keeps the spec."""
+    import onnx
+
+    torch.manual_seed(3)
+    p, m = torch.randn(2, 3, 8, 8), torch.rand(2, 4, 8, 8)
+    example = {"pixels": p, "mask": m} if order == "forward" else {"mask": m, "pixels": p}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)  # the export capture says why it was chosen
+        cm = qcompiler.compile(KeywordModel().eval(), example, march="bayes", progress=False)
+    assert cm.runtime.input_spec is not None
+    want = cm(**example)
+    assert list(want) == ["out", "gate"] and torch.equal(want["gate"], m)
+    assert torch.equal(cm(mask=m, pixels=p)["out"], want["out"])
+    assert torch.equal(cm(*example.values())["out"], want["out"])  # positionally, in the keywords' order
+    with pytest.raises(ConfigError, match="keyword argument 'pixel' names no input"):
+        cm(pixel=p, mask=m)
+    loaded = qcompiler.load(cm.save(tmp_path / "kw.qc"))
+    assert torch.equal(loaded(pixels=p, mask=m)["out"], want["out"])
+    cm.export_onnx(tmp_path / "kw.onnx")
+    assert [i.name for i in onnx.load(tmp_path / "kw.onnx").graph.input] == list(example)
+    got = inference_session(str(tmp_path / "kw.onnx")).run(None, {k: v.numpy() for k, v in example.items()})
+    assert all(torch.equal(torch.from_numpy(g), w) for g, w in zip(got, want.values()))

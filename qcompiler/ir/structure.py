@@ -28,6 +28,7 @@ import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.immutable_collections import immutable_dict, immutable_list
@@ -399,7 +400,9 @@ def bind_structured(spec: pytree.TreeSpec, args: Sequence[Any], kwargs: dict, wh
         paths = key_paths(spec, "inputs")
         raise ConfigError(f"{where}: the inputs' structure differs from the example inputs' (leaves: "
                           f"{', '.join(paths)}); pass the same nesting of tensors")
-    return tuple(leaves)
+    # the graph's inputs are the tensor leaves (qcompiler.ir.shape_prop.KeywordInputs): other leaves of
+    # the example (None, a flag) are constants of the captured graph
+    return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
 def flatten_like(value: Any, spec: Optional[pytree.TreeSpec]) -> Any:
