@@ -1,5 +1,5 @@
-"""Pooling and resize rules: max / average pooling (1-D, 2-D), adaptive average / max pooling (1-D, 2-D,
-any output size), interpolate."""
+"""Pooling and resize rules: max / average pooling (1-D, 2-D, 3-D), adaptive average pooling (1-D, 2-D, 3-D)
+and adaptive max pooling (1-D, 2-D), any output size, interpolate."""
 
 from __future__ import annotations
 
@@ -165,9 +165,11 @@ def _adaptive_separable(ctx: NodeContext, x: str, spatial: list[int], out: list[
     return ctx.identity(y)
 
 
-@emits("adaptive_avg_pool1d", "adaptive_avg_pool2d")
+@emits("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d")
 def adaptive_avg_pool2d(ctx: NodeContext) -> Tensor:
-    n = 1 if ctx.op == "adaptive_avg_pool1d" else 2
+    """GlobalAveragePool to 1 (r3d_18's AdaptiveAvgPool3d(1)), an AveragePool where the sizes divide,
+    else one Slice + ReduceMean per window along each dim."""
+    n = int(ctx.op[len("adaptive_avg_pool")])
     return _adaptive(ctx, n, "GlobalAveragePool", lambda x, k, tag: avg_pool(ctx, x, k, k, 0, tag=tag, n=n),
                      "ReduceMean")
 
