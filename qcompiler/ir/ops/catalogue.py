@@ -79,6 +79,10 @@ _MAX_POOL_ATEN = sig("kernel_size", ("stride", []), ("padding", 0), ("dilation",
 _AVG_POOL_ATEN = sig("kernel_size", ("stride", []), ("padding", 0), ("ceil_mode", False), ("count_include_pad", True),
                      ("divisor_override", None))
 
+_DROPOUT = sig(("p", 0.5), ("training", True), ("inplace", False))  # F.dropout, F.dropout1d/2d/3d
+_ALPHA_DROPOUT = sig(("p", 0.5), ("training", False), ("inplace", False))  # F.alpha_dropout: training defaults False
+# torch.dropout(input, p, train) and its kin
+_DROPOUT_TORCH = (torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout)
 _SPLIT_BY = {  # the split spellings: how many or which pieces, then dim
     torch.split: sig("split_size_or_sections", ("dim", 0), inputs=("tensor",)),
     "split": sig("split_size", ("dim", 0)),
@@ -244,11 +248,12 @@ CATALOGUE: tuple[OpDef, ...] = (
            functions=(torch.clone, torch.conj, torch.conj_physical, torch.resolve_conj, torch.resolve_neg,
                       torch.positive, torch.alias_copy),
            methods=("contiguous", "clone", "conj", "resolve_conj", "resolve_neg")),
-    define(DROPOUT, Tag.PASSTHROUGH, _EW, _TRAIN, _EXACT,
-           aten=_aten("dropout.default"), signature=sig(("p", 0.5), ("training", True),
-                                                                         ("inplace", False)),
-           modules=(nn.Dropout, nn.Dropout2d), functions=(F.dropout,),
-           forms={_A.dropout.default: sig("p", "training")}),
+    define(DROPOUT, Tag.PASSTHROUGH, _EW, _TRAIN, _EXACT, aten=_aten("dropout.default"), signature=_DROPOUT,
+           modules=(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
+           functions=(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+                      *_DROPOUT_TORCH),
+           forms={_A.dropout.default: sig("p", "training"), F.alpha_dropout: _ALPHA_DROPOUT,
+                  F.feature_alpha_dropout: _ALPHA_DROPOUT, **{f: sig("p", "train") for f in _DROPOUT_TORCH}}),
     define(QUANT, _EW, _EXACT, modules=(taq.QuantStub,)),
     define(DEQUANT, _EW, _EXACT, modules=(taq.DeQuantStub,)),
     define(REQUANTIZE, _EW, _EXACT),  # a converted graph's change of scale
@@ -367,6 +372,7 @@ CATALOGUE: tuple[OpDef, ...] = (
     define("isreal", functions=(torch.isreal,), methods=("isreal",)),
     # --- products
     define("dot", functions=(torch.dot, torch.mv, torch.vdot), methods=("dot", "mv", "vdot")),
+    define("einsum", signature=sig("*operands", inputs=("equation",)), functions=(torch.einsum,)),
     define("addmm", functions=(torch.addmm, torch.baddbmm, torch.addmv), methods=("addmm", "baddbmm", "addmv")),
     define("addcmul", functions=(torch.addcmul,), methods=("addcmul",)),
     define("addcdiv", functions=(torch.addcdiv,), methods=("addcdiv",)),
