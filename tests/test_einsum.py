@@ -80,6 +80,19 @@ def test_attention_scores_are_one_permute_and_a_matmul():
     verify_einsum(gm, ctx)
 
 
+def test_an_einsum_captured_by_torch_export_is_rewritten_too():
+    """aten.einsum(equation, [a, b]) is lowered to torch.einsum through the catalogue: the same rewrite."""
+    from qcompiler.ir.capture import capture
+
+    q, k = torch.randn(2, 5, 8), torch.randn(2, 7, 8)
+    gm = capture(Einsum("bqc,bkc->bqk"), (q, k), mode="export")
+    assert len(_einsums(gm)) == 1
+    propagate_shapes(gm, (q, k))
+    assert rewrite_einsum(gm, CompileContext(march=March.BAYES, example_inputs=(q, k))).modified
+    assert not _einsums(gm) and torch.matmul in [n.target for n in gm.graph.nodes]
+    torch.testing.assert_close(gm(q, k), torch.einsum("bqc,bkc->bqk", q, k), rtol=RTOL, atol=ATOL)
+
+
 def test_a_linear_like_equation_is_one_matmul_keeping_the_leading_dims():
     x, w = torch.randn(2, 3, 4, 8), torch.randn(8, 6)
     gm, result, _ = _rewritten("bhwc,cd->bhwd", x, w)
@@ -254,17 +267,18 @@ class WindowBlock(nn.Module):
 
 
 @pytest.mark.slow
-def test_a_window_block_compiles_with_no_eager_island_and_exports(tmp_path):
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_window_block_compiles_with_no_eager_island_and_exports(capture, tmp_path):
     from test_export_exact import assert_export_is_compiled
 
     torch.manual_seed(0)
     model = WindowBlock().eval()
     x = torch.rand(2, 8, 4, 4)
     cm = qcompiler.compile(model, (x,), march="bayes", calib_data=[torch.rand(2, 8, 4, 4) for _ in range(4)],
-                           progress=False)
+                           progress=False, prepare_custom_config_dict={"capture": capture})
     assert cm.torch_islands() == {}
     names = {n.name for n in cm.converted.graph.nodes}
-    assert not any("einsum" in n or "dropout" in n or "stochastic" in n or "relative" in n for n in names)
+    assert not any(w in n for n in names for w in ("einsum", "dropout", "drop", "stochastic", "relative", "index"))
     assert sum(p["placement"] == "bpu" for p in cm.partitions) >= 1
     torch.testing.assert_close(cm.converted(x), model(x), rtol=0.0, atol=0.15)  # quantized vs float
     assert_export_is_compiled(cm, (x,), tmp_path)  # a valid ONNX model (full check), equal to the compiled one

@@ -238,3 +238,19 @@ def test_the_partition_pipeline_folds_before_shape_propagation():
     assert FOLD_CONSTANTS in PARTITION_PIPELINE
     gm = PassManager(PARTITION_PIPELINE).run(_trace(RelPosBias().eval()), CTX).gm
     assert relative_position_bias not in [n.target for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_graph_captured_by_torch_export_folds_the_same(training):
+    """torch.export lowers the gather + view + permute to catalogue spellings and the parameters to get_attr."""
+    from qcompiler.ir.capture import capture
+
+    torch.manual_seed(0)
+    model = RelPosBias().train(training)
+    gm = capture(model, (X,), mode="export")
+    assert any(n.op == "get_attr" and n.target == "table" for n in gm.graph.nodes)
+    assert fold_constants(gm, CTX).modified  # in training too: the integer index buffer's view(-1)
+    tables = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "table"]
+    assert len(tables) == (1 if training else 0)
+    if not training:
+        assert torch.equal(gm(X), model(X))

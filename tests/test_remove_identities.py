@@ -213,3 +213,20 @@ def test_a_compiled_model_has_no_island_for_its_identities(tmp_path):
     assert cm.torch_islands() == {}
     assert [p["placement"] for p in cm.partitions] == ["bpu"]
     cm.export_onnx(tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_graph_captured_by_torch_export_loses_its_eval_dropouts_only(training):
+    """torch.export records aten.dropout(x, p, train), lowered to F.dropout through the catalogue: the same rule."""
+    from qcompiler.ir.capture import capture
+
+    torch.manual_seed(0)
+    model = Net().train(training)
+    gm = capture(model, (X,), mode="export")
+    drops = [n for n in gm.graph.nodes if n.target in (F.dropout, "drop")]
+    assert len(drops) == 2
+    assert remove_identities(gm, CTX).modified is not training
+    left = [n for n in gm.graph.nodes if n.target in (F.dropout, "drop")]
+    assert len(left) == (2 if training else 0)
+    if not training:
+        assert torch.equal(gm(X), model(X))

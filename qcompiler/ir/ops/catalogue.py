@@ -372,7 +372,8 @@ CATALOGUE: tuple[OpDef, ...] = (
     define("isreal", functions=(torch.isreal,), methods=("isreal",)),
     # --- products
     define("dot", functions=(torch.dot, torch.mv, torch.vdot), methods=("dot", "mv", "vdot")),
-    define("einsum", signature=sig("*operands", inputs=("equation",)), functions=(torch.einsum,)),
+    define("einsum", aten=_aten("einsum.default"), signature=sig("*operands", inputs=("equation",)),
+           functions=(torch.einsum,)),
     define("addmm", functions=(torch.addmm, torch.baddbmm, torch.addmv), methods=("addmm", "baddbmm", "addmv")),
     define("addcmul", functions=(torch.addcmul,), methods=("addcmul",)),
     define("addcdiv", functions=(torch.addcdiv,), methods=("addcdiv",)),
