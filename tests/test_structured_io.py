@@ -380,3 +380,32 @@ def test_dict_example_inputs_compile_and_are_called_by_keyword(order, tmp_path):
     assert [i.name for i in onnx.load(tmp_path / "kw.onnx").graph.input] == list(example)
     got = inference_session(str(tmp_path / "kw.onnx")).run(None, {k: v.numpy() for k, v in example.items()})
     assert all(torch.equal(torch.from_numpy(g), w) for g, w in zip(got, want.values()))
+
+
+def test_quant_analysis_and_compute_error_run_on_a_dict_output(tmp_path):
+    """The numeric tools compare the float model's dict with the prepared graph's flat tuple."""
+    from qcompiler.quantization.prepare import prepare_calibration_fx
+    from qcompiler.tools import QuantAnalysis
+    from qcompiler.tools.numeric_suite import compute_error
+
+    torch.manual_seed(1)
+    model = Heads("dict").eval()
+    cal = prepare_calibration_fx(model, None, example_inputs=X, march="bayes")
+    cal(X)
+    qa = QuantAnalysis(model, cal, "fake_quant", out_dir=tmp_path)
+    qa.set_bad_case(X)
+    rows = qa.run()
+    assert [r["node"] for r in rows][:3] == ["x_activation_post_process", "stem", "head"]
+    assert compute_metric("SQNR", qa.base_output, qa.analy_output) > 15  # the whole-model row pairs out, aux
+    flat = cal(X)
+    assert isinstance(flat, tuple) and len(flat) == 2
+    sqnr = float(compute_error(model(X), flat))
+    assert sqnr > 15 and sqnr == pytest.approx(compute_metric("SQNR", model(X), flat), abs=1e-9)
+
+
+def test_the_export_refuses_a_constant_leaf_by_name(tmp_path):
+    from qcompiler.errors import UnsupportedOpError
+
+    _, cm = compiled("constant")
+    with pytest.raises(UnsupportedOpError, match="graph output 'name' is not a tensor"):
+        cm.export_onnx(tmp_path / "c.onnx")
