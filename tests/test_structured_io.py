@@ -181,39 +181,42 @@ LOAD_IN_FRESH_PROCESS = """
 import sys, warnings, torch
 {pre}
 import qcompiler
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = qcompiler.load(sys.argv[1])(torch.load(sys.argv[2]))
-print(type(out).__module__, type(out).__name__, "{module}" in sys.modules)
-print(sorted(str(w.message).split(": ", 2)[-1] for w in caught if w.category.__name__ == "QCompilerWarning"))
+x = torch.load(sys.argv[1])
+for path in sys.argv[2:]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = qcompiler.load(path)(x)
+    print(type(out).__module__, type(out).__name__, "transformers" in sys.modules, "{module}" in sys.modules)
+    print(sorted(str(w.message).split(": ", 2)[-1] for w in caught if w.category.__name__ == "QCompilerWarning"))
 """
 
 
-def _load_fresh(tmp_path, kind, module, pre=""):
-    _, cm = compiled(kind)
-    path = cm.save(tmp_path / f"{kind}.qc")
+def _load_fresh(tmp_path, kinds, pre=""):
+    """Per artifact of ``kinds``, loaded and called in one fresh interpreter: the output's class, whether
+    transformers / this test module are imported there, and the QCompilerWarnings."""
+    paths = [str(compiled(kind)[1].save(tmp_path / f"{kind}.qc")) for kind in kinds]
     torch.save(X, tmp_path / "x.pt")
-    code = LOAD_IN_FRESH_PROCESS.format(pre=pre, module=module)
-    run = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt")], capture_output=True,
+    code = LOAD_IN_FRESH_PROCESS.format(pre=pre, module=Heads.__module__)
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.pt"), *paths], capture_output=True,
                          text=True, timeout=300, cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout.splitlines()
+    lines = run.stdout.splitlines()
+    return list(zip(lines[::2], lines[1::2]))
 
 
 @pytest.mark.slow
 def test_a_class_whose_module_is_not_imported_comes_back_plain_with_a_warning(tmp_path):
-    kind_line, warned = _load_fresh(tmp_path, "model_output", "transformers")
-    assert kind_line == "collections OrderedDict False"  # transformers was never imported for the file
-    assert "transformers.modeling_outputs:BaseModelOutput is not available" in warned
-    kind_line, warned = _load_fresh(tmp_path, "namedtuple", Heads.__module__)
-    assert kind_line == "builtins tuple False" and "comes back as a tuple" in warned
+    (mo, mo_warned), (nt, nt_warned) = _load_fresh(tmp_path, ["model_output", "namedtuple"])
+    assert mo == "collections OrderedDict False False"  # transformers was never imported for the file
+    assert "transformers.modeling_outputs:BaseModelOutput is not available" in mo_warned
+    assert nt == "builtins tuple False False" and "comes back as a tuple" in nt_warned
+    assert "test_structured_io:Pair is not available" in nt_warned
 
 
 @pytest.mark.slow
 def test_a_class_whose_module_is_imported_comes_back_in_a_fresh_process(tmp_path):
-    kind_line, warned = _load_fresh(tmp_path, "model_output", "transformers",
-                                    pre="import transformers.modeling_outputs")
-    assert kind_line == "transformers.modeling_outputs BaseModelOutput True" and warned == "[]"
+    (mo, warned), = _load_fresh(tmp_path, ["model_output"], pre="import transformers.modeling_outputs")
+    assert mo == "transformers.modeling_outputs BaseModelOutput True False" and warned == "[]"
 
 
 def test_spec_json_codec_round_trips_and_names_unknown_classes():
