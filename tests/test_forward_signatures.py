@@ -121,13 +121,39 @@ def test_too_many_inputs_for_a_forward_without_star_args_is_a_trace_error():
         trace(KwargsForward().eval(), example_inputs=(X, X))
 
 
-@pytest.mark.xfail(strict=True, reason="a positional list input is one placeholder until every caller of the "
-                   "graph (shape propagation, calibration, the runtime) flattens positional inputs by GM_INPUT_SPEC")
-def test_a_list_of_tensors_is_one_placeholder_per_tensor_with_its_tree():
+class Flat(tuple):
+    """Flat example inputs as qcompiler.ir.shape_prop.KeywordInputs gives them: the tensor leaves of
+    (args, kwargs), with the call they come from."""
+
+    def __new__(cls, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((tuple(args), kwargs))
+        self = super().__new__(cls, [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
+        self.args, self.kwargs = tuple(args), kwargs
+        return self
+
+
+def test_flat_inputs_make_one_placeholder_per_tensor_with_the_tree():
     images = [torch.rand(3, 8, 8), torch.rand(3, 6, 10)]
-    gm = trace(Images().eval(), example_inputs=([images[0], images[0]],))
+    model = Images().eval()
+    gm = trace(model, example_inputs=Flat((images,)))
     assert _placeholders(gm) == ["images_0", "images_1"]
     assert gm.meta[GM_INPUT_SPEC] == torch.utils._pytree.tree_structure(((images,), {}))
-    model = gm.get_submodule("conv")
-    same = [images[0], images[0] + 1]
-    assert torch.equal(gm(*same), torch.cat([model(i[None]) for i in same]))
+    other = [torch.rand(3, 8, 8), torch.rand(3, 8, 8)]
+    assert torch.equal(gm(*other), model(other))
+
+
+def test_keyword_inputs_are_passed_by_name():
+    mask = torch.rand(2, 4, 8, 8) > 0.5
+    model = Decorated().eval()
+    gm = trace(model, example_inputs=Flat(kwargs={"mask": mask, "x": X}))
+    assert _placeholders(gm) == ["mask", "x"]  # the order of the keywords, as pytree flattens them
+    assert torch.equal(gm(mask, X), model(X, mask=mask))
+
+
+def test_a_list_given_positionally_stays_one_input():
+    """Negative: plain positional inputs are not flattened (the pipeline calls the graph with them as
+    given): the list is one placeholder, which fx cannot iterate (the fallback cuts that statement)."""
+    images = [torch.rand(3, 8, 8), torch.rand(3, 8, 8)]
+    with pytest.raises(TraceError, match="Proxy object cannot be iterated"):
+        trace(Images().eval(), example_inputs=(images,))

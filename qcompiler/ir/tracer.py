@@ -22,10 +22,11 @@ Our tracer differs from ``torch.fx.Tracer`` in six ways:
   model), ``*args`` takes the example inputs left after the named parameters, and a decorated
   forward (``functools.wraps`` around ``wrapper(self, *args, **kwargs)``, as transformers 5 does)
   has the parameters of the function it wraps, while the wrapper is what runs (fx bound the
-  wrapper's ``kwargs`` to the wrapped forward's second parameter). Keyword inputs (a dict of
-  example inputs) are one placeholder per tensor, in ``torch.utils._pytree`` order, and the graph
-  records the tree in ``GM_INPUT_SPEC``; a structured positional input (an LSTM's ``(h, c)``)
-  is still one placeholder, as its callers pass it.
+  wrapper's ``kwargs`` to the wrapped forward's second parameter). Given flat example inputs
+  (``KeywordInputs``: keyword inputs, or a list / tuple / dict of tensors such as a detector's list
+  of images), each tensor leaf is one placeholder, in ``torch.utils._pytree`` order, and the graph
+  records the tree in ``GM_INPUT_SPEC``; given plain positional inputs, a list is one placeholder
+  holding the list (which an eager island can take as it is).
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ class QTracer(fx.Tracer):
         # the example inputs, positional and keyword (None: not given), for :meth:`_supplied_args`
         self.example_args: Optional[tuple] = None
         self.example_kwargs: dict[str, Any] = {}
-        self.input_spec: Optional[pytree.TreeSpec] = None  # set where the inputs are structured
+        # the example inputs came flat (KeywordInputs): the graph's placeholders are their tensor leaves
+        self.flatten = False
+        self.input_spec: Optional[pytree.TreeSpec] = None  # set where flatten is
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_stub(m) or getattr(type(m), "qc_leaf", False):
@@ -133,13 +136,13 @@ class QTracer(fx.Tracer):
             root_fn = own.__func__  # a forward set on the instance (qcompiler.ir.glue's rewrite)
         if is_module and not concrete_args and self._needs_own_args(root_fn):
             fn, args = self._supplied_args(root_fn)
-            return recording_output(fn, self), args
-        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
-        for i, arg in enumerate(args):
-            node = arg.node if isinstance(arg, fx.Proxy) else None
-            if node is not None and node.op == "placeholder" and node.target in self.constant_args:
-                args[i] = self.constant_args[node.target]
-                self.graph.erase_node(node)
+        else:
+            fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+            for i, arg in enumerate(args):
+                node = arg.node if isinstance(arg, fx.Proxy) else None
+                if node is not None and node.op == "placeholder" and node.target in self.constant_args:
+                    args[i] = self.constant_args[node.target]
+                    self.graph.erase_node(node)
         return recording_output(fn, self), args  # the output's own classes, for structure.flatten_output
 
     def _needs_own_args(self, root_fn) -> bool:
@@ -149,7 +152,7 @@ class QTracer(fx.Tracer):
         params = forward_signature(root_fn).parameters.values()
         if root_fn is not inspect.unwrap(root_fn) or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
             return True
-        return bool(self.example_kwargs)
+        return self.flatten
 
     def _supplied_args(self, root_fn):
         """Placeholders for what the example inputs supply, and a root function calling ``root_fn``
@@ -169,11 +172,9 @@ class QTracer(fx.Tracer):
             if extra > 0 and star is None:
                 raise TypeError(f"forward takes {len(positional)} positional inputs, example_inputs give {len(values)}")
             names += [f"{star.name}_{i}" for i in range(extra)] if star is not None else []
-        # a structured positional input (an LSTM's (h, c)) stays one placeholder: the callers of a
-        # positional graph pass it as it is; keyword inputs come flattened (KeywordInputs)
-        args = [self.create_proxy("placeholder", name, (), {}) for name in names]
+        args = [self._placeholders(name, value) for name, value in zip(names, values)]
         kwargs = {name: self._placeholders(name, value) for name, value in self.example_kwargs.items()}
-        if self.example_kwargs:
+        if self.flatten:
             self.input_spec = pytree.tree_structure((tuple(values), dict(self.example_kwargs)))
 
         def root(module):
@@ -182,13 +183,18 @@ class QTracer(fx.Tracer):
         return root, [self.root]
 
     def _placeholders(self, name: str, value: Any) -> Any:
-        """A placeholder for a tensor (or an unknown input); for a list, tuple or dict of tensors the
-        same structure of placeholders, one per leaf (``images_0``, ``images_1``)."""
-        if not _structured(value):
+        """A placeholder for an input; with ``flatten``, one per tensor leaf of a list, tuple or dict
+        (``images_0``, ``images_1``), the other leaves (None, ints) constants, in the same structure."""
+        if not self.flatten:
+            return self.create_proxy("placeholder", name, (), {})
+        if isinstance(value, torch.Tensor):
             return self.create_proxy("placeholder", name, (), {})
         leaves, spec = pytree.tree_flatten(value)
-        proxies = [self.create_proxy("placeholder", f"{name}_{i}", (), {}) for i in range(len(leaves))]
-        return pytree.tree_unflatten(proxies, spec)
+        if spec.is_leaf():
+            return value  # a constant leaf
+        made = [self.create_proxy("placeholder", f"{name}_{i}", (), {}) if isinstance(leaf, torch.Tensor) else leaf
+                for i, leaf in enumerate(leaves)]
+        return pytree.tree_unflatten(made, spec)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         if kind == "placeholder" and target in self.constant_args:
@@ -234,11 +240,6 @@ class QTracer(fx.Tracer):
                 setattr(FloatFunctional, name, method)
 
 
-def _structured(value: Any) -> bool:
-    """Whether an example input is a container (list, tuple, dict...) of tensors, not one tensor."""
-    return not isinstance(value, torch.Tensor) and value is not None and not pytree.tree_is_leaf(value)
-
-
 def forward_signature(forward: Any) -> inspect.Signature:
     """The parameters ``forward`` takes. A ``functools.wraps`` wrapper whose own parameters are only
     ``(self, *args, **kwargs)`` passes them on to the function it wraps: that one's signature
@@ -280,22 +281,25 @@ def trace(
     leaf_module_types: Sequence[Any] = (),
     concrete_args: Optional[dict[str, Any]] = None,
     example_inputs: Any = None,
-    example_kwargs: Optional[dict[str, Any]] = None,
 ) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule named after the model's class.
 
     With ``example_inputs`` (the positional inputs the model will be called with),
     defaulted ``forward`` parameters they do not supply become constants, not inputs
-    (see the module docstring); ``example_kwargs``, keyword inputs. The GraphModule shares submodules with ``model``:
+    (see the module docstring). Flat example inputs (``qcompiler.ir.shape_prop.KeywordInputs``: the
+    tuple of the tensor leaves, with ``args`` / ``kwargs``, the call they come from) make the graph's
+    placeholders those leaves, and ``gm.meta[GM_INPUT_SPEC]`` their tree. The GraphModule shares submodules with ``model``:
     copy the model first if the graph will be rewritten.  Raises TraceError naming
     the module and source line where tracing failed.
     """
     check_module_names(model, leaf_module_names, "non_traceable_module_name")
     types = tuple(resolve_type(t, "non_traceable_module_class") for t in leaf_module_types)
     tracer = QTracer(leaf_module_names, types)
-    if example_inputs is not None or example_kwargs:
-        tracer.example_args = normalize_inputs(example_inputs) if example_inputs is not None else ()
-        tracer.example_kwargs = dict(example_kwargs or {})
+    if example_inputs is not None:
+        flat = hasattr(example_inputs, "args") and hasattr(example_inputs, "kwargs")  # KeywordInputs
+        tracer.flatten = flat
+        tracer.example_args = tuple(example_inputs.args) if flat else normalize_inputs(example_inputs)
+        tracer.example_kwargs = dict(example_inputs.kwargs) if flat else {}
         defaults = unsupplied_defaults(model, len(tracer.example_args))
         tracer.constant_args = {k: v for k, v in defaults.items()
                                 if k not in (concrete_args or {}) and k not in tracer.example_kwargs}
