@@ -93,6 +93,10 @@ class Detector(nn.Module):
         return detections
 
 
+# symbolic tracing with its fallback (the subject here); capture="auto" tries torch.export before it
+FX = {"capture": "fx"}
+
+
 def _images(seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.rand(3, 40, 48, generator=g), torch.rand(3, 36, 30, generator=g)]
@@ -105,7 +109,7 @@ def compiled():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cm = qcompiler.compile(model, (_images(0),), march="bayes", calib_data=[(_images(s),) for s in range(4)],
-                               progress=False)
+                               prepare_custom_config_dict=FX, progress=False)
     return model, cm, [str(w.message) for w in caught if issubclass(w.category, QCompilerWarning)]
 
 
@@ -113,7 +117,7 @@ def test_backbone_and_head_convs_run_on_the_bpu_the_rest_in_torch():
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", QCompilerWarning)
-        gm = qcompiler.partition(Detector().eval(), (_images(0),), march="bayes")
+        gm = qcompiler.partition(Detector().eval(), (_images(0),), march="bayes", prepare_custom_config_dict=FX)
     where = {n.target: placement(n) for n in gm.graph.nodes if n.op == "call_module"}
     convs = ["backbone.0.0", "backbone.1.0", "backbone.2.0", "cls_head", "box_head"]
     assert {c: where[c] for c in convs} == dict.fromkeys(convs, "bpu")

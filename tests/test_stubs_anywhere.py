@@ -589,13 +589,18 @@ class TopLevelBranches(nn.Module):
         return self.conv(x)
 
 
+# the fx fallback is the subject of these tests; capture="auto" would try torch.export before it
+FX = {"capture": "fx"}
+
+
 def test_an_untraceable_top_level_statement_runs_in_torch_and_the_rest_on_the_bpu():
     torch.manual_seed(0)
     model = TopLevelControlFlow().eval()
     flag = torch.ones(3)
     with pytest.warns(QCompilerWarning, match=r"Done instead: lines 534-535 of its forward \(reading flag, y; "
                                                r"writing y\) run as one eager-torch island"):
-        cm = qcompiler.compile(model, (X, flag), march="bayes", calib_data=[(X, flag)], progress=False)
+        cm = qcompiler.compile(model, (X, flag), march="bayes", calib_data=[(X, flag)], progress=False,
+                               prepare_custom_config_dict=FX)
     assert [s.kind for s in cm.runtime.steps] == ["bpu", TORCH]
     for f in (flag, torch.zeros(3), torch.tensor([1.0, 0.0, 0.0])):  # the Python runs on every call
         assert torch.equal(cm(X, f), cm.converted(X, f))
@@ -608,7 +613,8 @@ def test_an_untraceable_top_level_forward_runs_whole_in_torch(tmp_path):
     flag = torch.ones(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cm = qcompiler.compile(model, (X, flag), march="bayes", calib_data=[(X, flag)], progress=False)
+        cm = qcompiler.compile(model, (X, flag), march="bayes", calib_data=[(X, flag)], progress=False,
+                               prepare_custom_config_dict=FX)
     messages = [str(w.message) for w in caught if issubclass(w.category, QCompilerWarning)]
     assert len(messages) == 2
     assert messages[0].startswith("TopLevelBranches: cannot trace the top-level module (TopLevelBranches)")
@@ -624,7 +630,8 @@ def test_an_untraceable_top_level_forward_runs_whole_in_torch(tmp_path):
         cm.save(tmp_path / "m.qc")
     # staged API
     with pytest.warns(QCompilerWarning, match="whole model runs as one eager-torch island"):
-        prepared = prepare_calibration_fx(model, hybrid=True, example_inputs=(X, flag))
+        prepared = prepare_calibration_fx(model, hybrid=True, example_inputs=(X, flag),
+                                          prepare_custom_config_dict=FX)
     prepared(X, flag)
     assert torch.equal(convert_fx(prepared)(X, torch.zeros(3)), model(X, torch.zeros(3)))
 
@@ -634,7 +641,7 @@ def test_torchs_control_flow_model_compiles():
     model = cq.TestHelperModules.ControlFlow().eval()
     inputs = model.example_inputs()
     with pytest.warns(QCompilerWarning, match="Mapped xs can only consist of tensors"):
-        cm = qcompiler.compile(model, inputs, march="bayes", progress=False)
+        cm = qcompiler.compile(model, inputs, march="bayes", progress=False, prepare_custom_config_dict=FX)
     # its first statement, torch.mm(y, y), runs on the BPU; control_flow.map's statement in torch
     assert [s.kind for s in cm.runtime.steps] == ["bpu", TORCH]
     assert torch.equal(cm(*inputs), cm.converted(*inputs))

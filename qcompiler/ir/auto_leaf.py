@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import QCompilerWarning, TraceError
-from qcompiler.ir.glue import GLUE_PREFIX, ForwardCuts, GlueIsland
+from qcompiler.ir.glue import GLUE_CONSTANTS, GLUE_PREFIX, ForwardCuts, GlueIsland
 from qcompiler.ir.inplace import UNKNOWN_STORAGE, state_writes, storage_key
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
@@ -63,6 +63,8 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
                            example_inputs=example_inputs)
             finally:
                 written, lost = state.restore()
+            for island, bound in gm.meta.pop(GLUE_CONSTANTS, ()):  # put back by restore() with the rest
+                island.bound = bound
             _fresh_constants(gm, model, attributes)
             tracer = QTracer(leaves, leaf_types)
             _raise_on_state_writes(model, gm, state, written, lost,

@@ -32,6 +32,8 @@ from typing import Any, Optional
 import torch.nn as nn
 
 GLUE_PREFIX = "_qc_glue_"
+# gm.meta while capturing: [(GlueIsland, constants)] the trace found, bound once the model's state is put back
+GLUE_CONSTANTS = "qc_glue_constants"
 _RESULT = "_qc_glue_result"
 
 
@@ -60,18 +62,23 @@ class GlueIsland(nn.Module):
             full.append(self.bound[i] if i in self.bound else next(rest))
         return self.fn(self._owner, *full)
 
-    def bind_constants(self, args: tuple, representable: Any) -> tuple:
-        """While tracing: keep the arguments fx cannot record (``representable`` fails) as constants of
-        the island, as fx bakes in any Python value that is no Proxy; return the others."""
-        self.bound, kept = {}, []
+    def split_constants(self, args: tuple, representable: Any) -> tuple[tuple, Optional[dict[int, Any]]]:
+        """While tracing: the arguments fx can record (``representable`` does not fail), and the others
+        by position, which become constants of the island (``bound``), as fx bakes in any Python value
+        that is no Proxy. None for the constants where the call has fewer arguments than the island
+        reads: a graph traced again, its constants bound already. The caller sets ``bound`` after the
+        trace: what tracing sets on the model's modules is put back (qcompiler.ir.state)."""
+        if len(args) != len(self.reads):
+            return args, None
+        bound, kept = {}, []
         for i, arg in enumerate(args):
             try:
                 representable(arg)
             except Exception:  # fx raises NotImplementedError, or TypeError for some types
-                self.bound[i] = arg
+                bound[i] = arg
                 continue
             kept.append(arg)
-        return tuple(kept)
+        return tuple(kept), bound
 
     def extra_repr(self) -> str:
         return f"lines {self.lines[0]}-{self.lines[1]} of {self.fn.__code__.co_filename}"
@@ -273,4 +280,4 @@ class _SuperFix(ast.NodeTransformer):
         return node
 
 
-__all__ = ["GlueIsland", "ForwardCuts", "GLUE_PREFIX"]
+__all__ = ["GlueIsland", "ForwardCuts", "GLUE_PREFIX", "GLUE_CONSTANTS"]

@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from torch.ao.nn.quantized import FloatFunctional
 
 from qcompiler.errors import TraceError
-from qcompiler.ir.glue import GlueIsland
+from qcompiler.ir.glue import GLUE_CONSTANTS, GlueIsland
 from qcompiler.ir.meta import GM_INPUT_SPEC, META_SCOPE, ScopeEntry
 from qcompiler.ir.names import check_module_names, resolve_type
 from qcompiler.ir.setitem import setitem_
@@ -109,6 +109,8 @@ class QTracer(fx.Tracer):
         # the example inputs came flat (KeywordInputs): the graph's placeholders are their tensor leaves
         self.flatten = False
         self.input_spec: Optional[pytree.TreeSpec] = None  # set where flatten is
+        # (GlueIsland, its constants) of each island called: qcompiler.ir.auto_leaf binds them
+        self.glue_constants: list[tuple[GlueIsland, dict[int, Any]]] = []
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_stub(m) or getattr(type(m), "qc_leaf", False):
@@ -121,7 +123,9 @@ class QTracer(fx.Tracer):
 
     def call_module(self, m, forward, args, kwargs):
         if isinstance(m, GlueIsland):  # its reads fx cannot record become its constants
-            args = m.bind_constants(tuple(args), self.create_arg)
+            args, bound = m.split_constants(tuple(args), self.create_arg)
+            if bound is not None:
+                self.glue_constants.append((m, bound))
         return super().call_module(m, forward, args, kwargs)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -311,6 +315,10 @@ def trace(
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     if tracer.input_spec is not None:
         gm.meta[GM_INPUT_SPEC] = tracer.input_spec
+    for island, bound in tracer.glue_constants:  # (trace_or_fallback binds them again after its restore)
+        island.bound = bound
+    if tracer.glue_constants:
+        gm.meta[GLUE_CONSTANTS] = tracer.glue_constants
     return gm
 
 
