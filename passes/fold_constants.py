@@ -63,8 +63,16 @@ def _random(node: fx.Node) -> bool:
 
 
 def _owner(gm: fx.GraphModule, target: str) -> nn.Module:
-    prefix = target.rpartition(".")[0]
-    return gm.get_submodule(prefix) if prefix else gm
+    """The module holding the tensor ``target`` names, for its training flag: the innermost module along
+    the path that is the model's own. A GraphModule reaches a ``get_attr`` of a module it does not call
+    through plain ``nn.Module()`` stand-ins (fx's ``_copy_attr``), which are always in training mode."""
+    owner: nn.Module = gm
+    m: nn.Module = gm
+    for part in target.split(".")[:-1]:
+        m = getattr(m, part)
+        if type(m) is not nn.Module:
+            owner = m
+    return owner
 
 
 def _self_updating(m: nn.Module) -> bool:

@@ -254,3 +254,31 @@ def test_a_graph_captured_by_torch_export_folds_the_same(training):
     assert len(tables) == (1 if training else 0)
     if not training:
         assert torch.equal(gm(X), model(X))
+
+
+class Nested(nn.Module):
+    """The bias two modules down: the GraphModule reaches ``blocks.0.table`` through nn.Module() stand-ins
+    (fx's _copy_attr), whose training flag is always True; the model's own modules decide."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([RelPosBias()])
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
+@pytest.mark.parametrize("capture_mode", ["fx", "export"])
+def test_a_nested_module_folds_in_eval_mode_only(capture_mode):
+    from qcompiler.ir.capture import capture
+
+    torch.manual_seed(0)
+    model = Nested().eval()
+    gm = capture(model, (X,), mode=capture_mode)
+    assert any(n.op == "get_attr" and n.target == "blocks.0.table" for n in gm.graph.nodes)
+    assert fold_constants(gm, CTX).modified
+    assert not any(n.op == "get_attr" and n.target == "blocks.0.table" for n in gm.graph.nodes)
+    assert torch.equal(gm(X), model(X))
+    gm = capture(Nested().train(), (X,), mode=capture_mode)
+    fold_constants(gm, CTX)
+    assert any(n.op == "get_attr" and n.target == "blocks.0.table" for n in gm.graph.nodes)
