@@ -80,7 +80,14 @@ def _is_follower(node: fx.Node, op: Optional[str]) -> bool:
 _CLAMP_HINT = "; a clamp runs on the BPU only as a ReLU (bounds 0, none) or a ReLU6 (bounds 0, 6)"
 
 
+_FLOAT_DTYPES = frozenset({"f32", "f64", "f16", "bf16"})
+
+
 def _decide_compute(node: fx.Node, op: Optional[str], table, modules) -> tuple[str, str]:
+    info = node.meta.get(META_TENSOR)
+    if isinstance(info, TensorInfo) and info.dtype not in _FLOAT_DTYPES:
+        # token ids, positions, masks: the BPU computes on quantized real values, not on integers
+        return CPU, f"its output is an integer tensor ({info}): the BPU computes on quantized floats"
     if op is None:
         hint = _CLAMP_HINT if is_clamp(node, modules) else ""
         if node.op == "call_module":

@@ -81,6 +81,7 @@ CASES = {
     "conv": (lambda: _seed(ConvNet()), lambda: (torch.randn(2, 3, 8, 8),)),
     "attention": (lambda: _seed(Attention()), lambda: (torch.randn(2, 5, 16),)),  # batch 2: fixed in forward
     "transformer_block": (lambda: zoo.get("transformer_block"), lambda: zoo.example_inputs("transformer_block", 2)),
+    "hybrid": (lambda: zoo.get("hybrid"), lambda: zoo.example_inputs("hybrid", 1)),  # stubs, a reused Identity
 }
 
 
@@ -104,7 +105,7 @@ def test_export_capture_is_bit_exact_with_fx(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "unet"])
 def test_zoo_export_capture_is_bit_exact_with_fx(name):
     model, x = zoo.get(name), zoo.example_inputs(name, 1)
     fx_cm, ex_cm = _compiled(model, x, "fx"), _compiled(model, x, "export")
@@ -150,6 +151,29 @@ def test_a_functional_conv_on_a_modules_weight_with_other_stride_stays_a_functio
     calls = [(n.op, n.target) for n in gm.graph.nodes if n.op in ("call_module", "call_function")]
     assert ("call_module", "conv") in calls
     assert ("call_function", F.conv2d) in calls  # a second conv of the same weights is no module call
+
+
+def test_leaf_modules_are_called_as_a_whole():
+    """Stubs and user-named leaves are call_module under export, as after fx tracing; others are traced into."""
+    from torch.ao.quantization import DeQuantStub, QuantStub
+
+    class Stubbed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = QuantStub(), DeQuantStub()
+            self.block = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU())
+            self.head = nn.Sequential(nn.Conv2d(4, 4, 1), nn.Sigmoid())
+
+        def forward(self, x):
+            return self.dequant(self.head(self.block(self.quant(x))))
+
+    model = Stubbed().eval()
+    x = torch.randn(1, 3, 4, 4)
+    gm = export_graph(model, (x,), leaf_module_names=["head"])
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["quant", "block.0", "block.1", "head",
+                                                                           "dequant"]
+    assert torch.equal(gm(x), model(x))
+    assert not hasattr(model.head, "__dict__") or "forward" not in model.head.__dict__  # forwards restored
 
 
 def test_scopes_follow_the_module_stack():
@@ -245,3 +269,109 @@ def test_fx_capture_is_unchanged_by_default_for_traceable_models():
     gm = partition(model, torch.randn(1, 3, 8, 8), march="bayes")
     assert gm.meta[GM_CAPTURE] == "fx"
     assert GM_INPUT_SPEC not in gm.meta
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D: addmm(bias, x, weight) with the weight stored (in, out)."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return out.view(x.size()[:-1] + (self.weight.shape[1],))
+
+
+def test_addmm_of_a_modules_weight_becomes_a_linear_module_on_the_bpu():
+    model = nn.Sequential(Conv1D(8, 16), nn.ReLU(), Conv1D(16, 4)).eval()
+    x = torch.randn(2, 3, 8)
+    gm = partition(model, x, march="bayes", prepare_custom_config_dict={"capture": "export"})
+    linears = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("qc_linear")]
+    assert [n.target for n in linears] == ["0.qc_linear", "2.qc_linear"]
+    assert all(n.meta[META_PLACEMENT] == "bpu" for n in linears)
+    assert [e.path for e in linears[0].meta[META_SCOPE]] == ["", "0", "0.qc_linear"]
+    assert torch.equal(gm.get_submodule("0.qc_linear").weight, model[0].weight.t())
+    assert torch.equal(gm.get_submodule("0.qc_linear").bias, model[0].bias)
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=1e-6)  # addmm and linear round alike to 1 ulp
+
+
+def test_addmm_of_an_input_stays_addmm():
+    class Free(nn.Module):
+        def forward(self, b, x, w):
+            return torch.addmm(b, x, w)
+
+    gm = export_graph(Free(), (torch.randn(4), torch.randn(3, 2), torch.randn(2, 4)))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.addmm]
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def test_integer_tensors_stay_on_the_cpu():
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, ids):
+            return self.fc(self.emb(ids.view(2, -1)))
+
+    gm = partition(Tokens().eval(), {"ids": torch.randint(0, 10, (2, 3))}, march="bayes")
+    view = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "view")
+    assert view.meta[META_PLACEMENT] == "cpu" and "integer tensor (i64[2,3])" in view.meta[META_REASON]
+    fc = next(n for n in gm.graph.nodes if n.target == "fc")
+    assert fc.meta[META_PLACEMENT] == "bpu"  # the float value after the embedding goes back to the BPU
+
+
+def _hf_cases():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return {
+        "bert": (transformers.BertModel(transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100)),
+            {"input_ids": torch.randint(0, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}),
+        "gpt2": (transformers.GPT2Model(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=16, use_cache=False,
+            bos_token_id=0, eos_token_id=0)), {"input_ids": torch.randint(0, 100, (2, 8))}),
+        "vit": (transformers.ViTModel(transformers.ViTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=16,
+            patch_size=4)), {"pixel_values": torch.randn(2, 3, 16, 16)}),
+    }
+
+
+def _macs_on_bpu(gm, args):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    totals = {"bpu": 0, "cpu": 0}
+
+    class Counter(torch.fx.Interpreter):
+        def run_node(self, n):
+            with FlopCounterMode(display=False) as counter:
+                out = super().run_node(n)
+            totals["bpu" if n.meta.get(META_PLACEMENT) == "bpu" else "cpu"] += counter.get_total_flops() // 2
+            return out
+
+    with torch.no_grad():
+        Counter(gm).run(*args)
+    return totals["bpu"] / max(1, totals["bpu"] + totals["cpu"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "gpt2", "vit"])
+def test_hugging_face_models_compile_with_their_macs_on_the_bpu(name):
+    model, inputs = _hf_cases()[name]
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = qcompiler.compile(model, inputs, march="bayes", progress=False)
+    assert cm.converted.meta[GM_CAPTURE] == "export"
+    gm = cm.converted
+    for p in gm.parameters():
+        p.requires_grad_(False)
+    from qcompiler.ir.shape_prop import normalize_inputs
+    assert _macs_on_bpu(gm, tuple(normalize_inputs(inputs))) >= 0.8
+    ref = model(**inputs)[0]
+    out = torch.utils._pytree.tree_flatten(cm.converted(*normalize_inputs(inputs)))[0][0]
+    sqnr = 10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean())
+    assert sqnr > 25, float(sqnr)

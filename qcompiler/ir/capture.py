@@ -52,15 +52,16 @@ def capture(model: nn.Module, inputs: tuple, *, mode: str = DEFAULT_CAPTURE,
     check_capture(mode)
     _check_keywords(model, inputs)
     positional = _positional(model, inputs)
+    leaves = dict(leaf_module_names=leaf_module_names, leaf_module_types=leaf_module_types)
     if mode == "export":
-        return _mark(_export(model, inputs, pristine), inputs, "export")
+        return _mark(_export(model, inputs, pristine, **leaves), inputs, "export")
     if positional is None:
         if mode == "fx":
             raise ConfigError(f"{type(model).__name__}: symbolic tracing takes keyword inputs only when they are "
                               f"the forward's leading parameters, in order, and all tensors; got "
                               f"{', '.join(inputs.kwargs)}. Use prepare_custom_config_dict={{'capture': 'export'}} "
                               f"(CLI: --capture export)")
-        gm = _export(model, inputs, pristine)
+        gm = _export(model, inputs, pristine, **leaves)
         warnings.warn(f"{type(model).__name__}: captured with torch.export, because symbolic tracing cannot take "
                       f"the keyword inputs {', '.join(inputs.kwargs)} (not the forward's leading parameters, "
                       f"in order, all tensors)", QCompilerWarning, stacklevel=3)
@@ -75,25 +76,32 @@ def capture(model: nn.Module, inputs: tuple, *, mode: str = DEFAULT_CAPTURE,
         if getattr(fx_error, "code_error", False):
             raise
         try:
-            gm = _export(model, inputs, pristine)
+            gm = _export(model, inputs, pristine, **leaves)
         except TraceError as export_error:
             if strict:
                 raise fx_error from None
-            warnings.warn(f"{type(model).__name__}: symbolic tracing failed ({_first(fx_error)}) and so did "
-                          f"torch.export ({export_error.reason}); falling back to running what cannot be "
-                          f"traced in eager torch", QCompilerWarning, stacklevel=3)
-            return _mark(trace_or_fallback(model, strict=False, **fx_kwargs), inputs, "fx")
+            with warnings.catch_warnings(record=True) as caught:  # the fallback's warnings, told of export too
+                warnings.simplefilter("always")
+                gm = trace_or_fallback(model, strict=False, **fx_kwargs)
+            told = False
+            for w in caught:
+                message = str(w.message)
+                if issubclass(w.category, QCompilerWarning) and not told:
+                    message += f" (torch.export could not capture it either: {export_error.reason})"
+                    told = True
+                warnings.warn(message, w.category, stacklevel=3)
+            return _mark(gm, inputs, "fx")
         warnings.warn(f"{type(model).__name__}: captured with torch.export, because symbolic tracing failed "
                       f"({_first(fx_error)}); prepare_custom_config_dict={{'capture': 'export'}} chooses it "
                       f"directly", QCompilerWarning, stacklevel=3)
         return _mark(gm, inputs, "export")
 
 
-def _export(model: nn.Module, inputs: tuple, pristine: Optional[nn.Module]) -> fx.GraphModule:
+def _export(model: nn.Module, inputs: tuple, pristine: Optional[nn.Module], **leaves: Any) -> fx.GraphModule:
     args, kwargs = (inputs.args, inputs.kwargs) if isinstance(inputs, KeywordInputs) else (tuple(inputs), {})
     state = ModelState(model, pristine)  # what the forward writes into the model's state is undone
     try:
-        return export_graph(model, args, kwargs)
+        return export_graph(model, args, kwargs, **leaves)
     finally:
         state.restore()
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -36,9 +36,12 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from qcompiler.errors import TraceError
+from qcompiler.ir.export_leaves import LEAF_OP, leaves_as_calls
 from qcompiler.ir.meta import GM_OUTPUT_SPEC, META_SCOPE, ScopeEntry
 from qcompiler.ir.ops.bind import read_arguments
+from qcompiler.ir.ops.names import INTERPOLATE
 from qcompiler.ir.ops.opdef import REQUIRED, OpDef, Signature
+from qcompiler.ir.names import check_module_names, resolve_type
 from qcompiler.ir.ops.registry import definition
 
 _A = torch.ops.aten
@@ -65,13 +68,25 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.
         raise err from None
 
 
-def export_graph(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None) -> fx.GraphModule:
+def export_graph(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *,
+                 leaf_module_names: Sequence[str] = (), leaf_module_types: Sequence[Any] = ()) -> fx.GraphModule:
     """Capture ``model(*args, **kwargs)`` with torch.export and lower it into qcompiler's IR.
 
-    The GraphModule holds ``model``'s submodules, parameters and buffers at their own paths (it
-    shares them: copy the model first if the graph will be rewritten)."""
+    Stubs, ``nn.Identity``, qcompiler's leaf modules and the ``leaf_module_names`` / ``_types`` are
+    called as a whole (qcompiler.ir.export_leaves). The GraphModule holds ``model``'s submodules,
+    parameters and buffers at their own paths (it shares them: copy the model first if the graph
+    will be rewritten)."""
     kwargs = dict(kwargs or {})
-    program = export_program(model, tuple(args), kwargs)
+    check_module_names(model, leaf_module_names, "non_traceable_module_name")
+    types = tuple(resolve_type(t, "non_traceable_module_class") for t in leaf_module_types)
+    with leaves_as_calls(model, tuple(leaf_module_names), types):
+        program = export_program(model, tuple(args), kwargs)
+    higher = next((n for n in program.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)), None)
+    if higher is not None:  # torch.cond / map / while_loop: a subgraph our IR has no form for
+        reason = f"control-flow operator {higher.target.__name__!r} (node '{higher.name}') has no lowering"
+        err = TraceError(f"torch.export captured {type(model).__name__}, but its {reason}")
+        err.module_path, err.reason, err.code_error = "", reason, False
+        raise err
     return _Lowering(model, program, tuple(args), kwargs).run()
 
 
@@ -199,7 +214,16 @@ class _Lowering:
             lowered = self._attention(node, scope)
             if lowered is not None:
                 return lowered
+        if node.target is LEAF_OP:  # a leaf module, called as a whole
+            inputs, path = node.args[0], node.args[1]
+            return self._emit("call_module", path, tuple(self._value(a, scope) for a in inputs), {}, scope)
+        if node.target is _A.addmm.default:
+            lowered = self._addmm_as_linear(node, scope)
+            if lowered is not None:
+                return lowered
         op = definition(node.target)
+        if op is not None and op.name == INTERPOLATE and node.target.overloadpacket.__name__.startswith("upsample_"):
+            return self._interpolate(op, node, scope)
         if op is None or not isinstance(node.target, torch._ops.OpOverload):
             return self._emit("call_function", node.target, self._value(node.args, scope),
                               self._value(node.kwargs, scope), scope)
@@ -282,6 +306,50 @@ class _Lowering:
             return self._emit(kind, target, self._value(node.args, scope), self._value(node.kwargs, scope), scope)
         args, kwargs = _arrange(signature, named)
         return self._emit(kind, target, self._value(tuple(args), scope), self._value(kwargs, scope), scope)
+
+    def _interpolate(self, op: OpDef, node: fx.Node, scope: tuple) -> fx.Node:
+        """``upsample_<mode>Nd.vec(input, output_size, [align_corners,] scale_factors)`` as ``F.interpolate``
+        (the mode from the overload's name), or the ``nn.Upsample`` module it is the whole forward of."""
+        module_call = self._as_module(op, node, None)
+        if module_call is not None:
+            path, inputs = module_call
+            return self._emit("call_module", path, tuple(self._value(a, scope) for a in inputs), {}, scope)
+        mode = node.target.overloadpacket.__name__[len("upsample_"):-2]  # upsample_bilinear2d -> bilinear
+        args = list(node.args)
+        x, size, scales = args[0], args[1], args[-1]
+        kwargs: dict = {"size": size, "scale_factor": scales, "mode": mode}
+        if len(args) == 4:  # the linear modes: align_corners
+            kwargs["align_corners"] = args[2]
+        return self._emit("call_function", torch.nn.functional.interpolate, (self._value(x, scope),),
+                          self._value(kwargs, scope), scope)
+
+    def _addmm_as_linear(self, node: fx.Node, scope: tuple) -> Optional[fx.Node]:
+        """``addmm(bias, x, weight)`` of parameters ``weight`` / ``bias`` of one module (transformers' Conv1D:
+        GPT-2's projections) as a call of an ``nn.Linear`` added beside them, ``<module>.qc_linear``, whose
+        weight is ``weight.t()`` (a copy) and bias ``bias`` itself: the BPU computes nn.Linear modules
+        (None: left as it is). Training the graph trains the copy."""
+        if node.kwargs or len(node.args) != 3:
+            return None
+        bias, _, weight = (self.env.get(a) if isinstance(a, fx.Node) else a for a in node.args)
+        if not isinstance(weight, _Lazy) or not isinstance(bias, _Lazy):
+            return None
+        owner, _, w_attr = weight.target.rpartition(".")
+        b_owner, _, b_attr = bias.target.rpartition(".")
+        module = self.modules.get(owner)
+        w, b = getattr(module, w_attr, None), getattr(module, b_attr, None)
+        if owner != b_owner or not isinstance(w, nn.Parameter) or not isinstance(b, nn.Parameter) \
+                or w.dim() != 2 or b.dim() != 1 or b.shape[0] != w.shape[1]:
+            return None
+        path = f"{owner}.qc_linear" if owner else "qc_linear"
+        linear = self.modules.get(path)
+        if linear is None:
+            linear = nn.Linear(w.shape[0], w.shape[1])
+            linear.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+            linear.bias = b
+            module.add_module("qc_linear", linear)
+            self.modules[path] = linear
+        inner = scope + ((ScopeEntry(path, nn.Linear),) if owner else ())
+        return self._emit("call_module", path, (self._value(node.args[1], scope),), {}, inner)
 
     def _attention(self, node: fx.Node, scope: tuple) -> Optional[fx.Node]:
         """scaled_dot_product_attention as softmax(q @ k^T * scale + mask) @ v (None: left as it is)."""
