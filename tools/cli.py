@@ -45,6 +45,7 @@ from qcompiler.atomic_write import check_target
 from qcompiler.batches import check_inputs, input_signature
 from qcompiler.distributed import is_main_process, join_torchrun, shard
 from qcompiler.errors import ConfigError, QCompilerError
+from qcompiler.ir.capture import CAPTURES, DEFAULT_CAPTURE
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.partitions import partitions, summary_line
@@ -301,8 +302,10 @@ def model_configs(args: argparse.Namespace, model: nn.Module) -> tuple[Optional[
     if args.hybrid_module_name or args.hybrid_module_type:
         types = [resolve_type(t, f"--hybrid-module-type {t!r}", model) for t in args.hybrid_module_type]
         hybrid_dict = {"module_name": list(args.hybrid_module_name), "module_type": types}
-    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else None
-    return hybrid_dict, custom
+    custom = {"non_traceable_module_name": list(args.leaf_module)} if args.leaf_module else {}
+    if args.capture != DEFAULT_CAPTURE:
+        custom["capture"] = args.capture
+    return hybrid_dict, (custom or None)
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
@@ -356,6 +359,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leaf-module", metavar="NAME", action="append", default=[],
                    help="do not trace into this submodule (prepare_custom_config_dict "
                         "non_traceable_module_name); repeatable")
+    p.add_argument("--capture", choices=CAPTURES, default=DEFAULT_CAPTURE,
+                   help="how the model is captured: fx (symbolic tracing), export (torch.export), or auto: "
+                        "symbolic tracing, then torch.export where it fails (default: %(default)s; docs/capture.md)")
 
 
 def read_calib_data(path: Path, inputs: tuple) -> tuple:
