@@ -83,6 +83,26 @@ def test_a_model_holding_meta_tensors_is_blamed_not_the_inputs():
     assert "Check the shapes and dtypes of example_inputs" not in text
 
 
+_GLOBAL_CACHE = {}
+
+
+class GlobalCacheAnchors(DataDependentAnchors):
+    """Keeps its tensor outside the model (a module-level cache), already on the meta device."""
+
+    def forward(self, x):
+        return super().forward(x) + _GLOBAL_CACHE["anchor"]
+
+
+def test_a_meta_tensor_held_outside_the_modules_is_blamed_on_the_model_too(monkeypatch):
+    monkeypatch.setitem(_GLOBAL_CACHE, "anchor", torch.zeros(1, device="meta"))
+    m = Detector().eval()
+    m.anchors = GlobalCacheAnchors()
+    gm = trace(m, leaf_module_names=["anchors"])
+    with pytest.raises(ConfigError, match="the cause is the model's state, not example_inputs") as err:
+        propagate_shapes(gm, X)
+    assert "no module of the model holds one" in str(err.value)
+
+
 def test_inputs_that_do_not_fit_are_still_blamed():
     gm = trace(Detector().eval(), leaf_module_names=["anchors"])
     with pytest.raises(ConfigError, match="Check the shapes and dtypes of example_inputs"):

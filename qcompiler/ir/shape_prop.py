@@ -168,6 +168,12 @@ def _input_error(gm: fx.GraphModule, n: fx.Node, exc: Exception) -> ConfigError:
             f"on the meta device, which have no data ({', '.join(held[:3])}{more}): the cause is the model's "
             f"state, not example_inputs. Load or create the model with real tensors (e.g. "
             f"model.to_empty(device='cpu') then load_state_dict).")
+    if "meta tensor" in msg or "device meta" in msg or "'meta'" in msg:
+        return ConfigError(
+            f"node '{n.name}' ({what}) failed on inputs ({', '.join(seen)}): {msg}. A tensor on the meta "
+            f"device (no data) reached the real run, and no module of the model holds one: the model keeps "
+            f"it elsewhere (a global or a closure's cache filled on an earlier call); the cause is the "
+            f"model's state, not example_inputs.")
     return ConfigError(
         f"example_inputs do not fit the model: node '{n.name}' ({what}) failed on inputs "
         f"({', '.join(seen)}): {msg}. Check the shapes and dtypes of example_inputs."
