@@ -440,7 +440,8 @@ def criteria(rows: Sequence[dict]) -> list[tuple[str, str, str]]:
     def check(label: str, family: Sequence[str], ok: Callable[[dict], bool]) -> tuple[str, str, str]:
         sel = [r for r in rows if r["model"] in family or r["family"] in family]
         good = [r["model"] for r in sel if ok(r)]
-        return label, f"{len(good)}/{len(sel)}: {', '.join(good)}", ", ".join(r["model"] for r in sel if not ok(r))
+        met = f"{len(good)}/{len(sel)}" + (f": {', '.join(good)}" if good else "")
+        return label, met, ", ".join(r["model"] for r in sel if not ok(r))
 
     def share(r: dict) -> float:
         return r.get("bpu_share") or 0.0
@@ -575,6 +576,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                               indent=1, default=str))
     if args.out:
         passed = list(argv if argv is not None else sys.argv[1:])
+        # the command the page shows regenerates the page, not a scratch JSON file
+        passed = [a for i, a in enumerate(passed) if a != "--json" and not a.startswith("--json=")
+                  and (i == 0 or passed[i - 1] != "--json")]
         Path(args.out).write_text(markdown(rows, seconds, passed, args.timeout))
 
 
