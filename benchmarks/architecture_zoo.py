@@ -10,7 +10,7 @@ random configs (:data:`CASES`: no download, no tokenizer; random ``input_ids`` /
 (:func:`run_case`, march bayes):
 
 * compiles it (``qcompiler.compile``, :data:`CALIBRATION_BATCHES` seeded batches);
-* the share of multiply-accumulates on the BPU (:func:`macs_by_placement`: torch's ``FlopCounterMode``
+* the share of multiply-accumulates on the BPU (:func:`macs_by_placement`: torch's flop formulas
   around every node of the compiled graph, summed by the node's placement; the compiled graph's
   fixed-point modules compute in torch, so BPU and CPU nodes are counted alike);
 * the numbers of BPU partitions, CPU (ONNX) islands and eager-torch islands;
@@ -30,6 +30,7 @@ import copy
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 from tabulate import tabulate
-from torch.utils.flop_counter import FlopCounterMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompiler" importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -202,26 +205,49 @@ BY_NAME = {c.name: c for c in CASES}
 
 # --- measures ----------------------------------------------------------------------------------------------
 
+class _MacCounter(TorchDispatchMode):
+    """Counts the flops of the ATen ops torch's flop counter has formulas for (``flop_registry``: mm, bmm,
+    addmm, baddbmm, convolution, attention); an op without one is decomposed first, as FlopCounterMode
+    does. FlopCounterMode itself is not used: its module tracker fails on graphs that switch grad mode
+    ("Expected gradient function to be set")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None and func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
 def _macs(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``fn()`` and the multiply-accumulates torch counted while it ran (FlopCounterMode flops / 2)."""
-    with FlopCounterMode(display=False) as counter:
+    """``fn()`` and the multiply-accumulates torch counted while it ran (flops / 2). Attention runs its math
+    form (matmuls): the CPU's fused kernel (``_scaled_dot_product_flash_attention_for_cpu``) has no flop
+    formula, so it would count as nothing."""
+    with sdpa_kernel([SDPBackend.MATH]), _MacCounter() as counter:
         out = fn()
-    return out, counter.get_total_flops() // 2
+    return out, counter.flops // 2
 
 
 def _graph_args(gm: torch.fx.GraphModule, inputs: dict) -> list:
     """The compiled graph's placeholder values for keyword ``inputs`` (flattened by GM_INPUT_SPEC where the
     graph has one, else the values in order: the positional form)."""
-    if gm.meta.get(GM_INPUT_SPEC) is not None:
-        leaves, _ = torch.utils._pytree.tree_flatten(((), inputs))
-        return [v for v in leaves if isinstance(v, torch.Tensor)]
-    return list(inputs.values())
+    return list(_leaves(inputs) if gm.meta.get(GM_INPUT_SPEC) is not None else inputs.values())
 
 
 def macs_by_placement(gm: torch.fx.GraphModule, args: Sequence[Any]) -> dict[str, int]:
     """Multiply-accumulates of one run of the compiled graph ``gm``, by node placement ("bpu" / "cpu").
 
-    Every node is run under its own FlopCounterMode (torch counts mm / bmm / conv / addmm / attention).
+    Every node is run under its own :class:`_MacCounter` (mm / bmm / conv / addmm / attention).
     A node without a placement (plumbing) counts as "cpu": work the BPU does not do."""
     totals = {"bpu": 0, "cpu": 0}
 
@@ -284,6 +310,34 @@ def structure(v: Any) -> str:
     return type(v).__name__
 
 
+def _leaves(inputs: dict) -> tuple:
+    """The tensor leaves of the keyword call, in the order the captured graph takes them (GM_INPUT_SPEC)."""
+    leaves, _ = torch.utils._pytree.tree_flatten(((), inputs))
+    return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+
+def compile_keywords(model: nn.Module, inputs: dict, batches: list[dict]) -> tuple[Any, Any, str]:
+    """``qcompiler.compile`` with keyword example inputs and calibration batches: (compiled model, the
+    example inputs it took, how the inputs were given).
+
+    A commit that refuses the keyword form of a part gets the next form, named in the row: dict
+    calibration batches refused -> each batch as the tuple of its tensor leaves; dict example inputs
+    refused -> the same tensors positionally (where they are the forward's first parameters in order).
+    Any other error is the row's failure."""
+    try:
+        return qc_compile(model, inputs, march=MARCH, calib_data=batches, progress=False), inputs, "keywords"
+    except ConfigError as exc:
+        if "calib_data batch" in str(exc):
+            cm = qc_compile(model, inputs, march=MARCH, calib_data=[_leaves(b) for b in batches], progress=False)
+            return cm, inputs, "keywords (calibration batches as tuples)"
+        positional = _positional(model, inputs)
+        if "example_inputs must be" not in str(exc) or positional is None:
+            raise
+    cm = qc_compile(model, positional, march=MARCH, calib_data=[tuple(b.values()) for b in batches],
+                    progress=False)
+    return cm, positional, "positional (keywords refused)"
+
+
 # --- one model ---------------------------------------------------------------------------------------------
 
 def run_case(case: Case, workdir: Path) -> dict:
@@ -319,16 +373,7 @@ def run_case(case: Case, workdir: Path) -> dict:
     example: Any = inputs
     try:
         with _quiet():
-            try:
-                cm = qc_compile(model, example, march=MARCH, calib_data=batches, progress=False)
-            except ConfigError as exc:
-                # a commit that takes no keyword inputs yet: the positional form where it is one
-                positional = _positional(model, inputs)
-                if "example_inputs must be" not in str(exc) or positional is None:
-                    raise
-                example, row["inputs"] = positional, "positional (keywords refused)"
-                cm = qc_compile(model, example, march=MARCH,
-                                calib_data=[tuple(b.values()) for b in batches], progress=False)
+            cm, example, row["inputs"] = compile_keywords(model, inputs, batches)
         row["compile"] = "ok"
     except Exception as exc:  # noqa: BLE001
         row["compile"] = "fail"
@@ -339,6 +384,8 @@ def run_case(case: Case, workdir: Path) -> dict:
     kinds = [s.kind for s in cm.runtime.steps]
     row["bpu_parts"] = kinds.count(BPU)
     row["torch_islands"] = row["islands"] = len(cm.torch_islands())
+    row["island_reasons"] = sorted({re.sub(r"node '[^']*'", "node", (r.strip().splitlines() or [""])[0])[:160]
+                                    for r in cm.torch_islands().values()})  # one line per distinct reason
     row["cpu_islands"] = len(kinds) - row["bpu_parts"] - row["torch_islands"]
     try:
         args = _graph_args(cm.converted, inputs) if isinstance(example, dict) else list(example)
@@ -420,7 +467,7 @@ def table_rows(rows: Sequence[dict]) -> list[list[str]]:
         first = r["errors"][0][0] if r.get("errors") else ""
         match = r.get("export_match")
         ao = r.get("ao_fx")
-        positional = r.get("inputs", "keywords") != "keywords"
+        positional = r.get("inputs", "keywords").startswith("positional")
         out.append([
             r["model"], r["family"], r["compile"] + (" (positional)" if positional else ""),
             "" if r.get("macs") is None else f"{r['macs'] / 1e6:.2f}", _pct(r.get("bpu_share")),
@@ -468,7 +515,8 @@ def ao_failures(rows: Sequence[dict]) -> list[tuple[str, str]]:
 def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout: float) -> str:
     env = environment(REPORT) + [("transformers", T.__version__), ("run time", f"{seconds:.0f} s")]
     cmd = "OMP_NUM_THREADS=1 python benchmarks/architecture_zoo.py " + " ".join(argv)
-    positional = [r["model"] for r in rows if r.get("inputs", "keywords") != "keywords"]
+    positional = [r["model"] for r in rows if r.get("inputs", "keywords").startswith("positional")]
+    flat_calib = [r["model"] for r in rows if "as tuples" in r.get("inputs", "")]
     parts = [
         "# Architecture zoo: today's architectures (Hugging Face transformers) on the BPU",
         "",
@@ -491,7 +539,8 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         f"ids, random audio features or waveforms, batch {BATCH}. Per model, in its own subprocess (time limit "
         f"{timeout:.0f} s): `qcompiler.compile(march=\"{MARCH}\")` with {CALIBRATION_BATCHES} seeded calibration "
         "batches (batch 0 is the one measured); the multiply-accumulates (MACs) of every node of the compiled "
-        "graph, counted by torch's `FlopCounterMode` (flops / 2: conv, linear, matmul / bmm, attention) and "
+        "graph, counted with torch's flop formulas (`torch.utils.flop_counter.flop_registry`, flops / 2: conv, "
+        "linear, matmul / bmm, attention) and "
         "summed by the node's placement (*MACs on BPU* is the BPU's share of the compiled graph's MACs; "
         "*MACs (M)* is the float model's total); the partitions of the runtime (BPU partitions, CPU islands "
         "run by onnxruntime, eager-torch islands); the output's structure (container type and keys) against "
@@ -506,7 +555,7 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         "- Random weights and small configs (2 layers, width 16-32, 32x32 or 64x64 images, 16 tokens): the "
         "MAC shares and island counts are properties of the architecture's graph and hold at full size; the "
         "SQNRs do not transfer to trained weights and real data.",
-        "- *MACs on BPU* counts what torch's FlopCounterMode counts (matrix products and convolutions); "
+        "- *MACs on BPU* counts what torch's flop formulas count (matrix products and convolutions); "
         "elementwise work, norms and softmax are not MACs. An eager-torch island that runs the whole model "
         "counts as CPU.",
         "- torch.ao FX traces with torch.fx: transformers' decorated `forward`s do not trace, so most rows "
@@ -518,6 +567,10 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         parts.append(f"- At this commit `compile` refused keyword (dict) example inputs; "
                      f"{', '.join(positional)} ran with the same tensors given positionally (*(positional)* "
                      "in the compile column).")
+    if flat_calib:
+        parts.append(f"- At this commit `compile` took keyword example inputs but not dict calibration batches; "
+                     f"{', '.join(flat_calib)} were calibrated on each batch's tensors as a tuple (the graph's "
+                     "input order).")
     parts += [
         "",
         "## Done criteria (issue 33, bayes)",
@@ -535,6 +588,14 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         tabulate(_md([(r["model"], e) for r in rows for e, _ in r.get("errors", [])]),
                  headers=["model", "failure"], tablefmt="github")
         if any(r.get("errors") for r in rows) else "None.",
+        "",
+        "## Eager-torch islands",
+        "",
+        "Why each model's eager-torch islands are not ONNX (the distinct reasons; they block export).",
+        "",
+        tabulate(_md([(r["model"], reason) for r in rows for reason in r.get("island_reasons", [])]),
+                 headers=["model", "reason"], tablefmt="github")
+        if any(r.get("island_reasons") for r in rows) else "None.",
         "",
         "## torch.ao FX failures (the peer)",
         "",
