@@ -3,6 +3,7 @@ an eager-torch island, and the submodules called around it are traced into the o
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -163,3 +164,35 @@ def test_the_users_model_is_not_rewritten():
         warnings.simplefilter("ignore", QCompilerWarning)
         qcompiler.partition(model, (X,), march="bayes")
     assert "forward" not in vars(model) and not hasattr(model, "_qc_glue_0")
+
+
+class TorchvisionShaped(nn.Module):
+    """torchvision's detectors' forward, in small: a local bound on one path only (``boxes`` when
+    targets are given) and a list the traced code makes and the untraceable loop fills."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = stack(), stack()
+
+    def forward(self, x, targets=None):
+        if targets is not None:
+            boxes = targets
+        sizes = []
+        for image in x:  # a Proxy cannot be iterated: this statement is cut
+            sizes.append(image.shape[-1])
+            if targets is not None:
+                sizes.append(boxes)
+        y = self.b(self.a(x))
+        return y * len(sizes)  # len() of what the island returns: this statement is cut too
+
+
+def test_a_local_bound_on_one_path_and_a_list_filled_by_the_island():
+    model = TorchvisionShaped().eval()
+    with pytest.warns(QCompilerWarning, match="island"):
+        gm = trace_or_fallback(copy.deepcopy(model), example_inputs=(X,))
+    for _ in range(2):  # each call fills a list of its own (fx would hand every call the one list)
+        assert torch.equal(gm(X), model(X))
+    assert torch.equal(gm(X[:1]), model(X[:1]))  # the list's length is the call's, not the trace's
+    called = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert called == ["_qc_glue_0", "a.0", "a.1", "a.2", "b.0", "b.1", "b.2", "_qc_glue_1"]
+    assert gm._qc_glue_0.writes == ("sizes",)  # filled there, read by the return's island

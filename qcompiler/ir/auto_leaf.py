@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import QCompilerWarning, TraceError
-from qcompiler.ir.glue import GLUE_CONSTANTS, GLUE_PREFIX, ForwardCuts, GlueIsland
+from qcompiler.ir.glue import GLUE_CONSTANTS, GLUE_PREFIX, ForwardCuts, Fresh, GlueIsland
 from qcompiler.ir.inplace import UNKNOWN_STORAGE, state_writes, storage_key
 from qcompiler.ir.meta import META_AUTO_LEAF, META_SCOPE, ScopeEntry, scope
 from qcompiler.ir.names import resolve_type
@@ -65,6 +65,9 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
                 written, lost = state.restore()
             for island, bound in gm.meta.pop(GLUE_CONSTANTS, ()):  # put back by restore() with the rest
                 island.bound = bound
+                island.fresh = {island.reads[i] for i, v in bound.items() if isinstance(v, Fresh)}
+            if _return_filled_containers(model, cuts):
+                continue  # the forward was rewritten: trace again
             _fresh_constants(gm, model, attributes)
             tracer = QTracer(leaves, leaf_types)
             _raise_on_state_writes(model, gm, state, written, lost,
@@ -112,6 +115,24 @@ def _cut_statement(model: nn.Module, err: TraceError, cuts: dict[str, ForwardCut
     if island is not None:
         cuts[""] = forward
     return island
+
+
+def _return_filled_containers(model: nn.Module, cuts: dict[str, ForwardCuts]) -> bool:
+    """A list the traced code made and an island fills (``sizes = []`` then a loop appending) is a
+    constant of the trace; where code after the island reads it, the island returns it, so that the
+    later code reads what the call filled in. True if a forward was rewritten for that."""
+    forward = cuts.get("")
+    if forward is None:
+        return False
+    names = forward.island_names(lambda i: f"{GLUE_PREFIX}{i}")
+    changed = False
+    for name in names.values():
+        island = getattr(model, name)
+        missing = {n for n in island.fresh if n in island.later_reads and n not in (island.writes or ())}
+        if missing and island.writes is not None:
+            forward.also_return(model, island, missing, names)
+            changed = True
+    return changed
 
 
 MAX_CUTS = 32  # statements cut out of one forward before giving up (each retry traces the model again)

@@ -35,6 +35,7 @@ GLUE_PREFIX = "_qc_glue_"
 # gm.meta while capturing: [(GlueIsland, constants)] the trace found, bound once the model's state is put back
 GLUE_CONSTANTS = "qc_glue_constants"
 _RESULT = "_qc_glue_result"
+_LOCALS = "_qc_glue_locals"
 
 
 class GlueIsland(nn.Module):
@@ -52,14 +53,19 @@ class GlueIsland(nn.Module):
         self.reads = reads
         self.writes = writes  # None: it runs to the end of forward and returns forward's result
         self.name = ""  # its attribute name on the owner
+        self.later_reads: set[str] = set()  # locals the forward reads after the island
+        self.fresh: set[str] = set()  # reads bound as containers the traced code made (Fresh)
         # reads no graph node can hold (a function the forward defined): position -> the traced value
         self.bound: dict[int, Any] = {}
         object.__setattr__(self, "_owner", owner)
 
     def forward(self, *args: Any) -> Any:
+        if len(args) == len(self.reads):  # called by the rewritten forward run eagerly: every read given
+            return self.fn(self._owner, *args)
         full, rest = [], iter(args)
         for i in range(len(args) + len(self.bound)):
-            full.append(self.bound[i] if i in self.bound else next(rest))
+            value = self.bound[i] if i in self.bound else next(rest)
+            full.append(copy.deepcopy(value.value) if isinstance(value, Fresh) else value)
         return self.fn(self._owner, *full)
 
     def split_constants(self, args: tuple, representable: Any) -> tuple[tuple, Optional[dict[int, Any]]]:
@@ -72,6 +78,9 @@ class GlueIsland(nn.Module):
             return args, None
         bound, kept = {}, []
         for i, arg in enumerate(args):
+            if isinstance(arg, (list, dict, set)) and not _holds_proxy(arg):
+                bound[i] = Fresh(arg)  # a container the forward made (``sizes = []``) that the glue fills
+                continue
             try:
                 representable(arg)
             except Exception:  # fx raises NotImplementedError, or TypeError for some types
@@ -82,6 +91,21 @@ class GlueIsland(nn.Module):
 
     def extra_repr(self) -> str:
         return f"lines {self.lines[0]}-{self.lines[1]} of {self.fn.__code__.co_filename}"
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """A mutable container the traced code made before the island: each call gets a copy of it as
+    traced, as eager torch makes it anew on each call (fx would pass one frozen list to every call)."""
+
+    value: Any
+
+
+def _holds_proxy(value: Any) -> bool:
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+
+    return any(isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves(value))
 
 
 @dataclass
@@ -147,23 +171,26 @@ class ForwardCuts:
                 pass
         return ns
 
-    def _compile(self, func: ast.FunctionDef) -> types.FunctionType:
+    def _compile(self, func: ast.FunctionDef, defaults: bool = False) -> types.FunctionType:
         module = ast.Module(body=[func], type_ignores=[])
         ast.fix_missing_locations(module)
         ns = self._namespace()
         exec(compile(module, self.function.__code__.co_filename, "exec"), ns)  # noqa: S102 - the user's own code
         made = ns[func.name]
-        made.__defaults__ = self.function.__defaults__
-        made.__kwdefaults__ = self.function.__kwdefaults__
+        if defaults:  # the rewritten forward takes the original's defaults; a glue function has none
+            made.__defaults__ = self.function.__defaults__
+            made.__kwdefaults__ = self.function.__kwdefaults__
         return made
 
-    def _island(self, module: nn.Module, start: int, stop: int) -> GlueIsland:
+    def _island(self, module: nn.Module, start: int, stop: int,
+                writes: Optional[tuple[str, ...]] = None) -> GlueIsland:
         body = self.tree.body
         self_name = self.tree.args.args[0].arg
         available = _parameters(self.tree.args) | {n for stmt in body[:start] for n in _stored([stmt])}
         stmts = body[start:stop]
         reads = tuple(sorted((_loaded(stmts) & available) - {self_name}))
-        writes = None if stop == len(body) else tuple(sorted(_stored(stmts) & _loaded(body[stop:])))
+        if writes is None:
+            writes = None if stop == len(body) else tuple(sorted(_stored(stmts) & _loaded(body[stop:])))
         glue_body = [_SuperFix(self_name).visit(s) for s in _copy(stmts)]
         if writes is not None:
             # a name the statements did not bind (a branch not taken) is None, as no value
@@ -177,7 +204,21 @@ class ForwardCuts:
         func = _function(f"{self.tree.name}_glue", args, glue_body)
         ast.copy_location(func, stmts[0])
         lines = (stmts[0].lineno, stmts[-1].end_lineno or stmts[-1].lineno)
-        return GlueIsland(self._compile(func), module, lines, reads, writes)
+        island = GlueIsland(self._compile(func), module, lines, reads, writes)
+        island.later_reads = _loaded(body[stop:])
+        return island
+
+    def also_return(self, module: nn.Module, island: "GlueIsland", names: set[str],
+                    island_names: dict[tuple[int, int], str]) -> None:
+        """Make ``island`` return ``names`` too (containers it fills that later code reads), and
+        rewrite the forward: the glue function is compiled again with the longer return."""
+        start, stop = next(cut for cut, name in island_names.items() if name == island.name)
+        writes = tuple(sorted(set(island.writes or ()) | names))
+        island.fn, island.writes = self._island(module, start, stop, writes).fn, writes
+        self._rewrite(module, island_names)
+
+    def island_names(self, name_of: Any) -> dict[tuple[int, int], str]:
+        return {cut: name_of(i) for i, cut in enumerate(self.cuts)}
 
     def _rewrite(self, module: nn.Module, island_names: dict[tuple[int, int], str]) -> None:
         body, self_name = self.tree.body, self.tree.args.args[0].arg
@@ -190,12 +231,17 @@ class ForwardCuts:
                 i += 1
                 continue
             island = getattr(module, island_names[cut])
-            call = f"{self_name}.{island_names[cut]}({', '.join(island.reads)})"
+            # a local bound only on some paths (``if targets is not None: boxes = ...``) may be unbound
+            # here: it is read from locals() (None if unbound; the glue's own code binds it first)
+            params = _parameters(self.tree.args)
+            reads = [r if r in params else f"{_LOCALS}.get({r!r})" for r in island.reads]
+            call = f"{self_name}.{island_names[cut]}({', '.join(reads)})"
+            lines = [f"{_LOCALS} = locals()"] if len(params) < len(set(island.reads) | params) else []
             if island.writes is None:
-                stmts = ast.parse(f"return {call}").body
+                lines.append(f"return {call}")
             else:
-                lines = [f"{_RESULT} = {call}"] + [f"{w} = {_RESULT}[{k}]" for k, w in enumerate(island.writes)]
-                stmts = ast.parse("\n".join(lines)).body
+                lines += [f"{_RESULT} = {call}"] + [f"{w} = {_RESULT}[{k}]" for k, w in enumerate(island.writes)]
+            stmts = ast.parse("\n".join(lines)).body
             for s in stmts:
                 for n in ast.walk(s):
                     ast.copy_location(n, body[i])
@@ -203,7 +249,7 @@ class ForwardCuts:
             i = cut[1]
         func = _function(self.tree.name, self.tree.args, new_body)
         ast.copy_location(func, self.tree)
-        made = self._compile(func)
+        made = self._compile(func, defaults=True)
         self.code = made.__code__
         module.forward = types.MethodType(made, module)
 
@@ -280,4 +326,4 @@ class _SuperFix(ast.NodeTransformer):
         return node
 
 
-__all__ = ["GlueIsland", "ForwardCuts", "GLUE_PREFIX", "GLUE_CONSTANTS"]
+__all__ = ["GlueIsland", "ForwardCuts", "Fresh", "GLUE_PREFIX", "GLUE_CONSTANTS"]
