@@ -117,10 +117,25 @@ def _foldable_call(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
     return True
 
 
+def written_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """The values ``node`` changes in place: :func:`~qcompiler.ir.inplace.mutated_input`'s, and for an ATen
+    overload (a graph captured by torch.export keeps ``aten.copy_`` / ``aten.add_.Tensor`` / ``aten.fill_``)
+    every argument its schema marks as written (``Tensor(a!)``)."""
+    out = [w for w in (mutated_input(node, gm),) if w is not None]
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            out.extend(v for v in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(v, fx.Node))
+    return out
+
+
 def _tainted(gm: fx.GraphModule) -> set[fx.Node]:
     """The values the graph changes in place, and everything they were made from."""
     out: set[fx.Node] = set()
-    stack = [w for n in gm.graph.nodes if (w := mutated_input(n, gm)) is not None]
+    stack = [w for n in gm.graph.nodes for w in written_inputs(n, gm)]
     while stack:
         n = stack.pop()
         if n not in out:
@@ -269,4 +284,5 @@ def verify_folded(gm: fx.GraphModule, ctx: CompileContext) -> None:
 
 FOLD_CONSTANTS = Pass("fold_constants", fold_constants, verify_folded)
 
-__all__ = ["FOLD_CONSTANTS", "GROWING_OPS", "MAX_FOLDED_ELEMENTS", "constant_values", "fold_constants"]
+__all__ = ["FOLD_CONSTANTS", "GROWING_OPS", "MAX_FOLDED_ELEMENTS", "constant_values", "fold_constants",
+           "written_inputs"]

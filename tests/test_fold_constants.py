@@ -282,3 +282,20 @@ def test_a_nested_module_folds_in_eval_mode_only(capture_mode):
     gm = capture(Nested().train(), (X,), mode=capture_mode)
     fold_constants(gm, CTX)
     assert any(n.op == "get_attr" and n.target == "blocks.0.table" for n in gm.graph.nodes)
+
+
+def test_an_aten_in_place_write_is_seen_through_its_schema():
+    """torch.export keeps aten.add_ / copy_ / fill_; their schemas (``Tensor(a!)``) say what they write:
+    ``w * 2`` written by ``add_(x)`` is no constant."""
+    aten = torch.ops.aten
+    root = nn.Module()
+    root.w = nn.Parameter(torch.ones(16))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    doubled = g.call_function(aten.mul.Tensor, (g.get_attr("w"), 2.0))
+    g.call_function(aten.add_.Tensor, (doubled, g.call_function(aten.sum.default, (x,))))
+    g.output(g.call_function(aten.add.Tensor, (doubled, 1.0)))
+    gm = torch.fx.GraphModule(root.eval(), g)
+    expected = gm(X)
+    assert not fold_constants(gm, CTX).modified
+    assert torch.equal(gm(X), expected) and torch.equal(gm(X), expected)
