@@ -375,3 +375,17 @@ def test_hugging_face_models_compile_with_their_macs_on_the_bpu(name):
     out = torch.utils._pytree.tree_flatten(cm.converted(*normalize_inputs(inputs)))[0][0]
     sqnr = 10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean())
     assert sqnr > 25, float(sqnr)
+
+
+def test_a_nested_positional_input_is_one_placeholder_indexed_like_fx():
+    """lstm_seq's forward(tokens, (h0, c0)): export keeps (h0, c0) one input, as the fx tracer does."""
+    model, x = zoo.get("lstm_seq"), zoo.example_inputs("lstm_seq", 2)
+    gm = export_graph(model, x)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.target for n in placeholders] == ["input", "hidden"]
+    assert sorted(u.args[1] for u in placeholders[1].users) == [0, 1]
+    assert GM_INPUT_SPEC not in gm.meta
+    fx_cm, ex_cm = _compiled(model, x, "fx"), _compiled(model, x, "export")
+    got = torch.utils._pytree.tree_flatten(ex_cm.converted(*x))[0]
+    want = torch.utils._pytree.tree_flatten(fx_cm.converted(*x))[0]
+    assert len(got) == len(want) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))

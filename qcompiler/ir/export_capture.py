@@ -25,6 +25,7 @@ with its TreeSpec in ``gm.meta[GM_OUTPUT_SPEC]``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from typing import Any, Optional, Sequence
@@ -96,7 +97,13 @@ class _Lowering:
     def __init__(self, model: nn.Module, program: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> None:
         self.model = model
         self.program = program
-        self.leaves = pytree.tree_flatten((args, kwargs))[0]
+        flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+        self.leaves = [leaf for _, leaf in flat]
+        self.paths = [path for path, _ in flat]
+        # positional inputs keep their structure: a nested one is one placeholder, indexed (as fx traces it);
+        # keyword inputs are the flat tensor leaves (GM_INPUT_SPEC)
+        self.positional = not kwargs
+        self.arg_nodes: dict[int, fx.Node] = {}
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.modules = dict(model.named_modules())
@@ -140,6 +147,9 @@ class _Lowering:
             leaf = self._user_leaf(user)
             if not isinstance(leaf, torch.Tensor) and leaf is not None:
                 return leaf  # a non-tensor input: baked in
+            path = self.paths[user] if user < len(self.paths) else ()
+            if self.positional and len(path) > 2:
+                return self._nested_input(path)
             ph = self.graph.placeholder(node.name)
             ph.meta[META_SCOPE] = (self.root,)
             return ph
@@ -152,6 +162,23 @@ class _Lowering:
             return value
         raise TraceError(f"torch.export capture: input {node.name!r} of kind {spec.kind.name} is not supported "
                          f"(only user inputs, parameters, buffers and constant tensors are)")
+
+    def _nested_input(self, path: tuple) -> fx.Node:
+        """The leaf at ``path`` (``(args, i, key...)``) of a nested positional input: getitems of its placeholder."""
+        index = path[1].idx
+        value = self.arg_nodes.get(index)
+        if value is None:
+            try:
+                names = [p for p in inspect.signature(self.model.forward).parameters]
+            except (TypeError, ValueError):
+                names = []
+            value = self.graph.placeholder(names[index] if index < len(names) else f"input_{index}")
+            value.meta[META_SCOPE] = (self.root,)
+            self.arg_nodes[index] = value
+        for key in path[2:]:
+            item = key.idx if hasattr(key, "idx") else key.key
+            value = self._emit("call_function", operator.getitem, (value, item), {}, (self.root,))
+        return value
 
     def _user_leaf(self, index: int) -> Any:
         """The leaf of the call's inputs behind the ``index``-th user input of the program."""
