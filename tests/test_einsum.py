@@ -137,6 +137,7 @@ TWO_OPERANDS = {
     "...ij,...jk->...ik": ((2, 3, 4, 5), (3, 5, 6)),  # ellipsis, aligned from the right
     "b...,b...->b": ((2, 3, 4), (2, 3, 4)),
     "nchw,oc->nohw": ((2, 3, 4, 5), (6, 3)),  # a 1x1 conv
+    "b h i d, b h j d -> b h i j": ((2, 3, 4, 5), (2, 3, 6, 5)),  # spaces, as MaxViT writes it
 }
 
 
