@@ -29,6 +29,7 @@ import argparse
 import copy
 import inspect
 import json
+import math
 import os
 import re
 import subprocess
@@ -67,6 +68,7 @@ BN_BATCHES = 4  # batches the random model's BatchNorm statistics are estimated 
 BATCH = 2
 TIMEOUT = 300.0  # seconds per model (its subprocess is killed after it)
 REPORT = "docs/architecture_zoo.md"
+LOW_SQNR = 10.0  # dB: a row below it is named under the page's limits
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -553,13 +555,14 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         "## Limits",
         "",
         "- Random weights and small configs (2 layers, width 16-32, 32x32 or 64x64 images, 16 tokens): the "
-        "MAC shares and island counts are properties of the architecture's graph and hold at full size; the "
-        "SQNRs do not transfer to trained weights and real data.",
+        "MAC shares and island counts depend mostly on which ops the architecture uses and where, not on its "
+        "sizes; the SQNRs do not transfer to trained weights and real data.",
         "- *MACs on BPU* counts what torch's flop formulas count (matrix products and convolutions); "
         "elementwise work, norms and softmax are not MACs. An eager-torch island that runs the whole model "
         "counts as CPU.",
-        "- torch.ao FX traces with torch.fx: transformers' decorated `forward`s do not trace, so most rows "
-        "have no torch.ao peer (its errors are listed below).",
+        f"- torch.ao FX traces with torch.fx, which transformers' `forward`s defeat: it ran on "
+        f"{sum(r.get('ao_fx') == 'ok' for r in rows)}/{len(rows)} models here (its errors are listed below), so "
+        "the accuracy criterion has no peer on the others; torch.ao's export-based PT2E flow is not measured.",
         "- One march (bayes), one batch measured; time is the whole subprocess (import, float run, torch.ao, "
         "compile, MAC count, export) on a 2-core machine shared with other work.",
     ]
@@ -567,6 +570,11 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         parts.append(f"- At this commit `compile` refused keyword (dict) example inputs; "
                      f"{', '.join(positional)} ran with the same tensors given positionally (*(positional)* "
                      "in the compile column).")
+    low = [f"{r['model']} ({r['sqnr_float']:.1f} dB)" for r in rows
+           if r.get("sqnr_float") is not None and not math.isnan(r["sqnr_float"]) and r["sqnr_float"] < LOW_SQNR]
+    if low:
+        parts.append(f"- SQNR vs float below {LOW_SQNR:.0f} dB, not explained yet (no torch.ao peer to compare "
+                     f"with): {', '.join(low)}.")
     if flat_calib:
         parts.append(f"- At this commit `compile` took keyword example inputs but not dict calibration batches; "
                      f"{', '.join(flat_calib)} were calibrated on each batch's tensors as a tuple (the graph's "
