@@ -104,6 +104,8 @@ def trace_or_fallback(model: nn.Module, *, leaf_module_names: Sequence[str] = ()
 def _cut_statement(model: nn.Module, err: TraceError, cuts: dict[str, ForwardCuts]) -> Optional[GlueIsland]:
     """Cut the top-level statement of ``model``'s forward where tracing failed into a GlueIsland
     (:mod:`qcompiler.ir.glue`); None where that cannot be done (the caller runs the whole model)."""
+    if type(model).__module__.startswith("torch.nn."):  # torch's own layer (an nn.GRU as the whole model):
+        return None  # its one call is the op the rules know; cut statements would leave _VF calls
     forward = cuts.get("") or ForwardCuts.parse(model)
     if forward is None or len(forward.cuts) >= MAX_CUTS:
         return None
@@ -222,6 +224,9 @@ def _raise_on_state_writes(model: nn.Module, gm: fx.GraphModule, state: ModelSta
     err = TraceError(f"cannot trace {module_where(path, typ)}: {reason} (each call would start from the "
                      f"value before the write). {leaf_fix(path, 'stateful')}")
     err.module_path, err.reason, err.code_error = path, reason, False
+    # a parameter or buffer carried from call to call: capture "auto" keeps the fx fallback (the writer
+    # runs as a leaf and keeps its state), where torch.export would fold the write away
+    err.state_write = attr in state.params or attr in state.buffers
     raise err
 
 

@@ -27,6 +27,7 @@ from qcompiler.errors import ConfigError, QCompilerWarning, TraceError
 from qcompiler.ir.auto_leaf import trace_or_fallback
 from qcompiler.ir.export_capture import export_graph
 from qcompiler.ir.meta import GM_INPUT_SPEC
+from qcompiler.ir.ops.registry import module_definition
 from qcompiler.ir.shape_prop import KeywordInputs
 from qcompiler.ir.state import ModelState
 
@@ -76,6 +77,7 @@ def capture(model: nn.Module, inputs: tuple, *, mode: str = DEFAULT_CAPTURE,
         if getattr(fx_error, "code_error", False):
             raise
         try:
+            _fallback_first(model, fx_error)
             gm = _export(model, inputs, pristine, **leaves)
         except TraceError as export_error:
             if strict:
@@ -86,7 +88,8 @@ def capture(model: nn.Module, inputs: tuple, *, mode: str = DEFAULT_CAPTURE,
             told = False
             for w in caught:
                 message = str(w.message)
-                if issubclass(w.category, QCompilerWarning) and not told:
+                if issubclass(w.category, QCompilerWarning) and not told \
+                        and not getattr(export_error, "fallback_first", False):
                     message += f" (torch.export could not capture it either: {export_error.reason})"
                     told = True
                 warnings.warn(message, w.category, stacklevel=3)
@@ -95,6 +98,27 @@ def capture(model: nn.Module, inputs: tuple, *, mode: str = DEFAULT_CAPTURE,
                       f"({_first(fx_error)}); prepare_custom_config_dict={{'capture': 'export'}} chooses it "
                       f"directly", QCompilerWarning, stacklevel=3)
         return _mark(gm, inputs, "export")
+
+
+def _fallback_first(model: nn.Module, fx_error: TraceError) -> None:
+    """TraceError (marked ``fallback_first``) where capture "auto" should not try torch.export after
+    symbolic tracing failed, but go to the fx fallback at once:
+
+    * the failure is a write to a parameter or buffer (``fx_error.state_write``): the fallback runs
+      the writer as a leaf that keeps its state, which an exported graph would lose;
+    * the model itself is one of torch's layers (an ``nn.GRU``, an ``nn.MultiheadAttention`` given as
+      the whole model) or a module the catalogue spells: the fallback's one call of it is that layer,
+      with its rules, where torch.export would write it out as ATen ops no rule knows (``aten.gru``).
+    """
+    if getattr(fx_error, "state_write", False):
+        reason = "the forward writes its own state"
+    elif module_definition(model) is not None or type(model).__module__.startswith("torch.nn."):
+        reason = f"the model is one {type(model).__name__}, an op the fx fallback calls as it is"
+    else:
+        return
+    err = TraceError(reason)
+    err.module_path, err.reason, err.code_error, err.fallback_first = "", reason, False, True
+    raise err
 
 
 def _export(model: nn.Module, inputs: tuple, pristine: Optional[nn.Module], **leaves: Any) -> fx.GraphModule:

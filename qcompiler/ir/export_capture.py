@@ -56,10 +56,17 @@ _FREE = frozenset({"training", "momentum", "inplace", "cudnn_enabled", "cudnn_en
                    "sparse", "padding_idx"})
 
 
+# what an exported program returns besides the user's outputs when its forward writes state or inputs
+_WRITES = frozenset({OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION,
+                     getattr(OutputKind, "PARAMETER_MUTATION", OutputKind.BUFFER_MUTATION)})
+
+
 def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """``torch.export.export(model, args, kwargs, strict=False)``; TraceError with torch's reason if it fails."""
+    """``torch.export.export(model, args, kwargs, strict=False)``; TraceError with torch's reason if it
+    fails, or if the forward writes a buffer, parameter or input in place (the lowering has no form
+    for the write-back, and dropping it would be a wrong answer: the fx path keeps such writers)."""
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; all mean "cannot export"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         err = TraceError(f"torch.export cannot capture the top-level module ({type(model).__name__}): {reason}")
@@ -67,6 +74,47 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.
         err.reason = reason
         err.code_error = False
         raise err from None
+    written = [spec.target for spec in program.graph_signature.output_specs if spec.kind in _WRITES]
+    written += _written_inputs(program)
+    if written:  # the IR has no form for the write-back: dropping it would lose the model's state
+        reason = (f"its forward writes {written[0]!r} in place, state the exported graph would drop; "
+                  f"capture='fx' runs the writing module as a whole in torch")
+        err = TraceError(f"torch.export cannot capture {type(model).__name__}: {reason}")
+        err.module_path, err.reason, err.code_error = "", reason, False
+        raise err
+    return program
+
+
+def _written_inputs(program: torch.export.ExportedProgram) -> list[str]:
+    """The parameters, buffers and user inputs an in-place ATen call of the program writes, directly
+    or through a view (torch 2.13's export keeps ``aten.mul_`` on a buffer in the graph instead of
+    returning a BUFFER_MUTATION)."""
+    names = {spec.arg.name: spec.target or spec.arg.name for spec in program.graph_signature.input_specs
+             if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.USER_INPUT)
+             and hasattr(spec.arg, "name")}
+    written = []
+    for node in program.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(value, fx.Node):
+                continue
+            while value.op == "call_function" and _is_view(value):
+                value = value.args[0]
+            if value.op == "placeholder" and value.name in names:
+                written.append(names[value.name])
+    return written
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether an ATen call returns an alias of its first argument (a view, not a write)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not isinstance(node.args[0] if node.args else None, fx.Node):
+        return False
+    first = schema.arguments[0].alias_info
+    return first is not None and not first.is_write
 
 
 def export_graph(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *,

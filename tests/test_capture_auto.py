@@ -1,0 +1,82 @@
+"""Capture "auto": when symbolic tracing fails, which models go to torch.export and which to the fx
+fallback (qcompiler.ir.capture._fallback_first), and what export refuses rather than drop."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qcompiler
+from qcompiler.errors import QCompilerWarning, TraceError
+from qcompiler.ir.capture import GM_CAPTURE
+
+X = torch.randn(2, 3, 8, 8)
+SEQ = torch.randn(5, 2, 6)
+
+
+def _partition(model, inputs, capture="auto"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gm = qcompiler.partition(model.eval(), inputs, march="bayes",
+                                 prepare_custom_config_dict={"capture": capture})
+    return gm, [str(w.message) for w in caught if issubclass(w.category, QCompilerWarning)]
+
+
+class BufferEma(nn.Module):
+    """A running mean written in place: state carried from call to call."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.register_buffer("mean", torch.zeros(1, 3, 1, 1))
+
+    def forward(self, x):
+        y = self.conv(x)
+        self.mean.mul_(0.5).add_(y.mean((0, 2, 3), keepdim=True) * 0.5)
+        return y - self.mean
+
+
+class LocalCopy(nn.Module):
+    """An in-place write into a tensor the forward made itself: no state, export may capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(3, 4, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = self.c0(x)
+        out = torch.zeros(2, 8, 8, 8)
+        out[:, :4].copy_(y)
+        return self.c1(out)
+
+
+@pytest.mark.parametrize("layer, inputs", [(nn.GRU(6, 8), (SEQ,)), (nn.LSTMCell(6, 8), (SEQ[0],)),
+                                           (nn.MultiheadAttention(8, 2), (torch.randn(3, 2, 8),) * 3)],
+                         ids=["gru", "lstm cell", "attention"])
+def test_a_torch_layer_as_the_whole_model_is_one_call_not_exported(layer, inputs):
+    gm, told = _partition(layer, inputs)
+    assert gm.meta[GM_CAPTURE] == "fx"
+    calls = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    assert any(n.op == "call_module" and isinstance(gm.get_submodule(n.target), type(layer)) for n in calls)
+    assert not any("torch.export" in m for m in told)  # neither chosen nor blamed
+
+
+def test_a_state_write_goes_to_the_fallback_which_keeps_the_state():
+    model = BufferEma()
+    gm, told = _partition(model, (X,))
+    assert gm.meta[GM_CAPTURE] == "fx"
+    assert any("buffer 'mean'" in m for m in told) and not any("captured with torch.export" in m for m in told)
+
+
+def test_export_refuses_a_forward_that_writes_its_buffer():
+    with pytest.raises(TraceError, match=r"torch.export cannot capture BufferEma: its forward writes 'mean' in place"):
+        _partition(BufferEma(), (X,), capture="export")
+
+
+def test_a_write_into_a_local_tensor_is_exported_and_computes_the_float_values():
+    model = LocalCopy().eval()
+    gm, told = _partition(model, (X,))
+    assert gm.meta[GM_CAPTURE] == "export"
+    assert any("captured with torch.export" in m for m in told)
+    assert torch.equal(gm(X), model(X))  # float, placed: the write is kept (passes/leaf_writes.py)
