@@ -389,3 +389,19 @@ def test_a_nested_positional_input_is_one_placeholder_indexed_like_fx():
     got = torch.utils._pytree.tree_flatten(ex_cm.converted(*x))[0]
     want = torch.utils._pytree.tree_flatten(fx_cm.converted(*x))[0]
     assert len(got) == len(want) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_casts_and_bool_ands_take_torch_spellings():
+    class Mask(nn.Module):
+        def forward(self, x, m, k):
+            keep = (m > 0) & (x > 0)  # bools: logical_and
+            bits = k & 6  # ints: a bitwise and, no canonical op
+            return x * keep.to(torch.float32), bits
+
+    x, m, k = torch.randn(2, 4), torch.randn(2, 4), torch.arange(8).reshape(2, 4)
+    gm = export_graph(Mask(), (x, m, k))
+    calls = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert torch.logical_and in calls and "to" in calls
+    assert torch.ops.aten.__and__.Scalar in calls or torch.ops.aten.bitwise_and.Scalar in calls
+    got, want = gm(x, m, k), Mask()(x, m, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -299,6 +299,12 @@ class _Lowering:
         op = definition(node.target)
         if op is not None and op.name == INTERPOLATE and node.target.overloadpacket.__name__.startswith("upsample_"):
             return self._interpolate(op, node, scope)
+        if op is not None and op.name == "cast" and node.target.overloadpacket.__name__ in ("to", "_to_copy"):
+            cast = self._cast(node, scope)
+            if cast is not None:
+                return cast
+        if op is None and node.target is _A.__and__.Tensor and _dtype(node) == torch.bool:
+            return self._emit("call_function", torch.logical_and, self._value(node.args, scope), {}, scope)
         if op is None or not isinstance(node.target, torch._ops.OpOverload):
             return self._emit("call_function", node.target, self._value(node.args, scope),
                               self._value(node.kwargs, scope), scope)
@@ -382,6 +388,14 @@ class _Lowering:
         args, kwargs = _arrange(signature, named)
         return self._emit(kind, target, self._value(tuple(args), scope), self._value(kwargs, scope), scope)
 
+    def _cast(self, node: fx.Node, scope: tuple) -> Optional[fx.Node]:
+        """ATen's ``to`` / ``_to_copy`` on the CPU device as ``x.to(dtype)`` (None: left as it is)."""
+        source, out = node.args[0], _dtype(node)
+        device = node.meta.get("val").device if node.meta.get("val") is not None else None
+        if out is None or not isinstance(source, fx.Node) or (device is not None and device.type != "cpu"):
+            return None
+        return self._emit("call_method", "to", (self._value(source, scope), out), {}, scope)
+
     def _interpolate(self, op: OpDef, node: fx.Node, scope: tuple) -> fx.Node:
         """``upsample_<mode>Nd.vec(input, output_size, [align_corners,] scale_factors)`` as ``F.interpolate``
         (the mode from the overload's name), or the ``nn.Upsample`` module it is the whole forward of."""
@@ -461,6 +475,12 @@ class _Lazy:
 
     def __init__(self, target: str) -> None:
         self.target = target
+
+
+def _dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype of the tensor an exported node makes (its ``val``), or None."""
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _innermost(node: fx.Node) -> Optional[tuple[str, str]]:

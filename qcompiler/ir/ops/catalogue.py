@@ -213,7 +213,7 @@ CATALOGUE: tuple[OpDef, ...] = (
     define("avg_pool3d", _SPATIAL, signature=_AVG_POOL, modules=(nn.AvgPool3d,), functions=(F.avg_pool3d,)),
     define("adaptive_avg_pool3d", _SPATIAL, signature=_ADAPTIVE_POOL, modules=(nn.AdaptiveAvgPool3d,),
            functions=(F.adaptive_avg_pool3d,)),
-    define("adaptive_avg_pool1d", _SPATIAL, signature=_ADAPTIVE_POOL, modules=(nn.AdaptiveAvgPool1d,),
+    define("adaptive_avg_pool1d", _SPATIAL, aten=_aten("adaptive_avg_pool1d.default"), signature=_ADAPTIVE_POOL, modules=(nn.AdaptiveAvgPool1d,),
            functions=(F.adaptive_avg_pool1d,)),
     define("adaptive_max_pool1d", _SPATIAL, _EXACT, signature=sig("output_size", ("return_indices", False)),
            modules=(nn.AdaptiveMaxPool1d,), functions=(F.adaptive_max_pool1d,)),
@@ -263,7 +263,8 @@ CATALOGUE: tuple[OpDef, ...] = (
     define(REQUANTIZE, _EW, _EXACT),  # a converted graph's change of scale
     define(CONSTANT, _EXACT),  # a converted graph's constant tensor
     define("float", _EW, _EXACT, signature=_UNARY, methods=("float",)),
-    define("cast", _EW, _EXACT, methods=("bool", "byte", "char", "double", "half", "int", "long", "short", "to",
+    define("cast", _EW, _EXACT,  # ATen's to.*: as .to(dtype) (qcompiler.ir.export_capture)
+           aten=_aten("to.dtype", "to.dtype_layout", "to.device", "_to_copy"), methods=("bool", "byte", "char", "double", "half", "int", "long", "short", "to",
                                           "type_as")),
     # --- element-wise arithmetic and comparisons
     define(ADD, _EW, _EXACT,
