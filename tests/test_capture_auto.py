@@ -80,3 +80,44 @@ def test_a_write_into_a_local_tensor_is_exported_and_computes_the_float_values()
     assert gm.meta[GM_CAPTURE] == "export"
     assert any("captured with torch.export" in m for m in told)
     assert torch.equal(gm(X), model(X))  # float, placed: the write is kept (passes/leaf_writes.py)
+
+
+class Residual(nn.Module):
+    """``hidden += residual``, as transformers' ResNet writes it: export keeps ``aten.add_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h += x
+        return h.relu()
+
+
+class AliasedWrite(nn.Module):
+    """An in-place write whose alias is read after it: the write must stay in place."""
+
+    def forward(self, x):
+        y = x * 2
+        v = y.view(-1)
+        y.mul_(3)
+        return v + 1
+
+
+def test_an_exported_in_place_add_becomes_the_bpu_add():
+    model = Residual().eval()
+    gm, _ = _partition(model, (X,), capture="export")
+    # aten.add_ -> x.add_ -> out of place -> fused into the conv (conv + add + relu), all on the BPU
+    assert [n.op for n in gm.graph.nodes if n.meta.get("qc_placement") == "cpu"] == []
+    assert not any(n.op == "call_function" and "aten" in str(n.target) for n in gm.graph.nodes)
+    assert torch.equal(gm(X), model(X))
+
+
+def test_an_exported_in_place_write_read_through_an_alias_reaches_the_alias():
+    model = AliasedWrite().eval()
+    gm, _ = _partition(model, (X,), capture="export")
+    # the view is made again after the write (passes/view_writes.py), so the alias reads the written value
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["mul", "view"]
+    assert not any(n.op == "call_function" and "aten" in str(n.target) for n in gm.graph.nodes)
+    assert torch.equal(gm(X), model(X))

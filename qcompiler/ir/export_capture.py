@@ -117,6 +117,23 @@ def _is_view(node: fx.Node) -> bool:
     return first is not None and not first.is_write
 
 
+def _in_place_method(node: fx.Node) -> Optional[str]:
+    """The Tensor method name of an in-place ATen call on its first argument (``aten.add_.Tensor`` ->
+    ``"add_"``), or None. torch 2.13's export keeps ``hidden += residual`` as ``aten.add_``; as the
+    method the tracer records for it, inplace_reads and out_of_place make it the ``add`` every later
+    stage knows (an ATen in-place overload was an eager-torch island no pass saw writing)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    name = schema.name.split("::")[-1]
+    alias = schema.arguments[0].alias_info
+    if not name.endswith("_") or name.startswith("_") or alias is None or not alias.is_write:
+        return None
+    if schema.arguments[0].name != "self" or not hasattr(torch.Tensor, name):
+        return None
+    return name
+
+
 def export_graph(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = None, *,
                  leaf_module_names: Sequence[str] = (), leaf_module_types: Sequence[Any] = ()) -> fx.GraphModule:
     """Capture ``model(*args, **kwargs)`` with torch.export and lower it into qcompiler's IR.
@@ -305,6 +322,10 @@ class _Lowering:
                 return cast
         if op is None and node.target is _A.__and__.Tensor and _dtype(node) == torch.bool:
             return self._emit("call_function", torch.logical_and, self._value(node.args, scope), {}, scope)
+        method = _in_place_method(node) if op is None else None
+        if method is not None:  # x.add_(y): the in-place passes see it as they see the tracer's methods
+            return self._emit("call_method", method, self._value(node.args, scope),
+                              self._value(node.kwargs, scope), scope)
         if op is None or not isinstance(node.target, torch._ops.OpOverload):
             return self._emit("call_function", node.target, self._value(node.args, scope),
                               self._value(node.kwargs, scope), scope)
