@@ -14,7 +14,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -34,7 +34,7 @@ from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import (BPU, GM_INPUT_SPEC, GM_INT16, GM_KIND, GM_MARCH, GM_OUTPUT_SPEC, META_PLACEMENT,
                                META_QDTYPE, META_REASON, META_TENSOR)
-from qcompiler.ir.shape_prop import normalize_inputs
+from qcompiler.ir.shape_prop import KeywordInputs, normalize_inputs
 from qcompiler.ir.state import ModelState
 from qcompiler.ir.structure import bind_structured, check_output_leaves, spec_from_json, spec_to_json
 from qcompiler.march import resolve_march
@@ -366,9 +366,23 @@ def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> l
         raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
     out = []
     for i, b in enumerate(batches):
+        if isinstance(inputs, KeywordInputs) and isinstance(b, Mapping):
+            b = keyword_batch(b, inputs, where=f"calib_data batch {i}")
         out.append(check_inputs(as_args(b), signature, where=f"calib_data batch {i}"))
         require_samples(out[-1], where=f"calib_data batch {i}")
     return out
+
+
+def keyword_batch(batch: Mapping, example: KeywordInputs, *, where: str) -> tuple:
+    """A dict batch of a model prepared with keyword example inputs, as the graph's inputs: its
+    tensor leaves in the example's order. ConfigError naming a missing or unknown key."""
+    missing = [k for k in example.kwargs if k not in batch]
+    unknown = [k for k in batch if k not in example.kwargs]
+    if missing or unknown:
+        what = f"lacks {missing[0]!r}" if missing else f"has {unknown[0]!r}, which the example inputs do not"
+        raise ConfigError(f"{where}: the batch {what}; batches of a model prepared with keyword example "
+                          f"inputs are dicts with their keys ({', '.join(example.kwargs)})")
+    return tuple(KeywordInputs({k: batch[k] for k in example.kwargs}, example.args))
 
 
 def check_has_data(model: nn.Module) -> None:
