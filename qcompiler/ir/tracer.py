@@ -119,6 +119,10 @@ class QTracer(fx.Tracer):
             return True
         if self.leaf_module_types and isinstance(m, self.leaf_module_types):
             return True
+        if isinstance(m, _TRACED_THROUGH):  # nn.ZeroPad2d: its F.pad is what the rewrites fold into a conv
+            return False
+        if _layer_subclass(type(m)):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
@@ -313,6 +317,7 @@ def trace(
         raise _trace_error(model, tracer, exc, example_inputs is not None) from None
     _resolve_string_annotations(graph, model)
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    _as_base_layers(gm)
     if tracer.input_spec is not None:
         gm.meta[GM_INPUT_SPEC] = tracer.input_spec
     for island, bound in tracer.glue_constants:  # (trace_or_fallback binds them again after its restore)
@@ -405,3 +410,40 @@ def _trace_error(model: nn.Module, tracer: QTracer, exc: Exception, inputs_given
     err.reason = reason  # torch's message, first line
     err.code_error = isinstance(exc, (NameError, ImportError))  # the forward fails eagerly too
     return err
+
+
+# torch modules traced into rather than called as a whole: a zero / constant padding is F.pad, which
+# the rewrites move into the conv or pool after it (a ZeroPad2d leaf had no rule: an eager island)
+_TRACED_THROUGH = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d)
+
+
+def _layer_subclass(cls: type) -> bool:
+    """Whether ``cls`` is a subclass, made outside torch, of a torch layer the op catalogue spells that
+    keeps that layer's forward (transformers' ``EfficientNetDepthwiseConv2d(nn.Conv2d)`` only sets its
+    arguments): a leaf like the layer itself, where fx would trace into ``F.conv2d`` of its weight."""
+    if cls.__module__.startswith("torch."):
+        return False
+    base = _layer_base(cls)
+    return base is not None and cls.forward is base.forward
+
+
+def _layer_base(cls: type) -> Optional[type]:
+    """The nearest torch layer class the op catalogue spells in ``cls``'s MRO (itself excluded)."""
+    from qcompiler.ir.ops.registry import MODULE_OPS  # (imported late: the catalogue imports the IR)
+    return next((c for c in cls.__mro__[1:] if c in MODULE_OPS and c.__module__.startswith("torch.nn")), None)
+
+
+def _as_base_layers(gm: fx.GraphModule) -> None:
+    """Each call of a :func:`_layer_subclass` module calls, in the graph, a twin of its torch base class
+    with the same attributes and the same parameter objects: every later stage (fusion, observers,
+    convert) matches layers by their exact class. The user's model keeps its own module."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not _layer_subclass(type(module)):
+            continue
+        twin = _layer_base(type(module)).__new__(_layer_base(type(module)))
+        twin.__dict__.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
+        parent, _, name = node.target.rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, name, twin)
