@@ -22,8 +22,9 @@ inputs (``torch.arange(7)``). Not constant, so never folded:
 * a module call, unless the module is a catalogued op in eval mode (an opaque leaf may keep state);
 * a broadcast that makes its result larger than its inputs (``expand``, ``expand_as``,
   ``broadcast_to``, ``repeat``, ``tile``): folding would store the materialised copy (an expand
-  is a view: free in torch, a memory cost as a constant). The broadcast stays, reading the folded
-  value; and no folded value may exceed :data:`MAX_FOLDED_ELEMENTS` elements.
+  is a view: free in torch, a memory cost as a constant), unless its result has at most
+  :data:`SMALL_BROADCAST` elements. The broadcast stays, reading the folded value; and no folded
+  value may exceed :data:`MAX_FOLDED_ELEMENTS` elements.
 
 It runs before shape propagation (which then gives the new ``get_attr`` nodes their metadata) and
 after ``remove_identities`` (an eval dropout inside such a subgraph is gone by then). The verifier
@@ -46,6 +47,9 @@ from qcompiler.ir.ops import OPS, Tag, module_op, node_op
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
 MAX_FOLDED_ELEMENTS = 1 << 24  # 64 MiB of float32: a larger constant is left to be computed
+# a broadcast up to this many elements is folded like any call (GPT-2's position ids expanded to the
+# batch, with the mask arithmetic after them: constant glue that was an eager island)
+SMALL_BROADCAST = 1 << 16
 # broadcasts whose output may be much larger than their input: folded only if not larger
 GROWING_OPS = frozenset({"expand", "expand_as", "broadcast_to", "broadcast_tensors", "repeat", "tile"})
 _RANDOM_WORDS = ("rand", "normal", "bernoulli", "multinomial", "poisson", "dropout", "empty", "uniform",
@@ -224,7 +228,7 @@ def constant_values(gm: fx.GraphModule) -> dict[fx.Node, Any]:
                           for i in node.all_input_nodes if i in versions)
             if written or not _same(*values) or _numel(values[0]) > MAX_FOLDED_ELEMENTS:
                 continue
-            if node_op(node, modules) in GROWING_OPS and \
+            if node_op(node, modules) in GROWING_OPS and _numel(values[0]) > SMALL_BROADCAST and \
                     _numel(values[0]) > sum(_numel(runs[0][i]) for i in node.all_input_nodes):
                 continue
             for env, v in zip(runs, values):

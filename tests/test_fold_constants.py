@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from qcompiler.errors import PassError
 from qcompiler.ir import trace
+from qcompiler.ir.capture import capture
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.fold_constants import FOLD_CONSTANTS, fold_constants, verify_folded
@@ -207,7 +208,8 @@ def test_a_function_that_gives_other_values_when_run_again_is_not_folded():
 
 
 def test_an_expand_stays_and_reads_the_folded_value():
-    """A broadcast of a constant is not materialised: what it broadcasts is folded, the expand stays."""
+    """A large broadcast of a constant is not materialised: what it broadcasts is folded, the expand
+    stays (above SMALL_BROADCAST elements)."""
 
     class Expands(nn.Module):
         def __init__(self):
@@ -215,14 +217,35 @@ def test_an_expand_stays_and_reads_the_folded_value():
             self.cls = nn.Parameter(torch.randn(1, 1, 16))
 
         def forward(self, x):
-            return torch.cat([(self.cls * 2.0).expand(2, 4, 16), x], dim=1)
+            return torch.cat([(self.cls * 2.0).expand(2, 4096, 16), x], dim=1)
 
     model = Expands().eval()
     gm = _trace(model)
     assert fold_constants(gm, CTX).modified
     assert _body(gm)[:2] == ["qc_folded_mul = self.qc_folded_mul",
-                             "expand = qc_folded_mul.expand(2, 4, 16);  qc_folded_mul = None"]
+                             "expand = qc_folded_mul.expand(2, 4096, 16);  qc_folded_mul = None"]
     assert gm.qc_folded_mul.shape == (1, 1, 16)
+    assert torch.equal(gm(X), model(X))
+
+
+def test_a_small_broadcast_is_folded_with_what_reads_it():
+    """A mask or position table broadcast to the batch (GPT-2's position ids): small, so folded, and so
+    is the constant arithmetic after it (it would otherwise be an island of constant glue)."""
+
+    class SmallExpand(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("positions", torch.arange(16))
+
+        def forward(self, x):
+            ids = self.positions.unsqueeze(0).expand(2, 16)
+            return x + (ids.diff(dim=-1, prepend=ids[:, :1]) != 1).float().unsqueeze(1)
+
+    model = SmallExpand().eval()
+    gm = capture(model, (X,), mode="export")  # (symbolic tracing computes it while tracing)
+    assert any("expand" in str(n.target) for n in gm.graph.nodes)
+    assert fold_constants(gm, CTX).modified
+    assert not any("expand" in str(n.target) for n in gm.graph.nodes)
     assert torch.equal(gm(X), model(X))
 
 
@@ -243,7 +266,6 @@ def test_the_partition_pipeline_folds_before_shape_propagation():
 @pytest.mark.parametrize("training", [False, True])
 def test_a_graph_captured_by_torch_export_folds_the_same(training):
     """torch.export lowers the gather + view + permute to catalogue spellings and the parameters to get_attr."""
-    from qcompiler.ir.capture import capture
 
     torch.manual_seed(0)
     model = RelPosBias().train(training)
@@ -270,7 +292,6 @@ class Nested(nn.Module):
 
 @pytest.mark.parametrize("capture_mode", ["fx", "export"])
 def test_a_nested_module_folds_in_eval_mode_only(capture_mode):
-    from qcompiler.ir.capture import capture
 
     torch.manual_seed(0)
     model = Nested().eval()
