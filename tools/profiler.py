@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 from tabulate import tabulate
 
+import qcompiler.ir
 from qcompiler.atomic_write import write_file
 from qcompiler.errors import ConfigError
 from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
@@ -33,6 +34,9 @@ __all__ = ["ModelProfiler", "OpRunningInfoManager", "OpRecord", "STATISTIC_FILE"
 
 STATISTIC_FILE = "statistic.txt"
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# the capture machinery (the tracer, the output-recording wrapper of qcompiler.ir.structure): its frames
+# sit between fx and the model's forward in every stack trace
+_CAPTURE_DIR = os.path.dirname(os.path.abspath(qcompiler.ir.__file__)) + os.sep
 _TB_MISSING = "tensorboard is not installed: pip install qcompiler[tensorboard] or pip install tensorboard"
 
 
@@ -270,7 +274,7 @@ def _last_frame(stack_trace: Optional[str]) -> str:
         if line.startswith('File "'):
             try:
                 path, rest = line[6:].split('", line ', 1)
-                if not path.startswith(_TORCH_DIR) and not path.endswith(os.path.join("ir", "tracer.py")):
+                if not path.startswith((_TORCH_DIR, _CAPTURE_DIR)):
                     return f"{path}:{rest.split(',')[0]}"
             except ValueError:
                 continue
