@@ -300,22 +300,14 @@ def test_div_by_a_zero_code_saturates_like_the_fake_quant_model():
 
 
 @pytest.mark.parametrize("kind,march,name,reason", [
-    ("two_constants", "bayes", "add", "add: 2 constant operands > 1 on bayes"),
-    ("constants_only_mul", "bernoulli2", "mul",
-     "mul: no run-time operand: it computes on constants only (numbers, buffers, parameters) on bernoulli2"),
-    ("constants_only_mul", "bayes", "mul", "mul: 2 constant operands > 1 on bayes"),
     ("div_by_buffer", "bayes", "truediv", "div: 1 feature-map operand(s); needs 2 on bayes"),
     ("floor_div", "bernoulli2", "div",
      "div: div with rounding_mode='floor' (the BPU divides exactly, then requantizes) on bernoulli2"),
     ("functional_batch_norm", "bayes", "batch_norm",
      "batch_norm: functional batch_norm (the BPU lowers an nn.BatchNorm2d module with running statistics) on bayes"),
-    ("computed_slope", "bernoulli2", "prelu",
-     "prelu: the slope is computed at run time (the BPU takes a constant slope: a parameter or buffer) on bernoulli2"),
     ("matmul_constant", "bayes", "matmul", "matmul: 1 feature-map operand(s); needs 2 on bayes"),
     ("functional_conv", "bayes", "conv2d", "conv2d: functional conv2d (the BPU lowers nn.Conv2d / "
      "nn.ConvTranspose2d / nn.Linear modules, whose weights prepare quantizes) on bayes"),
-    ("functional_conv", "bayes", "reshape",  # a layout op on a parameter: no BPU value to reshape
-     "reshape: no run-time operand: it computes on constants only (numbers, buffers, parameters) on bayes"),
 ])
 def test_ops_without_a_lowering_stay_on_cpu_with_a_reason(kind, march, name, reason):
     """Placement keeps them off the BPU (before: BPU, then a failure in convert); the model converts
@@ -329,6 +321,28 @@ def test_ops_without_a_lowering_stay_on_cpu_with_a_reason(kind, march, name, rea
         torch.testing.assert_close(lower(q)(x), out, rtol=1e-5, atol=1e-5)  # CPU ops in onnxruntime: float32
     same = (ref == out).double().mean().item()
     assert same >= 0.999 and torch.allclose(ref, out, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind,march,name", [
+    ("two_constants", "bayes", "add"), ("constants_only_mul", "bernoulli2", "mul"),
+    ("constants_only_mul", "bayes", "mul"), ("computed_slope", "bernoulli2", "abs"),
+    ("functional_conv", "bayes", "reshape"),
+])
+def test_operands_computed_from_constants_only_are_folded_before_placement(kind, march, name):
+    """``self.s + 1.0``, ``self.s * 2.0``, ``self.w.abs()``, ``self.s.reshape(...)``: parameters and
+    numbers only, so passes/fold_constants.py makes each one buffer (they stayed on the CPU with a
+    reason before); the model converts and matches the fake-quant model."""
+    cal, x = calibrated(kind, march)
+    assert name not in placements(cal)
+    assert any(n.op == "get_attr" and n.target.startswith("qc_folded_") for n in cal.graph.nodes)
+    if kind == "computed_slope":  # its slope is now a constant: the BPU's prelu
+        assert placements(cal)["prelu"][0] == "bpu"
+    qat = validated(cal)
+    q = convert_fx(qat)
+    with torch.no_grad():
+        ref, out = qat(x), q(x)
+        torch.testing.assert_close(lower(q)(x), out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ref, out, rtol=0, atol=1e-2)
 
 
 def test_batch_norm_without_running_statistics_stays_on_cpu():
