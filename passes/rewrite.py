@@ -26,6 +26,13 @@ of the padded input (float32 rounding, a few ULPs; tests/test_rewrite.py states 
   batch entry as -1, and the size reads removed (a size read is no BPU op; it stopped convert).
   Declined unless every other computed entry is arithmetic on sizes of non-batch dims (the batch
   size in arithmetic, or a size read that equals the batch size, may change with the batch).
+* ``x.reshape(t.shape[:k])`` (a leading slice of a shape, transformers' EfficientNet pooler): the
+  numbers the example gives, the batch as -1, where ``t``'s dim 0 is the batch and no other size
+  equals it.
+* an ``nn.AvgPool2d`` without padding or divisor whose one window covers the map (output 1x1, the
+  kernel at least the input's size: ``AvgPool2d(hidden_dim, ceil_mode=True)``): the global average
+  pool (``nn.AdaptiveAvgPool2d(1)``), which the BPU runs; the same mean of H * W values, equal to
+  float32 rounding (tests/test_rewrite_pooler.py: 1e-6).
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
 """
@@ -46,7 +53,7 @@ from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
-from qcompiler.ir.ops.names import CONV2D, GETITEM, RESHAPE
+from qcompiler.ir.ops.names import AVG_POOL2D, CONV2D, GETITEM, RESHAPE
 from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -337,6 +344,45 @@ def _replace_sizes(found: Match, new: list[int], rewriter: Rewriter) -> fx.Node:
     return node
 
 
+def _leading(index: Any) -> bool:
+    return isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)
+
+
+# t.shape[:k]
+_SHAPE_SLICE = Op(GETITEM, {"input": Op("getattr", {"input": Var("t"), "name": Const(one_of("shape"))}),
+                            "index": Const(_leading, "index")}, name="sliced")
+# x.reshape(t.shape[:k]) (transformers' EfficientNet pooler: pooled.reshape(pooled.shape[:2])); a method's
+# one shape argument binds as the 1-tuple of it
+SHAPE_SLICE_RESHAPE = AnyOf(tuple(Op(RESHAPE, {"input": Var("x"), entries: Var("shape")}, name="node")
+                                  for entries in ("shape", "size")))
+
+
+def _shape_slice_as_numbers(found: Match) -> Optional[tuple[list[int], fx.Node]]:
+    """The numbers of a reshape to the leading sizes of a tensor whose dim 0 is the example's batch:
+    the batch as -1, the other sizes (non-batch dims) as the example gives them; and the slice node."""
+    shape = found["shape"]
+    shape = shape[0] if isinstance(shape, (tuple, list)) and len(shape) == 1 else shape
+    inner = _SHAPE_SLICE.match(shape, found.modules) if isinstance(shape, fx.Node) else None
+    if inner is None:
+        return None
+    t, info, batch = _tensor_info(inner["t"]), _tensor_info(found["node"]), _example_batch(found.gm)
+    if t is None or info is None or not len(info.shape) or batch is None:
+        return None
+    if t.shape[0] != batch or info.shape[0] != batch or any(d == batch for d in info.shape[1:]):
+        return None  # (a size equal to the batch elsewhere may be the batch: declined)
+    return [-1] + [int(d) for d in info.shape[1:]], shape
+
+
+def _replace_shape_slice(found: Match, data: tuple[list[int], fx.Node], rewriter: Rewriter) -> fx.Node:
+    node, (new, sliced) = found["node"], data
+    node.kwargs = {}
+    node.args = (found["x"], tuple(new))
+    for n in (sliced, sliced.args[0]):  # the slice, then the shape read, where nothing else reads them
+        if not n.users:
+            rewriter.erase(n)
+    return node
+
+
 # --------------------------------------------------------------------------- x[:, None] -> unsqueeze
 
 
@@ -389,6 +435,33 @@ def _replace_index(found: Match, dims: list[int], rewriter: Rewriter) -> fx.Node
     return value
 
 
+# --------------------------------------------------------------------------- a pool over the whole map -> global
+
+
+def _plain_avg_pool(m: nn.Module) -> bool:
+    return type(m) is nn.AvgPool2d and m.divisor_override is None and m.padding in (0, (0, 0))
+
+
+# an nn.AvgPool2d without padding (transformers' EfficientNet pooler: AvgPool2d(hidden_dim, ceil_mode=True))
+WHOLE_MAP_POOL = Op(AVG_POOL2D, {"input": Var("x", _is_4d)}, name="node", module=Var("pool", _plain_avg_pool))
+
+
+def _whole_map(found: Match) -> Optional[bool]:
+    """True where the pool's one window covers the whole map: its output is 1x1 and its kernel is at
+    least the input's size, so each output is the mean of all H * W inputs (no padding counted)."""
+    info, out = _tensor_info(found["x"]), _tensor_info(found["node"])
+    if info is None or out is None or len(out.shape) != 4 or tuple(out.shape[2:]) != (1, 1):
+        return None
+    k = found["pool"].kernel_size
+    kh, kw = (k, k) if isinstance(k, int) else k
+    return True if kh >= info.shape[2] and kw >= info.shape[3] else None
+
+
+def _replace_whole_map(found: Match, _: bool, rewriter: Rewriter) -> fx.Node:
+    rewriter.set_module(found["node"].target, nn.AdaptiveAvgPool2d(1))
+    return found["node"]
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
@@ -396,8 +469,12 @@ REWRITES: tuple[Rewrite, ...] = (
             'conv padding="same" / "valid" written as the numbers torch computes'),
     Rewrite("reshape_sizes_as_numbers", SIZED_RESHAPE, _shape_as_numbers, _replace_sizes,
             "reshape to sizes read from tensors written as numbers, the batch as -1"),
+    Rewrite("reshape_shape_slice_as_numbers", SHAPE_SLICE_RESHAPE, _shape_slice_as_numbers, _replace_shape_slice,
+            "reshape to a slice of a tensor's shape written as numbers, the batch as -1"),
     Rewrite("index_as_unsqueeze", NONE_INDEX, _unsqueezed_dims, _replace_index,
             "x[:, None] indexing rewritten as unsqueeze (a reshape)"),
+    Rewrite("whole_map_pool_as_global", WHOLE_MAP_POOL, _whole_map, _replace_whole_map,
+            "an average pool whose one window covers the map rewritten as the global average pool"),
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:
