@@ -10,6 +10,7 @@ import torch.nn as nn
 import qcompiler
 from qcompiler.errors import QCompilerWarning, TraceError
 from qcompiler.ir.capture import GM_CAPTURE
+from test_state_writes import PadCopy  # noqa: E402
 
 X = torch.randn(2, 3, 8, 8)
 SEQ = torch.randn(5, 2, 6)
@@ -37,20 +38,6 @@ class BufferEma(nn.Module):
         return y - self.mean
 
 
-class LocalCopy(nn.Module):
-    """An in-place write into a tensor the forward made itself: no state, export may capture it."""
-
-    def __init__(self):
-        super().__init__()
-        self.c0, self.c1 = nn.Conv2d(3, 4, 1), nn.Conv2d(8, 4, 1)
-
-    def forward(self, x):
-        y = self.c0(x)
-        out = torch.zeros(2, 8, 8, 8)
-        out[:, :4].copy_(y)
-        return self.c1(out)
-
-
 @pytest.mark.parametrize("layer, inputs", [(nn.GRU(6, 8), (SEQ,)), (nn.LSTMCell(6, 8), (SEQ[0],)),
                                            (nn.MultiheadAttention(8, 2), (torch.randn(3, 2, 8),) * 3)],
                          ids=["gru", "lstm cell", "attention"])
@@ -75,7 +62,7 @@ def test_export_refuses_a_forward_that_writes_its_buffer():
 
 
 def test_a_write_into_a_local_tensor_is_exported_and_computes_the_float_values():
-    model = LocalCopy().eval()
+    model = PadCopy().eval()  # a write into a tensor the forward made itself: no state
     gm, told = _partition(model, (X,))
     assert gm.meta[GM_CAPTURE] == "export"
     assert any("captured with torch.export" in m for m in told)

@@ -15,6 +15,7 @@ from qcompiler.ir.meta import META_OP, META_PARTITION, META_REASON, placement
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext
 from qcompiler.passes.place import place
+from test_onnx_3d import Block3d  # noqa: E402  (r3d_18's BasicBlock)
 
 IDLE = "does no multiply-accumulate or pooling and sits between CPU ops"
 
@@ -32,21 +33,9 @@ def placed(model, x, march="bayes", hybrid=None):
     return placements(place(gm, ctx).gm)
 
 
-class Block3d(nn.Module):
-    """r3d_18's BasicBlock, small: conv3d + BN3d + relu twice, a residual add, relu (all CPU on bayes)."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv3d(c, c, 3, padding=1, bias=False), nn.BatchNorm3d(c)
-        self.conv2, self.bn2 = nn.Conv3d(c, c, 3, padding=1, bias=False), nn.BatchNorm3d(c)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        y = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(y)) + x)
-
-
 class R3dLike(nn.Module):
+    """r3d_18, small, with a mean head (tests/test_onnx_3d.py's has AdaptiveAvgPool3d)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv3d(3, 8, (3, 7, 7), (1, 2, 2), (1, 3, 3), bias=False), nn.BatchNorm3d(8),
