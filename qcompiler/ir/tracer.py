@@ -418,19 +418,27 @@ _TRACED_THROUGH = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2
 
 
 def _layer_subclass(cls: type) -> bool:
-    """Whether ``cls`` is a subclass, made outside torch, of a torch layer the op catalogue spells that
-    keeps that layer's forward (transformers' ``EfficientNetDepthwiseConv2d(nn.Conv2d)`` only sets its
-    arguments): a leaf like the layer itself, where fx would trace into ``F.conv2d`` of its weight."""
+    """Whether ``cls`` is a subclass, made outside torch, of a torch layer that keeps that layer's
+    forward (transformers' ``EfficientNetDepthwiseConv2d(nn.Conv2d)`` only sets its arguments): a leaf
+    like the layer itself, where fx would trace into ``F.conv2d`` of its weight."""
     if cls.__module__.startswith("torch."):
         return False
     base = _layer_base(cls)
     return base is not None and cls.forward is base.forward
 
 
+# torch.nn classes that hold modules rather than compute: their subclasses are traced into
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def _layer_base(cls: type) -> Optional[type]:
-    """The nearest torch layer class the op catalogue spells in ``cls``'s MRO (itself excluded)."""
-    from qcompiler.ir.ops.registry import MODULE_OPS  # (imported late: the catalogue imports the IR)
-    return next((c for c in cls.__mro__[1:] if c in MODULE_OPS and c.__module__.startswith("torch.nn")), None)
+    """The nearest torch.nn layer class in ``cls``'s MRO (itself excluded): one fx calls as a leaf."""
+    for c in cls.__mro__[1:]:
+        if c is nn.Module or issubclass(c, _CONTAINERS):
+            return None
+        if c.__module__.startswith("torch.nn.modules"):
+            return c
+    return None
 
 
 def _as_base_layers(gm: fx.GraphModule) -> None:
