@@ -122,7 +122,7 @@ def test_cli_rejects_an_unknown_model():
 # --- issue 33's done criteria (bayes) that hold at this commit ---------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ResNet", "MobileNetV2", "RegNet", "ConvNeXt"])
+@pytest.mark.parametrize("name", ["ResNet", "MobileNetV2", "EfficientNet", "RegNet", "ConvNeXt"])
 def test_conv_architecture_is_on_the_bpu_and_exports(name):
     """Convolutional architectures: 0 eager-torch islands, >= 95 % of the MACs on the BPU, the export valid
     and equal to the compiled model (the models of the zoo that meet it; docs/architecture_zoo.md)."""
