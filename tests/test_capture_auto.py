@@ -108,3 +108,25 @@ def test_an_exported_in_place_write_read_through_an_alias_reaches_the_alias():
     assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["mul", "view"]
     assert not any(n.op == "call_function" and "aten" in str(n.target) for n in gm.graph.nodes)
     assert torch.equal(gm(X), model(X))
+
+
+class ExpandAs(nn.Module):
+    """DPT's readout: a token broadcast to the others' shape with expand_as."""
+
+    def forward(self, x):
+        tokens = x.flatten(2).transpose(1, 2)  # (N, HW, C)
+        cls = tokens[:, :1]
+        return tokens + cls.expand_as(tokens)
+
+
+def test_an_exported_expand_as_is_the_method_and_exports(tmp_path):
+    model = ExpandAs().eval()
+    gm, _ = _partition(model, (X,), capture="export")
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method" and "expand" in n.target] == ["expand_as"]
+    assert not any(n.op == "call_function" and "expand" in str(n.target) for n in gm.graph.nodes)
+    assert torch.equal(gm(X), model(X))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = qcompiler.compile(model, (X,), march="bayes", progress=False,
+                               prepare_custom_config_dict={"capture": "export"})
+    cm.export_onnx(tmp_path / "m.onnx")  # no eager island: an ONNX Expand of the shape

@@ -475,7 +475,7 @@ CATALOGUE: tuple[OpDef, ...] = (
     define("narrow", functions=(torch.narrow, torch.narrow_copy), methods=("narrow",)),
     define("movedim", functions=(torch.movedim, torch.moveaxis), methods=("movedim", "moveaxis")),
     define("expand", aten=_aten("expand.default"), functions=(torch.expand_copy,), methods=("expand",)),
-    define("expand_as", methods=("expand_as",)),
+    define("expand_as", aten=_aten("expand_as.default"), methods=("expand_as",)),
     define("repeat", aten=_aten("repeat.default"), methods=("repeat",)),
     define("broadcast_to", functions=(torch.broadcast_to,), methods=("broadcast_to",)),
     define("broadcast_tensors", functions=(torch.broadcast_tensors,)),
