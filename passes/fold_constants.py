@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.errors import PassError
-from qcompiler.ir.inplace import mutated_input
+from qcompiler.ir.inplace import mutated_input, schema_writes
 from qcompiler.ir.meta import META_SCOPE
 from qcompiler.ir.ops import OPS, Tag, module_op, node_op
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -125,15 +125,7 @@ def written_inputs(node: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
     """The values ``node`` changes in place: :func:`~qcompiler.ir.inplace.mutated_input`'s, and for an ATen
     overload (a graph captured by torch.export keeps ``aten.copy_`` / ``aten.add_.Tensor`` / ``aten.fill_``)
     every argument its schema marks as written (``Tensor(a!)``)."""
-    out = [w for w in (mutated_input(node, gm),) if w is not None]
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None:
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            out.extend(v for v in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(v, fx.Node))
-    return out
+    return [w for w in (mutated_input(node, gm),) if w is not None] + schema_writes(node)
 
 
 def _tainted(gm: fx.GraphModule) -> set[fx.Node]:

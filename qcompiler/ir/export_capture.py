@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from qcompiler.errors import TraceError
 from qcompiler.ir.export_leaves import LEAF_OP, leaves_as_calls
+from qcompiler.ir.inplace import schema_writes
 from qcompiler.ir.meta import GM_OUTPUT_SPEC, META_SCOPE, ScopeEntry
 from qcompiler.ir.ops.bind import read_arguments
 from qcompiler.ir.ops.names import INTERPOLATE
@@ -94,13 +95,7 @@ def _written_inputs(program: torch.export.ExportedProgram) -> list[str]:
              and hasattr(spec.arg, "name")}
     written = []
     for node in program.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(value, fx.Node):
-                continue
+        for value in schema_writes(node):
             while value.op == "call_function" and _is_view(value):
                 value = value.args[0]
             if value.op == "placeholder" and value.name in names:

@@ -70,6 +70,20 @@ META_INPUT_WRITES = "qc_input_writes"
 META_RETURNED_INPUT = "qc_returned_input"
 
 
+def schema_writes(node: fx.Node) -> list[fx.Node]:
+    """The arguments an ATen overload's schema marks as written (``Tensor(a!)``): what a graph captured
+    by torch.export changes in place (``aten.copy_``, ``aten.add_.Tensor``, ``aten.fill_``), which
+    :func:`mutated_input` does not read from a name. Empty for anything but an ATen call."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    out: list[fx.Node] = []
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        out.extend(v for v in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(v, fx.Node))
+    return out
+
+
 def leaf_write_(value: torch.Tensor, copy: torch.Tensor, result: object) -> torch.Tensor:
     """``value`` given what an opaque node wrote into ``copy``, its copy of ``value`` (passes/leaf_writes.py):
     in place, as the node would have written ``value`` itself.  ``result``, the node's output, is read only
