@@ -366,23 +366,11 @@ def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> l
         raise ConfigError("calib_data is empty: pass at least one batch of calibration inputs")
     out = []
     for i, b in enumerate(batches):
-        if isinstance(inputs, KeywordInputs) and isinstance(b, Mapping):
-            b = keyword_batch(b, inputs, where=f"calib_data batch {i}")
+        if isinstance(inputs, KeywordInputs) and isinstance(b, Mapping):  # by the example's keys
+            b = bind_structured(inputs.spec, (), dict(b), where=f"calib_data batch {i}")
         out.append(check_inputs(as_args(b), signature, where=f"calib_data batch {i}"))
         require_samples(out[-1], where=f"calib_data batch {i}")
     return out
-
-
-def keyword_batch(batch: Mapping, example: KeywordInputs, *, where: str) -> tuple:
-    """A dict batch of a model prepared with keyword example inputs, as the graph's inputs: its
-    tensor leaves in the example's order. ConfigError naming a missing or unknown key."""
-    missing = [k for k in example.kwargs if k not in batch]
-    unknown = [k for k in batch if k not in example.kwargs]
-    if missing or unknown:
-        what = f"lacks {missing[0]!r}" if missing else f"has {unknown[0]!r}, which the example inputs do not"
-        raise ConfigError(f"{where}: the batch {what}; batches of a model prepared with keyword example "
-                          f"inputs are dicts with their keys ({', '.join(example.kwargs)})")
-    return tuple(KeywordInputs({k: batch[k] for k in example.kwargs}, example.args))
 
 
 def check_has_data(model: nn.Module) -> None:

@@ -39,8 +39,9 @@ def test_dict_batches_calibrate_like_the_same_batches_as_tuples_in_the_examples_
     assert torch.equal(by_dict(**x), by_tuple(**x))
 
 
-@pytest.mark.parametrize("batch, message", [({"pixels": torch.randn(2, 3, 6, 6)}, "lacks 'mask'"),
-                                            ({**_batch(1), "extra": torch.ones(1)}, "has 'extra'")])
+@pytest.mark.parametrize("batch, message", [({"pixels": torch.randn(2, 3, 6, 6)}, "input 'mask' missing"),
+                                            ({**_batch(1), "extra": torch.ones(1)},
+                                             "keyword argument 'extra' names no input")])
 def test_a_dict_batch_with_other_keys_is_refused_naming_the_key(batch, message):
-    with pytest.raises(ConfigError, match=rf"calib_data batch 0: the batch {message}"):
+    with pytest.raises(ConfigError, match=rf"calib_data batch 0: {message}"):
         _compile([batch])
