@@ -20,6 +20,10 @@ class March(str, enum.Enum):
 
     BERNOULLI2 = "bernoulli2"  # RDK X3
     BAYES = "bayes"  # J5 / RDK Ultra
+    NASH = "nash"  # J6-class, transformer era (backends/bpu/nash.py)
+    # the accuracy-debugging guide's spellings of the same generation: aliases, one table
+    NASH_M = "nash"
+    NASH_E = "nash"
 
     def __str__(self) -> str:
         return self.value
@@ -42,8 +46,8 @@ def to_march(value: MarchLike) -> March:
         return value
     if isinstance(value, str):
         key = value.strip().lower()
-        for m in March:
-            if key in (m.value, m.name.lower()):
+        for name, m in March.__members__.items():  # with the aliases (NASH_M, NASH_E)
+            if key in (m.value, name.lower()):
                 return m
     allowed = ", ".join(m.value for m in March)
     close = difflib.get_close_matches(str(value).lower(), [m.value for m in March], n=1)

@@ -1,4 +1,4 @@
-"""Op-support table types: which ops a march runs on the BPU, under which constraints (rows of :mod:`.bayes` and :mod:`.bernoulli2`)."""
+"""Op-support table types: which ops a march runs on the BPU, under which constraints (rows of :mod:`.bernoulli2`, :mod:`.bayes` and :mod:`.nash`)."""
 
 from __future__ import annotations
 
