@@ -29,7 +29,7 @@ def test_help_names_the_default_march_and_the_zoo_models(capsys, command):
     text = _help(capsys, command)
     assert f"(default: {get_march().value})" in text and get_march() is March.BAYES
     assert "current default" not in text
-    assert "bernoulli2 or bayes, in any letter case" in text
+    assert "bernoulli2, bayes, nash, in any letter case" in text
     m = re.search(r"zoo:NAME \(NAME one of ([\w, ]+)\)", text)
     assert m and m.group(1).split(", ") == zoo.names()
 

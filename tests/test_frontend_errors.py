@@ -21,7 +21,7 @@ def check(model, exc, match, **kwargs):
 
 
 def test_unknown_march(hybrid_model):
-    check(hybrid_model, ConfigError, r"unknown march 'bayse'; allowed: bernoulli2, bayes\. Did you mean 'bayes'\?", march="bayse")
+    check(hybrid_model, ConfigError, r"unknown march 'bayse'; allowed: bernoulli2, bayes, nash\. Did you mean 'bayes'\?", march="bayse")
     with pytest.raises(ConfigError, match="unknown march"):
         qcompiler.set_march("x3")
 

@@ -428,7 +428,7 @@ def test_an_unknown_march_in_the_manifest_is_refused(artifact, tmp_path):
         edit.manifest["march"] = march
         path = edit.write(tmp_path / "edited.qc")
         with pytest.raises(ArtifactError, match=rf"^{path}: manifest.json: march '{march}' is not a march this "
-                                                r"qcompiler knows \(bernoulli2, bayes\); the file is corrupted or "
+                                                r"qcompiler knows \(bernoulli2, bayes, nash\); the file is corrupted or "
                                                 r"from another qcompiler: compile and save the model again$"):
             qcompiler.load(path)
     edit.manifest["march"] = "bernoulli2"

@@ -118,7 +118,7 @@ def test_readme_cli_synopsis_matches_argparse():
 @pytest.mark.parametrize("old, new", [
     (" [--input-dtype float32|int64]...", ""),          # an option left out (as --input-dtype once was)
     (" [--target-sqnr DB]", ""),
-    ("[--march bayes|bernoulli2]", "[--march bayes]"),  # a march missing
+    ("[--march bayes|bernoulli2|nash]", "[--march bayes|bernoulli2]"),  # a march missing
     ("[--dump-passes] --out DIR", "[--dump-passes] [--out DIR]"),  # a required option shown optional
     ("[--calib-random N] [--metric", "[--calib-random N]... [--metric"),  # not repeatable
     ("--weight-rounding]", "--weight-rounding] [--dump-passes]"),  # an option compile does not have

@@ -350,7 +350,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of the input at the same position as its --input-shape (default float32; "
                         f"int64 inputs are random in [0, {INT_INPUT_HIGH}))")
     p.add_argument("--march", default=None, metavar="MARCH",
-                   help=f"target BPU generation: {' or '.join(m.value for m in March)}, in any letter case "
+                   help=f"target BPU generation: {', '.join(m.value for m in March)}, in any letter case "
                         f"(default: {get_march().value})")
     p.add_argument("--hybrid-module-name", metavar="NAME", action="append", default=[],
                    help="run this submodule (dotted path as in model.named_modules()) on the CPU; repeatable")
