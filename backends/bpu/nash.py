@@ -5,7 +5,7 @@ normalizations, tables, reductions and data movement a transformer block needs. 
 reference table is silent the choice is ours and docs/marches.md says why.
 """
 
-from qcompiler.backends.bpu import constraints as c
+from qcompiler.backends.bpu import bayes, constraints as c
 from qcompiler.backends.bpu.support import OpRule, OpTable, rules
 from qcompiler.march import March
 
@@ -18,65 +18,26 @@ def _row(op: str, *constraints) -> OpRule:
     return OpRule(op, tuple(constraints), int16=True)
 
 
+def _bayes(op: str, *extra) -> OpRule:
+    """bayes's row for ``op`` with its constraints (after ``extra``), int16 allowed."""
+    return _row(op, *extra, *bayes.TABLE.rules[op].constraints)
+
+
 TABLE = OpTable(
     march=March.NASH,
     general=(c.rank_between(1, 5), c.max_dims(65536), c.max_batch(4096), c.feature_map_operands(1)),
     rules=rules(
-        # --- what bayes runs -----------------------------------------------------------------
-        _row("conv2d", _NCHW, c.module_form(), c.kernel_range(1, 31), c.max_kernel_volume(65535),
-             c.max_channels(8192), c.max_stride(256), c.max_dilation(16), c.zero_padding()),
-        _row("conv_transpose2d", _NCHW, c.module_form(), c.kernel_range(1, 14), c.max_stride(14),
-             c.stride_not_all_one(), c.max_channels(2048)),
-        _row("linear", c.module_form()),
-        _row("matmul", c.feature_map_operands(2)),
-        _row("relu"),
-        _row("relu6"),
-        _row("leaky_relu"),
-        _row("prelu", c.constant_weight()),
+        # bayes's rows as they are (the spatial ones held to 4-D NCHW), int16 on every one
+        *(_bayes(op) for op in ("linear", "matmul", "relu", "relu6", "leaky_relu", "div", "cat", "reshape",
+                                "flatten", "transpose", "permute", "sigmoid", "tanh", "exp", "silu", "mean")),
+        *(_bayes(op, _NCHW) for op in ("conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d",
+                                       "adaptive_avg_pool2d", "interpolate", "batch_norm")),
+        # element-wise on 1..5-D under the march-wide limits (bayes: 2..5-D, its own limits)
         _row("add", c.max_constant_operands(1)),
         _row("sub", c.max_constant_operands(1)),
         _row("mul", c.max_constant_operands(1)),
-        _row("div", c.feature_map_operands(2), c.true_division()),
-        _row("cat", c.not_along_batch()),
-        _row("max_pool2d", _NCHW, c.pool_limits(kernel=256, stride=256, pad=256), c.pool_semantics()),
-        _row("avg_pool2d", _NCHW, c.pool_limits(kernel=256, stride=256, pad=256), c.pool_semantics()),
-        _row("adaptive_avg_pool2d", _NCHW, c.global_pool()),
-        _row("interpolate", _NCHW, c.resize_hw(nearest_pow2=True)),
-        _row("batch_norm", _NCHW, c.batch_norm_affine()),
-        _row("reshape"),
-        _row("flatten"),
-        _row("transpose"),
-        _row("permute"),
-
-        # --- element-wise functions by lookup table ------------------------------------------
-        _row("sigmoid"),
-        _row("tanh"),
-        _row("exp"),
-        _row("silu"),
-        _row("hardsigmoid"),
-        _row("hardswish"),
-        _row("gelu"),
-        _row("elu"),
-        _row("selu"),
-        # (slot: the tables of the nash element-wise functions)
-
-
-        # --- reductions ----------------------------------------------------------------------
-        _row("mean", c.global_pool()),
-        # (slot: reductions over any dims)
-
-
-        # --- layer_norm ----------------------------------------------------------------------
-        # (slot: layer_norm)
-
-
-        # --- softmax -------------------------------------------------------------------------
-        # (slot: softmax, log_softmax)
-
-
-        # --- data movement and selection ------------------------------------------------------
-        # (slot: slice, gather with constant indices, where with a constant mask)
-
-
+        _row("prelu", c.constant_weight()),
+        # element-wise functions by lookup table (the table kernel of sigmoid)
+        *(_row(op) for op in ("hardsigmoid", "hardswish", "gelu", "elu", "selu")),
     ),
 )

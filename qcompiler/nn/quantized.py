@@ -484,15 +484,3 @@ class QuantizedSameScale(QuantizedModule):
 
     def extra_repr(self) -> str:
         return self.qc_op
-
-
-# --- layer norm (nash) ---
-
-
-# --- softmax (nash) ---
-
-
-# --- element-wise tables and reductions (nash) ---
-
-
-# --- data movement and selection (nash) ---

@@ -895,19 +895,3 @@ def leaky_relu(q: torch.Tensor, M_slope, n_slope, out_dtype="qint8") -> torch.Te
     x = _as_int64(q)
     neg = requantize(x, M_slope, n_slope, "qint32", op="leaky_relu").to(torch.int64)
     return _clamp_to(torch.where(x >= 0, x, neg), out_dtype)
-
-
-# ---------------------------------------------------------------------------
-# layer norm (nash)
-
-
-# ---------------------------------------------------------------------------
-# softmax (nash)
-
-
-# ---------------------------------------------------------------------------
-# element-wise tables and reductions (nash)
-
-
-# ---------------------------------------------------------------------------
-# data movement and selection (nash)

@@ -256,15 +256,3 @@ def fixed_point_weight_layer(op: BpuOp, name: str) -> Callable:
         acc = fp.check_accumulator(accumulate(q), 32, op=name)
         return _relu6_or_relu(fp.requantize(acc, M, n, out_dtype, axis=axis, op=name), act, top)
     return layer
-
-
-# --- layer norm (nash) ---
-
-
-# --- softmax (nash) ---
-
-
-# --- element-wise tables and reductions (nash) ---
-
-
-# --- data movement and selection (nash) ---
