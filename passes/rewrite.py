@@ -35,15 +35,22 @@ of the padded input (float32 rounding, a few ULPs; tests/test_rewrite.py states 
   float32 rounding (tests/test_rewrite_pooler.py: 1e-6).
 * ``x[:, None]`` (only full slices, Nones and an Ellipsis): ``unsqueeze`` calls, which are
   the layout op "reshape" (a BPU op on bayes) instead of an index.
+* ``x / c`` (``torch.div``, ``Tensor.div``, ``torch.true_divide``) by a finite non-zero Python number
+  without a rounding mode, where the march refuses that div and accepts a mul by a number (nash:
+  attention's ``/ sqrt(d)``): ``x * (1 / c)``. Not bit for bit: ``1 / c`` is rounded once more, so
+  the two differ by at most 1 ULP of ``x / c`` (tests/test_div_by_constant.py); declined for a ``c``
+  or ``1 / c`` outside float32's normal range, where that bound would not hold.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -53,7 +60,7 @@ from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
-from qcompiler.ir.ops.names import AVG_POOL2D, CONV2D, GETITEM, RESHAPE
+from qcompiler.ir.ops.names import AVG_POOL2D, CONV2D, DIV, GETITEM, MUL, RESHAPE
 from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -462,6 +469,59 @@ def _replace_whole_map(found: Match, _: bool, rewriter: Rewriter) -> fx.Node:
     return found["node"]
 
 
+# --------------------------------------------------------------------------- x / c -> x * (1 / c)
+
+_F32_NORMAL = (2.0 ** -126, 2.0 ** 126)  # c and 1 / c both normal float32 numbers
+
+
+def _divisor(c: Any) -> bool:
+    """A Python number (no bool) whose reciprocal is exact to 1 ULP: finite, non-zero, c and 1 / c normal
+    float32 numbers."""
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or not math.isfinite(c) or c == 0:
+        return False
+    return _F32_NORMAL[0] <= abs(c) <= _F32_NORMAL[1]
+
+
+def _float_tensor(v: Any) -> bool:
+    """A float32 / float64 tensor (the 1-ULP bound is stated, and tested, for those)."""
+    info = _tensor_info(v)
+    return info is not None and info.dtype in ("f32", "f64")
+
+
+# x / c, torch.div(x, c), x.div(c), torch.true_divide(x, c) on a float32 / float64 tensor x
+DIV_BY_NUMBER = Op(DIV, {"input": Var("x", _float_tensor), "other": Const(_divisor, "c")}, name="node")
+
+
+def _mul_by_reciprocal(found: Match) -> Optional[float]:
+    """:func:`reciprocal` of ``c`` where the div has no rounding mode and the march refuses it but runs the mul (the rows
+    ask the march: on one where div by a number runs, nothing changes)."""
+    node = found["node"]
+    args = arguments(node, found.modules)
+    if args is None or args.get("rounding_mode") is not None or found.ctx is None:
+        return None
+    table = op_table(found.ctx.march)
+    if not table.supports(MUL) or table.check(op_info(node, DIV, found.modules))[0]:
+        return None
+    if not table.check(op_info(node, MUL, found.modules))[0]:
+        return None
+    return reciprocal(found["c"], _tensor_info(found["x"]).dtype)
+
+
+def reciprocal(c: float, dtype: str) -> float:
+    """``1 / c`` as the tensor's float type rounds it: torch divides ``x`` by ``c`` rounded to that type,
+    so the reciprocal of that number, rounded once, keeps ``x * (1 / c)`` within 1 ULP of ``x / c``
+    (the reciprocal of the float64 ``c`` rounded to float32 reaches 2 ULPs)."""
+    t = torch.float32 if dtype == "f32" else torch.float64
+    return float(torch.tensor(1.0, dtype=t) / torch.tensor(c, dtype=t))
+
+
+def _replace_div(found: Match, r: float, rewriter: Rewriter) -> fx.Node:
+    node = found["node"]
+    node.op, node.target = "call_function", operator.mul
+    node.args, node.kwargs = (found["x"], r), {}
+    return node
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
@@ -475,6 +535,8 @@ REWRITES: tuple[Rewrite, ...] = (
             "x[:, None] indexing rewritten as unsqueeze (a reshape)"),
     Rewrite("whole_map_pool_as_global", WHOLE_MAP_POOL, _whole_map, _replace_whole_map,
             "an average pool whose one window covers the map rewritten as the global average pool"),
+    Rewrite("div_by_number_as_mul", DIV_BY_NUMBER, _mul_by_reciprocal, _replace_div,
+            "x / c by a number rewritten as x * (1 / c) (within 1 ULP), a mul the march runs"),
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:
