@@ -2,18 +2,20 @@
 
     OMP_NUM_THREADS=1 python benchmarks/architecture_zoo.py [--models NAME ...] [--timeout 300]
     OMP_NUM_THREADS=1 python benchmarks/architecture_zoo.py --out docs/architecture_zoo.md   # regenerate the doc
+    OMP_NUM_THREADS=1 python benchmarks/architecture_zoo.py --march nash --out docs/architecture_zoo_nash.md
 
 PyTorch's quantization test models (benchmarks/model_coverage.py) compile, but they are not what people
 deploy. This benchmark builds the model classes of ``transformers`` (``pip install -e .[bench]``) with small
 random configs (:data:`CASES`: no download, no tokenizer; random ``input_ids`` / ``pixel_values`` /
 ``input_values``), given as keyword inputs (``example_inputs={"input_ids": ...}``), and per model
-(:func:`run_case`, march bayes):
+(:func:`run_case`, march bayes unless ``--march`` names another):
 
 * compiles it (``qcompiler.compile``, :data:`CALIBRATION_BATCHES` seeded batches);
 * the share of multiply-accumulates on the BPU (:func:`macs_by_placement`: torch's flop formulas
   around every node of the compiled graph, summed by the node's placement; the compiled graph's
   fixed-point modules compute in torch, so BPU and CPU nodes are counted alike);
-* the numbers of BPU partitions, CPU (ONNX) islands and eager-torch islands;
+* the numbers of BPU partitions, CPU (ONNX) islands and eager-torch islands, the share of the
+  partitions' ops on the BPU and the BPU<->CPU boundary edges;
 * the output SQNR against the float model, and that of torch.ao FX PTQ (``prepare_fx`` / ``convert_fx``,
   x86 default qconfig mapping, the same batches) where torch.ao can trace the model;
 * whether the output has the float model's structure (type and keys);
@@ -62,12 +64,13 @@ try:
 except ImportError:  # pragma: no cover - the bench extra installs it
     raise SystemExit("architecture_zoo needs transformers: pip install -e '.[bench]'") from None
 
-MARCH = "bayes"
+MARCH = "bayes"  # the default march
+REPORTS = {"bayes": "docs/architecture_zoo.md", "nash": "docs/architecture_zoo_nash.md"}
 CALIBRATION_BATCHES = 8
 BN_BATCHES = 4  # batches the random model's BatchNorm statistics are estimated on
 BATCH = 2
 TIMEOUT = 300.0  # seconds per model (its subprocess is killed after it)
-REPORT = "docs/architecture_zoo.md"
+REPORT = REPORTS[MARCH]
 LOW_SQNR = 10.0  # dB: a row below it is named under the page's limits
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -318,7 +321,8 @@ def _leaves(inputs: dict) -> tuple:
     return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
 
-def compile_keywords(model: nn.Module, inputs: dict, batches: list[dict]) -> tuple[Any, Any, str]:
+def compile_keywords(model: nn.Module, inputs: dict, batches: list[dict], march: str = MARCH
+                     ) -> tuple[Any, Any, str]:
     """``qcompiler.compile`` with keyword example inputs and calibration batches: (compiled model, the
     example inputs it took, how the inputs were given).
 
@@ -327,24 +331,25 @@ def compile_keywords(model: nn.Module, inputs: dict, batches: list[dict]) -> tup
     refused -> the same tensors positionally (where they are the forward's first parameters in order).
     Any other error is the row's failure."""
     try:
-        return qc_compile(model, inputs, march=MARCH, calib_data=batches, progress=False), inputs, "keywords"
+        return qc_compile(model, inputs, march=march, calib_data=batches, progress=False), inputs, "keywords"
     except ConfigError as exc:
         if "calib_data batch" in str(exc):
-            cm = qc_compile(model, inputs, march=MARCH, calib_data=[_leaves(b) for b in batches], progress=False)
+            cm = qc_compile(model, inputs, march=march, calib_data=[_leaves(b) for b in batches], progress=False)
             return cm, inputs, "keywords (calibration batches as tuples)"
         positional = _positional(model, inputs)
         if "example_inputs must be" not in str(exc) or positional is None:
             raise
-    cm = qc_compile(model, positional, march=MARCH, calib_data=[tuple(b.values()) for b in batches],
+    cm = qc_compile(model, positional, march=march, calib_data=[tuple(b.values()) for b in batches],
                     progress=False)
     return cm, positional, "positional (keywords refused)"
 
 
 # --- one model ---------------------------------------------------------------------------------------------
 
-def run_case(case: Case, workdir: Path) -> dict:
-    """Compile ``case`` for bayes and measure it; one result row (see :data:`HEADERS`)."""
-    row: dict[str, Any] = {"model": case.name, "family": case.family, "compile": "-", "inputs": "keywords",
+def run_case(case: Case, workdir: Path, march: str = MARCH) -> dict:
+    """Compile ``case`` for ``march`` and measure it; one result row (see :data:`HEADERS`)."""
+    row: dict[str, Any] = {"model": case.name, "family": case.family, "march": march, "compile": "-",
+                           "inputs": "keywords", "ops_bpu_share": None, "boundary_edges": None,
                            "macs": None, "macs_bpu": None, "macs_compiled": None, "bpu_share": None,
                            "bpu_parts": None, "cpu_islands": None, "torch_islands": None, "structure": None,
                            "sqnr_float": None, "ao_fx": None, "sqnr_ao_fx": None, "islands": None,
@@ -375,7 +380,7 @@ def run_case(case: Case, workdir: Path) -> dict:
     example: Any = inputs
     try:
         with _quiet():
-            cm, example, row["inputs"] = compile_keywords(model, inputs, batches)
+            cm, example, row["inputs"] = compile_keywords(model, inputs, batches, march)
         row["compile"] = "ok"
     except Exception as exc:  # noqa: BLE001
         row["compile"] = "fail"
@@ -389,6 +394,10 @@ def run_case(case: Case, workdir: Path) -> dict:
     row["island_reasons"] = sorted({re.sub(r"node '[^']*'", "node", (r.strip().splitlines() or [""])[0])[:160]
                                     for r in cm.torch_islands().values()})  # one line per distinct reason
     row["cpu_islands"] = len(kinds) - row["bpu_parts"] - row["torch_islands"]
+    ops = [(s.kind, len(s.nodes)) for s in cm.runtime.steps]
+    total_ops = sum(n for _, n in ops)
+    row["ops_bpu_share"] = sum(n for k, n in ops if k == BPU) / total_ops if total_ops else 0.0
+    row["boundary_edges"] = cm.boundary_edges()
     try:
         args = _graph_args(cm.converted, inputs) if isinstance(example, dict) else list(example)
         with _quiet():
@@ -414,15 +423,15 @@ def run_case(case: Case, workdir: Path) -> dict:
     return row
 
 
-def run_worker(name: str, row_json: Path) -> None:
+def run_worker(name: str, row_json: Path, march: str = MARCH) -> None:
     """The ``--worker`` mode: one model, its row written as JSON to ``row_json``."""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="qc_zoo_") as tmp:
-        row = run_case(BY_NAME[name], Path(tmp))
+        row = run_case(BY_NAME[name], Path(tmp), march)
     row_json.write_text(json.dumps(row, default=str))
 
 
-def run_isolated(name: str, timeout: float = TIMEOUT) -> dict:
+def run_isolated(name: str, timeout: float = TIMEOUT, march: str = MARCH) -> dict:
     """``name`` in its own subprocess under ``timeout`` seconds; a crash or a timeout is a row too."""
     family = BY_NAME[name].family
     t0 = time.perf_counter()
@@ -430,7 +439,8 @@ def run_isolated(name: str, timeout: float = TIMEOUT) -> dict:
         path = Path(tmp) / "row.json"
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--row-json", str(path)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--row-json", str(path),
+               "--march", march]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         except subprocess.TimeoutExpired:
@@ -450,7 +460,8 @@ def _failed_row(name: str, family: str, status: str, error: str, seconds: float)
 
 # --- the table ---------------------------------------------------------------------------------------------
 
-HEADERS = ["model", "family", "compile", "MACs (M)", "MACs on BPU", "BPU parts", "CPU islands", "torch islands",
+HEADERS = ["model", "family", "compile", "MACs (M)", "MACs on BPU", "ops on BPU", "BPU parts", "CPU islands",
+           "torch islands", "boundary edges",
            "structure", "SQNR vs float (dB)", "ao FX SQNR vs float (dB)", "export", "exported==compiled",
            "time (s)", "first failure"]
 
@@ -473,7 +484,8 @@ def table_rows(rows: Sequence[dict]) -> list[list[str]]:
         out.append([
             r["model"], r["family"], r["compile"] + (" (positional)" if positional else ""),
             "" if r.get("macs") is None else f"{r['macs'] / 1e6:.2f}", _pct(r.get("bpu_share")),
-            _n(r.get("bpu_parts")), _n(r.get("cpu_islands")), _n(r.get("torch_islands")),
+            _pct(r.get("ops_bpu_share")), _n(r.get("bpu_parts")), _n(r.get("cpu_islands")),
+            _n(r.get("torch_islands")), _n(r.get("boundary_edges")),
             "" if r.get("structure") is None else ("same" if r["structure"] else "differs"),
             _fmt_db(r.get("sqnr_float")), "fail" if ao == "fail" else _fmt_db(r.get("sqnr_ao_fx")),
             r.get("export", "-"),
@@ -484,8 +496,14 @@ def table_rows(rows: Sequence[dict]) -> list[list[str]]:
     return out
 
 
-def criteria(rows: Sequence[dict]) -> list[tuple[str, str, str]]:
-    """The issue's done criteria this table can check: (criterion, models meeting it, models missing it)."""
+TRANSFORMERS = ("BERT", "DistilBERT", "GPT-2", "ViT", "Swin", "ConvNeXt")
+# issue 34: the transformer-era march keeps these encoders / decoders on the BPU in one or two partitions
+NASH_TRANSFORMERS = ("BERT", "GPT-2", "ViT", "Swin")
+
+
+def criteria(rows: Sequence[dict], march: str = MARCH) -> list[tuple[str, str, str]]:
+    """The issues' done criteria this table can check for ``march``: (criterion, models meeting it,
+    models missing it). bayes: issue 33's; nash: issue 34's on top."""
     def check(label: str, family: Sequence[str], ok: Callable[[dict], bool]) -> tuple[str, str, str]:
         sel = [r for r in rows if r["model"] in family or r["family"] in family]
         good = [r["model"] for r in sel if ok(r)]
@@ -496,13 +514,16 @@ def criteria(rows: Sequence[dict]) -> list[tuple[str, str, str]]:
         return r.get("bpu_share") or 0.0
 
     exported = lambda r: r.get("export") == "ok" and r.get("export_match") is True  # noqa: E731
-    return [
+    nash = [check("nash: >= 95 % of the ops on BPU, <= 2 BPU partitions, export valid and equal",
+                  NASH_TRANSFORMERS,
+                  lambda r: r["compile"] == "ok" and (r.get("ops_bpu_share") or 0.0) >= 0.95
+                  and (r.get("bpu_parts") or 99) <= 2 and exported(r))] if march == "nash" else []
+    return nash + [
         check("conv: compiles, 0 torch islands, >= 95 % MACs on BPU, export valid and equal", ("conv",),
               lambda r: r["compile"] == "ok" and r.get("torch_islands") == 0 and share(r) >= 0.95 and exported(r)),
         check("segmentation: compiles, the float model's output structure", ("segmentation",),
               lambda r: r["compile"] == "ok" and r.get("structure") is True),
-        check("transformers: >= 80 % MACs on BPU, export valid",
-              ("BERT", "DistilBERT", "GPT-2", "ViT", "Swin", "ConvNeXt"),
+        check("transformers: >= 80 % MACs on BPU, export valid", TRANSFORMERS,
               lambda r: r["compile"] == "ok" and share(r) >= 0.80 and r.get("export") == "ok"),
         check("accuracy: SQNR >= torch.ao FX's (where both run)", [r["model"] for r in rows if r.get("ao_fx") == "ok"],
               lambda r: r.get("sqnr_float") is not None and r.get("sqnr_ao_fx") is not None
@@ -514,13 +535,14 @@ def ao_failures(rows: Sequence[dict]) -> list[tuple[str, str]]:
     return [(r["model"], r["ao_fx_error"]) for r in rows if r.get("ao_fx_error")]
 
 
-def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout: float) -> str:
-    env = environment(REPORT) + [("transformers", T.__version__), ("run time", f"{seconds:.0f} s")]
+def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout: float, march: str = MARCH) -> str:
+    env = environment(REPORTS.get(march, REPORT)) + [("transformers", T.__version__),
+                                                     ("run time", f"{seconds:.0f} s")]
     cmd = "OMP_NUM_THREADS=1 python benchmarks/architecture_zoo.py " + " ".join(argv)
     positional = [r["model"] for r in rows if r.get("inputs", "keywords").startswith("positional")]
     flat_calib = [r["model"] for r in rows if "as tuples" in r.get("inputs", "")]
     parts = [
-        "# Architecture zoo: today's architectures (Hugging Face transformers) on the BPU",
+        f"# Architecture zoo: today's architectures (Hugging Face transformers) on the BPU ({march})",
         "",
         "Generated by `benchmarks/architecture_zoo.py` (do not edit by hand); regenerate with",
         "",
@@ -539,13 +561,15 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         f" `CASES`: no download, no tokenizer), in eval mode, called with keyword inputs "
         f"(`example_inputs={{\"pixel_values\": ...}}`): smooth-noise images (benchmarks/_data.py), random token "
         f"ids, random audio features or waveforms, batch {BATCH}. Per model, in its own subprocess (time limit "
-        f"{timeout:.0f} s): `qcompiler.compile(march=\"{MARCH}\")` with {CALIBRATION_BATCHES} seeded calibration "
+        f"{timeout:.0f} s): `qcompiler.compile(march=\"{march}\")` with {CALIBRATION_BATCHES} seeded calibration "
         "batches (batch 0 is the one measured); the multiply-accumulates (MACs) of every node of the compiled "
         "graph, counted with torch's flop formulas (`torch.utils.flop_counter.flop_registry`, flops / 2: conv, "
         "linear, matmul / bmm, attention) and "
         "summed by the node's placement (*MACs on BPU* is the BPU's share of the compiled graph's MACs; "
         "*MACs (M)* is the float model's total); the partitions of the runtime (BPU partitions, CPU islands "
-        "run by onnxruntime, eager-torch islands); the output's structure (container type and keys) against "
+        "run by onnxruntime, eager-torch islands), the share of the partitions' ops that are in BPU partitions "
+        "(*ops on BPU*, the quantize / dequantize stubs at their edges included) and the values crossing between "
+        "a BPU and a CPU partition (*boundary edges*); the output's structure (container type and keys) against "
         "the float model's; the output SQNR against the float model over all output tensors; torch.ao FX PTQ "
         "(`prepare_fx` / `convert_fx`, x86 default qconfig mapping, the same batches, inputs given "
         "positionally) and its SQNR against the float model; `export_onnx` + `onnx.checker` (full check) + "
@@ -563,7 +587,7 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
         f"- torch.ao FX traces with torch.fx, which transformers' `forward`s defeat: it ran on "
         f"{sum(r.get('ao_fx') == 'ok' for r in rows)}/{len(rows)} models here (its errors are listed below), so "
         "the accuracy criterion has no peer on the others; torch.ao's export-based PT2E flow is not measured.",
-        "- One march (bayes), one batch measured; time is the whole subprocess (import, float run, torch.ao, "
+        f"- One march ({march}) per page, one batch measured; time is the whole subprocess (import, float run, torch.ao, "
         "compile, MAC count, export) on a 2-core machine shared with other work.",
     ]
     if positional:
@@ -581,9 +605,9 @@ def markdown(rows: Sequence[dict], seconds: float, argv: Sequence[str], timeout:
                      "input order).")
     parts += [
         "",
-        "## Done criteria (issue 33, bayes)",
+        f"## Done criteria ({'issues 34 and 33' if march == 'nash' else 'issue 33'}, {march})",
         "",
-        tabulate(_md(criteria(rows)), headers=["criterion", "meeting it", "missing it"], tablefmt="github"),
+        tabulate(_md(criteria(rows, march)), headers=["criterion", "meeting it", "missing it"], tablefmt="github"),
         "",
         "## Per model",
         "",
@@ -622,19 +646,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per model (default %(default)s)")
     parser.add_argument("--out", metavar="FILE", help=f"write the markdown report to FILE (e.g. {REPORT})")
     parser.add_argument("--json", metavar="FILE", help="also write the raw rows as JSON to FILE")
+    parser.add_argument("--march", default=MARCH, choices=("bayes", "bernoulli2", "nash"),
+                        help="the march to compile for (default %(default)s)")
     parser.add_argument("--worker", metavar="NAME", choices=list(BY_NAME), help=argparse.SUPPRESS)
     parser.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         if args.row_json is None:
             parser.error("--worker needs --row-json")
-        run_worker(args.worker, args.row_json)
+        run_worker(args.worker, args.row_json, args.march)
         return
     names = args.models or list(BY_NAME)
     t0 = time.perf_counter()
     rows = []
     for i, name in enumerate(names):
-        rows.append(run_isolated(name, args.timeout))
+        rows.append(run_isolated(name, args.timeout, args.march))
         r = rows[-1]
         print(f"[{i + 1}/{len(names)}] {name}: compile {r['compile']}, BPU MACs {_pct(r.get('bpu_share'))} "
               f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
@@ -648,7 +674,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # the command the page shows regenerates the page, not a scratch JSON file
         passed = [a for i, a in enumerate(passed) if a != "--json" and not a.startswith("--json=")
                   and (i == 0 or passed[i - 1] != "--json")]
-        Path(args.out).write_text(markdown(rows, seconds, passed, args.timeout))
+        Path(args.out).write_text(markdown(rows, seconds, passed, args.timeout, args.march))
 
 
 if __name__ == "__main__":
