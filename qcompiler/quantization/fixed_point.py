@@ -895,3 +895,123 @@ def leaky_relu(q: torch.Tensor, M_slope, n_slope, out_dtype="qint8") -> torch.Te
     x = _as_int64(q)
     neg = requantize(x, M_slope, n_slope, "qint32", op="leaky_relu").to(torch.int64)
     return _clamp_to(torch.where(x >= 0, x, neg), out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# layer norm (nash): one integer definition for the module, the simulator and the ONNX export
+#
+# Over each group of the last ``dims`` dims (N = product of their sizes <= 2**16 elements, int8 or
+# int16 codes q, |q| <= 2**15), with x = q * s_in:
+#
+#   S1 = sum(q), S2 = sum(q*q)                 exact int64: |S1| <= 2**31, S2 <= 2**46
+#   V  = N*S2 - S1*S1                          = N**2 * var(q) = sum(d*d) / N, in [0, 2**62]
+#   W  = max(V + E, 1), E = round(eps / s_in**2 * N**2) clamped to [0, 2**62)   (W < 2**63)
+#   d  = N*q - S1                              = N * (q - mean), |d| <= N * 65535 < 2**32
+#   p  = #{j in 1..31 : W >= 4**j}             (W in [4**p, 4**(p+1)): a comparison ladder)
+#   t  = floor(W * 2**T / 4**p)                in [2**T, 2**(T+2)), T = LN_RSQRT_BITS
+#   R  = RSQRT[t - 2**T]                       = round(2**F / sqrt((t + 1/2) / 2**T)), F = LN_RSQRT_FRAC
+#   z  = round(d * R / 2**(p + F - Z))         the normalized value (q - mean) / sqrt(var + eps) times
+#                                              2**Z (Z = LN_NORM_FRAC); |d * R| < 2**62, |z| < 2**25
+#   y  = clamp(round((z * M[c] + B[c]) / 2**(n[c] + Z)))
+#
+# with (M[c], n[c]) = requant_params(gamma[c] / s_out, 24 bits, shift <= 28) and
+# B[c] = round(beta[c] / s_out * 2**(n[c] + Z)) clamped to +-2**61 (a clamped bias saturates the
+# output anyway: 2**61 / 2**44 > 4 * 32767), so |z * M + B| < 2**62. Every rounding is half to even
+# (odd-symmetric, so a negative value rounds as its magnitude). No shift of d is needed: V is formed
+# from S1 and S2 instead of sum(d*d) (which would reach N * 2**64). The only approximation besides
+# the output rounding is the rsqrt table's bucket (relative error < 2**-(T+2)) and the rounding of z.
+
+LN_RSQRT_BITS = 10  # T: the table holds 3 * 2**T entries, one per top-(T+2)-bit pattern of W / 4**p
+LN_RSQRT_FRAC = 30  # F: table entries are rsqrt in [1/2, 1] with 30 fraction bits
+LN_NORM_FRAC = 16  # Z: fraction bits of the normalized value z
+LN_MULT_BITS = 24  # gamma / s_out multipliers
+LN_MAX_SHIFT = 28  # n[c] <= 28, so n[c] + Z <= 44
+LN_MAX_GROUP = 1 << 16  # N: the overflow bounds above hold up to this group size
+LN_MAX_EPS_UNITS = (1 << 62) - 1
+LN_BIAS_LIMIT = 1 << 61
+
+
+def layer_norm_rsqrt_table() -> torch.Tensor:
+    """The rsqrt table of :func:`int_layer_norm` (int64, ``3 * 2**LN_RSQRT_BITS`` entries): entry
+    ``i`` is ``round_half_even(2**F / sqrt((i + 2**T + 1/2) / 2**T))``, the bucket's midpoint."""
+    T, F_ = LN_RSQRT_BITS, LN_RSQRT_FRAC
+    t = torch.arange(1 << T, 1 << (T + 2), dtype=torch.float64)
+    return torch.round(float(1 << F_) / torch.sqrt((t + 0.5) / float(1 << T))).to(torch.int64)
+
+
+def layer_norm_eps_units(eps: float, in_scale: Scale, group: int) -> int:
+    """``E = round_half_even(eps / s_in**2 * N**2)`` (float64), clamped to ``[0, 2**62)``: eps in the
+    units of ``V = N**2 * var(q)``."""
+    s = _f64(in_scale, "in_scale")
+    e = float(torch.round(torch.tensor(float(eps), dtype=torch.float64) / (s * s) * float(group) ** 2))
+    if not e >= 0.0:  # negative eps (or NaN)
+        raise ConfigError(f"layer_norm: eps must be >= 0, got {eps!r}")
+    return LN_MAX_EPS_UNITS if e >= 2.0 ** 62 else int(e)
+
+
+def layer_norm_params(weight: torch.Tensor | None, bias: torch.Tensor | None, shape: Sequence[int],
+                      out_scale: Scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-element ``(M, n, B)`` (int64, of the normalized ``shape``) of :func:`int_layer_norm`:
+    ``M / 2**n ~= gamma / s_out`` (``LN_MULT_BITS``, ``n <= LN_MAX_SHIFT``) and
+    ``B = round_half_even(beta / s_out * 2**(n + LN_NORM_FRAC))`` clamped to ``+-2**61``. No weight
+    means gamma = 1, no bias beta = 0. A gamma too large for the output scale raises ConfigError."""
+    shape = tuple(int(s) for s in shape)
+    so = _f64(out_scale, "out_scale")
+    g = torch.ones(shape, dtype=torch.float64) if weight is None else weight.detach().to(torch.float64)
+    b = torch.zeros(shape, dtype=torch.float64) if bias is None else bias.detach().to(torch.float64)
+    if tuple(g.shape) != shape or tuple(b.shape) != shape:
+        raise ConfigError(f"layer_norm: weight {tuple(g.shape)} and bias {tuple(b.shape)} must have the "
+                          f"normalized shape {shape}")
+    if not bool(torch.isfinite(g).all() & torch.isfinite(b).all()):
+        raise ConfigError("layer_norm: weight and bias must be finite")
+    M, n = requant_params(g / so, mult_bits=LN_MULT_BITS, max_shift=LN_MAX_SHIFT)
+    B = torch.round(b / so * torch.pow(2.0, (n + LN_NORM_FRAC).to(torch.float64)))
+    B = B.clamp(-float(LN_BIAS_LIMIT), float(LN_BIAS_LIMIT)).to(torch.int64)
+    return M, n, B
+
+
+def layer_norm_exponent(W: torch.Tensor) -> torch.Tensor:
+    """``p`` with ``4**p <= W < 4**(p+1)`` for int64 ``W >= 1``: the count of ``j`` in 1..31 with
+    ``W >= 4**j`` (the comparison ladder the ONNX export writes)."""
+    powers = torch.tensor([1 << (2 * j) for j in range(1, 32)], dtype=torch.int64)
+    return (W.unsqueeze(-1) >= powers).sum(-1).to(torch.int64)
+
+
+def int_layer_norm(q: torch.Tensor, dims: int, eps_units: int, M: torch.Tensor, n: torch.Tensor,
+                   B: torch.Tensor, out_dtype="qint8", *, op: str = "layer_norm") -> torch.Tensor:
+    """Integer layer norm over the last ``dims`` dims (the kernel of the comment above), with
+    ``eps_units`` from :func:`layer_norm_eps_units` and ``(M, n, B)`` from :func:`layer_norm_params`
+    (of the normalized shape). Inputs must be int8/int16 codes and the group at most 2**16 elements
+    (the bounds that make every step exact in int64); else ConfigError."""
+    x = _as_int64(q)
+    M, n, B = _as_int64(M), _as_int64(n), _as_int64(B)
+    if not 1 <= dims <= x.dim() or tuple(x.shape[x.dim() - dims:]) != tuple(M.shape) or \
+            M.shape != n.shape or M.shape != B.shape:
+        raise ConfigError(f"{op}: the parameters have shape {tuple(M.shape)} but the input {tuple(x.shape)} is "
+                          f"normalized over its last {dims} dims")
+    N = 1
+    for s in M.shape:
+        N *= int(s)
+    if not 1 <= N <= LN_MAX_GROUP:
+        raise ConfigError(f"{op}: the normalized group has {N} elements; the integer kernel takes 1..{LN_MAX_GROUP}")
+    if _extreme(x) > 1 << 15:
+        raise ConfigError(f"{op}: input codes outside the int16 range; the kernel takes int8/int16 input")
+    if not 0 <= int(eps_units) <= LN_MAX_EPS_UNITS:
+        raise ConfigError(f"{op}: eps_units {eps_units} outside [0, 2**62)")
+    if bool((n < 0).any()) or bool((n > LN_MAX_SHIFT).any()) or _extreme(M) >= 1 << LN_MULT_BITS or \
+            _extreme(B) > LN_BIAS_LIMIT:
+        raise ConfigError(f"{op}: multipliers, shifts or bias codes outside their ranges")
+    axes = tuple(range(x.dim() - dims, x.dim()))
+    S1 = x.sum(dim=axes, keepdim=True)
+    S2 = (x * x).sum(dim=axes, keepdim=True)
+    W = (N * S2 - S1 * S1 + int(eps_units)).clamp(min=1)
+    p = layer_norm_exponent(W)
+    T = LN_RSQRT_BITS
+    up = (T - 2 * p).clamp(min=0)
+    down = (2 * p - T).clamp(min=0)
+    t = (W << up) >> down
+    R = layer_norm_rsqrt_table()[t - (1 << T)]
+    d = N * x - S1
+    z = rounding_shift(d * R, p + (LN_RSQRT_FRAC - LN_NORM_FRAC))
+    acc = z * M + B
+    return _clamp_to(rounding_shift(acc, n + LN_NORM_FRAC), out_dtype)
