@@ -91,6 +91,10 @@ OP_KINDS: dict[str, str] = {
     "permute": "permute(dims)",
     "transpose": "transpose(dim0, dim1)",
     "getitem": "x[index] (static index)",
+    # --- layer_norm (nash)
+    "layer_norm": "integer layer norm over the last attrs['dims'] dims (fixed_point.int_layer_norm): group sums, "
+                  "a table rsqrt, per-element multipliers M/2^n and bias codes B (of the normalized shape), "
+                  "tensor 'eps' the eps in variance units",
 }
 LAYOUT_KINDS = frozenset({"identity", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
                           "getitem"})

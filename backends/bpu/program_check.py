@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from qcompiler.errors import ArtifactError
+from qcompiler.quantization import fixed_point as fp
 
 __all__ = ["check_program", "check_attrs", "check_declaration", "expect_keys", "short", "ATTRS", "MAX_INT",
            "ITEMSIZE"]
@@ -159,6 +160,8 @@ ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "permute": {"dims": _int_list()},
     "transpose": {"dim0": _int(), "dim1": _int()},
     "getitem": {"index": _index},
+    # --- layer_norm (nash)
+    "layer_norm": {"dims": _int(1, 6), "in_dtype": _choice("qint8", "qint16"), "in_scale": _pos_float},
 }
 
 
@@ -273,7 +276,26 @@ def _tensor_rules(op, where: str) -> dict[str, _Spec]:
         return {"table": _Spec((_STORAGE.get(a.get("out_dtype"), torch.int8),), (size,))}
     if k == "constant":
         return {"value": _Spec((_STORAGE.get(a.get("out_dtype"), torch.int8),), rank=(0, 6))}
+    if k == "layer_norm":
+        return _layer_norm_rules(op, where)
     return {}
+
+
+def _layer_norm_rules(op, where: str) -> dict[str, _Spec]:
+    """layer_norm: M, n, B of one normalized shape (attrs['dims'] dims, at most LN_MAX_GROUP elements)
+    in the kernel's ranges, and the scalar eps units (fixed_point.int_layer_norm)."""
+    M = op.tensors.get("M")
+    if M is None:
+        raise ArtifactError(f"{where}: tensor 'M' is missing")
+    dims = op.attrs.get("dims")
+    if M.dim() != dims or not 1 <= M.numel() <= fp.LN_MAX_GROUP:
+        raise ArtifactError(f"{where}: tensor 'M' has shape {list(M.shape)}, expected {dims} dims holding "
+                            f"1..{fp.LN_MAX_GROUP} elements")
+    shape = tuple(M.shape)
+    return {"M": _Spec(_I64, shape, values=(-(1 << fp.LN_MULT_BITS) + 1, (1 << fp.LN_MULT_BITS) - 1)),
+            "n": _Spec(_I64, shape, values=(0, fp.LN_MAX_SHIFT)),
+            "B": _Spec(_I64, shape, values=(-fp.LN_BIAS_LIMIT, fp.LN_BIAS_LIMIT)),
+            "eps": _Spec(_I64, (), values=(0, fp.LN_MAX_EPS_UNITS))}
 
 
 def _arity(op) -> set[int]:

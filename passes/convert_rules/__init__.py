@@ -3,7 +3,7 @@
 Importing this package registers every family with :mod:`.registry` (``@converts``). The rules get
 one :class:`.context.ConvertContext`; the families import each other only downward: ``layout``
 (with ``same_scale``, the module of every op that keeps its input's grid) <- ``activation``,
-``pooling``; ``arith``, ``lut`` and ``weight_layers`` stand alone.
+``pooling``; ``arith``, ``lut``, ``norm`` and ``weight_layers`` stand alone.
 """
 
 from qcompiler.passes.convert_rules import (  # noqa: F401  (imported to register their rules)
@@ -11,6 +11,7 @@ from qcompiler.passes.convert_rules import (  # noqa: F401  (imported to registe
     arith,
     layout,
     lut,
+    norm,
     pooling,
     weight_layers,
 )

@@ -484,3 +484,41 @@ class QuantizedSameScale(QuantizedModule):
 
     def extra_repr(self) -> str:
         return self.qc_op
+
+
+class QuantizedLayerNorm(QuantizedModule):
+    """layer_norm over the last ``len(normalized_shape)`` dims on integers
+    (``fixed_point.int_layer_norm``): exact group sums, a fixed-point rsqrt from a table, and
+    gamma / beta folded into per-element multipliers and bias codes on the output grid. The float
+    affine parameters are kept (``weight`` / ``bias``, None when absent) for the float export."""
+
+    qc_op = "layer_norm"
+
+    def __init__(self, normalized_shape: Sequence[int], weight: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], eps: float, in_scale: float, in_dtype: str, out_scale: float,
+                 out_dtype: str) -> None:
+        super().__init__()
+        self.normalized_shape = tuple(int(s) for s in normalized_shape)
+        self.dims = len(self.normalized_shape)
+        self.eps, self.in_scale, self.in_dtype = float(eps), float(in_scale), in_dtype
+        self.out_scale, self.out_dtype = float(out_scale), out_dtype
+        group = 1
+        for s in self.normalized_shape:
+            group *= s
+        self.eps_units = fp.layer_norm_eps_units(self.eps, self.in_scale, group)
+        self.register_buffer("weight", None if weight is None else weight.detach().float().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        M, n, B = fp.layer_norm_params(weight, bias, self.normalized_shape, self.out_scale)
+        self.register_buffer("M", M)
+        self.register_buffer("n", n)
+        self.register_buffer("B", B)
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        y = fp.int_layer_norm(x.int_repr(), self.dims, self.eps_units, self.M, self.n, self.B, self.out_dtype,
+                              op="layer_norm")
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        affine = "affine" if self.weight is not None or self.bias is not None else "no affine"
+        return (f"{self.normalized_shape}, {affine}, eps={self.eps:g}, in {self.in_dtype}, "
+                f"out_scale={self.out_scale:.6g} ({self.out_dtype})")

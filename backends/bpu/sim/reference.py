@@ -256,3 +256,13 @@ def fixed_point_weight_layer(op: BpuOp, name: str) -> Callable:
         acc = fp.check_accumulator(accumulate(q), 32, op=name)
         return _relu6_or_relu(fp.requantize(acc, M, n, out_dtype, axis=axis, op=name), act, top)
     return layer
+
+
+# --- layer_norm (nash)
+
+
+@reference_kernel("layer_norm")
+def _layer_norm(k: KernelSpec) -> Callable:
+    T, dims, name, out_dtype = k.tensors, int(k.attrs["dims"]), k.name, k.out_dtype
+    M, n, B, eps = T["M"], T["n"], T["B"], int(T["eps"])
+    return lambda x: fp.int_layer_norm(x, dims, eps, M, n, B, out_dtype, op=name)

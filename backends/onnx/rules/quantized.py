@@ -442,3 +442,114 @@ def converted_same_scale(ctx: NodeContext):
             return ctx.quant.quantize_point(ctx, y, scale, dtype, ctx.path)
         ctx.quant.grid[y] = (scale, dtype)
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layer_norm (nash): fixed_point.int_layer_norm in int64 ops
+
+
+def _ln_round_shift(ctx: NodeContext, v: str, divisor: str, half: str, tag: str) -> Tensor:
+    """``round_half_even(v / divisor)`` of int64 ``v`` (any sign) by a power of two ``divisor >= 2``
+    (``half = divisor / 2``), as ``fixed_point.rounding_shift``: ``r = Mod(v, divisor)`` (fmod=0:
+    ``r >= 0``), ``q = (v - r) / divisor`` (exact), ``q + (r > half or (r == half and q odd))``."""
+    I64, B = TensorProto.INT64, TensorProto.BOOL
+    r = ctx.make("Mod", [v, divisor], tag=f"{tag}_rem", fmod=0)
+    q = ctx.make("Div", [ctx.make("Sub", [v, r], tag=f"{tag}_floor"), divisor], tag=f"{tag}_quot")
+    odd = ctx.make("Equal", [ctx.make("Mod", [q, ctx.const(f"{tag}_two", 2, I64)], tag=f"{tag}_parity", fmod=0),
+                             ctx.const(f"{tag}_one", 1, I64)], tag=f"{tag}_odd", dtype=B)
+    tie = ctx.make("And", [ctx.make("Equal", [r, half], tag=f"{tag}_at_half", dtype=B), odd], tag=f"{tag}_tie")
+    up = ctx.make("Or", [ctx.make("Greater", [r, half], tag=f"{tag}_above_half", dtype=B), tie], tag=f"{tag}_up")
+    return ctx.make("Add", [q, ctx.make("Cast", [up], tag=f"{tag}_up_int", to=I64, dtype=I64)], tag=f"{tag}_rounded")
+
+
+def _ln_input_codes(ctx: NodeContext, m: qnn.QuantizedLayerNorm) -> Tensor:
+    """The input's integer codes as int64: an int8 value's codes (``codes_of``); an int16 value (a float
+    in opset 11) quantized as ``fixed_point.quantize`` does, ``clamp(Round(x / s_in))`` in float32."""
+    I64, F32 = TensorProto.INT64, TensorProto.FLOAT
+    x = ctx.x()
+    if m.in_dtype == "qint8" and ctx.quant.grid.get(x, (None, None))[1] == "qint8":
+        q = ctx.quant.codes_of(ctx, x, f"{ctx.path}.input")
+    else:
+        lo, hi = fp.qrange(m.in_dtype)
+        q = ctx.make("Round", [ctx.make("Div", [x, ctx.const("in_scale", m.in_scale, F32)], tag="in_scaled")],
+                     tag="in_round")
+        q = ctx.make("Min", [ctx.make("Max", [q, ctx.const("in_lo", float(lo), F32)], tag="in_clamp_lo"),
+                             ctx.const("in_hi", float(hi), F32)], tag="in_clamp_hi")
+    return ctx.make("Cast", [q], tag="in_codes", to=I64, dtype=I64)
+
+
+@emits_module(qnn.QuantizedLayerNorm)
+def converted_layer_norm(ctx: NodeContext) -> Tensor:
+    """QuantizedLayerNorm: ``fixed_point.int_layer_norm`` step by step in exact int64 ops (ReduceSum,
+    Mul, Sub, a Greater ladder for the exponent, Gather from the rsqrt table and the power-of-two
+    tables, Div only on non-negative values or exact multiples), so onnxruntime gives the simulator's
+    integers; int8 output as DequantizeLinear of the codes, int16 (float in opset 11) as
+    ``float32(code) * s_out``. Not quantizing: the float layer norm with the kept gamma / beta."""
+    m: qnn.QuantizedLayerNorm = ctx.module
+    if not ctx.quant.quantize:
+        return _float_layer_norm(ctx, m)
+    I64, F64, B = TensorProto.INT64, TensorProto.DOUBLE, TensorProto.BOOL
+    rank = ctx.rank()
+    axes = list(range(rank - m.dims, rank))
+    group = int(np.prod(m.normalized_shape))
+    T, F_, Z = fp.LN_RSQRT_BITS, fp.LN_RSQRT_FRAC, fp.LN_NORM_FRAC
+    q = _ln_input_codes(ctx, m)
+    s1 = ctx.make("ReduceSum", [q], tag="sum", axes=axes, keepdims=1)
+    s2 = ctx.make("ReduceSum", [ctx.make("Mul", [q, q], tag="square")], tag="sum_squares", axes=axes, keepdims=1)
+    v = ctx.make("Sub", [ctx.make("Mul", [s2, ctx.const("group", group, I64)], tag="n_sum_squares"),
+                         ctx.make("Mul", [s1, s1], tag="sum_squared")], tag="variance_units")
+    w = ctx.make("Add", [v, ctx.const("eps_units", m.eps_units, I64)], tag="variance_eps")
+    one = ctx.const("one", 1, I64)
+    w = ctx.make("Where", [ctx.make("Less", [w, one], tag="below_one", dtype=B), one, w], tag="variance_floor")
+    # p = #{j in 1..31: W >= 4**j}
+    ladder = ctx.const("ladder", np.array([(1 << (2 * j)) - 1 for j in range(1, 32)], np.int64), I64)
+    above = ctx.make("Greater", [ctx.make("Unsqueeze", [w], tag="variance_col", axes=[rank]), ladder],
+                     tag="ladder_above", dtype=B)
+    p = ctx.make("ReduceSum", [ctx.make("Cast", [above], tag="ladder_int", to=I64, dtype=I64)], tag="exponent",
+                 axes=[rank], keepdims=0)
+    ps = np.arange(32)
+    up = ctx.const("up_pow", np.left_shift(np.int64(1), np.maximum(T - 2 * ps, 0)).astype(np.int64), I64)
+    down = ctx.const("down_pow", np.left_shift(np.int64(1), np.maximum(2 * ps - T, 0)).astype(np.int64), I64)
+    t = ctx.make("Div", [ctx.make("Mul", [w, ctx.make("Gather", [up, p], tag="up", axis=0)], tag="lifted"),
+                         ctx.make("Gather", [down, p], tag="down", axis=0)], tag="top_bits")
+    index = ctx.make("Sub", [t, ctx.const("table_base", 1 << T, I64)], tag="table_index")
+    table = ctx.const("rsqrt_table", fp.layer_norm_rsqrt_table().numpy(), I64)
+    r = ctx.make("Gather", [table, index], tag="rsqrt", axis=0)
+    d = ctx.make("Sub", [ctx.make("Mul", [q, ctx.const("group_d", group, I64)], tag="n_codes"), s1], tag="centered")
+    shifts = ps + (F_ - Z)
+    div_z = ctx.make("Gather", [ctx.const("z_pow", np.left_shift(np.int64(1), shifts).astype(np.int64), I64), p],
+                     tag="z_divisor", axis=0)
+    half_z = ctx.make("Gather", [ctx.const("z_half", np.left_shift(np.int64(1), shifts - 1).astype(np.int64), I64),
+                                 p], tag="z_half_of", axis=0)
+    z = _ln_round_shift(ctx, ctx.make("Mul", [d, r], tag="scaled"), div_z, half_z, "z")
+    n = m.n.numpy().astype(np.int64) + Z
+    acc = ctx.make("Add", [ctx.make("Mul", [z, ctx.const("multiplier", m.M.numpy(), I64)], tag="gamma"),
+                           ctx.const("bias_codes", m.B.numpy(), I64)], tag="beta")
+    y = _ln_round_shift(ctx, acc, ctx.const("out_pow", np.left_shift(np.int64(1), n), I64),
+                        ctx.const("out_half", np.left_shift(np.int64(1), n - 1), I64), "out")
+    lo, hi = fp.qrange(m.out_dtype)
+    y = ctx.make("Cast", [y], tag="out_double", to=F64, dtype=F64)  # |y| < 2**46: exact
+    y = ctx.make("Min", [ctx.make("Max", [y, ctx.const("lo", float(lo), F64)], tag="clamp_lo"),
+                         ctx.const("hi", float(hi), F64)], tag="clamp_hi")
+    if m.out_dtype == "qint8":
+        codes = ctx.make("Cast", [y], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
+        return _dequantized(ctx, codes, m.out_scale, m.out_dtype)
+    y = ctx.make("Mul", [ctx.make("Cast", [y], tag="codes_float", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
+                         ctx.const("out_scale", m.out_scale, TensorProto.FLOAT)], tag="dequantize")
+    return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, ctx.path)
+
+
+def _float_layer_norm(ctx: NodeContext, m: qnn.QuantizedLayerNorm) -> Tensor:
+    """The float layer norm (mean, variance, eps, gamma, beta) on the float input."""
+    x = ctx.x()
+    axes = list(range(-m.dims, 0))
+    mean = ctx.make("ReduceMean", [x], tag="mean", axes=axes, keepdims=1)
+    d = ctx.make("Sub", [x, mean], tag="centered")
+    var = ctx.make("ReduceMean", [ctx.make("Mul", [d, d], tag="squared")], tag="var", axes=axes, keepdims=1)
+    std = ctx.make("Sqrt", [ctx.make("Add", [var, ctx.const("eps", m.eps)], tag="var_eps")], tag="std")
+    y = ctx.make("Div", [d, std], tag="normalized")
+    if m.weight is not None:
+        y = ctx.make("Mul", [y, ctx.param(m, "weight", ctx.path)], tag="scaled")
+    if m.bias is not None:
+        y = ctx.make("Add", [y, ctx.param(m, "bias", ctx.path)], tag="shifted")
+    return y
