@@ -12,10 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.backends.bpu.op_info import OpInfo
-from qcompiler.quantization.fixed_point import max_pool_out_size
+from qcompiler.ir.ops import bind
+from qcompiler.quantization.fixed_point import LN_MAX_GROUP, max_pool_out_size
 
 Check = Callable[["OpInfo"], Optional[str]]
 
@@ -411,3 +413,56 @@ def folds_away() -> Constraint:
         return None
 
     return Constraint("folds away (only trailing 1-sized dims change)", check)
+
+
+# ---- layer_norm (nash) -------------------------------------------------------
+
+
+def _layer_norm_args(info) -> dict:
+    """The normalized dims count (None when the call does not say it statically), weight and bias of a
+    layer_norm node, by name."""
+    module = info.module
+    kw = bind(info.node, {info.node.target: module} if module is not None else {})
+    shape = kw["normalized_shape"]
+    dims = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list)) else None
+    return {"dims": dims, "weight": kw["weight"], "bias": kw["bias"]}
+
+
+def layer_norm_group(max_group: int = LN_MAX_GROUP) -> Constraint:
+    """The normalized dims are the last k dims after the batch (dim 0 is never normalized: the BPU
+    normalizes within a batch item) and hold at most ``max_group`` elements (the integer kernel's
+    overflow bounds, fixed_point.int_layer_norm)."""
+
+    def check(info):
+        s = info.in_shapes[0] if info.in_shapes else None
+        if s is None:
+            return "unknown input shape"
+        dims = _layer_norm_args(info)["dims"]
+        if dims is None:
+            return "normalized_shape is computed at run time (its number of dims is unknown)"
+        if dims >= len(s):
+            return (f"normalizing all {len(s)} dims of {_shape(s)} normalizes across the batch (dim 0); "
+                    f"the BPU normalizes the last dims of each batch item")
+        shape = tuple(s[len(s) - dims:])
+        group = math.prod(shape)
+        if group > max_group:
+            return f"normalized group of {group} elements {_shape(shape)} > {max_group}"
+        return None
+
+    return Constraint(f"normalized dims after the batch, group <= {max_group} elements", check)
+
+
+def layer_norm_constant_affine() -> Constraint:
+    """gamma / beta are folded into multipliers at convert time: they must be parameters or buffers
+    (a module's, or get_attr operands of a functional call), not values computed in forward."""
+
+    def check(info):
+        args = _layer_norm_args(info)
+        for name in ("weight", "bias"):
+            v = args[name]
+            if isinstance(v, fx.Node) and v.op != "get_attr":
+                return (f"{name} is computed at run time (the BPU takes a constant {name}: "
+                        f"a parameter or buffer)")
+        return None
+
+    return Constraint("constant weight and bias", check)

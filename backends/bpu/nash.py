@@ -39,5 +39,8 @@ TABLE = OpTable(
         _row("prelu", c.constant_weight()),
         # element-wise functions by lookup table (the table kernel of sigmoid)
         *(_row(op) for op in ("hardsigmoid", "hardswish", "gelu", "elu", "selu")),
+        # --- layer_norm: the integer kernel of fixed_point.int_layer_norm (docs/marches.md, "LayerNorm kernel")
+        _row("layer_norm", c.layer_norm_group(), c.layer_norm_constant_affine()),
+        # --- end layer_norm
     ),
 )
