@@ -34,9 +34,9 @@ TABLE = OpTable(
         OpRule("exp", int16=True),
         OpRule("silu", int16=True),
         OpRule("batch_norm", (c.batch_norm_affine(),)),
-        OpRule("reshape"),
-        OpRule("flatten"),
-        OpRule("transpose"),
-        OpRule("permute"),
+        OpRule("reshape", (c.static_arguments(),)),
+        OpRule("flatten", (c.static_arguments(),)),
+        OpRule("transpose", (c.static_arguments(),)),
+        OpRule("permute", (c.static_arguments(),)),
     ),
 )

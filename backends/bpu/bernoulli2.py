@@ -34,7 +34,7 @@ TABLE = OpTable(
         OpRule("silu", _LUT),
         OpRule("batch_norm", (c.batch_norm_affine(),)),
         # layout ops carry no arithmetic: they run on the BPU only when they fold away
-        OpRule("reshape", (c.folds_away(),)),
-        OpRule("flatten", (c.folds_away(),)),
+        OpRule("reshape", (c.static_arguments(), c.folds_away())),
+        OpRule("flatten", (c.static_arguments(), c.folds_away())),
     ),
 )

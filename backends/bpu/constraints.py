@@ -415,6 +415,24 @@ def folds_away() -> Constraint:
     return Constraint("folds away (only trailing 1-sized dims change)", check)
 
 
+def static_arguments() -> Constraint:
+    """A layout op's sizes and dims are part of the BPU program: none may be computed at run time
+    (``x.reshape(b, n, h * e)`` with sizes read from a tensor, where the rewrite to numbers declined:
+    an example size that equals the batch makes the batch entry ambiguous)."""
+
+    def check(info):
+        node = info.node
+        rest = list(node.args[1:]) + list(node.kwargs.values())
+        flat = [x for v in rest for x in (v if isinstance(v, (list, tuple)) else (v,))]
+        computed = [x.name for x in flat if isinstance(x, fx.Node)]
+        if computed:
+            return (f"{info.op} argument(s) {', '.join(repr(n) for n in computed)} computed at run time (sizes read "
+                    "from a tensor); BPU layout ops need static sizes: write them as numbers")
+        return None
+
+    return Constraint("static sizes / dims", check)
+
+
 # ---- layer_norm (nash) -------------------------------------------------------
 
 
