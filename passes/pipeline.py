@@ -18,11 +18,13 @@ writes in place are known and left alone) and precedes ``shape_prop``, which the
 folded buffers' ``get_attr`` nodes their metadata like any other node's.  ``einsum`` (as
 permutes, reshapes and matmul) needs the operands' shapes, so it runs after shape propagation
 and the in-place passes, and before ``rewrite`` and placement, which then see only ops the
-march and ONNX opset 11 have (its nodes carry their own shapes).
+march and ONNX opset 11 have (its nodes carry their own shapes); ``attention`` (a traced
+``scaled_dot_product_attention`` as matmul, softmax and matmul) follows it for the same reasons.
 """
 
 from __future__ import annotations
 
+from qcompiler.passes.attention import ATTENTION_AS_MATMUL
 from qcompiler.passes.einsum import EINSUM_TO_MATMUL
 from qcompiler.passes.fold_constants import FOLD_CONSTANTS
 from qcompiler.passes.fuse import FUSE
@@ -39,13 +41,14 @@ from qcompiler.passes.shape_prop import SHAPE_PROP
 from qcompiler.passes.view_writes import VIEW_WRITES
 
 ANALYZE = [REMOVE_IDENTITIES, INPLACE_READS, FOLD_CONSTANTS, SHAPE_PROP, LEAF_WRITES, VIEW_WRITES, OUT_OF_PLACE,
-           EINSUM_TO_MATMUL, REWRITE, PLACE]
+           EINSUM_TO_MATMUL, ATTENTION_AS_MATMUL, REWRITE, PLACE]
 OPTIMIZE = [FUSE]
 SPLIT = [INSERT_STUBS, PARTITION]
 
 # trace -> eval-mode identities removed -> reads after in-place ops rewired -> parameter-only subgraphs folded ->
 # shapes -> opaque writers given copies -> views re-made after writes, writes through views written back ->
-# in-place twins out of place -> einsum as matmul -> rewrites -> placement -> fusion -> boundary stubs -> partitions
+# in-place twins out of place -> einsum as matmul -> attention as matmul / softmax -> rewrites -> placement ->
+# fusion -> boundary stubs -> partitions
 PARTITION_PIPELINE = ANALYZE + OPTIMIZE + SPLIT
 # ... and observers / fake quants on the BPU ops, before grouping
 PREPARE_PIPELINE = ANALYZE + OPTIMIZE + [INSERT_STUBS, INSERT_OBSERVERS, PARTITION]

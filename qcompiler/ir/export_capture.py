@@ -26,7 +26,6 @@ with its TreeSpec in ``gm.meta[GM_OUTPUT_SPEC]``.
 from __future__ import annotations
 
 import inspect
-import math
 import operator
 from typing import Any, Optional, Sequence
 
@@ -37,6 +36,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from qcompiler.errors import TraceError
+from qcompiler.ir.attention import attention_arguments, decline_reason, scale_of, write_attention
 from qcompiler.ir.export_leaves import LEAF_OP, leaves_as_calls
 from qcompiler.ir.inplace import schema_writes
 from qcompiler.ir.meta import GM_OUTPUT_SPEC, META_SCOPE, ScopeEntry
@@ -457,33 +457,18 @@ class _Lowering:
         return self._emit("call_module", path, (self._value(node.args[1], scope),), {}, inner)
 
     def _attention(self, node: fx.Node, scope: tuple) -> Optional[fx.Node]:
-        """scaled_dot_product_attention as softmax(q @ k^T * scale + mask) @ v (None: left as it is)."""
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-        a = dict(zip(names, node.args))
-        a.update(node.kwargs)
-        if a.get("enable_gqa") or a.get("dropout_p", 0.0) or a.get("is_causal"):
-            return None
+        """scaled_dot_product_attention as softmax(q @ k^T * scale + mask) @ v (``qcompiler.ir.attention``;
+        None: left as it is)."""
+        a = attention_arguments(node.args, node.kwargs)
         q_val = a["query"].meta.get("val")
-        if q_val is None:
+        if decline_reason(a) is not None or q_val is None:
             return None
-        scale = a.get("scale")
-        if scale is None:
-            scale = 1.0 / math.sqrt(q_val.shape[-1])
         q, k, v = (self._value(a[n], scope) for n in ("query", "key", "value"))
-        kt = self._emit("call_function", torch.transpose, (k, -2, -1), {}, scope)
-        scores = self._emit("call_function", torch.matmul, (q, kt), {}, scope)
-        scores = self._emit("call_function", torch.mul, (scores, scale), {}, scope)
-        mask = a.get("attn_mask")
-        if mask is not None:
-            m = self._value(mask, scope)
-            if mask.meta.get("val") is not None and mask.meta["val"].dtype == torch.bool:
-                scores = self._emit("call_function", torch.masked_fill,
-                                    (scores, self._emit("call_function", torch.logical_not, (m,), {}, scope),
-                                     float("-inf")), {}, scope)
-            else:
-                scores = self._emit("call_function", torch.add, (scores, m), {}, scope)
-        probs = self._emit("call_function", torch.softmax, (scores, -1), {}, scope)
-        return self._emit("call_function", torch.matmul, (probs, v), {}, scope)
+        mask = a["attn_mask"]
+        m = self._value(mask, scope) if mask is not None else None
+        is_bool = mask is not None and mask.meta.get("val") is not None and mask.meta["val"].dtype == torch.bool
+        return write_attention(lambda target, args: self._emit("call_function", target, args, {}, scope),
+                               q, k, v, m, is_bool, scale_of(a, q_val.shape[-1]))
 
 
 class _Lazy:
