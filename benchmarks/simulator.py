@@ -1,6 +1,6 @@
 """BPU simulator speed vs the int8 runtimes a user would otherwise evaluate with, in one run.
 
-    python benchmarks/simulator.py [--models resnet18,mobilenet_v2,unet] [--batches 1,8]
+    python benchmarks/simulator.py [--models resnet18,mobilenet_v2,unet] [--batches 1,8] [--march bayes]
                                    [--threads 1,2] [--size 224] [--repeat 10] [--no-profile]
                                    [--kernels fast|fixed_point] [--row-split]
 
@@ -61,6 +61,7 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import qcompiler.zoo as zoo  # noqa: E402
+from benchmarks import vit  # noqa: E402
 from benchmarks._data import SmoothNoise, stack  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
 from qcompiler.backends.bpu.native.kernels import amx_enabled  # noqa: E402
@@ -93,8 +94,22 @@ def calibration_batches(size: int) -> list[torch.Tensor]:
     return [stack(ds, i * CALIB_BATCH, (i + 1) * CALIB_BATCH) for i in range(CALIB_BATCHES)]
 
 
+# models beside the zoo's: name -> (builder, example_inputs(batch=, image_size=))
+EXTRA_MODELS = {"vit_b16": (vit.vit_b16, vit.example_inputs)}
+
+
+def float_model(name: str) -> torch.nn.Module:
+    return EXTRA_MODELS[name][0]() if name in EXTRA_MODELS else zoo.get(name).eval()
+
+
+def model_inputs(name: str, batch: int = 1, image_size: int = 224) -> tuple:
+    if name in EXTRA_MODELS:
+        return EXTRA_MODELS[name][1](batch=batch, image_size=image_size)
+    return zoo.example_inputs(name, batch=batch, image_size=image_size)
+
+
 def converted_model(name: str, size: int, calib: list[torch.Tensor], march: str = "bayes"):
-    cal = prepare_calibration_fx(zoo.get(name), None, example_inputs=zoo.example_inputs(name, image_size=size),
+    cal = prepare_calibration_fx(float_model(name), None, example_inputs=model_inputs(name, image_size=size),
                                  hybrid=True, march=march)
     cal.eval()
     with torch.no_grad():
@@ -247,7 +262,9 @@ def environment() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="resnet18,mobilenet_v2,unet")
+    ap.add_argument("--models", default="resnet18,mobilenet_v2,unet",
+                    help="zoo models, or vit_b16 (benchmarks/vit.py; with --march nash)")
+    ap.add_argument("--march", default="bayes", choices=("bayes", "bernoulli2", "nash"))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--size", type=int, default=224)
@@ -274,11 +291,11 @@ def main() -> None:
         for name in args.models.split(","):
             t0 = time.perf_counter()
             torch.set_num_threads(max(threads))
-            q = converted_model(name, args.size, calib)
+            q = converted_model(name, args.size, calib, args.march)
             programs = lower_bpu_partitions(q)
             ours = Runtime.simulated(q, programs, kernels=args.kernels)
-            f = zoo.get(name).eval()
-            x1 = zoo.example_inputs(name, image_size=args.size)[0]
+            f = float_model(name)
+            x1 = model_inputs(name, image_size=args.size)[0]
             ao = torch_ao_model(f, x1, calib)
             os.makedirs(os.path.join(folder, name))
             onnx_path = ort_int8_model(f, x1, calib, os.path.join(folder, name))
@@ -289,7 +306,7 @@ def main() -> None:
                 ours.threads = t
                 ort_run = ort_session(onnx_path, t)
                 for b in batches:
-                    x = zoo.example_inputs(name, batch=b, image_size=args.size)[0]
+                    x = model_inputs(name, batch=b, image_size=args.size)[0]
                     xn = x.numpy()
                     with torch.no_grad():
                         exact = torch.equal(ours(x), q(x))
