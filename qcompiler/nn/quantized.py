@@ -522,3 +522,24 @@ class QuantizedLayerNorm(QuantizedModule):
         affine = "affine" if self.weight is not None or self.bias is not None else "no affine"
         return (f"{self.normalized_shape}, {affine}, eps={self.eps:g}, in {self.in_dtype}, "
                 f"out_scale={self.out_scale:.6g} ({self.out_dtype})")
+
+
+class QuantizedSoftmax(QuantizedModule):
+    """softmax along ``dim`` (nash): the exponential table, int64 sum and one integer division of
+    ``fixed_point.int_softmax``; table and ``(M, n)`` are built here once, at convert time."""
+
+    qc_op = "softmax"
+
+    def __init__(self, dim: int, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.dim, self.in_dtype, self.out_dtype = int(dim), in_dtype, out_dtype
+        self.in_scale, self.out_scale = float(in_scale), float(out_scale)
+        self.register_buffer("table", fp.softmax_exp_table(self.in_scale, in_dtype))
+        self.M, self.n = fp.softmax_params(self.out_scale)
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        y = fp.int_softmax(x.int_repr(), self.dim, self.table, self.M, self.n, self.out_dtype, op=self.qc_op)
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, {self.in_dtype} -> {self.out_dtype}"

@@ -1015,3 +1015,74 @@ def int_layer_norm(q: torch.Tensor, dims: int, eps_units: int, M: torch.Tensor, 
     z = rounding_shift(d * R, p + (LN_RSQRT_FRAC - LN_NORM_FRAC))
     acc = z * M + B
     return _clamp_to(rounding_shift(acc, n + LN_NORM_FRAC), out_dtype)
+
+
+# softmax (nash): a max-subtracted exponential table, an int64 sum, one integer division
+#
+# ``q`` symmetric int8/int16 at ``s_in``; along ``dim``:
+#   d = max(q) - q  (>= 0)          E = EXP[min(d, len(EXP) - 1)]   (E[0] = 2**SOFTMAX_EXP_BITS)
+#   S = sum(E)  (int64)             y = clamp((E * M + (S << n) // 2) // (S << n))
+# with ``M / 2**n ~= 1 / s_out`` (SOFTMAX_MULT_BITS-bit M): ``y = round_half_up(E / (S * s_out))``,
+# the one rounding of the exact rational ``E * M / (S * 2**n)`` (a tie needs an even divisor; it rounds
+# up).  Bounds: E <= 2**16 and an axis of at most SOFTMAX_MAX_LEN = 2**16 elements give S <= 2**32;
+# n <= SOFTMAX_MAX_SHIFT = 30 gives S << n <= 2**62 and E * M < 2**40, so every int64 step is exact.
+
+SOFTMAX_EXP_BITS = 16  # fraction bits of the exponential table: exp(0) = 1.0 is 2**16
+SOFTMAX_MAX_LEN = 1 << 16  # the longest softmax axis: S = sum(E) <= 2**32
+SOFTMAX_MULT_BITS = 24  # |M / 2**n - 1 / s_out| <= 2**-24 relative: < 2**-9 LSB on a 16-bit output
+SOFTMAX_MAX_SHIFT = 30  # S << n <= 2**62
+
+
+def softmax_exp_table(in_scale: Scale, in_dtype="qint8") -> torch.Tensor:
+    """The exponential table of :func:`int_softmax`: ``EXP[d] = round_half_even(exp(-d * s_in) * 2**16)``
+    for ``d = max - q`` over the input type's code span (256 entries for qint8, 65536 for qint16),
+    evaluated in float64, cut after its first 0 (every later entry is 0 too: ``exp`` decreases), int32."""
+    if _norm_dtype(in_dtype) not in ("qint8", "qint16"):
+        raise ConfigError(f"softmax_exp_table: input must be qint8 or qint16, got {_norm_dtype(in_dtype)}")
+    lo, hi = qrange(in_dtype)
+    si = _f64(in_scale, "in_scale")
+    if not si > 0:
+        raise ConfigError(f"softmax_exp_table: in_scale must be > 0, got {si}")
+    d = torch.arange(0, hi - lo + 1, dtype=torch.float64)
+    e = torch.round(torch.exp(-d * si) * float(1 << SOFTMAX_EXP_BITS))
+    zeros = torch.nonzero(e == 0)
+    if zeros.numel():
+        e = e[: int(zeros[0, 0]) + 1]
+    return e.to(torch.int32)
+
+
+def softmax_params(out_scale: Scale) -> tuple[int, int]:
+    """``(M, n)`` with ``M / 2**n ~= 1 / s_out`` (:data:`SOFTMAX_MULT_BITS`-bit ``M``, ``n <= 30``)."""
+    so = _f64(out_scale, "out_scale")
+    if not so > 0:
+        raise ConfigError(f"softmax_params: out_scale must be > 0, got {so}")
+    M, n = requant_params(1.0 / so, mult_bits=SOFTMAX_MULT_BITS, max_shift=SOFTMAX_MAX_SHIFT)
+    return int(M), int(n)
+
+
+def int_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, out_dtype="qint8", *,
+                op: str = "softmax") -> torch.Tensor:
+    """softmax of the integers ``q`` along ``dim`` on the output grid (the definition above this function),
+    exact in int64. ConfigError (naming ``op``) for an axis longer than :data:`SOFTMAX_MAX_LEN` or
+    parameters outside the bounds the int64 steps rely on."""
+    x = _as_int64(q)
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ConfigError(f"{op}: dim {dim} is out of range for a {x.dim()}-d input")
+    M, n = int(M), int(n)
+    if not (0 < M < (1 << SOFTMAX_MULT_BITS) and 0 <= n <= SOFTMAX_MAX_SHIFT):
+        raise ConfigError(f"{op}: multiplier {M} / shift {n} outside (0, 2**{SOFTMAX_MULT_BITS}) / "
+                          f"[0, {SOFTMAX_MAX_SHIFT}]; build them with softmax_params")
+    t = _as_int64(table)
+    if t.dim() != 1 or t.numel() == 0 or int(t.max()) > (1 << SOFTMAX_EXP_BITS) or int(t.min()) < 0:
+        raise ConfigError(f"{op}: exponential table must be 1-d with entries in [0, 2**{SOFTMAX_EXP_BITS}]; "
+                          f"build it with softmax_exp_table")
+    if x.dim() and x.shape[dim] > SOFTMAX_MAX_LEN:
+        raise ConfigError(f"{op}: softmax axis of {x.shape[dim]} elements > {SOFTMAX_MAX_LEN} (the int64 "
+                          f"sum bound); split the axis or run the softmax on the CPU")
+    if x.numel() == 0:
+        return _clamp_to(x, out_dtype)
+    d = (x.amax(dim, keepdim=True) - x).clamp(max=t.numel() - 1)
+    e = t[d]
+    den = e.sum(dim, keepdim=True) << n
+    y = torch.div(e * M + (den >> 1), den, rounding_mode="floor")
+    return _clamp_to(y, out_dtype)
