@@ -484,3 +484,30 @@ def layer_norm_constant_affine() -> Constraint:
         return None
 
     return Constraint("constant weight and bias", check)
+
+
+# ---- softmax (nash) ------------------------------------------------------------------------
+
+
+def softmax_call(max_len: int) -> Constraint:
+    """softmax along a dim the call names as a constant int (torch's implicit dim is deprecated and
+    rank-dependent), no dtype cast, and an axis of at most ``max_len`` elements: the integer kernel's
+    int64 sum bound (``fixed_point.SOFTMAX_MAX_LEN``)."""
+
+    def check(info):
+        dim, dtype = info.attrs.get("dim"), info.attrs.get("dtype")
+        if dim is None:
+            return f"{info.op} without dim (torch's implicit dim is deprecated); give dim=..."
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            return f"{info.op} dim {dim!r} is not a constant int"
+        if dtype is not None:
+            return f"{info.op} with dtype={dtype} (the BPU computes on the quantized input)"
+        s = info.in_shapes[0] if info.in_shapes else None
+        if s is not None and len(s):
+            if not -len(s) <= dim < len(s):
+                return f"{info.op} dim {dim} out of range for {_shape(s)}"
+            if s[dim] > max_len:
+                return f"{info.op} axis of {s[dim]} elements > {max_len}"
+        return None
+
+    return Constraint(f"dim given, axis <= {max_len} elements", check)

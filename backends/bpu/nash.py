@@ -8,6 +8,7 @@ reference table is silent the choice is ours and docs/marches.md says why.
 from qcompiler.backends.bpu import bayes, constraints as c
 from qcompiler.backends.bpu.support import OpRule, OpTable, rules
 from qcompiler.march import March
+from qcompiler.quantization.fixed_point import SOFTMAX_MAX_LEN
 
 # spatial ops keep bayes's 4-D (NCHW) form; everything else runs on 1..5-D tensors
 _NCHW = c.rank_between(1, 4)
@@ -42,5 +43,7 @@ TABLE = OpTable(
         # --- layer_norm: the integer kernel of fixed_point.int_layer_norm (docs/marches.md, "LayerNorm kernel")
         _row("layer_norm", c.layer_norm_group(), c.layer_norm_constant_affine()),
         # --- end layer_norm
+        # --- softmax kernel (fixed_point.int_softmax): a constant dim, an axis the int64 sum bounds
+        _row("softmax", c.softmax_call(SOFTMAX_MAX_LEN)),
     ),
 )

@@ -122,6 +122,12 @@ def _dim_attr(node: fx.Node, modules: Modules) -> dict:
     return {"dim": bind(node, modules)["dim"]}
 
 
+def _softmax_attrs(node: fx.Node, modules: Modules) -> dict:
+    """softmax / log_softmax: ``dim`` (None when not given) and ``dtype`` as the call gives them."""
+    kw = bind(node, modules)
+    return {"dim": kw["dim"], "dtype": kw.get("dtype")} if kw is not None else {"dim": None, "dtype": None}
+
+
 def _adaptive_attrs(module: Optional[nn.Module], node: fx.Node, modules: Modules) -> dict:
     """``output_size`` as (h, w); a None entry keeps the input's size along that dim (torch's meaning)."""
     size = module.output_size if module is not None else bind(node, modules)["output_size"]
@@ -185,6 +191,8 @@ def op_info(node: fx.Node, op: str, modules: dict[str, nn.Module]) -> OpInfo:
         attrs.update(_adaptive_attrs(module, node, modules))
     elif op == "div":
         attrs["rounding_mode"] = node.kwargs.get("rounding_mode")
+    if op in ("softmax", "log_softmax"):  # softmax kernel (nash)
+        attrs.update(_softmax_attrs(node, modules))
     attrs["constant_operands"] = constants
     attrs["feature_map_operands"] = feature_maps
     return OpInfo(node, op, module, in_shapes, out_shapes, attrs)

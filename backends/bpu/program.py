@@ -95,6 +95,9 @@ OP_KINDS: dict[str, str] = {
     "layer_norm": "integer layer norm over the last attrs['dims'] dims (fixed_point.int_layer_norm): group sums, "
                   "a table rsqrt, per-element multipliers M/2^n and bias codes B (of the normalized shape), "
                   "tensor 'eps' the eps in variance units",
+    # --- softmax (nash)
+    "softmax": "along attrs['dim']: E = table[min(max - q, len - 1)], S = sum(E) in int64, "
+               "clamp((E*M + (S<<n)//2) // (S<<n)) (fixed_point.int_softmax)",
 }
 LAYOUT_KINDS = frozenset({"identity", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
                           "getitem"})

@@ -13,5 +13,6 @@ from qcompiler.passes.convert_rules import (  # noqa: F401  (imported to registe
     lut,
     norm,
     pooling,
+    softmax,
     weight_layers,
 )

@@ -266,3 +266,11 @@ def _layer_norm(k: KernelSpec) -> Callable:
     T, dims, name, out_dtype = k.tensors, int(k.attrs["dims"]), k.name, k.out_dtype
     M, n, B, eps = T["M"], T["n"], T["B"], int(T["eps"])
     return lambda x: fp.int_layer_norm(x, dims, eps, M, n, B, out_dtype, op=name)
+
+
+# --- softmax (nash)
+@reference_kernel("softmax")
+def _softmax(k: KernelSpec) -> Callable:
+    table, M, n = k.tensors["table"], int(k.tensors["M"]), int(k.tensors["n"])
+    dim, name, out_dtype = int(k.attrs["dim"]), k.name, k.out_dtype
+    return lambda x: fp.int_softmax(x, dim, table, M, n, out_dtype, op=name)

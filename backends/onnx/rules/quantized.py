@@ -553,3 +553,63 @@ def _float_layer_norm(ctx: NodeContext, m: qnn.QuantizedLayerNorm) -> Tensor:
     if m.bias is not None:
         y = ctx.make("Add", [y, ctx.param(m, "bias", ctx.path)], tag="shifted")
     return y
+
+
+# --- softmax (nash)
+
+
+def _softmax_input_codes(ctx: NodeContext, x: Tensor) -> Optional[Tensor]:
+    """The int64 codes of the softmax input ``x``: an int8 value's codes; an int16 value (float in
+    opset 11) quantized at its grid as the BPU entry does, ``clamp(round_half_even(x / s))`` in float32
+    (exact when ``x`` is ``float32(q * s)`` or the float the BPU quantized); None when not quantizing
+    or ``x`` has no grid."""
+    if not ctx.quant.quantize or not is_tensor(x):
+        return None
+    scale, dtype = ctx.quant.grid.get(x, (None, None))
+    I64 = TensorProto.INT64
+    if dtype == "qint8":
+        q = ctx.quant.codes_of(ctx, x, f"{ctx.path}.input0")
+    elif dtype == "qint16":
+        lo, hi = fp.qrange(dtype)
+        t = ctx.make("Round", [ctx.make("Div", [x, ctx.const("in_scale", scale)], tag="scaled")], tag="round")
+        q = ctx.make("Clip", [t, ctx.const("lo", float(lo)), ctx.const("hi", float(hi))], tag="codes")
+    else:
+        return None
+    return ctx.make("Cast", [q], tag="input_codes", to=I64, dtype=I64)
+
+
+@emits_module(qnn.QuantizedSoftmax)
+def converted_softmax(ctx: NodeContext) -> Tensor:
+    """QuantizedSoftmax in exact int64 ops, ``fixed_point.int_softmax`` step for step: ReduceMax, Sub,
+    Greater / Where (the table's clamp), Gather of the exponential table, ReduceSum, Mul, Add and Div of
+    non-negatives (floor), the clamp at qmax; int8 codes into DequantizeLinear, int16 ones as
+    ``float32(q) * float32(s)`` (float in opset 11, grid in the sidecar). Not quantizing, or an input
+    with no grid: the float Softmax, quantized at the output scale."""
+    m = ctx.module
+    x = ctx.x()
+    q = _softmax_input_codes(ctx, x)
+    if q is None:
+        y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0], m.dim)))
+        return _out(ctx, y, m.out_scale, m.out_dtype)
+    I64 = TensorProto.INT64
+    B = TensorProto.BOOL
+    last = int(m.table.numel()) - 1
+    d = ctx.make("Sub", [ctx.make("ReduceMax", [q], tag="max", axes=[m.dim], keepdims=1), q], tag="distance")
+    if last < fp.qrange(m.in_dtype)[1] - fp.qrange(m.in_dtype)[0]:
+        cap = ctx.const("last_index", last, I64)
+        d = ctx.make("Where", [ctx.make("Greater", [d, cap], tag="past_table", dtype=B), cap, d], tag="index")
+    table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np.int64))
+    e = ctx.make("Gather", [table, d], tag="exp", axis=0)
+    den = ctx.make("Mul", [ctx.make("ReduceSum", [e], tag="sum", axes=[m.dim], keepdims=1),
+                           ctx.const("two_pow_n", 1 << m.n, I64)], tag="divisor")
+    num = ctx.make("Add", [ctx.make("Mul", [e, ctx.const("M", m.M, I64)], tag="scaled_exp"),
+                           ctx.make("Div", [den, ctx.const("two", 2, I64)], tag="half_divisor")], tag="numerator")
+    y = ctx.make("Div", [num, den], tag="quotient")
+    hi = ctx.const("qmax", fp.qrange(m.out_dtype)[1], I64)
+    y = ctx.make("Where", [ctx.make("Greater", [y, hi], tag="over", dtype=B), hi, y], tag="clamp")
+    if m.out_dtype == "qint8":
+        codes = ctx.make("Cast", [y], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
+        return _dequantized(ctx, codes, m.out_scale, m.out_dtype)
+    f = ctx.make("Mul", [ctx.make("Cast", [y], tag="float_codes", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
+                         ctx.const("out_scale", m.out_scale)], tag="dequantize")
+    return ctx.quant.quantize_point(ctx, f, m.out_scale, m.out_dtype, ctx.path)
