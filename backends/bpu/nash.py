@@ -44,6 +44,6 @@ TABLE = OpTable(
         _row("layer_norm", c.layer_norm_group(), c.layer_norm_constant_affine()),
         # --- end layer_norm
         # --- softmax kernel (fixed_point.int_softmax): a constant dim, an axis the int64 sum bounds
-        _row("softmax", c.softmax_call(SOFTMAX_MAX_LEN)),
+        *(_row(op, c.softmax_call(SOFTMAX_MAX_LEN)) for op in ("softmax", "log_softmax")),
     ),
 )

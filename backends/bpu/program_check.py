@@ -164,6 +164,7 @@ ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "layer_norm": {"dims": _int(1, 6), "in_dtype": _choice("qint8", "qint16"), "in_scale": _pos_float},
     # --- softmax (nash)
     "softmax": {"dim": _int(-8, 8), "in_dtype": _choice("qint8", "qint16")},
+    "log_softmax": {"dim": _int(-8, 8), "in_dtype": _choice("qint8", "qint16")},
 }
 
 
@@ -280,9 +281,13 @@ def _tensor_rules(op, where: str) -> dict[str, _Spec]:
         return {"value": _Spec((_STORAGE.get(a.get("out_dtype"), torch.int8),), rank=(0, 6))}
     if k == "layer_norm":
         return _layer_norm_rules(op, where)
-    if k == "softmax":  # fixed_point.int_softmax's bounds: E <= 2**16, M < 2**24, n <= 30
-        return {"table": _Spec((torch.int32,), (None,), values=(0, 1 << 16)),
-                "M": _Spec(_I64, (), values=(1, (1 << 24) - 1)), "n": _Spec(_I64, (), values=(0, 30))}
+    if k in ("softmax", "log_softmax"):  # fixed_point.int_softmax's bounds: E <= 2**16, M < 2**24, n <= 30
+        rules = {"table": _Spec((torch.int32,), (None,), values=(0, 1 << 16)),
+                 "M": _Spec(_I64, (), values=(1, (1 << 24) - 1)), "n": _Spec(_I64, (), values=(0, 30))}
+        if k == "log_softmax":  # int_log_softmax: w = log_k + log_f + d*M < 2**62
+            rules["log_k"] = _Spec(_I64, (17,), values=(0, 1 << 60))
+            rules["log_f"] = _Spec(_I64, ((1 << 12) + 1,), values=(0, 1 << 60))
+        return rules
     return {}
 
 

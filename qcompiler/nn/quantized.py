@@ -543,3 +543,27 @@ class QuantizedSoftmax(QuantizedModule):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, {self.in_dtype} -> {self.out_dtype}"
+
+
+class QuantizedLogSoftmax(QuantizedModule):
+    """log_softmax along ``dim`` (nash): ``fixed_point.int_log_softmax`` (softmax's exponential table and
+    sum, ``ln(S)`` from a 17-entry exponent table and a 4097-entry mantissa table), built at convert time."""
+
+    qc_op = "log_softmax"
+
+    def __init__(self, dim: int, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str) -> None:
+        super().__init__()
+        self.dim, self.in_dtype, self.out_dtype = int(dim), in_dtype, out_dtype
+        self.in_scale, self.out_scale = float(in_scale), float(out_scale)
+        self.register_buffer("table", fp.softmax_exp_table(self.in_scale, in_dtype))
+        self.M, self.n, log_k, log_f = fp.log_softmax_params(self.in_scale, self.out_scale)
+        self.register_buffer("log_k", log_k)
+        self.register_buffer("log_f", log_f)
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        y = fp.int_log_softmax(x.int_repr(), self.dim, self.table, self.M, self.n, self.log_k, self.log_f,
+                               self.out_dtype, op=self.qc_op)
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, {self.in_dtype} -> {self.out_dtype}"

@@ -1086,3 +1086,72 @@ def int_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, 
     den = e.sum(dim, keepdim=True) << n
     y = torch.div(e * M + (den >> 1), den, rounding_mode="floor")
     return _clamp_to(y, out_dtype)
+
+
+# log_softmax (nash): the same exponential table and sum, then ln(S) from two tables.
+#
+# With d = max(q) - q, E, S as in int_softmax (S in [2**16, 2**32]), ``M / 2**n ~= s_in / s_out``:
+#   c = #{j in 17..32 : S >= 2**j}            (k = 16 + c = floor(log2 S))
+#   r = (S + 2**(k-13)) >> (k-12)  - 2**12    (S / 2**k ~= 1 + r / 2**12, r in [0, 2**12])
+#   w = LOG_K[c] + LOG_F[r] + d * M           (>= 0; LOG_K[c] = c ln2, LOG_F[r] = ln(1 + r/2**12), both
+#                                              in units of s_out / 2**n, rounded half to even)
+#   y = clamp(-((w + 2**(n-1)) >> n))         (the nearest code to (t * s_in - ln(S / 2**16)) / s_out,
+#                                              a tie rounding away from zero)
+# ln(S / 2**16) is off by at most 2**-13 (the 12-bit mantissa) plus the table roundings.
+
+LOG_SOFTMAX_MANTISSA_BITS = 12
+_LOG_TABLE_LIMIT = 1 << 60
+_LN2 = float(torch.log(torch.tensor(2.0, dtype=torch.float64)))
+
+
+def log_softmax_params(in_scale: Scale, out_scale: Scale) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """``(M, n, LOG_K, LOG_F)`` of :func:`int_log_softmax`: ``M / 2**n ~= s_in / s_out`` (24-bit ``M``,
+    ``n <= 30``) and the two int64 log tables (17 and ``2**12 + 1`` entries) in units of ``s_out / 2**n``."""
+    si, so = _f64(in_scale, "in_scale"), _f64(out_scale, "out_scale")
+    if not (si > 0 and so > 0):
+        raise ConfigError(f"log_softmax_params: scales must be > 0, got in {si}, out {so}")
+    M, n = (int(v) for v in requant_params(si / so, mult_bits=SOFTMAX_MULT_BITS, max_shift=SOFTMAX_MAX_SHIFT))
+    if M == 0:
+        raise ConfigError(f"log_softmax_params: s_in / s_out = {si / so:g} is too small for a 24-bit "
+                          f"multiplier with a shift <= {SOFTMAX_MAX_SHIFT}; use a finer output scale")
+    unit = float(1 << n) / so
+    B = LOG_SOFTMAX_MANTISSA_BITS
+    log_k = torch.round(torch.arange(17, dtype=torch.float64) * _LN2 * unit).to(torch.int64)
+    log_f = torch.round(torch.log1p(torch.arange((1 << B) + 1, dtype=torch.float64) / (1 << B)) * unit
+                        ).to(torch.int64)
+    if max(int(log_k[-1]), int(log_f[-1])) >= _LOG_TABLE_LIMIT:  # w < 2**61 + 2**40: no int64 overflow
+        raise ConfigError(f"log_softmax_params: out_scale {so:g} is too fine for int64 log tables at "
+                          f"shift {n}; use a coarser output scale")
+    return M, n, log_k, log_f
+
+
+def int_log_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, log_k: torch.Tensor,
+                    log_f: torch.Tensor, out_dtype="qint8", *, op: str = "log_softmax") -> torch.Tensor:
+    """log_softmax of the integers ``q`` along ``dim`` on the output grid (the definition above
+    :func:`log_softmax_params`), exact in int64; ConfigError (naming ``op``) outside its bounds."""
+    x = _as_int64(q)
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ConfigError(f"{op}: dim {dim} is out of range for a {x.dim()}-d input")
+    M, n = int(M), int(n)
+    B = LOG_SOFTMAX_MANTISSA_BITS
+    if not (0 < M < (1 << SOFTMAX_MULT_BITS) and 0 <= n <= SOFTMAX_MAX_SHIFT):
+        raise ConfigError(f"{op}: multiplier {M} / shift {n} outside its bounds; build them with "
+                          f"log_softmax_params")
+    t, lk, lf = _as_int64(table), _as_int64(log_k), _as_int64(log_f)
+    if t.dim() != 1 or t.numel() == 0 or int(t[0]) != 1 << SOFTMAX_EXP_BITS or int(t.min()) < 0 \
+            or lk.shape != (17,) or lf.shape != ((1 << B) + 1,):
+        raise ConfigError(f"{op}: tables of the wrong form; build them with softmax_exp_table and "
+                          f"log_softmax_params")
+    if x.dim() and x.shape[dim] > SOFTMAX_MAX_LEN:
+        raise ConfigError(f"{op}: axis of {x.shape[dim]} elements > {SOFTMAX_MAX_LEN} (the int64 sum "
+                          f"bound); split the axis or run it on the CPU")
+    if x.numel() == 0:
+        return _clamp_to(x, out_dtype)
+    d = x.amax(dim, keepdim=True) - x
+    S = t[d.clamp(max=t.numel() - 1)].sum(dim, keepdim=True)
+    c = (S.unsqueeze(-1) >= (torch.ones(16, dtype=torch.int64) << torch.arange(17, 33))).sum(-1)
+    shift = c + (SOFTMAX_EXP_BITS - B)
+    r = ((S + (torch.ones_like(shift) << (shift - 1))) >> shift) - (1 << B)
+    w = lk[c] + lf[r] + d * M
+    y = -((w + ((1 << n) >> 1)) >> n)
+    return _clamp_to(y, out_dtype)

@@ -274,3 +274,11 @@ def _softmax(k: KernelSpec) -> Callable:
     table, M, n = k.tensors["table"], int(k.tensors["M"]), int(k.tensors["n"])
     dim, name, out_dtype = int(k.attrs["dim"]), k.name, k.out_dtype
     return lambda x: fp.int_softmax(x, dim, table, M, n, out_dtype, op=name)
+
+
+@reference_kernel("log_softmax")
+def _log_softmax(k: KernelSpec) -> Callable:
+    T = k.tensors
+    table, M, n, log_k, log_f = T["table"], int(T["M"]), int(T["n"]), T["log_k"], T["log_f"]
+    dim, name, out_dtype = int(k.attrs["dim"]), k.name, k.out_dtype
+    return lambda x: fp.int_log_softmax(x, dim, table, M, n, log_k, log_f, out_dtype, op=name)

@@ -578,6 +578,32 @@ def _softmax_input_codes(ctx: NodeContext, x: Tensor) -> Optional[Tensor]:
     return ctx.make("Cast", [q], tag="input_codes", to=I64, dtype=I64)
 
 
+def _softmax_sum(ctx: NodeContext, m, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(d, E, S)`` of ``fixed_point.int_softmax`` on the int64 codes ``q``: ``d = max - q``,
+    ``E = table[min(d, len - 1)]`` (Gather of an int64 initializer), ``S = ReduceSum(E)`` (keepdims)."""
+    I64 = TensorProto.INT64
+    last = int(m.table.numel()) - 1
+    d = ctx.make("Sub", [ctx.make("ReduceMax", [q], tag="max", axes=[m.dim], keepdims=1), q], tag="distance")
+    index = d
+    if last < fp.qrange(m.in_dtype)[1] - fp.qrange(m.in_dtype)[0]:
+        cap = ctx.const("last_index", last, I64)
+        index = ctx.make("Where", [ctx.make("Greater", [d, cap], tag="past_table", dtype=TensorProto.BOOL), cap, d],
+                         tag="index")
+    table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np.int64))
+    e = ctx.make("Gather", [table, index], tag="exp", axis=0)
+    return d, e, ctx.make("ReduceSum", [e], tag="sum", axes=[m.dim], keepdims=1)
+
+
+def _softmax_out(ctx: NodeContext, m, y: Tensor) -> Tensor:
+    """The int64 codes ``y`` (already within the output type's range) as the output value."""
+    if m.out_dtype == "qint8":
+        codes = ctx.make("Cast", [y], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
+        return _dequantized(ctx, codes, m.out_scale, m.out_dtype)
+    f = ctx.make("Mul", [ctx.make("Cast", [y], tag="float_codes", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
+                         ctx.const("out_scale", m.out_scale)], tag="dequantize")
+    return ctx.quant.quantize_point(ctx, f, m.out_scale, m.out_dtype, ctx.path)
+
+
 @emits_module(qnn.QuantizedSoftmax)
 def converted_softmax(ctx: NodeContext) -> Tensor:
     """QuantizedSoftmax in exact int64 ops, ``fixed_point.int_softmax`` step for step: ReduceMax, Sub,
@@ -586,30 +612,54 @@ def converted_softmax(ctx: NodeContext) -> Tensor:
     ``float32(q) * float32(s)`` (float in opset 11, grid in the sidecar). Not quantizing, or an input
     with no grid: the float Softmax, quantized at the output scale."""
     m = ctx.module
-    x = ctx.x()
-    q = _softmax_input_codes(ctx, x)
+    q = _softmax_input_codes(ctx, ctx.x())
     if q is None:
         y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0], m.dim)))
         return _out(ctx, y, m.out_scale, m.out_dtype)
     I64 = TensorProto.INT64
-    B = TensorProto.BOOL
-    last = int(m.table.numel()) - 1
-    d = ctx.make("Sub", [ctx.make("ReduceMax", [q], tag="max", axes=[m.dim], keepdims=1), q], tag="distance")
-    if last < fp.qrange(m.in_dtype)[1] - fp.qrange(m.in_dtype)[0]:
-        cap = ctx.const("last_index", last, I64)
-        d = ctx.make("Where", [ctx.make("Greater", [d, cap], tag="past_table", dtype=B), cap, d], tag="index")
-    table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np.int64))
-    e = ctx.make("Gather", [table, d], tag="exp", axis=0)
-    den = ctx.make("Mul", [ctx.make("ReduceSum", [e], tag="sum", axes=[m.dim], keepdims=1),
-                           ctx.const("two_pow_n", 1 << m.n, I64)], tag="divisor")
+    _, e, S = _softmax_sum(ctx, m, q)
+    den = ctx.make("Mul", [S, ctx.const("two_pow_n", 1 << m.n, I64)], tag="divisor")
     num = ctx.make("Add", [ctx.make("Mul", [e, ctx.const("M", m.M, I64)], tag="scaled_exp"),
                            ctx.make("Div", [den, ctx.const("two", 2, I64)], tag="half_divisor")], tag="numerator")
     y = ctx.make("Div", [num, den], tag="quotient")
     hi = ctx.const("qmax", fp.qrange(m.out_dtype)[1], I64)
-    y = ctx.make("Where", [ctx.make("Greater", [y, hi], tag="over", dtype=B), hi, y], tag="clamp")
-    if m.out_dtype == "qint8":
-        codes = ctx.make("Cast", [y], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
-        return _dequantized(ctx, codes, m.out_scale, m.out_dtype)
-    f = ctx.make("Mul", [ctx.make("Cast", [y], tag="float_codes", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
-                         ctx.const("out_scale", m.out_scale)], tag="dequantize")
-    return ctx.quant.quantize_point(ctx, f, m.out_scale, m.out_dtype, ctx.path)
+    y = ctx.make("Where", [ctx.make("Greater", [y, hi], tag="over", dtype=TensorProto.BOOL), hi, y], tag="clamp")
+    return _softmax_out(ctx, m, y)
+
+
+@emits_module(qnn.QuantizedLogSoftmax)
+def converted_log_softmax(ctx: NodeContext) -> Tensor:
+    """QuantizedLogSoftmax in exact int64 ops, ``fixed_point.int_log_softmax`` step for step: softmax's
+    ``d``, ``E``, ``S``; the exponent ``c`` as a count of Greater against ``2**j - 1`` (j = 17..32, a
+    ReduceSum over an Unsqueeze'd axis), the rounded 12-bit mantissa by Div of non-negatives by a
+    Gather'd power of 2, both log tables by Gather, ``-((w + 2**(n-1)) // 2**n)`` and the clamp at qmin.
+    Not quantizing, or an input with no grid: the float LogSoftmax, quantized at the output scale."""
+    m = ctx.module
+    q = _softmax_input_codes(ctx, ctx.x())
+    if q is None:
+        y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0], m.dim)))
+        return _out(ctx, y, m.out_scale, m.out_dtype)
+    I64, B = TensorProto.INT64, fp.LOG_SOFTMAX_MANTISSA_BITS
+    d, _, S = _softmax_sum(ctx, m, q)
+    rank = ctx.rank()
+    below = ctx.const("pow2_minus_1", [(1 << j) - 1 for j in range(17, 33)], I64)
+    over = ctx.make("Greater", [ctx.make("Unsqueeze", [S], tag="sum_column", axes=[rank]), below], tag="at_least",
+                    dtype=TensorProto.BOOL)
+    c = ctx.make("ReduceSum", [ctx.make("Cast", [over], tag="counts", to=I64, dtype=I64)], tag="exponent",
+                 axes=[rank], keepdims=0)
+    shifts = [fp.SOFTMAX_EXP_BITS - B + k for k in range(17)]
+    step = ctx.make("Gather", [ctx.const("pow2_shift", [1 << s for s in shifts], I64), c], tag="step", axis=0)
+    half = ctx.make("Gather", [ctx.const("pow2_shift_half", [1 << (s - 1) for s in shifts], I64), c], tag="half_step",
+                    axis=0)
+    r = ctx.make("Sub", [ctx.make("Div", [ctx.make("Add", [S, half], tag="rounded_sum"), step], tag="mantissa_one"),
+                         ctx.const("one", 1 << B, I64)], tag="mantissa")
+    log_k = ctx.make("Gather", [ctx.initializer(f"{ctx.path}.log_k", m.log_k.numpy()), c], tag="log_exponent", axis=0)
+    log_f = ctx.make("Gather", [ctx.initializer(f"{ctx.path}.log_f", m.log_f.numpy()), r], tag="log_mantissa", axis=0)
+    w = ctx.make("Add", [ctx.make("Add", [log_k, log_f], tag="log_sum"),
+                         ctx.make("Mul", [d, ctx.const("M", m.M, I64)], tag="scaled_distance")], tag="negated")
+    w = ctx.make("Div", [ctx.make("Add", [w, ctx.const("half", (1 << m.n) >> 1, I64)], tag="rounding"),
+                         ctx.const("two_pow_n", 1 << m.n, I64)], tag="rounded")
+    y = ctx.make("Neg", [w], tag="codes_wide")
+    lo = ctx.const("qmin", fp.qrange(m.out_dtype)[0], I64)
+    y = ctx.make("Where", [ctx.make("Less", [y, lo], tag="under", dtype=TensorProto.BOOL), lo, y], tag="clamp")
+    return _softmax_out(ctx, m, y)
