@@ -99,7 +99,7 @@ OP_KINDS: dict[str, str] = {
     "softmax": "along attrs['dim']: E = table[min(max - q, len - 1)], S = sum(E) in int64, "
                "clamp((E*M + (S<<n)//2) // (S<<n)) (fixed_point.int_softmax)",
     "log_softmax": "along attrs['dim']: softmax's E and S, then clamp(-((log_k[c] + log_f[r] + d*M + 2^(n-1)) >> n)) "
-                   "with 2^(16+c) <= S the exponent and r the 12-bit mantissa of S (fixed_point.int_log_softmax)",
+                   "with 2^(16+c) <= S the exponent and r the 15-bit mantissa of S (fixed_point.int_log_softmax)",
 }
 LAYOUT_KINDS = frozenset({"identity", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
                           "getitem"})

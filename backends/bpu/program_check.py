@@ -286,7 +286,7 @@ def _tensor_rules(op, where: str) -> dict[str, _Spec]:
                  "M": _Spec(_I64, (), values=(1, (1 << 24) - 1)), "n": _Spec(_I64, (), values=(0, 30))}
         if k == "log_softmax":  # int_log_softmax: w = log_k + log_f + d*M < 2**62
             rules["log_k"] = _Spec(_I64, (17,), values=(0, 1 << 60))
-            rules["log_f"] = _Spec(_I64, ((1 << 12) + 1,), values=(0, 1 << 60))
+            rules["log_f"] = _Spec(_I64, ((1 << 15) + 1,), values=(0, 1 << 60))
         return rules
     return {}
 

@@ -547,7 +547,7 @@ class QuantizedSoftmax(QuantizedModule):
 
 class QuantizedLogSoftmax(QuantizedModule):
     """log_softmax along ``dim`` (nash): ``fixed_point.int_log_softmax`` (softmax's exponential table and
-    sum, ``ln(S)`` from a 17-entry exponent table and a 4097-entry mantissa table), built at convert time."""
+    sum, ``ln(S)`` from a 17-entry exponent table and a 32769-entry mantissa table), built at convert time."""
 
     qc_op = "log_softmax"
 

@@ -1092,21 +1092,21 @@ def int_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, 
 #
 # With d = max(q) - q, E, S as in int_softmax (S in [2**16, 2**32]), ``M / 2**n ~= s_in / s_out``:
 #   c = #{j in 17..32 : S >= 2**j}            (k = 16 + c = floor(log2 S))
-#   r = (S + 2**(k-13)) >> (k-12)  - 2**12    (S / 2**k ~= 1 + r / 2**12, r in [0, 2**12])
-#   w = LOG_K[c] + LOG_F[r] + d * M           (>= 0; LOG_K[c] = c ln2, LOG_F[r] = ln(1 + r/2**12), both
+#   r = (S + 2**(k-16)) >> (k-15)  - 2**15    (S / 2**k ~= 1 + r / 2**15, r in [0, 2**15])
+#   w = LOG_K[c] + LOG_F[r] + d * M           (>= 0; LOG_K[c] = c ln2, LOG_F[r] = ln(1 + r/2**15), both
 #                                              in units of s_out / 2**n, rounded half to even)
 #   y = clamp(-((w + 2**(n-1)) >> n))         (the nearest code to (t * s_in - ln(S / 2**16)) / s_out,
 #                                              a tie rounding away from zero)
-# ln(S / 2**16) is off by at most 2**-13 (the 12-bit mantissa) plus the table roundings.
+# ln(S / 2**16) is off by at most 2**-16 (the 15-bit mantissa) plus the table roundings.
 
-LOG_SOFTMAX_MANTISSA_BITS = 12
+LOG_SOFTMAX_MANTISSA_BITS = 15
 _LOG_TABLE_LIMIT = 1 << 60
 _LN2 = float(torch.log(torch.tensor(2.0, dtype=torch.float64)))
 
 
 def log_softmax_params(in_scale: Scale, out_scale: Scale) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """``(M, n, LOG_K, LOG_F)`` of :func:`int_log_softmax`: ``M / 2**n ~= s_in / s_out`` (24-bit ``M``,
-    ``n <= 30``) and the two int64 log tables (17 and ``2**12 + 1`` entries) in units of ``s_out / 2**n``."""
+    ``n <= 30``) and the two int64 log tables (17 and ``2**15 + 1`` entries) in units of ``s_out / 2**n``."""
     si, so = _f64(in_scale, "in_scale"), _f64(out_scale, "out_scale")
     if not (si > 0 and so > 0):
         raise ConfigError(f"log_softmax_params: scales must be > 0, got in {si}, out {so}")

@@ -631,7 +631,7 @@ def converted_softmax(ctx: NodeContext) -> Tensor:
 def converted_log_softmax(ctx: NodeContext) -> Tensor:
     """QuantizedLogSoftmax in exact int64 ops, ``fixed_point.int_log_softmax`` step for step: softmax's
     ``d``, ``E``, ``S``; the exponent ``c`` as a count of Greater against ``2**j - 1`` (j = 17..32, a
-    ReduceSum over an Unsqueeze'd axis), the rounded 12-bit mantissa by Div of non-negatives by a
+    ReduceSum over an Unsqueeze'd axis), the rounded 15-bit mantissa by Div of non-negatives by a
     Gather'd power of 2, both log tables by Gather, ``-((w + 2**(n-1)) // 2**n)`` and the clamp at qmin.
     Not quantizing, or an input with no grid: the float LogSoftmax, quantized at the output scale."""
     m = ctx.module
