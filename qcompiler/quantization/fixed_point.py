@@ -1017,6 +1017,7 @@ def int_layer_norm(q: torch.Tensor, dims: int, eps_units: int, M: torch.Tensor, 
     return _clamp_to(rounding_shift(acc, n + LN_NORM_FRAC), out_dtype)
 
 
+# ---------------------------------------------------------------------------
 # softmax (nash): a max-subtracted exponential table, an int64 sum, one integer division
 #
 # ``q`` symmetric int8/int16 at ``s_in``; along ``dim``:
