@@ -271,8 +271,8 @@ MANIFEST_EDITS = {
     "relu6 top past int8": (
         lambda m: m["programs"]["bpu0"]["ops"][1]["attrs"].update(act="relu6", act_max=200),
         r"attr 'act_max' is 200, expected an int in \[0, 128\)"),
-    "op kind unknown": (lambda m: m["programs"]["bpu0"]["ops"][1].update(kind="softmax"),
-                        r"unknown BPU op kind 'softmax'"),
+    "op kind unknown": (lambda m: m["programs"]["bpu0"]["ops"][1].update(kind="no_such_kind"),
+                        r"unknown BPU op kind 'no_such_kind'"),
     "conv reads a float": (lambda m: m["programs"]["bpu0"]["ops"][1].update(
         inputs=["input_1"]), r"op 1 '_0' \(conv2d\): reads 'input_1' \(input_1: f32\), expected a per-tensor"),
     "nested outputs": (lambda m: m.update(outputs=_nest({"value": "output_input_dequant_0"}, 40)),
