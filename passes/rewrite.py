@@ -60,7 +60,7 @@ from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
-from qcompiler.ir.ops.names import AVG_POOL2D, CONV2D, DIV, GETITEM, MUL, RESHAPE
+from qcompiler.ir.ops.names import AVG_POOL2D, CONV2D, DIV, GETITEM, MASKED_FILL, MUL, RESHAPE, WHERE
 from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -522,6 +522,49 @@ def _replace_div(found: Match, r: float, rewriter: Rewriter) -> fx.Node:
     return node
 
 
+# --------------------------------------------------------------------------- a constant mask that selects nothing
+
+def _constant_tensor(gm: fx.GraphModule, value: Any) -> Optional[torch.Tensor]:
+    """The tensor a ``get_attr`` node reads (a folded constant, a buffer), or None."""
+    if not isinstance(value, fx.Node) or value.op != "get_attr":
+        return None
+    owner, _, attr = value.target.rpartition(".")
+    try:
+        t = getattr(gm.get_submodule(owner), attr)
+    except AttributeError:
+        return None
+    return t if isinstance(t, torch.Tensor) else None
+
+
+# x.masked_fill(mask, v) / torch.where(cond, x, y) with a constant mask or condition
+UNIFORM_MASK = AnyOf((Op(MASKED_FILL, {"input": Var("x"), "mask": Var("mask")}, name="node"),
+                     Op(WHERE, {"condition": Var("mask"), "input": Var("x"), "other": Var("y")}, name="node")))
+
+
+def _selected_operand(found: Match) -> Optional[fx.Node]:
+    """The operand the op returns unchanged where its constant boolean mask is uniform: a masked_fill
+    whose mask has no True entry returns its input (the attention mask of a model without padding,
+    folded to a constant by capture); ``where`` with an all-True / all-False condition returns its
+    input / other. Only where that operand already has the output's shape and dtype (no broadcast)."""
+    mask = _constant_tensor(found.gm, found["mask"])
+    if mask is None or mask.dtype != torch.bool or mask.numel() == 0:
+        return None
+    node = found["node"]
+    if node_op(node, found.modules) == MASKED_FILL:
+        kept = found["x"] if not bool(mask.any()) else None
+    else:
+        kept = found["x"] if bool(mask.all()) else found["y"] if not bool(mask.any()) else None
+    info, out = _tensor_info(kept), _tensor_info(node)
+    return kept if info is not None and out is not None and info == out else None
+
+
+def _replace_by_operand(found: Match, kept: fx.Node, rewriter: Rewriter) -> fx.Node:
+    node = found["node"]
+    node.replace_all_uses_with(kept)
+    rewriter.erase(node)
+    return kept
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
@@ -537,6 +580,8 @@ REWRITES: tuple[Rewrite, ...] = (
             "an average pool whose one window covers the map rewritten as the global average pool"),
     Rewrite("div_by_number_as_mul", DIV_BY_NUMBER, _mul_by_reciprocal, _replace_div,
             "x / c by a number rewritten as x * (1 / c) (within 1 ULP), a mul the march runs"),
+    Rewrite("uniform_constant_mask_removed", UNIFORM_MASK, _selected_operand, _replace_by_operand,
+            "masked_fill / where with a constant mask that selects one operand everywhere removed"),
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:
