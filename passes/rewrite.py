@@ -60,7 +60,8 @@ from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
-from qcompiler.ir.ops.names import AVG_POOL2D, CONV2D, DIV, GETITEM, MASKED_FILL, MUL, RESHAPE, WHERE
+from qcompiler.ir.ops.names import (ADAPTIVE_AVG_POOL1D, AVG_POOL2D, CONV2D, DIV, GETITEM, MASKED_FILL, MEAN, MUL,
+                                    RESHAPE, WHERE)
 from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -565,6 +566,37 @@ def _replace_by_operand(found: Match, kept: fx.Node, rewriter: Rewriter) -> fx.N
     return kept
 
 
+# --------------------------------------------------------------------------- a global 1-d average pool -> mean
+
+GLOBAL_POOL1D = Op(ADAPTIVE_AVG_POOL1D, {"input": Var("x", lambda v: _tensor_info(v) is not None)}, name="node")
+
+
+def _pool1d_as_mean(found: Match) -> Optional[bool]:
+    """True where an ``adaptive_avg_pool1d`` to size 1 (Swin's pooler over the tokens) can be the mean over
+    the last dim that the march runs (nash: a reduction over any dims) and the pool itself cannot."""
+    node = found["node"]
+    module = found.modules.get(node.target) if node.op == "call_module" else None
+    size = module.output_size if module is not None else (arguments(node, found.modules) or {}).get("output_size")
+    if size not in (1, (1,), [1]) or found.ctx is None:
+        return None
+    table = op_table(found.ctx.march)
+    if table.check(op_info(node, ADAPTIVE_AVG_POOL1D, found.modules))[0]:
+        return None
+    saved = node.op, node.target, node.args, node.kwargs
+    node.op, node.target, node.args, node.kwargs = "call_function", torch.mean, (found["x"], -1, True), {}
+    try:
+        ok, _ = table.check(op_info(node, MEAN, found.modules))
+    finally:
+        node.op, node.target, node.args, node.kwargs = saved
+    return True if ok else None
+
+
+def _replace_pool1d(found: Match, _: bool, rewriter: Rewriter) -> fx.Node:
+    node = found["node"]
+    node.op, node.target, node.args, node.kwargs = "call_function", torch.mean, (found["x"], -1, True), {}
+    return node
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
@@ -582,6 +614,8 @@ REWRITES: tuple[Rewrite, ...] = (
             "x / c by a number rewritten as x * (1 / c) (within 1 ULP), a mul the march runs"),
     Rewrite("uniform_constant_mask_removed", UNIFORM_MASK, _selected_operand, _replace_by_operand,
             "masked_fill / where with a constant mask that selects one operand everywhere removed"),
+    Rewrite("global_pool1d_as_mean", GLOBAL_POOL1D, _pool1d_as_mean, _replace_pool1d,
+            "adaptive_avg_pool1d to size 1 rewritten as the mean over the last dim (float32 rounding)"),
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:

@@ -6,6 +6,7 @@ artifacts; the definitions behind them are in :mod:`.catalogue`.
 
 from __future__ import annotations
 
+ADAPTIVE_AVG_POOL1D = "adaptive_avg_pool1d"
 ADAPTIVE_AVG_POOL2D = "adaptive_avg_pool2d"
 ADD = "add"
 AVG_POOL2D = "avg_pool2d"
