@@ -40,6 +40,12 @@ of the padded input (float32 rounding, a few ULPs; tests/test_rewrite.py states 
   attention's ``/ sqrt(d)``): ``x * (1 / c)``. Not bit for bit: ``1 / c`` is rounded once more, so
   the two differ by at most 1 ULP of ``x / c`` (tests/test_div_by_constant.py); declined for a ``c``
   or ``1 / c`` outside float32's normal range, where that bound would not hold.
+* ``x.masked_fill(mask, v)`` / ``torch.where(mask, x, y)`` with a constant boolean mask (a buffer or a
+  folded constant: transformers' attention mask of a model without padding) that selects one operand
+  everywhere: that operand, exact; declined where the mask broadcasts the operand to a larger shape.
+* ``AdaptiveAvgPool1d(1)`` / ``F.adaptive_avg_pool1d(x, 1)`` (Swin's pooler), where the march refuses
+  the pool and runs the mean: ``x.mean(-1, keepdim=True)``, equal to float32 rounding
+  (tests/test_pool1d_as_mean.py: 1e-6).
 """
 
 from __future__ import annotations
