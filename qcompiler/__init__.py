@@ -21,6 +21,7 @@ from qcompiler.onnx import export_to_onnx
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.mixed_precision import auto_int16
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
+from qcompiler.quantization.prepare_one_call import prepare  # also makes qcompiler.quantization.prepare callable
 from qcompiler.quantization.qtensor import (
     QDType,
     QTensor,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile",
+    "prepare",
     "load",
     "CompiledModel",
     "partition",

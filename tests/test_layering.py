@@ -43,7 +43,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("passes", ("qcompiler.passes",)),
     ("workflow", ("qcompiler.frontend", "qcompiler.quantization.prepare", "qcompiler.quantization.convert",
                   "qcompiler.quantization.weight_rounding", "qcompiler.quantization.model_check",
-                  "qcompiler.quantization.mixed_precision")),
+                  "qcompiler.quantization.mixed_precision",
+                  # the guide's one-call prepare and its qconfig templates (issue 38)
+                  "qcompiler.quantization.prepare_one_call", "qcompiler.quantization.qconfig_template")),
     ("lowering", ("qcompiler.backends.bpu.lower", "qcompiler.backends.bpu.program",
                   "qcompiler.backends.bpu.sim", "qcompiler.backends.bpu.native",
                   "qcompiler.backends.bpu.onednn_conv",
