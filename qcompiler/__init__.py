@@ -6,6 +6,7 @@ modules that define it, including the staged workflow (prepare / convert / expor
 
 from qcompiler import distributed
 from qcompiler.compiled import CompiledModel, compile, load
+from qcompiler.deploy import export
 from qcompiler.errors import (
     ArtifactError,
     CalibrationError,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile",
+    "export",
     "prepare",
     "load",
     "CompiledModel",

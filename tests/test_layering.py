@@ -51,7 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "qcompiler.backends.bpu.onednn_conv",
                   "qcompiler.backends.onnx", "qcompiler.backends.ort",
                   "qcompiler.backends.eager", "qcompiler.runtime")),
-    ("facade", ("qcompiler.compiled", "qcompiler.onnx", "qcompiler.artifact", "qcompiler.distributed")),
+    ("facade", ("qcompiler.compiled", "qcompiler.onnx", "qcompiler.artifact", "qcompiler.distributed",
+                "qcompiler.deploy")),
     ("tools", ("qcompiler.tools", "qcompiler.__init__")),
 )
 

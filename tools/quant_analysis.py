@@ -66,9 +66,11 @@ from qcompiler.tools.metrics import (
 from qcompiler.tools.report import write_report
 from qcompiler.tools.root_cause import fixes_json, layer_fixes
 
-__all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric"]
+__all__ = ["QuantAnalysis", "METRICS", "COMPARE_COLUMNS", "compute_metric", "resolve_device"]
 
-ANALYSIS_TYPES = ("fake_quant", "quantized", "compiled")
+ANALYSIS_TYPES = ("fake_quant", "quantized", "compiled", "export")
+# "export": the model qcompiler.export returns (the guide's exported graph), analysed as "compiled" is
+EXPORTED_TYPES = ("compiled", "export")
 
 BADCASE_FILE = "badcase.pt"
 COMPARE_TXT = "compare_per_layer_out.txt"
@@ -250,6 +252,51 @@ def _hooked_key(node: fx.Node, hook_paths: dict[str, str]) -> Optional[str]:
 # ----------------------------------------------------------------------------- the analysis
 
 
+def resolve_device(device_ids: Any, analysis_model_type: str = "fake_quant") -> torch.device:
+    """The device the analysis runs on: the CPU for None / "cpu", else the GPU the index (or the first of a
+    list of indices, or a ``cuda:N`` device) names. A GPU index is a ConfigError when torch sees no GPU or
+    not that one, and for a compiled / exported model, whose programs run in the BPU simulator on the CPU."""
+    if device_ids is None:
+        return torch.device("cpu")
+    if isinstance(device_ids, (list, tuple)):
+        if not device_ids:
+            return torch.device("cpu")
+        device_ids = device_ids[0]  # the analysis runs on one device: the first one listed
+    try:
+        if isinstance(device_ids, bool):
+            raise TypeError
+        device = (torch.device("cuda", device_ids) if isinstance(device_ids, int)
+                  else torch.device(device_ids))
+    except (TypeError, RuntimeError, ValueError):
+        raise ConfigError(f"device_ids must be None or 'cpu' (CPU), a GPU index or a list of them, got "
+                          f"{device_ids!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConfigError(f"device_ids: {device} is neither the CPU nor a GPU; pass None, 'cpu' or a GPU index")
+    if analysis_model_type in EXPORTED_TYPES:
+        raise ConfigError(f"device_ids={device.index}: a {analysis_model_type!r} model runs its BPU programs in "
+                          "the simulator on the CPU; pass device_ids=None")
+    index = 0 if device.index is None else device.index
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device_ids={index} asks for GPU {index}, but torch sees no GPU "
+                          "(torch.cuda.is_available() is False); pass device_ids=None to run on the CPU")
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device_ids={index}: torch sees {torch.cuda.device_count()} GPU(s) (indices 0.."
+                          f"{torch.cuda.device_count() - 1}); pass one of them, or None for the CPU")
+    return torch.device("cuda", index)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
 def _is_calibration(model: Any) -> bool:
     return isinstance(model, fx.GraphModule) and model.meta.get(GM_KIND) == "calibration"
 
@@ -270,17 +317,25 @@ class QuantAnalysis:
     (needed by :meth:`sensitivity` and :meth:`suggest_int16`; also supplies the
     quantizer scales and the float twin).  ``post_process`` is applied to both
     models' outputs before any metric.  Files go to ``out_dir`` (default
-    ``./quant_analysis``).
+    ``./quant_analysis``). ``"export"`` takes the model :func:`qcompiler.export` returns and is analysed
+    as ``"compiled"`` is. ``device_ids`` (the guide's): None or ``"cpu"`` runs on the CPU; a GPU index
+    (or a list, of which the first is used) moves the models there, and is a ConfigError when torch
+    sees no such GPU (:func:`resolve_device`).
     """
 
     def __init__(self, baseline_model: nn.Module, analysis_model: Any, analysis_model_type: str = "fake_quant",
                  post_process: Optional[Callable] = None, out_dir: Optional[Union[str, Path]] = None, *,
-                 fake_quant_model: Optional[fx.GraphModule] = None) -> None:
+                 fake_quant_model: Optional[fx.GraphModule] = None,
+                 device_ids: Union[None, str, int, Sequence[int], torch.device] = None) -> None:
         if analysis_model_type not in ANALYSIS_TYPES:
             raise ConfigError(f"unknown analysis_model_type {analysis_model_type!r}; allowed: "
                               + ", ".join(ANALYSIS_TYPES))
         if not callable(baseline_model):
             raise ConfigError(f"baseline_model must be a callable model, got {type(baseline_model).__name__}")
+        if post_process is not None and not callable(post_process):
+            raise ConfigError(f"post_process must be a callable applied to both models' outputs, got "
+                              f"{type(post_process).__name__}; the GPU index is the keyword device_ids=")
+        self.device = resolve_device(device_ids, analysis_model_type)
         self.baseline_model = baseline_model
         self.analysis_model = analysis_model
         self.analysis_model_type = analysis_model_type
@@ -306,7 +361,7 @@ class QuantAnalysis:
                 raise ConfigError("analysis_model_type='quantized' needs a converted GraphModule (convert_fx), "
                                   f"got {type(analysis_model).__name__}{hint}")
             self.analysis_graph = analysis_model
-        else:
+        else:  # "compiled" / "export": a CompiledModel (qcompiler.compile / qcompiler.export)
             graph = getattr(analysis_model, "converted", None)
             if not isinstance(graph, fx.GraphModule):
                 got, hint = type(analysis_model).__name__, ""
@@ -317,10 +372,14 @@ class QuantAnalysis:
                 elif hasattr(analysis_model, "converted"):
                     hint = ("; this one was loaded from an artifact (qcompiler.load) and has no graph to compare "
                             "layer by layer: analyse the model returned by qcompiler.compile")
-                raise ConfigError("analysis_model_type='compiled' needs the CompiledModel returned by "
-                                  f"qcompiler.compile, got {got}{hint}")
+                raise ConfigError(f"analysis_model_type={analysis_model_type!r} needs the CompiledModel returned "
+                                  f"by qcompiler.compile, got {got}{hint}")
             self.analysis_graph = graph
         self.fake_quant_model = fake_quant_model
+        if self.device.type != "cpu":  # the guide's device_ids: the models run on that GPU
+            for m in {id(m): m for m in (self.baseline_model, self.analysis_model, fake_quant_model)
+                      if isinstance(m, nn.Module)}.values():
+                m.to(self.device)
         self._check_correspondence()
 
         self.bad_case: Any = None
@@ -397,7 +456,7 @@ class QuantAnalysis:
                 break
             if i % world != rank:
                 continue
-            args = as_args(batch)
+            args = _to_device(as_args(batch), self.device)
             b, a = self._outputs("base", args), self._outputs("analy", args)
             v = float(custom_metric_func(b, a)) if custom_metric_func is not None else compute_metric(metric_name, b, a)
             mine.append((i, v))
@@ -447,7 +506,7 @@ class QuantAnalysis:
     def _need_bad_case(self, who: str) -> tuple:
         if self.bad_case is None:
             raise ConfigError(f"{who} needs a bad case: call auto_find_bad_case, set_bad_case or load_bad_case first")
-        return as_args(self.bad_case)
+        return _to_device(as_args(self.bad_case), self.device)
 
     def _wrote(self, path: Path) -> None:
         """Record a file this analysis wrote, by absolute path (a later chdir does not move it) and by
