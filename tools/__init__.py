@@ -6,7 +6,7 @@ imported here so ``python -m qcompiler.tools.cli`` runs cleanly)."""
 from qcompiler.ir.dump import DumpResult, dump_partitioned, partition_table, to_dot, to_json
 from qcompiler.quantization.model_check import ModelCheckResult, check_qat_model
 from qcompiler.tools import numeric_suite
-from qcompiler.tools.profiler import ModelProfiler, OpRunningInfoManager
+from qcompiler.tools.profiler import CompiledModelProfiler, HbirModelProfiler, ModelProfiler, OpRunningInfoManager
 from qcompiler.tools.quant_analysis import METRICS, QuantAnalysis, compute_metric
 from qcompiler.tools.report import write_report
 
@@ -24,5 +24,7 @@ __all__ = [
     "check_qat_model",
     "ModelCheckResult",
     "ModelProfiler",
+    "CompiledModelProfiler",
+    "HbirModelProfiler",
     "OpRunningInfoManager",
 ]

@@ -30,7 +30,8 @@ from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.model_check import leaf_modules
 from qcompiler.quantization.qtensor import QTensor
 
-__all__ = ["ModelProfiler", "OpRunningInfoManager", "OpRecord", "STATISTIC_FILE"]
+__all__ = ["ModelProfiler", "CompiledModelProfiler", "HbirModelProfiler", "OpRunningInfoManager", "OpRecord",
+           "STATISTIC_FILE"]
 
 STATISTIC_FILE = "statistic.txt"
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -246,6 +247,68 @@ class ModelProfiler:
             shape=tuple(t.shape), stack=stack,
             values=v.float().cpu().flatten().clone() if self.keep_values else None,
         ))
+
+
+class _ProfiledRuntime:
+    """Stands in for a CompiledModel's runtime inside :class:`CompiledModelProfiler`: a call returns the
+    runtime's outputs, and runs the converted graph on the same inputs under the profiler's hooks."""
+
+    def __init__(self, runtime: Any, graph: fx.GraphModule) -> None:
+        self._runtime, self._graph = runtime, graph
+
+    def __call__(self, *args: Any) -> Any:
+        out = self._runtime(*_copies(args))
+        with torch.no_grad():
+            self._graph(*_copies(args))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runtime, name)
+
+
+class CompiledModelProfiler(ModelProfiler):
+    """:class:`ModelProfiler` for the model :func:`qcompiler.export` / :func:`qcompiler.compile` returns.
+
+        with CompiledModelProfiler(compiled, "./hbir_dir") as p:
+            compiled(data)
+        p.get_info_manager().table()
+
+    A call inside the block returns what the compiled runtime computes (BPU programs in the simulator,
+    CPU islands in onnxruntime); the per-op records come from the converted fixed-point graph the
+    runtime was lowered from, run on the same inputs, whose ops the programs match bit for bit
+    (docs/design.md, the numerics contract). So the table has the rows ModelProfiler gives on that
+    graph: one per op, with each QTensor's dtype and scale. A model loaded from an artifact has no such
+    graph: a ConfigError. The guide's ``HbirModelProfiler`` is this class.
+    """
+
+    def __init__(self, model: Any, out_dir: str, with_stack: bool = True, keep_values: bool = True) -> None:
+        graph = getattr(model, "converted", None)
+        if not hasattr(model, "runtime") or not isinstance(graph, fx.GraphModule):
+            what = ("a CompiledModel loaded from an artifact (it has no converted graph to record ops from); "
+                    "profile the model qcompiler.compile / qcompiler.export returned"
+                    if hasattr(model, "runtime") else type(model).__name__)
+            raise ConfigError(f"CompiledModelProfiler takes the CompiledModel of qcompiler.export or "
+                              f"qcompiler.compile, got {what}; for a torch model use ModelProfiler")
+        super().__init__(graph, out_dir, with_stack=with_stack, keep_values=keep_values)
+        self.compiled = model
+
+    def __enter__(self) -> "CompiledModelProfiler":
+        super().__enter__()
+        self.compiled.runtime = _ProfiledRuntime(self.compiled.runtime, self.model)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        runtime = self.compiled.runtime
+        if isinstance(runtime, _ProfiledRuntime):
+            self.compiled.runtime = runtime._runtime
+        super().__exit__(*exc)
+
+
+HbirModelProfiler = CompiledModelProfiler  # the accuracy-debugging guide's name
+
+
+def _copies(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _tensors(x: Any) -> list:
