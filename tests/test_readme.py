@@ -34,7 +34,7 @@ def _fenced(lang: str) -> list[str]:
 
 
 def test_readme_has_the_blocks_it_promises():
-    assert len(_fenced("python")) == 5
+    assert len(_fenced("python")) == 6
     assert "numeric debugging tools are next" not in README
     for folder in ("examples/", "tools/"):
         assert f"`{folder}`" in README
@@ -54,7 +54,8 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     assert "int16 advice (target output SQNR 30.00 dB)" in proc.stdout
     for written in ("out/hybrid/summary.txt", "out/hybrid/model.svg" if _has_dot() else "out/hybrid/model.dot",
                     "qa/report.html", "qa/compare_per_layer_out.csv", "out/r18/summary.txt",
-                    "out/r18/model.onnx", "r18.qc"):
+                    "out/r18/model.onnx", "r18.qc", "model_check_result.txt", "qatvshbir/compare_per_layer_out.csv",
+                    "floatvsqat/abnormal_layer_advisor.txt", "hbir_dir/statistic.txt"):
         assert (tmp_path / written).is_file(), written
 
 
