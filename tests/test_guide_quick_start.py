@@ -34,6 +34,7 @@ from qcompiler.quantization.prepare_one_call import MODEL_CHECK, prepare
 from qcompiler.quantization.qconfig_template import (
     default_calibration_qconfig_setter,
     default_qat_qconfig_setter,
+    sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter,
     sensitive_op_qat_8bit_weight_16bit_act_qconfig_setter,
 )
 from qcompiler.tools import CompiledModelProfiler, HbirModelProfiler, ModelProfiler, QuantAnalysis
@@ -197,10 +198,11 @@ def test_export_of_a_calibration_model_converts_at_the_calibrated_scales(march_k
     with torch.no_grad():
         calib(*x)
     exported = qcompiler.export(calib, x)
-    staged = qcompiler.convert_fx(calib)
     with torch.no_grad():
-        ref = staged(*x)
-    assert torch.equal(exported(*x), ref.dequantize() if hasattr(ref, "dequantize") else ref)
+        ref = qcompiler.convert_fx(calib)(*x)
+    assert torch.equal(exported(*x), ref)
+    assert [n.name for n in exported.converted.graph.nodes] == [
+        n.name for n in qcompiler.convert_fx(calib).graph.nodes]
     with pytest.raises(ConfigError, match="export takes a model from prepare"):
         qcompiler.export(model, x)
 
@@ -283,6 +285,17 @@ def test_sensitive_op_setter_takes_the_sensitivity_table(quick_start):
         qcompiler.partition(net, data))["module_name"] == [("conv", get_default_qat_qconfig("qint16"))]
     assert "module_name" not in sensitive_op_qat_8bit_weight_16bit_act_qconfig_setter(["conv"], topk=0)(
         qcompiler.partition(net, data))
+
+
+def test_sensitive_op_calibration_setter_gives_int16_observers(quick_start):
+    ns, _ = quick_start
+    setter = sensitive_op_calibration_8bit_weight_16bit_act_qconfig_setter(["conv"])
+    calib = prepare(ns["float_net"], ns["data"], setter, verbose=False)
+    assert calib.meta[qcompiler.ir.meta.GM_KIND] == "calibration"
+    apq = calib.get_submodule("conv.activation_post_process")
+    assert type(apq).__name__ == "CalibFakeQuantize" and str(apq.dtype) == "qint16"
+    assert str(calib.get_submodule("quant.activation_post_process").dtype) == "qint8"
+    assert str(calib.get_submodule("conv").op.weight_fake_quant.dtype) == "qint8"  # 8-bit weights
 
 
 def test_sensitive_op_setter_refusals(quick_start):
