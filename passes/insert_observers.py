@@ -87,6 +87,7 @@ CONSTANT_OPERAND_OPS = frozenset({"add", "sub", "mul"})
 SCALE_PRESERVING_OPS = frozenset({
     "relu", "max_pool2d", "identity", "dropout", "reshape", "flatten",
     "permute", "transpose", "getitem", "size", "dequant",
+    "amax", "amin",  # nash reductions that select an input integer (convert_rules.reduce)
 })
 
 

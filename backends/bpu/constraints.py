@@ -511,3 +511,34 @@ def softmax_call(max_len: int) -> Constraint:
         return None
 
     return Constraint(f"dim given, axis <= {max_len} elements", check)
+
+
+# ---- nash: reductions and selection with constants ---------------------------------------------
+
+# the BPU sums in an int32 accumulator: 65536 int16 codes (|q| <= 32768) reach -2**31 at most
+MAX_REDUCED_ELEMENTS = 65536
+
+
+def reduction(max_elements: int = MAX_REDUCED_ELEMENTS) -> Constraint:
+    """sum / mean / amax / amin over any dims (int, tuple, negative): the integers themselves, so no
+    ``dtype`` (a float or wider result is not a quantized value), and at most ``max_elements`` reduced
+    into one output (a sum's int32 accumulator holds that many int16 codes)."""
+
+    def check(info):
+        a = info.attrs
+        if a.get("dtype") is not None:
+            return f"{info.op} with dtype={a['dtype']} (the BPU reduces the integers, in their own type)"
+        s = info.in_shapes[0] if info.in_shapes else None
+        if s is None:
+            return None
+        dim = a.get("dim")
+        seq = () if dim is None else (dim if isinstance(dim, (tuple, list)) else (dim,))
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in seq):
+            return f"{info.op} over dims {dim!r} computed at run time (the BPU takes constant dims)"
+        dims = {d % len(s) for d in seq} if seq and len(s) else set(range(len(s)))
+        count = math.prod(s[d] for d in dims)
+        if info.op in ("sum", "mean") and count > max_elements:
+            return f"{info.op} of {count} elements into one output > {max_elements} (int32 accumulator)"
+        return None
+
+    return Constraint(f"constant dims, no dtype, at most {max_elements} elements summed", check)

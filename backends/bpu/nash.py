@@ -30,7 +30,7 @@ TABLE = OpTable(
     rules=rules(
         # bayes's rows as they are (the spatial ones held to 4-D NCHW), int16 on every one
         *(_bayes(op) for op in ("linear", "matmul", "relu", "relu6", "leaky_relu", "div", "cat", "reshape",
-                                "flatten", "transpose", "permute", "sigmoid", "tanh", "exp", "silu", "mean")),
+                                "flatten", "transpose", "permute", "sigmoid", "tanh", "exp", "silu")),
         *(_bayes(op, _NCHW) for op in ("conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d",
                                        "adaptive_avg_pool2d", "interpolate", "batch_norm")),
         # element-wise on 1..5-D under the march-wide limits (bayes: 2..5-D, its own limits)
@@ -45,5 +45,8 @@ TABLE = OpTable(
         # --- end layer_norm
         # --- softmax kernel (fixed_point.int_softmax): a constant dim, an axis the int64 sum bounds
         *(_row(op, c.softmax_call(SOFTMAX_MAX_LEN)) for op in ("softmax", "log_softmax")),
+        # --- reductions over any dims (mean: not only bayes's global pool); amax / amin select on the
+        # input's grid, sum / mean requantize once (convert_rules.reduce, lowering.reduce)
+        *(_row(op, c.reduction()) for op in ("sum", "mean", "amax", "amin")),
     ),
 )

@@ -187,6 +187,9 @@ def op_info(node: fx.Node, op: str, modules: dict[str, nn.Module]) -> OpInfo:
         attrs.update(_interp_attrs(module, node, modules))
     elif op in ("cat", "mean", "softmax"):
         attrs.update(_dim_attr(node, modules))
+    if op in ("sum", "mean", "amax", "amin"):  # nash reductions: dims, keepdim, a dtype (constraints.reduction)
+        kw = bind(node, modules)
+        attrs.update(dim=kw["dim"], keepdim=kw["keepdim"], dtype=kw.get("dtype"))
     elif op == "adaptive_avg_pool2d":
         attrs.update(_adaptive_attrs(module, node, modules))
     elif op == "div":

@@ -100,6 +100,10 @@ OP_KINDS: dict[str, str] = {
                "clamp((E*M + (S<<n)//2) // (S<<n)) (fixed_point.int_softmax)",
     "log_softmax": "along attrs['dim']: softmax's E and S, then clamp(-((log_k[c] + log_f[r] + d*M + 2^(n-1)) >> n)) "
                    "with 2^(16+c) <= S the exponent and r the 15-bit mantissa of S (fixed_point.int_log_softmax)",
+    # --- nash: reductions over any dims (fixed_point.int_reduce)
+    "reduce": "attrs['mode'] sum / mean: the int32 sum over attrs['dims'] requantized by M/2^n (a mean's "
+              "1/count folded into M); amax / amin: the largest / smallest code, on the input's grid "
+              "(no tensors); keepdim keeps the reduced dims as 1",
 }
 LAYOUT_KINDS = frozenset({"identity", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
                           "getitem"})

@@ -120,6 +120,12 @@ def _index(v, depth: int = 0) -> Optional[str]:
     return bad
 
 
+def _sorted_dims(v) -> Optional[str]:
+    """reduce's dims: a list of distinct ints in [0, 8), ascending (fixed_point.reduce_dims)."""
+    ok = _int_list(0)(v) is None and all(0 <= d < 8 for d in v) and list(v) == sorted(set(v))
+    return None if ok else "an ascending list of distinct dims in [0, 8)"
+
+
 _QDTYPE = _choice(*_QDTYPES)
 _QMAX = {"qint8": 127, "qint16": 32767}
 _ACT = _choice(None, "relu", "relu6")
@@ -165,6 +171,8 @@ ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     # --- softmax (nash)
     "softmax": {"dim": _int(-8, 8), "in_dtype": _choice("qint8", "qint16")},
     "log_softmax": {"dim": _int(-8, 8), "in_dtype": _choice("qint8", "qint16")},
+    # nash reductions: dims sorted, non-negative, each once (fixed_point.reduce_dims)
+    "reduce": {"mode": _choice("sum", "mean", "amax", "amin"), "dims": _sorted_dims, "keepdim": _bool},
 }
 
 
@@ -274,6 +282,8 @@ def _tensor_rules(op, where: str) -> dict[str, _Spec]:
         size = _QRANGE_SIZE.get(a.get("b_dtype"), 0)
         return {"M": _Spec(_I64, (size,), values=(-_M_LIMIT + 1, _M_LIMIT - 1)),
                 "n": _Spec(_I64, (size,), values=(0, _N_LIMIT))}
+    if k == "reduce":  # sum / mean requantize once; amax / amin select (no tensors)
+        return {"M": _SCALAR_M, "n": _SCALAR_N} if a.get("mode") in ("sum", "mean") else {}
     if k == "lut":
         size = _QRANGE_SIZE.get(a.get("in_dtype"), 0)
         return {"table": _Spec((_STORAGE.get(a.get("out_dtype"), torch.int8),), (size,))}

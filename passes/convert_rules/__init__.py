@@ -13,6 +13,7 @@ from qcompiler.passes.convert_rules import (  # noqa: F401  (imported to registe
     lut,
     norm,
     pooling,
+    reduce,
     softmax,
     weight_layers,
 )

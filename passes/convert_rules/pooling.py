@@ -21,7 +21,7 @@ def max_pool2d(ctx: ConvertContext) -> qnn.QuantizedSameScale:
     return same_scale(ctx.node, ctx.module, ctx.out.dtype)
 
 
-@converts("adaptive_avg_pool2d", "mean")
+@converts("adaptive_avg_pool2d")  # and "mean" over H, W (convert_rules.reduce picks it)
 def global_mean(ctx: ConvertContext) -> qnn.QuantizedAvgPool:
     """The mean over H and W (placement admits only the global forms)."""
     keepdim = bool(ctx.args["keepdim"]) if ctx.op == "mean" else True

@@ -567,3 +567,37 @@ class QuantizedLogSoftmax(QuantizedModule):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, {self.in_dtype} -> {self.out_dtype}"
+
+
+# ---- reductions over any dims (nash) ---------------------------------------------------------
+
+
+class QuantizedReduce(QuantizedModule):
+    """sum / mean / amax / amin over ``dims`` (sorted, non-negative) of a ``rank``-D input.
+
+    sum and mean: the exact integer sum requantized once by ``(M, n)``
+    (:func:`~qcompiler.quantization.fixed_point.reduce_params`; a mean folds ``1 / count`` into the
+    multiplier). amax / amin: the selected integer on the input's grid (``out_scale == in_scale``).
+    The node's own ``dim`` / ``keepdim`` arguments are read at convert time and ignored here.
+    """
+
+    def __init__(self, mode: str, dims, keepdim: bool, in_shape, in_scale: float, out_scale: float,
+                 out_dtype: str) -> None:
+        super().__init__()
+        rank = len(in_shape)
+        self.qc_op, self.keepdim, self.rank = mode, bool(keepdim), rank
+        self.dims = fp.reduce_dims(dims, rank, mode)
+        self.count = 1
+        for d in self.dims:
+            self.count *= int(in_shape[d])
+        self.in_scale, self.out_scale, self.out_dtype = float(in_scale), float(out_scale), out_dtype
+        self.M, self.n = fp.reduce_params(mode, self.count, in_scale, out_scale, mult_bits=MULT_BITS,
+                                          max_shift=MAX_SHIFT)
+
+    def forward(self, x: QTensor, *args, **kwargs) -> QTensor:
+        y = fp.int_reduce(x.int_repr(), self.qc_op, self.dims, self.keepdim, self.M, self.n, self.out_dtype,
+                          op=self.qc_op)
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        return f"{self.qc_op}, dims={self.dims}, keepdim={self.keepdim}"

@@ -1156,3 +1156,63 @@ def int_log_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: i
     w = lk[c] + lf[r] + d * M
     y = -((w + ((1 << n) >> 1)) >> n)
     return _clamp_to(y, out_dtype)
+
+
+# ---------------------------------------------------------------------------
+# reductions over any dims (nash): sum / mean requantized once, max / min on the input's grid
+
+REDUCE_MODES = ("sum", "mean", "amax", "amin")
+SELECTING_MODES = ("amax", "amin")  # the result is one of the inputs: exact, on the input's grid
+
+
+def reduce_dims(dims, rank: int, op: str = "reduce") -> tuple[int, ...]:
+    """``dims`` (an int, a sequence, or None / () for every dim) as sorted non-negative dims of a
+    ``rank``-D tensor; ConfigError for a dim out of range or given twice."""
+    if dims is None or (isinstance(dims, (tuple, list)) and len(dims) == 0):
+        return tuple(range(rank))
+    seq = dims if isinstance(dims, (tuple, list)) else (dims,)
+    out = []
+    for d in seq:
+        if isinstance(d, bool) or not isinstance(d, int) or not -rank <= d < max(rank, 1):
+            raise ConfigError(f"{op}: dim {d!r} is out of range for a {rank}-D tensor")
+        out.append(d % max(rank, 1))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{op}: dim {tuple(seq)} names a dim twice")
+    return tuple(sorted(out))
+
+
+def reduce_params(mode: str, count: int, in_scale: Scale, out_scale: Scale, *, mult_bits: int = 15,
+                  max_shift: int = 31) -> tuple[int, int]:
+    """``(M, n)`` of :func:`int_reduce`: ``s_in / s_out`` for a sum, ``s_in / (count * s_out)`` for a mean
+    (the ``1 / count`` folded into the one multiplier), in float64. A selecting mode has none: (1, 0)."""
+    if mode in SELECTING_MODES:
+        return 1, 0
+    if mode not in REDUCE_MODES:
+        raise ConfigError(f"reduce: mode {mode!r} is not one of {REDUCE_MODES}")
+    if count <= 0:
+        raise ConfigError(f"reduce: {mode} over {count} elements")
+    real = _f64(in_scale, "in_scale") / (_f64(out_scale, "out_scale") * (count if mode == "mean" else 1))
+    M, n = requant_params(real, mult_bits=mult_bits, max_shift=max_shift)
+    return int(M), int(n)
+
+
+def int_reduce(q: torch.Tensor, mode: str, dims, keepdim: bool, M: int = 1, n: int = 0, out_dtype="qint8",
+               *, op: str = "reduce") -> torch.Tensor:
+    """A reduction of integers over ``dims`` (:func:`reduce_dims`).
+
+    ``sum`` / ``mean``: the exact sum in int64 (checked against the BPU's int32 accumulator), then
+    :func:`requantize` by ``(M, n)`` of :func:`reduce_params` (half to even): a mean is a sum whose
+    multiplier holds ``1 / count``. ``amax`` / ``amin``: the largest / smallest integer, exact, on
+    the input's grid (``M``, ``n`` unused), in the input's storage type.
+    """
+    x = _as_int(q)
+    d = reduce_dims(dims, x.dim(), op)
+    if mode in SELECTING_MODES:
+        if x.numel() == 0:
+            raise ConfigError(f"{op}: {mode} of an empty tensor {tuple(x.shape)}")
+        return (x.amax(dim=d, keepdim=keepdim) if mode == "amax" else x.amin(dim=d, keepdim=keepdim)).to(q.dtype)
+    if mode not in REDUCE_MODES:
+        raise ConfigError(f"{op}: mode {mode!r} is not one of {REDUCE_MODES}")
+    s = x.to(torch.int64).sum(dim=d, keepdim=keepdim)
+    check_accumulator(s, 32, op=op)  # the BPU sums in an int32 accumulator
+    return requantize(s, M, n, out_dtype, op=op)

@@ -13,6 +13,7 @@ from qcompiler.backends.bpu.lowering import (  # noqa: F401  (imported to regist
     norm,
     pooling,
     quantize,
+    reduce,
     resize,
     softmax,
     weight_layers,

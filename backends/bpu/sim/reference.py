@@ -282,3 +282,15 @@ def _log_softmax(k: KernelSpec) -> Callable:
     table, M, n, log_k, log_f = T["table"], int(T["M"]), int(T["n"]), T["log_k"], T["log_f"]
     dim, name, out_dtype = int(k.attrs["dim"]), k.name, k.out_dtype
     return lambda x: fp.int_log_softmax(x, dim, table, M, n, log_k, log_f, out_dtype, op=name)
+
+
+# --- nash: reductions over any dims
+
+
+@reference_kernel("reduce")
+def _reduce(k: KernelSpec) -> Callable:
+    """fixed_point.int_reduce, as QuantizedReduce calls it (M, n for sum / mean)."""
+    a, name, out_dtype = k.attrs, k.name, k.out_dtype
+    mode, dims, keep = a["mode"], tuple(a["dims"]), a["keepdim"]
+    M, n = (int(k.tensors["M"]), int(k.tensors["n"])) if mode in ("sum", "mean") else (1, 0)
+    return lambda x: fp.int_reduce(x, mode, dims, keep, M, n, out_dtype, op=name)

@@ -663,3 +663,41 @@ def converted_log_softmax(ctx: NodeContext) -> Tensor:
     lo = ctx.const("qmin", fp.qrange(m.out_dtype)[0], I64)
     y = ctx.make("Where", [ctx.make("Less", [y, lo], tag="under", dtype=TensorProto.BOOL), lo, y], tag="clamp")
     return _softmax_out(ctx, m, y)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nash: reductions over any dims (qnn.QuantizedReduce)
+
+_REDUCE_ONNX = {"sum": "ReduceSum", "mean": "ReduceSum", "amax": "ReduceMax", "amin": "ReduceMin"}
+
+
+@emits_module(qnn.QuantizedReduce)
+def converted_reduce(ctx: NodeContext) -> Tensor:
+    """sum / mean / amax / amin over the module's dims.
+
+    int8 values: the codes widened to int32, ``ReduceSum`` (the BPU's exact int32 sum) requantized by the
+    module's ``(M, n)`` (a mean's ``1 / count`` is in ``M``), or ``ReduceMax`` / ``ReduceMin`` narrowed
+    back to int8: the simulator's integers bit for bit. Else (an int16 value is float in opset 11):
+    amax / amin on the dequantized values, still exact (the largest value is the largest code times
+    the one scale, and the grid is kept); sum / mean as the float ``ReduceSum`` / ``ReduceMean``
+    quantized at the output scale, which may differ from the BPU by one code near a rounding tie."""
+    m: qnn.QuantizedReduce = ctx.module
+    dims, keep = list(m.dims), int(m.keepdim)
+    selecting = m.qc_op in fp.SELECTING_MODES
+    codes = _int8_codes(ctx, [ctx.x()], m.out_dtype)
+    if codes is not None:
+        wide = ctx.make("Cast", [codes[0]], tag="int32", to=TensorProto.INT32, dtype=TensorProto.INT32)
+        r = ctx.make(_REDUCE_ONNX[m.qc_op], [wide], tag=m.qc_op, axes=dims, keepdims=keep)
+        if selecting:
+            y = ctx.make("Cast", [r], tag="codes", to=TensorProto.INT8, dtype=TensorProto.INT8)
+        else:
+            y = _requantized_codes(ctx, r, m.M, m.n, m.out_dtype)
+        return _dequantized(ctx, y, m.out_scale, m.out_dtype)
+    x = ctx.x()
+    if selecting:
+        y = ctx.make(_REDUCE_ONNX[m.qc_op], [x], tag=m.qc_op, axes=dims, keepdims=keep)
+        if is_tensor(x) and x in ctx.quant.grid:
+            ctx.quant.grid[y] = ctx.quant.grid[x]
+        return y
+    y = ctx.make("ReduceSum" if m.qc_op == "sum" else "ReduceMean", [x], tag=m.qc_op, axes=dims, keepdims=keep)
+    return _out(ctx, y, m.out_scale, m.out_dtype)
