@@ -59,7 +59,7 @@ def where(model, x, march):
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "amax", "amin"])
-@pytest.mark.parametrize("dim", [-1, 1, (0, 2), (-1, -3)])
+@pytest.mark.parametrize("dim", [-1, 1, (1, 2), (-1, -3), (3, -2, 1)])
 def test_reductions_over_any_dims_run_on_nash(mode, dim):
     assert where(Reduce(mode, dim), X, "nash") == ("bpu", f"{mode} supported on nash")
 
@@ -78,8 +78,12 @@ def test_bayes_keeps_its_global_pool_constraint_on_mean():
 def test_what_nash_leaves_on_cpu_and_why():
     at, why = where(Reduce("sum", -1, dtype=torch.float64), X, "nash")
     assert at == "cpu" and "sum with dtype=torch.float64 (the BPU reduces the integers" in why
-    at, why = where(Reduce("sum", None), X, "nash")  # a 0-D result
+    at, why = where(Reduce("sum", None), X, "nash")  # a 0-D result (the march-wide limits come first)
     assert at == "cpu" and "is 0-D, not 1..5-D" in why
+    for dim in (0, (0, 2), -4):
+        at, why = where(Reduce("amax", dim, keepdim=True), X, "nash")
+        assert (at, why) == ("cpu", f"amax: amax over dims {dim!r} reduces across the batch (dim 0); the BPU "
+                                    f"reduces within each batch item on nash")
     big = torch.randn(1, 300, 300, 8)
     at, why = where(Reduce("mean", (1, 2)), big, "nash")
     assert at == "cpu" and "mean of 90000 elements into one output > 65536 (int32 accumulator)" in why
@@ -149,15 +153,16 @@ def _deq(v):
 
 
 def _case(seed: int):
-    """A seeded random model: rank 2..5, dims an int or a tuple (negative or not), keepdim, the spelling."""
+    """A seeded random model: rank 2..5, dims (not the batch's) an int or a tuple, negative or not, keepdim,
+    the spelling."""
     rng = random.Random(seed)
     rank = rng.randint(2, 5)
     shape = tuple(rng.randint(1, 5) for _ in range(rank - 1)) + (8,)
-    k = rng.randint(1, rank)
-    dims = [d - rank if rng.random() < 0.5 else d for d in rng.sample(range(rank), k)]
+    k = rng.randint(1, rank - 1)  # never dim 0, the batch (test above)
+    dims = [d - rank if rng.random() < 0.5 else d for d in rng.sample(range(1, rank), k)]
     dim = dims[0] if k == 1 and rng.random() < 0.5 else tuple(dims)
     mode = ["sum", "mean", "amax", "amin"][seed % 4]
-    keep = rng.random() < 0.5 or k == rank  # a 0-D result stays on CPU (test above)
+    keep = rng.random() < 0.5
     return Reduce(mode, dim, keep, method=rng.random() < 0.5), shape, rng.uniform(0.2, 5.0)
 
 
@@ -219,15 +224,15 @@ def test_a_selection_keeps_its_input_grid(mode):
 
 def test_the_program_check_refuses_a_malformed_reduce():
     x = torch.randn(2, 3, 8)
-    cm = _compile(Reduce("sum", (0, 2)), x, "qint8")
+    cm = _compile(Reduce("sum", (1, 2), keepdim=True), x, "qint8")
     (program,) = cm.runtime.programs.values()
     check_program(program)
     (red,) = [op for op in program.ops if op.kind == "reduce"]
-    assert red.attrs["dims"] == [0, 2] and set(red.tensors) == {"M", "n"}
-    red.attrs["dims"] = [2, 0]
+    assert red.attrs["dims"] == [1, 2] and set(red.tensors) == {"M", "n"}
+    red.attrs["dims"] = [2, 1]
     with pytest.raises(ArtifactError, match="attr 'dims'"):
         check_program(program)
-    red.attrs["dims"], red.attrs["mode"] = [0, 2], "prod"
+    red.attrs["dims"], red.attrs["mode"] = [1, 2], "prod"
     with pytest.raises(ArtifactError, match="attr 'mode'"):
         check_program(program)
     red.attrs["mode"] = "sum"

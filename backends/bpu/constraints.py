@@ -520,9 +520,10 @@ MAX_REDUCED_ELEMENTS = 65536
 
 
 def reduction(max_elements: int = MAX_REDUCED_ELEMENTS) -> Constraint:
-    """sum / mean / amax / amin over any dims (int, tuple, negative): the integers themselves, so no
-    ``dtype`` (a float or wider result is not a quantized value), and at most ``max_elements`` reduced
-    into one output (a sum's int32 accumulator holds that many int16 codes)."""
+    """sum / mean / amax / amin over any dims (int, tuple, negative) but the batch's (dim 0: the BPU works
+    on one batch item at a time, as for cat and layer_norm): the integers themselves, so no ``dtype``
+    (a float or wider result is not a quantized value), and at most ``max_elements`` reduced into one
+    output (a sum's int32 accumulator holds that many int16 codes)."""
 
     def check(info):
         a = info.attrs
@@ -536,9 +537,12 @@ def reduction(max_elements: int = MAX_REDUCED_ELEMENTS) -> Constraint:
         if not all(isinstance(d, int) and not isinstance(d, bool) for d in seq):
             return f"{info.op} over dims {dim!r} computed at run time (the BPU takes constant dims)"
         dims = {d % len(s) for d in seq} if seq and len(s) else set(range(len(s)))
+        if 0 in dims:
+            return (f"{info.op} over dims {dim!r} reduces across the batch (dim 0); the BPU reduces within "
+                    f"each batch item")
         count = math.prod(s[d] for d in dims)
         if info.op in ("sum", "mean") and count > max_elements:
             return f"{info.op} of {count} elements into one output > {max_elements} (int32 accumulator)"
         return None
 
-    return Constraint(f"constant dims, no dtype, at most {max_elements} elements summed", check)
+    return Constraint(f"not along N, no dtype, at most {max_elements} elements summed", check)
