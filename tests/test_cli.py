@@ -176,7 +176,8 @@ def test_compile_command_end_to_end(tmp_path, capsys):
                  "--hybrid-module-name", "conv3", "--calib-random", "2", "--out", str(out)])
     assert code == 0
     text = capsys.readouterr().out
-    assert "BPU<->CPU boundary edges:" in text and "output SQNR vs float on the calibration inputs:" in text
+    assert "BPU<->CPU boundary edges:" in text
+    assert "output SQNR vs float on random data (2 seeded batches of uniform noise, --calib-random; not real " in text
     for f in ("hybrid.onnx", "hybrid.onnx.quant.json", "hybrid.qc", "hybrid.json", "bpu0.program.txt"):
         assert (out / f).exists(), f
     import qcompiler
@@ -202,7 +203,7 @@ def test_compile_command_calib_npz(tmp_path, capsys):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"nope")
     assert main(["compile", "zoo:hybrid", "--calib-data", str(bad), "--out", str(tmp_path / "o2")]) == 2
-    assert "not an .npz archive (an .npz is a zip file" in capsys.readouterr().err
+    assert "not an .npz archive, .npy array or torch.save file; write it with np.savez" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- bad --calib-data and --out
@@ -222,10 +223,10 @@ def _calib_error_cases(tmp_path):
     empty = tmp_path / "empty.npz"
     empty.write_bytes(b"")
     single = tmp_path / "single.npy"
-    np.save(single, rng.random((2, 3, 16, 16), dtype=np.float32))
+    np.save(single, rng.random((2, 3, 9, 9), dtype=np.float32))
     return {
         "empty_file": (empty, "cannot read it as an .npz file"),
-        "npy_not_npz": (single, "not an .npz archive"),
+        "npy_shape": (single, "input 0 has shape (2, 3, 9, 9); the example input has (1, 3, 16, 16)"),
         "no_arrays": (_npz(tmp_path / "none.npz"), "the model takes 1 inputs, got 0"),
         "zero_samples": (_npz(tmp_path / "zero.npz", np.zeros((0, 3, 16, 16), np.float32)),
                          "input 0 is empty (shape (0, 3, 16, 16))"),
@@ -240,7 +241,7 @@ def _calib_error_cases(tmp_path):
     }
 
 
-@pytest.mark.parametrize("case", ["empty_file", "npy_not_npz", "no_arrays", "zero_samples", "sample_shape", "scalar",
+@pytest.mark.parametrize("case", ["empty_file", "npy_shape", "no_arrays", "zero_samples", "sample_shape", "scalar",
                                   "int64", "two_arrays", "strings"])
 def test_compile_bad_calib_data_is_a_usage_error_and_writes_nothing(capsys, tmp_path, case):
     path, needle = _calib_error_cases(tmp_path)[case]
@@ -264,7 +265,7 @@ def test_compile_float64_calib_data_is_cast_like_float32(capsys, tmp_path):
         code, out, err = _run(capsys, "compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-data", str(npz),
                               "--out", str(tmp_path / dtype))
         assert code == 0, err
-        assert "output SQNR vs float on the calibration inputs:" in out
+        assert f"output SQNR vs float on the calibration data, 4 samples from {npz}: " in out
         runs[dtype] = (tmp_path / dtype / "hybrid.qc").read_bytes()
     assert runs["float64"] == runs["float32"]  # float64 samples are rounded to float32, then calibrate alike
 
@@ -272,12 +273,12 @@ def test_compile_float64_calib_data_is_cast_like_float32(capsys, tmp_path):
 @pytest.mark.parametrize("command", ["compile", "partition", "report"])
 @pytest.mark.parametrize("where", ["file", "under_file"])
 def test_bad_out_is_found_before_any_work(capsys, tmp_path, monkeypatch, command, where):
-    import qcompiler.tools.cli as cli
+    import qcompiler.tools.cli_commands as cli_commands
 
     def not_reached(*_):
         raise AssertionError("the model was loaded before --out was checked")
 
-    monkeypatch.setattr(cli, "load_model", not_reached)
+    monkeypatch.setattr(cli_commands, "load_model", not_reached)
     user_file = tmp_path / "notes.txt"
     user_file.write_text("keep me")
     out = user_file if where == "file" else user_file / "sub"

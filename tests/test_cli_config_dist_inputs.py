@@ -16,7 +16,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from qcompiler import collectives, distributed
 from qcompiler.errors import ConfigError
-from qcompiler.tools import cli
+from qcompiler.calib_data import read_arrays
+from qcompiler.tools import cli, cli_commands
 from qcompiler.tools.cli import main
 from qcompiler.tools.config_file import read_hybrid_file, read_qconfig_file, write_config_file
 
@@ -43,7 +44,7 @@ def no_work(monkeypatch):
     """Fail the test if the CLI starts loading the model: the arguments must be refused first."""
     def load_model(*args, **kwargs):
         raise AssertionError("the CLI loaded the model before checking its arguments")
-    monkeypatch.setattr(cli, "load_model", load_model)
+    monkeypatch.setattr(cli_commands, "load_model", load_model)
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ def test_damaged_calib_zip_is_one_error_line(capsys, tmp_path, kind):
 def test_intact_calib_zip_still_reads(tmp_path):
     path = tmp_path / "good.npz"
     np.savez(path, np.ones((4, 3, 16, 16), np.float32))
-    (x,) = cli.read_calib_data(path, (torch.zeros(1, 3, 16, 16),))
+    (x,) = read_arrays(path)
     assert x.shape == (4, 3, 16, 16) and bool((x == 1).all())
 
 
@@ -191,7 +192,7 @@ def test_model_spec_naming_a_missing_file_still_says_it_does_not_exist(capsys, t
 
 def test_model_spec_naming_a_file_still_loads(tmp_path):
     (tmp_path / "m_cli_dir_case.py").write_text("import torch\ndef build():\n    return torch.nn.ReLU()\n")
-    assert isinstance(cli.load_factory_model(f"{tmp_path}/m_cli_dir_case.py:build"), torch.nn.ReLU)
+    assert isinstance(cli_commands.load_factory_model(f"{tmp_path}/m_cli_dir_case.py:build"), torch.nn.ReLU)
 
 
 # ----------------------------------------------------------------------------- 16: --calib-batch-size
@@ -208,7 +209,7 @@ def test_calib_batch_size_below_one_is_refused_whatever_the_data(capsys, tmp_pat
 def test_calib_batch_size_one_is_accepted(tmp_path):
     args = cli.build_parser().parse_args(["compile", *HYB, "--calib-random", "2", "--calib-batch-size", "1",
                                           "--out", str(tmp_path / "o")])
-    batches = cli.calibration_batches(args, (torch.zeros(1, 3, 16, 16),))
+    batches = cli_commands.calibration_batches(args, (torch.zeros(1, 3, 16, 16),)).batches
     assert len(batches) == 2 and batches[0][0].shape == (1, 3, 16, 16)
 
 

@@ -121,7 +121,7 @@ def test_readme_cli_synopsis_matches_argparse():
     (" [--target-sqnr DB]", ""),
     ("[--march bayes|bernoulli2|nash]", "[--march bayes|bernoulli2]"),  # a march missing
     ("[--dump-passes] --out DIR", "[--dump-passes] [--out DIR]"),  # a required option shown optional
-    ("[--calib-random N] [--metric", "[--calib-random N]... [--metric"),  # not repeatable
+    ("[--calib-limit N]\n    [--resize", "[--calib-limit N]...\n    [--resize"),  # not repeatable
     ("--weight-rounding]", "--weight-rounding] [--dump-passes]"),  # an option compile does not have
 ])
 def test_synopsis_check_catches_a_stale_readme(monkeypatch, old, new):
