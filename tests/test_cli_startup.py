@@ -77,6 +77,15 @@ def test_the_lazy_package_still_exposes_the_api():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
+def test_the_one_call_prepare_module_is_callable_however_reached():
+    """``qcompiler.quantization.prepare`` is callable (prepare_one_call) without ``import qcompiler``'s
+    eager imports: the first import of the module runs prepare_one_call after it."""
+    code = ("import sys; from qcompiler.quantization import prepare; "
+            "assert callable(prepare) and 'qcompiler.quantization.prepare_one_call' in sys.modules; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def test_python_m_help_imports_no_torch():
     """``python -X importtime -m qcompiler.tools.cli compile --help``: torch is not among the imports."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "qcompiler.tools.cli", "compile", "--help"],
