@@ -341,6 +341,20 @@ def true_division() -> Constraint:
     return Constraint("true division", check)
 
 
+def number_exponent() -> Constraint:
+    """pow as a table of ``x ** c``: a feature-map base and a Python-number exponent ``c``, fixed when
+    the table is built (a tensor exponent, or a number raised to a tensor, is another function)."""
+
+    def check(info):
+        if not info.attrs.get("tensor_base", False):
+            return "the base is not a tensor (a number raised to a tensor has no table of x ** c)"
+        if info.attrs.get("exponent") is None:
+            return "the exponent is a tensor; a table needs a Python-number exponent"
+        return None
+
+    return Constraint("a Python-number exponent", check)
+
+
 def constant_weight() -> Constraint:
     """A functional prelu's slope is folded into multipliers at convert time: it must be a
     buffer or parameter of the model, not a value computed in forward."""

@@ -48,5 +48,10 @@ TABLE = OpTable(
         # --- reductions over any dims (mean: not only bayes's global pool); amax / amin select on the
         # input's grid, sum / mean requantize once (convert_rules.reduce, lowering.reduce)
         *(_row(op, c.reduction()) for op in ("sum", "mean", "amax", "amin")),
+        # --- lookup tables for transformer blocks (issue 34): the same table kernel; the domain choices
+        # (log / sqrt / rsqrt / reciprocal / pow off their domain) are in docs/marches.md
+        *(_row(op) for op in ("erf", "log", "sqrt", "rsqrt", "reciprocal", "mish")),
+        _row("pow", c.number_exponent()),
+        # --- end lookup tables
     ),
 )

@@ -194,6 +194,10 @@ def op_info(node: fx.Node, op: str, modules: dict[str, nn.Module]) -> OpInfo:
         attrs.update(_adaptive_attrs(module, node, modules))
     elif op == "div":
         attrs["rounding_mode"] = node.kwargs.get("rounding_mode")
+    elif op == "pow":  # the table of x ** c needs a tensor base and a Python-number exponent
+        kw = bind(node, modules)
+        attrs["exponent"] = kw["exponent"] if is_number(kw["exponent"]) else None
+        attrs["tensor_base"] = isinstance(kw["input"], fx.Node)
     if op in ("softmax", "log_softmax"):  # softmax kernel (nash)
         attrs.update(_softmax_attrs(node, modules))
     attrs["constant_operands"] = constants

@@ -359,11 +359,16 @@ class QuantizedMatmul(QuantizedModule):
 
 
 class QuantizedLookup(QuantizedModule):
-    """Element-wise non-linearity as a table built at convert time."""
+    """Element-wise non-linearity as a table built at convert time.
 
-    def __init__(self, op: str, fn: Callable, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str):
+    ``exponent``: pow's constant exponent ``c`` (the table samples ``x ** c``), kept so that every
+    reader of the module (lowering, ONNX export) knows which function the table is of."""
+
+    def __init__(self, op: str, fn: Callable, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str,
+                 exponent: Optional[float] = None):
         super().__init__()
         self.qc_op, self.in_dtype, self.out_scale = op, in_dtype, float(out_scale)
+        self.in_scale, self.exponent = float(in_scale), (None if exponent is None else float(exponent))
         self.register_buffer("table", fp.build_lut(fn, in_scale, out_scale, in_dtype, out_dtype))
 
     def forward(self, x: QTensor, *args, **kwargs) -> QTensor:

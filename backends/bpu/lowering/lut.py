@@ -9,7 +9,8 @@ from qcompiler.nn import quantized as qnn
 
 # the functions convert tabulates (passes/convert_rules/lut.py; test_lower_coverage checks that every op
 # convert converts lowers): the lowering is the same for each
-TABULATED = ("sigmoid", "tanh", "exp", "silu", "hardsigmoid", "hardswish", "gelu", "elu", "selu")
+TABULATED = ("sigmoid", "tanh", "exp", "silu", "hardsigmoid", "hardswish", "gelu", "elu", "selu",
+             "erf", "mish", "log", "sqrt", "rsqrt", "reciprocal", "pow")
 
 
 @lowers(qnn.QuantizedLookup, *TABULATED, emits=("lut",))
