@@ -306,22 +306,50 @@ def converted_cat(ctx: NodeContext) -> Tensor:
 
 @emits_module(qnn.QuantizedLookup)
 def converted_lookup(ctx: NodeContext) -> Tensor:
-    """A lookup table: on int8 codes into an int8 table, ``Gather(table, q + 128)`` (the table is an
-    initializer, the sidecar lists it); else the float function it was built from (default
-    arguments, as ``passes.convert_rules.lut.LUT_FUNCTIONS``) followed by the output quantization."""
+    """A lookup table, exact: ``Gather(table, int64(q) - qmin)``, the table (int8 or int16, as the
+    simulator holds it) an initializer the sidecar lists. ``q``: an int8 input's codes; an int16
+    input (float in opset 11) quantized in the graph as the BPU's entry does, ``clamp(round_half_even(
+    float32(x) / float32(s)))``, which gives back ``q`` exactly from a dequantized int16 ``float32(q * s)``.
+    An int8 output feeds its DequantizeLinear; an int16 one is ``float32(T) * float32(s)`` (as
+    ``QTensor.dequantize``), listed as ``qint16``. Not quantizing (a float view), or an input off any
+    grid: the float function with the table's arguments (pow's exponent), quantized at the output."""
     m = ctx.module
-    out_dtype = "qint16" if m.table.dtype == torch.int16 else "qint8"
-    codes = _int8_codes(ctx, [ctx.x()], out_dtype) if m.in_dtype == "qint8" else None
-    if codes is not None:
-        table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np.int8))
-        ctx.quant.weights[table] = {"scales": [float(m.out_scale)], "axis": None, "dtype": out_dtype}
-        index = ctx.make("Add", [ctx.make("Cast", [codes[0]], tag="index", to=TensorProto.INT64,
-                                          dtype=TensorProto.INT64), ctx.const("offset", 128, TensorProto.INT64)],
-                         tag="offset_index")
-        y = ctx.make("Gather", [table, index], tag="lookup", axis=0)
+    out_dtype = dtype_name(m.table.dtype)
+    index = _lookup_index(ctx, m) if ctx.quant.quantize else None
+    if index is None:
+        args = (ctx.call.args[0],) if m.exponent is None else (ctx.call.args[0], m.exponent)
+        y = _with_call(ctx, _function_call(ctx, args))
+        return _out(ctx, y, m.out_scale, out_dtype)
+    np_dtype, onnx_dtype = (np.int16, TensorProto.INT16) if out_dtype == "qint16" else (np.int8, TensorProto.INT8)
+    table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np_dtype))
+    ctx.quant.weights[table] = {"scales": [float(m.out_scale)], "axis": None, "dtype": out_dtype}
+    y = ctx.make("Gather", [table, index], tag="lookup", axis=0, dtype=onnx_dtype)
+    if out_dtype == "qint8":
         return _dequantized(ctx, y, m.out_scale, out_dtype)
-    y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0],)))
-    return _out(ctx, y, m.out_scale, out_dtype)
+    values = ctx.make("Mul", [ctx.make("Cast", [y], tag="table_value", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT),
+                              ctx.const("out_scale", np.float32(m.out_scale))], tag="dequantize")
+    return ctx.quant.quantize_point(ctx, values, m.out_scale, out_dtype, ctx.path)
+
+
+def _lookup_index(ctx: NodeContext, m: qnn.QuantizedLookup) -> Optional[Tensor]:
+    """``int64(q) - qmin`` of the lookup's input codes (see :func:`converted_lookup`), or None when
+    the input is on no grid of the lookup's input type."""
+    I64 = TensorProto.INT64
+    x = ctx.x()
+    scale, dtype = ctx.quant.grid.get(x, (None, None))
+    if dtype != m.in_dtype:
+        return None
+    lo, hi = fp.qrange(dtype)
+    if dtype == "qint8":
+        q = ctx.quant.codes_of(ctx, x, f"{ctx.path}.input0")
+        if q is None:
+            return None
+    else:
+        t = ctx.make("Round", [ctx.make("Div", [x, ctx.const("in_scale", np.float32(scale))], tag="scaled")],
+                     tag="round")
+        q = ctx.make("Clip", [t, ctx.const("qmin", float(lo)), ctx.const("qmax", float(hi))], tag="codes")
+    codes = ctx.make("Cast", [q], tag="index", to=I64, dtype=I64)
+    return ctx.make("Add", [codes, ctx.const("offset", -lo, I64)], tag="offset_index", dtype=I64)
 
 
 def _integer_avg_pool(ctx: NodeContext, m: qnn.QuantizedAvgPool) -> Optional[Tensor]:
