@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qcompiler.backends.bpu import op_table
 from qcompiler.ir import propagate_shapes, trace
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext
@@ -32,19 +31,11 @@ def _rewritten(model, march):
     return out, [n.target for n in out.graph.nodes if n.op != "placeholder" and n.op != "output"]
 
 
-def _nash_runs_mean_over_the_last_dim() -> bool:
-    return "mean" in op_table(March.NASH).rules
-
-
 @pytest.mark.parametrize("functional", [False, True])
 def test_the_pool_is_the_mean_on_nash(functional):
-    if not _nash_runs_mean_over_the_last_dim():
-        pytest.skip("nash has no mean row")
     model = Pooler(functional)
     gm, targets = _rewritten(model, "nash")
-    if torch.mean not in targets:
-        pytest.skip("nash's mean row does not take the last dim at this commit")
-    assert "pool" not in targets and F.adaptive_avg_pool1d not in targets
+    assert torch.mean in targets and "pool" not in targets and F.adaptive_avg_pool1d not in targets
     torch.testing.assert_close(gm(X), model(X), atol=1e-6, rtol=0)  # sum order: float32 rounding
 
 
