@@ -560,3 +560,78 @@ def reduction(max_elements: int = MAX_REDUCED_ELEMENTS) -> Constraint:
         return None
 
     return Constraint(f"not along N, no dtype, at most {max_elements} elements summed", check)
+
+
+def _index_entries(idx) -> tuple:
+    return idx if isinstance(idx, tuple) else (idx,)
+
+
+def _has_node(v) -> bool:
+    if isinstance(v, fx.Node):
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(_has_node(x) for x in v)
+    if isinstance(v, slice):
+        return any(_has_node(x) for x in (v.start, v.stop, v.step))
+    return False
+
+
+def _static_entry(e) -> bool:
+    """An int, a slice of int bounds (step > 0), None or Ellipsis (a list of ints, a constant gather, is not
+    yet one: the opset-11 export has no rule for it)."""
+    if e is None or e is Ellipsis:
+        return True
+    if isinstance(e, bool):
+        return False
+    if isinstance(e, int):
+        return True
+    if isinstance(e, slice):
+        parts = (e.start, e.stop, e.step)
+        return all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts) \
+            and (e.step is None or e.step > 0)
+    return False
+
+
+def _keeps_batch(entries: tuple, rank: int) -> bool:
+    """The index leaves dim 0 whole and in place: its first entry a full slice, or an Ellipsis that spans dim 0."""
+    if not entries:
+        return True
+    first = entries[0]
+    if isinstance(first, slice):
+        return first == slice(None)
+    if first is Ellipsis:
+        indexing = sum(1 for e in entries[1:] if e is not None and e is not Ellipsis)
+        return indexing < rank
+    return False
+
+
+def constant_index() -> Constraint:
+    """getitem / narrow with a constant index: the same codes moved (the input's grid), the index data of the
+    program. A tensor index (a buffer, or computed in forward) is a gather the BPU does not take; dim 0 (the
+    batch) is kept whole, as for cat; a getitem of a tuple picks one output of an op, no BPU op."""
+
+    def check(info):
+        node, s = info.node, (info.in_shapes[0] if info.in_shapes else None)
+        if info.op == "getitem":
+            if s is None:
+                return "getitem of a non-tensor (a tuple or list, e.g. one output of a multi-output op, or a shape)"
+            idx = node.args[1] if len(node.args) > 1 else node.kwargs.get("index")
+            entries = _index_entries(idx)
+            if _has_node(idx):
+                return "getitem with a tensor index (a buffer or a value computed in forward): the BPU takes " \
+                       "constant int / slice indices"
+            if not all(_static_entry(e) for e in entries):
+                return f"getitem with index {idx!r}: only ints, slices (step > 0), None and ..."
+            if not _keeps_batch(entries, len(s)):
+                return f"getitem with index {idx!r} indexes the batch (dim 0); the BPU keeps it whole"
+            return None
+        if info.op == "narrow":
+            rest = list(node.args[1:]) + [node.kwargs[k] for k in ("dim", "start", "length") if k in node.kwargs]
+            if len(rest) != 3 or _has_node(rest) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                            for v in rest):
+                return "narrow with dim / start / length computed at run time (the BPU takes constants)"
+            if s is not None and len(s) and rest[0] % len(s) == 0:
+                return "narrow along the batch (dim 0); the BPU keeps it whole"
+        return None
+
+    return Constraint("constant index, not along N", check)

@@ -53,5 +53,8 @@ TABLE = OpTable(
         *(_row(op) for op in ("erf", "log", "sqrt", "rsqrt", "reciprocal", "mish")),
         _row("pow", c.number_exponent()),
         # --- end lookup tables
+        # --- selection with constant indices: the same codes moved (getitem, narrow; lowering.select)
+        _row("getitem", c.constant_index()),
+        _row("narrow", c.constant_index()),
     ),
 )

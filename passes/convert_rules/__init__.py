@@ -14,6 +14,7 @@ from qcompiler.passes.convert_rules import (  # noqa: F401  (imported to registe
     norm,
     pooling,
     reduce,
+    select,
     softmax,
     weight_layers,
 )

@@ -14,6 +14,7 @@ from qcompiler.backends.bpu.lowering import (  # noqa: F401  (imported to regist
     pooling,
     quantize,
     reduce,
+    select,
     resize,
     softmax,
     weight_layers,
