@@ -19,7 +19,8 @@ folded buffers' ``get_attr`` nodes their metadata like any other node's.  ``eins
 permutes, reshapes and matmul) needs the operands' shapes, so it runs after shape propagation
 and the in-place passes, and before ``rewrite`` and placement, which then see only ops the
 march and ONNX opset 11 have (its nodes carry their own shapes); ``attention`` (a traced
-``scaled_dot_product_attention`` as matmul, softmax and matmul) follows it for the same reasons.
+``scaled_dot_product_attention`` as matmul, softmax and matmul) follows it for the same reasons, then
+``masked_softmax`` (a softmax of a -inf ``masked_fill`` as one op, so no -inf reaches a quantizer).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from qcompiler.passes.inplace_reads import INPLACE_READS
 from qcompiler.passes.insert_observers import INSERT_OBSERVERS
 from qcompiler.passes.insert_stubs import INSERT_STUBS
 from qcompiler.passes.leaf_writes import LEAF_WRITES
+from qcompiler.passes.masked_softmax import MASKED_SOFTMAX
 from qcompiler.passes.out_of_place import OUT_OF_PLACE
 from qcompiler.passes.partition import PARTITION
 from qcompiler.passes.place import PLACE
@@ -41,7 +43,7 @@ from qcompiler.passes.shape_prop import SHAPE_PROP
 from qcompiler.passes.view_writes import VIEW_WRITES
 
 ANALYZE = [REMOVE_IDENTITIES, INPLACE_READS, FOLD_CONSTANTS, SHAPE_PROP, LEAF_WRITES, VIEW_WRITES, OUT_OF_PLACE,
-           EINSUM_TO_MATMUL, ATTENTION_AS_MATMUL, REWRITE, PLACE]
+           EINSUM_TO_MATMUL, ATTENTION_AS_MATMUL, MASKED_SOFTMAX, REWRITE, PLACE]
 OPTIMIZE = [FUSE]
 SPLIT = [INSERT_STUBS, PARTITION]
 

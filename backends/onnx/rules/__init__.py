@@ -18,6 +18,7 @@ from qcompiler.backends.onnx.rules import (  # noqa: F401  (imported to register
     index,
     layout,
     loss,
+    masked_softmax,
     norm,
     pool,
     quantized,

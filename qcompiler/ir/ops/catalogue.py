@@ -36,6 +36,7 @@ from qcompiler.ir.ops.names import (
 )
 from qcompiler.ir.ops.opdef import OpDef, Tag, define, sig
 from qcompiler.ir.setitem import setitem
+from qcompiler.nn.functional import masked_softmax as _masked_softmax
 
 _EW, _SPATIAL, _ALONG, _REDUCE = Tag.ELEMENTWISE, Tag.SPATIAL, Tag.ALONG_DIM, Tag.REDUCTION
 _EXACT, _TRAIN, _LAYOUT = Tag.CPU_EXACT, Tag.TRAINING, Tag.LAYOUT
@@ -190,6 +191,9 @@ CATALOGUE: tuple[OpDef, ...] = (
            forms={_A.log_softmax.int: _SOFTMAX_TORCH, torch.log_softmax: _SOFTMAX_TORCH,
                   "log_softmax": _SOFTMAX_TORCH}),
     define("softmin", _ALONG, signature=_SOFTMAX, modules=(nn.Softmin,), functions=(F.softmin,)),
+    # masked softmax: softmax(masked_fill(x, mask, -inf), dim) fused (passes/masked_softmax.py)
+    define("masked_softmax", signature=sig("dim", ("fill_mask_is_true", True), inputs=("input", "mask")),
+           functions=(_masked_softmax,)),
     define("cumsum", _ALONG,
            aten=_aten("cumsum.default"), signature=sig("dim", "*", ("dtype", None)), functions=(torch.cumsum,),
            methods=("cumsum",)),
