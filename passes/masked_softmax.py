@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from qcompiler.errors import PassError
-from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
+from qcompiler.ir.meta import META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.pattern import Bindings, Const, Op, Var, arguments
 from qcompiler.nn.functional import masked_softmax

@@ -606,3 +606,29 @@ class QuantizedReduce(QuantizedModule):
 
     def extra_repr(self) -> str:
         return f"{self.qc_op}, dims={self.dims}, keepdim={self.keepdim}"
+
+
+class QuantizedMaskedSoftmax(QuantizedModule):
+    """``masked_softmax`` along ``dim`` (nash): ``fixed_point.int_masked_softmax`` on the scores' codes
+    and the mask's 0/1 codes (a second input quantized at scale 1.0, int8: exact); softmax's exponential
+    table and ``(M, n)``, built here once."""
+
+    qc_op = "masked_softmax"
+
+    def __init__(self, dim: int, fill_mask_is_true: bool, in_scale: float, in_dtype: str, out_scale: float,
+                 out_dtype: str) -> None:
+        super().__init__()
+        self.dim, self.fill_mask_is_true = int(dim), bool(fill_mask_is_true)
+        self.in_dtype, self.out_dtype = in_dtype, out_dtype
+        self.in_scale, self.out_scale = float(in_scale), float(out_scale)
+        self.register_buffer("table", fp.softmax_exp_table(self.in_scale, in_dtype))
+        self.M, self.n = fp.softmax_params(self.out_scale)
+
+    def forward(self, x: QTensor, mask: QTensor, *args, **kwargs) -> QTensor:
+        y = fp.int_masked_softmax(x.int_repr(), mask.int_repr(), self.dim, self.fill_mask_is_true, self.table,
+                                  self.M, self.n, self.out_dtype, op=self.qc_op)
+        return _q(y, self.out_scale)
+
+    def extra_repr(self) -> str:
+        fill = "mask" if self.fill_mask_is_true else "not mask"
+        return f"dim={self.dim}, fill where {fill}, {self.in_dtype} -> {self.out_dtype}"

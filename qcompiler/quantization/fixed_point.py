@@ -1216,3 +1216,52 @@ def int_reduce(q: torch.Tensor, mode: str, dims, keepdim: bool, M: int = 1, n: i
     s = x.to(torch.int64).sum(dim=d, keepdim=keepdim)
     check_accumulator(s, 32, op=op)  # the BPU sums in an int32 accumulator
     return requantize(s, M, n, out_dtype, op=op)
+
+
+# masked softmax (nash): int_softmax over the kept positions of each row
+#
+# ``keep`` (from the mask's 0/1 codes and the polarity: kept where the code differs from the fill code)
+# broadcasts to ``q``; along ``dim``:
+#   mx = max(q over kept)           d = clamp(mx - q, 0, len(EXP) - 1)
+#   E = EXP[d] where kept, else 0   S = sum(E)      y = clamp((E * M + (S << n) // 2) // max(S << n, 1))
+# so a masked position outputs 0 and adds nothing to S, and a row with no kept position (S = 0) is 0
+# everywhere (torch: NaN). Same tables, parameters and int64 bounds as int_softmax.
+
+
+def int_masked_softmax(q: torch.Tensor, mask: torch.Tensor, dim: int, fill_mask_is_true: bool, table: torch.Tensor,
+                       M: int, n: int, out_dtype="qint8", *, op: str = "masked_softmax") -> torch.Tensor:
+    """softmax of the integers ``q`` along ``dim`` over the positions ``mask`` keeps (the definition above),
+    exact in int64. ``mask``: 0/1 codes (or bools) broadcasting to ``q``; a position is filled (left out)
+    where its code is 1 if ``fill_mask_is_true`` else where it is 0. ConfigError (naming ``op``) as
+    :func:`int_softmax`, and for a mask that does not broadcast to ``q``."""
+    x = _as_int64(q)
+    mask = torch.as_tensor(mask)
+    m = _as_int64(mask.to(torch.int8) if mask.dtype == torch.bool else mask)
+    try:
+        m = m.expand(x.shape)
+    except RuntimeError:
+        raise ConfigError(f"{op}: mask of shape {list(m.shape)} does not broadcast to the input's "
+                          f"{list(x.shape)}") from None
+    keep = (m == 0) if fill_mask_is_true else (m != 0)
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise ConfigError(f"{op}: dim {dim} is out of range for a {x.dim()}-d input")
+    M, n = int(M), int(n)
+    if not (0 < M < (1 << SOFTMAX_MULT_BITS) and 0 <= n <= SOFTMAX_MAX_SHIFT):
+        raise ConfigError(f"{op}: multiplier {M} / shift {n} outside (0, 2**{SOFTMAX_MULT_BITS}) / "
+                          f"[0, {SOFTMAX_MAX_SHIFT}]; build them with softmax_params")
+    t = _as_int64(table)
+    if t.dim() != 1 or t.numel() == 0 or int(t.max()) > (1 << SOFTMAX_EXP_BITS) or int(t.min()) < 0:
+        raise ConfigError(f"{op}: exponential table must be 1-d with entries in [0, 2**{SOFTMAX_EXP_BITS}]; "
+                          f"build it with softmax_exp_table")
+    if x.dim() and x.shape[dim] > SOFTMAX_MAX_LEN:
+        raise ConfigError(f"{op}: softmax axis of {x.shape[dim]} elements > {SOFTMAX_MAX_LEN} (the int64 "
+                          f"sum bound); split the axis or run the softmax on the CPU")
+    if x.numel() == 0:
+        return _clamp_to(x, out_dtype)
+    floor = torch.tensor(-(1 << 40), dtype=torch.int64)  # below every code: the max of an all-masked row
+    mx = torch.where(keep, x, floor).amax(dim, keepdim=True)
+    d = (mx - x).clamp(0, t.numel() - 1)
+    e = torch.where(keep, t[d], torch.zeros((), dtype=torch.int64))
+    den = e.sum(dim, keepdim=True) << n
+    y = torch.div(e * M + (den >> 1), den.clamp(min=1), rounding_mode="floor")
+    return _clamp_to(y, out_dtype)
