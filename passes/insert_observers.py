@@ -72,7 +72,8 @@ from qcompiler.nn.qat import (
 from qcompiler.passes.base import CompileContext, Fact, Pass, PassResult
 from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.passes.place import PLACEMENT
-from qcompiler.quantization.fake_quantize import FakeQuantizeBase
+from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
+from qcompiler.quantization.observer import MinMaxObserver
 from qcompiler.quantization.qconfig import QConfig
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
@@ -176,6 +177,9 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
         module = modules.get(node.target) if node.op == "call_module" else None
         if node.meta.get(META_STUB) == ACTIVATION_POST_PROCESS:
             src = node.args[0]
+            if _is_bool(src):  # masked_softmax's mask: its 0/1 codes, exact (no observer, no qconfig)
+                set_module(gm, node.target, bool_quantizer())
+                continue
             qc = _check_int16(_require(_boundary_qconfig(resolver, src, node, modules), src, boundary=True), src,
                               ctx.march)
             set_module(gm, node.target, qc.activation())
@@ -197,6 +201,8 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             _quantize_constants(gm, node, qc, constants, node.args)
         elif isinstance(module, FusedModule) and module.with_add and len(node.args) > 1:
             _quantize_constants(gm, node, qc, constants, node.args[1:2])  # conv + constant, fused
+        elif op == "masked_softmax" and len(node.args) > 1:
+            _quantize_bool_constant(gm, node, node.args[1], constants)
         elif op == "cat" and node.args and isinstance(node.args[0], (list, tuple)):
             _quantize_constants(gm, node, qc, constants, node.args[0])
         if op == "quant":
@@ -260,6 +266,40 @@ def _add_constant_quantizer(gm: fx.GraphModule, const: fx.Node, qc: QConfig) -> 
     })
     set_placement(q, BPU, f"quantizes the constant '{const.name}' (per tensor, like a weight) for the BPU")
     return q
+
+
+# --- bool values entering the BPU (masked_softmax's mask)
+
+
+def _is_bool(node) -> bool:
+    info = node.meta.get(META_TENSOR) if isinstance(node, fx.Node) else None
+    return getattr(info, "dtype", None) == "bool"
+
+
+def bool_quantizer() -> nn.Module:
+    """The quantizer of a bool tensor entering the BPU: int8 at scale 1.0, frozen (no observer), so the
+    codes are exactly 0 / 1 (``fixed_point.quantize`` casts the bool to float first)."""
+    return FakeQuantize(MinMaxObserver(dtype="qint8")).set_qparams(1.0)
+
+
+def _quantize_bool_constant(gm: fx.GraphModule, node: fx.Node, mask, done: dict) -> None:
+    """A constant bool mask (a buffer, e.g. a causal mask) read by ``node``: a constant-quantizer node
+    holding :func:`bool_quantizer` (convert then makes it a constant BPU value of 0/1 codes)."""
+    if not (isinstance(mask, fx.Node) and mask.op == "get_attr" and _is_bool(mask)):
+        if isinstance(mask, fx.Node) and mask.meta.get(META_STUB) == CONSTANT_QUANT:
+            set_module(gm, mask.target, bool_quantizer())  # a second run keeps the node, renews the module
+        return
+    if mask not in done:
+        name = free_name(gm, f"{mask.name}_{CONSTANT_FAKE_QUANT}")
+        module = bool_quantizer()
+        gm.add_submodule(name, module)
+        with gm.graph.inserting_after(mask):
+            q = gm.graph.create_node("call_module", name, (mask,), {}, name=name)
+        q.meta.update({META_SCOPE: scope(mask)[:1] + (ScopeEntry(name, type(module)),),
+                       META_TENSOR: mask.meta.get(META_TENSOR), META_OP: "quant", META_STUB: CONSTANT_QUANT})
+        set_placement(q, BPU, f"quantizes the constant mask '{mask.name}' as 0/1 codes for the BPU")
+        done[mask] = q
+    node.replace_input_with(mask, done[mask])
 
 
 def _check_high_precision_layer(node: fx.Node, module: nn.Module) -> None:

@@ -56,5 +56,8 @@ TABLE = OpTable(
         # --- selection with constant indices: the same codes moved (getitem, narrow; lowering.select)
         _row("getitem", c.constant_index()),
         _row("narrow", c.constant_index()),
+        # --- masked_softmax (fixed_point.int_masked_softmax): softmax's call limits; the mask enters as 0/1 codes
+        _row("masked_softmax", c.softmax_call(SOFTMAX_MAX_LEN)),
+        # --- end masked_softmax
     ),
 )

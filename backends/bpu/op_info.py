@@ -198,7 +198,7 @@ def op_info(node: fx.Node, op: str, modules: dict[str, nn.Module]) -> OpInfo:
         kw = bind(node, modules)
         attrs["exponent"] = kw["exponent"] if is_number(kw["exponent"]) else None
         attrs["tensor_base"] = isinstance(kw["input"], fx.Node)
-    if op in ("softmax", "log_softmax"):  # softmax kernel (nash)
+    if op in ("softmax", "log_softmax", "masked_softmax"):  # softmax kernels (nash)
         attrs.update(_softmax_attrs(node, modules))
     attrs["constant_operands"] = constants
     attrs["feature_map_operands"] = feature_maps

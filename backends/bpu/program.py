@@ -104,6 +104,10 @@ OP_KINDS: dict[str, str] = {
     "reduce": "attrs['mode'] sum / mean: the int32 sum over attrs['dims'] requantized by M/2^n (a mean's "
               "1/count folded into M); amax / amin: the largest / smallest code, on the input's grid "
               "(no tensors); keepdim keeps the reduced dims as 1",
+    # --- masked_softmax (nash)
+    "masked_softmax": "softmax along attrs['dim'] over the positions the mask (input 1, 0/1 codes) keeps "
+                      "(filled where the code is 1 if attrs['fill_mask_is_true'] else 0): filled ones output 0, "
+                      "an all-filled row is 0 (fixed_point.int_masked_softmax)",
 }
 LAYOUT_KINDS = frozenset({"identity", "reshape", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
                           "getitem"})

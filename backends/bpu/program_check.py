@@ -173,6 +173,8 @@ ATTRS: dict[str, dict[str, Callable[[Any], Optional[str]]]] = {
     "log_softmax": {"dim": _int(-8, 8), "in_dtype": _choice("qint8", "qint16")},
     # nash reductions: dims sorted, non-negative, each once (fixed_point.reduce_dims)
     "reduce": {"mode": _choice("sum", "mean", "amax", "amin"), "dims": _sorted_dims, "keepdim": _bool},
+    # --- masked_softmax (nash)
+    "masked_softmax": {"dim": _int(-8, 8), "fill_mask_is_true": _bool, "in_dtype": _choice("qint8", "qint16")},
 }
 
 
@@ -291,7 +293,7 @@ def _tensor_rules(op, where: str) -> dict[str, _Spec]:
         return {"value": _Spec((_STORAGE.get(a.get("out_dtype"), torch.int8),), rank=(0, 6))}
     if k == "layer_norm":
         return _layer_norm_rules(op, where)
-    if k in ("softmax", "log_softmax"):  # fixed_point.int_softmax's bounds: E <= 2**16, M < 2**24, n <= 30
+    if k in ("softmax", "log_softmax", "masked_softmax"):  # int_softmax bounds: E <= 2**16, M < 2**24, n <= 30
         rules = {"table": _Spec((torch.int32,), (None,), values=(0, 1 << 16)),
                  "M": _Spec(_I64, (), values=(1, (1 << 24) - 1)), "n": _Spec(_I64, (), values=(0, 30))}
         if k == "log_softmax":  # int_log_softmax: w = log_k + log_f + d*M < 2**62
@@ -331,6 +333,8 @@ def _arity(op) -> set[int]:
         return {len(T["M"])} if "M" in T and T["M"].dim() == 1 and len(T["M"]) > 0 else {1}
     if k == "constant":
         return {0}
+    if k == "masked_softmax":  # scores, mask codes
+        return {2}
     return {1}
 
 

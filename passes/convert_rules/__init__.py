@@ -11,6 +11,7 @@ from qcompiler.passes.convert_rules import (  # noqa: F401  (imported to registe
     arith,
     layout,
     lut,
+    masked_softmax,
     norm,
     pooling,
     reduce,

@@ -10,6 +10,7 @@ from qcompiler.backends.bpu.lowering import (  # noqa: F401  (imported to regist
     elementwise,
     layout,
     lut,
+    masked_softmax,
     norm,
     pooling,
     quantize,

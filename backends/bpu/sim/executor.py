@@ -158,6 +158,8 @@ def _input_check(spec: ValueSpec, prog: str) -> Callable[[Any], torch.Tensor]:
     where = f"program {prog}: input '{spec.name}'"
     if spec.is_float:
         def check_float(v):
+            if isinstance(v, torch.Tensor) and not isinstance(v, QTensor) and v.dtype == torch.bool:
+                return v.float()  # a bool (masked_softmax's mask) enters as its 0/1, as torch casts it
             if isinstance(v, QTensor) or not isinstance(v, torch.Tensor) or not v.is_floating_point():
                 raise ConfigError(f"{where} must be a float tensor, got {type(v).__name__}"
                                   + (f" {v.dtype}" if isinstance(v, torch.Tensor) else ""))

@@ -294,3 +294,11 @@ def _reduce(k: KernelSpec) -> Callable:
     mode, dims, keep = a["mode"], tuple(a["dims"]), a["keepdim"]
     M, n = (int(k.tensors["M"]), int(k.tensors["n"])) if mode in ("sum", "mean") else (1, 0)
     return lambda x: fp.int_reduce(x, mode, dims, keep, M, n, out_dtype, op=name)
+
+
+# --- masked_softmax (nash)
+@reference_kernel("masked_softmax")
+def _masked_softmax(k: KernelSpec) -> Callable:
+    table, M, n = k.tensors["table"], int(k.tensors["M"]), int(k.tensors["n"])
+    dim, fill, name, out_dtype = int(k.attrs["dim"]), bool(k.attrs["fill_mask_is_true"]), k.name, k.out_dtype
+    return lambda x, mask: fp.int_masked_softmax(x, mask, dim, fill, table, M, n, out_dtype, op=name)

@@ -175,7 +175,10 @@ def _dequantized(ctx: NodeContext, codes: str, scale: float, dtype: str) -> Tens
 @emits_module(qnn.Quantize)
 def converted_quantize(ctx: NodeContext) -> Tensor:
     m = ctx.module
-    return ctx.quant.quantize_point(ctx, ctx.x(), m.scale, m.dtype, ctx.path, always_node=True)
+    x = ctx.x()
+    if ctx.dtype(x) == TensorProto.BOOL:  # a bool entering the BPU (a mask): its 0/1 as float, as torch casts
+        x = ctx.make("Cast", [x], tag="bool_as_float", to=TensorProto.FLOAT, dtype=TensorProto.FLOAT)
+    return ctx.quant.quantize_point(ctx, x, m.scale, m.dtype, ctx.path, always_node=True)
 
 
 @emits_module(qnn.Requantize)
@@ -729,3 +732,46 @@ def converted_reduce(ctx: NodeContext) -> Tensor:
         return y
     y = ctx.make("ReduceSum" if m.qc_op == "sum" else "ReduceMean", [x], tag=m.qc_op, axes=dims, keepdims=keep)
     return _out(ctx, y, m.out_scale, m.out_dtype)
+
+
+# --- masked_softmax (nash)
+
+
+@emits_module(qnn.QuantizedMaskedSoftmax)
+def converted_masked_softmax(ctx: NodeContext) -> Tensor:
+    """QuantizedMaskedSoftmax in exact int64 ops, ``fixed_point.int_masked_softmax`` step for step: the
+    kept positions (the mask's dequantized 0/1 against 0.5, Not for the fill polarity), ReduceMax of
+    ``Where(keep, q, -2**40)``, ``d`` clamped to the table, Gather, ``Where(keep, E, 0)``, ReduceSum, the
+    divisor ``S << n`` (1 where S = 0), Div of non-negatives and the clamp. Not quantizing, or an input
+    with no grid: the float masked_softmax rule, quantized at the output scale."""
+    m = ctx.module
+    q = _softmax_input_codes(ctx, ctx.x())
+    mask_arg = ctx.arg(1, "mask")
+    if q is None:
+        y = _with_call(ctx, _function_call(ctx, (ctx.call.args[0], mask_arg, m.dim, m.fill_mask_is_true)))
+        return _out(ctx, y, m.out_scale, m.out_dtype)
+    I64, B = TensorProto.INT64, TensorProto.BOOL
+    mask = ctx.tensor(mask_arg, TensorProto.FLOAT)
+    filled = ctx.make("Greater", [mask, ctx.const("half", 0.5)], tag="mask_set", dtype=B)
+    keep = ctx.make("Not", [filled], tag="keep", dtype=B) if m.fill_mask_is_true else filled
+    keep = ctx.make("Expand", [keep, ctx.make("Shape", [q], tag="shape", dtype=I64)], tag="keep_full", dtype=B)
+    floor = ctx.const("floor", -(1 << 40), I64)
+    mx = ctx.make("ReduceMax", [ctx.make("Where", [keep, q, floor], tag="kept", dtype=I64)], tag="max",
+                  axes=[m.dim], keepdims=1)
+    d = ctx.make("Sub", [mx, q], tag="distance")
+    zero = ctx.const("zero", 0, I64)
+    d = ctx.make("Where", [ctx.make("Less", [d, zero], tag="below", dtype=B), zero, d], tag="nonneg")
+    cap = ctx.const("last_index", int(m.table.numel()) - 1, I64)
+    d = ctx.make("Where", [ctx.make("Greater", [d, cap], tag="past_table", dtype=B), cap, d], tag="index")
+    table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np.int64))
+    e = ctx.make("Where", [keep, ctx.make("Gather", [table, d], tag="exp", axis=0), zero], tag="kept_exp")
+    den = ctx.make("Mul", [ctx.make("ReduceSum", [e], tag="sum", axes=[m.dim], keepdims=1),
+                           ctx.const("two_pow_n", 1 << m.n, I64)], tag="divisor")
+    num = ctx.make("Add", [ctx.make("Mul", [e, ctx.const("M", m.M, I64)], tag="scaled_exp"),
+                           ctx.make("Div", [den, ctx.const("two", 2, I64)], tag="half_divisor")], tag="numerator")
+    one = ctx.const("one", 1, I64)
+    den = ctx.make("Where", [ctx.make("Less", [den, one], tag="empty_row", dtype=B), one, den], tag="divisor_1")
+    y = ctx.make("Div", [num, den], tag="quotient")
+    hi = ctx.const("qmax", fp.qrange(m.out_dtype)[1], I64)
+    y = ctx.make("Where", [ctx.make("Greater", [y, hi], tag="over", dtype=B), hi, y], tag="clamp")
+    return _softmax_out(ctx, m, y)
