@@ -113,7 +113,7 @@ def test_readme_cli_synopsis_matches_argparse():
         required = {a.option_strings[-1] for a in actions if a.required}
         for option in required:  # shown outside brackets
             assert re.search(rf"(^|\s){re.escape(option)} ", text) and f"[{option}" not in text, (command, option)
-        assert " MODEL " in text
+        assert (" CONFIG.toml " if command == "build" else " MODEL ") in text
 
 
 @pytest.mark.parametrize("old, new", [

@@ -30,6 +30,7 @@ import qcompiler
 from qcompiler.atomic_write import check_target
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.march import March, get_march
+from qcompiler.tools.build_config import read_build_config, to_build_config
 
 # Nothing above imports torch: the parser and every argument check below run without it, so
 # ``--help`` and a mistyped flag answer at once (issue 35); a command imports the compiler
@@ -294,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--int16-budget", metavar="FRACTION", type=float, default=None,
                    help="move at most this fraction of the BPU activation tensors to int16, those that gain most "
                         "output SQNR on the calibration data (bayes only; e.g. 0.1)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print these flags as a build config file (TOML, for 'qcompiler build') and exit")
     p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func="cmd_compile")
 
@@ -321,6 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "'qcompiler compile --qconfig FILE --hybrid FILE'")
     p.add_argument("--out", metavar="DIR", required=True, type=out_dir, help="output directory (created if needed)")
     p.set_defaults(func="cmd_report")
+
+    p = sub.add_parser(
+        "build",
+        help="compile from a build config file (TOML): model, inputs, march, calibration, hybrid, qconfig, out",
+        description="Read CONFIG (a TOML file with the fields of the compile flags; tools/build_config.py, "
+        "docs/calibration_data.md), check it (errors name the line and the key) and compile as "
+        "'qcompiler compile' would; --out also gets build.toml (the config as run) and versions.json.",
+    )
+    p.add_argument("config", metavar="CONFIG.toml", help="the build config file; relative paths in it are "
+                                                          "relative to its folder")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the config as read (paths resolved, defaults filled in) and exit")
+    p.set_defaults(func="cmd_build")
     return parser
 
 
@@ -347,8 +363,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:
-            raise UsageError("a command is required: partition, compile or report (see 'qcompiler --help')")
-        if args.command in ("compile", "report"):
+            raise UsageError("a command is required: partition, compile, report or build (see 'qcompiler --help')")
+        if args.command == "build":
+            print_config = args.print_config
+            args = read_build_config(args.config)
+            if print_config:
+                print(to_build_config(args), end="")
+                return EXIT_OK
+            try:
+                args.out = out_dir(args.out)
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(f"{args.config}: out: {exc}") from None
+        if args.command in ("compile", "build"):
+            check_calibration_args(args)
+            if args.print_config:
+                print(to_build_config(args), end="")
+                return EXIT_OK
+        if args.command == "report":
             check_calibration_args(args)
         if args.command == "report":
             check_report_args(args)

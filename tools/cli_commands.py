@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import importlib.metadata
 import importlib.util
+import json
 import inspect
 import math
 import os
@@ -37,6 +39,7 @@ from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.tools.cli import (EXIT_OK, INT_INPUT_HIGH, UsageError, check_calibration_args,
                                  check_report_args, image_preprocess_args)
+from qcompiler.tools.build_config import to_build_config
 from qcompiler.tools.config_file import read_hybrid_file, read_qconfig_file
 from qcompiler.tools.quant_analysis import QuantAnalysis
 
@@ -448,3 +451,27 @@ def cmd_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+VERSIONED = ("qcompiler", "torch", "numpy", "onnx", "onnxruntime", "pillow")
+
+
+def _versions() -> dict:
+    """The versions a build ran with, for the record in --out."""
+    found = {"python": sys.version.split()[0]}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = qcompiler.__version__ if name == "qcompiler" else None
+    return found
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """``qcompiler build CONFIG``: compile as the config says (tools/build_config.py made ``args``),
+    then record the config as run and the versions in --out, so the build can be repeated."""
+    code = cmd_compile(args)
+    if code == EXIT_OK and os.environ.get("RANK", "0") == "0":
+        out = Path(args.out)
+        (out / "build.toml").write_text(to_build_config(args))
+        (out / "versions.json").write_text(json.dumps(_versions(), indent=1) + "\n")
+        print(f"recorded the config as run and the versions: {out / 'build.toml'}, {out / 'versions.json'}")
+    return code
