@@ -73,10 +73,18 @@ LUT_FUNCTIONS = {
 }
 
 
-def table_function(op: str, exponent=None):
-    """The element-wise function the table of ``op`` samples (pow: of ``x ** exponent``)."""
+# op -> the arguments (besides the input) that change the function a table samples, read from the call
+# (a module's attributes, a function's arguments) and passed on: gelu's tanh form, elu's alpha
+TABLE_ARGUMENTS = {"gelu": ("approximate",), "elu": ("alpha",)}
+
+
+def table_function(op: str, exponent=None, **arguments):
+    """The element-wise function the table of ``op`` samples (pow: of ``x ** exponent``; ``arguments``:
+    the call's :data:`TABLE_ARGUMENTS`)."""
     fn = LUT_FUNCTIONS[op]
-    return functools.partial(fn, exponent=float(exponent)) if op == "pow" else fn
+    if op == "pow":
+        return functools.partial(fn, exponent=float(exponent))
+    return functools.partial(fn, **arguments) if arguments else fn
 
 
 @converts(*LUT_FUNCTIONS)
@@ -90,5 +98,7 @@ def lookup(ctx: ConvertContext) -> qnn.QuantizedLookup:
         if not is_number(exponent):
             raise UnsupportedOpError(f"{ctx.where}: pow's exponent is {type(exponent).__name__}, not a Python "
                                      f"number; a table samples x ** c for one constant c (keep it on the CPU)")
-    fn = table_function(ctx.op, exponent)
-    return qnn.QuantizedLookup(ctx.op, fn, src.scale, src.dtype, ctx.out.scale, ctx.out.dtype, exponent=exponent)
+    arguments = {k: ctx.args[k] for k in TABLE_ARGUMENTS.get(ctx.op, ())}
+    fn = table_function(ctx.op, exponent, **arguments)
+    return qnn.QuantizedLookup(ctx.op, fn, src.scale, src.dtype, ctx.out.scale, ctx.out.dtype, exponent=exponent,
+                               arguments=arguments)

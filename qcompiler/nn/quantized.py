@@ -362,13 +362,16 @@ class QuantizedLookup(QuantizedModule):
     """Element-wise non-linearity as a table built at convert time.
 
     ``exponent``: pow's constant exponent ``c`` (the table samples ``x ** c``), kept so that every
-    reader of the module (lowering, ONNX export) knows which function the table is of."""
+    reader of the module (lowering, ONNX export) knows which function the table is of; ``arguments``:
+    the call's other arguments the table was built with (gelu's ``approximate``, elu's ``alpha``), for
+    the export's float form."""
 
     def __init__(self, op: str, fn: Callable, in_scale: float, in_dtype: str, out_scale: float, out_dtype: str,
-                 exponent: Optional[float] = None):
+                 exponent: Optional[float] = None, arguments: Optional[dict] = None):
         super().__init__()
         self.qc_op, self.in_dtype, self.out_scale = op, in_dtype, float(out_scale)
         self.in_scale, self.exponent = float(in_scale), (None if exponent is None else float(exponent))
+        self.arguments = dict(arguments or {})
         self.register_buffer("table", fp.build_lut(fn, in_scale, out_scale, in_dtype, out_dtype))
 
     def forward(self, x: QTensor, *args, **kwargs) -> QTensor:

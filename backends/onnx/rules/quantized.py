@@ -315,13 +315,14 @@ def converted_lookup(ctx: NodeContext) -> Tensor:
     float32(x) / float32(s)))``, which gives back ``q`` exactly from a dequantized int16 ``float32(q * s)``.
     An int8 output feeds its DequantizeLinear; an int16 one is ``float32(T) * float32(s)`` (as
     ``QTensor.dequantize``), listed as ``qint16``. Not quantizing (a float view), or an input off any
-    grid: the float function with the table's arguments (pow's exponent), quantized at the output."""
+    grid: the float function with the table's arguments (pow's exponent, gelu's ``approximate``, elu's
+    ``alpha``), quantized at the output."""
     m = ctx.module
     out_dtype = dtype_name(m.table.dtype)
     index = _lookup_index(ctx, m) if ctx.quant.quantize else None
     if index is None:
         args = (ctx.call.args[0],) if m.exponent is None else (ctx.call.args[0], m.exponent)
-        y = _with_call(ctx, _function_call(ctx, args))
+        y = _with_call(ctx, _function_call(ctx, args, getattr(m, "arguments", None)))
         return _out(ctx, y, m.out_scale, out_dtype)
     np_dtype, onnx_dtype = (np.int16, TensorProto.INT16) if out_dtype == "qint16" else (np.int8, TensorProto.INT8)
     table = ctx.initializer(f"{ctx.path}.table", m.table.numpy().astype(np_dtype))
