@@ -603,6 +603,60 @@ def _replace_pool1d(found: Match, _: bool, rewriter: Rewriter) -> fx.Node:
     return node
 
 
+# --------------------------------------------------------------------------- max(x, dim)[0] -> amax(x, dim)
+
+# torch.max(x, dim) / x.max(dim) / min: a (values, indices) pair, read below by getitem or attribute
+MAX_MIN_PAIR = AnyOf((Op("max", name="pair"), Op("min", name="pair")))
+
+
+def _pair_reads(user: fx.Node) -> Optional[str]:
+    """"values" / "indices" where ``user`` reads that half of the pair (``[0]``, ``.values`` ...), else None."""
+    if user.op == "call_function" and user.target is operator.getitem and len(user.args) == 2:
+        return {0: "values", 1: "indices"}.get(user.args[1]) if _is_int(user.args[1]) else None
+    if user.op == "call_function" and user.target is getattr and len(user.args) == 2:
+        return user.args[1] if user.args[1] in ("values", "indices") else None
+    return None
+
+
+def _values_only(found: Match) -> Optional[tuple[fx.Node, int, bool, list[fx.Node]]]:
+    """``(x, dim, keepdim, values readers)`` of a max / min along a constant dim whose indices nothing reads
+    (an unused ``_`` of ``v, _ = x.max(1)`` is no reader), where the march runs amax / amin."""
+    pair = found["pair"]
+    args, kwargs = list(pair.args), dict(pair.kwargs)
+    if not args or not isinstance(args[0], fx.Node) or _tensor_info(args[0]) is None:
+        return None
+    rest = args[1:] + [kwargs.pop(k) for k in ("dim", "keepdim") if k in kwargs]
+    if kwargs or not 1 <= len(rest) <= 2 or not _is_int(rest[0]):
+        return None  # torch.max(x) (all values), torch.max(x, other), out=...
+    keepdim = rest[1] if len(rest) == 2 else False
+    if not isinstance(keepdim, bool):
+        return None
+    reads = [(u, _pair_reads(u)) for u in pair.users]
+    if any(r is None or (r == "indices" and u.users) for u, r in reads):
+        return None
+    values = [u for u, r in reads if r == "values"]
+    amax = "amax" if node_op(pair, found.modules) == "max" else "amin"
+    if not values or found.ctx is None or not op_table(found.ctx.march).supports(amax):
+        return None
+    return args[0], rest[0], keepdim, values
+
+
+def _replace_pair(found: Match, data: tuple, rewriter: Rewriter) -> fx.Node:
+    pair = found["pair"]
+    x, dim, keepdim, values = data
+    fn = torch.amax if node_op(pair, rewriter.modules) == "max" else torch.amin
+    with found.gm.graph.inserting_before(pair):
+        new = found.gm.graph.call_function(fn, (x, dim, keepdim))
+    new.meta[META_SCOPE] = pair.meta.get(META_SCOPE)
+    new.meta[META_TENSOR] = values[0].meta.get(META_TENSOR)
+    for v in values:
+        v.replace_all_uses_with(new)
+    for u in list(pair.users):
+        rewriter.erase(u)
+    rewriter.erase(pair)
+    return new
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
@@ -618,6 +672,8 @@ REWRITES: tuple[Rewrite, ...] = (
             "an average pool whose one window covers the map rewritten as the global average pool"),
     Rewrite("div_by_number_as_mul", DIV_BY_NUMBER, _mul_by_reciprocal, _replace_div,
             "x / c by a number rewritten as x * (1 / c) (within 1 ULP), a mul the march runs"),
+    Rewrite("max_values_as_amax", MAX_MIN_PAIR, _values_only, _replace_pair,
+            "max / min along a dim whose indices are unused rewritten as amax / amin (the same values)"),
     Rewrite("uniform_constant_mask_removed", UNIFORM_MASK, _selected_operand, _replace_by_operand,
             "masked_fill / where with a constant mask that selects one operand everywhere removed"),
     Rewrite("global_pool1d_as_mean", GLOBAL_POOL1D, _pool1d_as_mean, _replace_pool1d,

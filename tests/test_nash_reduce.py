@@ -239,3 +239,76 @@ def test_the_program_check_refuses_a_malformed_reduce():
     del red.tensors["M"]
     with pytest.raises(ArtifactError, match="'M' is missing"):
         check_program(program)
+
+
+# ----------------------------------------------- max / min along a dim: the values, as amax / amin
+
+
+class MaxValues(nn.Module):
+    """The values of max / min along a dim, spelled four ways; ``indices`` also returns max's indices."""
+
+    def __init__(self, indices=False):
+        super().__init__()
+        self.lin, self.indices = nn.Linear(8, 8), indices
+
+    def forward(self, x):
+        y = self.lin(x)
+        v, i = torch.max(y, 1)
+        if self.indices:
+            return v, i
+        return v + y.min(dim=-2, keepdim=True)[0].sum(1) + y.max(1).values + torch.min(y, -2)[0]
+
+
+def _rewrite(model, x, march):
+    from qcompiler.ir import propagate_shapes, trace
+    from qcompiler.march import March
+    from qcompiler.passes import rewrite as rw
+    from qcompiler.passes.base import CompileContext
+
+    gm = trace(model)
+    propagate_shapes(gm, (x,))
+    result = rw.rewrite(gm, CompileContext(march=March(march), example_inputs=(x,)))
+    return gm, result
+
+
+def test_max_values_become_amax_on_nash_bit_for_bit():
+    x = torch.randn(2, 3, 8)
+    model = MaxValues().eval()
+    gm, result = _rewrite(model, x, "nash")
+    assert result.modified
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.amax) == 2 and ops.count(torch.amin) == 2
+    assert not any(n.target in (torch.max, torch.min, "max", "min") for n in gm.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x))  # the same values, not approximately
+
+
+def test_max_with_its_indices_or_on_bayes_is_left_alone():
+    x = torch.randn(2, 3, 8)
+    _, result = _rewrite(MaxValues(indices=True), x, "nash")  # the indices are read
+    assert not result.modified
+    _, result = _rewrite(MaxValues(), x, "bayes")  # bayes has no amax
+    assert not result.modified
+
+    class Binary(nn.Module):
+        def forward(self, x):
+            return torch.max(x, x * 2)  # the element-wise form: no dim
+
+    _, result = _rewrite(Binary(), x, "nash")
+    assert not result.modified
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "qint16"])
+def test_max_values_compile_on_nash_and_agree_everywhere(dtype, tmp_path):
+    x = torch.randn(2, 3, 8)
+    cm = _compile(MaxValues(), x, dtype)
+    assert [s.kind for s in cm.runtime.steps] == ["bpu"]
+    (program,) = cm.runtime.programs.values()
+    assert sorted(op.attrs["mode"] for op in program.ops if op.kind == "reduce") == ["amax", "amax", "amin",
+                                                                                     "amin", "sum"]
+    y = cm(x)
+    for kernels in ("fast", "fixed_point"):
+        (out,) = BpuSimulator(program, kernels=kernels).run({program.inputs[0].name: x}).values()
+        assert torch.equal(_deq(out), _deq(y)), kernels
+    if dtype == "qint8":
+        assert_export_is_compiled(cm, (x,), tmp_path, min_points=2)
