@@ -5,8 +5,6 @@ modules that define it, including the staged workflow (prepare / convert / expor
 """
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
 
 # Public name -> defining module. Imported on first use (module ``__getattr__``), all at once, so that
@@ -26,7 +24,6 @@ _EXPORTS = {
     "convert_fx": "qcompiler.quantization.convert",
     "auto_int16": "qcompiler.quantization.mixed_precision",
     "prepare_calibration_fx": "qcompiler.quantization.prepare", "prepare_qat_fx": "qcompiler.quantization.prepare",
-    # also makes the module qcompiler.quantization.prepare callable (prepare_one_call._CallableModule)
     "prepare": "qcompiler.quantization.prepare_one_call",
     "QDType": "qcompiler.quantization.qtensor", "QTensor": "qcompiler.quantization.qtensor",
     "qint8": "qcompiler.quantization.qtensor", "qint16": "qcompiler.quantization.qtensor",
@@ -34,40 +31,6 @@ _EXPORTS = {
     "quantize_per_channel": "qcompiler.quantization.qtensor", "quantize_per_tensor": "qcompiler.quantization.qtensor",
     "optimize_weight_rounding": "qcompiler.quantization.weight_rounding",
 }
-
-
-class _ThenImport(importlib.abc.MetaPathFinder):
-    """Import ``then`` right after the module ``name`` first runs: the side effect an eager import in
-    this file once had for every user (``prepare_one_call`` makes ``qcompiler.quantization.prepare``
-    callable, so ``from qcompiler.quantization import prepare; prepare(model, x)`` works however the
-    module is reached)."""
-
-    def __init__(self, name: str, then: str) -> None:
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # once: the module is now being imported
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return spec
-        inner, then = spec.loader, self.then
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return inner.create_module(spec)
-
-            def exec_module(self, module):
-                inner.exec_module(module)
-                importlib.import_module(then)
-
-        spec.loader = Loader()
-        return spec
-
-
-if "qcompiler.quantization.prepare" not in sys.modules:
-    sys.meta_path.insert(0, _ThenImport("qcompiler.quantization.prepare", "qcompiler.quantization.prepare_one_call"))
 
 
 def _load_all() -> None:

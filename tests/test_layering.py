@@ -63,6 +63,9 @@ ALLOWED_LOCAL_IMPORTS: dict[tuple[str, str], str] = {
     # (issue 35: --help and argument errors answer at once); cli_commands imports cli's checks
     ("qcompiler.tools.cli", "qcompiler.tools.cli_commands"): "start-up: the commands are imported once the "
                                                               "arguments are good",
+    # the staged API's module is also the guide's one-call prepare, which builds on the staged calls
+    ("qcompiler.quantization.prepare", "qcompiler.quantization.prepare_one_call"): "a cycle: prepare_one_call "
+                                                                                  "calls prepare_qat_fx",
 }
 
 # Modules imported lazily by name (importlib) under an older public path: module -> targets' layer.

@@ -12,6 +12,8 @@ quant from the calibrated range. The user's model is never modified unless
 from __future__ import annotations
 
 import copy
+import sys
+import types
 import warnings
 from typing import Any, Optional
 
@@ -206,5 +208,18 @@ def _from_calibration(calib: fx.GraphModule, qconfig_dict, optimize_graph, hybri
     assign_qc_names(gm, overwrite=True)
     return gm
 
+
+class _CallableModule(types.ModuleType):
+    """This module both as the staged API (``prepare_qat_fx`` ...) and as the accuracy guide's one-call
+    ``prepare(model, example_inputs, qconfig_setter)`` (:mod:`.prepare_one_call`, which builds on the
+    staged calls above and so is imported when first called)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> fx.GraphModule:
+        from qcompiler.quantization.prepare_one_call import prepare
+
+        return prepare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = ["prepare_calibration_fx", "prepare_qat_fx", "QConfig"]

@@ -8,8 +8,8 @@ qconfig_dict from that graph, prepare with it (:func:`prepare_qat_fx` for a QAT 
 for the same qconfig_dict; ``check_qat_model`` stays callable on its own.
 
 ``qcompiler.quantization.prepare`` is also the module of the staged API
-(``from qcompiler.quantization.prepare import prepare_qat_fx``), so that module is made callable:
-calling it calls :func:`prepare` here (:class:`_CallableModule`).
+(``from qcompiler.quantization.prepare import prepare_qat_fx``); that module is callable, and
+calling it calls :func:`prepare` here (``prepare._CallableModule``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch.nn as nn
 from qcompiler.errors import ConfigError, QCompilerWarning
 from qcompiler.frontend import partition
 from qcompiler.ir.meta import GM_MARCH
-from qcompiler.quantization import prepare as _staged
 from qcompiler.quantization.model_check import ModelCheckResult, check_qat_model
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
 from qcompiler.quantization.qconfig_template import default_qat_qconfig_setter, setter_kind
@@ -83,12 +82,3 @@ def prepare(model: nn.Module, example_inputs: Any, qconfig_setter: Callable = de
     return gm
 
 
-class _CallableModule(types.ModuleType):
-    """``qcompiler.quantization.prepare`` both as the staged API's module and as the one-call function."""
-
-    def __call__(self, model: nn.Module, example_inputs: Any, qconfig_setter: Callable = default_qat_qconfig_setter,
-                 march=None, hybrid_dict: Optional[dict] = None, **kwargs: Any) -> fx.GraphModule:
-        return prepare(model, example_inputs, qconfig_setter, march, hybrid_dict, **kwargs)
-
-
-sys.modules[_staged.__name__].__class__ = _CallableModule
