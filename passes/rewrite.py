@@ -67,7 +67,7 @@ from qcompiler.ir.inplace import mutated_input
 from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.ops.names import (ADAPTIVE_AVG_POOL1D, AVG_POOL2D, CONV2D, DIV, GETITEM, MASKED_FILL, MEAN, MUL,
-                                    RESHAPE, WHERE)
+                                    RESHAPE, SELECT, SPLIT, WHERE)
 from qcompiler.ir.pattern import AnyOf, Bindings, Const, Op, Rewriter, Var, arguments, one_of
 from qcompiler.nn.fused import ZERO_PADDING_MODES, PaddedAvgPool2d, with_zero_padding
 from qcompiler.passes.base import CompileContext, Pass, PassResult
@@ -657,6 +657,92 @@ def _replace_pair(found: Match, data: tuple, rewriter: Rewriter) -> fx.Node:
     return new
 
 
+# --------------------------------------------------------------------------- select / split as indexing
+
+def _dim(d: Any, rank: int) -> Optional[int]:
+    return d % rank if _is_int(d) and -rank <= d < rank else None
+
+
+def _march_prefers(found: Match, op: str, target: Any, args: tuple) -> bool:
+    """The march refuses ``found["node"]`` as it is and accepts it rewritten as ``target(*args)`` (op ``op``)."""
+    node = found["node"]
+    table = op_table(found.ctx.march)
+    if table.check(op_info(node, node_op(node, found.modules), found.modules))[0]:
+        return False
+    saved = node.op, node.target, node.args, node.kwargs
+    node.op, node.target, node.args, node.kwargs = "call_function", target, args, {}
+    try:
+        return table.check(op_info(node, op, found.modules))[0]
+    finally:
+        node.op, node.target, node.args, node.kwargs = saved
+
+
+SELECT_CALL = Op(SELECT, {"input": Var("x", lambda v: _tensor_info(v) is not None)}, name="node")
+
+
+def _select_index(found: Match) -> Optional[tuple]:
+    """``x.select(d, i)`` (transformers' class-token read-out ``hidden[:, 0]`` as torch.export writes it) is
+    ``x[:, ..., i]`` with ``d`` full slices first: the constant index the march's getitem takes."""
+    args = arguments(found["node"], found.modules)
+    rank = len(_tensor_info(found["x"]).shape)
+    d = _dim(args.get("dim"), rank) if args else None
+    if d is None or not _is_int(args.get("index")) or found.ctx is None:
+        return None
+    index = (slice(None),) * d + (args["index"],)
+    return index if _march_prefers(found, GETITEM, operator.getitem, (found["x"], index)) else None
+
+
+def _replace_select(found: Match, index: tuple, rewriter: Rewriter) -> fx.Node:
+    node = found["node"]
+    node.op, node.target, node.args, node.kwargs = "call_function", operator.getitem, (found["x"], index), {}
+    return node
+
+
+SPLIT_CALL = Op(SPLIT, {}, name="node")  # the input is "tensor" in torch.split, "input" in the others
+
+
+def _split_pieces(found: Match) -> Optional[tuple[int, list[tuple[int, int]]]]:
+    """``(dim, [(start, length), ...])`` of a split / chunk whose every user takes one piece by a constant
+    index (``q, k, v = x.split(d, 2)``): each piece is then ``x.narrow(dim, start, length)``, the same
+    values. The pieces are torch's own (the call run on a meta tensor of the input's shape)."""
+    node = found["node"]
+    x = node.args[0] if node.args else None
+    args = arguments(node, found.modules)
+    info = _tensor_info(x)
+    if args is None or info is None or found.ctx is None or not node.users \
+            or not all(u.target is operator.getitem and _is_int(u.args[1]) for u in node.users):
+        return None
+    d = _dim(args.get("dim", 0), len(info.shape))
+    if d is None:
+        return None
+    meta = torch.empty(info.shape, device="meta")
+    rest = [a for a in node.args[1:]]
+    try:
+        pieces = (getattr(meta, node.target)(*rest, **node.kwargs) if node.op == "call_method"
+                  else node.target(meta, *rest, **node.kwargs))
+    except Exception:  # noqa: BLE001 -- a call torch refuses is left to fail where it is run
+        return None
+    lengths = [p.shape[d] for p in pieces]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    first = next(iter(node.users))
+    ok = _march_prefers(found, "narrow", torch.narrow, (x, d, starts[first.args[1]], lengths[first.args[1]]))
+    return (d, list(zip(starts, lengths))) if ok else None
+
+
+def _replace_split(found: Match, plan: tuple[int, list[tuple[int, int]]], rewriter: Rewriter) -> fx.Node:
+    node = found["node"]
+    x = node.args[0]
+    d, pieces = plan
+    users = list(node.users)
+    for user in users:
+        start, length = pieces[user.args[1]]
+        user.op, user.target, user.args, user.kwargs = "call_function", torch.narrow, (x, d, start, length), {}
+        user.meta.pop(META_OP, None)
+        rewriter.touched(user)
+    rewriter.erase(node)
+    return users[0]
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
@@ -678,6 +764,10 @@ REWRITES: tuple[Rewrite, ...] = (
             "masked_fill / where with a constant mask that selects one operand everywhere removed"),
     Rewrite("global_pool1d_as_mean", GLOBAL_POOL1D, _pool1d_as_mean, _replace_pool1d,
             "adaptive_avg_pool1d to size 1 rewritten as the mean over the last dim (float32 rounding)"),
+    Rewrite("select_as_index", SELECT_CALL, _select_index, _replace_select,
+            "x.select(d, i) rewritten as the constant index x[:, ..., i]"),
+    Rewrite("split_as_narrow", SPLIT_CALL, _split_pieces, _replace_split,
+            "split / chunk read piece by piece rewritten as one narrow per piece"),
 )
 _BY_ROOT: dict[str, list[Rewrite]] = {}
 for _row in REWRITES:

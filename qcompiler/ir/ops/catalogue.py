@@ -506,7 +506,8 @@ CATALOGUE: tuple[OpDef, ...] = (
     define(GETITEM, _EXACT, signature=sig("index"), functions=(operator.getitem,)),
     define("setitem", _EXACT, signature=sig("index", "value"), functions=(setitem,)),  # x[index] = value, out of place
     define("slice", functions=(torch.ops.aten.slice.Tensor,)),
-    define("select", aten=_aten("select.int"), functions=(torch.select,), methods=("select",)),
+    define("select", aten=_aten("select.int"), signature=sig("dim", "index"), functions=(torch.select,),
+           methods=("select",)),
     define("take", functions=(torch.take,), methods=("take",)),
     define("gather", aten=_aten("gather.default"), functions=(torch.gather,), methods=("gather",)),
     define("index_select",
