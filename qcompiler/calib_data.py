@@ -274,9 +274,10 @@ def _torch_value(value: Any, key: str, where: str) -> Any:
 def _read_torch(path: Path, where: str, names: Optional[Sequence[str]]) -> list:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{where}: torch.load(weights_only=True) refuses it ({first}); save plain tensors, "
+    except pickle.UnpicklingError:
+        # torch's own message is a paragraph on its weights_only default; what matters here is what to save
+        raise ConfigError(f"{where}: torch.load(weights_only=True) refuses it (it holds Python objects other "
+                          f"than tensors, e.g. a pickled model or a custom class); save plain tensors, "
                           "a tuple/list of them or a dict of them (no custom classes)") from None
     except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
         raise ConfigError(f"{where}: cannot read it as a torch.save file ({exc}); {HOW_TO_WRITE}") from None

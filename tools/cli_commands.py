@@ -274,6 +274,9 @@ def calibration_batches(args: argparse.Namespace, inputs: tuple, model: Optional
     if args.calib_data or images:
         option, source = ("--calib-data", args.calib_data) if args.calib_data else ("--calib-images", images)
         preprocess = ImagePreprocess(**image_preprocess_args(args)) if images else None
+        if not images and Path(source).is_dir():
+            raise ConfigError(f"--calib-data {source}: is a folder; for a folder of images give --calib-images "
+                              f"{source} with its preprocessing (--resize, --crop, --mean, --std, ...)")
         try:
             data = load_batches(Path(source), inputs, batch_size=args.calib_batch_size, preprocess=preprocess,
                                 limit=args.calib_limit, names=input_names(model) if model is not None else None,
