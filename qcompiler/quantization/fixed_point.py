@@ -1061,12 +1061,11 @@ def softmax_params(out_scale: Scale) -> tuple[int, int]:
     return int(M), int(n)
 
 
-def int_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, out_dtype="qint8", *,
-                op: str = "softmax") -> torch.Tensor:
-    """softmax of the integers ``q`` along ``dim`` on the output grid (the definition above this function),
-    exact in int64. ConfigError (naming ``op``) for an axis longer than :data:`SOFTMAX_MAX_LEN` or
-    parameters outside the bounds the int64 steps rely on."""
-    x = _as_int64(q)
+def _softmax_operands(x: torch.Tensor, dim: int, table: torch.Tensor, M, n, op: str
+                      ) -> tuple[int, int, torch.Tensor]:
+    """``(M, n, table as int64)`` after the checks the softmax kernels' int64 steps rely on: ``dim`` in
+    range, ``(M, n)`` and the table as :func:`softmax_params` / :func:`softmax_exp_table` build them, the
+    axis no longer than :data:`SOFTMAX_MAX_LEN`; ConfigError naming ``op`` otherwise."""
     if not -x.dim() <= dim < max(x.dim(), 1):
         raise ConfigError(f"{op}: dim {dim} is out of range for a {x.dim()}-d input")
     M, n = int(M), int(n)
@@ -1080,6 +1079,16 @@ def int_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, 
     if x.dim() and x.shape[dim] > SOFTMAX_MAX_LEN:
         raise ConfigError(f"{op}: softmax axis of {x.shape[dim]} elements > {SOFTMAX_MAX_LEN} (the int64 "
                           f"sum bound); split the axis or run the softmax on the CPU")
+    return M, n, t
+
+
+def int_softmax(q: torch.Tensor, dim: int, table: torch.Tensor, M: int, n: int, out_dtype="qint8", *,
+                op: str = "softmax") -> torch.Tensor:
+    """softmax of the integers ``q`` along ``dim`` on the output grid (the definition above this function),
+    exact in int64. ConfigError (naming ``op``) for an axis longer than :data:`SOFTMAX_MAX_LEN` or
+    parameters outside the bounds the int64 steps rely on."""
+    x = _as_int64(q)
+    M, n, t = _softmax_operands(x, dim, table, M, n, op)
     if x.numel() == 0:
         return _clamp_to(x, out_dtype)
     d = (x.amax(dim, keepdim=True) - x).clamp(max=t.numel() - 1)
@@ -1243,19 +1252,7 @@ def int_masked_softmax(q: torch.Tensor, mask: torch.Tensor, dim: int, fill_mask_
         raise ConfigError(f"{op}: mask of shape {list(m.shape)} does not broadcast to the input's "
                           f"{list(x.shape)}") from None
     keep = (m == 0) if fill_mask_is_true else (m != 0)
-    if not -x.dim() <= dim < max(x.dim(), 1):
-        raise ConfigError(f"{op}: dim {dim} is out of range for a {x.dim()}-d input")
-    M, n = int(M), int(n)
-    if not (0 < M < (1 << SOFTMAX_MULT_BITS) and 0 <= n <= SOFTMAX_MAX_SHIFT):
-        raise ConfigError(f"{op}: multiplier {M} / shift {n} outside (0, 2**{SOFTMAX_MULT_BITS}) / "
-                          f"[0, {SOFTMAX_MAX_SHIFT}]; build them with softmax_params")
-    t = _as_int64(table)
-    if t.dim() != 1 or t.numel() == 0 or int(t.max()) > (1 << SOFTMAX_EXP_BITS) or int(t.min()) < 0:
-        raise ConfigError(f"{op}: exponential table must be 1-d with entries in [0, 2**{SOFTMAX_EXP_BITS}]; "
-                          f"build it with softmax_exp_table")
-    if x.dim() and x.shape[dim] > SOFTMAX_MAX_LEN:
-        raise ConfigError(f"{op}: softmax axis of {x.shape[dim]} elements > {SOFTMAX_MAX_LEN} (the int64 "
-                          f"sum bound); split the axis or run the softmax on the CPU")
+    M, n, t = _softmax_operands(x, dim, table, M, n, op)
     if x.numel() == 0:
         return _clamp_to(x, out_dtype)
     floor = torch.tensor(-(1 << 40), dtype=torch.int64)  # below every code: the max of an all-masked row
