@@ -5,7 +5,8 @@ Attention with a boolean mask is written ``scores.masked_fill(logical_not(mask),
 are a float value that no quantizer can take (the BPU softmax's input observer saw -inf); fused, the
 scores stay finite and the mask is a second input: on nash the BPU runs the fused op
 (``fixed_point.int_masked_softmax``), elsewhere the CPU runs its float definition. A
-``logical_not`` in front of the mask folds into the op's polarity (``fill_mask_is_true=False``).
+``logical_not`` (or ``~`` / ``bitwise_not`` of a bool tensor) in front of the mask folds into the op's
+polarity (``fill_mask_is_true=False``).
 
 Float values: equal to torch's two ops bit for bit where a row keeps at least one position; a row
 with every position filled is 0 (torch: NaN). Applied on every march. Declined: a fill other than
@@ -16,8 +17,10 @@ or without a constant int dim.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 
 from qcompiler.errors import PassError
@@ -64,9 +67,17 @@ def _pattern(mask) -> Op:
 MASK = _pattern(Var("m", _bool_tensor))
 
 
+# ~t and bitwise_not(t) negate a bool tensor as logical_not does (on other dtypes they are not negations)
+_BOOL_NEGATIONS = (operator.invert, torch.bitwise_not, "bitwise_not")
+
+
 def _negated(m: fx.Node, modules) -> Optional[fx.Node]:
-    """The bool tensor ``m`` negates when ``m`` is ``logical_not(t)`` (torch.logical_not / the method)."""
-    if node_op(m, modules) != "logical_not" or m.kwargs or len(m.args) != 1:
+    """The bool tensor ``m`` negates when ``m`` is ``logical_not(t)`` (torch.logical_not / the method), or
+    ``~t`` / ``bitwise_not(t)`` of a bool ``t``."""
+    if m.kwargs or len(m.args) != 1:
+        return None
+    if node_op(m, modules) != "logical_not" and not (m.op in ("call_function", "call_method")
+                                                      and m.target in _BOOL_NEGATIONS):
         return None
     return m.args[0] if _bool_tensor(m.args[0]) else None
 

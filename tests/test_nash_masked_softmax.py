@@ -88,6 +88,10 @@ class Masked(nn.Module):
             s = s.masked_fill(torch.logical_not(mask), NEG_INF)
         elif self.spelling == "method_not":
             s = torch.masked_fill(s, mask.logical_not(), float("-inf"))
+        elif self.spelling == "tilde":
+            s = s.masked_fill(~mask, NEG_INF)
+        elif self.spelling == "bitwise_not":
+            s = s.masked_fill(mask.bitwise_not(), NEG_INF)
         else:
             s = s.masked_fill(mask, NEG_INF)
         return s.softmax(self.dim) if self.spelling != "plain" else torch.softmax(s, dim=self.dim)
@@ -102,8 +106,8 @@ def _fused(model, *inputs, march=March.BAYES):
     return result.gm, result.modified, ctx
 
 
-@pytest.mark.parametrize("spelling, polarity", [("not", False), ("method_not", False), ("mask", True),
-                                                ("plain", True)])
+@pytest.mark.parametrize("spelling, polarity", [("not", False), ("method_not", False), ("tilde", False),
+                                                ("bitwise_not", False), ("mask", True), ("plain", True)])
 @pytest.mark.parametrize("dim", [-1, 1])
 def test_the_rewrite_fuses_every_spelling_and_keeps_the_values(spelling, polarity, dim):
     x, m = torch.randn(2, 6, 4), _mask((2, 6, 6), 5)
@@ -115,7 +119,7 @@ def test_the_rewrite_fuses_every_spelling_and_keeps_the_values(spelling, polarit
     (fused,) = [n for n in calls if n.target is masked_softmax]
     assert fused.args[2:] == (dim, polarity) and fused.meta[META_REWRITE] == NOTE
     assert not [n for n in calls if "masked_fill" in str(n.target) or "logical_not" in str(n.target)
-                or "softmax" == str(n.target)]
+                or "softmax" == str(n.target) or "invert" in str(n.target) or "bitwise_not" in str(n.target)]
     with torch.no_grad():
         y, ref = gm(x, m), model(x, m)
     live = ~torch.isnan(ref)
