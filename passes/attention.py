@@ -25,7 +25,7 @@ from qcompiler.errors import PassError
 from qcompiler.ir.attention import attention_arguments, decline_reason, scale_of, write_attention
 from qcompiler.ir.meta import META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.shape_prop import dtype_name
-from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.base import CompileContext, Decline, Pass, PassResult, rewrite_each
 from qcompiler.passes.shape_prop import TENSOR_META
 
 NOTE = "scaled_dot_product_attention rewritten as matmul, scale, mask, softmax and matmul"
@@ -48,17 +48,17 @@ def _meta(value: Any) -> Any:
 
 
 def plan(node: fx.Node) -> dict[str, Any]:
-    """The call's arguments when the pass can write it; raises ``ValueError`` with the reason otherwise."""
+    """The call's arguments when the pass can write it; raises :class:`Decline` with the reason otherwise."""
     a = attention_arguments(node.args, node.kwargs)
     why = decline_reason(a)
     if why is not None:
-        raise ValueError(why)
+        raise Decline(why)
     tensors = [a[n] for n in ("query", "key", "value", "attn_mask") if a[n] is not None]
     infos = [t.meta.get(META_TENSOR) if isinstance(t, fx.Node) else None for t in tensors]
     if not all(isinstance(i, TensorInfo) and i.dtype in _TORCH_DTYPES for i in infos):
-        raise ValueError("an operand is no tensor with a known shape and dtype")
+        raise Decline("an operand is no tensor with a known shape and dtype")
     if any(i.dtype not in _FLOAT for i in infos[:3]):
-        raise ValueError("query, key and value are not all floating point")
+        raise Decline("query, key and value are not all floating point")
     return a
 
 
@@ -89,19 +89,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node) -> None:
 def rewrite_attention(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     """Every scaled_dot_product_attention said as matmul / softmax where it can be; the others keep
     the reason."""
-    modified = False
-    for node in list(gm.graph.nodes):
-        if not _is_attention(node):
-            continue
-        try:
-            _rewrite(gm, node)
-            modified = True
-        except ValueError as why:
-            node.meta[META_REWRITE] = f"{DECLINED}: {why}"
-    if modified:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, modified)
+    return rewrite_each(gm, _is_attention, lambda n: _rewrite(gm, n), DECLINED, META_REWRITE)
 
 
 def verify_attention(gm: fx.GraphModule, ctx: CompileContext) -> None:
@@ -110,7 +98,7 @@ def verify_attention(gm: fx.GraphModule, ctx: CompileContext) -> None:
             continue
         try:
             plan(node)
-        except ValueError:
+        except Decline:
             continue
         raise PassError(f"attention: node '{node.name}' could be written as matmul / softmax but was left")
 

@@ -158,6 +158,30 @@ class PassManager:
         return PassResult(gm, modified_any)
 
 
+class Decline(Exception):
+    """Why a rewriting pass leaves a node as it is (recorded on the node, not raised to the user)."""
+
+
+def rewrite_each(gm: fx.GraphModule, selected: Callable[[fx.Node], bool],
+                 rewrite: Callable[[fx.Node], None], declined: str, note_key: str) -> PassResult:
+    """``rewrite(node)`` for every node ``selected`` picks; a :class:`Decline` leaves the node with
+    ``"{declined}: {why}"`` under ``note_key`` in its meta (the placement shows it). Lints and
+    recompiles once when anything changed."""
+    modified = False
+    for node in list(gm.graph.nodes):
+        if not selected(node):
+            continue
+        try:
+            rewrite(node)
+            modified = True
+        except Decline as why:
+            node.meta[note_key] = f"{declined}: {why}"
+    if modified:
+        gm.graph.lint()
+        gm.recompile()
+    return PassResult(gm, modified)
+
+
 def _check_requires(p: Pass, gm: fx.GraphModule) -> None:
     for fact in p.requires:
         why = fact.missing(gm)

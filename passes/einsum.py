@@ -41,17 +41,13 @@ from qcompiler.errors import PassError, UnsupportedOpError
 from qcompiler.ir.meta import META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import bind, node_op
 from qcompiler.ir.shape_prop import dtype_name
-from qcompiler.passes.base import CompileContext, Pass, PassResult
+from qcompiler.passes.base import CompileContext, Decline, Pass, PassResult, rewrite_each
 from qcompiler.passes.shape_prop import TENSOR_META
 
 EINSUM = "einsum"
 NOTE = "einsum rewritten as sums, permutes, reshapes and matmul"
 DECLINED = "einsum not rewritten"
 _FLOAT_DTYPES = frozenset(dtype_name(d) for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16))
-
-
-class Decline(Exception):
-    """Why an equation is left as einsum."""
 
 
 @dataclass(frozen=True)
@@ -254,19 +250,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, modules: Mapping[str, nn.Module]
 def rewrite_einsum(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     """Every einsum said as matmul where its equation allows; the others keep the reason."""
     modules = dict(gm.named_modules())
-    modified = False
-    for node in list(gm.graph.nodes):
-        if node_op(node, modules) != EINSUM:
-            continue
-        try:
-            _rewrite(gm, node, modules)
-            modified = True
-        except Decline as why:
-            node.meta[META_REWRITE] = f"{DECLINED}: {why}"
-    if modified:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, modified)
+    return rewrite_each(gm, lambda n: node_op(n, modules) == EINSUM, lambda n: _rewrite(gm, n, modules),
+                        DECLINED, META_REWRITE)
 
 
 def verify_einsum(gm: fx.GraphModule, ctx: CompileContext) -> None:
