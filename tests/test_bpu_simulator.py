@@ -218,3 +218,39 @@ def test_an_int16_weight_is_left_as_it_is_by_the_simulator_it_builds():
     for spec in prog.outputs:
         got = out[spec.name].int_repr() if isinstance(out[spec.name], QTensor) else out[spec.name]
         assert np.array_equal(got.numpy().astype(np.int64), want[spec.name])
+
+
+class _ConvLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.c2(torch.relu(self.c1(x))), 1))
+
+
+@pytest.mark.parametrize("march", ["bayes", "nash"])
+def test_int16_weights_under_int8_activations_run_on_the_float_gemms(march):
+    """``weight_dtype="qint16"`` with int8 activations: the fast conv / linear must not hand the int16
+    weights to the int8 GEMMs (``torch._int_mm`` refused them with a RuntimeError from inside torch when the
+    model ran; oneDNN's int8 conv took them wrapped to int8 and answered wrong without an error); every kernel
+    configuration gives the converted model's integers exactly, at batch 1 and 3."""
+    import qcompiler
+    from qcompiler.quantization.qconfig import get_default_calib_qconfig
+
+    model = _ConvLinear().eval()
+    calib = [torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    cm = qcompiler.compile(model, calib[0], march=march, calib_data=calib, progress=False,
+                           qconfig_dict={"": get_default_calib_qconfig(weight_dtype="qint16")})
+    weights = [m.q_weight for m in cm.converted.modules() if isinstance(m, qnn.QuantizedWeightLayer)]
+    assert len(weights) == 3 and all(w.dtype == torch.int16 for w in weights)
+    programs = lower_bpu_partitions(cm.converted)
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, 6, 6, generator=torch.Generator().manual_seed(10 + batch))
+        with torch.no_grad():
+            want = cm.converted(x)
+            assert torch.equal(cm(x), want)
+            for cfg in CONFIGS:  # oneDNN's int8 conv wrapped the int16 weights to int8: a wrong answer
+                assert torch.equal(Runtime.simulated(cm.converted, programs, **cfg)(x), want), cfg

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from qcompiler.backends.bpu.native.kernels import Requant
+from qcompiler.errors import InternalError
 from qcompiler.native.build import native_enabled
 
 __all__ = ["onednn_conv_available", "OnednnConv", "NhwcRequant", "exact_in_float64", "F32_EXACT"]
@@ -108,11 +109,14 @@ class OnednnConv:
         self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
         self.groups, self.ws = int(groups), ws
         if len(chunks) > 1 and self.groups != 1:
-            raise ValueError("input-channel chunks need groups == 1")
+            raise InternalError("input-channel chunks need groups == 1")
+        if w.dtype != torch.int8:  # w.to(torch.int8) would wrap int16 weights into wrong answers
+            raise InternalError(f"oneDNN's int8 convolution takes int8 weights, got {w.dtype}; int16 weights "
+                                f"(weight_dtype='qint16') run in the float GEMMs")
         self.w_scale = torch.ones(O, dtype=torch.float32)
         self.w_zp = torch.zeros(O, dtype=torch.int64)
         self.bias = None if bias is None else bias.to(torch.float32)  # exact below 2**24
-        self.w, self.chunks = w.to(torch.int8), list(chunks)
+        self.w, self.chunks = w, list(chunks)
         self.full = len(chunks) == 1
         self._packed: dict[tuple, list] = {}
 

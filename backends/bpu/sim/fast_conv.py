@@ -69,9 +69,10 @@ class _FastConv:
         self.grouped = self.groups > 1 and not self.depthwise
         self.taps = [(i, j) for i in range(kh) for j in range(kw)]
         # int8 x int8 -> int32 GEMM: exact when the true sums fit int32 (wrap-around arithmetic
-        # then gives the exact result); proven statically from the L1 bound
+        # then gives the exact result); proven statically from the L1 bound. int16 weights (a
+        # weight_dtype="qint16" qconfig) take the float GEMMs: torch._int_mm reads int8 only
         self.int8 = (int8_gemm and not self.depthwise and not self.grouped and self.in_dtype == "qint8"
-                     and AMAX["qint8"] * self.l1_row < I32)
+                     and w.dtype == torch.int8 and AMAX["qint8"] * self.l1_row < I32)
         self.w_mat = w.reshape(O, -1).contiguous()  # (O, Cg*kh*kw), K ordered (c, i, j)
         self._plans: dict = {}
         self._fw: dict = {}

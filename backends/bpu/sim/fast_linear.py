@@ -42,7 +42,9 @@ class _FastLinear:
         # int16 weight); always a copy (to() of a weight already of the type is the weight, and abs_ would change it)
         self.l1 = w.to(torch.int16 if w.dtype == torch.int8 else torch.int64, copy=True).abs_().numpy()
         self.l1_row = int(self.l1.sum(axis=1).max(initial=0))  # (numpy sums int16 in int64)
-        self.int8 = int8_gemm and self.in_dtype == "qint8" and AMAX["qint8"] * self.l1_row < I32
+        # int8 x int8 GEMM only: int16 weights (weight_dtype="qint16") take the float GEMMs
+        self.int8 = (int8_gemm and self.in_dtype == "qint8" and w.dtype == torch.int8
+                     and AMAX["qint8"] * self.l1_row < I32)
         self.wt_i8 = gemm_operand(w.t())  # (K, O) row-major
         self._plans: dict = {}
         self._wcache: dict = {}

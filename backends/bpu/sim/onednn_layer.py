@@ -40,9 +40,9 @@ class _OnednnConvLayer:
     @staticmethod
     def build(k: KernelSpec) -> Optional["_OnednnConvLayer"]:
         a, T = k.attrs, k.tensors
-        if k.in_specs[0].dtype != "qint8":
-            return None
         w, bias = T["weight"], T.get("bias")
+        if k.in_specs[0].dtype != "qint8" or w.dtype != torch.int8:  # int16 weights: the float GEMMs
+            return None
         groups = int(a["groups"])
         max_bias = 0 if bias is None else int(bias.to(torch.int64).abs().max())
         # input-channel chunks whose partial sums (+ the bias, added to the first) stay below 2**24
