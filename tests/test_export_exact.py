@@ -499,3 +499,42 @@ def test_prepared_model_export_keeps_float_q_dq():
     ops = [n.op_type for n in onnx.load_from_string(buf.getvalue()).graph.node]
     assert "ConvInteger" not in ops and ops.count("Conv") == 2
     assert sidecar["integer_layers"] == {} and sidecar["float_layers"] == {}
+
+
+class _Int16WeightNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.c2(torch.relu(self.c1(x))), 1))
+
+
+def test_int16_weights_keep_the_float_form_and_name_why(tmp_path):
+    """int16 weights (``weight_dtype="qint16"``) under int8 activations: ConvInteger / MatMulInteger read
+    8-bit integers, and the int8 initializer the integer form wrote wrapped every int16 weight (outputs
+    0.3 off with no error). Such layers keep the float form, listed with why, their weights in the sidecar
+    as qint16; the conv whose int8 input stays inside the graph still has its integer twin in the
+    simulator, so the outputs are compared within one output step (the float form may flip a tie)."""
+    from qcompiler.quantization.qconfig import get_default_calib_qconfig
+
+    calib = [torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    cm = qc_compile(_Int16WeightNet().eval(), calib[0], march="bayes", calib_data=calib, progress=False,
+                    qconfig_dict={"": get_default_calib_qconfig(weight_dtype="qint16")})
+    path = tmp_path / "m.onnx"
+    sidecar = cm.export_onnx(path)
+    onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    assert not sidecar["integer_layers"]
+    floats = {k.split("/")[-1]: why for k, why in sidecar["float_layers"].items()}
+    assert set(floats) == {"c1", "c2", "fc"} and all(why.startswith("int16 weights") for why in floats.values())
+    w16 = [v for k, v in sidecar["weights"].items() if k.endswith(".weight")]
+    assert len(w16) == 3 and all(v["dtype"] == "qint16" for v in w16)
+    fc = next(m for m in cm.converted.modules() if isinstance(m, qnn.QuantizedWeightLayer) and m.name == "fc")
+    s = inference_session(onnx.load(str(path)))
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(9))
+    got = torch.from_numpy(s.run(None, {s.get_inputs()[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        want = cm(x)
+    assert (got - want).abs().max() <= fc.out_scale * 1.0001

@@ -25,7 +25,7 @@ computes, with opset-10/11 integer ops:
 
 A high-precision output (the int32 accumulator) is ``Cast(float) * acc_scale``, what
 ``QTensor.dequantize`` computes. :func:`float_form_reason` says which layers keep the
-float form (conv-transpose: opset 11 has no ConvTransposeInteger; int16 values:
+float form (conv-transpose: opset 11 has no ConvTransposeInteger; int16 values or weights:
 ConvInteger reads 8-bit integers only).
 """
 
@@ -56,6 +56,8 @@ def float_form_reason(ctx: NodeContext, m: qnn.QuantizedWeightLayer) -> Optional
     """Why ``m`` cannot be exported integer-exact (None: it can)."""
     if m.kind not in _INT_KINDS:
         return f"{m.kind}: opset 11 has no integer form of it (no ConvTransposeInteger)"
+    if m.q_weight.dtype != torch.int8:
+        return "int16 weights: ConvInteger / MatMulInteger read 8-bit integers (an int8 cast would wrap them)"
     if m.out_scale is not None and m.out_dtype not in _OUT_BITS:
         return f"{m.out_dtype} output: opset-11 QuantizeLinear / DequantizeLinear hold 8-bit integers only"
     x = ctx.x()

@@ -204,7 +204,8 @@ def converted_weight_layer(ctx: NodeContext) -> Tensor:
         ctx.quant.float_layers[ctx.prefix] = why
     axis = 1 if m.kind == "conv_transpose2d" else 0
     q, g = m.q_weight, m.geometry
-    w = ctx.quant._store_weight(ctx, ctx.path, q, m.w_scale, axis, g.get("groups", 1), "qint8")
+    w = ctx.quant._store_weight(ctx, ctx.path, q, m.w_scale, axis, g.get("groups", 1),
+                                "qint16" if q.dtype == torch.int16 else "qint8")
     b = None
     if m.bias is not None:  # acc_scale: one per output channel (or one), as the bias
         b = ctx.quant._store_bias(ctx, ctx.path, m.bias.double(), m.acc_scale.double())
