@@ -393,6 +393,18 @@ def _warn_if_float(converted: fx.GraphModule, runtime: Runtime, name: str) -> No
                   f"({listed})", QCompilerWarning, stacklevel=3)
 
 
+def _pt2e_graph(model: Any, mode: str, weight_rounding: bool, int16_budget: Optional[float]):
+    """The stripped float graph and scales of a ``convert_pt2e`` result (qcompiler.pt2e.qdq), else None."""
+    from qcompiler.pt2e.qdq import is_qdq_graph, strip_qdq
+
+    if not is_qdq_graph(model):
+        return None
+    if mode != "ptq" or weight_rounding or int16_budget is not None:
+        raise ConfigError("compile: a convert_pt2e graph brings its own scales; compile it with mode='ptq' and "
+                          "without weight_rounding / int16_budget (choose int16 in BPUQuantizer's config)")
+    return strip_qdq(model)
+
+
 def compile(
     model: nn.Module,
     example_inputs: Any,
@@ -449,6 +461,10 @@ def compile(
                           "statistics are not reduced over ranks); compile with weight_rounding on one process")
     inputs = normalize_inputs(example_inputs)
     require_dense(inputs, where="example_inputs")
+    # PT2E: a convert_pt2e Q/DQ graph is stripped to float and compiled with its own scales (docs/pt2e.md)
+    pt2e = _pt2e_graph(model, mode, weight_rounding, int16_budget)
+    if pt2e is not None:
+        model, prepare_custom_config_dict = pt2e.gm, {**(prepare_custom_config_dict or {}), "capture": "export"}
     if isinstance(model, nn.Module):
         check_has_data(model)
     if mode == "qat":
@@ -468,6 +484,10 @@ def compile(
             for batch in tqdm(batches, desc="calibrating", unit="batch", disable=not progress, leave=False):
                 prepared(*fresh_args(batch))  # the batches are run again (int16, rounding, the report)
         leaves = _leaf_state(prepared)  # their extra forwards must not move a leaf's own state again
+        if pt2e is not None:
+            from qcompiler.pt2e.qdq import import_scales
+
+            import_scales(prepared, pt2e, inputs)
         try:
             if int16_budget is not None:  # before weight rounding: it rounds for the int16 input scales
                 auto_int16(prepared, batches, budget=int16_budget, progress=progress)
