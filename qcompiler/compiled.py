@@ -40,6 +40,7 @@ from qcompiler.ir.structure import bind_structured, check_output_leaves, spec_fr
 from qcompiler.march import resolve_march
 from qcompiler.onnx import export_to_onnx
 from qcompiler.parallel import resolve_threads
+from qcompiler.pt2e.qdq import compile_ready, import_scales
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.mixed_precision import auto_int16, check_budget, require_int16
@@ -393,18 +394,6 @@ def _warn_if_float(converted: fx.GraphModule, runtime: Runtime, name: str) -> No
                   f"({listed})", QCompilerWarning, stacklevel=3)
 
 
-def _pt2e_graph(model: Any, mode: str, weight_rounding: bool, int16_budget: Optional[float]):
-    """The stripped float graph and scales of a ``convert_pt2e`` result (qcompiler.pt2e.qdq), else None."""
-    from qcompiler.pt2e.qdq import is_qdq_graph, strip_qdq
-
-    if not is_qdq_graph(model):
-        return None
-    if mode != "ptq" or weight_rounding or int16_budget is not None:
-        raise ConfigError("compile: a convert_pt2e graph brings its own scales; compile it with mode='ptq' and "
-                          "without weight_rounding / int16_budget (choose int16 in BPUQuantizer's config)")
-    return strip_qdq(model)
-
-
 def compile(
     model: nn.Module,
     example_inputs: Any,
@@ -462,7 +451,7 @@ def compile(
     inputs = normalize_inputs(example_inputs)
     require_dense(inputs, where="example_inputs")
     # PT2E: a convert_pt2e Q/DQ graph is stripped to float and compiled with its own scales (docs/pt2e.md)
-    pt2e = _pt2e_graph(model, mode, weight_rounding, int16_budget)
+    pt2e = compile_ready(model, mode, weight_rounding, int16_budget)
     if pt2e is not None:
         model, prepare_custom_config_dict = pt2e.gm, {**(prepare_custom_config_dict or {}), "capture": "export"}
     if isinstance(model, nn.Module):
@@ -485,8 +474,6 @@ def compile(
                 prepared(*fresh_args(batch))  # the batches are run again (int16, rounding, the report)
         leaves = _leaf_state(prepared)  # their extra forwards must not move a leaf's own state again
         if pt2e is not None:
-            from qcompiler.pt2e.qdq import import_scales
-
             import_scales(prepared, pt2e, inputs)
         try:
             if int16_budget is not None:  # before weight rounding: it rounds for the int16 input scales

@@ -36,4 +36,8 @@ fi
 
 python scripts/torch_cpu.py
 PIP_ROOT_USER_ACTION=ignore python -m pip install -q --disable-pip-version-check -e '.[dev]'
+# torchao for the PT2E tests (tests/test_pt2e.py; optional for users: pip install qcompiler[pt2e]). --no-deps:
+# it must keep the torch installed above
+PIP_ROOT_USER_ACTION=ignore python -m pip install -q --disable-pip-version-check --no-deps 'torchao>=0.18,<0.20' \
+  || echo "setup: could not install torchao; the PT2E tests will be skipped" >&2
 python -c "import qcompiler" && python scripts/torch_cpu.py --check

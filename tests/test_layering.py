@@ -45,7 +45,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "qcompiler.quantization.weight_rounding", "qcompiler.quantization.model_check",
                   "qcompiler.quantization.mixed_precision",
                   # the guide's one-call prepare and its qconfig templates (issue 38)
-                  "qcompiler.quantization.prepare_one_call", "qcompiler.quantization.qconfig_template")),
+                  "qcompiler.quantization.prepare_one_call", "qcompiler.quantization.qconfig_template",
+                  # PT2E interop: BPUQuantizer (tables, passes) and the Q/DQ import (docs/pt2e.md)
+                  "qcompiler.pt2e")),
     ("lowering", ("qcompiler.backends.bpu.lower", "qcompiler.backends.bpu.program",
                   "qcompiler.backends.bpu.sim", "qcompiler.backends.bpu.native",
                   "qcompiler.backends.bpu.onednn_conv",
@@ -66,6 +68,9 @@ ALLOWED_LOCAL_IMPORTS: dict[tuple[str, str], str] = {
     # the staged API's module is also the guide's one-call prepare, which builds on the staged calls
     ("qcompiler.quantization.prepare", "qcompiler.quantization.prepare_one_call"): "a cycle: prepare_one_call "
                                                                                   "calls prepare_qat_fx",
+    # torchao is optional: its quantizer module imports only when BPUQuantizer is asked for
+    ("qcompiler.pt2e", "qcompiler.pt2e.quantizer"): "optional dependency: a ConfigError naming "
+                                                    "`pip install qcompiler[pt2e]` without torchao",
 }
 
 # Modules imported lazily by name (importlib) under an older public path: module -> targets' layer.

@@ -15,6 +15,7 @@ See docs/pt2e.md.
 from __future__ import annotations
 
 from qcompiler.errors import ConfigError
+from qcompiler.pt2e.qdq import compile_ready, import_scales, is_qdq_graph, strip_qdq
 
 INSTALL_HINT = "pip install qcompiler[pt2e]"
 
@@ -37,12 +38,8 @@ def __getattr__(name: str):
         from qcompiler.pt2e import quantizer
 
         return getattr(quantizer, name)
-    if name in ("is_qdq_graph", "strip_qdq", "compile_qdq"):
-        from qcompiler.pt2e import qdq
-
-        return getattr(qdq, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BPUQuantizer", "BPUQuantizationConfig", "get_bpu_quantization_config", "is_qdq_graph",
-           "strip_qdq", "compile_qdq", "require_torchao", "INSTALL_HINT"]
+           "strip_qdq", "import_scales", "compile_ready", "require_torchao", "INSTALL_HINT"]

@@ -181,6 +181,17 @@ def _module_path(node: fx.Node, taken: set) -> str:
     return path
 
 
+def compile_ready(model: Any, mode: str, weight_rounding: bool, int16_budget: Optional[float]
+                  ) -> Optional[StrippedGraph]:
+    """For ``qcompiler.compile``: the stripped graph of a ``convert_pt2e`` result, else None."""
+    if not is_qdq_graph(model):
+        return None
+    if mode != "ptq" or weight_rounding or int16_budget is not None:
+        raise ConfigError("compile: a convert_pt2e graph brings its own scales; compile it with mode='ptq' and "
+                          "without weight_rounding / int16_budget (choose int16 in BPUQuantizer's config)")
+    return strip_qdq(model)
+
+
 def _as_modules(gm: fx.GraphModule) -> dict:
     """Each aten conv2d / linear on constant weights becomes a call of an nn module at its module path.
 
