@@ -253,10 +253,12 @@ CATALOGUE: tuple[OpDef, ...] = (
     define("multihead_attention", modules=(nn.MultiheadAttention,)),
     # --- moving no data: identities, dropout, stubs and converted-graph ops
     define(IDENTITY, Tag.PASSTHROUGH, _EW, _EXACT,
-           aten=_aten("clone.default", "contiguous.default", "alias.default"), modules=(nn.Identity,),
+           aten=_aten("clone.default", "contiguous.default", "alias.default", "detach.default"),
+           modules=(nn.Identity,),
            functions=(torch.clone, torch.conj, torch.conj_physical, torch.resolve_conj, torch.resolve_neg,
-                      torch.positive, torch.alias_copy),
-           methods=("contiguous", "clone", "conj", "resolve_conj", "resolve_neg")),
+                      torch.positive, torch.alias_copy, torch.detach),
+           # detach: the same values (it only cuts autograd; a QAT graph keeps calling torch's own detach)
+           methods=("contiguous", "clone", "conj", "resolve_conj", "resolve_neg", "detach")),
     define(DROPOUT, Tag.PASSTHROUGH, _EW, _TRAIN, _EXACT, aten=_aten("dropout.default"), signature=_DROPOUT,
            modules=(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
            functions=(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
