@@ -131,3 +131,15 @@ def test_conv_architecture_is_on_the_bpu_and_exports(name):
     assert row["torch_islands"] == 0 and row["bpu_share"] >= 0.95
     assert row["export"] == "ok" and row["export_match"] is True
 
+
+
+def test_a_rewrite_of_the_page_keeps_the_low_sqnr_section(tmp_path):
+    """benchmarks/low_sqnr_rows.py owns its section of the page; architecture_zoo.py --out keeps it."""
+    old = tmp_path / "zoo.md"
+    old.write_text("# Zoo\n\n## Limits\n\nold\n\n## Low-SQNR rows\n\ntable\n\n## Per model\n\nold rows\n")
+    page = "# Zoo\n\n## Limits\n\nnew\n\n## Per model\n\nnew rows\n"
+    kept = zoo.keep_section(old, page, zoo.KEPT_SECTION, before="## Per model")
+    assert kept == "# Zoo\n\n## Limits\n\nnew\n\n## Low-SQNR rows\n\ntable\n\n## Per model\n\nnew rows\n"
+    assert zoo.keep_section(tmp_path / "missing.md", page, zoo.KEPT_SECTION, before="## Per model") == page
+    old.write_text("# Zoo\n\n## Per model\n")  # no section to keep: the page as generated
+    assert zoo.keep_section(old, page, zoo.KEPT_SECTION, before="## Per model") == page
