@@ -24,6 +24,7 @@ different scales, is a ConfigError naming it; the fix is to quantize with
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Iterable, Optional
 
 import torch
@@ -122,7 +123,13 @@ class StrippedGraph:
 
 def strip_qdq(model: fx.GraphModule) -> StrippedGraph:
     """A float copy of a ``convert_pt2e`` graph, and its scales (see the module docstring)."""
-    gm = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        # torch 2.13's own TreeSpec (the graph's input/output spec) warns about LeafSpec while it is copied;
+        # nothing of ours uses LeafSpec
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        gm = copy.deepcopy(model)  # the user's graph is never modified
+    _plain_codegen(gm)
     graph = gm.graph
     q_t, dq_t = _qd("quantize_per_tensor"), _qd("dequantize_per_tensor")
     dq_c = _qd("dequantize_per_channel")
@@ -169,6 +176,31 @@ def strip_qdq(model: fx.GraphModule) -> StrippedGraph:
     gm.delete_all_unused_submodules()
     gm.recompile()
     return StrippedGraph(gm, activations, weights)
+
+
+def _plain_codegen(gm: fx.GraphModule) -> None:
+    """Positional tensors in, one tensor out: drop the export's pytree codegen (its TreeSpec is what torch
+    warns about on every copy); the forward computes the same, called the same way."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.out_spec is None or not info.out_spec.is_leaf():
+        return
+    if info.in_spec is None or info.in_spec.num_children != 2:
+        return
+    args_spec, kwargs_spec = _children(info.in_spec)
+    if kwargs_spec.num_children or any(not c.is_leaf() for c in _children(args_spec)):
+        return
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = output.args[0]
+    gm.graph.set_codegen(fx.graph.CodeGen())
+    output.args = (leaves[0] if isinstance(leaves, (list, tuple)) else leaves,)
+    for attr in ("_in_spec", "_out_spec"):  # the specs the pytree forward checked its call against
+        gm.__dict__.pop(attr, None)
+    gm.recompile()
+
+
+def _children(spec) -> list:
+    """A TreeSpec's child specs (``children()`` on torch >= 2.13, ``children_specs`` before)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
 
 
 def _module_path(node: fx.Node, taken: set) -> str:
