@@ -451,9 +451,10 @@ def compile(
     inputs = normalize_inputs(example_inputs)
     require_dense(inputs, where="example_inputs")
     # PT2E: a convert_pt2e Q/DQ graph is stripped to float and compiled with its own scales (docs/pt2e.md)
-    pt2e = compile_ready(model, mode, weight_rounding, int16_budget)
+    pt2e = compile_ready(model, mode, weight_rounding, int16_budget, prepare_custom_config_dict)
     if pt2e is not None:
-        model, prepare_custom_config_dict = pt2e.gm, {**(prepare_custom_config_dict or {}), "capture": "export"}
+        pt2e, prepare_custom_config_dict = pt2e
+        model = pt2e.gm
     if isinstance(model, nn.Module):
         check_has_data(model)
     if mode == "qat":

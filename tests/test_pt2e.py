@@ -35,11 +35,11 @@ def _sqnr(ref, out):
     return float(10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum()))
 
 
-def _same_scales_reference(converted, example):
+def _same_scales_reference(converted, example, hybrid_dict=None):
     """qcompiler's own staged flow on the stripped float graph with the PT2E scales: prepare, convert, lower."""
     stripped = strip_qdq(converted)
     prepared = prepare_calibration_fx(stripped.gm, None, {"capture": "export"}, hybrid=True,
-                                      example_inputs=example, march="bayes").eval()
+                                      hybrid_dict=hybrid_dict, example_inputs=example, march="bayes").eval()
     with torch.no_grad():
         prepared(*example)
     assert import_scales(prepared, stripped, example) > 0
@@ -227,3 +227,23 @@ def test_missing_torchao_names_the_install_command():
             "try:\n    p.BPUQuantizer\nexcept ConfigError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "ERR" in out.stdout and "pip install qcompiler[pt2e]" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_module_left_float_runs_on_the_cpu_with_hybrid_dict():
+    torch.manual_seed(0)
+    model, x = _Two().eval(), (torch.randn(1, 3, 8, 8),)
+    converted = _pt2e(model, x, BPUQuantizer("bayes").set_module_name("conv2", None), [x])
+    hybrid = {"module_name": ["conv2"]}
+    compiled = qcompiler.compile(converted, x, march="bayes", hybrid_dict=hybrid, progress=False)
+    assert [p["placement"] for p in compiled.partitions] == ["bpu", "cpu"]
+    reference, _ = _same_scales_reference(converted, x, hybrid)
+    y = torch.randn(1, 3, 8, 8)
+    assert torch.equal(compiled(y), reference(y))
+    assert _sqnr(model(y).detach(), compiled(y)) > 15  # one calibration image: a sanity bound, not accuracy
+
+
+def test_pt2e_graph_refuses_a_capture_other_than_export(resnet):
+    _, example, _, converted = resnet
+    with pytest.raises(ConfigError, match="capture.*export"):
+        qcompiler.compile(converted, example, march="bayes", prepare_custom_config_dict={"capture": "fx"},
+                          progress=False)

@@ -213,15 +213,21 @@ def _module_path(node: fx.Node, taken: set) -> str:
     return path
 
 
-def compile_ready(model: Any, mode: str, weight_rounding: bool, int16_budget: Optional[float]
-                  ) -> Optional[StrippedGraph]:
-    """For ``qcompiler.compile``: the stripped graph of a ``convert_pt2e`` result, else None."""
+def compile_ready(model: Any, mode: str, weight_rounding: bool, int16_budget: Optional[float],
+                  custom: Optional[dict] = None) -> Optional[tuple[StrippedGraph, dict]]:
+    """For ``qcompiler.compile``: the stripped graph of a ``convert_pt2e`` result and the
+    ``prepare_custom_config_dict`` to prepare it with (capture by torch.export), else None."""
     if not is_qdq_graph(model):
         return None
     if mode != "ptq" or weight_rounding or int16_budget is not None:
         raise ConfigError("compile: a convert_pt2e graph brings its own scales; compile it with mode='ptq' and "
                           "without weight_rounding / int16_budget (choose int16 in BPUQuantizer's config)")
-    return strip_qdq(model)
+    custom = dict(custom or {})
+    if custom.get("capture", "export") != "export":
+        raise ConfigError(f"compile: a convert_pt2e graph is ATen ops, captured with torch.export; "
+                          f"prepare_custom_config_dict['capture']={custom['capture']!r} cannot take it (leave it out)")
+    custom["capture"] = "export"
+    return strip_qdq(model), custom
 
 
 def _as_modules(gm: fx.GraphModule) -> dict:
