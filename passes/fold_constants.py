@@ -36,10 +36,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.ao.quantization as taq
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.compat import torch_ao as ao
 from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input, schema_writes
 from qcompiler.ir.meta import META_SCOPE
@@ -81,7 +81,7 @@ def _owner(gm: fx.GraphModule, target: str) -> nn.Module:
 
 def _self_updating(m: nn.Module) -> bool:
     """A module that changes its own buffers in training (batch statistics, observers)."""
-    if isinstance(m, (taq.ObserverBase, taq.FakeQuantizeBase)):
+    if isinstance(m, ao.OBSERVER_TYPES):
         return True
     op = OPS.get(module_op(m) or "")
     return op is not None and Tag.TRAINING in op.tags

@@ -16,7 +16,7 @@ row the optional parts are taken greedily.  A pattern fires only if
 * every value inside it has exactly one user, the next node of the pattern;
   identity nodes in between (an exact ``nn.Identity`` module without hooks,
   ``x.contiguous()``) are looked through and erased with the pattern: what
-  ``torch.ao.quantization.fuse_modules`` leaves in place of a BN or ReLU
+  torch.ao's ``fuse_modules`` leaves in place of a BN or ReLU
   it folded, or a BN a user replaced by ``nn.Identity``, must not leave a conv
   unfused (its output would be quantized before its ReLU);
 * all its nodes have the same placement (``META_PLACEMENT``; missing == missing);

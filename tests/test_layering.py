@@ -31,7 +31,7 @@ PACKAGE_DIRS = {
 # Layers, lowest first: (name, module prefixes). The longest matching prefix decides.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", (
-        "qcompiler.errors", "qcompiler.march", "qcompiler.atomic_write", "qcompiler.collectives", "qcompiler.batches", "qcompiler.calib_data", "qcompiler.parallel",
+        "qcompiler.errors", "qcompiler.compat", "qcompiler.march", "qcompiler.atomic_write", "qcompiler.collectives", "qcompiler.batches", "qcompiler.calib_data", "qcompiler.parallel",
         "qcompiler.ir", "qcompiler.native",
         "qcompiler.nn", "qcompiler.zoo",
         "qcompiler.quantization",  # the primitives; the workflow modules are listed under "workflow"

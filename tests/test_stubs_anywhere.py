@@ -251,7 +251,7 @@ def _build(case):
 def _quiet_torch_ao_notes():
     """Ignore the note listing torch.ao configs translated (the stubs are torch.ao's); keep the rest."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.ao quantization configs translated",
+        warnings.filterwarnings("ignore", message="torch.ao QConfigs translated",
                                 category=QCompilerWarning)
         yield
 

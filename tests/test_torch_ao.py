@@ -67,7 +67,7 @@ def test_an_annotated_model_compiles_with_one_warning(march):
     cm, warned = _compile(model, march)
     assert len(warned) == 1
     text = str(warned[0].message)
-    assert text.startswith(f"torch.ao quantization configs translated to the {march} scheme (symmetric, zero point 0)")
+    assert text.startswith(f"torch.ao QConfigs translated to the {march} scheme (symmetric, zero point 0)")
     assert ("the root model.qconfig: torch.ao QConfig(HistogramObserver): HistogramObserver -> histogram-mse; "
             "quint8 per_tensor_affine -> qint8 symmetric, zero point 0; reduce_range dropped") in text
     c2 = next(n for n in cm.converted.graph.nodes if n.name == "c2")

@@ -41,12 +41,12 @@ import typing
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-import torch.ao.quantization as taq
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.ao.nn.quantized import FloatFunctional
 
+from qcompiler.compat.torch_ao import STUB_TYPES as _AO_STUBS
+from qcompiler.compat.torch_ao import FloatFunctional
 from qcompiler.errors import TraceError
 from qcompiler.ir.glue import GLUE_CONSTANTS, GlueIsland
 from qcompiler.ir.meta import GM_INPUT_SPEC, META_SCOPE, ScopeEntry
@@ -72,7 +72,7 @@ _FLOAT_FUNCTIONAL_OPS = {
 
 def is_stub(module: nn.Module) -> bool:
     """QuantStub/DeQuantStub of torch.ao or of qcompiler (which mark themselves ``qc_op``)."""
-    return isinstance(module, (taq.QuantStub, taq.DeQuantStub)) or getattr(
+    return isinstance(module, _AO_STUBS) or getattr(
         type(module), "qc_op", None
     ) in ("quant", "dequant")
 
@@ -224,7 +224,8 @@ class QTracer(fx.Tracer):
     def _float_functional_as_functions(self):
         """Route FloatFunctional methods to torch functions scoped to the FloatFunctional."""
         tracer = self
-        saved = {name: FloatFunctional.__dict__[name] for name in _FLOAT_FUNCTIONAL_OPS if name in FloatFunctional.__dict__}
+        saved = {name: FloatFunctional.__dict__[name] for name in _FLOAT_FUNCTIONAL_OPS
+                 if FloatFunctional is not None and name in FloatFunctional.__dict__}
 
         def make(name, fn):
             def method(ff, *args, **kwargs):

@@ -51,7 +51,7 @@ def _warn_translated(resolver, march) -> None:
     notes = resolver.translated
     if notes:
         listed = "\n".join(f"  {where}: {what}" for where, what in sorted(notes.items()))
-        warnings.warn(f"torch.ao quantization configs translated to the {resolve_march(march).value} scheme "
+        warnings.warn(f"torch.ao QConfigs translated to the {resolve_march(march).value} scheme "
                       f"(symmetric, zero point 0):\n{listed}", QCompilerWarning, stacklevel=4)
 
 

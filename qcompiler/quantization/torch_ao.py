@@ -1,7 +1,7 @@
-"""torch.ao quantization configs, translated to the march's scheme.
+"""torch.ao QConfigs, translated to the march's scheme.
 
-Models written for ``torch.ao.quantization`` carry ``module.qconfig`` attributes (a
-``torch.ao.quantization.QConfig`` of observer factories) and may be prepared with a
+Models written for torch.ao's quantization carry ``module.qconfig`` attributes (a
+torch.ao ``QConfig`` of observer factories) and may be prepared with a
 ``QConfigMapping``. The BPU computes on symmetric int8 / int16 with zero point 0
 (MARCH_OPS.md), so such a config cannot be taken literally. It is translated:
 
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.ao.quantization as taq
-
+from qcompiler.compat import torch_ao as ao
 from qcompiler.errors import ConfigError
 
 __all__ = ["KEEP_FLOAT", "NOT_QUANTIZED", "AoTranslation", "is_torch_ao_qconfig", "translate", "qconfig_mapping_to_dict"]
@@ -63,7 +62,7 @@ class AoTranslation:
 
 
 def is_torch_ao_qconfig(value: Any) -> bool:
-    return isinstance(value, taq.QConfig)
+    return ao.is_qconfig(value)
 
 
 def _observer(factory: Any, where: str) -> Any:
@@ -116,7 +115,7 @@ def translate(value: Any, where: str) -> AoTranslation:
 
 
 def qconfig_mapping_to_dict(mapping: Any) -> tuple[dict, list[str]]:
-    """A ``torch.ao.quantization.QConfigMapping`` as a qconfig_dict (its torch.ao QConfigs are translated
+    """A torch.ao ``QConfigMapping`` as a qconfig_dict (its torch.ao QConfigs are translated
     when the dict is parsed), plus what has no qconfig_dict form and is left out."""
     out: dict = {"": mapping.global_qconfig}
     dropped = []
@@ -134,7 +133,7 @@ def qconfig_mapping_to_dict(mapping: Any) -> tuple[dict, list[str]]:
 
 
 def is_qconfig_mapping(value: Any) -> bool:
-    return isinstance(value, taq.QConfigMapping)
+    return ao.is_qconfig_mapping(value)
 
 
 def describe(value: Any) -> str:

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.ao.quantization import DeQuantStub, QuantStub
+
+from qcompiler.compat import torch_ao as ao
+from qcompiler.quantization import stubs as _stubs
 
 from ._common import build, input_generator
+
+# The guide writes torch.ao's stubs; once torch drops them, ours stand in (same behaviour).
+QuantStub = ao.QuantStub or _stubs.QuantStub
+DeQuantStub = ao.DeQuantStub or _stubs.DeQuantStub
 
 __all__ = ["HybridModel", "hybrid", "example_inputs"]
 

@@ -7,7 +7,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.ao.quantization as taq
 from onnx import TensorProto
 
 from qcompiler.backends.onnx.context import (
@@ -22,6 +21,7 @@ from qcompiler.backends.onnx.rules.conv import _pads, conv, conv_transpose, line
 from qcompiler.backends.onnx.rules.elementwise import clip, identity, prelu_slope_shape
 from qcompiler.backends.onnx.rules.integer_layer import float_form_reason, integer_weight_layer, requantize
 from qcompiler.backends.onnx.rules.pool import avg_pool, resize
+from qcompiler.compat import torch_ao as ao
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 from qcompiler.quantization.fake_quantize import FakeQuantizeBase
@@ -114,7 +114,7 @@ def converted_div(ctx: NodeContext) -> Tensor:
     return ctx.quant.quantize_point(ctx, y, m.out_scale, m.out_dtype, ctx.path)
 
 
-@emits_module(QuantStub, taq.QuantStub)
+@emits_module(QuantStub, *ao.QUANT_STUB_TYPES)
 @emits("quant")
 def quant_stub(ctx: NodeContext):
     """A QuantStub: its ``activation_post_process`` quantizes (Identity in a float export)."""
@@ -123,7 +123,7 @@ def quant_stub(ctx: NodeContext):
     return ctx.quant.activation_point(ctx, ctx.x(), apq, path, always_node=True)
 
 
-@emits_module(DeQuantStub, taq.DeQuantStub, qnn.DeQuantize)
+@emits_module(DeQuantStub, *ao.DEQUANT_STUB_TYPES, qnn.DeQuantize)
 @emits("dequant")
 def dequant_stub(ctx: NodeContext):
     return identity(ctx)

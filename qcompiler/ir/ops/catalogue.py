@@ -24,10 +24,10 @@ import builtins
 import operator
 
 import torch
-import torch.ao.quantization as taq
 import torch.nn as nn
 import torch.nn.functional as F
 
+from qcompiler.compat import torch_ao as ao
 from qcompiler.ir.ops.names import (
     ADAPTIVE_AVG_POOL2D, ADD, AVG_POOL2D, BATCH_NORM, CAT, CONSTANT, CONV2D, CONV_TRANSPOSE2D, DEQUANT, DIV,
     DROPOUT, EXP, FLATTEN, GETITEM, GLOBAL_AVG_POOL, IDENTITY, INTERPOLATE, LEAKY_RELU, LINEAR, MATMUL,
@@ -265,8 +265,8 @@ CATALOGUE: tuple[OpDef, ...] = (
                       *_DROPOUT_TORCH),
            forms={_A.dropout.default: sig("p", "training"), F.alpha_dropout: _ALPHA_DROPOUT,
                   F.feature_alpha_dropout: _ALPHA_DROPOUT, **{f: sig("p", "train") for f in _DROPOUT_TORCH}}),
-    define(QUANT, _EW, _EXACT, modules=(taq.QuantStub,)),
-    define(DEQUANT, _EW, _EXACT, modules=(taq.DeQuantStub,)),
+    define(QUANT, _EW, _EXACT, modules=ao.QUANT_STUB_TYPES),
+    define(DEQUANT, _EW, _EXACT, modules=ao.DEQUANT_STUB_TYPES),
     define(REQUANTIZE, _EW, _EXACT),  # a converted graph's change of scale
     define(CONSTANT, _EXACT),  # a converted graph's constant tensor
     define("float", _EW, _EXACT, signature=_UNARY, methods=("float",)),
