@@ -184,3 +184,133 @@ def test_uncalibrated_calibration_model_says_to_calibrate(tmp_path):
         qa.advise(top_k=0)
     with pytest.raises(ConfigError, match="call advise"):
         qa.apply_advice(tmp_path / "f.json")
+
+
+# ----------------------------------------------------------------------------- issue 35: advice that holds
+
+
+def _outlier_setup():
+    """conv2 with a weight outlier (8.0 at one tap of every filter, the rest ~0.1): its per-channel int8
+    weight scale crushes every other tap to zero. Returns the model and normal data."""
+    torch.manual_seed(0)
+    m = Net().eval()
+    with torch.no_grad():
+        m.conv2.weight[:, 0, 1, 1] = 8.0
+    g = torch.Generator().manual_seed(1)
+    return m, [torch.randn(4, 3, 10, 10, generator=g) for _ in range(3)]
+
+
+def _output_sqnr(m, cm, data):
+    from qcompiler.tools.quant_analysis import compute_metric
+    with torch.no_grad():
+        ref = torch.cat([m(x) for x in data])
+        got = torch.cat([torch.as_tensor(cm(x)) for x in data])
+    return compute_metric("SQNR", ref, got)
+
+
+def test_broken_layer_is_named_and_applying_the_written_file_gains(tmp_path):
+    m, data = _outlier_setup()
+    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    qa = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path)
+    qa.auto_find_bad_case(data, metric="SQNR")
+    named = [r for r in qa.advise(top_k=1) if r["fixes"]]
+    assert named[0]["layer"] == "conv2" and named[0]["best"].gain > 3.0
+    path = qa.apply_advice(tmp_path / "fix.json")
+    assert path is not None and "conv2" in path.read_text()
+    before = qcompiler.compile(m, (data[0][:1],), march="bayes", calib_data=data, progress=False)
+    fixed = qcompiler.compile(m, (data[0][:1],), march="bayes", qconfig_dict=read_qconfig_file(path),
+                              hybrid_dict=read_hybrid_file(path), calib_data=data, progress=False)
+    s0, s1 = _output_sqnr(m, before, data), _output_sqnr(m, fixed, data)
+    assert s1 > s0 + 3.0, (s0, s1)  # the compiled model gains what the advice measured, roughly
+
+
+class RootOps(nn.Module):
+    """A cat in the root module's own forward: no module_name entry can name its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.b = nn.Conv2d(3, 4, 1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.a(x), self.b(x)], 1))
+
+
+def test_unnameable_tensor_gets_the_true_reason_and_no_empty_fix_file(tmp_path):
+    torch.manual_seed(0)
+    m = RootOps().eval()
+    data = [torch.randn(2, 3, 6, 6) for _ in range(2)]
+    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march="bayes")
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    qa = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path)
+    qa.auto_find_bad_case(data, metric="SQNR")
+    rows = qa.advise(top_k=1)
+    text = qa.fix_advice_text()
+    assert "add a QuantStub module" not in text and "(the model input)" not in text
+    assert rows[0]["layer"] == "cat_activation_post_process" and not rows[0]["fixes"]
+    assert "'cat' (cat) is computed in the root module's forward" in rows[0]["why_no_fix"]
+    assert "no config fix: 'cat' (cat)" in text
+    # unnameable layers do not use up top_k: one layer a config entry names is advised
+    assert sum(1 for r in rows if r["fixes"]) == 1
+    for r in rows:
+        r["fixes"] = [f for f in r["fixes"] if f.gain <= 0]  # pretend nothing gains
+        r["best"] = r["fixes"][0] if r["fixes"] else None
+    assert qa.apply_advice(tmp_path / "none.json") is None and not (tmp_path / "none.json").exists()
+    html = qa.report().read_text()
+    section = html[html.index('id="root-cause"'):]
+    section = section[:section.index("</section>")]
+    assert "Nothing found" in section and "<table" not in section
+
+
+def test_root_cause_html_without_any_fix_says_nothing_found():
+    from qcompiler.tools.report import _root_cause_section
+    rows = [{"rank": 1, "layer": "cat", "fixes": [], "base_sqnr": 20.0, "why_no_fix": "computed in the root"}]
+    html = "\n".join(_root_cause_section(rows))
+    assert "Nothing found" in html and "<table" not in html and "computed in the root" in html
+
+
+def test_error_jump_blames_the_layer_that_adds_the_error_not_a_float_op_after_it():
+    import torch.fx as fx
+    from types import SimpleNamespace
+    from qcompiler.tools.report import error_jump
+
+    def f(x):
+        a = torch.relu(x)
+        return torch.div(a, 2.0)
+
+    gm = fx.symbolic_trace(f)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    analysis = SimpleNamespace(analysis_graph=gm, layers=[{"node": n} for n in names])
+    assert error_jump(analysis, [20.0, 19.5]) == 0  # div only carries relu's error: relu is blamed
+    assert error_jump(analysis, [40.0, 10.0]) == 1  # div adds most of the error itself
+    assert error_jump(analysis, [float("nan"), float("nan")]) is None
+
+
+def test_saturation_advice_is_qualified_by_what_the_clipping_costs():
+    from types import SimpleNamespace
+    qs = 0.01
+    limit = qs * 127
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(1000, generator=g, dtype=torch.float64) * limit
+    slight = a.clone()
+    slight[:300] = limit * 1.02  # 30% clipped, each by 2%: costs little
+    gross = a.clone()
+    gross[:300] = limit * 10  # 30% clipped by 10x
+    for b, cheap in ((slight, True), (gross, False)):
+        layer = {"base": b, "analy": b.clamp(-limit, limit)}
+        row = {"index": 0, "mod_name": "softmax", "qscale": qs, "quant_dtype": "qint8", "max_qscale_diff": None,
+               "Cosine": 1.0}
+        advice = QuantAnalysis._advise(SimpleNamespace(layers=[layer]), [row])
+        sat = [x for x in advice if x["kind"] == "saturation"]
+        assert len(sat) == 1
+        assert ("costs little" in sat[0]["message"]) is cheap
+        assert ("int16" in sat[0]["suggestion"]) is not cheap or "int16 advice" in sat[0]["suggestion"]
+        assert ("no change needed" in sat[0]["suggestion"]) is cheap

@@ -431,10 +431,11 @@ def cmd_report(args: argparse.Namespace) -> int:
             qa.suggest_int16(args.target_sqnr)
         except ConfigError as exc:  # the advice (every step) is kept and reported; the target is out of reach
             missed = str(exc)
+    applied = None
     if args.advise:
         qa.advise(top_k=args.advise)
         if args.apply:
-            qa.apply_advice(args.apply)
+            applied = qa.apply_advice(args.apply)
     qa.report()
     print(f"measured on {_data_label(data)}: every metric and SQNR below")
     print(f"bad case: batch {qa.bad_case_index} ({args.metric} {qa.bad_case_metric:.6g})")
@@ -443,9 +444,11 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"  sensitive: {row[0]} ({row[1]}) {args.metric} {row[3]:.6g}")
     print(qa.int16_advice_text() or "int16 advice: none (give --target-sqnr DB to get it)\n", end="")
     print(qa.fix_advice_text(), end="")
-    if args.apply:
-        print(f"fixes written to {args.apply}: qcompiler compile {args.model} --qconfig {args.apply} "
-              f"--hybrid {args.apply} ... applies them")
+    if applied is not None:
+        print(f"fixes written to {applied}: qcompiler compile {args.model} --qconfig {applied} "
+              f"--hybrid {applied} ... applies them")
+    elif args.apply:
+        print(f"no fix gains on the bad case: nothing written to {args.apply}")
     if missed is not None:
         print(f"note: {missed}", file=sys.stderr)
     print(f"wrote {len(qa.written)} files to {out}:")

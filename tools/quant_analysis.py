@@ -47,7 +47,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import BPU, GM_KIND, META_FUSED_FROM, META_PLACEMENT, META_SCOPE, META_STUB
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.fixed_point import qrange
-from qcompiler.quantization.mixed_precision import fake_quant_twin, quantizer_scopes
+from qcompiler.quantization.mixed_precision import fake_quant_twin, quantizer_owners, quantizer_scopes
 from qcompiler.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
 from qcompiler.quantization.qtensor import QTensor
 from qcompiler.quantization.stubs import QuantStub
@@ -83,6 +83,7 @@ ROOT_CAUSE_FILE = "root_cause.txt"
 # advisor thresholds
 SATURATION_RATIO = 1.5      # base |max| above 1.5 * qscale * qmax: clipping
 CLIPPED_FRACTION = 0.05     # or more than 5% of the values outside the int range
+CLIP_CHEAP_SQNR = 30.0      # clipping alone keeps >= 30 dB on the tensor: say it costs little, advise nothing
 UNDERUSED_RATIO = 1 / 8     # base |max| below 1/8 of qscale * qmax: scale too large
 COSINE_DROP = 0.05          # cosine lower than the previous layer's by this much
 COSINE_LOW = 0.99
@@ -715,10 +716,18 @@ class QuantAnalysis:
                 amax = float(b[torch.isfinite(b)].abs().max()) if bool(torch.isfinite(b).any()) else 0.0
                 clipped = float((b.abs() > limit * 1.0001).double().mean())
                 if amax > SATURATION_RATIO * limit or clipped > CLIPPED_FRACTION:
+                    # what the clipping alone costs this tensor: clipping many values by a little costs little,
+                    # and the int16 advice / sensitivity (measured at the output) then rightly ignore it
+                    fin = b[torch.isfinite(b)]
+                    cost = compute_metric("SQNR", fin, fin.clamp(-limit, limit)) if fin.numel() else math.inf
+                    cheap = cost >= CLIP_CHEAP_SQNR
                     issues.append(("saturation",
                                    f"output saturates: baseline |max| {amax:.6g} vs quantized range +-{limit:.6g} "
-                                   f"(qscale {qs:.6g} * {qmax}); {clipped:.1%} of the values are clipped -- "
-                                   "scale too small / clipping",
+                                   f"(qscale {qs:.6g} * {qmax}); {clipped:.1%} of the values are clipped; "
+                                   f"the clipping alone leaves this tensor at {cost:.1f} dB SQNR"
+                                   + (" -- it costs little" if cheap else " -- scale too small / clipping"),
+                                   "no change needed for the clipping (int16 advice and sensitivity measure the "
+                                   "output effect)" if cheap else
                                    "check the calibration (data, observer/percentile) of this layer; use int16 "
                                    "or a high-precision (int32/float) output, or a fixed scale for it"))
                 elif 0 < amax < UNDERUSED_RATIO * limit:
@@ -943,15 +952,21 @@ class QuantAnalysis:
         for row, q in zip(self.sensitive_ops, self._sensitive_quantizers):
             entry = by_op.setdefault(row[0], {"sensitivity": row[3], "activation": None, "weight": None})
             entry[row[1]] = q
+        owners = quantizer_owners(model)
         rows = []
-        for op, entry in list(by_op.items())[:top_k]:
+        named = 0  # layers a config entry can name: only they count towards top_k
+        for op, entry in by_op.items():
+            if named >= top_k:
+                break
             act, weight = entry["activation"], entry["weight"]
             target = scopes.get(act, "") if act else (op if op in paths else "")
             stub = target in paths and isinstance(model.get_submodule(target), QuantStub)
             fixes = layer_fixes(model, act, weight, target, run, base, model, cpu=not stub)
+            named += bool(target)
             rows.append({"rank": len(rows) + 1, "layer": target or op, "quantizers": [q for q in (act, weight) if q],
                          "sensitivity": entry["sensitivity"], "metric": self.sensitivity_metric, "base_sqnr": base,
-                         "fixes": fixes, "best": fixes[0] if fixes else None})
+                         "fixes": fixes, "best": fixes[0] if fixes else None,
+                         "why_no_fix": "" if target else _unnamed_reason(owners.get(act) if act else None, op)})
         self.fix_advice = rows
         if collectives.rank() == 0:
             write_file(self.out_dir / ROOT_CAUSE_FILE, self.fix_advice_text().encode("utf-8"), "advise")
@@ -969,17 +984,21 @@ class QuantAnalysis:
             lines.append(f"  {r['rank']}. {r['layer']} (sensitivity {r['metric']} {r['sensitivity']:.4g}, "
                          f"quantizers {', '.join(r['quantizers'])})")
             if not r["fixes"]:
-                lines.append("     no config entry can name this tensor (the model input): add a QuantStub module")
+                lines.append(f"     no config fix: {r.get('why_no_fix') or 'no config entry can name this tensor'}")
             for i, f in enumerate(r["fixes"]):
                 lines.append(f"     {'best: ' if i == 0 else '      '}{f.describe()}")
         return "\n".join(lines) + "\n"
 
-    def apply_advice(self, path: Union[str, Path]) -> Path:
+    def apply_advice(self, path: Union[str, Path]) -> Optional[Path]:
         """Write the best fix (positive gain) of each advised layer as a JSON config file for
-        ``qcompiler compile --qconfig FILE --hybrid FILE`` (:mod:`qcompiler.tools.config_file`)."""
+        ``qcompiler compile --qconfig FILE --hybrid FILE`` (:mod:`qcompiler.tools.config_file`).
+        Returns None and writes nothing when no fix gains: an empty file is not a fix."""
         if not getattr(self, "fix_advice", None):
             raise ConfigError("apply_advice needs the fixes of advise(); call advise() first")
-        p = write_config_file(path, fixes_json(self.fix_advice))
+        config = fixes_json(self.fix_advice)
+        if not config["qconfig"]["module_name"] and not config["hybrid"]["module_name"]:
+            return None  # no fix gains on the bad case: an empty file would only look like one
+        p = write_config_file(path, config)
         self._wrote(p)
         return p
 
@@ -1008,6 +1027,19 @@ class QuantAnalysis:
             except OSError:  # not empty: files this analysis did not write
                 pass
         return removed
+
+
+def _unnamed_reason(owner: Optional[fx.Node], op: str) -> str:
+    """Why no qconfig_dict / hybrid_dict ``module_name`` entry can name a quantizer's tensor: the model
+    input without a QuantStub module, or a value computed in the root module's own forward."""
+    if owner is not None and owner.op == "placeholder":
+        return (f"{owner.name!r} is the model input, quantized where it enters the BPU; to configure it, "
+                "quantize it with a QuantStub module of the model and name that module")
+    what = repr(op)
+    if owner is not None:
+        what = f"{owner.name!r} ({getattr(owner.target, '__name__', owner.target)})"
+    return (f"{what} is computed in the root module's forward, which no module_name entry can name "
+            "(the global qconfig would change every layer); move the op into a submodule to configure it alone")
 
 
 def _stamp(path: Path) -> Optional[tuple]:

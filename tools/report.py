@@ -281,10 +281,9 @@ def _overview(analysis, sqnr: Sequence[float]) -> list[str]:
         for metric, fmt in (("SQNR", "{:.2f} dB"), ("COSINE", "{:.5f}"), ("L1", "{:.4g}"), ("ATOL", "{:.4g}")):
             v = compute_metric(metric, analysis.base_output, analysis.analy_output)
             cards.append((fmt.format(v), f"model output {metric.lower()}"))
-    finite = [(v, i) for i, v in enumerate(sqnr) if not math.isnan(v)]
-    if finite:
-        v, i = min(finite)
-        cards.append((f"{v:.1f} dB", f"worst layer: {analysis.compare_rows[i]['mod_name']}"))
+    jump = error_jump(analysis, sqnr)
+    if jump is not None:
+        cards.append((f"{sqnr[jump]:.1f} dB", f"error jumps at: {analysis.compare_rows[jump]['mod_name']}"))
     cards.append((str(len(analysis.compare_rows)), "layers compared"))
     placements = [r.get("placement") for r in analysis.layers]
     cards.append((f"{placements.count('bpu')} / {placements.count('cpu')}", "layers on BPU / CPU"))
@@ -294,6 +293,44 @@ def _overview(analysis, sqnr: Sequence[float]) -> list[str]:
     out.append(f'<p class="note">analysis model type: <b>{_e(analysis.analysis_model_type)}</b>; per-layer baseline: '
                f"{_e(getattr(analysis, 'baseline_source', ''))}; bad case: batch {_e(analysis.bad_case_index)}</p>")
     return out
+
+
+def error_jump(analysis, sqnr: Sequence[float]) -> Optional[int]:
+    """The layer (index into ``compare_rows``) that adds the most error of its own: its relative error
+    power 10^(-SQNR/10) minus the largest of its compared inputs' (the model input adds none). The layer
+    with the lowest SQNR is often a float op downstream that only carries the error of the BPU op before
+    it; this names where the error jumps. None when no layer has a finite SQNR."""
+    layers = getattr(analysis, "layers", None) or []
+    index = {layer["node"]: i for i, layer in enumerate(layers)}
+    graph = getattr(getattr(analysis, "analysis_graph", None), "graph", None)
+    nodes = {n.name: n for n in graph.nodes} if graph is not None else {}
+
+    def noise(i: int) -> float:
+        return 10.0 ** (-sqnr[i] / 10.0) if not math.isnan(sqnr[i]) else math.nan
+
+    def input_noise(name: str, seen: set) -> float:
+        """The largest error power among the nearest compared producers of node ``name``."""
+        node, worst = nodes.get(name), 0.0
+        if node is None:
+            return worst
+        for a in node.all_input_nodes:
+            if a.name in seen:
+                continue
+            seen.add(a.name)
+            v = noise(index[a.name]) if a.name in index else input_noise(a.name, seen)
+            if not math.isnan(v):
+                worst = max(worst, v)
+        return worst
+
+    best, best_add = None, -math.inf
+    for i, layer in enumerate(layers[:len(sqnr)]):
+        own = noise(i)
+        if math.isnan(own):
+            continue
+        added = own - input_noise(layer["node"], set())
+        if added > best_add:
+            best, best_add = i, added
+    return best
 
 
 # the analysis attribute each advice section shows, and the note that says how to compute it
@@ -336,9 +373,19 @@ def _int16_section(adv: dict) -> list[str]:
 def _root_cause_section(rows: list) -> list[str]:
     out = [f'<p class="note">Each fix applied alone, output SQNR measured on the bad case (all int8: '
            f'{rows[0]["base_sqnr"]:.2f} dB); best first. <code>qa.apply_advice(FILE)</code> / '
-           "<code>qcompiler report --apply FILE</code> writes the best ones for "
-           "<code>qcompiler compile --qconfig FILE --hybrid FILE</code>.</p>",
-           _table_head("rank", "layer", "fix", "output SQNR (dB)", "gain (dB)", left=frozenset({"layer", "fix"}))]
+           "<code>qcompiler report --apply FILE</code> writes the best ones with a positive gain for "
+           "<code>qcompiler compile --qconfig FILE --hybrid FILE</code>.</p>"]
+    for r in rows:
+        if not r["fixes"]:
+            out.append(f'<p class="note">{_e(r["layer"])}: no config fix: {_e(r.get("why_no_fix") or "")}</p>')
+    if not any(r["fixes"] for r in rows):
+        out.append('<p class="big">Nothing found: no layer a config entry can name was measured, so there is '
+                   "no fix to apply.</p>")
+        return out
+    if not any(f.gain > 0 for r in rows for f in r["fixes"]):
+        out.append('<p class="big">Nothing found that gains: no measured fix raises the output SQNR on the bad '
+                   "case; <code>--apply</code> writes no file.</p>")
+    out.append(_table_head("rank", "layer", "fix", "output SQNR (dB)", "gain (dB)", left=frozenset({"layer", "fix"})))
     for r in rows:
         for i, f in enumerate(r["fixes"]):
             what = f"{f.kind} ({f.observer})" if f.observer else f.kind
