@@ -372,10 +372,25 @@ def run_case(case: Case, *, timeout: float = TIMEOUT, sides: Sequence[str] = ("o
 
 
 # A sample can kill the process (onnxruntime dies of SIGFPE on some empty tensors), so samples run in a
-# forked worker; the parent starts a new one after a crash or a hang (hard guard: 3 x ``timeout`` per side)
+# spawned worker; the parent starts a new one after a crash or a hang (hard guard: 3 x ``timeout`` per side)
 # and records the side that was running as CRASH or TIMEOUT_.
 
-def _worker(conn, cases: Sequence[Case], timeout: float) -> None:
+def _rebuild(names: Sequence[str], samples: int) -> list[Case]:
+    """The cases of the ops named ``names`` (``_op_name``), in that order: what a spawned worker runs.
+    OpInfo callables are often lambdas, which do not pickle, so the worker rebuilds the cases
+    (:func:`cases_of` is seeded, so they are the parent's)."""
+    by_name: dict[str, Any] = {}
+    for op in op_db:
+        by_name.setdefault(_op_name(op), op)
+    return [c for n in dict.fromkeys(names) for c in cases_of(by_name[n], samples)]
+
+
+def _worker(conn, recipe: tuple[tuple[str, ...], int, tuple[str, ...]], timeout: float) -> None:
+    names, samples, expected = recipe
+    cases = _rebuild(names, samples)
+    if tuple(c.name for c in cases) != expected:
+        raise RuntimeError(f"the worker rebuilt other cases than the parent's: {[c.name for c in cases]} "
+                           f"!= {list(expected)}")
     torch.set_num_threads(1)
     while True:
         msg = conn.recv()
@@ -388,12 +403,14 @@ def _worker(conn, cases: Sequence[Case], timeout: float) -> None:
 
 
 class Worker:
-    """A forked process running cases of a list, one request at a time."""
+    """A spawned process running cases of a list, one request at a time. ``recipe`` is (op names,
+    samples, case names): the worker rebuilds the cases from it (spawn, not fork: fork is not the
+    default from Python 3.14 on, and forking a process that started torch's thread pools is unsafe)."""
 
-    def __init__(self, cases: Sequence[Case], timeout: float) -> None:
-        ctx = multiprocessing.get_context("fork")
+    def __init__(self, recipe: tuple[tuple[str, ...], int, tuple[str, ...]], timeout: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, cases, timeout), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, recipe, timeout), daemon=True)
         self.proc.start()
         child.close()
 
@@ -421,16 +438,23 @@ class Worker:
                 results[side], running = result, None
 
     def close(self) -> None:
+        """Ask the worker to return (it then releases what it holds), kill it if it does not."""
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join()
         self.conn.close()
 
 
-def _run_isolated(cases: Sequence[Case], timeout: float, sides: Sequence[str],
-                  progress: Callable[[Row], None]) -> list[Row]:
+def _run_isolated(cases: Sequence[Case], recipe: tuple[tuple[str, ...], int, tuple[str, ...]], timeout: float,
+                  sides: Sequence[str], progress: Callable[[Row], None]) -> list[Row]:
     rows: list[Row] = []
-    worker = Worker(cases, timeout)
+    worker = Worker(recipe, timeout)
     try:
         for i, case in enumerate(cases):
             todo, row = list(sides), None
@@ -443,7 +467,7 @@ def _run_isolated(cases: Sequence[Case], timeout: float, sides: Sequence[str],
                     row = row if row is not None or got is None else got
                     break
                 worker.close()
-                worker = Worker(cases, timeout)
+                worker = Worker(recipe, timeout)
                 if running is None:  # it failed in the eager reference: not a sample
                     break
                 row = row or Row(case.name)
@@ -463,7 +487,9 @@ def _run_isolated(cases: Sequence[Case], timeout: float, sides: Sequence[str],
 def run(ops: Sequence[Any], *, samples: int = 1, timeout: float = TIMEOUT, theirs: bool = True,
         progress: bool = True) -> list[Row]:
     """Every sample of ``ops`` (the first ``samples`` of each) through both sides, in a worker process."""
-    cases = [c for op in ops for c in cases_of(op, samples)]
+    names = tuple(dict.fromkeys(_op_name(op) for op in ops))
+    cases = _rebuild(names, samples)  # by name, exactly as the spawned worker rebuilds them
+    recipe = (names, samples, tuple(c.name for c in cases))
     sides = ("ours", "theirs") if theirs else ("ours",)
     count = [0]
 
@@ -472,7 +498,7 @@ def run(ops: Sequence[Any], *, samples: int = 1, timeout: float = TIMEOUT, their
         if progress:
             print(f"[{count[0]}/{len(cases)}] {row.name}: ours {row.ours} ({row.backend or '-'}), "
                   f"theirs {row.theirs or '-'} {row.ours_detail[:100]}", file=sys.stderr, flush=True)
-    return _run_isolated(cases, timeout, sides, show)
+    return _run_isolated(cases, recipe, timeout, sides, show)
 
 
 # --- reporting -------------------------------------------------------------------------------------------
