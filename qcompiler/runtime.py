@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional, Sequence
 import networkx as nx
 import torch
 import torch.fx as fx
-from torch.utils._pytree import TreeSpec
 
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.ort import OrtIsland
 from qcompiler.batches import check_inputs
+from qcompiler.compat.torch_private import TreeSpec
 from qcompiler.errors import ConfigError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,54 @@ def test_qcompiler_imports_and_compiles_without_torch_ao_quantization():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.startswith("OK"), proc.stdout
+
+
+def test_torch_private_names_still_behave_as_used():
+    # each private torch name qcompiler keeps (qcompiler/compat/torch_private.py), as it is used
+    from qcompiler.compat import torch_private as tp
+
+    leaves, spec = tp.pytree.tree_flatten({"a": (torch.ones(1), [2, 3])})
+    assert isinstance(spec, tp.TreeSpec) and len(leaves) == 3
+    assert tp.pytree.tree_unflatten(leaves, spec)["a"][1] == [2, 3]
+    assert tp.pytree.tree_leaves([1, (2,)]) == [1, 2]
+    assert isinstance(torch.ops.aten.add.Tensor, tp.OpOverload)
+    assert isinstance(torch.ops.higher_order.cond, tp.HigherOrderOperator)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.zeros(2)
+        with tp.unset_fake_temporarily():
+            real = torch.zeros(2)
+    assert type(fake).__name__ == "FakeTensor" and type(real) is torch.Tensor
+    assert tp.int_mm_exists()
+    a = torch.randint(-128, 128, (17, 32), dtype=torch.int8)
+    b = torch.randint(-128, 128, (32, 8), dtype=torch.int8)
+    out = torch.empty(17, 8, dtype=torch.int32)
+    tp.int_mm(a, b, out=out)
+    assert torch.equal(out.long(), a.long() @ b.long())
+    x = torch.tensor([-128, 0, 127], dtype=torch.int8)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors (docs/compatibility.md)
+        warnings.simplefilter("ignore", UserWarning)
+        q = tp.as_qint8(x)
+    assert q.dtype == torch.qint8 and q.q_scale() == 1.0 and q.q_zero_point() == 0
+    assert torch.equal(q.int_repr(), x)
+    assert not tp.global_forward_hooks and not tp.global_forward_pre_hooks
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert len(tp.global_forward_hooks) == 1, "torch keeps global forward hooks elsewhere now"
+    finally:
+        handle.remove()
+    assert not tp.is_functorch_wrapped_tensor(torch.ones(2))
+    seen = []
+    torch.vmap(lambda t: seen.append(tp.is_functorch_wrapped_tensor(t)) or t)(torch.ones(3, 2))
+    assert seen == [True]
+
+
+def test_only_the_compat_package_names_private_torch_modules():
+    # imports and calls of torch's private modules and functions (a docstring may name them)
+    pattern = (r"import torch\.utils\._pytree|from torch\.utils\._pytree import|from torch\.utils import _|from torch\._|torch\._ops\.|"
+               r"torch\._int_mm\(|torch\._make_per_tensor|torch\.nn\.modules\.module import _|_C\._functorch")
+    out = subprocess.run(["grep", "-rlE", pattern, *PACKAGE_DIRS, "--include=*.py"],
+                         cwd=ROOT, capture_output=True, text=True)
+    files = {f for f in out.stdout.split() if not f.startswith("qcompiler/pt2e/")}
+    assert files == {"qcompiler/compat/torch_private.py"}, files

@@ -10,8 +10,8 @@ import math
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from qcompiler.compat.torch_private import pytree
 from qcompiler.errors import ConfigError
 from qcompiler.ir.structure import is_structured
 from qcompiler.quantization.qtensor import QTensor

@@ -33,8 +33,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
+from qcompiler.compat.torch_private import HigherOrderOperator, OpOverload, pytree
 from qcompiler.errors import TraceError
 from qcompiler.ir.attention import attention_arguments, decline_reason, scale_of, write_attention
 from qcompiler.ir.export_leaves import LEAF_OP, leaves_as_calls
@@ -142,7 +142,7 @@ def export_graph(model: nn.Module, args: tuple = (), kwargs: Optional[dict] = No
     types = tuple(resolve_type(t, "non_traceable_module_class") for t in leaf_module_types)
     with leaves_as_calls(model, tuple(leaf_module_names), types):
         program = export_program(model, tuple(args), kwargs)
-    higher = next((n for n in program.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)), None)
+    higher = next((n for n in program.graph.nodes if isinstance(n.target, HigherOrderOperator)), None)
     if higher is not None:  # torch.cond / map / while_loop: a subgraph our IR has no form for
         reason = f"control-flow operator {higher.target.__name__!r} (node '{higher.name}') has no lowering"
         err = TraceError(f"torch.export captured {type(model).__name__}, but its {reason}")
@@ -321,7 +321,7 @@ class _Lowering:
         if method is not None:  # x.add_(y): the in-place passes see it as they see the tracer's methods
             return self._emit("call_method", method, self._value(node.args, scope),
                               self._value(node.kwargs, scope), scope)
-        if op is None or not isinstance(node.target, torch._ops.OpOverload):
+        if op is None or not isinstance(node.target, OpOverload):
             return self._emit("call_function", node.target, self._value(node.args, scope),
                               self._value(node.kwargs, scope), scope)
         named = self._named(op, node)

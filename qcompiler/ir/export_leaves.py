@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from qcompiler.compat.torch_private import unset_fake_temporarily
 from qcompiler.ir.tracer import is_stub
 
 _MODULES: dict[str, nn.Module] = {}  # path -> the leaf module, while an export runs

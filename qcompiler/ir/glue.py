@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from qcompiler.compat.torch_private import pytree
+
 GLUE_PREFIX = "_qc_glue_"
 # gm.meta while capturing: [(GlueIsland, constants)] the trace found, bound once the model's state is put back
 GLUE_CONSTANTS = "qc_glue_constants"
@@ -103,7 +105,6 @@ class Fresh:
 
 def _holds_proxy(value: Any) -> bool:
     import torch.fx as fx
-    import torch.utils._pytree as pytree
 
     return any(isinstance(leaf, fx.Proxy) for leaf in pytree.tree_leaves(value))
 

@@ -8,9 +8,9 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from qcompiler.batches import fresh_args, tensors_in
+from qcompiler.compat.torch_private import pytree
 from qcompiler.errors import ConfigError
 from qcompiler.ir.inplace import META_INPUT_WRITES, META_RETURNED_INPUT, storage_key
 from qcompiler.ir.meta import META_STORAGE, META_TENSOR, TensorInfo, format_tensor_info

@@ -30,9 +30,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
+from qcompiler.compat.torch_private import pytree
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning
 from qcompiler.ir.meta import GM_OUTPUT_SPEC, META_TRACED_OUTPUT
 

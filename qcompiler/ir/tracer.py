@@ -43,10 +43,10 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from qcompiler.compat.torch_ao import STUB_TYPES as _AO_STUBS
 from qcompiler.compat.torch_ao import FloatFunctional
+from qcompiler.compat.torch_private import pytree
 from qcompiler.errors import TraceError
 from qcompiler.ir.glue import GLUE_CONSTANTS, GlueIsland
 from qcompiler.ir.meta import GM_INPUT_SPEC, META_SCOPE, ScopeEntry

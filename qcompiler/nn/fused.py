@@ -15,8 +15,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
+from qcompiler.compat.torch_private import global_forward_hooks, global_forward_pre_hooks, is_functorch_wrapped_tensor
 from qcompiler.quantization.fixed_point import pads4
 
 __all__ = [
@@ -90,7 +90,7 @@ class FusedModule(nn.Module):
         if self.act is not None:
             act = self.act
             if own and type(act) in _ACT_IN_PLACE and not act._forward_hooks and not act._forward_pre_hooks \
-                    and not _global_forward_pre_hooks:
+                    and not global_forward_pre_hooks:
                 y = _ACT_IN_PLACE[type(act)](y)
             else:
                 y = act(y)
@@ -116,7 +116,7 @@ class FusedModule(nn.Module):
             and y._base is None
             and getattr(op, "activation_post_process", None) is None
             and not op._forward_hooks
-            and not _global_forward_hooks
+            and not global_forward_hooks
         )
 
     def extra_repr(self) -> str:
@@ -130,7 +130,7 @@ def _recorded(y: torch.Tensor) -> bool:
 
 def _transformed(t: torch.Tensor) -> bool:
     """Is ``t`` wrapped by a torch.func transform (``vmap``'s batch dims are not in its shape)?"""
-    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+    return is_functorch_wrapped_tensor(t)
 
 
 def _adds_in_place(y: torch.Tensor, other: torch.Tensor) -> bool:

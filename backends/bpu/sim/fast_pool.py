@@ -21,6 +21,7 @@ from qcompiler.backends.bpu.sim.memory import Workspace
 from qcompiler.backends.bpu.sim.plan import Alloc, fresh
 from qcompiler.backends.bpu.sim.reference import pool_geometry
 from qcompiler.backends.bpu.sim.registry import REFERENCE, KernelSpec, fast_kernel
+from qcompiler.compat.torch_private import as_qint8
 from qcompiler.nn import quantized as qnn
 from qcompiler.quantization import fixed_point as fp
 
@@ -108,7 +109,7 @@ class _FastMaxPool:
         vectorized channels-last pass.  torch warns that quantized tensors are deprecated."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            q = torch._make_per_tensor_quantized_tensor(x, 1.0, 0)
+            q = as_qint8(x)
             y = F.max_pool2d(q, self.k, self.s, self.p, self.d, ceil_mode=self.ceil)
         return y.int_repr()
 

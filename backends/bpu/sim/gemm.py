@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from qcompiler.backends.bpu.sim.bounds import F32_EXACT, F64_EXACT
+from qcompiler.compat.torch_private import int_mm, int_mm_exists
 from qcompiler.quantization import fixed_point as fp
 
 __all__ = ["int8_gemm_available", "int8_gemm_preferred", "int8_dot_product", "int_mm", "gemm_operand", "gemm_mode", "exact_chunks", "float_plan"]
@@ -86,7 +87,7 @@ def int_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     exactly this function.
     """
     target = gemm_operand(out)
-    torch._int_mm(gemm_operand(a), gemm_operand(b), out=target)
+    int_mm(gemm_operand(a), gemm_operand(b), out=target)
     if target is not out:
         out.copy_(target)
     return out
@@ -111,7 +112,7 @@ def _layouts(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _int8_self_test() -> bool:
-    if getattr(torch, "_int_mm", None) is None:
+    if not int_mm_exists():
         return False
     g = torch.Generator().manual_seed(20240605)
     try:
