@@ -10,7 +10,9 @@ tables map one to one onto the flags. The fields (each one flag of ``qcompiler c
     capture = "auto"
     weight_rounding = false
     int16_budget = 0.1
-    qconfig = "fixes.json"            # --qconfig FILE
+    qconfig = "my_qconfig.json"       # --qconfig FILE
+    fixes = "fixes.json"              # 'qcompiler build THIS --report' writes the advice here; a build
+                                      # applies it when it exists (as --qconfig and --hybrid FILE)
     leaf_modules = ["head"]           # --leaf-module
 
     [[inputs]]                        # one table per positional input: --input-shape / --input-dtype
@@ -20,7 +22,7 @@ tables map one to one onto the flags. The fields (each one flag of ``qcompiler c
     [hybrid]                          # --hybrid-module-name / --hybrid-module-type / --hybrid FILE
     module_name = ["conv3"]
     module_type = ["torch.nn.PReLU"]
-    file = "fixes.json"
+    file = "my_hybrid.json"
 
     [calibration]                     # data = FILE | images = DIR | random = N, as the flags
     images = "photos"
@@ -59,7 +61,7 @@ LAYOUTS = ("nchw", "nhwc")
 # table -> {key: kind}; kinds: str, path, bool, int, float, size, floats, strs, or a tuple of choices
 SCHEMA: dict[str, dict[str, Any]] = {
     "": {"model": "model", "march": "str", "out": "path", "capture": CAPTURES, "weight_rounding": "bool",
-         "int16_budget": "float", "qconfig": "path", "leaf_modules": "strs", "inputs": "tables",
+         "int16_budget": "float", "qconfig": "path", "fixes": "path", "leaf_modules": "strs", "inputs": "tables",
          "hybrid": "table", "calibration": "table"},
     "inputs": {"shape": "shape", "dtype": INPUT_DTYPES},
     "hybrid": {"module_name": "strs", "module_type": "strs", "file": "path"},
@@ -238,7 +240,7 @@ def read_build_config(path: str) -> argparse.Namespace:
         resize=pre.get("resize"), crop=pre.get("crop"), mean=pre.get("mean"), std=pre.get("std"),
         channel_order=pre.get("channel_order"), layout=pre.get("layout"),
         pixel_max=str(pre["pixel_max"]) if "pixel_max" in pre else None,
-        print_config=False, config=str(file),
+        fixes=_resolve(base, cfg.get("fixes")), print_config=False, config=str(file),
     )
     return ns
 
@@ -261,7 +263,7 @@ def to_build_config(args: argparse.Namespace) -> str:
     lines = ["# qcompiler build config: 'qcompiler build THIS_FILE' repeats the run", f"model = {_toml(args.model)}"]
     top = {"march": args.march, "out": str(args.out), "capture": args.capture,
            "weight_rounding": args.weight_rounding, "int16_budget": args.int16_budget, "qconfig": args.qconfig,
-           "leaf_modules": list(args.leaf_module) or None}
+           "fixes": getattr(args, "fixes", None), "leaf_modules": list(args.leaf_module) or None}
     lines += [f"{k} = {_toml(v)}" for k, v in top.items() if v is not None]
     dtypes = list(args.input_dtype or [])
     for i, shape in enumerate(args.input_shape or []):
@@ -284,4 +286,16 @@ def to_build_config(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SCHEMA", "read_build_config", "to_build_config"]
+def report_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``qcompiler build CONFIG --report``: the ``qcompiler report`` arguments of a build config. The
+    report is measured on the config's calibration data, goes to ``OUT/report`` and writes its advice
+    to the config's ``fixes`` file (default ``OUT/fixes.json``), which the next ``qcompiler build
+    CONFIG`` applies. An existing fixes file is not applied here: the advice is for the config as written."""
+    ns = argparse.Namespace(**vars(args))
+    fixes = getattr(args, "fixes", None) or str(Path(args.out) / "fixes.json")
+    ns.command, ns.func, ns.out = "report", "cmd_report", str(Path(args.out) / "report")
+    ns.metric, ns.target_sqnr, ns.advise, ns.apply, ns.fixes = "L1", None, 3, fixes, fixes
+    return ns
+
+
+__all__ = ["SCHEMA", "read_build_config", "report_args", "to_build_config"]

@@ -30,7 +30,7 @@ import qcompiler
 from qcompiler.atomic_write import check_target
 from qcompiler.errors import ConfigError, QCompilerError
 from qcompiler.march import March, get_march
-from qcompiler.tools.build_config import read_build_config, to_build_config
+from qcompiler.tools.build_config import read_build_config, report_args, to_build_config
 
 # Nothing above imports torch: the parser and every argument check below run without it, so
 # ``--help`` and a mistyped flag answer at once (issue 35); a command imports the compiler
@@ -336,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "relative to its folder")
     p.add_argument("--print-config", action="store_true",
                    help="print the config as read (paths resolved, defaults filled in) and exit")
+    p.add_argument("--report", action="store_true",
+                   help="instead of compiling, write the accuracy report on the config's calibration data into "
+                        "OUT/report and its advice into the config's 'fixes' file (default OUT/fixes.json); "
+                        "the next 'qcompiler build CONFIG' applies that file")
     p.set_defaults(func="cmd_build")
     return parser
 
@@ -365,7 +369,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, "func", None) is None:
             raise UsageError("a command is required: partition, compile, report or build (see 'qcompiler --help')")
         if args.command == "build":
-            print_config = args.print_config
+            print_config, report = args.print_config, args.report
             args = read_build_config(args.config)
             if print_config:
                 print(to_build_config(args), end="")
@@ -374,6 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.out = out_dir(args.out)
             except argparse.ArgumentTypeError as exc:
                 raise UsageError(f"{args.config}: out: {exc}") from None
+            if report:
+                args = report_args(args)
         if args.command in ("compile", "build"):
             check_calibration_args(args)
             if args.print_config:

@@ -444,7 +444,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"  sensitive: {row[0]} ({row[1]}) {args.metric} {row[3]:.6g}")
     print(qa.int16_advice_text() or "int16 advice: none (give --target-sqnr DB to get it)\n", end="")
     print(qa.fix_advice_text(), end="")
-    if applied is not None:
+    if applied is not None and getattr(args, "config", None):
+        print(f"fixes written to {applied}: qcompiler build {args.config} applies them")
+    elif applied is not None:
         print(f"fixes written to {applied}: qcompiler compile {args.model} --qconfig {applied} "
               f"--hybrid {applied} ... applies them")
     elif args.apply:
@@ -474,6 +476,18 @@ def _versions() -> dict:
 def cmd_build(args: argparse.Namespace) -> int:
     """``qcompiler build CONFIG``: compile as the config says (tools/build_config.py made ``args``),
     then record the config as run and the versions in --out, so the build can be repeated."""
+    fixes = getattr(args, "fixes", None)
+    if fixes is not None:
+        if not Path(fixes).is_file():
+            print(f"no fixes file {fixes} yet ('qcompiler build {args.config} --report' writes it): "
+                  "building without it")
+        elif args.qconfig is not None or args.hybrid is not None:
+            raise ConfigError(f"{args.config}: fixes = {fixes!r} and qconfig / hybrid.file are both set; a fixes "
+                              "file is applied as both: merge it into your files and drop one of the keys")
+        else:
+            print(f"applying the report's fixes {fixes} (as --qconfig and --hybrid)")
+            args.qconfig = args.hybrid = fixes
+        args.fixes = None  # build.toml records what was applied: qconfig and hybrid.file
     code = cmd_compile(args)
     if code == EXIT_OK and os.environ.get("RANK", "0") == "0":
         out = Path(args.out)
