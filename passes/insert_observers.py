@@ -44,6 +44,7 @@ from qcompiler.backends.bpu import op_table
 from qcompiler.errors import ConfigError, PassError
 from qcompiler.ir.meta import (
     BPU,
+    META_DTYPE_REASON,
     META_FUSED_FROM,
     META_OP,
     META_PARTITION,
@@ -74,7 +75,7 @@ from qcompiler.passes.insert_stubs import ACTIVATION_POST_PROCESS
 from qcompiler.passes.place import PLACEMENT
 from qcompiler.quantization.fake_quantize import FakeQuantize, FakeQuantizeBase
 from qcompiler.quantization.observer import MinMaxObserver
-from qcompiler.quantization.qconfig import QConfig
+from qcompiler.quantization.qconfig import QConfig, with_activation_dtype
 from qcompiler.quantization.stubs import DeQuantStub, QuantStub
 
 OUTPUT_OBSERVER = STUB_OUTPUT_OBSERVER  # META_STUB of the graph-node observers this pass adds
@@ -115,6 +116,22 @@ def _check_int16(qconfig: QConfig, node: fx.Node, march) -> QConfig:
             f"node '{node.name}': its qconfig asks for qint16, but march {to_march(march).value!r} has no int16 "
             f"(int8 only); use an int8 qconfig here, or compile for a march with int16 (bayes)")
     return qconfig
+
+
+def _march_default(qconfig: QConfig, node: fx.Node, module, resolver, march) -> QConfig:
+    """The march's default output type of the node's op (``OpTable.default_dtypes``: data, with the
+    reason) where the node's qconfig is the global int8 one; a per-module qconfig keeps its own."""
+    if march is None or qconfig.dtype != "qint8" or qconfig.activation is None:
+        return qconfig
+    default = op_table(march).default_dtype(node.meta.get(META_OP))
+    if default is None or default.dtype == qconfig.dtype or not resolver.is_global(scope(node), module):
+        return qconfig
+    retyped = with_activation_dtype(qconfig, default.dtype)
+    if retyped is None:  # the user's own activation factory: theirs to type
+        return qconfig
+    node.meta[META_DTYPE_REASON] = f"{default.dtype}: {to_march(march).value} default for {node.meta.get(META_OP)} " \
+                                   f"({default.reason})"
+    return retyped
 
 
 def _boundary_qconfig(resolver, src: fx.Node, observer: fx.Node, modules: dict) -> Optional[QConfig]:
@@ -191,7 +208,8 @@ def insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             set_module(gm, node.target, DeQuantStub())  # ours returns float32 at the BPU exit
         if op in SCALE_PRESERVING_OPS:
             continue
-        qc = _check_int16(_require(resolver.for_scope(scope(node), module), node), node, ctx.march)
+        qc = _check_int16(_march_default(_require(resolver.for_scope(scope(node), module), node), node, module,
+                                         resolver, ctx.march), node, ctx.march)
         if module is not None and type(module) in DTYPE_FOLLOWING:
             module = follow_input_dtype(module)
             set_module(gm, node.target, module)

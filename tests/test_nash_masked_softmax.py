@@ -256,8 +256,11 @@ def _three_ways(cm, inputs, tmp_path, with_onnx=True):
     return module[0]
 
 
-def _qconfig(dtype):
-    return {"": get_default_calib_qconfig(dtype, observer="minmax")}
+def _qconfig(dtype, model):
+    """``dtype`` on every op, the kernels too: a module_type entry for the model's own class, which nash's
+    per-op default types (backends/bpu/nash.py ``default_dtypes``) leave alone."""
+    qc = get_default_calib_qconfig(dtype, observer="minmax")
+    return {"": qc, "module_type": [(type(model), qc)]}
 
 
 def _probabilities(cm, inputs):
@@ -288,7 +291,7 @@ def test_a_run_time_bool_mask_runs_on_the_bpu_bit_exact(dtype, tmp_path):
     x, m = torch.randn(2, 10, 16), mask(9)
     m[1, 0, 3] = False  # one row with every position masked: 0 on the BPU (torch: NaN)
     calib = [(torch.randn(2, 10, 16), mask(s)) for s in range(3)]
-    cm = qcompiler.compile(model, (x, m), march="nash", calib_data=calib, qconfig_dict=_qconfig(dtype),
+    cm = qcompiler.compile(model, (x, m), march="nash", calib_data=calib, qconfig_dict=_qconfig(dtype, model),
                            progress=False)
     assert cm.summary().splitlines()[0].endswith("1 bpu, 0 cpu partitions; BPU<->CPU boundary edges: 0")
     # the mask enters at the exact 0/1 grid
@@ -313,7 +316,7 @@ def test_a_constant_causal_mask_runs_on_the_bpu_bit_exact(dtype, tmp_path):
     model = MaskedAttention(length=12).eval()
     x = torch.randn(2, 12, 16)
     cm = qcompiler.compile(model, (x,), march="nash", calib_data=[(torch.randn(2, 12, 16),) for _ in range(3)],
-                           qconfig_dict=_qconfig(dtype), progress=False)
+                           qconfig_dict=_qconfig(dtype, model), progress=False)
     assert cm.summary().splitlines()[0].endswith("1 bpu, 0 cpu partitions; BPU<->CPU boundary edges: 0")
     y = _three_ways(cm, (x,), tmp_path, with_onnx=dtype == "qint8")
     mod, codes = _probabilities(cm, (x,))
@@ -344,8 +347,9 @@ def test_the_kernel_alone_is_bit_exact_three_ways_on_every_grid(dtype, dim, nega
     g = torch.Generator().manual_seed(21)
     calib = [(torch.randn(3, 5, 7, generator=g) * 4, torch.rand(mask_shape, generator=g) > 0.3) for _ in range(2)]
     x, m = torch.randn(3, 5, 7, generator=g) * 5, torch.rand(mask_shape, generator=g) > 0.3
-    cm = qcompiler.compile(MaskedOnly(dim, negate).eval(), (x, m), march="nash", calib_data=calib,
-                           qconfig_dict=_qconfig(dtype), progress=False)
+    only = MaskedOnly(dim, negate).eval()
+    cm = qcompiler.compile(only, (x, m), march="nash", calib_data=calib,
+                           qconfig_dict=_qconfig(dtype, only), progress=False)
     assert cm.summary().splitlines()[0].endswith("1 bpu, 0 cpu partitions; BPU<->CPU boundary edges: 0")
     y = _three_ways(cm, (x, m), tmp_path)
     (mod,) = [mod for mod in cm.converted.modules() if isinstance(mod, qnn.QuantizedMaskedSoftmax)]

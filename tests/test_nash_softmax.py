@@ -238,7 +238,8 @@ class EveryAxis(nn.Module):
 
 
 def _compile(model, example, calib, dtype):
-    qconfig = {"": get_default_calib_qconfig(dtype, observer="minmax")}
+    qc = get_default_calib_qconfig(dtype, observer="minmax")
+    qconfig = {"": qc, "module_type": [(type(model), qc)]}  # dtype on the kernels too, not nash's default
     return qcompiler.compile(model.eval(), (example,), march="nash", calib_data=[(b,) for b in calib],
                              qconfig_dict=qconfig, progress=False)
 

@@ -38,10 +38,25 @@ class OpRule:
 
 
 @dataclass(frozen=True)
+class DefaultDtype:
+    """A march's default activation type for one op's output, and why (the measurement behind it).
+
+    It applies where the op's qconfig is the global one (the default, ``qconfig_dict[""]`` or a root
+    ``qconfig`` attribute) and that qconfig asks for int8; a ``module_type`` / ``module_name`` entry or
+    a module's ``qconfig`` attribute, as well as ``int16_budget`` / ``auto_int16``, still decide.
+    """
+
+    dtype: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class OpTable:
     march: March
     general: tuple[Constraint, ...]
     rules: dict[str, OpRule] = field(default_factory=dict)
+    # op -> the march's default output type where the qconfig is the global int8 one (empty: int8 everywhere)
+    default_dtypes: dict[str, DefaultDtype] = field(default_factory=dict)
 
     def check(self, info: OpInfo) -> tuple[bool, str]:
         """``(True, why)`` if the op runs on the BPU, else ``(False, reason it does not)``."""
@@ -58,6 +73,10 @@ class OpTable:
     def has_int16(self) -> bool:
         """Does this march run any op on int16 activations? (bayes: yes; bernoulli2: int8 only)."""
         return any(rule.int16 for rule in self.rules.values())
+
+    def default_dtype(self, op: str) -> Optional[DefaultDtype]:
+        """The march's default output type of ``op`` under the global int8 qconfig, if it has one."""
+        return self.default_dtypes.get(op)
 
     def supports(self, op: str) -> bool:
         return op in self.rules

@@ -44,6 +44,8 @@ META_PARTITION = "qc_partition"
 META_FUSED_FROM = "qc_fused_from"
 # after convert: the integer type ("qint8" / "qint16" / "qint32") of a BPU node's quantized output
 META_QDTYPE = "qc_qdtype"
+# at insert_observers: why a BPU node's output type is the march's per-op default, not its qconfig's
+META_DTYPE_REASON = "qc_dtype_reason"
 # what a node inserted by the stub pass is: "input_dequant" | "activation_post_process";
 # by the observer pass: STUB_OUTPUT_OBSERVER | STUB_CONSTANT_QUANT
 META_STUB = "qc_stub"

@@ -52,6 +52,7 @@ __all__ = [
     "QCONFIG_DICT_KEYS",
     "QConfigResolver",
     "parse_qconfig_dict",
+    "with_activation_dtype",
 ]
 
 KINDS = ("calibration", "qat")
@@ -180,6 +181,24 @@ def get_default_qat_out_qconfig(weight_dtype="qint8") -> QConfig:
                    weight_dtype=weight_dtype, out_high_precision=True, kind="qat")
 
 
+def with_activation_dtype(qc: QConfig, dtype: str) -> Optional[QConfig]:
+    """``qc`` with its output quantized as ``dtype`` (same observer, same weights), or None when its
+    activation factory is not one of the defaults above (a user's own factory is left as it is)."""
+    dtype = check_dtype(dtype)
+    f = qc.activation
+    if not isinstance(f, _Factory):
+        return None
+    if f.fn is _calib_activation:
+        observer = f.args[0]
+        act = _Factory(f"CalibFakeQuantize({observer}, dtype={dtype})", _calib_activation, (observer, dtype))
+    elif f.fn is _qat_activation:
+        act = _Factory(f"FakeQuantize(MovingAverageMinMaxObserver, dtype={dtype})", _qat_activation, (dtype,))
+    else:
+        return None
+    return QConfig(activation=act, weight=qc.weight, dtype=dtype, weight_dtype=qc.weight_dtype,
+                   out_high_precision=qc.out_high_precision, kind=qc.kind)
+
+
 # ---------------------------------------------------------------------------
 # qconfig_dict
 
@@ -298,6 +317,11 @@ class QConfigResolver:
         attribute counts as the innermost one.
         """
         return self._lookup(scope_entries, module)[0]
+
+    def is_global(self, scope_entries: Sequence[ScopeEntry], module: Optional[nn.Module] = None) -> bool:
+        """Does the node's qconfig come from the global level (``qconfig_dict[""]``, a root ``qconfig``
+        attribute, or the default)? A march's per-op default type applies only there."""
+        return self._lookup(scope_entries, module)[1] is None
 
     def float_reason(self, scope_entries: Sequence[ScopeEntry], module: Optional[nn.Module] = None
                      ) -> Optional[str]:
