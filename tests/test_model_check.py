@@ -146,14 +146,19 @@ class TwoConvs(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def test_int16_boundary_is_in_the_report_but_prepare_does_not_warn():
-    """An int16 qconfig on one layer makes an int8/int16 boundary: listed, but asked for (no warning)."""
+def test_int16_boundary_is_in_the_report_but_prepare_does_not_warn(capsys):
+    """An int16 qconfig on one layer makes an int8/int16 boundary: listed, but asked for (no warning, and
+    nothing printed by prepare: every nash compile of a LayerNorm printed the table before)."""
     qconfig = {"": get_default_calib_qconfig(), "module_name": [("a", get_default_calib_qconfig(dtype="qint16"))]}
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cal = prepare_calibration_fx(TwoConvs().eval(), qconfig, example_inputs=X, march="bayes")
     assert not [x for x in w if issubclass(x.category, QCompilerWarning) and "model check" in str(x.message)]
+    assert capsys.readouterr().out == ""
     result = check_qat_model(cal, X, verbose=False)
+    assert "mixed_dtype" in capsys.readouterr().out  # called by the user, it prints what it found
+    assert check_qat_model(cal, X, printed=False).abnormal == result.abnormal
+    assert capsys.readouterr().out == ""
     assert [(a.where, a.kind, a.message) for a in result.abnormal] == [
         ("a", "mixed_dtype", "qint8 input, qint16 output: an int8/int16 boundary"),
         ("b", "mixed_dtype", "qint16 input, qint8 output: an int8/int16 boundary")]
@@ -266,3 +271,25 @@ def test_float_model_traced_with_the_defaults_example_inputs_leave_out():
     # a mask given is an input: the graph multiplies by it before the ReLU
     r = check_qat_model(DefaultedArgs().eval(), (X, torch.rand(1, 3, 8, 8)), verbose=False)
     assert [u["nodes"] for u in r.unfused] == [["conv", "bn"]]
+
+
+def test_a_nash_compile_with_default_int16_layer_norm_prints_nothing(capsys):
+    """nash makes layer_norm / softmax outputs int16 by default: the int8/int16 boundaries that follow
+    are the compiler's own choice, so compile neither prints nor warns about them."""
+    import qcompiler
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ln, self.fc2 = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc2(torch.softmax(self.ln(self.fc(x)), -1))
+
+    x = torch.randn(2, 4, 16)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cm = qcompiler.compile(Block().eval(), x, march="nash", progress=False)
+    assert "qint16" in set(cm.activation_dtypes.values())
+    assert capsys.readouterr().out == ""
+    assert not [x for x in w if "model check" in str(x.message)]

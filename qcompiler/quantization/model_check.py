@@ -458,12 +458,14 @@ def check_qat_model(
     *,
     run_forward: bool = True,
     verbose: bool = True,
+    printed: bool = True,
 ) -> ModelCheckResult:
     """Check a calibration/QAT model (or a float one, which is traced) for structures and
     qconfigs that hurt quantized accuracy; see the module docstring.
 
     Prints the anomalies (a short table; ``verbose=False`` prints nothing when there are
-    none). ``save_results=True`` writes ``model_check_result.txt`` into ``out_dir``
+    none; ``printed=False`` prints nothing at all, for a caller that reports the result its own way).
+    ``save_results=True`` writes ``model_check_result.txt`` into ``out_dir``
     (default: the working directory). ``run_forward=False`` counts module calls from the
     graph instead of running ``example_inputs`` through a copy of the model.
     """
@@ -499,10 +501,10 @@ def check_qat_model(
     if is_qat:
         _disabled_fake_quants(model, result)
 
-    table = result.anomaly_table()
+    table = result.anomaly_table() if printed else ""
     if table:
         print("check_qat_model found anomalies:\n" + table)
-    elif verbose:
+    elif verbose and printed:
         print("check_qat_model: no anomalies found.")
     if save_results:
         write_file(os.path.join(out_dir or os.getcwd(), RESULT_FILE), result.text().encode("utf-8"), "check_qat_model")

@@ -114,8 +114,9 @@ QUIET_AT_PREPARE = frozenset({"mixed_dtype"})
 
 
 def _warn_model_check(gm: fx.GraphModule) -> None:
-    """Run check_qat_model on the graph (no forward, nothing printed unless anomalous) and warn."""
-    result = check_qat_model(gm, None, run_forward=False, verbose=False)
+    """Run check_qat_model on the graph (no forward, nothing printed) and warn about what it finds
+    beyond :data:`QUIET_AT_PREPARE`."""
+    result = check_qat_model(gm, None, run_forward=False, verbose=False, printed=False)
     result.abnormal = [a for a in result.abnormal if a.kind not in QUIET_AT_PREPARE]
     if result.has_anomalies:
         warnings.warn(f"model check: {result.summary()}. Run qcompiler.tools.model_check.check_qat_model("
