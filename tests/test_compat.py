@@ -176,3 +176,23 @@ def test_only_the_compat_package_names_private_torch_modules():
                          cwd=ROOT, capture_output=True, text=True)
     files = {f for f in out.stdout.split() if not f.startswith("qcompiler/pt2e/")}
     assert files == {"qcompiler/compat/torch_private.py"}, files
+
+
+def test_the_simulators_int8_gemm_entry_reaches_torchs_int_mm():
+    """``sim.gemm.int_mm`` is the kernels' one call of torch's int8 GEMM. It once called itself (its own
+    name shadowed the compat import), so the self-test failed on every machine and the exact int8 GEMMs
+    were silently off: where torch's ``_int_mm`` is exact for these shapes, the entry and the self-test
+    must agree with it."""
+    from qcompiler.backends.bpu.sim import gemm
+    from qcompiler.compat import torch_private as tp
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (17, 32), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (32, 8), dtype=torch.int8, generator=g)
+    out = torch.empty(17, 8, dtype=torch.int32)
+    tp.int_mm(a, b, out=out)
+    if not torch.equal(out.long(), a.long() @ b.long()):
+        pytest.skip("torch._int_mm is not exact on this machine")
+    got = torch.empty(17, 8, dtype=torch.int32)
+    assert gemm.int_mm(a, b, got) is got and torch.equal(got, out)
+    assert gemm._int8_self_test()

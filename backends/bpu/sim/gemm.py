@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from qcompiler.backends.bpu.sim.bounds import F32_EXACT, F64_EXACT
-from qcompiler.compat.torch_private import int_mm, int_mm_exists
+from qcompiler.compat.torch_private import int_mm as torch_int_mm, int_mm_exists
 from qcompiler.quantization import fixed_point as fp
 
 __all__ = ["int8_gemm_available", "int8_gemm_preferred", "int8_dot_product", "int_mm", "gemm_operand", "gemm_mode", "exact_chunks", "float_plan"]
@@ -87,7 +87,7 @@ def int_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     exactly this function.
     """
     target = gemm_operand(out)
-    int_mm(gemm_operand(a), gemm_operand(b), out=target)
+    torch_int_mm(gemm_operand(a), gemm_operand(b), out=target)
     if target is not out:
         out.copy_(target)
     return out
