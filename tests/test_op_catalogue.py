@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.op_catalogue import (
     CORRECT,
+    CRASH,
     DOCUMENTED,
     RAW,
     WRONG,
@@ -83,3 +84,13 @@ def test_the_whole_catalogue_meets_the_targets():
     ours_onnx = lines["qcompiler: correct, all in onnxruntime (no torch island)"]
     theirs = lines["torch.onnx opset 11 + onnxruntime: correct"]
     assert ours_onnx >= theirs, (ours_onnx, theirs)
+
+
+def test_a_crash_in_torchs_exporter_is_a_row_not_noise(capfd):
+    """torch.onnx's opset-11 im2col export of ``unfold`` dies of SIGFPE. The row says so; the run prints
+    nothing: a forked worker inherited pytest's faulthandler and wrote ``Fatal Python error`` and a
+    40-line traceback into a green run (the worker is spawned now)."""
+    rows = run(float32_ops(["nn.functional.unfold"]), samples=1, timeout=60, theirs=True, progress=False)
+    out, err = capfd.readouterr()
+    assert [r.theirs for r in rows] == [CRASH] and "died" in rows[0].theirs_detail
+    assert "Fatal Python error" not in out + err and "Traceback" not in out + err, (out + err)[:300]
