@@ -102,6 +102,7 @@ from qcompiler.backends.bpu.sim import (  # noqa: F401  (each module registers i
     fast_cat,
     fast_conv,
     fast_linear,
+    fast_nash,
     fast_pool,
     fast_quantize,
     fast_resize,
