@@ -254,3 +254,19 @@ def test_int16_weights_under_int8_activations_run_on_the_float_gemms(march):
             assert torch.equal(cm(x), want)
             for cfg in CONFIGS:  # oneDNN's int8 conv wrapped the int16 weights to int8: a wrong answer
                 assert torch.equal(Runtime.simulated(cm.converted, programs, **cfg)(x), want), cfg
+
+
+def test_an_int16_input_takes_one_float64_gemm_not_hundreds_of_float32_chunks():
+    """float32 is exact below 2**24: an int16 input (|x| <= 32768) leaves each chunk a few input channels
+    of an int8 weight, so a 768-wide linear became ~200 GEMMs; one float64 GEMM is exact and faster. An
+    int8 input keeps float32 in at most two chunks, and no exact float form means no plan at all."""
+    from qcompiler.backends.bpu.sim.gemm import MAX_F32_CHUNKS, float_plan
+
+    w = torch.randint(-127, 128, (64, 768), generator=torch.Generator().manual_seed(0)).to(torch.int8)
+    l1 = w.to(torch.int64).abs().numpy()
+    row = int(l1.sum(axis=1).max())
+    assert float_plan(l1, row, 1 << 15, "f32") == (torch.float64, ((0, 768),))
+    dtype, chunks = float_plan(l1, row, 1 << 7, "f32")
+    assert dtype == torch.float32 and len(chunks) <= MAX_F32_CHUNKS
+    assert float_plan(l1, row, 1 << 7, "f64") == (torch.float64, ((0, 768),))
+    assert float_plan(l1, row, 1 << 45, "f32") is None

@@ -174,11 +174,16 @@ def float_plan(l1: np.ndarray, l1_row: int, amax: int, mode: str) -> Optional[tu
     """``(dtype, chunks)`` of the float GEMMs of a weight with L1 sums ``l1`` (``(O, C)``; ``l1_row``:
     the largest row sum) on inputs with ``|x| <= amax``: float32 over :func:`exact_chunks` in GEMM
     ``mode`` "f32", else float64 in one chunk while every sum stays below 2**53; None when neither
-    is exact (then fixed_point runs the layer)."""
-    if mode == "f32":
-        chunks = exact_chunks(l1, amax, F32_EXACT)
-        if chunks is not None:
-            return torch.float32, tuple(chunks)
-    if amax * l1_row < F64_EXACT:
+    is exact (then fixed_point runs the layer). More than :data:`MAX_F32_CHUNKS` float32 chunks lose to
+    one float64 GEMM: an int16 input (``amax`` 32768) leaves a chunk a few input channels, and ViT-B/16's
+    linears on nash's int16 LayerNorm outputs ran as hundreds of tiny GEMMs (4.5 s of a 4.7 s run)."""
+    chunks = exact_chunks(l1, amax, F32_EXACT) if mode == "f32" else None
+    f64 = amax * l1_row < F64_EXACT
+    if chunks is not None and (len(chunks) <= MAX_F32_CHUNKS or not f64):
+        return torch.float32, tuple(chunks)
+    if f64:
         return torch.float64, ((0, l1.shape[1]),)
     return None
+
+
+MAX_F32_CHUNKS = 2  # a float64 GEMM costs about two float32 ones
