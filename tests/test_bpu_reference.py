@@ -422,8 +422,13 @@ def test_layout_ops():
 
 # ---------------------------------------------------------------------------- adversarial values
 
-def test_float32_accumulation_would_be_wrong_but_simulator_is_exact():
-    """int8 extremes with Cin*k*k = 2304: the sums pass 2**24, so float32 accumulation rounds."""
+def test_float32_accumulation_would_be_wrong_but_simulator_is_exact(monkeypatch):
+    """int8 extremes with Cin*k*k = 2304: the sums pass 2**24, so float32 accumulation rounds. The float
+    kernel splits the reduction into float32-exact chunks (allowed here however many it takes; by default
+    more than two give way to one float64 GEMM), and equals the reference either way."""
+    from qcompiler.backends.bpu.sim import gemm
+
+    monkeypatch.setattr(gemm, "MAX_F32_CHUNKS", 64)
     t = Tiny(seed=17)
     Cin, Cout = 256, 4
     xi = torch.full((1, Cin, 3, 3), 127)
@@ -450,6 +455,10 @@ def test_float32_accumulation_would_be_wrong_but_simulator_is_exact():
     prog = check_all(gm, t)
     fast = BpuSimulator(prog, int8_gemm=False, native=False)  # (the native GEMM would take it in int32)
     assert len(fast._steps[1][0].whole._plan(128)[1]) > 1  # the float kernel split the reduction into float32-exact chunks
+    monkeypatch.undo()
+    check_all(gm, t)
+    fast = BpuSimulator(prog, int8_gemm=False, native=False)
+    assert fast._steps[1][0].whole._plan(128) == (torch.float64, ((0, Cin),))  # chunks of input channels
 
 
 def test_int32_accumulator_overflow_is_reported():
