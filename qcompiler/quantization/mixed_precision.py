@@ -171,9 +171,13 @@ def fake_quant_twin(cal: fx.GraphModule) -> fx.GraphModule:
     hybrid_dict = ({"module_name": list(placed.module_names), "module_type": list(placed.module_types)}
                    if placed is not None and (placed.module_names or placed.module_types) else None)
     model = set_state(prepare_qat_fx(cal, qc, hybrid=True, hybrid_dict=hybrid_dict), "validation").eval()
-    for path, m in cal.named_modules():  # int16 tensors stay int16 (frozen at the calibrated scale)
-        if isinstance(m, CalibFakeQuantize) and m.dtype != "qint8" and m.has_observed:
-            fq = model.get_submodule(path)
+    # each tensor keeps its calibrated dtype, frozen at the calibrated scale: int16 stays int16, and an int8 the
+    # user chose stays int8 where the march's default for the op (nash softmax) would be int16
+    for path, m in cal.named_modules():
+        if not (isinstance(m, CalibFakeQuantize) and m.has_observed):
+            continue
+        fq = model.get_submodule(path)
+        if m.dtype != "qint8" or fq.dtype != m.dtype:
             fq.activation_post_process.set_dtype(m.dtype)
             fq.set_qparams(m.calculate_qparams()[0])
     return model
