@@ -314,3 +314,75 @@ def test_saturation_advice_is_qualified_by_what_the_clipping_costs():
         assert ("costs little" in sat[0]["message"]) is cheap
         assert ("int16" in sat[0]["suggestion"]) is not cheap or "int16 advice" in sat[0]["suggestion"]
         assert ("no change needed" in sat[0]["suggestion"]) is cheap
+
+
+class Attention(nn.Module):
+    """One attention head; ``sm`` is a module so a qconfig entry can name the softmax."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.sm = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        a = self.sm(torch.matmul(self.q(x), self.k(x).transpose(-1, -2)) * 0.25)
+        return self.o(torch.matmul(a, self.v(x)))
+
+
+def _attention_setup(loud: float):
+    """nash attention with its softmax forced to int8 (histogram-mse); ``loud``: one token per batch that
+    much louder, whose rare attention peaks the MSE scale clips."""
+    torch.manual_seed(0)
+    m = Attention().eval()
+    g = torch.Generator().manual_seed(1)
+    data = []
+    for i in range(4):
+        x = torch.randn(4, 64, 16, generator=g)
+        x[i, 3] *= loud
+        data.append(x)
+    qc = {"": get_default_calib_qconfig(), "module_name": [("sm", get_default_calib_qconfig(dtype="qint8"))]}
+    cal = prepare_calibration_fx(m, qc, example_inputs=(data[0][:1],), march="nash")
+    cal.eval()
+    with torch.no_grad():
+        for x in data:
+            cal(x)
+    return m, data, qc, cal
+
+
+def test_a_functional_op_row_carries_its_output_quantizer_not_its_input_one(tmp_path):
+    m, data, _, cal = _attention_setup(loud=1.0)
+    qa = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path)
+    qa.auto_find_bad_case(data, metric="SQNR")
+    rows = {r["mod_name"]: r for r in qa.compare_per_layer()}
+    for op in ("matmul", "mul", "sm", "matmul_1"):  # each is quantized by <op>_activation_post_process after it
+        q = rows[f"{op}_activation_post_process"]
+        assert (rows[op]["quant_dtype"], rows[op]["qscale"]) == (q["quant_dtype"], q["qscale"]), op
+    assert rows["sm"]["quant_dtype"] == "qint8"  # the user's int8, not nash's int16 default for softmax
+    assert rows["transpose"]["qscale"] == rows["k"]["qscale"]  # a layout op carries its input's grid
+    # no finding on the softmax from a scale that is not its own (its range is used in full, nothing clipped)
+    assert not [a for a in qa.advice if a["mod_name"].startswith("sm")
+                and a["kind"] in ("saturation", "scale_too_large")], qa.advice
+
+
+def test_a_saturating_softmax_is_named_and_applying_the_written_file_gains(tmp_path):
+    m, data, qc, cal = _attention_setup(loud=6.0)
+    q = cal.get_submodule("sm_activation_post_process")
+    with torch.no_grad():
+        peak = max(float(m.sm(torch.matmul(m.q(x), m.k(x).transpose(-1, -2)) * 0.25).max()) for x in data)
+    assert float(q.calculate_qparams()[0]) * 127 < 0.9 * peak  # the MSE scale clips the loud token's peaks
+    qa = QuantAnalysis(m, cal, "fake_quant", out_dir=tmp_path)
+    qa.auto_find_bad_case(data, metric="SQNR")
+    first = [r for r in qa.advise(top_k=2) if r["fixes"]][0]
+    assert first["layer"] == "sm" and first["best"].gain > 2.0, first
+    assert (first["best"].kind, first["best"].observer) in (("observer", "minmax"), ("int16", ""))
+    path = qa.apply_advice(tmp_path / "fix.json")
+    written = json.loads(path.read_text())
+    assert "sm" in written["qconfig"]["module_name"]
+    for r in qa.fix_advice:  # a fix that gains less than MIN_FIX_GAIN is not written
+        if r["best"] is not None and r["best"].gain < 0.1:
+            assert r["layer"] not in written["qconfig"]["module_name"] and r["layer"] not in written["hybrid"]["module_name"]
+    before = qcompiler.compile(m, (data[0][:1],), march="nash", qconfig_dict=qc, calib_data=data, progress=False)
+    fixed = qcompiler.compile(m, (data[0][:1],), march="nash", qconfig_dict=read_qconfig_file(path),
+                              hybrid_dict=read_hybrid_file(path), calib_data=data, progress=False)
+    s0, s1 = _output_sqnr(m, before, data), _output_sqnr(m, fixed, data)
+    assert s1 > s0 + 2.0, (s0, s1)

@@ -586,7 +586,14 @@ class QuantAnalysis:
                 q = m
             elif isinstance(getattr(m, "activation_post_process", None), FakeQuantize):
                 q = m.activation_post_process
+        if q is None:  # a functional op's output quantizer is the fake quant that reads it (matmul, mul, softmax)
+            for user in node.users:
+                m = fq_mods.get(user.target) if user.op == "call_module" else None
+                if isinstance(m, FakeQuantize) and user.all_input_nodes == [node]:
+                    q = m
+                    break
         if q is None and node.meta.get(META_PLACEMENT) == BPU and not node.meta.get(META_STUB):
+            # a scale-preserving op (transpose, view) carries its input's grid
             for inp in node.all_input_nodes:
                 q = self._quantizer_at(inp.name, fq_nodes, fq_mods, memo)
                 if q is not None:
@@ -990,7 +997,7 @@ class QuantAnalysis:
         return "\n".join(lines) + "\n"
 
     def apply_advice(self, path: Union[str, Path]) -> Optional[Path]:
-        """Write the best fix (positive gain) of each advised layer as a JSON config file for
+        """Write the best fix of each advised layer that gains at least ``MIN_FIX_GAIN`` dB as a JSON config file for
         ``qcompiler compile --qconfig FILE --hybrid FILE`` (:mod:`qcompiler.tools.config_file`).
         Returns None and writes nothing when no fix gains: an empty file is not a fix."""
         if not getattr(self, "fix_advice", None):
