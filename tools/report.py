@@ -30,6 +30,7 @@ from matplotlib.patches import Patch
 from qcompiler.atomic_write import write_file
 from qcompiler.ir.dump import partition_table, to_dot
 from qcompiler.tools.metrics import compute_metric
+from qcompiler.tools.root_cause import MIN_FIX_GAIN
 
 __all__ = ["write_report", "graph_svg", "layer_sqnr", "REPORT_SECTIONS"]
 
@@ -373,7 +374,7 @@ def _int16_section(adv: dict) -> list[str]:
 def _root_cause_section(rows: list) -> list[str]:
     out = [f'<p class="note">Each fix applied alone, output SQNR measured on the bad case (all int8: '
            f'{rows[0]["base_sqnr"]:.2f} dB); best first. <code>qa.apply_advice(FILE)</code> / '
-           "<code>qcompiler report --apply FILE</code> writes the best ones with a positive gain for "
+           f"<code>qcompiler report --apply FILE</code> writes the best ones that gain at least {MIN_FIX_GAIN} dB for "
            "<code>qcompiler compile --qconfig FILE --hybrid FILE</code>.</p>"]
     for r in rows:
         if not r["fixes"]:
@@ -382,14 +383,14 @@ def _root_cause_section(rows: list) -> list[str]:
         out.append('<p class="big">Nothing found: no layer a config entry can name was measured, so there is '
                    "no fix to apply.</p>")
         return out
-    if not any(f.gain > 0 for r in rows for f in r["fixes"]):
+    if not any(f.gain >= MIN_FIX_GAIN for r in rows for f in r["fixes"]):
         out.append('<p class="big">Nothing found that gains: no measured fix raises the output SQNR on the bad '
                    "case; <code>--apply</code> writes no file.</p>")
     out.append(_table_head("rank", "layer", "fix", "output SQNR (dB)", "gain (dB)", left=frozenset({"layer", "fix"})))
     for r in rows:
         for i, f in enumerate(r["fixes"]):
             what = f"{f.kind} ({f.observer})" if f.observer else f.kind
-            out.append(f'<tr class="{"worst" if i == 0 and f.gain > 0 else ""}"><td>{r["rank"] if i == 0 else ""}</td>'
+            out.append(f'<tr class="{"worst" if i == 0 and f.gain >= MIN_FIX_GAIN else ""}"><td>{r["rank"] if i == 0 else ""}</td>'
                        f'<td class="l nw">{_e(r["layer"]) if i == 0 else ""}</td><td class="l">{_e(what)}</td>'
                        f"<td>{f.sqnr:.2f}</td><td>{f.gain:+.2f}</td></tr>")
     out.append("</table>")

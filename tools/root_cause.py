@@ -29,9 +29,10 @@ from qcompiler.ir.meta import BPU, META_OP, META_STUB, placement
 from qcompiler.quantization.fake_quantize import FakeQuantize
 from qcompiler.quantization.observer import make_observer
 
-__all__ = ["Fix", "layer_fixes", "CLIPPING_OBSERVERS", "fixes_json"]
+__all__ = ["Fix", "layer_fixes", "CLIPPING_OBSERVERS", "MIN_FIX_GAIN", "fixes_json"]
 
 CLIPPING_OBSERVERS = ("minmax", "percentile", "histogram-mse")
+MIN_FIX_GAIN = 0.1  # dB on the bad case: below it a fix is noise, not a change worth a config entry
 
 
 @dataclass(frozen=True)
@@ -150,14 +151,14 @@ def layer_fixes(model: nn.Module, quantizer: Optional[str], weight: Optional[str
 
 
 def fixes_json(advice: list[dict]) -> dict:
-    """The best fix with a positive gain of each advised layer as a config file (``--apply FILE``):
+    """The best fix gaining at least ``MIN_FIX_GAIN`` of each advised layer as a config file (``--apply FILE``):
     ``{"qconfig": {"module_name": {path: {"dtype": ..., "observer": ...}}}, "hybrid": {"module_name": [...]}}``,
     which ``qcompiler compile --qconfig FILE --hybrid FILE`` reads."""
     qconfig: dict[str, dict] = {}
     cpu: list[str] = []
     for row in advice:
         best = row.get("best")
-        if best is None or not best.gain > 0:
+        if best is None or not best.gain >= MIN_FIX_GAIN:
             continue
         if best.kind == "cpu":
             if best.target not in cpu:
