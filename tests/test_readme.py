@@ -41,6 +41,13 @@ def test_readme_has_the_blocks_it_promises():
     assert "qcompiler.quantization.weight_rounding" in README  # where optimize_weight_rounding comes from
 
 
+def test_readme_sets_up_before_the_tour():
+    """A new reader meets the two set-up commands before any block that needs the package installed."""
+    setup = README.index("## Set up and run")
+    assert setup < README.index("```python") and setup < README.index("## Example")
+    assert "bash scripts/setup.sh && python -m pytest -q" in README[setup:README.index("## Example")]
+
+
 @pytest.mark.slow
 def test_readme_python_blocks_run_as_written(tmp_path):
     blocks = _fenced("python")
