@@ -284,3 +284,40 @@ def test_returned_qconfig_dict_keeps_the_users_own_entries():
     again = prepare_calibration_fx(m, qd, example_inputs=(data[0][:1],))
     assert again.get_submodule("fc").activation_post_process is None
     assert int16_quantizers(again) == sorted(cal.meta[INT16_META]["quantizers"])
+
+
+class _Attention(nn.Module):
+    """One attention head; on nash its softmax output is int16 by default (the march's default_dtypes)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.sm = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        a = self.sm(torch.matmul(self.q(x), self.k(x).transpose(-1, -2)) * 0.25)
+        return self.o(torch.matmul(a, self.v(x)))
+
+
+def test_tensors_int16_by_default_stay_int16_and_do_not_count_against_the_budget():
+    from qcompiler.quantization.mixed_precision import _Measure
+
+    torch.manual_seed(0)
+    m = _Attention().eval()
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 32, 16, generator=g) for _ in range(3)]
+    cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march="nash")
+    calibrate(cal, data)
+    assert int16_quantizers(cal) == ["sm_activation_post_process"]  # nash's default for softmax
+    auto_int16(cal, data, budget=1.0)  # every tensor may move: the search goes on while a move gains
+    rec = cal.meta[INT16_META]
+    assert rec["already_int16"] == ["sm_activation_post_process"]
+    # no candidate: it is int16 already (measuring it once used to leave it int8 in the search's twin, so a
+    # later step 'gained' by moving it back)
+    assert "sm_activation_post_process" not in rec["quantizers"]
+    assert [q for q, _, _ in rec["steps"]][1] == ["o.activation_post_process"]
+    assert rec["steps"][1][1] == pytest.approx(45.81, abs=0.01)
+    assert "sm_activation_post_process" in int16_quantizers(cal)
+    # what the search reports is what the model now computes: the softmax was measured at int16 throughout
+    fresh = _Measure(cal, [(x,) for x in data], [])
+    assert fresh.sqnr([]) == pytest.approx(rec["reached_sqnr"], abs=1e-6)

@@ -136,11 +136,14 @@ def quantizer_scopes(gm: fx.GraphModule) -> dict[str, str]:
     return {q: _innermost_path(n, paths) for q, n in quantizer_owners(gm).items()}
 
 
-def _groups(gm: fx.GraphModule, user_paths: set[str]) -> list[_Group]:
-    """Candidates in graph order: quantizers grouped by the module scope their qconfig comes from."""
+def _groups(gm: fx.GraphModule, user_paths: set[str], skip: frozenset = frozenset()) -> list[_Group]:
+    """Candidates in graph order: quantizers grouped by the module scope their qconfig comes from; the
+    quantizers in ``skip`` (already int16) are no candidates."""
     owner = quantizer_owners(gm)
     groups: dict[str, _Group] = {}
     for tensor, quantizer in activation_quantizers(gm).items():
+        if quantizer in skip:
+            continue
         src = owner.get(quantizer)
         key = _innermost_path(src, user_paths) if src is not None else ""
         g = groups.setdefault(key, _Group(key))
@@ -383,7 +386,8 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
     batches), checked like calibration data against the example inputs it was prepared with
     (:func:`qcompiler.batches.check_inputs`: any batch size, floats cast); the reference is the
     calibration model's own (float) output. ``budget``: the largest fraction of BPU activation
-    tensors in int16; ``target_sqnr``: stop as soon as the output SQNR
+    tensors the search moves to int16 (tensors int16 already, by the march's defaults or the user's
+    qconfig, stay so and do not count); ``target_sqnr``: stop as soon as the output SQNR
     reaches it (dB). With both, the budget caps the search; with only ``target_sqnr``, the fewest
     tensors that reach it (all of them if none do). The chosen observers are re-typed to qint16 in
     ``calib_model`` (run ``optimize_weight_rounding`` after this, then ``convert_fx``), and the
@@ -396,7 +400,11 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
         raise ConfigError(f"auto_int16: candidates_per_step must be a positive int, got {candidates_per_step!r}")
     user_paths = {p for p, _ in calib_model.named_modules() if p}
     calib_model.eval()
-    groups = [g for g in _groups(calib_model, user_paths)
+    # tensors already int16 (the march's defaults, the user's qconfig) stay so and are no candidates: measuring
+    # one would switch it back to int8 in the twin afterwards, and moving it costs nothing of the budget
+    wide = frozenset(q for q in set(activation_quantizers(calib_model).values())
+                     if getattr(calib_model.get_submodule(q), "dtype", "qint8") != "qint8")
+    groups = [g for g in _groups(calib_model, user_paths, wide)
               if all(isinstance(calib_model.get_submodule(q), CalibFakeQuantize) for q in g.quantizers)]
     n_tensors = len(activation_quantizers(calib_model))
     limit = n_tensors if budget is None else math.floor(budget * n_tensors + 1e-9)
@@ -439,7 +447,7 @@ def auto_int16(calib_model: fx.GraphModule, batches: Iterable[Any], budget: Opti
     result = _qconfig_dict(calib_model, groups, chosen)
     calib_model.meta[GM_INT16] = {
         "chosen": [t for g in chosen for t in g.tensors], "quantizers": quantizers(chosen),
-        "tensors": n_tensors, "budget": budget, "target_sqnr": target_sqnr, "steps": steps,
+        "tensors": n_tensors, "already_int16": sorted(wide), "budget": budget, "target_sqnr": target_sqnr, "steps": steps,
         "baseline_sqnr": base, "reached_sqnr": current, "evaluations": measure.count, "qconfig_dict": result,
     }
     return result
