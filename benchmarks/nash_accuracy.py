@@ -80,7 +80,8 @@ def measure(name: str) -> list[Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["transformer_block", "vit_small", "BERT", "GPT-2", "ViT"])
+    parser.add_argument("--models", nargs="+", default=["transformer_block", "vit_small", "BERT", "GPT-2", "ViT"],
+                        choices=["transformer_block", "vit_small", *hf.BY_NAME], metavar="MODEL")
     args = parser.parse_args()
     rows = []
     for name in args.models:
