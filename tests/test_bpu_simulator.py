@@ -270,3 +270,38 @@ def test_an_int16_input_takes_one_float64_gemm_not_hundreds_of_float32_chunks():
     assert dtype == torch.float32 and len(chunks) <= MAX_F32_CHUNKS
     assert float_plan(l1, row, 1 << 7, "f64") == (torch.float64, ((0, 768),))
     assert float_plan(l1, row, 1 << 45, "f32") is None
+
+
+@pytest.mark.skipif(not __import__("qcompiler.backends.bpu.sim.gemm", fromlist=["x"]).int8_gemm_available(),
+                    reason="torch._int_mm is not exact here: the int16 x int8 split has no int8 GEMM to run on")
+@pytest.mark.parametrize("seed", range(8))
+def test_an_int16_input_on_int8_weights_splits_into_two_exact_int8_gemms(seed):
+    """nash's LayerNorm outputs are int16 and feed int8-weight linears: the fast layer splits each input into
+    its high and low bytes, two int8 GEMMs (``_FastLinear._split16``), instead of one float64 GEMM. Bit for bit
+    the int64 reference, over random shapes, the int16 extremes (-32768, 32767, around the byte edges) and
+    weights of -128 and 127, with and without bias."""
+    from qcompiler.backends.bpu.sim.fast_linear import _FastLinear
+
+    t = Tiny(seed=seed)
+    g = t.gen
+    B, K, O = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (6, 300, 40))
+    ints = torch.randint(-(1 << 15), 1 << 15, (B, K), generator=g)
+    edges = torch.tensor([-(1 << 15), (1 << 15) - 1, -1, 0, 255, 256, -256, -257, 127, -128])
+    flat_ints = ints.view(-1)
+    flat_ints[:min(len(edges), flat_ints.numel())] = edges[:flat_ints.numel()]
+    x = t.input(ints, 0.01, "qint16")
+    w = torch.randint(-128, 128, (O, K), generator=g).to(torch.int8)
+    w[0, :min(K, 4)] = torch.tensor([-128, 127, -128, 127])[:min(K, 4)]
+    bias = torch.randint(-1000, 1000, (O,), generator=g).float() * 0.01 if seed % 2 else None
+    layer = qnn.QuantizedWeightLayer("linear", w, rand_scales(g, O), bias, 0.01, 0.5, "qint16", {}, None, None,
+                                     name="fc")
+    prog = lower_partition(t.build(t.call(layer, x, name="fc")), "bpu0")
+    inputs = dict(zip([v.name for v in prog.inputs], t.inputs))
+    want = ref.run_program(prog, {k: v.numpy() for k, v in inputs.items()})
+    sim = BpuSimulator(prog, int8_gemm=True, native=False)
+    kernels = [fn for fn, *_ in sim._steps if isinstance(fn, _FastLinear)]
+    assert len(kernels) == 1 and kernels[0].split16  # the split path ran, not the float64 GEMM
+    out = sim.run(inputs)
+    for spec in prog.outputs:
+        got = out[spec.name].int_repr() if isinstance(out[spec.name], QTensor) else out[spec.name]
+        assert np.array_equal(got.numpy().astype(np.int64), want[spec.name])
