@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch.fx as fx
 import torch.nn as nn
 
-from qcompiler.errors import PassError
+from qcompiler.errors import ConfigError, PassError
 from qcompiler.ir.meta import (
     BPU,
     CPU,
@@ -125,6 +125,8 @@ def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
         bound = [u for u in source.users if _bpu_bound(u)]
         if not bound:
             continue
+        if source.op == "placeholder" and isinstance(source.meta.get(META_TENSOR), (list, tuple)):
+            raise _structured_input(source, bound[0])
         module = factory()
         mod_name = free_name(gm, f"{source.name}_{ACTIVATION_POST_PROCESS}")
         gm.add_submodule(mod_name, module)
@@ -146,6 +148,17 @@ def _insert_observers(gm: fx.GraphModule, ctx: CompileContext) -> bool:
             _follow_onto_bpu(user, obs)
         changed = True
     return changed
+
+
+def _structured_input(source: fx.Node, user: fx.Node) -> ConfigError:
+    """A positional input that is a list / tuple of tensors feeding the BPU: its quantizer would take the whole
+    structure. As keyword inputs each tensor is one graph input (qcompiler.ir.shape_prop.KeywordInputs)."""
+    name = source.name
+    return ConfigError(
+        f"model input '{name}' is a list / tuple of tensors that feeds BPU op '{user.name}', and the BPU takes "
+        f"tensors one by one: give the example inputs as a dict of keyword inputs, e.g. "
+        f"qcompiler.compile(model, {{'{name}': [...]}}), which makes each tensor of '{name}' one input (the "
+        f"compiled model still takes '{name}' as it is; a prepared model takes {name}_0, {name}_1, ...)")
 
 
 def _last_placeholder(gm: fx.GraphModule) -> fx.Node:

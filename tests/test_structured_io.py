@@ -412,3 +412,70 @@ def test_the_export_refuses_a_constant_leaf_by_name(tmp_path):
     _, cm = compiled("constant")
     with pytest.raises(UnsupportedOpError, match="graph output 'name' is not a tensor"):
         cm.export_onnx(tmp_path / "c.onnx")
+
+
+class ImagesToDicts(nn.Module):
+    """A detector's interface with a traceable body: a list of images (C, H, W) in, a list of dicts out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, images):
+        out = []
+        for image in images:
+            f = self.head(torch.relu(self.conv(image[None])))
+            out.append({"boxes": f.flatten(1), "scores": f.mean((2, 3))})
+        return out
+
+
+class ImagePair(ImagesToDicts):
+    """ImagesToDicts indexing its two images (symbolic tracing takes that; it cannot iterate a list)."""
+
+    def forward(self, images):
+        return self.head(self.conv(images[0][None])), self.head(self.conv(images[1][None]))
+
+
+@pytest.mark.parametrize("capture, model", [("fx", ImagePair), ("export", ImagesToDicts), ("auto", ImagesToDicts)])
+def test_a_positional_list_of_images_feeding_the_bpu_is_a_config_error_naming_the_dict_form(capture, model):
+    """The quantizer of a positional list would take the whole list (an AttributeError from inside torch
+    before): the error names the input and the keyword form that makes each image one input."""
+    images = [torch.randn(3, 8, 8), torch.randn(3, 8, 8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        with pytest.raises(ConfigError, match=r"model input 'images' is a list / tuple of tensors that feeds BPU op "
+                                              r"'getitem'.*qcompiler.compile\(model, \{'images': \[...\]\}\)"):
+            qcompiler.compile(model().eval(), (images,), march="bayes", progress=False,
+                              prepare_custom_config_dict={"capture": capture})
+
+
+def test_a_list_of_images_as_a_keyword_input_is_one_graph_input_per_image(tmp_path):
+    """``{"images": [...]}``: each image is one placeholder (GM_INPUT_SPEC), the whole body is on the BPU,
+    and the list of dicts comes back from the compiled model (called with the list by keyword or position),
+    its .qc and its ONNX export (inputs images.0, images.1) bit for bit."""
+    torch.manual_seed(0)
+    model = ImagesToDicts().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"images": [torch.randn(3, 8, 8, generator=g), torch.randn(3, 8, 8, generator=g)]} for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", QCompilerWarning)
+        cm = qcompiler.compile(model, batches[0], march="bayes", calib_data=batches, progress=False)
+    assert {s.kind for s in cm.runtime.steps} == {"bpu"}  # (one partition per image: they share nothing)
+    images = batches[1]["images"]
+    got = cm(images=images)
+    assert isinstance(got, list) and [sorted(d) for d in got] == [["boxes", "scores"]] * 2
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(cm(images), got) for k in a)
+    with torch.no_grad():
+        want = model(images)
+    for g_, w in zip(got, want):
+        assert compute_metric("SQNR", w["boxes"], g_["boxes"]) > 25.0
+    loaded = qcompiler.load(cm.save(tmp_path / "m.qc"))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(loaded(images=images), got) for k in a)
+    cm.export_onnx(tmp_path / "m.onnx")
+    session = inference_session(str(tmp_path / "m.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["images.0", "images.1"]
+    outs = session.run(None, {"images.0": images[0].numpy(), "images.1": images[1].numpy()})
+    assert all(torch.equal(torch.from_numpy(o), w) for o, w in zip(outs, pytree.tree_leaves(got)))
+    with pytest.raises(ConfigError, match="structure"):
+        cm(images=images[:1])  # one image where the model was compiled for two
