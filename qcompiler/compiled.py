@@ -220,13 +220,16 @@ class CompiledModel:
             raise error(f"{what}: {len(islands)} CPU island(s) run in eager torch, which {why}: {listed}. "
                         f"Keep those modules out of the model you {what}, or give them an ONNX form")
 
-    def export_onnx(self, path: Union[str, Path]) -> dict:
+    def export_onnx(self, path: Union[str, Path], *, dynamic_batch: bool = True) -> dict:
         """The whole model as one ONNX opset-11 file plus its ``.quant.json`` sidecar; returns the sidecar.
 
+        ``dynamic_batch``: a symbolic batch axis where the graph is per-sample, as in
+        :func:`qcompiler.onnx.export_to_onnx` (False: the example inputs' batch).
         A model with torch islands (:meth:`torch_islands`) has no ONNX form: an UnsupportedOpError
         names each island's nodes and why."""
         self._refuse_torch_islands("export_onnx", UnsupportedOpError, "ONNX opset 11 cannot express")
-        return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, fs_path(path, "export_onnx"))
+        return export_to_onnx(self._need_graph("export_onnx"), self.example_inputs, fs_path(path, "export_onnx"),
+                              dynamic_batch=dynamic_batch)
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the runtime (tensors, JSON, ONNX; no pickled code) to one file; :func:`load` reads it.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import onnx
@@ -32,13 +33,16 @@ import torch.fx as fx
 import torch.nn as nn
 
 from qcompiler.atomic_write import check_target, write_files
+from qcompiler.backends.onnx.batch_axis import batch_fixing_node
 from qcompiler.backends.onnx.emitter import OnnxEmitter, _check_names, check_dynamic_axes, graph_input_leaves
-from qcompiler.errors import ConfigError, QCompilerError
+from qcompiler.errors import ConfigError, QCompilerError, QCompilerWarning
+from qcompiler.ir.batch_dim import batch_refusal
 from qcompiler.ir.meta import GM_KIND, GM_PARTITIONS, META_TENSOR, TensorInfo
 from qcompiler.ir.partitions import partitions
 from qcompiler.ir.shape_prop import dtype_name
 
 SIDECAR_SUFFIX = ".quant.json"
+BATCH_AXIS = "batch"  # the dim_param of the symbolic batch axis
 _EXPORTABLE_KINDS = ("calibration", "qat", "quantized")
 
 PathOrFile = Union[str, os.PathLike, io.IOBase]
@@ -53,6 +57,7 @@ def export_to_onnx(
     opset_version: int = 11,
     dynamic_axes: Optional[dict] = None,
     enable_onnx_checker: bool = True,
+    dynamic_batch: bool = True,
 ) -> dict:
     """Write ``model`` as an ONNX opset-11 file to ``f`` and its quantization sidecar next to it.
 
@@ -65,8 +70,12 @@ def export_to_onnx(
     ``dynamic_axes``: as in ``torch.onnx.export``, ``{"input": {0: "batch"}}`` or
     ``{"input": [0]}``, for graph inputs and outputs; output dims that follow a dynamic input
     axis become symbolic too (ONNX shape inference says which), named like the input's axis
-    when the label propagates. ``enable_onnx_checker``: run
-    ``onnx.checker.check_model(full_check=True)`` before writing.
+    when the label propagates; given, it is all there is (no default batch axis).
+    ``dynamic_batch`` (without ``dynamic_axes``): dim 0 of every input and output is the symbolic
+    ``"batch"`` where the graph is proven per-sample along dim 0 (the analysis the batch split
+    uses, :func:`qcompiler.ir.batch_dim.batch_refusal`), else the traced batch with a
+    QCompilerWarning naming the node that fixes it; ``False``: the traced batch, no warning.
+    ``enable_onnx_checker``: run ``onnx.checker.check_model(full_check=True)`` before writing.
 
     Returns the sidecar dict. Raises ConfigError for ``opset_version != 11``, a model
     that is not prepared, args that do not match the traced inputs, unknown names or
@@ -82,12 +91,18 @@ def export_to_onnx(
     _check_destination(f)
     gm = _check_model(model)
     dyn = _dynamic_axes(dynamic_axes)
-    infos = _check_inputs(gm, _flatten_args(args), input_names, dyn)
+    batch = _batch_axis(gm) if dynamic_axes is None and dynamic_batch else None
+    infos = _check_inputs(gm, _flatten_args(args), input_names, dyn, batch)
 
     emitter = OnnxEmitter(gm, quantize=True)
-    result = emitter.emit_graph(input_names=input_names, output_names=output_names, input_infos=infos,
-                                dynamic_axes=dyn)
-    proto = result.model
+    proto = emitter.emit_graph(input_names=input_names, output_names=output_names, input_infos=infos,
+                               dynamic_axes=dyn, batch_axis=batch).model
+    fixing = batch_fixing_node(proto) if batch is not None else None
+    if fixing is not None:  # an emitted constant holds the traced batch: export that batch
+        _warn_fixed_batch(infos, f"ONNX node '{fixing}' holds the traced batch size in a constant")
+        emitter = OnnxEmitter(gm, quantize=True)
+        proto = emitter.emit_graph(input_names=input_names, output_names=output_names, input_infos=infos,
+                                   dynamic_axes=dyn).model
     if enable_onnx_checker:
         try:
             onnx.checker.check_model(proto, full_check=True)
@@ -186,11 +201,31 @@ def _flatten_args(args: Any) -> list[torch.Tensor]:
                       f"got {type(args).__name__}")
 
 
+def _batch_axis(gm: fx.GraphModule) -> Optional[str]:
+    """:data:`BATCH_AXIS` when ``gm`` is proven per-sample along dim 0, else None after a
+    QCompilerWarning saying which node fixes the batch."""
+    why = batch_refusal(gm)
+    if why is None:
+        return BATCH_AXIS
+    _, infos = graph_input_leaves(gm)
+    _warn_fixed_batch(infos, why)
+    return None
+
+
+def _warn_fixed_batch(infos: Sequence[Any], why: str) -> None:
+    first = next((i for i in infos if isinstance(i, TensorInfo) and i.shape), None)
+    size = f" at {first.shape[0]}" if first is not None else ""
+    warnings.warn(f"export_to_onnx: the exported model's batch is fixed{size} (the traced batch), as the graph "
+                  f"does not keep its samples apart along dim 0: {why}. Pass dynamic_batch=False to export the "
+                  "fixed batch without this warning, or dynamic_axes to declare the axes yourself",
+                  QCompilerWarning, stacklevel=3)
+
+
 def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Optional[Sequence[str]],
-                  dynamic: dict[str, dict[int, str]]) -> list[Any]:
+                  dynamic: dict[str, dict[int, str]], batch: Optional[str] = None) -> list[Any]:
     """The graph inputs' TensorInfos, after checking ``args`` against the shapes the model was traced
     with (shape propagation, ``node.meta[META_TENSOR]``): count, dtype, rank, and every size except on
-    axes declared in ``dynamic_axes``. The graph's constants (reshape sizes, calibrated scales) are
+    axes declared in ``dynamic_axes`` (dim 0 of every input with a ``batch`` axis). The graph's constants (reshape sizes, calibrated scales) are
     those of the traced shapes, so other inputs would give a failing or silently wrong file."""
     defaults, recorded = graph_input_leaves(gm)
     names = _check_names(input_names, defaults, "input_names")
@@ -206,7 +241,7 @@ def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Opt
         if given.dtype != info.dtype:
             raise ConfigError(f"export_to_onnx: input '{name}' has dtype {given.dtype}, the model was traced "
                               f"with {info.dtype}; pass a {info.dtype} tensor")
-        axes = dynamic.get(name, {})
+        axes = dynamic.get(name, {0: batch} if batch is not None else {})
         check_dynamic_axes(name, axes, info)
         traced = f"the model was traced with shape {info.shape}; pass an input of the traced shape"
         if len(given.shape) != len(info.shape):
@@ -247,4 +282,4 @@ def _write(f: PathOrFile, data: bytes, sidecar_text: str) -> None:
     write_files([(path, data), (path + SIDECAR_SUFFIX, sidecar_text.encode("utf-8"))], "export_to_onnx")
 
 
-__all__ = ["export_to_onnx", "inference_session", "SIDECAR_SUFFIX", "ORT_DISABLED_OPTIMIZERS"]
+__all__ = ["export_to_onnx", "inference_session", "SIDECAR_SUFFIX", "BATCH_AXIS", "ORT_DISABLED_OPTIMIZERS"]

@@ -678,7 +678,9 @@ def test_grouped_conv_transpose_float_partition_exports():
 
 def _bad_args_cases(x):
     return [
-        ((torch.randn(2, 3, 32, 32),), {}, r"input 'x' has shape \(2, 3, 32, 32\), the model was traced with "
+        # a batch that is not the traced one: only with the batch fixed (the default keeps it symbolic)
+        ((torch.randn(2, 3, 32, 32),), {"dynamic_batch": False},
+         r"input 'x' has shape \(2, 3, 32, 32\), the model was traced with "
                                            r"shape \(1, 3, 32, 32\).*dynamic_axes\['x'\]"),
         # only a batch size gets the dynamic_axes hint: the spatial sizes are baked into the graph
         ((torch.randn(1, 3, 16, 16),), {}, r"input 'x' has shape \(1, 3, 16, 16\).*traced with shape "
@@ -686,7 +688,8 @@ def _bad_args_cases(x):
         ((torch.randn(3, 32, 32),), {}, r"input 'x' has shape \(3, 32, 32\).*traced with shape \(1, 3, 32, 32\)"),
         ((x[0].double(),), {}, r"input 'x' has dtype f64, the model was traced with f32"),
         ((x[0], x[0]), {}, r"takes 1 input tensor\(s\) \(x\), got 2"),
-        ((torch.randn(2, 3, 32, 32),), {"input_names": ["image"]}, r"input 'image' has shape \(2, 3, 32, 32\)"),
+        ((torch.randn(2, 3, 32, 32),), {"input_names": ["image"], "dynamic_batch": False},
+         r"input 'image' has shape \(2, 3, 32, 32\)"),
         # a dynamic batch does not excuse another size elsewhere
         ((torch.randn(2, 3, 16, 32),), {"dynamic_axes": {"x": {0: "batch"}}},
          r"input 'x' has shape \(2, 3, 16, 32\).*pass an input of the traced shape$"),
@@ -767,9 +770,12 @@ def test_dynamic_input_axis_makes_the_outputs_batch_symbolic_and_runs_at_other_s
     model = onnx.load_from_string(buf.getvalue())
     assert _dims(model.graph.input[0]) == ["x_dynamic_axes_1", 3, 32, 32]
     assert _dims(model.graph.output[0]) == ["N", 5]
-    # without dynamic axes every dim stays fixed
+    # without dynamic axes the batch is symbolic (the graph is per-sample); dynamic_batch=False fixes it
     buf = io.BytesIO()
     export_to_onnx(q, x, buf)
+    assert _dims(onnx.load_from_string(buf.getvalue()).graph.output[0]) == ["batch", 5]
+    buf = io.BytesIO()
+    export_to_onnx(q, x, buf, dynamic_batch=False)
     assert _dims(onnx.load_from_string(buf.getvalue()).graph.output[0]) == [1, 5]
 
 

@@ -225,7 +225,10 @@ class OnnxEmitter:
                    output_names: Optional[Sequence[str]] = None,
                    node_filter: Optional[Callable[[fx.Node], bool]] = None,
                    input_infos: Optional[list[Any]] = None,
-                   dynamic_axes: Optional[dict[str, dict[int, str]]] = None) -> EmitResult:
+                   dynamic_axes: Optional[dict[str, dict[int, str]]] = None,
+                   batch_axis: Optional[str] = None) -> EmitResult:
+        """``batch_axis``: a label for dim 0 of every graph input and output that ``dynamic_axes``
+        does not name (the caller has proven the graph per-sample along dim 0)."""
         dynamic = dict(dynamic_axes or {})
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         defaults, flat_infos = graph_input_leaves(self.gm)
@@ -235,6 +238,9 @@ class OnnxEmitter:
                                   f"({', '.join(defaults)}), got {len(input_infos)}")
             flat_infos = list(input_infos)
         names = _check_names(input_names, defaults, "input_names")
+        named = set(dynamic)
+        if batch_axis is not None:
+            dynamic.update({n: {0: batch_axis} for n in names if n not in named})
         self._graph_input_names = set()
         graph_inputs = []
         k = 0
@@ -261,6 +267,8 @@ class OnnxEmitter:
         if spec is not None and spec.num_leaves == len(out_vals):  # named by where they sit: out, aux, 0.1
             out_default = spec_leaf_names(spec)
         out_names = _check_names(output_names, out_default, "output_names")
+        if batch_axis is not None:
+            dynamic.update({n: {0: batch_axis} for n in out_names if n not in named})
         for name in list(dynamic):
             if name not in names and name not in out_names:
                 raise ConfigError(f"dynamic_axes names {name!r}, which is neither an input "

@@ -24,6 +24,11 @@ canonical op (``META_OP``), its arguments and the shapes shape propagation recor
   op is allowed.
 
 None means proven; a string names the first node that stops it and why.
+
+:func:`batch_refusal` is the same analysis without the CPU rule: whether the graph is per-sample
+at all, whatever the float rounding.  It decides where the ONNX export gets a symbolic batch axis
+(qcompiler.onnx): an exported graph runs at any batch size when every row is its own sample's,
+even where a float kernel may round its last bit differently at another size.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from qcompiler.ir.meta import BPU, META_OP, META_TENSOR, TensorInfo, placement
 from qcompiler.ir.ops import Binding, Tag, bind, callee, emit_op, tagged
 from qcompiler.nn.quantized import QuantizedSameScale
 
-__all__ = ["split_refusal", "RULES", "CPU_EXACT"]
+__all__ = ["split_refusal", "batch_refusal", "RULES", "CPU_EXACT"]
 
 
 @dataclass(frozen=True)
@@ -602,6 +607,17 @@ def _with_alpha(node: fx.Node) -> bool:
 def split_refusal(gm: fx.GraphModule) -> Optional[str]:
     """None when every output row of ``gm`` provably depends only on the same row of every input
     (dim 0), computed alike at any batch size; else why not, naming the node."""
+    return _refusal(gm, cpu_exact=True)
+
+
+def batch_refusal(gm: fx.GraphModule) -> Optional[str]:
+    """None when every output row of ``gm`` provably depends only on the same row of every input
+    (dim 0), its float CPU ops allowed to round differently at another batch size; else why not,
+    naming the node."""
+    return _refusal(gm, cpu_exact=False)
+
+
+def _refusal(gm: fx.GraphModule, *, cpu_exact: bool) -> Optional[str]:
     modules = dict(gm.named_modules())
     states: dict[fx.Node, Any] = {}
     for node in gm.graph.nodes:
@@ -623,7 +639,7 @@ def split_refusal(gm: fx.GraphModule) -> Optional[str]:
                 rule = RULES.get(op) if op else None
                 if rule is None:
                     raise Refused(f"op {op or node.target!r} has no batch rule (it may mix samples)")
-                on_cpu = placement(node) != BPU
+                on_cpu = cpu_exact and placement(node) != BPU
                 if on_cpu and (op not in CPU_EXACT or (op in ("add", "sub", "rsub") and _with_alpha(node))):
                     # a float kernel whose rounding may depend on the tensor's length
                     if any(states[a] is not CONST for a in node.all_input_nodes):
