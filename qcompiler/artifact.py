@@ -249,6 +249,10 @@ def check_manifest(m: dict, path: Path) -> None:
                                 f"({len(m['inputs'])}), got {short(sig)}")
         for i, s in enumerate(sig):
             _check_signature(s, f"{where}: input_signature[{i}]", 0)
+    refusal = m.get("split_refusal")
+    if refusal is not None and not isinstance(refusal, str):
+        raise ArtifactError(f"{where}: 'split_refusal' is {short(refusal)}, expected null (the graph was proven "
+                            "per-sample) or a JSON string (why not)")
     for key, size in m["members"].items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ArtifactError(f"{where}: members[{key!r}] is {short(size)}, expected a byte count")

@@ -47,7 +47,7 @@ from qcompiler.quantization.mixed_precision import auto_int16, check_budget, req
 from qcompiler.quantization.prepare import prepare_calibration_fx
 from qcompiler.quantization.sync import require_batches
 from qcompiler.quantization.weight_rounding import optimize_weight_rounding
-from qcompiler.runtime import Runtime, Step, output_structure, plan_steps
+from qcompiler.runtime import NOT_ANALYSED, Runtime, Step, output_structure, plan_steps
 
 MODES = ("ptq", "qat")
 
@@ -245,6 +245,7 @@ class CompiledModel:
             "outputs": self.runtime.outputs,
             "input_signature": self.runtime.input_signature,
             "steps": [s.to_json() for s in self.runtime.steps],
+            "split_refusal": self.runtime.split_refusal,  # the batch split's proof: the file keeps no graph
         }
         for key, spec in (("output_spec", self.runtime.output_spec), ("input_spec", self.runtime.input_spec)):
             if spec is not None:  # only structured models have one: the files of the others stay as they were
@@ -299,8 +300,9 @@ def load(path: Union[str, bytes, os.PathLike], *, ort_threads: int = 1,
     """A runnable model from a file written by ``CompiledModel.save`` (no Python class needed);
     ``path`` as ``open()`` takes it (str, bytes or os.PathLike).
 
-    ``threads`` is kept (``CompiledModel.threads``), but an artifact has no graph to prove the
-    batch split safe with, so a loaded model runs every batch whole."""
+    ``threads`` is kept (``CompiledModel.threads``); the batch split runs where the saved model's
+    graph was proven per-sample (the manifest's ``split_refusal``, null then; a file without it runs
+    every batch whole: it has no graph to prove the split safe with)."""
     check_ort_threads(ort_threads, "load")
     if threads is not None:
         resolve_threads(threads, "load")
@@ -312,7 +314,7 @@ def load(path: Union[str, bytes, os.PathLike], *, ort_threads: int = 1,
     try:
         runtime = Runtime(steps, manifest["inputs"], manifest["outputs"], programs, islands,
                           ort_threads=ort_threads, input_signature=manifest.get("input_signature"), threads=threads,
-                          **specs)
+                          split_refusal=manifest.get("split_refusal", NOT_ANALYSED), **specs)
     except Exception as exc:  # a program the simulator cannot compile, an island onnxruntime refuses
         raise ArtifactError(f"{path}: the runtime cannot be built from this file ({type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None

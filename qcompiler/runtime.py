@@ -41,8 +41,9 @@ from qcompiler.ir.meta import BPU, CPU, META_PARTITION, placement
 from qcompiler.ir.structure import unflatten
 from qcompiler.parallel import resolve_threads, run_split
 
-# split_refusal of a runtime built without its graph (an artifact): nothing proves it per-sample
-NOT_ANALYSED = "the graph was not analysed (a model loaded from an artifact keeps no graph)"
+# split_refusal of a runtime built without its graph and without a saved proof (an artifact whose
+# manifest has no split_refusal): nothing proves it per-sample
+NOT_ANALYSED = "the graph was not analysed (an artifact without the saved proof keeps no graph)"
 
 
 @dataclass

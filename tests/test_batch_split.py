@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import qcompiler
 import qcompiler.zoo as zoo
 from qcompiler.distributed import evaluate
-from qcompiler.errors import ConfigError
+from qcompiler.errors import ArtifactError, ConfigError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.parallel import batch_size, in_worker, run_split, split_args
 from qcompiler.runtime import NOT_ANALYSED, Runtime
+from artifact_edit import Edit
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True, database=None)
 SIZE = 32
@@ -292,12 +293,46 @@ def zoo_model_refusal(name: str) -> str:
     return cm.split_refusal
 
 
-def test_a_loaded_model_is_not_split(tmp_path):
-    cm = zoo_model("resnet18")
-    loaded = qcompiler.load(cm.save(tmp_path / "m.qca"), threads=2)
-    assert loaded.split_refusal == NOT_ANALYSED and loaded.threads == 2
+@pytest.mark.parametrize("which", ["resnet18", "cpu_island"])
+def test_a_loaded_model_keeps_the_batch_split(which, tmp_path, monkeypatch):
+    """The manifest carries the proof (``split_refusal``: null), so the loaded model splits batch 3 over
+    its threads and gives the original's outputs."""
+    cm = cpu_island_model() if which == "cpu_island" else zoo_model(which)
+    loaded = qcompiler.load(cm.save(tmp_path / "m.qc"), threads=2)
+    assert loaded.split_refusal is None and loaded.threads == 2
+    assert Edit(tmp_path / "m.qc").manifest["split_refusal"] is None
+    x = torch.randn(3, *cm.example_inputs[0].shape[1:], generator=torch.Generator().manual_seed(4))
+    want = _unsplit(cm, x)
+    calls = []
+
+    def spy(fn, args, threads):
+        calls.append((batch_size(args), threads))
+        return run_split(fn, args, threads)
+
+    monkeypatch.setattr("qcompiler.runtime.run_split", spy)
+    assert _equal(loaded(x), want)
+    assert calls == [(3, 2)]  # split over both threads
+
+
+def test_a_loaded_model_keeps_the_refusal_and_an_old_file_is_not_split(tmp_path):
+    cm = _compile(_BatchMean().eval(), torch.randn(1, 3, 6, 6))
+    assert cm.split_refusal is not None and "mean" in cm.split_refusal
+    path = cm.save(tmp_path / "m.qc")
+    assert qcompiler.load(path, threads=2).split_refusal == cm.split_refusal
+    old = Edit(zoo_model("resnet18").save(tmp_path / "r.qc"))
+    del old.manifest["split_refusal"]  # a file saved before the manifest kept the proof
+    loaded = qcompiler.load(old.write(tmp_path / "old.qc"), threads=2)
+    assert loaded.split_refusal == NOT_ANALYSED
     x = torch.randn(3, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(loaded(x), _unsplit(cm, x))
+    assert torch.equal(loaded(x), _unsplit(zoo_model("resnet18"), x))
+
+
+@pytest.mark.parametrize("bad", [True, 0, ["no"], {"why": "x"}])
+def test_a_split_refusal_of_another_type_is_an_artifact_error(bad, tmp_path):
+    edit = Edit(zoo_model("unet").save(tmp_path / "m.qc"))
+    edit.manifest["split_refusal"] = bad
+    with pytest.raises(ArtifactError, match=r"manifest.json: 'split_refusal' is .*expected null"):
+        qcompiler.load(edit.write(tmp_path / "bad.qc"))
 
 
 @pytest.mark.parametrize("bad", [0, -1, "2", 2.0, True])
