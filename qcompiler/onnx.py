@@ -246,6 +246,8 @@ def _check_inputs(gm: fx.GraphModule, args: list[torch.Tensor], input_names: Opt
         traced = f"the model was traced with shape {info.shape}; pass an input of the traced shape"
         if len(given.shape) != len(info.shape):
             raise ConfigError(f"export_to_onnx: input '{name}' has shape {given.shape}, {traced}")
+        if 0 in given.shape and 0 not in info.shape:
+            raise ConfigError(f"export_to_onnx: input '{name}' has shape {given.shape}, an empty tensor; {traced}")
         free = {a % len(info.shape) for a in axes}
         differ = [a for a, (e, g) in enumerate(zip(info.shape, given.shape)) if e != g and a not in free]
         if differ:
