@@ -27,13 +27,15 @@ from qcompiler.atomic_write import check_directory, write_file
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_island
-from qcompiler.batches import as_args, check_inputs, fresh_args, input_signature, require_dense, require_samples
+from qcompiler.batches import (as_args, check_inputs, fresh_args, input_signature, require_dense, require_samples,
+                               tensors_in)
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
 from qcompiler.ir.dump import dump_partitioned
 from qcompiler.ir.meta import (BPU, GM_INPUT_SPEC, GM_INT16, GM_KIND, GM_MARCH, GM_OUTPUT_SPEC, META_PLACEMENT,
-                               META_QDTYPE, META_REASON, META_TENSOR)
+                               META_QDTYPE, META_REASON, META_TENSOR, TensorInfo)
+from qcompiler.ir.capture import GM_CAPTURE
 from qcompiler.ir.shape_prop import KeywordInputs, normalize_inputs
 from qcompiler.ir.state import ModelState
 from qcompiler.ir.structure import bind_structured, check_output_leaves, spec_from_json, spec_to_json
@@ -349,7 +351,31 @@ def lower(converted: fx.GraphModule, *, ort_threads: int = 1, example_inputs: Op
     signature = input_signature(example_inputs) if example_inputs is not None else None
     return Runtime(steps, inputs, output_structure(out_node.args[0]), programs, islands, ort_threads=ort_threads,
                    input_signature=signature, eager=eager, threads=threads, split_refusal=split_refusal(converted),
-                   output_spec=converted.meta.get(GM_OUTPUT_SPEC), input_spec=converted.meta.get(GM_INPUT_SPEC))
+                   output_spec=converted.meta.get(GM_OUTPUT_SPEC), input_spec=converted.meta.get(GM_INPUT_SPEC),
+                   batch_outputs=_batch_outputs(converted, out_node, example_inputs))
+
+
+def _batch_outputs(converted: fx.GraphModule, out_node: fx.Node,
+                   example_inputs: Any) -> Optional[tuple[int, Optional[tuple[bool, ...]]]]:
+    """(the example's batch, per output tensor leaf whether its dim 0 is that batch, or None), from the
+    traced output shapes; None without example inputs. The outputs are checked only for a graph torch.export
+    captured: it took every size from the example, so an output at the example's batch is one that follows
+    the input's (symbolic tracing keeps sizes read at run time, and a ``view(1, -1)`` may mean it)."""
+    first = next((t for t in tensors_in(example_inputs) if t.dim() > 0), None) if example_inputs is not None else None
+    if first is None:
+        return None
+    b0 = int(first.shape[0])
+    infos = _tensor_infos(out_node.meta.get(META_TENSOR))
+    exported = converted.meta.get(GM_CAPTURE) == "export"
+    return b0, tuple(bool(i.shape) and i.shape[0] == b0 for i in infos) if exported and infos else None
+
+
+def _tensor_infos(info: Any) -> list:
+    if isinstance(info, TensorInfo):
+        return [info]
+    if isinstance(info, (tuple, list)):
+        return [t for v in info for t in _tensor_infos(v)]
+    return []
 
 
 def calibration_batches(calib_data: Optional[Iterable[Any]], inputs: tuple) -> list[tuple]:

@@ -33,7 +33,7 @@ from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.bpu.sim.executor import BpuSimulator
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.ort import OrtIsland
-from qcompiler.batches import check_inputs
+from qcompiler.batches import check_inputs, tensors_in
 from qcompiler.compat.torch_private import TreeSpec
 from qcompiler.errors import ConfigError
 from qcompiler.ir.batch_dim import split_refusal
@@ -175,8 +175,12 @@ class Runtime:
                  input_signature: Optional[list] = None, eager: Optional[dict] = None,
                  threads: Optional[int] = None, split_refusal: Optional[str] = NOT_ANALYSED,
                  simulator: Optional[dict[str, Any]] = None, dequantize: bool = True,
-                 output_spec: Optional[TreeSpec] = None, input_spec: Optional[TreeSpec] = None) -> None:
+                 output_spec: Optional[TreeSpec] = None, input_spec: Optional[TreeSpec] = None,
+                 batch_outputs: Optional[tuple[int, Optional[tuple[bool, ...]]]] = None) -> None:
         self.steps, self.input_names, self.outputs = list(steps), list(input_names), outputs
+        # (the example's batch, per output tensor whether its dim 0 was that batch, for an exported graph): a
+        # graph not proven per-sample is checked at another batch (torch.export bakes the example's sizes in)
+        self.batch_outputs = batch_outputs
         # the model's structured output and input (qcompiler.ir.structure): outputs are the flat tuple of
         # the spec's leaves, rebuilt into its structure; None: returned as ``outputs`` says
         self.output_spec, self.input_spec = output_spec, input_spec
@@ -226,8 +230,28 @@ class Runtime:
         if self.split_refusal is None:
             out = run_split(self._run_checked, args, resolve_threads(self.threads, "threads"))
         else:
-            out = self._run_checked(*args)
+            out = self._run_at_another_batch(args)
         return unflatten(out, self.output_spec)
+
+    def _run_at_another_batch(self, args: tuple) -> Any:
+        """A graph not proven per-sample, run at a batch other than the example's: a failure, or an output
+        whose batch is not the call's, is a ConfigError saying the graph fixes the batch (a shape torch.export
+        or a folded constant took from the example), not a traceback from inside torch or a wrong answer."""
+        first = next((t for t in tensors_in(args) if t.dim() > 0), None)
+        if self.batch_outputs is None or first is None or first.shape[0] == self.batch_outputs[0]:
+            return self._run_checked(*args)
+        b, b0 = first.shape[0], self.batch_outputs[0]
+        fix = (f"the graph is not proven per-sample ({self.split_refusal}) and may fix the batch at the "
+               f"example's {b0}: call it at batch {b0}, or compile with example inputs of the batch you run")
+        try:
+            out = self._run_checked(*args)
+        except RuntimeError as exc:
+            raise ConfigError(f"compiled model: batch {b} failed ({exc}); {fix}") from None
+        for t, batched in zip(tensors_in(out), self.batch_outputs[1] or ()):
+            if batched and t.shape[0] != b:
+                raise ConfigError(f"compiled model: called at batch {b}, an output came back at batch {t.shape[0]}; "
+                                  f"{fix}")
+        return out
 
     def _run_checked(self, *args: Any) -> Any:
         env: dict[str, Any] = dict(zip(self.input_names, args))

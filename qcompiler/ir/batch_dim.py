@@ -194,8 +194,15 @@ def _leading(call: _Call, states: dict, out_info: Any) -> Any:
 def _others(call: _Call, states: dict, d: Optional[int]) -> None:
     """Operands besides the first (a fused add's other input, weights): constants, or batched in
     the output's batch dim ``d`` with the same size (a residual added to a conv's output)."""
+    out_rank = len(_shape(call.first)) if d is not None else 0
     for a, st in _tensor_inputs(call.node, states):
-        if a is call.first or st is CONST:
+        if a is call.first:
+            continue
+        if st is CONST:  # broadcast onto every sample only if it is 1 (or absent) along the batch dim
+            shp = _shape(a) if d is not None and isinstance(_info(a), TensorInfo) else ()
+            k = d - (out_rank - len(shp)) if shp else -1
+            if 0 <= k < len(shp) and shp[k] != 1:
+                raise Refused(f"a constant operand '{a.name}' of shape {list(shp)} lies along the batch dim")
             continue
         if d is None or st != _Batched(d) or _shape(a)[d] != _shape(call.first)[d]:
             raise Refused(f"operand '{a.name}' depends on the batch in another way than the input")
