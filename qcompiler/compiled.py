@@ -32,7 +32,7 @@ from qcompiler.batches import (as_args, check_inputs, fresh_args, input_signatur
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
-from qcompiler.ir.dump import dump_partitioned
+from qcompiler.ir.dump import DUMP_STEM, dump_partitioned
 from qcompiler.ir.meta import (BPU, GM_INPUT_SPEC, GM_INT16, GM_KIND, GM_MARCH, GM_OUTPUT_SPEC, META_PLACEMENT,
                                META_QDTYPE, META_REASON, META_TENSOR, TensorInfo)
 from qcompiler.ir.capture import GM_CAPTURE
@@ -194,9 +194,10 @@ class CompiledModel:
     def dump(self, out_dir: Union[str, Path], name: Optional[str] = None) -> list[Path]:
         """Graph dumps (code, table, JSON, DOT/SVG), each CPU island's ONNX and each BPU program's listing,
         into the directory ``out_dir`` (created if missing; an empty path, a file or a path below one is
-        a ConfigError naming it)."""
+        a ConfigError naming it). The graph files are ``model.*`` (``DUMP_STEM``) unless ``name`` says
+        otherwise, as every other dump names them."""
         out = check_directory(fs_path(out_dir, "dump"), "dump")
-        result = dump_partitioned(self._need_graph("dump"), out, name=name or self.name)
+        result = dump_partitioned(self._need_graph("dump"), out, name=name or DUMP_STEM)
         files = list(result.files)
         for step in self.runtime.steps:
             if step.kind == BPU:

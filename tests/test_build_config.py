@@ -63,7 +63,7 @@ def test_build_equals_compile_with_the_same_flags_and_records_the_config(capsys,
     code, _, err = _run(capsys, *flags)
     assert code == 0, err
     built = tmp_path / "build_out"
-    assert (built / "hybrid.qc").read_bytes() == (tmp_path / "flags" / "hybrid.qc").read_bytes()
+    assert (built / "model.qc").read_bytes() == (tmp_path / "flags" / "model.qc").read_bytes()
     versions = json.loads((built / "versions.json").read_text())
     assert versions["qcompiler"] and versions["torch"] and versions["python"]
     recorded = built / "build.toml"

@@ -276,7 +276,7 @@ def test_compile_on_an_image_folder(capsys, tmp_path):
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("output SQNR vs float on "))
     assert line.startswith(f"output SQNR vs float on the calibration data, 3 images in {tmp_path / 'imgs'}: ")
-    assert (tmp_path / "o" / "hybrid.qc").exists()
+    assert (tmp_path / "o" / "model.qc").exists()
 
 
 def test_compile_on_random_data_says_random(capsys, tmp_path):

@@ -42,11 +42,11 @@ def test_partition_zoo_hybrid(capsys, tmp_path):
     assert SUMMARY in out.splitlines()
     for name in ("bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2"):
         assert name in out
-    for f in ("hybrid.code.txt", "hybrid.table.txt", "hybrid.json", "hybrid.dot", "summary.txt"):
+    for f in ("model.code.txt", "model.table.txt", "model.json", "model.dot", "summary.txt"):
         assert (out_dir / f).is_file(), f
         assert str(out_dir / f) in out
     assert (out_dir / "summary.txt").read_text().splitlines()[0] == SUMMARY
-    data = json.loads((out_dir / "hybrid.json").read_text())
+    data = json.loads((out_dir / "model.json").read_text())
     assert [p["name"] for p in data["partitions"]] == ["bpu0", "cpu0", "bpu1", "cpu1", "bpu2", "cpu2"]
     conv3 = next(n for n in data["nodes"] if n["node"] == "conv3")
     assert conv3["placement"] == "cpu"
@@ -58,7 +58,7 @@ def test_partition_zoo_with_input_shape(capsys, tmp_path):
                           "--march", "bernoulli2", "--out", str(tmp_path))
     assert code == 0, err
     assert "partitions: 1 bpu, 0 cpu" in out
-    data = json.loads((tmp_path / "resnet18.json").read_text())
+    data = json.loads((tmp_path / "model.json").read_text())
     assert data["march"] == "bernoulli2"
     assert data["nodes"][0]["shape"] == "f32[1,3,64,64]"
 
@@ -89,7 +89,7 @@ def test_partition_module_factory_file(capsys, tmp_path):
                           "--hybrid-module-type", "torch.nn.Embedding", "--out", str(out_dir))
     assert code == 0, err
     assert out.splitlines()[0].startswith("partitions: ")
-    data = json.loads((out_dir / "TwoInputs.json").read_text())
+    data = json.loads((out_dir / "model.json").read_text())
     assert data["model"] == "TwoInputs"
     inputs = [n for n in data["nodes"] if n["op"] == "placeholder"]
     assert [n["shape"] for n in inputs] == ["f32[1,3,8,8]", "i64[2,5]"]
@@ -166,7 +166,7 @@ def test_python_m_end_to_end(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0].startswith("partitions: ")
-    assert (out_dir / "hybrid.json").is_file()
+    assert (out_dir / "model.json").is_file()
     assert (out_dir / "summary.txt").read_text().splitlines()[0] == proc.stdout.splitlines()[0]
 
 
@@ -178,11 +178,11 @@ def test_compile_command_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "BPU<->CPU boundary edges:" in text
     assert "output SQNR vs float on random data (2 seeded batches of uniform noise, --calib-random; not real " in text
-    for f in ("hybrid.onnx", "hybrid.onnx.quant.json", "hybrid.qc", "hybrid.json", "bpu0.program.txt"):
+    for f in ("model.onnx", "model.onnx.quant.json", "model.qc", "model.json", "bpu0.program.txt"):
         assert (out / f).exists(), f
     import qcompiler
 
-    m = qcompiler.load(out / "hybrid.qc")
+    m = qcompiler.load(out / "model.qc")
     assert m(torch.rand(1, 3, 16, 16)).shape == (1, 3, 16, 16)
 
 
@@ -190,7 +190,7 @@ def test_compile_command_weight_rounding(tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["compile", "zoo:hybrid", "--input-shape", "1,3,16,16", "--calib-random", "2",
                  "--weight-rounding", "--out", str(out)]) == 0
-    assert (out / "hybrid.qc").exists()
+    assert (out / "model.qc").exists()
 
 
 def test_compile_command_calib_npz(tmp_path, capsys):
@@ -266,7 +266,7 @@ def test_compile_float64_calib_data_is_cast_like_float32(capsys, tmp_path):
                               "--out", str(tmp_path / dtype))
         assert code == 0, err
         assert f"output SQNR vs float on the calibration data, 4 samples from {npz}: " in out
-        runs[dtype] = (tmp_path / dtype / "hybrid.qc").read_bytes()
+        runs[dtype] = (tmp_path / dtype / "model.qc").read_bytes()
     assert runs["float64"] == runs["float32"]  # float64 samples are rounded to float32, then calibrate alike
 
 

@@ -16,7 +16,7 @@ def test_partition_with_export_capture_matches_fx(capsys, tmp_path):
                               "--out", str(out_dir))
         assert code == 0, err
         assert SUMMARY in out.splitlines()
-        data = json.loads((out_dir / "hybrid.json").read_text())
+        data = json.loads((out_dir / "model.json").read_text())
         placed[capture] = [(n["node"], n["placement"]) for n in data["nodes"]]
     assert placed["fx"] == placed["export"]
     assert ("conv3", "cpu") in placed["export"]

@@ -46,7 +46,7 @@ def test_report_help_has_target_sqnr(capsys):
 def test_march_any_case_on_the_command_line(capsys, tmp_path, spelling):
     assert main(["partition", "zoo:hybrid", "--input-shape", "1,3,16,16", "--march", spelling,
                  "--out", str(tmp_path)]) == 0, capsys.readouterr().err
-    assert json.loads((tmp_path / "hybrid.json").read_text())["march"] == "bayes"
+    assert json.loads((tmp_path / "model.json").read_text())["march"] == "bayes"
 
 
 def test_march_any_case_in_the_python_api():

@@ -64,7 +64,7 @@ def test_partitions_summary_and_dump(tmp_path, guide_hybrid_dict):
     assert cm.boundary_edges() == 5
     assert "3 bpu, 3 cpu partitions; BPU<->CPU boundary edges: 5" in cm.summary()
     names = {p.name for p in cm.dump(tmp_path)}
-    assert {"bpu0.program.txt", "cpu0.onnx", "HybridModel.json", "summary.txt"} <= names
+    assert {"bpu0.program.txt", "cpu0.onnx", "model.json", "summary.txt"} <= names
 
 
 def test_save_load_in_a_fresh_process(tmp_path):

@@ -310,13 +310,13 @@ def test_cli_module_types_of_the_model_still_work(capsys, tmp_path):
     code, out, err = _cli(capsys, "partition", "zoo:hybrid", "--march", "bayes", "--hybrid-module-type",
                           "torch.nn.PReLU", "--out", str(tmp_path / "p"))
     assert code == 0, err
-    assert {reason for _, _, reason in _module_type_reasons(tmp_path / "p", "hybrid")} == {
+    assert {reason for _, _, reason in _module_type_reasons(tmp_path / "p", "model")} == {
         "hybrid_dict module_type PReLU"}
     path = _write(tmp_path, {"hybrid": {"module_type": ["qcompiler.zoo.hybrid._SeluModule"]}})
     code, out, err = _cli(capsys, "compile", "zoo:hybrid", "--hybrid", str(path), "--calib-random", "1",
                           "--out", str(tmp_path / "c"))
     assert code == 0, err
-    assert _module_type_reasons(tmp_path / "c", "hybrid") == {("selu_2", "cpu", "hybrid_dict module_type _SeluModule")}
+    assert _module_type_reasons(tmp_path / "c", "model") == {("selu_2", "cpu", "hybrid_dict module_type _SeluModule")}
 
 
 # ----------------------------------------------------------------------------- QCOMPILER_DIST_TIMEOUT

@@ -161,7 +161,7 @@ def test_cli_report_apply_then_compile_with_the_file(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "int16: " in out and " BPU activation tensors" in out
-    table = (tmp_path / "c" / "hybrid.table.txt").read_text()
+    table = (tmp_path / "c" / "model.table.txt").read_text()
     assert cfg["hybrid"]["module_name"] or cfg["qconfig"]["module_name"]  # the advice proposes something
     for name in cfg["hybrid"]["module_name"]:
         assert f'hybrid_dict module_name "{name}"' in table

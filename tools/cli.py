@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize (PTQ), lower and package a model; write dumps, ONNX, sidecar and artifact",
         description="Calibrate MODEL (on --calib-data, --calib-images or --calib-random batches), convert it to fixed "
         "point, lower BPU partitions to programs and CPU partitions to ONNX islands, and write into "
-        "--out: the review dump, MODEL.onnx with MODEL.onnx.quant.json, and MODEL.qc (load it with "
+        "--out: the review dump, model.onnx with model.onnx.quant.json, and model.qc (load it with "
         "qcompiler.load).",
     )
     _add_model_args(p)

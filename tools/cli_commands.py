@@ -31,7 +31,7 @@ from qcompiler.calib_data import CalibData, ImagePreprocess, input_names, load_b
 from qcompiler.distributed import is_main_process, join_torchrun, shard
 from qcompiler.errors import ConfigError
 from qcompiler.ir.capture import DEFAULT_CAPTURE
-from qcompiler.ir.dump import dump_partitioned
+from qcompiler.ir.dump import DUMP_STEM, dump_partitioned
 from qcompiler.ir.names import resolve_type
 from qcompiler.ir.partitions import partitions, summary_line
 from qcompiler.quantization.convert import convert_fx
@@ -247,7 +247,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
         prepare_custom_config_dict=custom,
         dump_dir=dump_dir,
     )
-    result = dump_partitioned(gm, out, name=name)
+    result = dump_partitioned(gm, out)
 
     print(summary_line(gm))
     rows = [[p.name, p.placement, len(p.nodes), _names(p.inputs), _names(p.outputs)] for p in partitions(gm)]
@@ -377,11 +377,11 @@ def _compile(args: argparse.Namespace) -> int:
     if not is_main_process():
         return EXIT_OK
     out = Path(args.out)
-    files = compiled.dump(out, name=name)
-    onnx_path = out / f"{name}.onnx"
+    files = compiled.dump(out)
+    onnx_path = out / f"{DUMP_STEM}.onnx"
     compiled.export_onnx(onnx_path)
     files += [onnx_path, Path(f"{onnx_path}.quant.json")]
-    files.append(compiled.save(out / f"{name}.qc"))
+    files.append(compiled.save(out / f"{DUMP_STEM}.qc"))
     print(compiled.summary())
     ops = {}
     for part in compiled.partitions:

@@ -48,7 +48,13 @@ __all__ = [
     "summary_text",
     "dump_partitioned",
     "NO_PLACEMENT",
+    "DUMP_STEM",
 ]
+
+DUMP_STEM = "model"
+"""The stem of every file a dump or ``qcompiler compile --out`` writes (``model.json``, ``model.onnx``,
+``model.qc``), whatever the entry point or the model: the directory names the model, the files
+inside have fixed names (docs/dumps.md)."""
 
 NO_PLACEMENT = "-"
 """Placement/partition shown for nodes that have none (graph inputs and the output)."""
@@ -263,7 +269,7 @@ def _check_name(name: Any) -> str:
     return name
 
 
-def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = "model") -> DumpResult:
+def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = DUMP_STEM) -> DumpResult:
     """Write ``{name}.code.txt``, ``{name}.table.txt``, ``{name}.json``, ``{name}.dot``,
     ``{name}.svg`` (only if graphviz's ``dot`` is installed) and ``summary.txt`` into ``out_dir``.
 
