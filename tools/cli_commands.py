@@ -33,7 +33,7 @@ from qcompiler.errors import ConfigError
 from qcompiler.ir.capture import DEFAULT_CAPTURE
 from qcompiler.ir.dump import DUMP_STEM, dump_partitioned
 from qcompiler.ir.names import resolve_type
-from qcompiler.ir.partitions import partitions, summary_line
+from qcompiler.ir.partitions import format_op_counts, partitions, summary_line
 from qcompiler.quantization.convert import convert_fx
 from qcompiler.quantization.fake_quantize import set_state
 from qcompiler.quantization.prepare import prepare_calibration_fx, prepare_qat_fx
@@ -252,6 +252,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     print(summary_line(gm))
     rows = [[p.name, p.placement, len(p.nodes), _names(p.inputs), _names(p.outputs)] for p in partitions(gm)]
     print(tabulate(rows, headers=["partition", "placement", "#nodes", "inputs", "outputs"], tablefmt="simple"))
+    print(format_op_counts(gm))
     print(f"wrote {len(result.files)} files to {out}:")
     for path in result.files:
         print(f"  {path}")
@@ -383,10 +384,7 @@ def _compile(args: argparse.Namespace) -> int:
     files += [onnx_path, Path(f"{onnx_path}.quant.json")]
     files.append(compiled.save(out / f"{DUMP_STEM}.qc"))
     print(compiled.summary())
-    ops = {}
-    for part in compiled.partitions:
-        ops[part["placement"]] = ops.get(part["placement"], 0) + part["ops"]
-    print("ops per placement: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
+    print(format_op_counts(compiled.converted))
     if compiled.int16 is not None:
         rec = compiled.int16
         print(f"int16: {len(rec['chosen'])} of {rec['tensors']} BPU activation tensors "

@@ -29,6 +29,8 @@ from matplotlib.patches import Patch
 
 from qcompiler.atomic_write import write_file
 from qcompiler.ir.dump import partition_table, to_dot
+from qcompiler.ir.meta import BPU, CPU
+from qcompiler.ir.partitions import op_counts
 from qcompiler.tools.metrics import compute_metric
 from qcompiler.tools.root_cause import MIN_FIX_GAIN
 
@@ -286,8 +288,8 @@ def _overview(analysis, sqnr: Sequence[float]) -> list[str]:
     if jump is not None:
         cards.append((f"{sqnr[jump]:.1f} dB", f"error jumps at: {analysis.compare_rows[jump]['mod_name']}"))
     cards.append((str(len(analysis.compare_rows)), "layers compared"))
-    placements = [r.get("placement") for r in analysis.layers]
-    cards.append((f"{placements.count('bpu')} / {placements.count('cpu')}", "layers on BPU / CPU"))
+    counts = op_counts(analysis.analysis_graph)  # the count compile and partition print
+    cards.append((f"{counts[BPU]} / {counts[CPU]}", "ops on BPU / CPU"))
     out = ['<div class="cards">']
     out += [f'<div class="card"><b>{_e(v)}</b><span>{_e(label)}</span></div>' for v, label in cards]
     out.append("</div>")

@@ -37,7 +37,7 @@ from qcompiler.ir.meta import (
     scope,
 )
 from qcompiler.ir.ops import describe_target
-from qcompiler.ir.partitions import boundary_edges, partitions, summary_line
+from qcompiler.ir.partitions import boundary_edges, op_counts, partitions, summary_line
 from qcompiler.ir.printing import annotated_code
 
 __all__ = [
@@ -144,8 +144,8 @@ def to_json(gm: fx.GraphModule) -> dict:
             "cpu_partitions": sum(p.placement == CPU for p in parts),
             "nodes": len(table),
             # the ops of the partitions (quantizer nodes left out), the count every output uses
-            "bpu_nodes": sum(len(p.nodes) for p in parts if p.placement == BPU),
-            "cpu_nodes": sum(len(p.nodes) for p in parts if p.placement == CPU),
+            "bpu_nodes": op_counts(gm)[BPU],
+            "cpu_nodes": op_counts(gm)[CPU],
             "boundary_edges": [[a, b] for a, b in edges],
         },
         "partitions": [p.to_dict() for p in parts],

@@ -87,6 +87,21 @@ def boundary_edges(gm: fx.GraphModule) -> list[tuple[str, str]]:
     return edges
 
 
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """Ops per placement (``{"bpu": 20, "cpu": 9}``; both keys always there): the ops of the
+    partitions (:func:`partitions`, quantizer nodes left out). The one count every output prints:
+    the dump's JSON, ``qcompiler compile`` and ``partition``, and the report's overview."""
+    counts = {BPU: 0, CPU: 0}
+    for p in partitions(gm):
+        counts[p.placement] = counts.get(p.placement, 0) + len(p.nodes)
+    return counts
+
+
+def format_op_counts(gm: fx.GraphModule) -> str:
+    """``ops per placement: bpu 20, cpu 9`` (:func:`op_counts`)."""
+    return "ops per placement: " + ", ".join(f"{k} {v}" for k, v in op_counts(gm).items())
+
+
 def summary_line(gm: fx.GraphModule) -> str:
     """``partitions: 3 bpu, 3 cpu; BPU<->CPU boundary edges: 5``"""
     parts = partitions(gm)
