@@ -115,12 +115,12 @@ def test_dump_files_and_determinism(tmp_path):
     summary = (a / "summary.txt").read_text().splitlines()
     assert summary[0] == SUMMARY
     assert summary[1:] == [
-        "bpu0: bpu, 4 nodes, input_1 -> prelu_input_dequant_0",
-        "cpu0: cpu, 5 nodes, prelu_input_dequant_0 -> selu_1",
-        "bpu1: bpu, 3 nodes, selu_1 -> conv3_input_dequant_0",
-        "cpu1: cpu, 1 node, conv3_input_dequant_0 -> conv3",
-        "bpu2: bpu, 4 nodes, conv3 -> selu_2_input_dequant_0",
-        "cpu2: cpu, 2 nodes, selu_2_input_dequant_0 -> dequant",
+        "bpu0: bpu, 4 ops, input_1 -> prelu_input_dequant_0",
+        "cpu0: cpu, 5 ops, prelu_input_dequant_0 -> selu_1",
+        "bpu1: bpu, 3 ops, selu_1 -> conv3_input_dequant_0",
+        "cpu1: cpu, 1 op, conv3_input_dequant_0 -> conv3",
+        "bpu2: bpu, 4 ops, conv3 -> selu_2_input_dequant_0",
+        "cpu2: cpu, 2 ops, selu_2_input_dequant_0 -> dequant",
     ]
     table = (a / "hybrid.table.txt").read_text()
     assert table.splitlines()[0].split("|")[1].strip() == "node"

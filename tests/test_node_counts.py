@@ -20,7 +20,7 @@ from qcompiler.ir.partitions import is_quantizer_node, partitions
 from qcompiler.quantization.prepare import prepare_calibration_fx
 from qcompiler.tools.graph_dump import dump_partitioned, partition_table
 
-SUMMARY_LINE = re.compile(r"^(\w+): (bpu|cpu), (\d+) nodes?, ")
+SUMMARY_LINE = re.compile(r"^(\w+): (bpu|cpu), (\d+) ops?, ")
 
 
 class AddAvg(nn.Module):

@@ -1,7 +1,8 @@
 """One op count everywhere (qcompiler.ir.partitions.op_counts): ``qcompiler compile``, ``partition``,
 the report's overview and the dump's JSON print the same ops per placement for the same model.
 
-The report counted compared layers ("layers on BPU / CPU"), compile the partitions' ops."""
+The report counted compared layers ("layers on BPU / CPU"), compile the partitions' ops and
+partition "#nodes": three numbers for one model."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def test_compile_partition_report_and_json_count_the_same_ops(runs):
     bpu, cpu = counts["compile"]
     assert bpu > 0 and cpu > 0  # the hybrid model has ops on both: a count of one placement cannot pass alone
 
+
+def test_partition_prints_ops_not_nodes(runs):
+    _, printed = runs
+    header = next(line for line in printed["partition"].splitlines() if line.startswith("partition "))
+    assert header.split() == ["partition", "placement", "ops", "inputs", "outputs"]
+    assert "#nodes" not in printed["partition"]
+
+
+def test_summary_txt_says_ops(runs):
+    out, _ = runs
+    lines = (out / "partition" / "summary.txt").read_text().splitlines()[1:]
+    assert lines and all(re.match(r"^\w+: (bpu|cpu), \d+ ops?, ", line) for line in lines), lines

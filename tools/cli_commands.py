@@ -251,7 +251,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
     print(summary_line(gm))
     rows = [[p.name, p.placement, len(p.nodes), _names(p.inputs), _names(p.outputs)] for p in partitions(gm)]
-    print(tabulate(rows, headers=["partition", "placement", "#nodes", "inputs", "outputs"], tablefmt="simple"))
+    print(tabulate(rows, headers=["partition", "placement", "ops", "inputs", "outputs"], tablefmt="simple"))
     print(format_op_counts(gm))
     print(f"wrote {len(result.files)} files to {out}:")
     for path in result.files:

@@ -242,11 +242,11 @@ def _names(names: list[str]) -> str:
 
 
 def summary_text(gm: fx.GraphModule) -> str:
-    """``summary_line`` then one line per partition: name, placement, #nodes, inputs -> outputs."""
+    """``summary_line`` then one line per partition: name, placement, ops, inputs -> outputs."""
     lines = [summary_line(gm)]
     for p in partitions(gm):
         lines.append(
-            f"{p.name}: {p.placement}, {len(p.nodes)} node{'s' if len(p.nodes) != 1 else ''}, "
+            f"{p.name}: {p.placement}, {len(p.nodes)} op{'s' if len(p.nodes) != 1 else ''}, "
             f"{_names(p.inputs)} -> {_names(p.outputs)}"
         )
     return "\n".join(lines) + "\n"
