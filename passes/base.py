@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch.fx as fx
 import torch.nn as nn
 
+from qcompiler.atomic_write import check_directory, make_directory, write_file
 from qcompiler.errors import ConfigError, PassError, QCompilerError
 from qcompiler.ir.printing import annotated_code
 from qcompiler.march import March
@@ -117,7 +118,9 @@ class PassManager:
     ) -> None:
         self.passes = [p if isinstance(p, Pass) else Pass(getattr(p, "__name__", "pass"), p) for p in passes]
         self.verify = verify
-        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        # checked before any pass runs: a path below a file is a ConfigError naming it, not a raw
+        # NotADirectoryError after the first pass
+        self.dump_dir = check_directory(dump_dir, "dump_dir") if dump_dir is not None else None
         self.records: list[PassRecord] = []
 
     def run(self, gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
@@ -125,7 +128,7 @@ class PassManager:
         done: list[str] = []
         lasting: list[Verifier] = []  # verifiers of earlier passes whose invariants must still hold
         if self.dump_dir is not None:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            make_directory(self.dump_dir, "dump_dir")
         for index, p in enumerate(self.passes):
             start = time.perf_counter()
             try:
@@ -154,7 +157,7 @@ class PassManager:
             if p.lasting and p.verify is not None:
                 lasting.append(p.verify)
             if self.dump_dir is not None:
-                (self.dump_dir / f"{index:02d}_{p.name}.txt").write_text(annotated_code(gm))
+                write_file(self.dump_dir / f"{index:02d}_{p.name}.txt", annotated_code(gm).encode(), "dump_dir")
         return PassResult(gm, modified_any)
 
 

@@ -23,7 +23,7 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from qcompiler.artifact import load_artifact, save_artifact
-from qcompiler.atomic_write import check_directory, write_file
+from qcompiler.atomic_write import check_directory
 from qcompiler.backends.bpu.lower import lower_bpu_partitions
 from qcompiler.backends.eager import TORCH, EagerIsland
 from qcompiler.backends.onnx.emitter import emit_island
@@ -32,7 +32,7 @@ from qcompiler.batches import (as_args, check_inputs, fresh_args, input_signatur
 from qcompiler.collectives import active as distributed_active
 from qcompiler.errors import ArtifactError, ConfigError, QCompilerWarning, UnsupportedOpError
 from qcompiler.ir.batch_dim import split_refusal
-from qcompiler.ir.dump import DUMP_STEM, dump_partitioned
+from qcompiler.ir.dump import DUMP_STEM, dump_contents, write_dump
 from qcompiler.ir.meta import (BPU, GM_INPUT_SPEC, GM_INT16, GM_KIND, GM_MARCH, GM_OUTPUT_SPEC, META_PLACEMENT,
                                META_QDTYPE, META_REASON, META_TENSOR, TensorInfo)
 from qcompiler.ir.capture import GM_CAPTURE
@@ -197,20 +197,15 @@ class CompiledModel:
         a ConfigError naming it). The graph files are ``model.*`` (``DUMP_STEM``) unless ``name`` says
         otherwise, as every other dump names them."""
         out = check_directory(fs_path(out_dir, "dump"), "dump")
-        result = dump_partitioned(self._need_graph("dump"), out, name=name or DUMP_STEM)
-        files = list(result.files)
+        contents, _ = dump_contents(self._need_graph("dump"), name or DUMP_STEM)
         for step in self.runtime.steps:
             if step.kind == BPU:
-                p = out / f"{step.name}.program.txt"
-                data = self.runtime.programs[step.name].summary().encode()
+                contents.append((f"{step.name}.program.txt", self.runtime.programs[step.name].summary().encode()))
             elif step.kind == TORCH:
-                p = out / f"{step.name}.torch.py.txt"
-                data = self.runtime.eager[step.name].code().encode()
+                contents.append((f"{step.name}.torch.py.txt", self.runtime.eager[step.name].code().encode()))
             else:
-                p = out / f"{step.name}.onnx"
-                data = self.runtime.islands[step.name]
-            files.append(write_file(p, data, "dump"))
-        return files
+                contents.append((f"{step.name}.onnx", self.runtime.islands[step.name]))
+        return write_dump(out, contents)  # every file or none: a failure leaves no half dump
 
     def torch_islands(self) -> dict[str, str]:
         """CPU islands that run in eager torch (ONNX opset 11 cannot express them): name -> reason."""

@@ -21,7 +21,7 @@ import graphviz
 import torch.fx as fx
 from tabulate import tabulate
 
-from qcompiler.atomic_write import check_directory, make_directory, write_file
+from qcompiler.atomic_write import check_directory, make_directory, write_files
 from qcompiler.errors import ConfigError
 from qcompiler.ir.meta import (
     BPU,
@@ -49,6 +49,8 @@ __all__ = [
     "dump_partitioned",
     "NO_PLACEMENT",
     "DUMP_STEM",
+    "dump_contents",
+    "write_dump",
 ]
 
 DUMP_STEM = "model"
@@ -269,21 +271,11 @@ def _check_name(name: Any) -> str:
     return name
 
 
-def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = DUMP_STEM) -> DumpResult:
-    """Write ``{name}.code.txt``, ``{name}.table.txt``, ``{name}.json``, ``{name}.dot``,
-    ``{name}.svg`` (only if graphviz's ``dot`` is installed) and ``summary.txt`` into ``out_dir``.
-
-    All contents are built in memory before anything is written, and each file
-    is written via a temp file + ``os.replace``; so an error while building
-    leaves ``out_dir`` untouched and no file is ever half-written. ``out_dir`` is checked
-    first (:func:`qcompiler.atomic_write.check_directory`: a ConfigError for an empty path, an
-    existing file or a path below one); a directory that cannot be created (``/proc``) is an
-    OSError prefixed ``dump:``.
-    """
+def dump_contents(gm: fx.GraphModule, name: str = DUMP_STEM) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """``([(file name, bytes)], notes)``: what :func:`dump_partitioned` writes, built in memory, so a
+    caller adding files of its own (``CompiledModel.dump``) writes them all in one go or none."""
     name = _check_name(name)
-    out = check_directory(out_dir, "dump")
     notes: list[str] = []
-    summary = summary_text(gm)
     dot_source = to_dot(gm)
     contents: list[tuple[str, bytes]] = [
         (f"{name}.code.txt", annotated_code(gm).encode()),
@@ -302,12 +294,29 @@ def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = 
                 OSError) as exc:
             notes.append(f"graphviz 'dot' failed to render {name}.svg ({type(exc).__name__}: {exc}); "
                          f"wrote only {name}.dot")
-    contents.append(("summary.txt", summary.encode()))
+    contents.append(("summary.txt", summary_text(gm).encode()))
+    return contents, notes
 
+
+def write_dump(out: Path, contents: list[tuple[str, bytes]]) -> list[Path]:
+    """Every ``(file name, bytes)`` written into ``out`` (created if missing) by one
+    :func:`qcompiler.atomic_write.write_files`: all files or none."""
     make_directory(out, "dump")
-    files = []
-    for filename, data in contents:
-        path = out / filename
-        write_file(path, data, "dump")
-        files.append(path)
+    return write_files([(out / filename, data) for filename, data in contents], "dump")
+
+
+def dump_partitioned(gm: fx.GraphModule, out_dir: Union[str, Path], name: str = DUMP_STEM) -> DumpResult:
+    """Write ``{name}.code.txt``, ``{name}.table.txt``, ``{name}.json``, ``{name}.dot``,
+    ``{name}.svg`` (only if graphviz's ``dot`` is installed) and ``summary.txt`` into ``out_dir``.
+
+    All contents are built in memory before anything is written, and each file
+    is written via a temp file + ``os.replace``; so an error while building
+    leaves ``out_dir`` untouched and no file is ever half-written. ``out_dir`` is checked
+    first (:func:`qcompiler.atomic_write.check_directory`: a ConfigError for an empty path, an
+    existing file or a path below one); a directory that cannot be created (``/proc``) is an
+    OSError prefixed ``dump:``.
+    """
+    out = check_directory(out_dir, "dump")
+    contents, notes = dump_contents(gm, name)
+    files = write_dump(out, contents)
     return DumpResult(files=files, summary=summary_line(gm), notes=notes)
