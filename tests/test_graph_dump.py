@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
+import graphviz
 import pytest
 
 import qcompiler
@@ -185,3 +187,17 @@ def test_failed_write_leaves_no_temp_file(gm, tmp_path, monkeypatch):
 def test_bad_dump_name(gm, tmp_path):
     with pytest.raises(qcompiler.ConfigError, match="plain file name"):
         dump_partitioned(gm, tmp_path, name="a/b")
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' not installed")
+def test_svg_dump_has_a_legend_below_the_drawing(tmp_path):
+    from qcompiler.ir.dump import LEGEND_HEIGHT, SVG_LEGEND
+
+    gm = _partitioned()
+    dump_partitioned(gm, tmp_path)
+    svg = (tmp_path / "model.svg").read_text()
+    assert svg.count(SVG_LEGEND) == 1  # golden text of the legend group
+    bare = graphviz.Source(to_dot(gm)).pipe(format="svg").decode()
+    height = lambda text: float(re.search(r'viewBox="[\d.]+ [\d.]+ [\d.]+ ([\d.]+)"', text).group(1))  # noqa: E731
+    assert height(svg) == pytest.approx(height(bare) + LEGEND_HEIGHT, abs=0.01)
+    assert SVG_LEGEND not in bare

@@ -126,3 +126,26 @@ def test_report_renders_in_chromium(chromium, report):
     assert facts["shapeCells"] and all(h < 2 * line for h, line in facts["shapeCells"]), facts["shapeCells"]
     assert facts["wordBreaks"] == 0
     assert shot.stat().st_size > 50_000
+
+
+GRAPH_FACTS = """JSON.stringify((() => {
+  const g = document.querySelector("#graph .graph"), svg = g.querySelector("svg"), r = svg.getBoundingClientRect();
+  return {left: r.left, right: r.right, height: r.height, boxHeight: g.clientHeight, scroll: g.scrollHeight,
+          scrollX: g.scrollWidth - g.clientWidth, legend: [...svg.querySelectorAll("#legend text")].map(t => t.textContent)};
+})())"""
+
+
+def test_report_graph_fits_1280_px_unclipped_with_its_legend(chromium, report):
+    """The graph sat in a 1100 px scroll box; now all of it shows, within the page width."""
+    from qcompiler.ir.dump import SVG_LEGEND
+
+    _, page = report
+    html = Path(page).read_text()
+    assert SVG_LEGEND in html  # golden text of the legend group, inside the inline SVG
+    with Chromium(chromium, width=1280, height=900) as browser:
+        browser.open(Path(page).resolve().as_uri())
+        facts = json.loads(browser.evaluate(GRAPH_FACTS))
+        assert browser.problems() == []
+    assert 0 <= facts["left"] and facts["right"] <= 1280, facts
+    assert facts["height"] > 1100 and facts["scroll"] <= facts["boxHeight"] + 1 and facts["scrollX"] <= 0, facts
+    assert facts["legend"] == ["BPU op", "CPU op", "quant / dequant stub", "BPU<->CPU boundary edge"]

@@ -28,7 +28,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from qcompiler.atomic_write import write_file
-from qcompiler.ir.dump import partition_table, to_dot
+from qcompiler.ir.dump import partition_table, to_dot, with_legend
 from qcompiler.ir.meta import BPU, CPU
 from qcompiler.ir.partitions import op_counts
 from qcompiler.tools.metrics import compute_metric
@@ -60,7 +60,7 @@ section{background:#fff;border:1px solid #dde2ea;border-radius:8px;padding:14px 
 .card{background:#f4f6f9;border-radius:6px;padding:8px 14px;min-width:130px}
 .card b{display:block;font-size:20px} .card span{font-size:12px;color:#5b6573}
 .chart svg{width:100%;height:auto;display:block}
-.graph{max-height:1100px;overflow:auto;border:1px solid #eef0f4;border-radius:6px}
+.graph{border:1px solid #eef0f4;border-radius:6px}
 .graph svg{max-width:100%;height:auto;display:block;margin:0 auto}
 .legend span{display:inline-block;padding:1px 8px;margin-right:6px;border-radius:4px;font-size:12px}
 table{border-collapse:collapse;font-size:12px;margin:6px 0;max-width:100%}
@@ -140,7 +140,7 @@ def graph_svg(gm: fx.GraphModule) -> tuple[str, bool]:
     try:
         import graphviz
 
-        svg = graphviz.Source(to_dot(gm)).pipe(format="svg").decode("utf-8")
+        svg = with_legend(graphviz.Source(to_dot(gm)).pipe(format="svg").decode("utf-8"))
         return _strip_urls(svg), True
     except Exception:  # dot missing or failing: fall back to a table
         rows = partition_table(gm)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ __all__ = [
     "dump_partitioned",
     "NO_PLACEMENT",
     "DUMP_STEM",
+    "SVG_LEGEND",
+    "with_legend",
     "dump_contents",
     "write_dump",
 ]
@@ -260,8 +263,39 @@ def _table_text(gm: fx.GraphModule) -> str:
     return body + "\n"
 
 
+LEGEND_HEIGHT = 26
+LEGEND_WIDTH = 470
+SVG_LEGEND = (
+    '<g id="legend" class="legend" font-family="Helvetica,sans-Serif" font-size="11">'
+    '<rect x="8" y="8" width="14" height="12" rx="3" fill="#cfe2ff" stroke="#1f5fbf"/>'
+    '<text x="27" y="18">BPU op</text>'
+    '<rect x="80" y="8" width="14" height="12" rx="3" fill="#ffe0b2" stroke="#c26a00"/>'
+    '<text x="99" y="18">CPU op</text>'
+    '<rect x="152" y="8" width="14" height="12" fill="#fff3a8" stroke="#8a7a00"/>'
+    '<text x="171" y="18">quant / dequant stub</text>'
+    '<line x1="292" y1="14" x2="316" y2="14" stroke="red" stroke-width="2"/>'
+    '<text x="321" y="18">BPU&lt;-&gt;CPU boundary edge</text>'
+    "</g>"
+)
+"""The key of the drawing's colours (the styles above), drawn below the graph in every SVG."""
+
+
+def with_legend(svg: str) -> str:
+    """Graphviz's SVG with :data:`SVG_LEGEND` below the drawing: the viewBox (and the size) grow by
+    :data:`LEGEND_HEIGHT` (and to at least :data:`LEGEND_WIDTH` wide)."""
+    m = re.search(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"\s+viewBox="([\d.]+) ([\d.]+) ([\d.]+) ([\d.]+)"', svg)
+    if m is None:
+        return svg
+    x0, y0, w, h = (float(v) for v in m.groups()[2:])
+    width, height = max(w, LEGEND_WIDTH), h + LEGEND_HEIGHT
+    head = f'<svg width="{width:.2f}pt" height="{height:.2f}pt"\n viewBox="{x0:.2f} {y0:.2f} {width:.2f} {height:.2f}"'
+    end = svg.rindex("</svg>")
+    legend = f'<g transform="translate({x0:.2f},{y0 + h:.2f})">{SVG_LEGEND}</g>\n'
+    return svg[:m.start()] + head + svg[m.end():end] + legend + svg[end:]
+
+
 def _render_svg(dot_source: str) -> bytes:
-    return graphviz.Source(dot_source).pipe(format="svg")
+    return with_legend(graphviz.Source(dot_source).pipe(format="svg").decode("utf-8")).encode("utf-8")
 
 
 def _check_name(name: Any) -> str:
