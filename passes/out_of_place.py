@@ -8,7 +8,11 @@ for every later stage: it places, fuses, quantizes, lowers to the BPU and emits 
 twin's name (``y.relu_()``, ``x.clamp_(0, 6)`` and ``y.transpose_(0, 1)`` ran as eager-torch
 islands, which save and export refuse).  The node keeps its name.
 
-In-place ops without a twin (``x.gt_(0)``, ``x.fill_(1)``) stay as they are, and so does one whose
+``x.copy_(src)`` and ``x.fill_(v)`` overwrite all of ``x``: their twin is ``setitem(x, ..., src)``, ``x[...] = src``
+out of place (passes/view_writes writes a write into a view back into its base the same way, so a tensor built
+by writes into slices of a ``torch.zeros`` becomes a chain of pure ops that passes/fold_constants can fold).
+
+In-place ops without a twin (``x.gt_(0)``, ``x.index_put_(...)``) stay as they are, and so does one whose
 written value has an alias read after it (``v = y.view(-1); y.mul_(2)``, then ``v`` read): the write
 must reach ``v``, which only the in-place op does.  Shape propagation records which values share a
 storage (``META_STORAGE``); where it recorded nothing, the op stays in place.  Such an op is marked
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from qcompiler.errors import PassError
-from qcompiler.ir.inplace import aliased_writes, out_of_place_twins
+from qcompiler.ir.inplace import aliased_writes, as_twin, out_of_place_twins
 from qcompiler.ir.meta import META_ALIASED_WRITE
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 from qcompiler.passes.shape_prop import TENSOR_META
@@ -33,7 +37,7 @@ def out_of_place(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     for node, aliases in aliased.items():  # stays in place; convert_fx warns where an alias may miss it
         node.meta[META_ALIASED_WRITE] = tuple(a.name for a in aliases) if aliases is not None else ()
     for node, twin in twins.items():
-        node.target = twin
+        as_twin(node, twin)
     if twins:
         gm.recompile()
     return PassResult(gm, bool(twins))

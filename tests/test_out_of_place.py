@@ -331,3 +331,53 @@ def test_an_alias_fused_away_is_found_in_the_fused_node(forced, warned):
     assert bool(split) is warned
     if warned:
         assert "(a view, or an op returning its input: bn) is read after the write; 'c' is in another partition" in split[0]
+
+
+class WholeWrites(nn.Module):
+    """``copy_`` (broadcast, and into another dtype) and ``fill_``: every element of the target overwritten."""
+
+    def forward(self, x):
+        y = torch.atan(x)
+        y.copy_(x.sum(1, keepdim=True))
+        z = torch.zeros_like(x[0, 0, 0], dtype=torch.int64)
+        z.copy_(x[0, 0, 0] * 10)
+        w = torch.atan(x).fill_(0.5)
+        return y + 1, z, w
+
+
+def test_copy_and_fill_become_an_assignment_to_every_element():
+    gm, ctx = _passes(WholeWrites())
+    assert [line.split(";")[0] for line in _body(gm)] == [
+        "atan = torch.atan(x)",
+        "sum_1 = x.sum(1, keepdim = True)",
+        "copy_ = qcompiler_ir_setitem_setitem(atan, Ellipsis, sum_1)",
+        "getitem = x[(0, 0, 0)]",
+        "zeros_like = torch.zeros_like(getitem, dtype = torch.int64)",
+        "getitem_1 = x[(0, 0, 0)]",
+        "mul = getitem_1 * 10",
+        "copy__1 = qcompiler_ir_setitem_setitem(zeros_like, Ellipsis, mul)",
+        "atan_1 = torch.atan(x)",
+        "fill_ = qcompiler_ir_setitem_setitem(atan_1, Ellipsis, 0.5)",
+        "add = copy_ + 1",
+        "return (add, copy__1, fill_)",
+    ]
+    verify_out_of_place(gm, ctx)
+    for x in (X, -X, X * 10):  # the values and dtypes of the writes in place, bit for bit
+        want, got = WholeWrites()(x.clone()), gm(x.clone())
+        assert [t.dtype for t in got] == [torch.float32, torch.int64, torch.float32]
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class TransposedCopy(nn.Module):
+    def forward(self, x):
+        y = torch.atan(x)
+        y.transpose(2, 3).copy_(x)  # no write-back through a transpose: y is an alias read after the write
+        return y * 2
+
+
+def test_a_copy_whose_alias_is_read_after_it_stays_in_place():
+    """Negative: the copy into a transposed view must reach ``y``; only the in-place op does that."""
+    gm, ctx = _passes(TransposedCopy())
+    body = [line.split(";")[0] for line in _body(gm)]
+    assert "copy_ = transpose.copy_(x)" in body, body
+    assert torch.equal(gm(X.clone()), TransposedCopy()(X.clone()))

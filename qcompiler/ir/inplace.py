@@ -128,16 +128,26 @@ OUT_OF_PLACE_TWINS = frozenset(f"{name}_" for name in (
 # operands whose dtype never takes part in the result's (a bool mask, an int64 index): (position, keyword)
 _NOT_PROMOTED = {"masked_fill_": (1, "mask"), "scatter_": (2, "index")}
 
+# in-place methods that overwrite every element of ``x`` with a value broadcast to ``x`` and converted to its
+# dtype (``x.copy_(src)``, ``x.fill_(v)``): exactly what ``x[...] = value`` does, so their twin is
+# :func:`~qcompiler.ir.setitem.setitem` with the index ``...`` (one op with an ONNX rule, whatever the dtypes)
+WHOLE_WRITES = frozenset({"copy_", "fill_"})
+
 
 def _twin(node: fx.Node) -> Union[str, Callable, None]:
     """The twin's target if ``node`` is one of :data:`OUT_OF_PLACE_TWINS` and shape propagation recorded one
     dtype for it and each tensor it reads (a mask or an index aside), or ``x[index] = value`` (its twin,
     :func:`~qcompiler.ir.setitem.setitem`, converts ``value`` as the statement does, whatever the dtypes), or
-    :func:`leaf_write_` (its twin :func:`leaf_write`); else None."""
+    one of :data:`WHOLE_WRITES` (``setitem`` too, at ``...``: :func:`as_twin`), or :func:`leaf_write_` (its
+    twin :func:`leaf_write`); else None."""
     if node.op == "call_function" and node.target in (setitem_, leaf_write_):  # on a tensor (a list has no copy)
         if not isinstance(node.args[0].meta.get(META_TENSOR), TensorInfo):
             return None
         return setitem if node.target is setitem_ else leaf_write
+    if node.op == "call_method" and node.target in WHOLE_WRITES:  # x.copy_(src) / x.fill_(v), no options
+        if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0].meta.get(META_TENSOR), TensorInfo):
+            return None
+        return setitem
     if node.op != "call_method" or node.target not in OUT_OF_PLACE_TWINS:
         return None
     info = node.meta.get(META_TENSOR)
@@ -293,6 +303,14 @@ def out_of_place_twins(gm: fx.GraphModule,
     return twins
 
 
+def as_twin(node: fx.Node, twin: Union[str, Callable]) -> None:
+    """Make ``node`` its out-of-place ``twin`` (:func:`out_of_place_twins`), in place in the graph: the
+    target, and for ``x.copy_(src)`` / ``x.fill_(v)`` the call ``setitem(x, ..., src)``."""
+    if node.op == "call_method" and node.target in WHOLE_WRITES:
+        node.op, node.args = "call_function", (node.args[0], Ellipsis, node.args[1])
+    node.target = twin
+
+
 def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     """``(node, attribute)`` for each in-place node whose changed value is a parameter or buffer of
     the model (a ``get_attr``, followed back through a chain of in-place ops: ``self.m.mul_(a).add_(b)``).
@@ -308,5 +326,5 @@ def state_writes(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
 
 
 __all__ = ["INPLACE_MODULES", "META_INPUT_WRITES", "META_RETURNED_INPUT", "METADATA_WRITES", "OUT_OF_PLACE_TWINS",
-           "Tensors", "aliased_writes", "leaf_write", "leaf_write_", "mutated_input", "out_of_place_twins",
+           "Tensors", "WHOLE_WRITES", "aliased_writes", "as_twin", "leaf_write", "leaf_write_", "mutated_input", "out_of_place_twins",
            "state_writes"]
