@@ -9,8 +9,8 @@ has no alias read after it and passes/out_of_place computes it out of place:
 * **replay**: a view of the written tensor made before the write and read after it is made again from
   the write's result, right after the write (``v2 = n[:, :4]``, views of views in turn), and its later
   reads read the new one;
-* **write-back**: a write into a view ``v = y[index]`` (ints, slices, None, Ellipsis; ``select`` and
-  ``narrow`` said as one) is written back,
+* **write-back**: a write into a view ``v = y[index]`` (ints, slices, None, Ellipsis; ``select``,
+  ``narrow`` and torch.export's ``aten.slice.Tensor`` said as one) is written back,
   ``s = setitem_(y, index, n)`` right after it; into ``v = y.view(...)`` (``reshape``, ``flatten``,
   ``view_as``, ``reshape_as``, ``squeeze``, ``unsqueeze``, ``contiguous``, ``detach``, and ``float``,
   ``to`` ... where they return their input: same elements in the same order) as
@@ -30,6 +30,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from qcompiler.ir.inplace import METADATA_WRITES, Tensors
@@ -42,6 +43,9 @@ from qcompiler.passes.shape_prop import TENSOR_META
 # their input itself when they share its storage and dtype, which _written_back_into checks)
 _RESHAPES = frozenset({"view", "reshape", "flatten", "view_as", "reshape_as", "squeeze", "unsqueeze",
                        "contiguous", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as"})
+
+
+_ATEN_SLICE = torch.ops.aten.slice.Tensor  # torch.export's x[:, 1:], kept as the ATen call
 
 
 class _Graph(Tensors):
@@ -233,6 +237,8 @@ def _as_index(view: fx.Node):
     args = view.args
     if name == "getitem" and view.op == "call_function" and len(args) == 2 and _basic_index(args[1]):
         return args[1]
+    if view.op == "call_function" and view.target is _ATEN_SLICE:
+        return _slice_index(view)
     if view.kwargs or name not in ("select", "narrow") or len(args) != (3 if name == "select" else 4):
         return None
     if not all(isinstance(a, int) and not isinstance(a, bool) for a in args[1:]):
@@ -245,6 +251,20 @@ def _as_index(view: fx.Node):
         return lead + (args[2],)
     start, length = args[2], args[3]
     return lead + (slice(start, start + length),) if start >= 0 else None
+
+
+def _slice_index(view: fx.Node):
+    """``aten.slice.Tensor(x, dim, start, end, step)`` (what torch.export records for ``x[:, 1:]``) as the
+    basic index ``x[:, start:end:step]``; None unless its arguments are ints (or None) and ``dim`` is one
+    of ``x``'s."""
+    named = dict(zip(("input", "dim", "start", "end", "step"), view.args), **view.kwargs)
+    dim, start, end, step = (named.get(k, d) for k, d in (("dim", 0), ("start", None), ("end", None), ("step", 1)))
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (dim, start, end, step)):
+        return None
+    info = view.args[0].meta.get(META_TENSOR) if view.args else None
+    if dim is None or not isinstance(info, TensorInfo) or not -len(info.shape) <= dim < len(info.shape):
+        return None
+    return (slice(None),) * (dim % len(info.shape)) + (slice(start, end, step),)
 
 
 def _read_later_up(source: fx.Node, tensors: _Tensors, family: set) -> bool:

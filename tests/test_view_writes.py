@@ -11,8 +11,10 @@ import torch
 import torch.nn as nn
 
 from qcompiler.ir import trace
+from qcompiler.ir.capture import capture
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.fold_constants import FOLD_CONSTANTS
 from qcompiler.passes.inplace_reads import INPLACE_READS
 from qcompiler.passes.out_of_place import OUT_OF_PLACE
 from qcompiler.passes.shape_prop import SHAPE_PROP
@@ -291,3 +293,55 @@ def test_writes_into_a_replayed_view_belong_to_it():
         gm = _run(model, [INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE])
         assert torch.equal(gm(X), model(X)), fn.__name__
         assert "_(" not in gm.code.replace("setitem_setitem(", ""), (fn.__name__, gm.code)
+
+
+class SliceWrites(nn.Module):
+    """``z[..., 1:, 1:] = x`` and ``z[..., 0] = 2``: torch.export records ``aten.slice.Tensor`` views and
+    ``copy_`` / ``fill_`` into them."""
+
+    def forward(self, x):
+        z = torch.zeros(2, 3, 5, 5)
+        z[:, :, 1:, 1:] = x
+        z[:, :, 0] = 2.0
+        return z * 1.5
+
+
+_ALL3 = "slice(None, None, None), " * 3
+
+
+def test_writes_into_aten_slices_are_written_back_as_indices():
+    gm = capture(SliceWrites(), (X,), mode="export")
+    PassManager([INPLACE_READS, SHAPE_PROP, VIEW_WRITES]).run(gm, CompileContext(march=March.BAYES,
+                                                                                example_inputs=(X,)))
+    body = _body(gm)
+    assert body[3:6] == [
+        "copy_ = slice_tensor_1.copy_(x)",
+        f"setitem_ = qcompiler_ir_setitem_setitem_(slice_tensor, ({_ALL3}slice(1, 9223372036854775807, 1)), copy_)",
+        "setitem__1 = qcompiler_ir_setitem_setitem_(zeros_default, (slice(None, None, None), slice(None, None, None), "
+        "slice(1, 9223372036854775807, 1)), setitem_)",
+    ], body
+    assert body[-5:] == [
+        "select = torch.select(setitem__1, 2, 0)",
+        "fill_ = select.fill_(lift_fresh_copy_default)",
+        "setitem__2 = qcompiler_ir_setitem_setitem_(setitem__1, (slice(None, None, None), slice(None, None, None), "
+        "0), fill_)",
+        "mul = torch.mul(setitem__2, 1.5)",
+        "return mul",
+    ], body
+    assert torch.equal(gm(X), SliceWrites()(X))
+
+
+def test_writes_into_slices_of_a_tensor_an_input_fills_go_out_of_place_unfolded():
+    """Negative: ``z`` depends on ``x`` once written: out_of_place makes the writes pure, the fold after it
+    keeps them (only the zeros, the slices of them and the fill value become buffers)."""
+    gm = capture(SliceWrites(), (X,), mode="export")
+    PassManager([INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE, FOLD_CONSTANTS]).run(
+        gm, CompileContext(march=March.BAYES, example_inputs=(X,)))
+    body = _body(gm)
+    assert [line.split(" = ")[0] for line in body if "qcompiler_ir_setitem" in line] == [
+        "copy_", "setitem_", "setitem__1", "fill_", "setitem__2"], body
+    assert "copy_ = qcompiler_ir_setitem_setitem(qc_folded_slice_tensor_1, Ellipsis, x)" in body
+    assert not any(n.op == "call_method" and n.target.endswith("_") for n in gm.graph.nodes)
+    assert body[-2:] == ["mul = torch.mul(setitem__2, 1.5)", "return mul"]
+    for x in (X, -X, X * 10):
+        assert torch.equal(gm(x), SliceWrites()(x))
