@@ -26,8 +26,10 @@ inputs (``torch.arange(7)``). Not constant, so never folded:
   :data:`SMALL_BROADCAST` elements. The broadcast stays, reading the folded value; and no folded
   value may exceed :data:`MAX_FOLDED_ELEMENTS` elements.
 
-It runs before shape propagation (which then gives the new ``get_attr`` nodes their metadata) and
-after ``remove_identities`` (an eval dropout inside such a subgraph is gone by then). The verifier
+It runs after ``out_of_place`` (a chain of writes into a fresh tensor, BEiT's and T5's
+``torch.zeros`` + slice writes making a relative-position index, is pure by then; a write into the
+model's state stays in place and is not folded) and before placement; the new ``get_attr`` nodes get
+their shapes here. An eval dropout inside such a subgraph is gone by then (``remove_identities``). The verifier
 fails if a constant call is still read by a non-constant node.
 """
 
@@ -42,8 +44,9 @@ import torch.nn as nn
 from qcompiler.compat import torch_ao as ao
 from qcompiler.errors import PassError
 from qcompiler.ir.inplace import mutated_input, schema_writes
-from qcompiler.ir.meta import META_SCOPE
+from qcompiler.ir.meta import META_SCOPE, META_TENSOR, scope
 from qcompiler.ir.ops import OPS, Tag, module_op, node_op
+from qcompiler.ir.shape_prop import propagate_shapes
 from qcompiler.passes.base import CompileContext, Pass, PassResult
 
 MAX_FOLDED_ELEMENTS = 1 << 24  # 64 MiB of float32: a larger constant is left to be computed
@@ -254,7 +257,7 @@ def fold_constants(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
             gm.register_buffer(name, value.detach().clone())
             with gm.graph.inserting_before(node):
                 new = gm.graph.get_attr(name)
-            new.meta[META_SCOPE] = node.meta.get(META_SCOPE)
+            new.meta[META_SCOPE] = scope(node)
             node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in consts)
         else:
             literal = tuple(value) if isinstance(value, torch.Size) else value
@@ -267,6 +270,8 @@ def fold_constants(gm: fx.GraphModule, ctx: CompileContext) -> PassResult:
     if roots:
         gm.graph.lint()
         gm.recompile()
+        if any(META_TENSOR in n.meta for n in gm.graph.nodes):  # the new get_attr nodes get their shapes too
+            propagate_shapes(gm, ctx.example_inputs)
     return PassResult(gm, bool(roots))
 
 

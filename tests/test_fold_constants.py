@@ -13,6 +13,7 @@ import torch.nn as nn
 from qcompiler.errors import PassError
 from qcompiler.ir import trace
 from qcompiler.ir.capture import capture
+from qcompiler.ir.meta import META_TENSOR
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext, PassManager
 from qcompiler.passes.fold_constants import FOLD_CONSTANTS, fold_constants, verify_folded
@@ -255,12 +256,16 @@ def test_the_verifier_names_a_constant_left_unfolded():
         verify_folded(gm, CTX)
 
 
-def test_the_partition_pipeline_folds_before_shape_propagation():
+def test_the_partition_pipeline_folds_once_the_writes_are_out_of_place():
+    """After out_of_place (a chain of writes is pure by then), before the passes that place ops; the
+    folded buffers' get_attr nodes have their shapes (later passes require them)."""
     names = [p.name for p in PARTITION_PIPELINE]
-    assert names.index("fold_constants") < names.index("shape_prop")
+    assert names.index("out_of_place") < names.index("fold_constants") < names.index("einsum")
     assert FOLD_CONSTANTS in PARTITION_PIPELINE
     gm = PassManager(PARTITION_PIPELINE).run(_trace(RelPosBias().eval()), CTX).gm
     assert relative_position_bias not in [n.target for n in gm.graph.nodes]
+    folded = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("qc_folded_")]
+    assert [n.meta[META_TENSOR].shape for n in folded] == [(1, 3, 16, 16)]
 
 
 @pytest.mark.parametrize("training", [False, True])

@@ -6,6 +6,7 @@ islands (or, as the twin's op under the in-place name, split a batch wrongly or 
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 
 import pytest
@@ -15,11 +16,14 @@ import torch.nn as nn
 import qcompiler
 from qcompiler.ir import trace
 from qcompiler.ir.inplace import OUT_OF_PLACE_TWINS, out_of_place_twins
+from qcompiler.ir.meta import META_ALIASED_WRITE
 from qcompiler.march import March
 from qcompiler.passes.base import CompileContext, PassManager
+from qcompiler.passes.fold_constants import FOLD_CONSTANTS
 from qcompiler.passes.inplace_reads import INPLACE_READS
 from qcompiler.passes.out_of_place import OUT_OF_PLACE, out_of_place, verify_out_of_place
 from qcompiler.passes.shape_prop import SHAPE_PROP
+from qcompiler.passes.view_writes import VIEW_WRITES
 
 X = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
 
@@ -381,3 +385,48 @@ def test_a_copy_whose_alias_is_read_after_it_stays_in_place():
     body = [line.split(";")[0] for line in _body(gm)]
     assert "copy_ = transpose.copy_(x)" in body, body
     assert torch.equal(gm(X.clone()), TransposedCopy()(X.clone()))
+
+
+class CountsInABuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.ones(4))
+
+    def forward(self, x):
+        self.buf[1:3].add_(1.0)
+        return x + self.buf
+
+
+def _state_write_graph() -> torch.fx.GraphModule:
+    """CountsInABuffer's graph, built by hand (tracing makes a module that writes its state a leaf)."""
+    root = nn.Module()
+    root.register_buffer("buf", torch.ones(4))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    buf = g.get_attr("buf")
+    g.call_method("add_", (g.call_function(operator.getitem, (buf, slice(1, 3))), 1.0))
+    g.output(g.call_function(operator.add, (x, buf)))
+    return torch.fx.GraphModule(root.eval(), g)
+
+
+def test_a_write_into_a_view_of_a_buffer_stays_in_place():
+    """Negative: the buffer outlives the call (the next call reads what this one wrote), so neither the write
+    nor its write-back into the buffer runs out of place, and nothing of it is folded."""
+    gm = _state_write_graph()
+    x = torch.rand(4)
+    PassManager([INPLACE_READS, SHAPE_PROP, VIEW_WRITES, OUT_OF_PLACE, FOLD_CONSTANTS]).run(
+        gm, CompileContext(march=March.BAYES, example_inputs=(x,)))
+    assert [line.split(";")[0] for line in _body(gm)] == [
+        "buf = self.buf",
+        "getitem = buf[slice(1, 3, None)]",
+        "add_ = getitem.add_(1.0)",
+        "setitem_ = qcompiler_ir_setitem_setitem_(buf, slice(1, 3, None), add_)",
+        "add = x + setitem_",
+        "return add",
+    ]
+    written = {n.name: n.meta.get(META_ALIASED_WRITE) for n in gm.graph.nodes}
+    assert (written["add_"], written["setitem_"]) == (("buf",), ("buf",))
+    eager = CountsInABuffer()
+    for _ in range(3):  # the buffer counts the calls as in eager
+        assert torch.equal(gm(x), eager(x))
+    assert torch.equal(gm.buf, eager.buf) and gm.buf.tolist() == [1.0, 4.0, 4.0, 1.0]

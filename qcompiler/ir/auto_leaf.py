@@ -169,6 +169,7 @@ def _fresh_constants(gm: fx.GraphModule, model: nn.Module, attributes: set[str])
             continue
         with gm.graph.inserting_after(node):
             fresh = gm.graph.call_method("clone", (node,))
+        fresh.meta[META_SCOPE] = scope(node)  # later passes (a folded copy's quantizer) name it by it
         node.replace_all_uses_with(fresh, delete_user_cb=lambda user: user is not fresh)
         first[node.target] = fresh
     gm.recompile()

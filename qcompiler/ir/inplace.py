@@ -227,11 +227,16 @@ def _aliases(node: fx.Node, gm: fx.GraphModule, graph: _Storages) -> Optional[li
     view, a slice, an op returning its input such as ``.float()`` or ``.contiguous()``).  passes/inplace_reads
     rewires only reads of the written value itself, and passes/view_writes the aliases it can re-make or
     write back, so such an alias sees the write only while it runs in place.  Reads by view_writes'
-    write-backs of this write are none: they carry it."""
+    write-backs of this write are none: they carry it.  A write into the model's state (a ``get_attr``
+    sharing the storage: ``self.buf[1:3].fill_(1)``) has that ``get_attr`` for alias, read later or not:
+    the next call reads what it wrote."""
     value = graph.writes.get(node)
     shared = value.meta.get(META_STORAGE) if value is not None else None
     if not shared or UNKNOWN_STORAGE in shared:
         return None
+    state = [n for key in shared for n in graph.sharing.get(key, ()) if n.op == "get_attr"]
+    if state:  # a parameter or buffer (or a view of one): the write outlives the call, only in place is it kept
+        return state[:1]
     if not graph.has_aliases(node):  # the common case, a chain of writes and nothing else
         return []
     family = set(graph.family(value))
