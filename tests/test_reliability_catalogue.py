@@ -1629,7 +1629,7 @@ CASES = [
          "argument --out: cannot create '/proc/qc': No such file or directory", root_only=True),
     Case("cli/out-write-fails", _cli("partition", "good.py:build", "--input-shape", "1,3,8,8", "--out",
                                      "/proc/self/fdinfo"), 1,
-         "--out /proc/self/fdinfo: cannot write /proc/self/fdinfo/Conv2d.code.txt: dump: No such file or directory",
+         "--out /proc/self/fdinfo: cannot write /proc/self/fdinfo/model.code.txt: dump: No such file or directory",
          root_only=True),
     Case("cli/out-is-a-file", _cli("partition", "good.py:build", "--input-shape", "1,3,8,8", "--out", "notes.txt"),
          2, "argument --out: 'notes.txt' is an existing file"),
