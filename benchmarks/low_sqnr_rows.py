@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.architecture_zoo import CALIBRATION_BATCHES, CASES, Case  # noqa: E402
+from benchmarks._float_onnx import export_float_onnx  # noqa: E402
 from benchmarks.model_coverage import _quiet, sqnr  # noqa: E402
 from qcompiler.compiled import compile as qc_compile  # noqa: E402
 from qcompiler.quantization.qconfig import get_default_calib_qconfig  # noqa: E402
@@ -76,14 +77,9 @@ def _weights_on_int8_grid(model: nn.Module) -> nn.Module:
 
 def _ort_peer(model: nn.Module, calib: list[torch.Tensor], x: torch.Tensor, method: str) -> Any:
     """onnxruntime's static int8 quantization (symmetric, per-channel weights) of the float model's ONNX."""
-    import onnx
     import onnxruntime as ort
-    from onnx import version_converter
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
-
-    from qcompiler import partition
-    from qcompiler.onnx import export_to_onnx
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -94,9 +90,7 @@ def _ort_peer(model: nn.Module, calib: list[torch.Tensor], x: torch.Tensor, meth
 
     with tempfile.TemporaryDirectory() as d:
         f, q = Path(d) / "float.onnx", Path(d) / "int8.onnx"
-        export_to_onnx(partition(model, (x,)), (x,), str(f), input_names=["pixel_values"])
-        # per-channel QDQ needs DequantizeLinear's axis (opset 13); the float graph is converted up
-        onnx.save(version_converter.convert_version(onnx.load(str(f)), 13), str(f))
+        export_float_onnx(model, x, str(f), input_name="pixel_values", batch_axis=None)
         quantize_static(str(f), str(q), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                         calibrate_method=getattr(CalibrationMethod, method),
