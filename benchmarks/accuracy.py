@@ -24,8 +24,8 @@ removed at exit; nothing else is written.
       * torch.ao: quantize_fx.prepare_fx / convert_fx with
         get_default_qconfig_mapping("x86") (quint8 activations with
         reduce_range=True, per-channel qint8 weights);
-      * onnxruntime: quantize_static on a torch.onnx.export (TorchScript
-        exporter, dynamo=False) of the float model, QDQ format, per_channel,
+      * onnxruntime: quantize_static on the float model's ONNX (qcompiler's
+        exporter, opset 13: benchmarks/_float_onnx.py), QDQ format, per_channel,
         QInt8 activations and weights (asymmetric activations, ORT's default),
         MinMax and Percentile calibration through a CalibrationDataReader.
     Reference rows ("ref: ...") put the numbers in context: ORT with
@@ -78,6 +78,7 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
 
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks._data import SmoothNoise, reestimate_bn, sqnr_db, stack  # noqa: E402
+from benchmarks._float_onnx import export_float_onnx  # noqa: E402
 from qcompiler.quantization import (  # noqa: E402
     FakeQuantize,
     auto_int16,
@@ -154,15 +155,6 @@ def torch_ao_ptq(model: nn.Module, calib: Sequence[torch.Tensor]) -> Callable:
                 prepared(x)
         q = ao_convert_fx(prepared)
     return lambda x: q(x)
-
-
-def export_onnx(model: nn.Module, example: torch.Tensor, path: str) -> str:
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (example,), path, dynamo=False, opset_version=17,
-                          input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}})
-    return path
 
 
 def ort_session(path: str, threads: int):
@@ -242,7 +234,7 @@ def run_all(model: nn.Module, calib: Sequence[torch.Tensor], tmp: str, tag: str,
     for obs in OBSERVERS:
         timed(OURS_ROUNDED.format(obs), ours_ptq, model, calib, obs, rounding=True)
     timed(AO, torch_ao_ptq, model, calib)
-    float_onnx = export_onnx(model, calib[0][:1], os.path.join(tmp, f"{tag}.onnx"))
+    float_onnx = export_float_onnx(model, calib[0][:1], os.path.join(tmp, f"{tag}.onnx"))
     for method in ("MinMax", "Percentile"):
         timed(ORT.format(method), ort_ptq, float_onnx, calib, method, threads)
     if with_reference:
@@ -369,7 +361,7 @@ def part_int16(args, tmp: str) -> dict:
         with torch.no_grad():
             curve[share] = (sqnr_db(ref, run(test_more)), len(recs[share]["chosen"]), sqnr_db(ref, run8(test_more)))
     n = recs[SHARES[0]]["tensors"]
-    float_onnx = export_onnx(model, calib[0][:1], os.path.join(tmp, "r18_int16.onnx"))
+    float_onnx = export_float_onnx(model, calib[0][:1], os.path.join(tmp, "r18_int16.onnx"))
     peers = {}
     with torch.no_grad():
         for method in ("MinMax", "Percentile"):
@@ -417,7 +409,7 @@ def digits_int16(args, tmp: str) -> dict:
             res[share] = (sqnr_db(ref, o), float((o.argmax(1) == yte).float().mean()), used)
             rows.append([f"ours, {100 * share:.0f}% int16 budget (+ weight rounding)", f"{used} of {n}",
                          f"{100 * res[share][1]:.2f}", f"{res[share][0]:.2f}"])
-        float_onnx = export_onnx(model, calib[0][:1], os.path.join(tmp, "digits_int16.onnx"))
+        float_onnx = export_float_onnx(model, calib[0][:1], os.path.join(tmp, "digits_int16.onnx"))
         for method in ("MinMax", "Percentile"):
             o = ort_ptq(float_onnx, calib, method, args.threads)(Xte)
             rows.append([ORT.format(method), "-", f"{100 * float((o.argmax(1) == yte).float().mean()):.2f}",

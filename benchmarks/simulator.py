@@ -18,7 +18,7 @@ same input (``zoo.example_inputs``):
   (``row_split.ENABLED``, off by default) the op-by-op bands over idle workers instead,
   ``1 x rows/N``); ``ours whole`` is the same batch unsplit, its plans on one thread, at N
   torch threads, for comparison;
-* ``ort``      onnxruntime int8: the float model exported to ONNX, then
+* ``ort``      onnxruntime int8: the float model exported to ONNX (``benchmarks/_float_onnx.py``), then
   ``onnxruntime.quantization.quantize_static`` (QDQ, uint8 activations, int8 per-channel
   weights, MinMax calibration on the same batches), ``intra_op_num_threads`` = the thread
   count, all graph optimizations;
@@ -63,6 +63,7 @@ if __package__ in (None, ""):  # run as a script: make "benchmarks" and "qcompil
 import qcompiler.zoo as zoo  # noqa: E402
 from benchmarks import vit  # noqa: E402
 from benchmarks._data import SmoothNoise, stack  # noqa: E402
+from benchmarks._float_onnx import export_float_onnx  # noqa: E402
 from qcompiler.backends.bpu.lower import lower_bpu_partitions  # noqa: E402
 from qcompiler.backends.bpu.native.kernels import amx_enabled  # noqa: E402
 from qcompiler.backends.bpu.sim import row_split  # noqa: E402
@@ -155,8 +156,7 @@ def ort_int8_model(model: torch.nn.Module, x: torch.Tensor, calib: list[torch.Te
     q8 = os.path.join(folder, "int8.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(copy.deepcopy(model).eval(), (x,), fp32, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "n"}, "y": {0: "n"}}, opset_version=17, dynamo=False)
+        export_float_onnx(copy.deepcopy(model).eval(), x, fp32, batch_axis="n")
         oq.quant_pre_process(fp32, pre, skip_symbolic_shape=True)
         oq.quantize_static(pre, q8, _Reader(calib), quant_format=oq.QuantFormat.QDQ,
                            activation_type=oq.QuantType.QUInt8, weight_type=oq.QuantType.QInt8,
