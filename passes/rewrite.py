@@ -18,6 +18,10 @@ of the padded input (float32 rounding, a few ULPs; tests/test_rewrite.py states 
   holds four sides ``(top, left, bottom, right)`` (``fixed_point.pads4``; the conv with
   ``padding_mode="constant"``, the pool as ``PaddedAvgPool2d``: ``qcompiler.nn.fused``), which
   every later stage reads. Never into a max pool: its padding is -inf, not zeros.
+* ``F.pad`` / ``torch.constant_pad_nd`` by zero sizes, in any mode (transformers' Swin pads to a
+  multiple of its window unconditionally): a copy of its input, which its readers then read (exact;
+  no march runs a pad). Declined where a write in place reaches the input or the copy (their
+  storages, from shape propagation), and where the pad is a graph output.
 * ``nn.Conv2d(..., padding="same" | "valid")``: the padding as the numbers torch computes
   (``dilation * (kernel - 1)`` per dim, the odd one at the bottom / right: four sides then),
   which every later stage reads.
@@ -63,8 +67,8 @@ import torch.nn as nn
 from qcompiler.backends.bpu import op_table
 from qcompiler.backends.bpu.op_info import op_info
 from qcompiler.errors import PassError
-from qcompiler.ir.inplace import mutated_input
-from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_TENSOR, TensorInfo
+from qcompiler.ir.inplace import META_INPUT_WRITES, mutated_input, schema_writes
+from qcompiler.ir.meta import META_OP, META_REWRITE, META_SCOPE, META_STORAGE, META_TENSOR, TensorInfo
 from qcompiler.ir.ops import node_op
 from qcompiler.ir.ops.names import (ADAPTIVE_AVG_POOL1D, AVG_POOL2D, CONV2D, DIV, GETITEM, MASKED_FILL, MEAN, MUL,
                                     RESHAPE, SELECT, SPLIT, WHERE)
@@ -224,6 +228,60 @@ def _replace_pad(found: Match, data: tuple[fx.Node, nn.Module], rewriter: Rewrit
     user.replace_input_with(found["pad"], found["x"])
     rewriter.erase(found["pad"])
     return user
+
+
+# --------------------------------------------------------------------------- F.pad by zero sizes -> its input
+
+
+def _zero_pads(pads: Any) -> bool:
+    return isinstance(pads, (list, tuple)) and len(pads) > 0 and all(_is_int(p) and p == 0 for p in pads)
+
+
+# F.pad(x, (0, 0, ...)) in any mode (transformers' Swin pads to a multiple of its window unconditionally),
+# torch.constant_pad_nd(x, (0, ...))
+NO_PAD = AnyOf((Op("pad", {"input": Var("x", lambda v: _tensor_info(v) is not None), "pad": Const(_zero_pads)},
+                   name="pad"),
+                Op("constant_pad_nd", {"input": Var("x", lambda v: _tensor_info(v) is not None),
+                                       "pad": Const(_zero_pads)}, name="pad")))
+
+
+def _written_storages(gm: fx.GraphModule) -> Optional[set]:
+    """The storages some node of ``gm`` changes in place (a named in-place op, an ATen write, an opaque
+    node seen writing its input); None when one of the written values has no recorded storage."""
+    out: set = set()
+    for n in gm.graph.nodes:
+        written = [mutated_input(n, gm), *schema_writes(n)]
+        names = n.meta.get(META_INPUT_WRITES) or ()
+        written += [a for a in n.all_input_nodes if a.name in names]
+        for value in filter(None, written):
+            keys = value.meta.get(META_STORAGE)
+            if not keys:
+                return None
+            out |= set(keys)
+    return out
+
+
+def _unpadded_input(found: Match) -> Optional[fx.Node]:
+    """The pad's input, which its readers can take instead: the pad of zero sizes copies it, so only
+    where no write in place reaches either (the copy would have kept the two apart) and the pad is no
+    graph output (which would then alias the input)."""
+    pad, x = found["pad"], found["x"]
+    if _tensor_info(pad) != _tensor_info(x) or any(u.op == "output" for u in pad.users):
+        return None
+    keys = [pad.meta.get(META_STORAGE), x.meta.get(META_STORAGE)]
+    written = _written_storages(found.gm)
+    if written is None or not all(keys) or written & (set(keys[0]) | set(keys[1])):
+        return None
+    return x
+
+
+def _replace_by_input(found: Match, x: fx.Node, rewriter: Rewriter) -> fx.Node:
+    pad = found["pad"]
+    users = list(pad.users)
+    pad.replace_all_uses_with(x)
+    rewriter.erase(pad)
+    rewriter.touched(*users)
+    return x
 
 
 # --------------------------------------------------------------------------- padding="same" / "valid" -> numbers
@@ -746,6 +804,8 @@ def _replace_split(found: Match, plan: tuple[int, list[tuple[int, int]]], rewrit
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("pad_into_layer", ZERO_PAD, _fold_pad, _replace_pad,
             "F.pad with zeros folded into the padding of the conv / average pool after it"),
+    Rewrite("zero_pad_removed", NO_PAD, _unpadded_input, _replace_by_input,
+            "F.pad / constant_pad_nd by zero sizes (a copy) removed: its readers read its input"),
     Rewrite("conv_padding_as_numbers", STRING_PADDED_CONV, _torch_padding, _replace_string_padding,
             'conv padding="same" / "valid" written as the numbers torch computes'),
     Rewrite("reshape_sizes_as_numbers", SIZED_RESHAPE, _shape_as_numbers, _replace_sizes,
