@@ -90,7 +90,7 @@ SCALE_PRESERVING_OPS = frozenset({
     "relu", "max_pool2d", "identity", "dropout", "reshape", "flatten",
     "permute", "transpose", "getitem", "size", "dequant",
     "amax", "amin",  # nash reductions that select an input integer (convert_rules.reduce)
-    "narrow",  # nash selection with a constant index (convert_rules.select)
+    "narrow", "slice",  # nash selections with constant indices (convert_rules.select)
 })
 
 

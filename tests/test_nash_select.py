@@ -1,4 +1,5 @@
-"""nash selection with constant indices (getitem with int / slice / None / ... entries, narrow):
+"""nash selection with constant indices (getitem with int / slice / None / ... entries, narrow, torch.export's
+aten.slice):
 placement beside bayes, the reasons for what stays on CPU, and the converted module == BPU simulator
 == integer ONNX export in onnxruntime, bit for bit, over seeded random shapes and indices.
 
@@ -52,6 +53,9 @@ def where(model, x, march, op):
     ("getitem", lambda s, y: y[:, -2:, 3:7]),
     ("narrow", lambda s, y: y.narrow(1, 1, 2)),
     ("narrow", lambda s, y: torch.narrow(y, -1, -3, 2)),
+    ("slice", lambda s, y: torch.ops.aten.slice.Tensor(y, 1, 0, 2 ** 63 - 1, 2)),
+    ("slice", lambda s, y: torch.ops.aten.slice.Tensor(y, -1, -3)),
+    ("slice", lambda s, y: torch.ops.aten.slice.Tensor(y, 0, 0, 2 ** 63 - 1)),  # the whole batch
 ])
 def test_constant_selections_run_on_nash_not_on_bayes(op, pick):
     assert where(Select(pick), X, "nash", op) == ("bpu", f"{op} supported on nash")
@@ -75,6 +79,12 @@ def test_constant_selections_run_on_nash_not_on_bayes(op, pick):
     ("narrow", lambda s, y: y.narrow(0, 0, 1), "narrow: narrow along the batch (dim 0); the BPU keeps it whole on nash"),
     ("narrow", lambda s, y: y.narrow(1, y.shape[1] - 2, 1),
      "narrow: narrow with dim / start / length computed at run time (the BPU takes constants) on nash"),
+    ("slice", lambda s, y: torch.ops.aten.slice.Tensor(y, 0, 1),
+     "slice: slice along the batch (dim 0); the BPU keeps it whole on nash"),
+    ("slice", lambda s, y: torch.ops.aten.slice.Tensor(y, 0, 0, 2 ** 63 - 1, 2),
+     "slice: slice along the batch (dim 0); the BPU keeps it whole on nash"),
+    ("slice", lambda s, y: torch.ops.aten.slice.Tensor(y, 1, 0, y.shape[1] - 1),
+     "slice: slice with dim / start / end / step computed at run time (the BPU takes constants) on nash"),
 ])
 def test_what_stays_on_cpu_and_why(op, pick, reason):
     assert where(Select(pick), X, "nash", op) == ("cpu", reason)
@@ -122,6 +132,33 @@ def test_module_simulator_and_onnx_agree_bit_for_bit(seed, dtype, tmp_path):
         idx = _random_index(rng, shape)
         model, kind = Select(lambda s, y: y[idx]), "getitem"
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    _agree_bit_for_bit(model, kind, x, dtype, tmp_path)
+
+
+ATEN_SLICE = torch.ops.aten.slice.Tensor  # what torch.export makes of x[:, a:b:c] (Swin's patch merging)
+END = 2 ** 63 - 1  # torch.export's end of x[a:]
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "qint16"])
+@pytest.mark.parametrize("seed", range(6))
+def test_aten_slices_agree_bit_for_bit(seed, dtype, tmp_path):
+    rng = random.Random(100 + seed)
+    shape = (rng.randint(1, 3),) + tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3))) + (8,)
+    dim = rng.randrange(1, len(shape)) - (len(shape) if seed % 2 else 0)  # a negative dim on odd seeds
+    size = shape[dim]
+    start = rng.choice([None, rng.randrange(-size, size)])
+    end = rng.choice([None, END, rng.randrange(-size, size + 2)])
+    step = rng.choice([1, 2, 3])
+    if len(torch.arange(size)[start:end:step]) == 0:
+        start, end = 0, None  # keep one entry at least
+    model = Select(lambda s, y: ATEN_SLICE(y, dim, start, end, step))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(model(x), model.lin(x)[(slice(None),) * (dim % len(shape)) + (slice(start, end, step),)])
+    _agree_bit_for_bit(model, "slice", x, dtype, tmp_path)
+
+
+def _agree_bit_for_bit(model, kind, x, dtype, tmp_path):
     assert where(model, x, "nash", kind)[0] == "bpu"
     cm = _compile(model, x, dtype)
     assert [s.kind for s in cm.runtime.steps] == ["bpu"]

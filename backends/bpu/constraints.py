@@ -605,10 +605,32 @@ def _keeps_batch(entries: tuple, rank: int) -> bool:
     return False
 
 
+# aten.slice.Tensor(input, dim=0, start=None, end=None, step=1): what torch.export makes of x[:, a:b:c]
+SLICE_ARGS = (("dim", 0), ("start", None), ("end", None), ("step", 1))
+
+
+def slice_args(node: fx.Node) -> Optional[tuple]:
+    """(dim, start, end, step) of an ``aten.slice.Tensor`` node given by position or keyword, or None when
+    one is computed at run time (dim and step ints; start and end ints or None)."""
+    values = dict(SLICE_ARGS)
+    values.update(zip((k for k, _ in SLICE_ARGS), node.args[1:]))
+    values.update({k: v for k, v in node.kwargs.items() if k in values})
+    ints = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if len(node.args) > 1 + len(SLICE_ARGS) or not (ints(values["dim"]) and ints(values["step"])) \
+            or not all(v is None or ints(v) for v in (values["start"], values["end"])):
+        return None
+    return values["dim"], values["start"], values["end"], values["step"]
+
+
+def _whole(start, end, step, size: int) -> bool:
+    """The slice keeps all ``size`` entries in order."""
+    return step == 1 and start in (None, 0, -size) and (end is None or end >= size)
+
+
 def constant_index() -> Constraint:
-    """getitem / narrow with a constant index: the same codes moved (the input's grid), the index data of the
-    program. A tensor index (a buffer, or computed in forward) is a gather the BPU does not take; dim 0 (the
-    batch) is kept whole, as for cat; a getitem of a tuple picks one output of an op, no BPU op."""
+    """getitem / narrow / slice with a constant index: the same codes moved (the input's grid), the index data
+    of the program. A tensor index (a buffer, or computed in forward) is a gather the BPU does not take; dim 0
+    (the batch) is kept whole, as for cat; a getitem of a tuple picks one output of an op, no BPU op."""
 
     def check(info):
         node, s = info.node, (info.in_shapes[0] if info.in_shapes else None)
@@ -632,6 +654,15 @@ def constant_index() -> Constraint:
                 return "narrow with dim / start / length computed at run time (the BPU takes constants)"
             if s is not None and len(s) and rest[0] % len(s) == 0:
                 return "narrow along the batch (dim 0); the BPU keeps it whole"
+        if info.op == "slice":
+            bounds = slice_args(node)
+            if bounds is None or _has_node(node.args[1:]) or _has_node(node.kwargs):
+                return "slice with dim / start / end / step computed at run time (the BPU takes constants)"
+            dim, start, end, step = bounds
+            if step < 1:
+                return f"slice with step {step}: the BPU takes steps >= 1"
+            if s is not None and len(s) and dim % len(s) == 0 and not _whole(start, end, step, s[0]):
+                return "slice along the batch (dim 0); the BPU keeps it whole"
         return None
 
     return Constraint("constant index, not along N", check)

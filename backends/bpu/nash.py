@@ -53,9 +53,11 @@ TABLE = OpTable(
         *(_row(op) for op in ("erf", "log", "sqrt", "rsqrt", "reciprocal", "mish")),
         _row("pow", c.number_exponent()),
         # --- end lookup tables
-        # --- selection with constant indices: the same codes moved (getitem, narrow; lowering.select)
+        # --- selection with constant indices: the same codes moved (getitem, narrow, torch.export's slice;
+        # lowering.select)
         _row("getitem", c.constant_index()),
         _row("narrow", c.constant_index()),
+        _row("slice", c.constant_index()),
         # --- masked_softmax (fixed_point.int_masked_softmax): softmax's call limits; the mask enters as 0/1 codes
         _row("masked_softmax", c.softmax_call(SOFTMAX_MAX_LEN)),
         # --- end masked_softmax

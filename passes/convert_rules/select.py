@@ -13,3 +13,9 @@ from qcompiler.passes.convert_rules.registry import converts
 def narrow(ctx: ConvertContext) -> qnn.QuantizedSameScale:
     """torch.narrow / Tensor.narrow on the integers (placement admits constant dim, start, length)."""
     return same_scale(ctx.node, ctx.module, ctx.out.dtype)
+
+
+@converts("slice")
+def slice_(ctx: ConvertContext) -> qnn.QuantizedSameScale:
+    """aten.slice.Tensor (torch.export's ``x[:, a:b:c]``) on the integers (placement admits constant bounds)."""
+    return same_scale(ctx.node, ctx.module, ctx.out.dtype)

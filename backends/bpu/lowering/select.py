@@ -1,8 +1,9 @@
-"""Lowering of the nash selections with constant indices: narrow is the static getitem
-``x[:, ..., start:start + length]`` (the kind ``getitem`` of the layout ops)."""
+"""Lowering of the nash selections with constant indices: narrow and slice are the static getitem
+``x[:, ..., start:start + length]`` / ``x[:, ..., start:end:step]`` (the kind ``getitem`` of the layout ops)."""
 
 from __future__ import annotations
 
+from qcompiler.backends.bpu.constraints import slice_args
 from qcompiler.backends.bpu.lowering.layout import same_scale
 from qcompiler.ir.meta import shape
 
@@ -24,4 +25,23 @@ def narrow(ctx, args, kwargs):
     if start < 0:
         start += s[dim]
     index = tuple([slice(None)] * dim + [slice(start, start + length)])
+    return "getitem", {"index": ctx.index(index)}
+
+
+@same_scale("slice", emits=("getitem",))
+def slice_(ctx, args, kwargs):
+    """aten.slice.Tensor(dim, start, end, step) as the index ``x[:, ..., start:end:step]``; an end past the
+    dim (torch.export writes ``x[a:]`` with end 2**63 - 1) is the dim's end."""
+    node = ctx.node
+    bounds = slice_args(node)
+    if bounds is None:
+        raise ctx.fail(f"slice with arguments {args!r} {kwargs!r} (constant ints dim, step; start, end or None)")
+    dim, start, end, step = bounds
+    s = shape(ctx.arg(0))
+    if s is None:
+        raise ctx.fail("slice of a value without a traced shape")
+    dim %= len(s)
+    if end is not None and end >= s[dim]:
+        end = None
+    index = tuple([slice(None)] * dim + [slice(start, end, step)])
     return "getitem", {"index": ctx.index(index)}
