@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_prepare import calibrate
+from test_root_cause import Attention
 
 import qcompiler
 from qcompiler.errors import ConfigError
@@ -286,24 +287,11 @@ def test_returned_qconfig_dict_keeps_the_users_own_entries():
     assert int16_quantizers(again) == sorted(cal.meta[INT16_META]["quantizers"])
 
 
-class _Attention(nn.Module):
-    """One attention head; on nash its softmax output is int16 by default (the march's default_dtypes)."""
-
-    def __init__(self, d=16):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.sm = nn.Softmax(dim=-1)
-
-    def forward(self, x):
-        a = self.sm(torch.matmul(self.q(x), self.k(x).transpose(-1, -2)) * 0.25)
-        return self.o(torch.matmul(a, self.v(x)))
-
-
 def test_tensors_int16_by_default_stay_int16_and_do_not_count_against_the_budget():
     from qcompiler.quantization.mixed_precision import _Measure
 
     torch.manual_seed(0)
-    m = _Attention().eval()
+    m = Attention().eval()  # its softmax output is int16 by default on nash (default_dtypes)
     g = torch.Generator().manual_seed(1)
     data = [torch.randn(4, 32, 16, generator=g) for _ in range(3)]
     cal = prepare_calibration_fx(m, example_inputs=(data[0][:1],), march="nash")
