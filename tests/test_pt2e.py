@@ -268,3 +268,73 @@ def test_the_default_activation_observer_is_our_ptq_calibration():
     scale, zero_point = obs.calculate_qparams()
     assert torch.equal(scale, ours.calculate_qparams()[0].reshape(-1)[:1].float())
     assert zero_point.tolist() == [0]
+
+
+class _NoBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        y = torch.relu(self.conv2(y) + y)
+        return self.fc(torch.flatten(y, 1))
+
+
+def _original_with_pt2e_scales(model, converted, example, scale_factor=None):
+    """Our staged flow on the ORIGINAL float model, each quantizer fixed to the scale PT2E gave it.
+
+    The PT2E scales are read through the stripped graph (import_scales); its quantizers are qcompiler's own on
+    the same structure, so they pair with the original model's by position. ``scale_factor`` (negative test)
+    multiplies the first activation scale.
+    """
+    from qcompiler.pt2e.qdq import FakeQuantizeBase, ImportedScaleObserver, _quantizers
+    stripped = strip_qdq(converted)
+    cfg = dict(hybrid=True, example_inputs=example, march="bayes")
+    src = prepare_calibration_fx(stripped.gm, None, {"capture": "export"}, **cfg).eval()
+    dst = prepare_calibration_fx(model, None, {"capture": "export"}, **cfg).eval()
+    assert import_scales(src, stripped, example) > 0
+    pairs = list(zip(_quantizers(src), _quantizers(dst)))
+    assert len(pairs) == len(_quantizers(dst)) > 0 and all(isinstance(q, FakeQuantizeBase) for _, (_, q) in pairs)
+    first = True
+    for (_, s), (_, q) in pairs:
+        scale = s.activation_post_process.calculate_qparams()[0].float()
+        if q.ch_axis < 0 and first and scale_factor is not None:
+            scale, first = scale * scale_factor, False
+        fixed = ImportedScaleObserver(scale, s.activation_post_process.dtype, q.ch_axis)
+        fixed.qc_name = q.qc_name
+        q.activation_post_process = fixed
+    ours = convert_fx(dst)
+    return CompiledModel(lower(ours, example_inputs=example), name="orig", march="bayes", converted=ours,
+                         example_inputs=example)
+
+
+@pytest.fixture(scope="module")
+def nobn():
+    torch.manual_seed(0)
+    model = _NoBN().eval()
+    example = (torch.randn(1, 3, 8, 8),)
+    calib = [(torch.randn(1, 3, 8, 8),) for _ in range(4)]
+    return model, example, _pt2e(model, example, BPUQuantizer("bayes"), calib)
+
+
+def test_original_model_with_the_pt2e_scales_is_bit_exact(nobn):
+    model, example, converted = nobn
+    compiled = qcompiler.compile(converted, example, march="bayes", progress=False)
+    ours = _original_with_pt2e_scales(model, converted, example)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 3, 8, 8)
+            assert torch.equal(compiled(x), ours(x))
+
+
+def test_original_model_with_other_scales_is_not_bit_exact(nobn):
+    model, example, converted = nobn
+    compiled = qcompiler.compile(converted, example, march="bayes", progress=False)
+    ours = _original_with_pt2e_scales(model, converted, example, scale_factor=2.0)
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert not torch.equal(compiled(x), ours(x))
